@@ -1,0 +1,37 @@
+# `make demo` and `make test` do all set-up on a fresh machine.
+# GPU users: create .venv yourself and install your CUDA build of torch into it first
+# (python3 -m venv .venv && .venv/bin/pip install torch --index-url <your CUDA wheel index>);
+# the install step below only adds the CPU build when no torch is importable.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU ?= torch==2.13.0
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo demo-quick test test-slow reference clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/vlmrl demo --output-dir outputs/demo
+
+demo-quick: install
+	$(VENV)/bin/vlmrl demo --output-dir outputs/demo-quick --quick
+
+test: install
+	$(PY) -m pytest
+
+test-slow: install
+	$(PY) -m pytest -m slow
+
+reference: install
+	$(PY) -m vlmrl.config > docs/config-reference.md
+
+clean:
+	rm -rf outputs

@@ -1,0 +1,34 @@
+"""Group-relative advantages (pure tensor functions, no model code)."""
+
+from __future__ import annotations
+
+import torch
+
+ADV_EPS = 1e-4  # added to the std, as in TRL, so a group with equal rewards gives zeros, not NaN
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
+    """Advantages for a rollout laid out as consecutive groups.
+
+    rewards: [B*G] float, completions of prompt b at rows b*G .. b*G+G-1.
+    scale:   "group" -> (r - group mean) / (group std + eps)   (GRPO)
+             "batch" -> (r - group mean) / (batch std + eps)
+             "none"  -> r - group mean                          (Dr.GRPO)
+    Std is the unbiased (n-1) estimate, like TRL. Returns [B*G].
+    """
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a multiple of {num_generations} entries, got shape {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, num_generations)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + ADV_EPS)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + ADV_EPS)
+    elif scale != "none":
+        raise ValueError(f"unknown scale_rewards {scale!r}; use group, batch or none")
+    return centred.reshape(-1)
+
+
+def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[B*G] -> [B] reward std per group; a zero means the group carries no learning signal."""
+    return rewards.view(-1, num_generations).std(dim=1)

@@ -1,0 +1,419 @@
+"""One typed, frozen config tree: YAML + `a.b=value` overrides, validated once at load.
+
+Names follow TRL / VLM-R1 (num_generations, per_device_train_batch_size, beta, epsilon, ...) so that
+users can carry their settings over. Every field carries a one-line doc in its metadata; the README's
+config reference is generated from those docs (`python -m vlmrl.config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+EMBEDDED_MODEL = "embedded:tiny-qwen2.5-vl"
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+SCHEDULERS = ("constant", "linear", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the field and the fix."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = _f(EMBEDDED_MODEL, "Local Hugging Face model folder, or `embedded:tiny-qwen2.5-vl` for the built-in tiny model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "Dtype the weights are loaded in.")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = _f("sdpa", "Attention kernel; flash_attention_2 needs the flash-attn package.")
+    freeze_vision_tower: bool = _f(False, "Freeze the vision encoder (the projector stays trainable).")
+    train_projector_only: bool = _f(False, "Train only the vision-language projector (LLaVA-style stage 1).")
+    use_lora: bool = _f(False, "Train LoRA adapters through peft instead of full weights.")
+    lora_r: int = _f(16, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA scaling alpha.")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Module names that get LoRA adapters (language model only unless lora_vision).",
+    )
+    lora_vision: bool = _f(False, "Also put LoRA adapters on the vision tower's linear layers.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder.")
+    allow_hub_download: bool = _f(False, "Let transformers download from the hub; off means local files only.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_path: str = _f("", "Training data: .jsonl/.json/.parquet file or a datasets.save_to_disk folder; empty = built-in task.")
+    eval_path: str = _f("", "Held-out data in the same format; empty = the built-in task's test split (or none).")
+    task: Literal["count", "ground"] = _f("count", "Built-in synthetic task generated when train_path is empty.")
+    task_train_size: int = _f(512, "Rows generated for the built-in task's train split.")
+    task_test_size: int = _f(128, "Rows generated for the built-in task's test split.")
+    task_image_size: int = _f(56, "Side in pixels of the built-in task's images.")
+    min_pixels: int = _f(28 * 28, "Images smaller than this many pixels are upscaled (aspect kept).")
+    max_pixels: int = _f(448 * 448, "Images larger than this many pixels are downscaled (aspect kept).")
+    limit_images: int = _f(4, "Most images kept per row; extra images are dropped and counted.")
+    skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
+    system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
+    shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    num_generations: int = _f(4, "Completions sampled per prompt (G).")
+    generation_batch_size: Optional[int] = _f(None, "Completions per rollout step; default per_device_train_batch_size x gradient_accumulation_steps.")
+    max_completion_length: int = _f(32, "Most tokens generated per completion.")
+    temperature: float = _f(1.0, "Sampling temperature (also used when scoring log-probs).")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    top_k: int = _f(0, "Top-k sampling; 0 disables it.")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = _f("grpo", "Token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length).")
+    beta: float = _f(0.0, "Weight of the k3 KL to the reference policy; 0 loads no reference.")
+    epsilon: float = _f(0.2, "Lower clip range of the importance ratio.")
+    epsilon_high: Optional[float] = _f(None, "Upper clip range (DAPO clip-higher); default epsilon.")
+    num_iterations: int = _f(1, "Updates per rollout (mu); >1 reuses the rollout against stored old log-probs.")
+    scale_rewards: Literal["group", "batch", "none"] = _f("group", "Divide advantages by the group std, the batch std, or nothing (Dr.GRPO).")
+    mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
+    reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
+    reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = _f(1e-6, "Peak learning rate of AdamW.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.99, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "Schedule after warmup.")
+    warmup_ratio: float = _f(0.0, "Fraction of optimizer steps spent in linear warmup.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm; 0 disables clipping.")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    output_dir: str = _f("outputs/run", "Folder for metrics, samples, report and the final model.")
+    max_steps: int = _f(100, "Rollout steps to train for.")
+    per_device_train_batch_size: int = _f(4, "Sequences (completions) per forward/backward micro-batch.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated per optimizer step.")
+    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    bf16: bool = _f(False, "bfloat16 autocast for forward passes (CPU and GPU).")
+    device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
+    eval_steps: int = _f(0, "Evaluate every this many steps; 0 = only at the end.")
+    val_before_train: bool = _f(False, "Evaluate once before the first step.")
+    eval_batch_size: int = _f(16, "Prompts per greedy-decoding batch in evaluation.")
+    eval_max_samples: Optional[int] = _f(None, "Cap on held-out rows evaluated; default all.")
+    save_final_model: bool = _f(True, "Save the trained model as a plain HF folder in output_dir/final.")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    projector_steps: int = _f(0, "Stage 1 steps: train the projector only (0 skips the stage).")
+    projector_learning_rate: float = _f(1e-3, "Learning rate of stage 1.")
+    steps: int = _f(100, "Stage 2 steps: train the language model (and projector).")
+    learning_rate: float = _f(2e-5, "Learning rate of stage 2.")
+    train_vision_tower: bool = _f(False, "Also train the vision tower in stage 2.")
+    batch_size: int = _f(8, "Rows per SFT optimizer step.")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    logging_steps: int = _f(1, "Write TensorBoard scalars every this many steps (metrics.jsonl gets every step).")
+    tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tb.")
+    progress_bar: bool = _f(True, "Show a live progress bar.")
+    log_completions: int = _f(4, "Completions per step written to samples.jsonl.")
+    report: bool = _f(True, "Draw output_dir/report.png at the end.")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # Derived values, so the loop never recomputes defaults itself.
+    @property
+    def generation_batch_size(self) -> int:
+        r, t = self.rollout, self.training
+        return r.generation_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.generation_batch_size // self.rollout.num_generations
+
+    @property
+    def epsilon_high(self) -> float:
+        a = self.algorithm
+        return a.epsilon if a.epsilon_high is None else a.epsilon_high
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
+    "optim": OptimConfig, "training": TrainingConfig, "sft": SFTConfig, "logging": LoggingConfig,
+}
+
+
+# ---------------------------------------------------------------- type checking
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted for floats. Returns the value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{where}: {value!r} is not one of {_type_name(tp)}{hint}")
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item_tp,) = typing.get_args(tp)
+            return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(candidates))}"
+
+
+def _all_field_names() -> dict[str, list[str]]:
+    """Flat field name -> sections that define it (for TRL-style un-sectioned keys)."""
+    out: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            out.setdefault(f.name, []).append(section)
+    return out
+
+
+def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    if len(parts) == 1:
+        # TRL users write `num_generations: 8` without a section: accept a unique field name.
+        owners = _all_field_names().get(parts[0], [])
+        if len(owners) == 1:
+            parts = [owners[0], parts[0]]
+        elif len(owners) > 1:
+            raise ConfigError(f"{source}: {dotted!r} is ambiguous; write one of {', '.join(o + '.' + dotted for o in owners)}")
+    if len(parts) != 2:
+        flat = [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in fields(c)]
+        raise ConfigError(f"{source}: unknown key {dotted!r}{_closest(dotted, flat + list(SECTIONS))}")
+    section, name = parts
+    if section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section {section!r}{_closest(section, list(SECTIONS))}")
+    valid = [f.name for f in fields(SECTIONS[section])]
+    if name not in valid:
+        raise ConfigError(f"{source}: unknown key {section}.{name}{_closest(name, valid)}")
+    tree.setdefault(section, {})[name] = value
+
+
+def _flatten_yaml(data: Any, source: str) -> list[tuple[str, Any]]:
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    items = []
+    for key, value in data.items():
+        if key in SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: section {key!r} must be a mapping, got {type(value).__name__}")
+            items += [(f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            items.append((str(key), value))
+    return items
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`training.max_steps=10` -> ("training.max_steps", 10); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. rollout.num_generations=8")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: cannot parse the value: {e}") from None
+    return key.strip(), value
+
+
+def build_config(tree: dict[str, dict[str, Any]]) -> Config:
+    """Build and validate a Config from a {section: {field: value}} tree."""
+    sections = {}
+    for section, cls in SECTIONS.items():
+        values = dict(tree.get(section, {}))
+        hints = typing.get_type_hints(cls)
+        for name, value in values.items():
+            values[name] = _coerce(value, hints[name], f"{section}.{name}")
+        sections[section] = cls(**values)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load YAML (optional) then apply `a.b=value` overrides; validate once; return the frozen tree."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        for key, value in _flatten_yaml(data, str(path)):
+            _merge_key(tree, key, value, str(path))
+    for text in overrides:
+        key, value = parse_override(text)
+        _merge_key(tree, key, value, f"override {text!r}")
+    return build_config(tree)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field rules; each message names the field and how to fix it."""
+    r, a, t, d, o, m, s = cfg.rollout, cfg.algorithm, cfg.training, cfg.data, cfg.optim, cfg.model, cfg.sft
+    rules: list[tuple[bool, str]] = [
+        (r.num_generations >= 2, f"rollout.num_generations={r.num_generations}: GRPO needs at least 2 completions per prompt to compare; set it to 2 or more"),
+        (r.generation_batch_size is None or r.generation_batch_size >= 1, "rollout.generation_batch_size must be >= 1 (or null for the default)"),
+        (cfg.generation_batch_size % r.num_generations == 0,
+         f"generation batch {cfg.generation_batch_size} (rollout.generation_batch_size, default per_device_train_batch_size x gradient_accumulation_steps) "
+         f"is not divisible by rollout.num_generations={r.num_generations}; make it a multiple"),
+        (cfg.generation_batch_size % (t.per_device_train_batch_size * t.gradient_accumulation_steps) == 0,
+         f"generation batch {cfg.generation_batch_size} is not divisible by per_device_train_batch_size x gradient_accumulation_steps = "
+         f"{t.per_device_train_batch_size * t.gradient_accumulation_steps}; every optimizer step must see full micro-batches"),
+        (r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1"),
+        (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0"),
+        (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
+        (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)"),
+        (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
+        (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
+        (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
+        (a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations} must be >= 1"),
+        (len(a.reward_funcs) >= 1, "algorithm.reward_funcs is empty; name at least one reward, e.g. [accuracy]"),
+        (a.reward_weights is None or len(a.reward_weights) == len(a.reward_funcs),
+         f"algorithm.reward_weights has {len(a.reward_weights or [])} entries but reward_funcs has {len(a.reward_funcs)}; give one weight per reward"),
+        (o.learning_rate >= 0, "optim.learning_rate must be >= 0"),
+        (0 <= o.warmup_ratio < 1, f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1)"),
+        (o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 disables clipping)"),
+        (t.max_steps >= 1, "training.max_steps must be >= 1"),
+        (t.per_device_train_batch_size >= 1, "training.per_device_train_batch_size must be >= 1"),
+        (t.gradient_accumulation_steps >= 1, "training.gradient_accumulation_steps must be >= 1"),
+        (t.eval_steps >= 0, "training.eval_steps must be >= 0"),
+        (t.eval_batch_size >= 1, "training.eval_batch_size must be >= 1"),
+        (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), f"training.device={t.device!r}: use auto, cpu, cuda or cuda:N"),
+        (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
+        (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels"),
+        (d.limit_images >= 1, "data.limit_images must be >= 1"),
+        (d.task_train_size >= 1 and d.task_test_size >= 0, "data.task_train_size must be >= 1 and data.task_test_size >= 0"),
+        (d.task_image_size >= 28, "data.task_image_size must be >= 28"),
+        (m.lora_r >= 1, "model.lora_r must be >= 1"),
+        (not (m.use_lora and m.train_projector_only), "model.use_lora and model.train_projector_only exclude each other; the projector is trained in full"),
+        (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
+        (s.batch_size >= 1, "sft.batch_size must be >= 1"),
+        (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
+        (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
+    ]
+    problems = [msg for ok, msg in rules if not ok]
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+# ---------------------------------------------------------------- output
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def replace(cfg: Config, **dotted: Any) -> Config:
+    """Copy with `section__field=value` changes, validated again (used by auto-fit and OOM recovery)."""
+    tree = to_dict(cfg)
+    for key, value in dotted.items():
+        section, name = key.split("__", 1)
+        _merge_key(tree, f"{section}.{name}", value, "replace()")
+    return build_config(tree)
+
+
+def reference_markdown() -> str:
+    """The config reference, generated from the field docs."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines += [f"### `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = json.dumps(default) if not isinstance(default, str) else default
+            shown = shown.replace("|", "\\|")
+            lines.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace('|', 'or')} | `{shown}` | {f.metadata['doc']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

@@ -1,0 +1,89 @@
+"""Rollout: sample G completions per prompt with Hugging Face generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .logprobs import model_inputs
+
+
+@dataclass
+class Completions:
+    """ids, mask: [B*G, T] right-padded; completions of prompt b at rows b*G .. b*G+G-1.
+    truncated: [B*G] bool, True where no EOS came within max_new_tokens."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    truncated: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(dim=1)
+
+
+def completion_mask(ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, T] ids -> (mask [N, T] with 1 up to and including the first EOS, truncated [N] bool)."""
+    is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device))
+    seen_before = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()  # EOS count strictly before each position
+    mask = (seen_before == 0).long()
+    return mask, ~is_eos.any(dim=1)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model has no eos_token_id and neither has its tokenizer; generation could never stop")
+    return ids
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt_batch: dict,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    do_sample: bool = True,
+    prompts_per_call: int | None = None,
+) -> Completions:
+    """Sample `num_generations` completions for each prompt row of `prompt_batch` ([B, P]).
+
+    prompts_per_call bounds how many prompts go through one generate() call (the generation batch),
+    independently of the training micro-batch. Returns [B*G, T] completions grouped by prompt.
+    """
+    from .processing import select_rows
+
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    n_prompts = prompt_batch["input_ids"].shape[0]
+    step = prompts_per_call or n_prompts
+    pieces = []
+    for start in range(0, n_prompts, step):
+        rows = list(range(start, min(start + step, n_prompts)))
+        chunk = model_inputs(select_rows(prompt_batch, rows) if step < n_prompts else prompt_batch)
+        out = model.generate(
+            **chunk,
+            do_sample=do_sample,
+            num_return_sequences=num_generations if do_sample else 1,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature if do_sample else None,
+            top_p=top_p if do_sample else None,
+            top_k=(top_k or None) if do_sample else None,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        pieces.append(out[:, chunk["input_ids"].shape[1] :])
+    width = max(p.shape[1] for p in pieces)
+    ids = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces])
+    mask, truncated = completion_mask(ids, eos)
+    ids = ids.masked_fill(mask == 0, pad)
+    return Completions(ids=ids, mask=mask, truncated=truncated)

@@ -1,0 +1,115 @@
+"""Shared set-up for train, sft and eval: device, seeds, model, processor, data, rewards."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import EMBEDDED_MODEL, Config
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"training.device={name!r} but CUDA is not available; use training.device=cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    if name_or_path == EMBEDDED_MODEL:
+        from .tiny import default_model_path
+
+        return str(default_model_path())
+    return name_or_path
+
+
+def load_policy(cfg: Config, device: torch.device, model_path: str | None = None):
+    """(model, processor) from cfg.model, on `device`, with freezing / LoRA applied."""
+    import dataclasses
+
+    from .models import load_model
+    from .processing import load_processor
+
+    path = resolve_model_path(model_path or cfg.model.name_or_path)
+    model_cfg = dataclasses.replace(cfg.model, name_or_path=path)
+    model = load_model(model_cfg).to(device)
+    processor = load_processor(
+        path, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
+    )
+    return model, processor
+
+
+@dataclass
+class Datasets:
+    train: list[dict]
+    eval: list[dict]
+    reports: list[str]
+
+
+def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
+    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set."""
+    from .data import load_dataset_split
+    from .tasks import TASKS
+
+    d = cfg.data
+    train_path, eval_path = d.train_path, d.eval_path
+    if (need_train and not train_path) or (not eval_path and not train_path):
+        task_dir = Path(cfg.training.output_dir) / "data" / d.task
+        files = TASKS[d.task](
+            task_dir, n_train=d.task_train_size, n_test=d.task_test_size, seed=cfg.training.seed, image_size=d.task_image_size
+        )
+        train_path = train_path or str(files["train"])
+        eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
+    reports = []
+    train_rows: list[dict] = []
+    if need_train:
+        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
+        reports.append(f"train {train_path}: {rep.summary()}")
+    eval_rows: list[dict] = []
+    if eval_path:
+        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
+        if cfg.training.eval_max_samples:
+            eval_rows = eval_rows[: cfg.training.eval_max_samples]
+        reports.append(f"eval {eval_path}: {rep.summary()}")
+    return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+
+
+def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
+    """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
+    from .data import load_images
+    from .processing import build_prompt, encode_prompts
+
+    images = [load_images(r["images"][: cfg.data.limit_images], cfg.data.min_pixels, cfg.data.max_pixels) for r in rows]
+    texts = [build_prompt(processor, r["problem"], len(imgs), cfg.data.system_prompt) for r, imgs in zip(rows, images)]
+    batch = encode_prompts(processor, texts, images)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
+    """Dataset columns for reward functions, each row repeated once per completion (TRL's convention)."""
+    keys = [k for k in rows[0] if not k.startswith("_")]
+    return {k: [r.get(k) for r in rows for _ in range(repeats)] for k in keys}
+
+
+def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
+    from .rewards import load_reward
+
+    names = cfg.algorithm.reward_funcs
+    weights = cfg.algorithm.reward_weights or [1.0] * len(names)
+    funcs = {_reward_name(n): load_reward(n) for n in names}
+    return funcs, dict(zip(funcs, weights))
+
+
+def _reward_name(spec: str) -> str:
+    return spec.rsplit(":", 1)[-1] if ":" in spec else spec

@@ -1,0 +1,252 @@
+"""The GRPO training loop: one function, read top to bottom.
+
+rollout -> rewards -> advantages -> (old / reference log-probs) -> num_iterations x updates -> log -> eval.
+"""
+
+from __future__ import annotations
+
+import copy
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .advantages import group_advantages, group_std
+from .config import Config, save_config
+from .logprobs import completion_logps
+from .losses import aggregate, masked_mean, per_token_loss, step_normaliser
+from .rewards import compute_rewards, reward_stats
+from .rollout import Completions, generate
+from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
+
+
+def train(cfg: Config, log=print) -> dict:
+    """Train with GRPO as `cfg` says; returns the final metrics (last step + last evaluation)."""
+    from .data import PromptSampler
+    from .evaluate import evaluate
+    from .memory import memory_stats, reset_peaks
+    from .models import save_model
+    from .processing import decode, select_rows
+    from .tracking import RunLogger
+
+    out = Path(cfg.training.output_dir)
+    save_config(cfg, out / "config.yaml")
+    device = resolve_device(cfg.training.device)
+    seed_everything(cfg.training.seed)
+    model, processor = load_policy(cfg, device)
+    tokenizer = processor.tokenizer
+    reference = make_reference(model, cfg)
+    data = load_datasets(cfg)
+    for line in data.reports:
+        log(line)
+    reward_funcs, reward_weights = load_reward_funcs(cfg)
+    optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
+    sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+    G, a, r = cfg.rollout.num_generations, cfg.algorithm, cfg.rollout
+    autocast = _autocast(cfg, device)
+
+    logger = RunLogger(out, total_steps=cfg.training.max_steps, logging_steps=cfg.logging.logging_steps,
+                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO")
+    final: dict = {}
+    if cfg.training.val_before_train and data.eval:
+        final.update(evaluate(model, processor, data.eval, cfg, reward_funcs, device))
+        logger.log_eval(0, final)
+
+    for step in range(1, cfg.training.max_steps + 1):
+        t_start = time.perf_counter()
+        reset_peaks()
+        # Each step's sampling draws from its own seed, so a step is reproducible on its own.
+        torch.manual_seed(cfg.training.seed * 1_000_003 + step)
+
+        # 1. Rollout: G completions for each prompt.
+        rows = [data.train[i] for i in sampler.next_batch(cfg.prompts_per_step)]
+        prompts = encode_rows(processor, rows, cfg, device)
+        model.eval()
+        with autocast:
+            comp = generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
+                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        t_rollout = time.perf_counter()
+
+        # 2. Rewards, 3. advantages.
+        texts = decode(processor, comp.ids)
+        prompt_texts = [row["problem"] for row in rows for _ in range(G)]
+        total, per_reward = compute_rewards(reward_funcs, reward_weights, prompt_texts, texts, reward_columns(rows, G))
+        rewards = torch.tensor(total, dtype=torch.float32)
+        advantages = group_advantages(rewards, G, a.scale_rewards).to(device)
+        loss_mask = comp.mask.clone()
+        if a.mask_truncated_completions:
+            loss_mask[comp.truncated] = 0
+        prompt_of_row = torch.arange(len(rows)).repeat_interleave(G)
+        mb = cfg.training.per_device_train_batch_size
+
+        def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+            width = max(1, int(comp.lengths[idx].max()))  # trim padding past the longest completion
+            ids, mask = comp.ids[idx, :width].to(device), loss_mask[idx, :width].to(device)
+            return select_rows(prompts, prompt_of_row[idx].tolist()), ids, mask, comp.mask[idx, :width].to(device)
+
+        # Old log-probs are needed only when a rollout is reused; reference log-probs only when beta > 0.
+        old_logps = score(model, micro_inputs, comp, mb, r.temperature, autocast) if a.num_iterations > 1 else None
+        ref_logps = None
+        if reference is not None:
+            with reference as ref_model:
+                ref_logps = score(ref_model, micro_inputs, comp, mb, r.temperature, autocast)
+        t_scored = time.perf_counter()
+
+        # 4. num_iterations x updates over the rollout, each optimizer step over mb x accumulation rows.
+        model.train()
+        rows_per_opt_step = mb * cfg.training.gradient_accumulation_steps
+        stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": [], "ratio_max": []}
+        for _ in range(a.num_iterations):
+            for start in range(0, comp.ids.shape[0], rows_per_opt_step):
+                step_rows = list(range(start, start + rows_per_opt_step))
+                micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
+                norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
+                step_loss = 0.0
+                for idx in micro:
+                    batch, ids, mask, gen_mask = micro_inputs(idx)
+                    with autocast:
+                        logps = completion_logps(model, batch, ids, gen_mask, r.temperature)
+                    width = ids.shape[1]
+                    old = old_logps[idx, :width] if old_logps is not None else logps.detach()
+                    ref = ref_logps[idx, :width] if ref_logps is not None else None
+                    tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
+                    loss = aggregate(tok_loss, mask, a.loss_type, norm)
+                    loss.backward()
+                    step_loss += loss.item()
+                    stats["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
+                    stats["ratio_max"].append(float((parts["ratio"] * mask).max()))
+                    if "kl" in parts:
+                        stats["kl"].append(masked_mean(parts["kl"], mask).item())
+                grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
+                stats["loss"].append(step_loss)
+                stats["grad_norm"].append(grad_norm)
+        t_end = time.perf_counter()
+
+        # 5. Log.
+        metrics = {
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "frac_reward_zero_std": (group_std(rewards, G) == 0).float().mean().item(),
+            **reward_stats(per_reward),
+            "loss": _mean(stats["loss"]),
+            "kl": _mean(stats["kl"]) if stats["kl"] else 0.0,
+            "clip_ratio": _mean(stats["clip_ratio"]),
+            "ratio_max": max(stats["ratio_max"]),
+            "grad_norm": _mean(stats["grad_norm"]),
+            "lr": scheduler.get_last_lr()[0],
+            "completions/mean_length": comp.lengths.float().mean().item(),
+            "completions/truncated_frac": comp.truncated.float().mean().item(),
+            "time/rollout": t_rollout - t_start,
+            "time/scoring": t_scored - t_rollout,
+            "time/update": t_end - t_scored,
+            "time/step": t_end - t_start,
+            "epoch": sampler.epoch,
+            **memory_stats(),
+        }
+        logger.log(step, metrics)
+        if cfg.logging.log_completions:
+            logger.log_samples(step, [
+                {"prompt": prompt_texts[i], "completion": texts[i], "reward": total[i], "advantage": advantages[i].item(),
+                 "solution": rows[i // G].get("solution")}
+                for i in range(min(cfg.logging.log_completions, len(texts)))
+            ])
+        final = {**final, **metrics}
+
+        # 6. Evaluate.
+        last = step == cfg.training.max_steps
+        if data.eval and (last or (cfg.training.eval_steps and step % cfg.training.eval_steps == 0)):
+            eval_metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
+            logger.log_eval(step, eval_metrics)
+            final.update(eval_metrics)
+
+    logger.close()
+    if cfg.training.save_final_model:
+        save_model(model, processor, out / "final")
+    if cfg.logging.report:
+        from .report import make_report
+
+        make_report(out, title=f"GRPO on {Path(cfg.model.name_or_path).name}")
+    return final
+
+
+def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, autocast) -> torch.Tensor:
+    """Per-token log-probs [B*G, T] of the rollout under `model`, in micro-batches, without grad."""
+    out = torch.zeros(comp.ids.shape, dtype=torch.float32, device=comp.ids.device)
+    with torch.no_grad():
+        for start in range(0, comp.ids.shape[0], mb):
+            idx = list(range(start, min(start + mb, comp.ids.shape[0])))
+            batch, ids, _, gen_mask = micro_inputs(idx)
+            with autocast:
+                out[idx, : ids.shape[1]] = completion_logps(model, batch, ids, gen_mask, temperature).to(out.device)
+    return out.to(next(model.parameters()).device)
+
+
+class _Reference:
+    """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy."""
+
+    def __init__(self, model, use_lora: bool):
+        self.model, self.use_lora = model, use_lora
+        self._copy = None if use_lora else copy.deepcopy(model).eval().requires_grad_(False)
+        self._ctx = None
+
+    def __enter__(self):
+        if self._copy is not None:
+            return self._copy
+        from .models import reference_disabled_adapter
+
+        self._ctx = reference_disabled_adapter(self.model)
+        self._ctx.__enter__()
+        return self.model
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
+
+
+def make_reference(model, cfg: Config):
+    """None when beta == 0 (no reference is loaded at all)."""
+    return _Reference(model, cfg.model.use_lora) if cfg.algorithm.beta > 0 else None
+
+
+def total_optimizer_steps(cfg: Config) -> int:
+    per_rollout = cfg.generation_batch_size // (cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
+    return cfg.training.max_steps * cfg.algorithm.num_iterations * per_rollout
+
+
+def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | None = None):
+    from transformers import get_scheduler
+
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")
+    optimizer = torch.optim.AdamW(params, lr=o.learning_rate if learning_rate is None else learning_rate,
+                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.lr_scheduler_type]
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=math.ceil(o.warmup_ratio * num_steps), num_training_steps=num_steps)
+    return optimizer, scheduler
+
+
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    else:
+        norm = torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def _autocast(cfg: Config, device: torch.device):
+    if not cfg.training.bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
