@@ -123,6 +123,14 @@ class TrainingConfig:
     eval_batch_size: int = _f(16, "Prompts per greedy-decoding batch in evaluation.")
     eval_max_samples: Optional[int] = _f(None, "Cap on held-out rows evaluated; default all.")
     save_final_model: bool = _f(True, "Save the trained model as a plain HF folder in output_dir/final.")
+    save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.")
+    save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).")
+    save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.")
+    resume: str = _f("auto", "auto (newest valid checkpoint in output_dir), never, or a checkpoint path.")
+    resume_force: bool = _f(False, "Resume even when the config changed in ways that break equivalence.")
+    resume_weights_only: bool = _f(False, "Start a new schedule from a weights-only checkpoint's weights.")
+    on_save_error: Literal["stop", "continue"] = _f("stop", "After a failed checkpoint write: stop the run, or warn and go on.")
+    metric_for_best: str = _f("eval/accuracy", "Eval metric (higher is better) that marks the best checkpoint.")
 
 
 @dataclass(frozen=True)
@@ -357,6 +365,8 @@ def validate(cfg: Config) -> None:
         (t.gradient_accumulation_steps >= 1, "training.gradient_accumulation_steps must be >= 1"),
         (t.eval_steps >= 0, "training.eval_steps must be >= 0"),
         (t.eval_batch_size >= 1, "training.eval_batch_size must be >= 1"),
+        (t.save_steps >= 0, "training.save_steps must be >= 0"),
+        (t.save_total_limit is None or t.save_total_limit >= 1, "training.save_total_limit must be >= 1 (or null for no limit)"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), f"training.device={t.device!r}: use auto, cpu, cuda or cuda:N"),
         (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
         (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels"),
