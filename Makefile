@@ -31,7 +31,7 @@ test-slow: install
 	$(PY) -m pytest -m slow
 
 reference: install
-	$(PY) -m vlmrl.config > docs/config-reference.md
+	$(PY) scripts/update_reference.py
 
 clean:
 	rm -rf outputs

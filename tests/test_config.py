@@ -111,3 +111,12 @@ def test_reference_lists_every_field_with_doc():
     text = reference_markdown()
     for name in ["num_generations", "per_device_train_batch_size", "epsilon_high", "max_pixels", "val_before_train"]:
         assert f"`{name}`" in text
+
+
+def test_readme_reference_is_current():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- config-reference:start -->\n(.*)<!-- config-reference:end -->", readme, re.S).group(1)
+    assert block == reference_markdown(), "README config reference is stale: run `make reference`"

@@ -97,8 +97,9 @@ def train(cfg: Config, log=print) -> dict:
         # 4. num_iterations x updates over the rollout, each optimizer step over mb x accumulation rows.
         model.train()
         rows_per_opt_step = mb * cfg.training.gradient_accumulation_steps
-        stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": [], "ratio_max": []}
-        for _ in range(a.num_iterations):
+        stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
+        ratio_dev = [0.0] * a.num_iterations  # max |ratio - 1| per pass: 0 on-policy, > 0 once the rollout is reused
+        for iteration in range(a.num_iterations):
             for start in range(0, comp.ids.shape[0], rows_per_opt_step):
                 step_rows = list(range(start, start + rows_per_opt_step))
                 micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
@@ -116,7 +117,8 @@ def train(cfg: Config, log=print) -> dict:
                     loss.backward()
                     step_loss += loss.item()
                     stats["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
-                    stats["ratio_max"].append(float((parts["ratio"] * mask).max()))
+                    dev = float(((parts["ratio"] - 1).abs() * mask).max())
+                    ratio_dev[iteration] = max(ratio_dev[iteration], dev)
                     if "kl" in parts:
                         stats["kl"].append(masked_mean(parts["kl"], mask).item())
                 grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
@@ -133,7 +135,7 @@ def train(cfg: Config, log=print) -> dict:
             "loss": _mean(stats["loss"]),
             "kl": _mean(stats["kl"]) if stats["kl"] else 0.0,
             "clip_ratio": _mean(stats["clip_ratio"]),
-            "ratio_max": max(stats["ratio_max"]),
+            **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(ratio_dev)},
             "grad_norm": _mean(stats["grad_norm"]),
             "lr": scheduler.get_last_lr()[0],
             "completions/mean_length": comp.lengths.float().mean().item(),
