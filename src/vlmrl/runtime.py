@@ -107,9 +107,10 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
 
     names = cfg.algorithm.reward_funcs
     weights = cfg.algorithm.reward_weights or [1.0] * len(names)
-    funcs = {_reward_name(n): load_reward(n) for n in names}
-    return funcs, dict(zip(funcs, weights))
-
-
-def _reward_name(spec: str) -> str:
-    return spec.rsplit(":", 1)[-1] if ":" in spec else spec
+    short = [n.rsplit(":", 1)[-1] for n in names]
+    # A file reward is logged under its function's name unless two rewards share it.
+    keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"algorithm.reward_funcs lists the same reward twice: {names}")
+    funcs = {k: load_reward(n) for k, n in zip(keys, names)}
+    return funcs, dict(zip(keys, weights))

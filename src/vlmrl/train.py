@@ -22,8 +22,14 @@ from .rollout import Completions, generate
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
 
 
-def train(cfg: Config, log=print) -> dict:
-    """Train with GRPO as `cfg` says; returns the final metrics (last step + last evaluation)."""
+def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
+    """Train with GRPO as `cfg` says; returns the final metrics (last step + last evaluation).
+
+    Resumes from the newest valid checkpoint in output_dir unless training.resume says otherwise.
+    SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
+    a preemption after that step (tests and benchmarks use it).
+    """
+    from .checkpoint import GracefulStop
     from .data import PromptSampler
     from .evaluate import evaluate
     from .memory import memory_stats, reset_peaks
@@ -35,26 +41,35 @@ def train(cfg: Config, log=print) -> dict:
     save_config(cfg, out / "config.yaml")
     device = resolve_device(cfg.training.device)
     seed_everything(cfg.training.seed)
+    resume_from = find_resume(cfg, log)
     model, processor = load_policy(cfg, device)
     tokenizer = processor.tokenizer
-    reference = make_reference(model, cfg)
+    reference = make_reference(model, cfg, device, fresh=resume_from is not None)
     data = load_datasets(cfg)
     for line in data.reports:
         log(line)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
     optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+    state = {"step": 0, "best_metric": None, "best_step": None}
+    if resume_from is not None:
+        state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log)
     G, a, r = cfg.rollout.num_generations, cfg.algorithm, cfg.rollout
     autocast = _autocast(cfg, device)
 
-    logger = RunLogger(out, total_steps=cfg.training.max_steps, logging_steps=cfg.logging.logging_steps,
+    logger = RunLogger(out, total_steps=cfg.training.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
                        tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO")
     final: dict = {}
-    if cfg.training.val_before_train and data.eval:
+    if cfg.training.val_before_train and data.eval and state["step"] == 0:
         final.update(evaluate(model, processor, data.eval, cfg, reward_funcs, device))
         logger.log_eval(0, final)
 
-    for step in range(1, cfg.training.max_steps + 1):
+    def checkpoint(step: int) -> None:
+        save(cfg, out, step, model, optimizer, scheduler, sampler, state, logger.info)
+
+    stop = GracefulStop()
+    stop.__enter__()
+    for step in range(state["step"] + 1, cfg.training.max_steps + 1):
         t_start = time.perf_counter()
         reset_peaks()
         # Each step's sampling draws from its own seed, so a step is reproducible on its own.
@@ -156,21 +171,99 @@ def train(cfg: Config, log=print) -> dict:
             ])
         final = {**final, **metrics}
 
-        # 6. Evaluate.
+        # 6. Evaluate, 7. maybe save.
         last = step == cfg.training.max_steps
+        state["step"] = step
         if data.eval and (last or (cfg.training.eval_steps and step % cfg.training.eval_steps == 0)):
             eval_metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
             logger.log_eval(step, eval_metrics)
             final.update(eval_metrics)
+            value = eval_metrics.get(cfg.training.metric_for_best)
+            if value is not None and (state["best_metric"] is None or value > state["best_metric"]):
+                state["best_metric"], state["best_step"] = value, step
+        preempted = stop.requested or (stop_after is not None and step >= stop_after)
+        if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
+            checkpoint(step)
+        if preempted and not last:
+            why = stop.signal_name or f"stop_after={stop_after}"
+            logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
+            break
 
+    stop.__exit__(None, None, None)
     logger.close()
-    if cfg.training.save_final_model:
-        save_model(model, processor, out / "final")
-    if cfg.logging.report:
-        from .report import make_report
+    if state["step"] == cfg.training.max_steps:
+        if cfg.training.save_final_model:
+            save_model(model, processor, out / "final")
+        if cfg.logging.report:
+            from .report import make_report
 
-        make_report(out, title=f"GRPO on {Path(cfg.model.name_or_path).name}")
+            make_report(out, title=f"GRPO on {Path(cfg.model.name_or_path).name}")
     return final
+
+
+def find_resume(cfg: Config, log):
+    from .checkpoint import find_resume_checkpoint
+
+    return find_resume_checkpoint(cfg.training.output_dir, cfg.training.resume, warn=log)
+
+
+def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log) -> dict:
+    """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import CheckpointError, check_resume_compat, is_weights_only, load_training_state, read_checkpoint_config, restore_rng
+    from .config import to_dict
+
+    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log)
+    load_trainable_weights(model, path / "model", load_file)
+    if is_weights_only(path):
+        if not cfg.training.resume_weights_only:
+            raise CheckpointError(f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
+                                  "Set training.resume_weights_only=true to start a NEW schedule from its weights.")
+        log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
+        return {"step": 0, "best_metric": None, "best_step": None}
+    ts = load_training_state(path, optimizer, scheduler)
+    sampler.load_state_dict(ts["sampler_state"])
+    restore_rng(path, warn=log)
+    log(f"resumed from {path} at step {ts['global_step']} (epoch {ts['epoch']}, {ts['samples_consumed']} prompts consumed)")
+    return {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
+
+
+def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log) -> None:
+    from .checkpoint import CheckpointSaveError, save_checkpoint
+    from .config import to_dict
+
+    t = cfg.training
+    trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
+                     "best_metric": state["best_metric"], "best_step": state["best_step"]}
+    try:
+        save_checkpoint(out, step, save_model=lambda p: save_trainable_weights(model, p), optimizer=optimizer, scheduler=scheduler,
+                        trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
+                        save_total_limit=t.save_total_limit, warn=log)
+    except CheckpointSaveError as e:
+        if t.on_save_error == "stop":
+            raise
+        log(f"WARNING: {e}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
+
+
+def save_trainable_weights(model, folder: Path) -> None:
+    """HF format: the full model for full fine-tuning, only the adapter for LoRA (peft's save_pretrained)."""
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def load_trainable_weights(model, folder: Path, load_file) -> None:
+    """Inverse of save_trainable_weights, into the already-built model (so freezing / LoRA stay as configured)."""
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        return
+    loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
+    with torch.no_grad():
+        for (name, p), (name2, q) in zip(model.state_dict(keep_vars=True).items(), loaded.state_dict(keep_vars=True).items()):
+            if name != name2:
+                raise RuntimeError(f"checkpoint parameter {name2} does not match the model's {name}")
+            p.copy_(q)
 
 
 def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, autocast) -> torch.Tensor:
@@ -188,10 +281,8 @@ def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, a
 class _Reference:
     """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy."""
 
-    def __init__(self, model, use_lora: bool):
-        self.model, self.use_lora = model, use_lora
-        self._copy = None if use_lora else copy.deepcopy(model).eval().requires_grad_(False)
-        self._ctx = None
+    def __init__(self, model, frozen_copy=None):
+        self.model, self._copy, self._ctx = model, frozen_copy, None
 
     def __enter__(self):
         if self._copy is not None:
@@ -208,9 +299,16 @@ class _Reference:
             self._ctx = None
 
 
-def make_reference(model, cfg: Config):
-    """None when beta == 0 (no reference is loaded at all)."""
-    return _Reference(model, cfg.model.use_lora) if cfg.algorithm.beta > 0 else None
+def make_reference(model, cfg: Config, device, fresh: bool = False):
+    """None when beta == 0 (no reference is loaded at all). With LoRA the reference is the same model with
+    its adapter disabled. Otherwise a frozen copy of the initial policy: a deep copy at the start, or a
+    fresh load from model.name_or_path when resuming (the policy then holds trained weights)."""
+    if cfg.algorithm.beta == 0:
+        return None
+    if cfg.model.use_lora:
+        return _Reference(model)
+    initial = load_policy(cfg, device)[0] if fresh else copy.deepcopy(model)
+    return _Reference(model, initial.eval().requires_grad_(False))
 
 
 def total_optimizer_steps(cfg: Config) -> int:

@@ -1,0 +1,562 @@
+"""Datasets: loading rows, validating every row before training, loading images, and sampling prompts.
+
+Row format (JSONL / JSON / Parquet / a ``datasets.save_to_disk`` folder, one row per example)::
+
+    {"image": "images/0001.png", "problem": "How many ...?", "solution": "3", "response": "<answer>3</answer>"}
+
+- ``image`` (one path) or ``images`` (a list of paths). Relative paths resolve against the folder that
+  holds the data file (for a ``save_to_disk`` folder: the folder that holds that folder); absolute paths
+  are used as they are. A row with no image (key absent, ``null`` or ``[]``) is a text-only prompt and is
+  allowed; the report counts them. Giving both ``image`` and ``images`` is an error (which one wins would
+  be a guess). Embedded image bytes (a ``datasets.Image`` column) are not supported: store paths.
+- ``problem``: non-empty string, the user prompt.
+- ``solution``: non-empty string. Integers and floats are accepted and converted with ``str()`` (3 -> "3",
+  2.5 -> "2.5"), and a list of numbers (a box) becomes ``"[x1, y1, x2, y2]"``, because the built-in
+  rewards compare text; booleans are rejected (``True`` is almost always a data bug).
+- ``response`` (optional): the SFT target text; ``null`` means absent.
+- Any other column is kept and passed to reward functions. Keys starting with ``_`` are internal
+  (``_source`` = ``"file:line"`` for JSONL, ``"file:row N"`` with 0-based N otherwise).
+
+After validation every row has ``images: list[str]`` of absolute paths (``image`` is folded into it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+MAX_LISTED_PROBLEMS = 20
+SPLIT_SEP = "::"
+
+
+class DataError(ValueError):
+    """The data cannot be used as it is; the message names the file, row and field."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading rows
+
+
+def split_path(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """``"data/ds::train"`` -> (Path("data/ds"), "train"); a path without ``::`` has no split."""
+    text = os.fspath(path)
+    if SPLIT_SEP in text:
+        base, split = text.rsplit(SPLIT_SEP, 1)
+        return Path(base), split or None
+    return Path(text), None
+
+
+def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False) -> list[dict]:
+    """All rows of a data file as dicts, each with ``_source`` for messages.
+
+    Formats: ``.jsonl`` (one object per line; blank lines are ignored), ``.json`` (a list of objects, or
+    ``{"data": [...]}``; a ``.json`` file holding JSON lines, as ``Dataset.to_json`` writes, is read as
+    JSONL), ``.parquet``, or a ``datasets.save_to_disk`` folder (a DatasetDict needs a split:
+    ``split=`` or ``path::split``). Rows are returned as read; `validate_rows` checks them.
+
+    A malformed JSONL line or a row that is not an object raises DataError naming the file and line,
+    unless ``keep_malformed``: then it becomes ``{"_source": ..., "_malformed": reason}`` so that
+    `validate_rows` reports it together with every other bad row (and can skip it).
+    """
+    path, inline_split = split_path(path)
+    if split is not None and inline_split is not None and split != inline_split:
+        raise DataError(f"{path}: split given twice ({inline_split!r} in the path, {split!r} as argument)")
+    split = split or inline_split
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if path.is_dir():
+        rows = _load_from_disk(path, split)
+    else:
+        if split is not None:
+            raise DataError(f"{path}: a split ({split!r}) only applies to a datasets.save_to_disk folder")
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            rows = _load_jsonl(path)
+        elif suffix == ".json":
+            rows = _load_json(path)
+        elif suffix == ".parquet":
+            rows = _load_parquet(path)
+        else:
+            raise DataError(f"{path}: unsupported format {suffix or '(no suffix)'!r}; use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
+    if not keep_malformed:
+        for row in rows:
+            if "_malformed" in row:
+                raise DataError(f"{row['_source']}: {row['_malformed']}")
+    return rows
+
+
+def _object_row(value: Any, source: str) -> dict:
+    if isinstance(value, dict):
+        return {**value, "_source": source}
+    return {"_source": source, "_malformed": f"expected a JSON object, got {type(value).__name__}"}
+
+
+def _load_jsonl(path: Path) -> list[dict]:
+    rows = []
+    # Read bytes and decode per line so one bad byte sequence names its line instead of failing the file.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            source = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                rows.append({"_source": source, "_malformed": f"not UTF-8 text ({e.reason} at byte {e.start})"})
+                continue
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))  # so error columns point into the line
+            except json.JSONDecodeError as e:
+                rows.append({"_source": source, "_malformed": f"invalid JSON: {e.msg} (column {e.colno})"})
+                continue
+            rows.append(_object_row(value, source))
+    return rows
+
+
+def _load_json(path: Path) -> list[dict]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: JSON lines in a .json file
+            return _load_jsonl(path)
+        raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if isinstance(value, dict) and isinstance(value.get("data"), list):
+        value = value["data"]
+    if not isinstance(value, list):
+        raise DataError(f"{path}: expected a list of rows or {{\"data\": [...]}}, got {type(value).__name__}")
+    return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value)]
+
+
+def _load_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise DataError(f"{path}: cannot read parquet: {type(e).__name__}: {e}") from e
+    return [{**row, "_source": f"{path}:row {i}"} for i, row in enumerate(table.to_pylist())]
+
+
+def _load_from_disk(path: Path, split: str | None) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: not a datasets.save_to_disk folder ({type(e).__name__}: {e})") from e
+    name = str(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            raise DataError(f"{path}: holds splits {', '.join(ds)}; pick one with {path}{SPLIT_SEP}<split>")
+        if split not in ds:
+            raise DataError(f"{path}: no split {split!r}; it holds {', '.join(ds)}")
+        ds = ds[split]
+        name = f"{path}{SPLIT_SEP}{split}"
+    elif split is not None:
+        raise DataError(f"{path}: is a single Dataset without splits; drop {SPLIT_SEP}{split}")
+    # The arrow table gives raw values: an Image column stays {bytes, path} instead of being decoded.
+    table = ds.with_format("arrow")[:]
+    return [{**row, "_source": f"{name}:row {i}"} for i, row in enumerate(table.to_pylist())]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with one row."""
+
+    source: str
+    field: str
+    reason: str
+    kind: str  # malformed, missing_field, wrong_type, empty_field, missing_image, bad_image
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.field}: {self.reason}"
+
+
+@dataclass
+class ValidationReport:
+    """What validation found: counts, and every problem (kept in full, only the message is capped)."""
+
+    total_rows: int = 0
+    kept_rows: int = 0
+    skipped_rows: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    truncated_rows: int = 0  # rows with more than limit_images images
+    dropped_images: int = 0  # images dropped from those rows
+    text_only_rows: int = 0  # kept rows without any image
+    num_images: int = 0  # images in kept rows (after truncation)
+
+    @property
+    def problem_counts(self) -> dict[str, int]:
+        """Number of problems of each kind (a row can have several)."""
+        counts: dict[str, int] = {}
+        for p in self.problems:
+            counts[p.kind] = counts.get(p.kind, 0) + 1
+        return counts
+
+    def summary(self) -> str:
+        parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images"]
+        if self.skipped_rows:
+            kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.problem_counts.items()))
+            parts.append(f"{self.skipped_rows} bad rows skipped ({kinds})")
+        if self.truncated_rows:
+            parts.append(f"{self.truncated_rows} rows over limit_images ({self.dropped_images} images dropped)")
+        if self.text_only_rows:
+            parts.append(f"{self.text_only_rows} text-only rows")
+        return "; ".join(parts)
+
+
+def validate_rows(
+    rows: list[dict],
+    base_dir: str | os.PathLike,
+    *,
+    limit_images: int | None,
+    skip_bad_rows: bool,
+    check_images: bool = True,
+    name: str | None = None,
+) -> tuple[list[dict], ValidationReport]:
+    """Check every row before training and return the good rows, normalised, with a report.
+
+    Finds all problems in one pass: malformed rows, missing or empty ``problem``/``solution``, wrong types,
+    missing image files and (with ``check_images``) images that cannot be decoded in full (truncated, not
+    an image). Without ``check_images`` files are only checked to exist. Rows with more than
+    ``limit_images`` images keep the first ``limit_images`` (counted, like TRL users expect); only the
+    kept images are checked.
+
+    Without ``skip_bad_rows`` any problem raises DataError listing up to 20 as ``file:line: field:
+    reason`` and the totals; with it, bad rows are dropped and counted. No rows left is always an error.
+    ``name`` (the data file) is used in that message. Input rows are not modified.
+    """
+    if limit_images is not None and limit_images < 1:
+        raise ValueError(f"limit_images must be >= 1 or None, got {limit_images}")
+    base = Path(base_dir)
+    label = name or str(base)
+    if not rows:
+        raise DataError(f"{label}: no rows (empty dataset)")
+    report = ValidationReport(total_rows=len(rows))
+
+    # Pass 1: structure, and the image paths each row will use.
+    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images) for i, row in enumerate(rows)]
+
+    # Pass 2: each distinct image file once, in threads (decoding releases the GIL).
+    paths = sorted({p for normal, *_ in checked for p in normal["images"]})
+    workers = min(8, (os.cpu_count() or 1) + 1, max(1, len(paths)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, decode=check_images), paths)))
+
+    good = []
+    for normal, problems, image_field, dropped in checked:
+        imgs = normal["images"]
+        for p in imgs:
+            if image_errors[p] is not None:
+                kind, reason = image_errors[p]
+                problems.append(Problem(normal["_source"], image_field, reason, kind))
+        if problems:
+            report.problems.extend(problems)
+            report.skipped_rows += 1
+            continue
+        good.append(normal)
+        report.num_images += len(imgs)
+        report.text_only_rows += not imgs
+        if dropped:
+            report.truncated_rows += 1
+            report.dropped_images += dropped
+    report.kept_rows = len(good)
+
+    if report.problems and not skip_bad_rows:
+        raise DataError(_problem_message(label, report))
+    if not good:
+        raise DataError(f"{label}: no usable rows: all {report.total_rows} rows are bad ({report.summary()})")
+    return good, report
+
+
+def _problem_message(label: str, report: ValidationReport) -> str:
+    listed = "\n".join(f"  {p}" for p in report.problems[:MAX_LISTED_PROBLEMS])
+    more = len(report.problems) - MAX_LISTED_PROBLEMS
+    tail = f"\n  ... and {more} more" if more > 0 else ""
+    return (
+        f"{label}: {report.skipped_rows} of {report.total_rows} rows are bad ({len(report.problems)} problems):\n"
+        f"{listed}{tail}\n"
+        "Fix them, or set skip_bad_rows to drop and count them."
+    )
+
+
+def _check_structure(row: dict, source: str, base: Path, limit_images: int | None) -> tuple[dict, list[Problem], str, int]:
+    """(normalised copy, problems, the image field used, images dropped by limit_images) for one row,
+    without touching files. The copy's ``images`` holds absolute paths ([] when unusable)."""
+    out = {**row, "_source": source}
+    problems: list[Problem] = []
+
+    def bad(field_name: str, reason: str, kind: str) -> None:
+        problems.append(Problem(source, field_name, reason, kind))
+
+    if "_malformed" in row:
+        bad("row", row["_malformed"], "malformed")
+        out["images"] = []
+        return out, problems, "row", 0
+
+    problem = row.get("problem")
+    if problem is None:
+        bad("problem", "missing", "missing_field")
+    elif not isinstance(problem, str):
+        bad("problem", f"expected a string, got {_type_name(problem)}", "wrong_type")
+    elif not problem.strip():
+        bad("problem", "empty", "empty_field")
+
+    solution, reason = _solution_as_text(row.get("solution"))
+    if reason:
+        bad("solution", reason, "missing_field" if reason == "missing" else "empty_field" if reason == "empty" else "wrong_type")
+    else:
+        out["solution"] = solution
+
+    response = row.get("response")
+    if response is not None and not isinstance(response, str):
+        bad("response", f"expected a string or null, got {_type_name(response)}", "wrong_type")
+
+    images, image_field = _image_list(row, bad)
+    out.pop("image", None)
+    dropped = 0
+    if images is not None:
+        if limit_images is not None and len(images) > limit_images:
+            dropped = len(images) - limit_images
+            images = images[:limit_images]
+        out["images"] = [_resolve(p, base) for p in images]
+    else:
+        out["images"] = []
+    return out, problems, image_field, dropped
+
+
+def _solution_as_text(value: Any) -> tuple[str | None, str | None]:
+    """(solution text, None) or (None, reason it is unusable); see the module docstring for conversions."""
+    if value is None:
+        return None, "missing"
+    if isinstance(value, bool):
+        return None, "expected a string or number, got bool"
+    if isinstance(value, str):
+        return (value, None) if value.strip() else (None, "empty")
+    if isinstance(value, (int, float)):
+        return (str(value), None) if math.isfinite(value) else (None, f"not a finite number: {value}")
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return "[" + ", ".join(str(v) for v in value) + "]", None
+    return None, f"expected a string or number, got {_type_name(value)}"
+
+
+def _image_list(row: dict, bad) -> tuple[list[str] | None, str]:
+    """(the row's image paths as given, the field they came from); None paths when they are unusable
+    (the reason is reported via `bad`)."""
+    single, many = row.get("image"), row.get("images")
+    if single is not None and many is not None:
+        bad("image", "both 'image' and 'images' are set; use one", "wrong_type")
+        return None, "image"
+    if single is not None:
+        if not isinstance(single, str):
+            bad("image", f"expected a path string, got {_describe_image_value(single)}", "wrong_type")
+            return None, "image"
+        return [single], "image"
+    if many is None:
+        return [], "images"
+    if not isinstance(many, (list, tuple)):
+        bad("images", f"expected a list of path strings, got {_type_name(many)}", "wrong_type")
+        return None, "images"
+    wrong = [i for i, p in enumerate(many) if not isinstance(p, str)]
+    if wrong:
+        bad("images", f"item {wrong[0]} is {_describe_image_value(many[wrong[0]])}, expected a path string", "wrong_type")
+        return None, "images"
+    empty = [i for i, p in enumerate(many) if not p.strip()]
+    if empty:
+        bad("images", f"item {empty[0]} is an empty path", "empty_field")
+        return None, "images"
+    return list(many), "images"
+
+
+def _describe_image_value(value: Any) -> str:
+    if isinstance(value, dict) and ("bytes" in value or "path" in value) or isinstance(value, Image.Image):
+        return "embedded image data (not supported: store image paths)"
+    return _type_name(value)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _resolve(path: str, base: Path) -> str:
+    p = Path(path).expanduser()
+    return os.path.abspath(p if p.is_absolute() else base / p)
+
+
+def _check_image(path: str, decode: bool) -> tuple[str, str] | None:
+    """None when the image is usable, else (kind, reason). Decoding reads every byte (``load()``), which is
+    what finds truncated files; ``Image.open`` alone only reads the header."""
+    if "://" in path:
+        return "missing_image", f"URLs are not supported, download the image first: {path}"
+    if not os.path.exists(path):
+        return "missing_image", f"file not found: {path}"
+    if not os.path.isfile(path):
+        return "missing_image", f"not a file: {path}"
+    if not decode:
+        return None
+    try:
+        with Image.open(path) as im:
+            im.load()
+            if im.width < 1 or im.height < 1:
+                return "bad_image", f"image has no pixels: {path}"
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
+        return "bad_image", f"cannot read image {path}: {type(e).__name__}: {e}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Images
+
+
+def load_images(paths: list[str], min_pixels: int | None, max_pixels: int | None) -> list[Image.Image]:
+    """RGB images, resized (aspect ratio kept) so that min_pixels <= width * height <= max_pixels.
+
+    Transparent images are composited onto white (as Qwen-VL's loader does) instead of turning black.
+    max_pixels is a hard cap (it bounds memory); min_pixels is met where max_pixels allows.
+    """
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                im.load()
+                rgb = _to_rgb(im)
+        except Exception as e:
+            raise DataError(f"{path}: cannot read image: {type(e).__name__}: {e}") from e
+        size = target_size(rgb.width, rgb.height, min_pixels, max_pixels)
+        out.append(rgb if size == rgb.size else rgb.resize(size, Image.Resampling.BICUBIC))
+    return out
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    if im.mode in ("RGBA", "LA", "PA"):
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB") if im.mode != "RGB" else im.copy()
+
+
+def target_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
+    """(width, height) scaled by one factor so the area lies within [min_pixels, max_pixels].
+
+    Upscaling rounds up and downscaling rounds down, so the bounds hold after rounding; sides stay >= 1.
+    For extreme aspect ratios where a 1-pixel side already breaks max_pixels, the long side is cut further.
+    """
+    area = width * height
+    if min_pixels is not None and area < min_pixels:
+        scale = math.sqrt(min_pixels / area)
+        width, height = max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale))
+    if max_pixels is not None and width * height > max_pixels:
+        scale = math.sqrt(max_pixels / (width * height))
+        width, height = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+        if width * height > max_pixels:  # only when one side was clamped to 1
+            if width >= height:
+                width = max(1, max_pixels // height)
+            else:
+                height = max(1, max_pixels // width)
+    return width, height
+
+
+# ---------------------------------------------------------------------------------------------------
+# Convenience
+
+
+def load_dataset_split(
+    path: str | os.PathLike,
+    *,
+    limit_images: int | None,
+    skip_bad_rows: bool,
+    max_rows: int | None = None,
+    check_images: bool = True,
+) -> tuple[list[dict], ValidationReport]:
+    """`load_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
+
+    ``max_rows`` keeps the first rows before validation, so a quick run does not decode a huge dataset;
+    with ``skip_bad_rows`` fewer rows may remain.
+    """
+    file_path, _ = split_path(path)
+    rows = load_rows(path, keep_malformed=True)
+    if max_rows is not None:
+        rows = rows[:max_rows]
+    base = file_path.resolve().parent
+    return validate_rows(
+        rows, base, limit_images=limit_images, skip_bad_rows=skip_bad_rows, check_images=check_images, name=os.fspath(path)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+
+
+class PromptSampler:
+    """Row indices in a seeded order that is fixed per epoch, so a resumed run continues exactly.
+
+    Epoch e uses a permutation from ``random.Random(f"{seed}:{e}")`` (string seeds are hashed with SHA-512,
+    so seeds and epochs never collide and the order does not depend on PYTHONHASHSEED). A batch that
+    crosses the end of an epoch continues into the next one, so it can hold the same index twice.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        if num_rows < 1:
+            raise ValueError(f"PromptSampler needs at least one row, got {num_rows}")
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self._epoch, self._position = 0, 0
+        self._order: list[int] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data (the epoch the next index comes from)."""
+        return self._epoch
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            order = list(range(self.num_rows))
+            if self.shuffle:
+                random.Random(f"vlmrl-sampler:{self.seed}:{self._epoch}").shuffle(order)
+            self._order = order
+        return self._order
+
+    def next_batch(self, n: int) -> list[int]:
+        """The next n indices, crossing into the next epoch when this one runs out."""
+        if n < 0:
+            raise ValueError(f"batch size must be >= 0, got {n}")
+        out: list[int] = []
+        while len(out) < n:
+            order = self._epoch_order()
+            take = min(n - len(out), self.num_rows - self._position)
+            out += order[self._position : self._position + take]
+            self._position += take
+            if self._position == self.num_rows:
+                self._epoch, self._position, self._order = self._epoch + 1, 0, None
+        return out
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {"epoch": self._epoch, "position": self._position, "num_rows": self.num_rows, "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved state; refuses a state saved for different data or a different seed."""
+        for key in ("num_rows", "seed", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                                 "the data or seed changed since the checkpoint")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.num_rows:
+            raise ValueError(f"invalid sampler state epoch={epoch} position={position} for {self.num_rows} rows")
+        self._epoch, self._position, self._order = epoch, position, None

@@ -1,0 +1,379 @@
+"""Reward functions with TRL's signature, a loader for user rewards, and the weighted combination.
+
+Every reward function is called as ``fn(prompts=[...], completions=[...], **columns)`` where ``columns``
+are the dataset columns as lists aligned with the completions (e.g. ``solution=[...]``), and returns
+one ``float`` or ``None`` per completion. That is exactly TRL's ``GRPOTrainer`` convention, so reward
+functions written for TRL or VLM-R1 plug in unchanged, and ours work there too.
+
+``None`` means "this reward does not apply to this sample" (e.g. an accuracy reward on a row without
+a solution). As in TRL (which turns ``None`` into NaN and sums with ``nansum``), a ``None`` contributes
+0 to the weighted total and is left out of that reward's statistics.
+
+Only the standard library is imported here, so user reward files load fast and anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+RewardFn = Callable[..., list]
+
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+THINK_ANSWER_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+NUMBER_RE = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?$")
+CHOICE_RE = re.compile(r"^\(?([A-Za-z])\)?[.:]?$")
+_NUM = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+# Exactly four numbers inside one pair of brackets, separated by commas and/or whitespace.
+BOX_RE = re.compile(rf"\[\s*({_NUM})\s*[,\s]\s*({_NUM})\s*[,\s]\s*({_NUM})\s*[,\s]\s*({_NUM})\s*\]")
+
+
+class RewardError(RuntimeError):
+    """A reward function could not be loaded, raised, or returned something unusable."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text helpers
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a plain string, or TRL's conversational form.
+
+    Conversational completions are a list of ``{"role", "content"}`` messages; the text is the content of
+    the last message, where a content given as a list of parts (``{"type": "text", "text": ...}``) is
+    joined. Anything else is an error, because silently scoring ``str(obj)`` would hide a bug.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, (list, tuple)) and completion and all(isinstance(m, dict) for m in completion):
+        content = completion[-1].get("content", "")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise TypeError(f"completion must be a string or a list of {{'role', 'content'}} messages, got {type(completion).__name__}")
+
+
+def extract_answer(text: Any) -> str | None:
+    """Content of the LAST ``<answer>...</answer>``, stripped; None when there is none.
+
+    The last one, because models that think out loud often quote the format before the real answer.
+    """
+    if not isinstance(text, str):
+        return None
+    found = ANSWER_RE.findall(text)
+    return found[-1].strip() if found else None
+
+
+def _solution_text(solution: Any) -> str | None:
+    """A solution as text: the content of its <answer> tags if it has them (VLM-R1 style), else itself."""
+    if solution is None or isinstance(solution, bool):
+        return None
+    text = solution if isinstance(solution, str) else str(solution)
+    inner = extract_answer(text)
+    text = inner if inner is not None else text.strip()
+    return text or None
+
+
+def _as_number(text: str) -> float | None:
+    text = text.strip()
+    if not NUMBER_RE.match(text):
+        return None
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _as_choice(text: str) -> str | None:
+    m = CHOICE_RE.match(text.strip())
+    return m.group(1).upper() if m else None
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split()).rstrip(".").casefold()
+
+
+def answers_match(answer: str, solution: str) -> bool:
+    """Whether an extracted answer equals a solution.
+
+    Numeric solutions compare numerically ("3" == "3.0" == " 3 "; "three" != "3"); single-letter choices
+    compare case-insensitively with optional parentheses/period ("B" == "(b)" == "b."); anything else
+    compares as text, case-insensitive with whitespace collapsed and a trailing period ignored.
+    """
+    sol_num = _as_number(solution)
+    if sol_num is not None:
+        ans_num = _as_number(answer)
+        return ans_num is not None and math.isclose(ans_num, sol_num, rel_tol=1e-9, abs_tol=1e-9)
+    sol_choice = _as_choice(solution)
+    if sol_choice is not None:
+        return _as_choice(answer) == sol_choice
+    return _normalise(answer) == _normalise(solution)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Boxes
+
+
+def parse_box(text: Any) -> list[float] | None:
+    """``[x1, y1, x2, y2]`` from a completion or solution; None when there is no valid box.
+
+    The box is the first ``[a, b, c, d]`` (exactly four numbers, commas and/or spaces) inside the last
+    ``<answer>`` if there is one, otherwise in the whole text. Boxes with x2 <= x1 or y2 <= y1 (empty or
+    flipped) are rejected rather than repaired: a model should not be paid for them.
+    """
+    if not isinstance(text, str):
+        return None
+    answer = extract_answer(text)
+    m = BOX_RE.search(answer if answer is not None else text)
+    if not m:
+        return None
+    box = [float(v) for v in m.groups()]
+    if not all(math.isfinite(v) for v in box) or box[2] <= box[0] or box[3] <= box[1]:
+        return None
+    return box
+
+
+def box_iou(a: list[float], b: list[float]) -> float:
+    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes (continuous coordinates)."""
+    iw = min(a[2], b[2]) - max(a[0], b[0])
+    ih = min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(0.0, iw) * max(0.0, ih)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in rewards (TRL signature)
+
+
+def accuracy(prompts: list, completions: list, solution: list, **kwargs) -> list[float | None]:
+    """1.0 when the completion's last <answer> matches the solution (see `answers_match`), else 0.0.
+
+    A completion without <answer> tags scores 0.0. None when the solution itself is missing or empty.
+    """
+    out: list[float | None] = []
+    for completion, sol in zip(completions, solution, strict=True):
+        sol_text = _solution_text(sol)
+        if sol_text is None:
+            out.append(None)
+            continue
+        answer = extract_answer(completion_text(completion))
+        out.append(1.0 if answer is not None and answers_match(answer, sol_text) else 0.0)
+    return out
+
+
+def iou(prompts: list, completions: list, solution: list, **kwargs) -> list[float | None]:
+    """IoU in [0, 1] between the completion's box and the solution's box (see `parse_box`).
+
+    0.0 when the completion has no valid box; None when the solution has none.
+    """
+    out: list[float | None] = []
+    for completion, sol in zip(completions, solution, strict=True):
+        target = parse_box(sol if isinstance(sol, str) else str(sol) if sol is not None else None)
+        if target is None:
+            out.append(None)
+            continue
+        box = parse_box(completion_text(completion))
+        out.append(box_iou(box, target) if box is not None else 0.0)
+    return out
+
+
+def format_reward(prompts: list, completions: list, **kwargs) -> list[float]:
+    """1.0 when the completion is exactly ``<think>...</think><answer>...</answer>`` (whitespace around ok)."""
+    return [1.0 if THINK_ANSWER_RE.match(completion_text(c)) else 0.0 for c in completions]
+
+
+def answer_format(prompts: list, completions: list, **kwargs) -> list[float]:
+    """1.0 when the completion has exactly one ``<answer>...</answer>`` (for tasks without thinking)."""
+    out = []
+    for c in completions:
+        text = completion_text(c)
+        one = text.count("<answer>") == 1 and text.count("</answer>") == 1 and ANSWER_RE.search(text) is not None
+        out.append(1.0 if one else 0.0)
+    return out
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "accuracy": accuracy,
+    "iou": iou,
+    "format": format_reward,
+    "answer_format": answer_format,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading user rewards
+
+
+def load_reward(spec: str) -> RewardFn:
+    """A reward function from a spec: a built-in name (see BUILTIN_REWARDS), ``path/to/file.py:function``
+    (the file is imported by path, relative to the current directory), or ``package.module:function``."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise RewardError(
+            f"unknown reward {spec!r}: use one of {', '.join(BUILTIN_REWARDS)} or path/to/file.py:function"
+        )
+    target, name = spec.rsplit(":", 1)  # rsplit keeps Windows drive letters in the path
+    if not name.isidentifier():
+        raise RewardError(f"reward {spec!r}: {name!r} is not a function name")
+    module = _import_file(target, spec) if target.endswith(".py") else _import_module(target, spec)
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise RewardError(f"reward {spec!r}: {target} has no {name!r} (callables there: {', '.join(found) or 'none'})")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r}: {target}:{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_file(target: str, spec: str):
+    path = Path(target).expanduser().resolve()
+    if not path.is_file():
+        raise RewardError(f"reward {spec!r}: file not found: {path}")
+    # A stable, unique module name per file, registered in sys.modules so that two specs naming the same
+    # file share one module and dataclasses/pickle inside the file work.
+    mod_name = f"vlmrl_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardError(f"reward {spec!r}: cannot import {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def _import_module(target: str, spec: str):
+    try:
+        return importlib.import_module(target)
+    except Exception as e:
+        raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------
+# Combining rewards
+
+
+def compute_rewards(
+    funcs: dict[str, RewardFn],
+    weights: dict[str, float],
+    prompts: list,
+    completions: list,
+    columns: dict[str, list],
+) -> tuple[list[float], dict[str, list[float | None]]]:
+    """Weighted total reward per completion, and each reward's raw values.
+
+    Each function is called once on the whole batch. total[i] = sum of weight * value over the rewards
+    whose value for sample i is not None (None counts as 0, like TRL's nansum); when every reward is None
+    for a sample its total is 0 (`reward_stats` reports how often as ``rewards/all_none_frac``). NaN
+    returns are treated as None. A function that raises is re-run sample by sample to name the sample
+    that fails; it, a wrong return length and a non-numeric value raise RewardError naming the reward.
+    """
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"{len(prompts)} prompts for {n} completions")
+    for key, values in columns.items():
+        if key in ("prompts", "completions"):
+            raise ValueError(f"dataset column {key!r} clashes with the reward function argument of that name")
+        if len(values) != n:
+            raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    missing = [name for name in funcs if name not in weights]
+    if missing:
+        raise ValueError(f"no weight for reward(s) {', '.join(missing)}")
+
+    per_reward: dict[str, list[float | None]] = {}
+    for name, fn in funcs.items():
+        per_reward[name] = _call_reward(name, fn, prompts, completions, columns)
+
+    total = []
+    for i in range(n):
+        values = [(weights[name], per_reward[name][i]) for name in funcs]
+        total.append(float(sum(w * v for w, v in values if v is not None)))
+    return total, per_reward
+
+
+def _call_reward(name: str, fn: RewardFn, prompts: list, completions: list, columns: dict[str, list]) -> list[float | None]:
+    try:
+        raw = fn(prompts=prompts, completions=completions, **columns)
+    except Exception as e:
+        raise _locate_failure(name, fn, prompts, completions, columns, e) from e
+    try:
+        count = len(raw)
+    except TypeError:
+        raise RewardError(f"reward {name!r} returned a {type(raw).__name__}, expected a list of floats or None") from None
+    if isinstance(raw, (str, bytes, dict)) or count != len(completions):
+        raise RewardError(f"reward {name!r} returned {count} values for {len(completions)} completions")
+    return [_check_value(name, i, v) for i, v in enumerate(raw)]
+
+
+def _check_value(name: str, index: int, value: Any) -> float | None:
+    """A reward value as float or None; numbers of any numeric type (bool, numpy, 0-d tensors) are accepted."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):  # numpy scalar / 0-d tensor
+        try:
+            value = value.item()
+        except Exception:
+            pass
+    if not isinstance(value, numbers.Real):
+        raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for sample {index}; expected a float or None")
+    value = float(value)
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        raise RewardError(f"reward {name!r} returned {value} for sample {index}; rewards must be finite")
+    return value
+
+
+def _locate_failure(name, fn, prompts, completions, columns, error: Exception) -> RewardError:
+    """Re-run a failing reward one sample at a time to say which sample makes it raise."""
+    for i in range(len(completions)):
+        try:
+            fn(prompts=[prompts[i]], completions=[completions[i]], **{k: [v[i]] for k, v in columns.items()})
+        except Exception as e:
+            return RewardError(
+                f"reward {name!r} raised on sample {i} (prompt {_short(prompts[i])}, completion {_short(completions[i])}): "
+                f"{type(e).__name__}: {e}"
+            )
+    return RewardError(
+        f"reward {name!r} raised on the batch of {len(completions)} but on no single sample: {type(error).__name__}: {error}"
+    )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def reward_stats(per_reward: dict[str, list[float | None]]) -> dict[str, float]:
+    """Logging statistics: ``rewards/<name>/mean`` and ``/std`` over non-None values (left out when a reward
+    has none), ``rewards/<name>/none_frac``, and ``rewards/all_none_frac`` (samples where every reward was
+    None, so their total is 0)."""
+    stats: dict[str, float] = {}
+    n = 0
+    for name, values in per_reward.items():
+        n = len(values)
+        valid = [v for v in values if v is not None]
+        if valid:
+            mean = sum(valid) / len(valid)
+            stats[f"rewards/{name}/mean"] = mean
+            stats[f"rewards/{name}/std"] = math.sqrt(sum((v - mean) ** 2 for v in valid) / (len(valid) - 1)) if len(valid) > 1 else 0.0
+        stats[f"rewards/{name}/none_frac"] = (len(values) - len(valid)) / len(values) if values else 0.0
+    if per_reward and n:
+        all_none = sum(all(values[i] is None for values in per_reward.values()) for i in range(n))
+        stats["rewards/all_none_frac"] = all_none / n
+    return stats
