@@ -62,11 +62,12 @@ def completion_logps(
     padded, plus vision inputs). completion_ids, completion_mask: [N, T] (right padded).
     Returns [N, T] float32; values at masked positions are meaningless (mask them).
     """
+    from .processing import append_tokens
+
     core = unwrap(model)
-    inputs = model_inputs(prompt_batch)
-    prompt_len = inputs["input_ids"].shape[1]
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], completion_ids], dim=1)
-    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], completion_mask.to(inputs["attention_mask"].dtype)], dim=1)
+    prompt_len = prompt_batch["input_ids"].shape[1]
+    # append_tokens also extends per-token side inputs (Qwen-VL's mm_token_type_ids).
+    inputs = model_inputs(append_tokens(prompt_batch, completion_ids, completion_mask))
     hidden = core.model(**inputs, use_cache=False).last_hidden_state
     # Position i predicts token i+1: the completion's T tokens are predicted by positions P-1 .. P+T-2.
     t = completion_ids.shape[1]

@@ -34,12 +34,13 @@ def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, tor
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
     """stage 'projector': only the projector; 'language': language model + projector (+ vision tower)."""
-    from .models import language_model, projector, vision_tower
+    from .models import language_model, output_head, projector, vision_tower
 
     model.requires_grad_(False)
     projector(model).requires_grad_(True)
     if stage == "language":
         language_model(model).requires_grad_(True)
+        output_head(model).requires_grad_(True)
         if train_vision_tower:
             vision_tower(model).requires_grad_(True)
 

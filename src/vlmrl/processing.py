@@ -1,0 +1,326 @@
+"""One processor interface over VLM families: load, build chat prompts, encode batches, select rows.
+
+`load_processor` returns the model's own `AutoProcessor` whenever it loads. Qwen-VL processors need
+a video processor, which needs torchvision; without it (this project's CPU setup) they fail to load
+or silently come back as a bare tokenizer, so Qwen-VL folders then get `QwenImageProcessor`, an
+image-only stand-in that expands `<|image_pad|>` exactly like the real one.
+
+Encoded prompt batches are plain dicts of tensors:
+  input_ids, attention_mask     [B, P], left padded
+  mm_token_type_ids             [B, P] (Qwen-VL: 0 text, 1 image, 2 video; needed for M-RoPE)
+  pixel_values                  Qwen-VL: [total_patches, D]; LLaVA: [n_images, 3, H, W]
+  image_grid_thw                Qwen-VL only: [n_images, 3]
+  images_per_row                [B], bookkeeping (not a model input)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .models import ModelLoadError
+
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Keys whose first dimension indexes images (or image patches), not batch rows.
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+# Keys that are bookkeeping for vlmrl, never passed to the model.
+BOOKKEEPING_KEYS = ("images_per_row",)
+
+
+class ProcessorLoadError(ModelLoadError):
+    """A processor could not be built for a model folder (a ModelLoadError, so the CLI reports it)."""
+
+
+# ---------------------------------------------------------------- image-only Qwen-VL processor
+
+class QwenImageProcessor:
+    """Image-only stand-in for Qwen2VLProcessor / Qwen2_5_VLProcessor (no video, no torchvision).
+
+    Same call convention as the real processor for images: every `<|image_pad|>` in the text is
+    expanded to grid_t*grid_h*grid_w / merge_size**2 copies, and `mm_token_type_ids` is returned.
+    """
+
+    def __init__(self, tokenizer, image_processor, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+
+    def __repr__(self) -> str:
+        return f"QwenImageProcessor(image_processor={type(self.image_processor).__name__}, tokenizer={len(self.tokenizer)} tokens)"
+
+    def __call__(self, text=None, images=None, padding=True, return_tensors="pt", **kwargs):
+        from transformers import BatchFeature
+
+        texts = [text] if isinstance(text, str) else list(text)
+        flat = _flatten_images(images)
+        data: dict = {}
+        if flat:
+            image_inputs = self.image_processor(images=flat, return_tensors="pt")
+            data.update(image_inputs)
+            texts = self._expand_image_tokens(texts, image_inputs["image_grid_thw"])
+        elif any(self.image_token in t for t in texts):
+            raise ValueError(f"prompt has {self.image_token} placeholders but no images were given")
+        enc = self.tokenizer(texts, padding=padding, return_tensors=return_tensors, **kwargs)
+        ids = enc["input_ids"]
+        mm = torch.zeros_like(ids) if torch.is_tensor(ids) else None
+        if mm is not None:
+            mm[ids == self.image_token_id] = 1
+            mm[ids == self.video_token_id] = 2
+        data = {**enc, "mm_token_type_ids": mm, **data}
+        return BatchFeature(data)
+
+    def _expand_image_tokens(self, texts: list[str], grid_thw: torch.Tensor) -> list[str]:
+        """Replace the i-th `<|image_pad|>` (counting over the whole batch) by its token count."""
+        merge = self.image_processor.merge_size ** 2
+        counts = [int(g.prod()) // merge for g in grid_thw]
+        n_placeholders = sum(t.count(self.image_token) for t in texts)
+        if n_placeholders != len(counts):
+            raise ValueError(f"{n_placeholders} {self.image_token} placeholders in the prompts but {len(counts)} images")
+        marker = "\x00IMG\x00"  # a placeholder that cannot be re-expanded while we substitute
+        it = iter(counts)
+        out = []
+        for t in texts:
+            parts = t.split(self.image_token)
+            pieces = [parts[0]]
+            for part in parts[1:]:
+                pieces += [marker * next(it), part]
+            out.append("".join(pieces).replace(marker, self.image_token))
+        return out
+
+    def apply_chat_template(self, conversation, chat_template: str | None = None, **kwargs):
+        return self.tokenizer.apply_chat_template(conversation, chat_template=chat_template or self.chat_template, **kwargs)
+
+    def batch_decode(self, *args, **kwargs):
+        return self.tokenizer.batch_decode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def post_process_image_text_to_text(self, generated_outputs, skip_special_tokens=True, **kwargs):
+        return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens, **kwargs)
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """Hub layout of a Qwen-VL checkpoint: tokenizer files, preprocessor_config.json, chat template."""
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save_pretrained(out)
+        self.image_processor.save_pretrained(out)
+        if self.chat_template:
+            (out / "chat_template.jinja").write_text(self.chat_template)
+
+
+def _flatten_images(images) -> list:
+    """None, a flat list of images or a list of per-row lists -> flat list."""
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        return [images]
+    flat = []
+    for item in images:
+        flat.extend(item if isinstance(item, (list, tuple)) else [item])
+    return flat
+
+
+# ---------------------------------------------------------------- loading
+
+def _tokenizer_of(processor):
+    return getattr(processor, "tokenizer", processor)
+
+
+def _model_type(path: str) -> str | None:
+    cfg = Path(path) / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("model_type")
+    return None
+
+
+def _read_chat_template(path: str) -> str | None:
+    """Processor-level chat template: chat_template.jinja or chat_template.json (older checkpoints)."""
+    folder = Path(path)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return None
+
+
+def _qwen_fallback(path: str, trust_remote_code: bool, local_files_only: bool) -> QwenImageProcessor:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
+    image_processor = AutoImageProcessor.from_pretrained(
+        path, local_files_only=local_files_only, trust_remote_code=trust_remote_code
+    )
+    if not hasattr(image_processor, "merge_size"):
+        raise ProcessorLoadError(
+            f"{path}: image processor {type(image_processor).__name__} has no merge_size; not a Qwen-VL image processor"
+        )
+    return QwenImageProcessor(tokenizer, image_processor, _read_chat_template(path) or tokenizer.chat_template)
+
+
+def _is_full_processor(obj) -> bool:
+    """A multimodal processor, not a bare tokenizer that AutoProcessor sometimes returns instead."""
+    return hasattr(obj, "tokenizer") and hasattr(obj, "image_processor")
+
+
+def set_pixel_bounds(processor, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+    """Override the image processor's resize bounds (Qwen-VL style; fixed-size processors ignore them).
+
+    Qwen-VL image processors keep the bounds as size.shortest_edge / size.longest_edge (pixels, not
+    edges); transformers 4.x also kept plain min_pixels / max_pixels attributes.
+    """
+    ip = getattr(processor, "image_processor", None)
+    if ip is None or not hasattr(ip, "merge_size") or (min_pixels is None and max_pixels is None):
+        return
+    bounds = {k: v for k, v in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)) if v is not None}
+    size = getattr(ip, "size", None)
+    if dataclasses.is_dataclass(size):  # transformers 5 SizeDict
+        ip.size = dataclasses.replace(size, **bounds)
+    elif isinstance(size, dict):
+        ip.size = {**size, **bounds}
+    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and hasattr(ip, name):
+            setattr(ip, name, value)
+
+
+def load_processor(
+    path: str | Path,
+    trust_remote_code: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    local_files_only: bool = True,
+):
+    """The processor of a model folder, with left padding and a pad token.
+
+    AutoProcessor first; when it fails or returns only a tokenizer for a Qwen-VL folder (torchvision
+    missing), the image-only QwenImageProcessor. min/max_pixels override the image processor's.
+    """
+    from transformers import AutoProcessor
+
+    path = str(path)
+    error: Exception | None = None
+    try:
+        processor = AutoProcessor.from_pretrained(
+            path, local_files_only=local_files_only, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:  # ImportError (torchvision), OSError (missing files), ValueError (mapping)
+        processor, error = None, e
+    if processor is None or not _is_full_processor(processor):
+        if _model_type(path) in QWEN_VL_MODEL_TYPES:
+            processor = _qwen_fallback(path, trust_remote_code, local_files_only)
+        else:
+            got = f"AutoProcessor raised {type(error).__name__}: {error}" if error else f"AutoProcessor returned {type(processor).__name__}"
+            raise ProcessorLoadError(
+                f"{path}: could not load an image+text processor ({got}). The folder needs tokenizer files, "
+                "preprocessor_config.json and a processor class transformers knows."
+            ) from error
+    tokenizer = _tokenizer_of(processor)
+    # Generation appends to the right end of every row, so prompts must be left padded.
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    set_pixel_bounds(processor, min_pixels, max_pixels)
+    return processor
+
+
+# ---------------------------------------------------------------- prompts and batches
+
+def build_prompt(processor, problem: str, num_images: int, system_prompt: str | None = None) -> str:
+    """Chat-template text: optional system message, one user turn (images first), generation prompt."""
+    messages = []
+    if system_prompt:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": problem}]
+    messages.append({"role": "user", "content": content})
+    template_owner = processor if getattr(processor, "chat_template", None) else _tokenizer_of(processor)
+    if not getattr(template_owner, "chat_template", None):
+        raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")
+    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(processor, texts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
+    """Left-padded batch of prompts with their images (images[i] = the PIL images of row i)."""
+    if len(texts) != len(images):
+        raise ValueError(f"encode_prompts: {len(texts)} texts but {len(images)} image lists")
+    flat = [img for row in images for img in row]
+    kwargs = {"text": list(texts), "padding": True, "return_tensors": "pt"}
+    if flat:
+        kwargs["images"] = flat
+    batch = dict(processor(**kwargs))
+    batch["images_per_row"] = torch.tensor([len(row) for row in images], dtype=torch.long)
+    return batch
+
+
+def vision_keys(batch: dict) -> list[str]:
+    """Keys of an encoded batch whose first dimension indexes images or patches, not rows."""
+    return [k for k in batch if k in VISION_KEYS]
+
+
+def _per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
+    """Split a vision tensor into one piece per image (Qwen-VL patches via image_grid_thw)."""
+    value = batch[key]
+    if key == "pixel_values" and "image_grid_thw" in batch:
+        sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
+        return list(torch.split(value, sizes, dim=0))
+    return list(value.unbind(0)) if value.shape[0] else []
+
+
+def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
+    """Gather rows of an encode_prompts batch (repeats allowed), vision tensors included.
+
+    Row tensors are indexed directly; per-image / per-patch tensors are split per image, grouped by
+    row through images_per_row and concatenated again in the new row order.
+    """
+    idx = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+    n_rows = batch["input_ids"].shape[0]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
+        raise IndexError(f"select_rows: rows {idx.tolist()} out of range for a batch of {n_rows}")
+    per_row = batch.get("images_per_row")
+    if per_row is None:
+        if vision_keys(batch):
+            raise KeyError("select_rows: batch has vision inputs but no images_per_row; build it with encode_prompts")
+        per_row = torch.zeros(n_rows, dtype=torch.long)
+    starts = torch.cumsum(per_row, 0) - per_row
+    image_order = [i for r in idx.tolist() for i in range(int(starts[r]), int(starts[r] + per_row[r]))]
+
+    out = {}
+    for key, value in batch.items():
+        if key in VISION_KEYS:
+            chunks = _per_image_chunks(batch, key)
+            picked = [chunks[i] for i in image_order]
+            if picked:
+                out[key] = torch.cat(picked) if key == "pixel_values" and "image_grid_thw" in batch else torch.stack(picked)
+        elif torch.is_tensor(value) and value.ndim and value.shape[0] == n_rows:
+            out[key] = value.index_select(0, idx.to(value.device))
+        else:
+            out[key] = value
+    out["images_per_row"] = per_row.index_select(0, idx.to(per_row.device))
+    return out
+
+
+def decode(processor, ids, skip_special_tokens: bool = True) -> list[str]:
+    """Token ids [N, T] (tensor or lists) -> N strings, special tokens dropped."""
+    if torch.is_tensor(ids):
+        ids = ids.tolist()
+    return _tokenizer_of(processor).batch_decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def append_tokens(batch: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Prompt batch + completion tokens [N, T]: extends input_ids, attention_mask and the per-token
+    modality ids (mm_token_type_ids / token_type_ids, zeros = text) that Qwen-VL's M-RoPE needs to
+    have the same length as input_ids. Vision inputs are passed through unchanged."""
+    out = dict(batch)
+    out["input_ids"] = torch.cat([batch["input_ids"], ids.to(batch["input_ids"].device)], dim=1)
+    out["attention_mask"] = torch.cat([batch["attention_mask"], mask.to(batch["attention_mask"])], dim=1)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in batch:
+            out[key] = torch.cat([batch[key], torch.zeros_like(ids, dtype=batch[key].dtype, device=batch[key].device)], dim=1)
+    return out
