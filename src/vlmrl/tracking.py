@@ -1,0 +1,209 @@
+"""Run logging: JSONL files (the source of truth), TensorBoard scalars and a tqdm progress bar.
+
+Files written under ``output_dir`` (all appended to, so a resumed run continues the same files):
+
+- ``metrics.jsonl``: one line per training step, ``{"step", "time", **metrics}``
+- ``eval.jsonl``: one line per evaluation
+- ``samples.jsonl``: one line per logged completion, ``{"step", **sample}``
+- ``tb/``: TensorBoard event files
+
+Non-finite floats are written as ``null`` so every line is strict JSON (``json.loads`` in any language,
+``jq``, pandas) rather than Python's non-standard ``NaN``. Only the main process writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from tqdm.auto import tqdm
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as plain JSON types: non-finite floats -> None, tensors / numpy values -> Python values,
+    anything else unknown -> its str (a log line must never fail to write)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):  # torch tensors, numpy arrays and numpy scalars
+        return _jsonable(value.tolist())
+    return str(value)
+
+
+def _scalar(value: Any) -> float | None:
+    """`value` as a float for TensorBoard, or None when it is not a number (strings, lists, None)."""
+    if isinstance(value, str) or value is None:
+        return None
+    try:
+        return float(value)  # also covers bools, numpy scalars and one-element tensors
+    except (TypeError, ValueError):
+        return None
+
+
+def _dump(value: dict) -> str:
+    # allow_nan=False is the guarantee that `_jsonable` left no NaN behind.
+    return json.dumps(_jsonable(value), allow_nan=False, ensure_ascii=False)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All JSON objects in a ``.jsonl`` file ([] if it does not exist). Blank lines and a truncated last
+    line (a run killed mid-write) are skipped rather than failing the whole read."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) and math.isfinite(value) else "nan"
+
+
+class RunLogger:
+    """Logs a training run to JSONL, TensorBoard and a progress bar.
+
+    Args:
+        output_dir: the run folder; files are created inside it.
+        total_steps: the progress bar's total.
+        initial_step: where the bar starts (the step a resumed run continues from).
+        logging_steps: TensorBoard scalars (and the plain progress line when ``progress`` is False) are
+            written every this many steps; ``metrics.jsonl`` gets every step.
+        tensorboard: write event files under ``output_dir/tb``.
+        progress: show a tqdm bar; when False a plain line is printed every ``logging_steps`` instead,
+            which reads better in a log file than carriage returns.
+        is_main_process: when False nothing is written or printed at all (other ranks of a distributed run).
+        desc: the bar's label.
+    """
+
+    def __init__(self, output_dir: str | Path, *, total_steps: int, initial_step: int = 0, logging_steps: int = 1,
+                 tensorboard: bool = True, progress: bool = True, is_main_process: bool = True, desc: str = "GRPO"):
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+        self.logging_steps = max(1, int(logging_steps))
+        self.enabled = is_main_process
+        self.progress = progress
+        self.desc = desc
+        self._files: dict[str, Any] = {}
+        self._writer = None
+        self._bar = None
+        self._closed = False
+        if not self.enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events at or after the resume step that a previous, interrupted run wrote
+            # past its last checkpoint, so the curves don't double back on themselves.
+            self._writer = SummaryWriter(str(self.output_dir / "tb"), purge_step=initial_step or None, flush_secs=30)
+        if progress:
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True, unit="step")
+
+    # -- files ------------------------------------------------------------------------------------------
+    def _append(self, name: str, rows: Iterable[dict]) -> None:
+        f = self._files.get(name)
+        if f is None:  # opened on first use so runs without eval / samples leave no empty files
+            f = self._files[name] = (self.output_dir / name).open("a", encoding="utf-8")
+        for row in rows:
+            f.write(_dump(row) + "\n")
+        # Flushed per call so `tail -f` and a crash both see every finished step.
+        f.flush()
+
+    def _tb(self, step: int, metrics: dict, prefix: str = "") -> None:
+        if self._writer is None:
+            return
+        for key, value in metrics.items():
+            number = _scalar(value)
+            if number is not None:
+                tag = key if not prefix or key.startswith(prefix) else prefix + key
+                self._writer.add_scalar(tag, number, step)
+
+    # -- public API -------------------------------------------------------------------------------------
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one training step: a ``metrics.jsonl`` line, TensorBoard scalars every ``logging_steps``,
+        and the progress bar moved to `step` with the headline numbers as its postfix."""
+        if not self.enabled:
+            return
+        self._append("metrics.jsonl", [{"step": step, "time": time.time(), **metrics}])
+        due = step % self.logging_steps == 0 or step == self.total_steps
+        if due:
+            self._tb(step, metrics)
+        summary = self._summary(metrics)
+        if self._bar is not None:
+            self._bar.set_postfix_str(summary, refresh=False)
+            if step > self._bar.n:
+                self._bar.update(step - self._bar.n)
+            else:
+                self._bar.refresh()
+        elif due:
+            tqdm.write(f"{self.desc} step {step}/{self.total_steps} {summary}")
+
+    @staticmethod
+    def _summary(metrics: dict) -> str:
+        """The short postfix: reward, loss, kl, step time and peak memory, when present."""
+        parts = [f"{k}={_short(metrics[k])}" for k in ("reward", "loss", "kl") if k in metrics]
+        if "time/step" in metrics:
+            parts.append(f"step={_short(metrics['time/step'])}s")
+        mem = metrics.get("mem/gpu_peak_allocated", metrics.get("mem/host_peak_rss"))
+        if mem is not None:
+            parts.append(f"mem={_short(mem)}G")
+        return " ".join(parts)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Record an evaluation: an ``eval.jsonl`` line, TensorBoard scalars under ``eval/`` and a printed line."""
+        if not self.enabled:
+            return
+        self._append("eval.jsonl", [{"step": step, "time": time.time(), **metrics}])
+        self._tb(step, metrics, prefix="eval/")
+        if self._writer is not None:
+            self._writer.flush()  # evals are rare and the numbers people look for first
+        shown = " ".join(f"{k.removeprefix('eval/')}={_short(_scalar(v))}" for k, v in metrics.items()
+                         if _scalar(v) is not None)
+        tqdm.write(f"[eval @ step {step}] {shown}")
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Append the given completions (prompt, completion, rewards, advantage, ...) to ``samples.jsonl``."""
+        if not self.enabled or not samples:
+            return
+        self._append("samples.jsonl", ({"step": step, **s} for s in samples))
+
+    def info(self, msg: str) -> None:
+        """Print a message above the progress bar without breaking it (main process only)."""
+        if self.enabled:
+            tqdm.write(str(msg))
+
+    def close(self) -> None:
+        """Flush and close everything; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

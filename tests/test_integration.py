@@ -1,0 +1,108 @@
+"""End to end on tiny real architectures: GRPO steps, num_iterations, LoRA reference, SFT stages, save/reload."""
+
+import copy
+import json
+
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from vlmrl.config import load_config
+from vlmrl.sft import sft
+from vlmrl.tasks import make_count_task
+from vlmrl.train import train
+
+
+@pytest.fixture(scope="module")
+def count_data(tmp_path_factory):
+    return make_count_task(tmp_path_factory.mktemp("count"), n_train=32, n_test=8, seed=0, image_size=56)
+
+
+LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
+
+
+def grpo_cfg(model_path, data, out, *extra):
+    return load_config(None, [
+        f"model.name_or_path={model_path}", f"data.train_path={data['train']}", f"data.eval_path={data['test']}",
+        f"training.output_dir={out}", "training.max_steps=2", "rollout.num_generations=4",
+        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=8", "training.gradient_accumulation_steps=1",
+        "rollout.max_completion_length=6", "optim.learning_rate=1e-3", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.report=false", "data.min_pixels=3136", "data.max_pixels=3136",
+        f"algorithm.reward_funcs=[accuracy, '{LENGTH_REWARD}']", *extra,
+    ])
+
+
+def weights(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"])
+def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, tmp_path):
+    model_path = request.getfixturevalue(family)
+    out = tmp_path / "run"
+    train(grpo_cfg(model_path, count_data, out))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    before, after = weights(model_path), weights(out / "final")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no weight changed"
+    # The final folder is a plain HF model: transformers loads it without vlmrl and generates.
+    model = AutoModelForImageTextToText.from_pretrained(out / "final")
+    ids = torch.tensor([[1, 2, 3]])
+    assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape[1] >= 3
+
+
+def test_num_iterations_reuses_old_logps(tiny_qwen25vl, count_data, tmp_path):
+    out1 = tmp_path / "mu1"
+    train(grpo_cfg(tiny_qwen25vl, count_data, out1, "training.max_steps=1"))
+    (m1,) = read_metrics(out1)
+    assert m1["ratio_dev/iter1"] == 0.0  # on-policy: ratio is exactly 1
+    out2 = tmp_path / "mu2"
+    # One optimizer step per pass (8 rows = 4 x 2 accumulation), so pass 1 sees the rollout policy.
+    train(grpo_cfg(tiny_qwen25vl, count_data, out2, "training.max_steps=1", "algorithm.num_iterations=2",
+                   "training.gradient_accumulation_steps=2"))
+    (m2,) = read_metrics(out2)
+    assert m2["ratio_dev/iter1"] < 1e-5  # stored old log-probs == first-pass log-probs
+    assert m2["ratio_dev/iter2"] > 1e-4  # second pass: the policy moved, the ratio is not 1
+
+
+def test_beta_with_lora_uses_no_model_copy(tiny_qwen25vl, count_data, tmp_path, monkeypatch):
+    real_deepcopy = copy.deepcopy
+
+    def no_model_copy(obj, *a, **k):
+        if isinstance(obj, torch.nn.Module):
+            raise AssertionError("a model copy was made")
+        return real_deepcopy(obj, *a, **k)
+
+    monkeypatch.setattr(copy, "deepcopy", no_model_copy)
+    out = tmp_path / "lora"
+    train(grpo_cfg(tiny_qwen25vl, count_data, out, "model.use_lora=true", "algorithm.beta=0.1", "model.lora_r=4",
+                   "optim.learning_rate=1e-2", "training.save_final_model=false",
+                   "training.gradient_accumulation_steps=2"))
+    rows = read_metrics(out)
+    assert rows[0]["kl"] < 1e-6  # step 1 is one optimizer step: LoRA B starts at zero, policy == reference
+    assert rows[-1]["kl"] > 0  # after updates the adapter moved away from the (adapter-disabled) reference
+
+
+def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, tmp_path):
+    out = tmp_path / "sft"
+    cfg = load_config(None, [
+        f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={count_data['train']}", "data.eval_path=",
+        f"training.output_dir={out}", "sft.projector_steps=2", "sft.steps=0", "sft.batch_size=4",
+        "logging.progress_bar=false", "logging.tensorboard=false", "data.min_pixels=3136", "data.max_pixels=3136",
+    ])
+    sft(cfg)
+    before, after = weights(tiny_qwen25vl), weights(out / "final")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("merger" in k for k in changed), sorted(changed)[:5]
