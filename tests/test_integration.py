@@ -106,3 +106,28 @@ def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, t
     before, after = weights(tiny_qwen25vl), weights(out / "final")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("merger" in k for k in changed), sorted(changed)[:5]
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
+def test_rollout_never_samples_vision_placeholders(family, request, count_data):
+    """A sampled <|image_pad|> would make scoring fail ('image features and image tokens do not match')."""
+    from vlmrl.config import load_config
+    from vlmrl.rollout import generate, vision_token_ids
+    from vlmrl.runtime import encode_rows, load_policy
+    from vlmrl.data import load_dataset_split
+
+    cfg = grpo_cfg(request.getfixturevalue(family), count_data, "unused")
+    model, processor = load_policy(cfg, torch.device("cpu"))
+    banned = vision_token_ids(model)
+    assert banned
+    with torch.no_grad():  # make the placeholders the most likely tokens, then check they are never sampled
+        head = model.get_output_embeddings()
+        if head.bias is not None:
+            head.bias[banned] += 100
+        else:
+            head.weight[banned] *= 0
+            head.weight[banned] += head.weight.abs().max() * 50 * torch.sign(torch.randn(1))
+    rows, _ = load_dataset_split(count_data["train"], limit_images=1, skip_bad_rows=False)
+    prompts = encode_rows(processor, rows[:2], cfg, torch.device("cpu"))
+    comp = generate(model, processor.tokenizer, prompts, num_generations=4, max_new_tokens=8)
+    assert not torch.isin(comp.ids, torch.tensor(banned)).any()

@@ -77,6 +77,10 @@ def test_memory_stats():
     with phase_memory("rollout") as m:
         _ = bytearray(1 << 20)
     assert "mem/rollout/host_rss" in m and m["mem/rollout/host_rss"] > 0
+    metrics = {}
+    with phase_memory("update", metrics):
+        pass
+    assert metrics["mem/update/host_rss"] > 0
 
 
 def _is_png(path):

@@ -49,7 +49,7 @@ def _smooth(ys: np.ndarray) -> np.ndarray:
 
 
 def _panel(ax, title: str, curves: list[tuple[str, tuple[np.ndarray, np.ndarray] | None]], ylabel: str = "",
-           markers: bool = False) -> None:
+           markers: bool = False, legend: bool = False) -> None:
     """Draw labelled curves into `ax`; an axis with no data says "not logged" instead of failing."""
     ax.set_title(title, fontsize=10)
     curves = [(label, s) for label, s in curves if s is not None]
@@ -70,7 +70,7 @@ def _panel(ax, title: str, curves: list[tuple[str, tuple[np.ndarray, np.ndarray]
         ax.set_ylabel(ylabel, fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
-    if len(curves) > 1 or markers:
+    if legend or markers or len(curves) > 1:
         ax.legend(fontsize=7)
 
 
@@ -101,7 +101,7 @@ def make_report(output_dir: str | Path, title: str | None = None) -> Path:
     _panel(axes[3], "KL to reference", curves(["kl"]))
     _panel(axes[4], "completion length", [("train", _series(train, "completions/mean_length")),
                                           ("eval", _series(evals, "eval/mean_length"))], ylabel="tokens")
-    _panel(axes[5], "peak memory", curves(peak_keys, strip="mem/"), ylabel="GiB")
+    _panel(axes[5], "peak memory", curves(peak_keys, strip="mem/"), ylabel="GiB", legend=True)
     _panel(axes[6], "step time", curves(["time/step"]), ylabel="s")
     _panel(axes[7], "grad norm", curves(["grad_norm"]))
     fig.suptitle(title or out.resolve().name)

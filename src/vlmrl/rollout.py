@@ -41,6 +41,20 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     return ids
 
 
+def vision_token_ids(model: torch.nn.Module) -> list[int]:
+    """Placeholder ids (image/video pad, vision start/end) that a completion must never contain: the
+    model would read them as slots for image features when the completion is scored."""
+    cfg = model.config
+    ids = set()
+    for name in ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "vision_token_id"):
+        for holder in (cfg, getattr(cfg, "text_config", None)):
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, int) and value >= 0:
+                ids.add(value)
+    return sorted(ids)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -80,6 +94,7 @@ def generate(
             top_k=(top_k or None) if do_sample else None,
             eos_token_id=eos,
             pad_token_id=pad,
+            suppress_tokens=vision_token_ids(model) or None,
         )
         pieces.append(out[:, chunk["input_ids"].shape[1] :])
     width = max(p.shape[1] for p in pieces)
