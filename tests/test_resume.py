@@ -1,0 +1,159 @@
+"""Checkpoint/resume on the real loop: exact resume, refusals, save failures, graceful stop."""
+
+import errno
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlmrl.checkpoint import CheckpointError, CheckpointSaveError, list_checkpoints, verify_checkpoint
+from vlmrl.config import load_config
+from vlmrl.tasks import make_count_task
+from vlmrl.train import train
+
+LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_count_task(tmp_path_factory.mktemp("count"), n_train=12, n_test=0, seed=0, image_size=56)
+
+
+def overrides(model, data, out, *extra):
+    return [
+        f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=",
+        f"training.output_dir={out}", "training.max_steps=4", "rollout.num_generations=4",
+        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=8",
+        "rollout.max_completion_length=5", "optim.learning_rate=1e-3", "optim.lr_scheduler_type=cosine",
+        "optim.warmup_ratio=0.2", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
+        "data.min_pixels=3136", "data.max_pixels=3136", f"algorithm.reward_funcs=['{LENGTH_REWARD}']", *extra,
+    ]
+
+
+def losses(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["reward"]) for r in rows}
+
+
+def final_weights(out):
+    return load_file(out / "final" / "model.safetensors")
+
+
+VARIANTS = {
+    "plain": [],
+    "iterations+accumulation+kl": ["algorithm.num_iterations=2", "training.per_device_train_batch_size=2",
+                                   "training.gradient_accumulation_steps=2", "algorithm.beta=0.05"],
+    "lora+kl": ["model.use_lora=true", "model.lora_r=4", "algorithm.beta=0.05", "optim.learning_rate=1e-2"],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_stop_and_resume_is_bit_exact(variant, tiny_qwen25vl, data, tmp_path):
+    extra = VARIANTS[variant]
+    straight = tmp_path / "straight"
+    train(load_config(None, overrides(tiny_qwen25vl, data, straight, *extra)))
+
+    resumed = tmp_path / "resumed"
+    cfg = load_config(None, overrides(tiny_qwen25vl, data, resumed, *extra))
+    train(cfg, stop_after=2)  # a preemption after step 2: checkpoint-2, no final model
+    assert [p.name for p in list_checkpoints(resumed)] == ["checkpoint-2"]
+    assert not (resumed / "final").exists()
+    lines = []
+    train(cfg, log=lines.append)
+    assert any("resumed from" in line and "checkpoint-2" in line and "step 2" in line for line in lines), lines
+
+    assert losses(resumed) == losses(straight)  # same per-step losses and rewards, bit for bit
+    a, b = final_weights(straight), final_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_breaking_config_change_is_refused_then_forced(tiny_qwen25vl, data, tmp_path):
+    out = tmp_path / "run"
+    train(load_config(None, overrides(tiny_qwen25vl, data, out)), stop_after=1)
+    with pytest.raises(CheckpointError, match=r"rollout.max_completion_length: 5 -> 6"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, out, "rollout.max_completion_length=6")))
+    lines = []
+    train(load_config(None, overrides(tiny_qwen25vl, data, out, "rollout.max_completion_length=6",
+                                      "training.resume_force=true", "logging.log_completions=1")), log=lines.append)
+    assert any("max_completion_length" in line for line in lines)
+
+
+def test_weights_only_checkpoint_never_pretends_to_resume(tiny_qwen25vl, data, tmp_path):
+    out = tmp_path / "run"
+    train(load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_only_model=true")), stop_after=2)
+    with pytest.raises(CheckpointError, match="weights only"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_only_model=true")))
+    lines = []
+    train(load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_only_model=true",
+                                      "training.resume_weights_only=true")), log=lines.append)
+    assert any("new schedule" in line for line in lines)
+
+
+def test_corrupt_newest_checkpoint_falls_back(tiny_qwen25vl, data, tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_steps=1"))
+    train(cfg, stop_after=2)
+    newest = out / "checkpoint-2" / "optimizer.pt"
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    lines = []
+    train(cfg, log=lines.append)
+    assert any("checkpoint-2" in line for line in lines)  # named as skipped
+    assert any("resumed from" in line and "checkpoint-1" in line for line in lines)
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_save_failure(policy, tiny_qwen25vl, data, tmp_path, monkeypatch):
+    import vlmrl.train as train_mod
+
+    out = tmp_path / "run"
+    cfg = load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_steps=1", f"training.on_save_error={policy}"))
+    real = train_mod.save_trainable_weights
+    calls = {"n": 0}
+
+    def flaky(model, folder):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+        real(model, folder)
+
+    monkeypatch.setattr(train_mod, "save_trainable_weights", flaky)
+    if policy == "stop":
+        with pytest.raises(CheckpointSaveError, match="checkpoint-2"):
+            train(cfg)
+        assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1"]
+    else:
+        train(cfg)
+        assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
+    assert verify_checkpoint(out / "checkpoint-1")[0]
+    assert not list(out.glob(".tmp-*"))
+
+
+def _cli(model, data, out, *extra):
+    return [sys.executable, "-m", "vlmrl", "train", *overrides(model, data, out, *extra)]
+
+
+def test_sigterm_finishes_step_saves_and_exits_zero(tiny_qwen25vl, data, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_cli(tiny_qwen25vl, data, out, "training.max_steps=1000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, text
+    assert "stopped by SIGTERM" in text and "resume" in text
+    (ckpt,) = list_checkpoints(out)
+    assert verify_checkpoint(ckpt)[0]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert ckpt.name == f"checkpoint-{steps[-1]}"
