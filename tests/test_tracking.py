@@ -122,3 +122,15 @@ def test_summary_table():
     text = summary_table([("accuracy before", "40.0%"), ("accuracy after", "75.0%")], title="demo")
     assert "accuracy after" in text and "75.0%" in text and "demo" in text
     assert "gain" in summary_table({"gain": 0.35}, title="t")
+
+
+def test_partial_last_line_from_a_killed_writer_is_cut(tmp_path):
+    from vlmrl.tracking import RunLogger, read_jsonl
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    logger = RunLogger(tmp_path, total_steps=3, initial_step=1, tensorboard=False, progress=False)
+    logger.log(2, {"loss": 0.25})
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["loss"] == 0.25

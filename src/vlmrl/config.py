@@ -66,6 +66,8 @@ class DataConfig:
     task_train_size: int = _f(512, "Rows generated for the built-in task's train split.")
     task_test_size: int = _f(128, "Rows generated for the built-in task's test split.")
     task_image_size: int = _f(56, "Side in pixels of the built-in task's images.")
+    task_distractors: bool = _f(True, "count task: add shapes of other colours that must not be counted.")
+    task_colours: list[str] = _f(["red", "green", "blue"], "Colours the built-in tasks draw and ask about.")
     min_pixels: int = _f(28 * 28, "Images smaller than this many pixels are upscaled (aspect kept).")
     max_pixels: int = _f(448 * 448, "Images larger than this many pixels are downscaled (aspect kept).")
     limit_images: int = _f(4, "Most images kept per row; extra images are dropped and counted.")

@@ -66,9 +66,10 @@ def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
     train_path, eval_path = d.train_path, d.eval_path
     if (need_train and not train_path) or (not eval_path and not train_path):
         task_dir = Path(cfg.training.output_dir) / "data" / d.task
-        files = TASKS[d.task](
-            task_dir, n_train=d.task_train_size, n_test=d.task_test_size, seed=cfg.training.seed, image_size=d.task_image_size
-        )
+        options = {"distractors": d.task_distractors} if d.task == "count" else {}
+        options["colours"] = tuple(d.task_colours)
+        files = TASKS[d.task](task_dir, n_train=d.task_train_size, n_test=d.task_test_size, seed=cfg.training.seed,
+                              image_size=d.task_image_size, **options)
         train_path = train_path or str(files["train"])
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []

@@ -62,6 +62,7 @@ def sft(cfg: Config, log=print) -> dict:
     for line in data.reports:
         log(line)
     sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+    reward_funcs, _ = load_reward_funcs(cfg)
     s = cfg.sft
     stages = [("projector", s.projector_steps, s.projector_learning_rate), ("language", s.steps, s.learning_rate)]
     total = s.projector_steps + s.steps
@@ -87,8 +88,9 @@ def sft(cfg: Config, log=print) -> dict:
             final = {"loss": loss.item(), "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
                      "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0}
             logger.log(step, final)
+            if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
+                logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
     if data.eval:
-        reward_funcs, _ = load_reward_funcs(cfg)
         metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
         logger.log_eval(step, metrics)
         final.update(metrics)

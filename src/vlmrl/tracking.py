@@ -76,6 +76,20 @@ def _short(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, (int, float)) and math.isfinite(value) else "nan"
 
 
+def _drop_partial_last_line(path: Path) -> None:
+    """A process killed mid-write leaves a line without its newline; appending after it would glue the
+    next record onto it. Cut the fragment (it is an incomplete copy of a step that is re-run on resume)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+
+
 class RunLogger:
     """Logs a training run to JSONL, TensorBoard and a progress bar.
 
@@ -120,6 +134,7 @@ class RunLogger:
     def _append(self, name: str, rows: Iterable[dict]) -> None:
         f = self._files.get(name)
         if f is None:  # opened on first use so runs without eval / samples leave no empty files
+            _drop_partial_last_line(self.output_dir / name)
             f = self._files[name] = (self.output_dir / name).open("a", encoding="utf-8")
         for row in rows:
             f.write(_dump(row) + "\n")
