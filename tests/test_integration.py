@@ -131,3 +131,48 @@ def test_rollout_never_samples_vision_placeholders(family, request, count_data):
     prompts = encode_rows(processor, rows[:2], cfg, torch.device("cpu"))
     comp = generate(model, processor.tokenizer, prompts, num_generations=4, max_new_tokens=8)
     assert not torch.isin(comp.ids, torch.tensor(banned)).any()
+
+
+def test_bf16_autocast_checkpointing_and_bf16_weights(tiny_qwen25vl, count_data, tmp_path):
+    out = tmp_path / "bf16"
+    train(grpo_cfg(tiny_qwen25vl, count_data, out, "training.max_steps=1", "training.bf16=true",
+                   "model.gradient_checkpointing=true", "model.dtype=bfloat16", "data.eval_path="))
+    (row,) = read_metrics(out)
+    assert torch.isfinite(torch.tensor(row["loss"]))
+    assert next(iter(weights(out / "final").values())).dtype == torch.bfloat16
+
+
+def test_ground_task_with_iou_reward_and_eval_cli(tiny_qwen2vl, tmp_path, capsys):
+    from vlmrl.cli import main
+
+    out = tmp_path / "ground"
+    args = [f"model.name_or_path={tiny_qwen2vl}", "data.task=ground", "data.task_train_size=8", "data.task_test_size=4",
+            f"training.output_dir={out}", "training.max_steps=1", "rollout.num_generations=2",
+            "training.per_device_train_batch_size=4", "rollout.max_completion_length=6", "algorithm.reward_funcs=[iou, format]",
+            "logging.progress_bar=false", "logging.tensorboard=false"]
+    assert main(["train", *args]) == 0
+    assert (out / "report.png").stat().st_size > 0 and (out / "samples.jsonl").exists()
+    assert (out / "config.yaml").read_text().count("task: ground") == 1
+    assert main(["eval", *args, f"model.name_or_path={out / 'final'}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert 0.0 <= result["eval/iou"] <= 1.0 and result["eval/num_samples"] == 4
+
+
+def test_cli_errors_are_readable(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    assert main(["train", "rollout.num_generation=4"]) == 2
+    assert "did you mean 'num_generations'" in capsys.readouterr().err
+    assert main(["train", f"model.name_or_path={tmp_path / 'missing'}", f"training.output_dir={tmp_path / 'o'}"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "missing") in err
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "demo", "config"])
+def test_every_command_has_help(command, capsys):
+    from vlmrl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert "usage: vlmrl" in capsys.readouterr().out

@@ -1,8 +1,10 @@
 """`make demo`: tiny Qwen2.5-VL -> synthetic counting data -> SFT warm start -> GRPO -> before/after.
 
 Everything runs on a CPU in minutes and is seeded: the same machine gives the same figures.
-SFT is kept deliberately short (it teaches the answer format and a rough prior); GRPO then has
-to improve held-out accuracy through its own rewards.
+The task: "How many red shapes are there in the image?" with 1-4 shapes on a black or white background.
+SFT is kept deliberately short: it teaches the answer format (`<answer>N</answer>`) but stops before
+the model can count (held-out accuracy at chance, 25%). GRPO then has to learn counting from the
+accuracy reward alone; supervised targets are never shown to it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ COMMON = [
 SFT = ["sft.projector_steps=20", "sft.projector_learning_rate=3e-3", "sft.steps=25", "sft.learning_rate=1e-3",
        "sft.train_vision_tower=true", "sft.batch_size=32"]
 GRPO = ["rollout.num_generations=8", "training.per_device_train_batch_size=32", "rollout.generation_batch_size=64",
-        "training.gradient_accumulation_steps=2", "training.max_steps=100", "optim.learning_rate=1e-3",
+        "training.gradient_accumulation_steps=2", "training.max_steps=150", "optim.learning_rate=3e-4",
         "algorithm.loss_type=grpo", "algorithm.beta=0.0", "training.val_before_train=true", "rollout.temperature=1.0",
         "training.eval_steps=25"]
 QUICK = ["sft.projector_steps=2", "sft.steps=2", "training.max_steps=2", "data.task_test_size=20"]
