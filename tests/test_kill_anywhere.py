@@ -36,11 +36,13 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rng = random.Random(1234)
     kills, finished, log = 0, False, []
+    stderr = tmp_path / "stderr.txt"
     while kills < KILLS:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        delay = rng.uniform(4.0, 9.0)  # start-up is ~4 s here: most kills land in training steps or saves
+        with stderr.open("w") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        delay = rng.uniform(5.0, 12.0)  # start-up takes ~4-6 s here: most kills land in training steps or saves
         try:
-            proc.wait(timeout=delay)
+            assert proc.wait(timeout=delay) == 0, stderr.read_text()[-3000:]
             finished = True  # the run completed before this kill
             break
         except subprocess.TimeoutExpired:

@@ -157,3 +157,55 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tiny_qwen25vl, data, tmp_pat
     assert verify_checkpoint(ckpt)[0]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert ckpt.name == f"checkpoint-{steps[-1]}"
+
+
+def test_injected_oom_halves_micro_batch_and_matches_smaller_config(tiny_qwen25vl, data, tmp_path, monkeypatch):
+    """An OOM in any phase redoes the same work in halves: the run equals one configured small from the start,
+    and no gradient is counted twice."""
+    from vlmrl import oom
+
+    extra = ["training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2", "algorithm.num_iterations=2",
+             "algorithm.beta=0.05"]
+    small = tmp_path / "small"
+    train(load_config(None, overrides(tiny_qwen25vl, data, small, *extra[1:], "training.per_device_train_batch_size=2",
+                                      "training.gradient_accumulation_steps=4", "memory.generation_prompts_per_call=1")))
+
+    monkeypatch.setattr(oom, "INJECT_OOM_ABOVE", {"rollout": 1, "scoring": 2, "update": 2})
+    lines = []
+    recovered = tmp_path / "recovered"
+    train(load_config(None, overrides(tiny_qwen25vl, data, recovered, *extra)), log=lines.append)
+    rows = [json.loads(x) for x in (recovered / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["micro_batch_size"] == 2 for r in rows)
+    # rollout 2 -> 1 prompts per call; scoring 4 -> 2 rows (the update then starts at 2 and fits)
+    a, b = losses(recovered), losses(small)
+    assert a.keys() == b.keys()
+    for step in a:
+        assert a[step][1] == b[step][1]  # same rollout -> same rewards
+        assert a[step][0] == pytest.approx(b[step][0], rel=1e-5, abs=1e-7)
+    wa, wb = final_weights(recovered), final_weights(small)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_oom_at_size_one_names_the_knobs(tiny_qwen25vl, data, tmp_path, monkeypatch):
+    from vlmrl import oom
+
+    monkeypatch.setattr(oom, "INJECT_OOM_ABOVE", {"update": 0})
+    with pytest.raises(oom.OutOfMemoryGaveUp, match="gradient_checkpointing"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, tmp_path / "run")))
+
+
+def test_oom_after_a_backward_discards_partial_gradients(tiny_qwen25vl, data, tmp_path, monkeypatch):
+    from vlmrl import oom
+
+    small = tmp_path / "small"
+    train(load_config(None, overrides(tiny_qwen25vl, data, small, "training.per_device_train_batch_size=2",
+                                      "training.gradient_accumulation_steps=4")))
+    # Micro-batch 1 (4 rows) runs forward+backward, micro-batch 2 hits the OOM: its step is redone at 2 rows.
+    monkeypatch.setattr(oom, "INJECT_OOM_ON_CALL", {"update": 2})
+    monkeypatch.setattr(oom, "_calls", {})
+    recovered = tmp_path / "recovered"
+    train(load_config(None, overrides(tiny_qwen25vl, data, recovered, "training.per_device_train_batch_size=4",
+                                      "training.gradient_accumulation_steps=2")))
+    assert losses(recovered) == losses(small)  # bit-identical: the partial gradient of micro-batch 1 was dropped
+    wa, wb = final_weights(recovered), final_weights(small)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

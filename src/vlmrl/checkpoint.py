@@ -528,6 +528,8 @@ HARMLESS_TRAINING_KEYS = frozenset({
     "val_before_train", "max_steps", "resume", "resume_force", "resume_weights_only", "on_save_error",
     "output_dir", "device", "save_final_model", "metric_for_best",
 })
+# Where the reference lives and how OOMs are handled do not change what is computed.
+HARMLESS_MEMORY_KEYS = frozenset({"ref_placement", "oom_recovery", "warn_fraction"})
 _ABSENT = object()
 
 
@@ -550,7 +552,8 @@ def _fmt(v: Any) -> str:
 
 def _is_harmless(key: str) -> bool:
     section, _, name = key.partition(".")
-    return section == "logging" or (section == "training" and name in HARMLESS_TRAINING_KEYS)
+    return (section == "logging" or (section == "training" and name in HARMLESS_TRAINING_KEYS)
+            or (section == "memory" and name in HARMLESS_MEMORY_KEYS))
 
 
 def config_diff(old: dict, new: dict) -> tuple[list[str], list[str]]:

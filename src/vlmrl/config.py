@@ -146,6 +146,15 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    ref_placement: Literal["device", "cpu"] = _f("device", "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).")
+    oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.")
+    generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.")
+    logprob_chunk_tokens: int = _f(1024, "Tokens per LM-head chunk when computing log-probs (bounds the logits block).")
+    warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     logging_steps: int = _f(1, "Write TensorBoard scalars every this many steps (metrics.jsonl gets every step).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tb.")
@@ -163,6 +172,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     # Derived values, so the loop never recomputes defaults itself.
@@ -183,7 +193,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
-    "optim": OptimConfig, "training": TrainingConfig, "sft": SFTConfig, "logging": LoggingConfig,
+    "optim": OptimConfig, "training": TrainingConfig, "sft": SFTConfig, "memory": MemoryConfig, "logging": LoggingConfig,
 }
 
 
@@ -385,6 +395,10 @@ def validate(cfg: Config) -> None:
         (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
         (s.batch_size >= 1, "sft.batch_size must be >= 1"),
         (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
+        (cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,
+         "memory.generation_prompts_per_call must be >= 1 (or null for all prompts at once)"),
+        (cfg.memory.logprob_chunk_tokens >= 1, "memory.logprob_chunk_tokens must be >= 1"),
+        (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
     ]
     problems = [msg for ok, msg in rules if not ok]

@@ -32,7 +32,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     from .checkpoint import GracefulStop
     from .data import PromptSampler
     from .evaluate import evaluate
-    from .memory import memory_stats, reset_peaks
+    from .memory import memory_stats, phase_memory, reset_peaks
+    from .oom import maybe_inject_oom, retry_on_oom
     from .models import save_model
     from .processing import decode, select_rows
     from .tracking import RunLogger
@@ -69,19 +70,30 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     stop = GracefulStop()
     stop.__enter__()
+    # Piece sizes that OOM recovery may shrink; kept for the rest of the run and in checkpoints.
+    sizes = state.setdefault("sizes", {"train": cfg.training.per_device_train_batch_size,
+                                        "generation": cfg.memory.generation_prompts_per_call})
+    chunk = cfg.memory.logprob_chunk_tokens
     for step in range(state["step"] + 1, cfg.training.max_steps + 1):
         t_start = time.perf_counter()
         reset_peaks()
-        # Each step's sampling draws from its own seed, so a step is reproducible on its own.
-        torch.manual_seed(cfg.training.seed * 1_000_003 + step)
+        phases: dict[str, float] = {}
 
-        # 1. Rollout: G completions for each prompt.
+        # 1. Rollout: G completions for each prompt (OOM -> fewer prompts per generate call, same samples).
         rows = [data.train[i] for i in sampler.next_batch(cfg.prompts_per_step)]
         prompts = encode_rows(processor, rows, cfg, device)
         model.eval()
-        with autocast:
-            comp = generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
-                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+        def rollout(prompts_per_call: int) -> Completions:
+            maybe_inject_oom("rollout", prompts_per_call)
+            torch.manual_seed(cfg.training.seed * 1_000_003 + step)  # a redo after an OOM samples the same way
+            with autocast:
+                return generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
+                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=prompts_per_call)
+
+        with phase_memory("rollout", phases):
+            comp, sizes["generation"] = retry_on_oom(rollout, sizes["generation"] or len(rows), "rollout", logger.info,
+                                                     enabled=cfg.memory.oom_recovery)
         t_rollout = time.perf_counter()
 
         # 2. Rewards, 3. advantages.
@@ -94,51 +106,67 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
         if a.mask_truncated_completions:
             loss_mask[comp.truncated] = 0
         prompt_of_row = torch.arange(len(rows)).repeat_interleave(G)
-        mb = cfg.training.per_device_train_batch_size
 
         def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
             width = max(1, int(comp.lengths[idx].max()))  # trim padding past the longest completion
             ids, mask = comp.ids[idx, :width].to(device), loss_mask[idx, :width].to(device)
             return select_rows(prompts, prompt_of_row[idx].tolist()), ids, mask, comp.mask[idx, :width].to(device)
 
+        def scored(scoring_model) -> torch.Tensor:
+            logps, sizes["train"] = retry_on_oom(lambda mb: score(scoring_model, micro_inputs, comp, mb, r.temperature, autocast, chunk),
+                                                 sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
+            return logps
+
         # Old log-probs are needed only when a rollout is reused; reference log-probs only when beta > 0.
-        old_logps = score(model, micro_inputs, comp, mb, r.temperature, autocast) if a.num_iterations > 1 else None
-        ref_logps = None
-        if reference is not None:
-            with reference as ref_model:
-                ref_logps = score(ref_model, micro_inputs, comp, mb, r.temperature, autocast)
+        with phase_memory("scoring", phases):
+            old_logps = scored(model) if a.num_iterations > 1 else None
+            ref_logps = None
+            if reference is not None:
+                with reference as ref_model:
+                    ref_logps = scored(ref_model)
         t_scored = time.perf_counter()
 
-        # 4. num_iterations x updates over the rollout, each optimizer step over mb x accumulation rows.
+        # 4. num_iterations x updates over the rollout; each optimizer step sees per_device_train_batch_size x
+        # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows (smaller after an OOM).
         model.train()
-        rows_per_opt_step = mb * cfg.training.gradient_accumulation_steps
+        rows_per_opt_step = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
         stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
         ratio_dev = [0.0] * a.num_iterations  # max |ratio - 1| per pass: 0 on-policy, > 0 once the rollout is reused
-        for iteration in range(a.num_iterations):
-            for start in range(0, comp.ids.shape[0], rows_per_opt_step):
-                step_rows = list(range(start, start + rows_per_opt_step))
-                micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
-                norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
-                step_loss = 0.0
-                for idx in micro:
-                    batch, ids, mask, gen_mask = micro_inputs(idx)
-                    with autocast:
-                        logps = completion_logps(model, batch, ids, gen_mask, r.temperature)
-                    width = ids.shape[1]
-                    old = old_logps[idx, :width] if old_logps is not None else logps.detach()
-                    ref = ref_logps[idx, :width] if ref_logps is not None else None
-                    tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
-                    loss = aggregate(tok_loss, mask, a.loss_type, norm)
-                    loss.backward()
-                    step_loss += loss.item()
-                    stats["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
-                    dev = float(((parts["ratio"] - 1).abs() * mask).max())
-                    ratio_dev[iteration] = max(ratio_dev[iteration], dev)
-                    if "kl" in parts:
-                        stats["kl"].append(masked_mean(parts["kl"], mask).item())
-                grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
-                stats["loss"].append(step_loss)
-                stats["grad_norm"].append(grad_norm)
+
+        def accumulate(step_rows: list[int], mb: int, iteration: int) -> dict[str, list[float]]:
+            """Forward/backward of one optimizer step's rows in micro-batches of mb; returns its stats."""
+            micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
+            norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
+            out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
+            for idx in micro:
+                maybe_inject_oom("update", len(idx))
+                batch, ids, mask, gen_mask = micro_inputs(idx)
+                with autocast:
+                    logps = completion_logps(model, batch, ids, gen_mask, r.temperature, chunk)
+                width = ids.shape[1]
+                old = old_logps[idx, :width] if old_logps is not None else logps.detach()
+                ref = ref_logps[idx, :width] if ref_logps is not None else None
+                tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
+                loss = aggregate(tok_loss, mask, a.loss_type, norm)
+                loss.backward()
+                out["loss"][0] += loss.item()
+                out["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
+                out["ratio_dev"][0] = max(out["ratio_dev"][0], float(((parts["ratio"] - 1).abs() * mask).max()))
+                if "kl" in parts:
+                    out["kl"].append(masked_mean(parts["kl"], mask).item())
+            return out
+
+        with phase_memory("update", phases):
+            for iteration in range(a.num_iterations):
+                for start in range(0, comp.ids.shape[0], rows_per_opt_step):
+                    step_rows = list(range(start, start + rows_per_opt_step))
+                    step_stats, sizes["train"] = retry_on_oom(
+                        lambda mb: accumulate(step_rows, mb, iteration), sizes["train"], "update", logger.info,
+                        on_oom=lambda: optimizer.zero_grad(set_to_none=True), enabled=cfg.memory.oom_recovery)
+                    stats["grad_norm"].append(clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm))
+                    for key in ("loss", "kl", "clip_ratio"):
+                        stats[key] += step_stats[key]
+                    ratio_dev[iteration] = max(ratio_dev[iteration], step_stats["ratio_dev"][0])
         t_end = time.perf_counter()
 
         # 5. Log.
@@ -160,8 +188,11 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             "time/update": t_end - t_scored,
             "time/step": t_end - t_start,
             "epoch": sampler.epoch,
+            "micro_batch_size": sizes["train"],
+            **phases,
             **memory_stats(),
         }
+        warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
         logger.log(step, metrics)
         if cfg.logging.log_completions:
             logger.log_samples(step, [
@@ -226,7 +257,10 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log) 
     sampler.load_state_dict(ts["sampler_state"])
     restore_rng(path, warn=log)
     log(f"resumed from {path} at step {ts['global_step']} (epoch {ts['epoch']}, {ts['samples_consumed']} prompts consumed)")
-    return {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
+    out = {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
+    if ts.get("sizes"):
+        out["sizes"] = ts["sizes"]  # micro-batch sizes that OOM recovery settled on
+    return out
 
 
 def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log) -> None:
@@ -235,7 +269,7 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
 
     t = cfg.training
     trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
-                     "best_metric": state["best_metric"], "best_step": state["best_step"]}
+                     "best_metric": state["best_metric"], "best_step": state["best_step"], "sizes": state.get("sizes")}
     try:
         save_checkpoint(out, step, save_model=lambda p: save_trainable_weights(model, p), optimizer=optimizer, scheduler=scheduler,
                         trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
@@ -266,27 +300,41 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
             p.copy_(q)
 
 
-def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, autocast) -> torch.Tensor:
+def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, autocast, chunk_tokens: int = 1024) -> torch.Tensor:
     """Per-token log-probs [B*G, T] of the rollout under `model`, in micro-batches, without grad."""
+    from .oom import maybe_inject_oom
+
     out = torch.zeros(comp.ids.shape, dtype=torch.float32, device=comp.ids.device)
     with torch.no_grad():
         for start in range(0, comp.ids.shape[0], mb):
             idx = list(range(start, min(start + mb, comp.ids.shape[0])))
+            maybe_inject_oom("scoring", len(idx))
             batch, ids, _, gen_mask = micro_inputs(idx)
             with autocast:
-                out[idx, : ids.shape[1]] = completion_logps(model, batch, ids, gen_mask, temperature).to(out.device)
-    return out.to(next(model.parameters()).device)
+                out[idx, : ids.shape[1]] = completion_logps(model, batch, ids, gen_mask, temperature, chunk_tokens).to(out.device)
+    return out
+
+
+def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
+    peak, capacity = metrics.get("mem/gpu_peak_reserved"), metrics.get("mem/gpu_capacity")
+    if peak is not None and capacity and peak > fraction * capacity:
+        warn(f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
+             "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch")
 
 
 class _Reference:
-    """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy."""
+    """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy.
+    A copy placed on the CPU (memory.ref_placement=cpu) is moved to the device only while it scores."""
 
-    def __init__(self, model, frozen_copy=None):
+    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False):
         self.model, self._copy, self._ctx = model, frozen_copy, None
+        self.device, self.offload = device, offload
+        if self._copy is not None and offload:
+            self._copy.to("cpu")
 
     def __enter__(self):
         if self._copy is not None:
-            return self._copy
+            return self._copy.to(self.device) if self.offload else self._copy
         from .models import reference_disabled_adapter
 
         self._ctx = reference_disabled_adapter(self.model)
@@ -294,6 +342,11 @@ class _Reference:
         return self.model
 
     def __exit__(self, *exc):
+        if self._copy is not None and self.offload:
+            self._copy.to("cpu")
+            from .oom import free_memory
+
+            free_memory()
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
             self._ctx = None
@@ -308,7 +361,7 @@ def make_reference(model, cfg: Config, device, fresh: bool = False):
     if cfg.model.use_lora:
         return _Reference(model)
     initial = load_policy(cfg, device)[0] if fresh else copy.deepcopy(model)
-    return _Reference(model, initial.eval().requires_grad_(False))
+    return _Reference(model, initial.eval().requires_grad_(False), device, offload=cfg.memory.ref_placement == "cpu")
 
 
 def total_optimizer_steps(cfg: Config) -> int:
