@@ -244,3 +244,10 @@ def test_selective_logps_no_grad_and_bf16_autocast():
     torch.testing.assert_close(low.detach(), ref.detach(), rtol=0, atol=1e-2)
     low.sum().backward()  # backward through the recomputed bf16 chunks works
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
+def test_group_rows():
+    from vlmrl.logprobs import group_rows
+
+    unique, row_prompt = group_rows(torch.tensor([5, 2, 5, 5, 2]))
+    assert unique.tolist() == [2, 5] and row_prompt.tolist() == [1, 0, 1, 1, 0]

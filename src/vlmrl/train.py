@@ -15,7 +15,7 @@ import torch
 
 from .advantages import group_advantages, group_std
 from .config import Config, save_config
-from .logprobs import completion_logps
+from .logprobs import completion_logps_grouped, group_rows
 from .losses import aggregate, masked_mean, per_token_loss, step_normaliser
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
@@ -107,10 +107,13 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             loss_mask[comp.truncated] = 0
         prompt_of_row = torch.arange(len(rows)).repeat_interleave(G)
 
-        def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
-            width = max(1, int(comp.lengths[idx].max()))  # trim padding past the longest completion
+        def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            """The micro-batch's unique prompts (each image encoded once), which prompt each row continues,
+            and the completions trimmed to the longest one."""
+            width = max(1, int(comp.lengths[idx].max()))
             ids, mask = comp.ids[idx, :width].to(device), loss_mask[idx, :width].to(device)
-            return select_rows(prompts, prompt_of_row[idx].tolist()), ids, mask, comp.mask[idx, :width].to(device)
+            unique, row_prompt = group_rows(prompt_of_row[idx])
+            return select_rows(prompts, unique.tolist()), row_prompt.to(device), ids, mask, comp.mask[idx, :width].to(device)
 
         def scored(scoring_model) -> torch.Tensor:
             logps, sizes["train"] = retry_on_oom(lambda mb: score(scoring_model, micro_inputs, comp, mb, r.temperature, autocast, chunk),
@@ -140,9 +143,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
             for idx in micro:
                 maybe_inject_oom("update", len(idx))
-                batch, ids, mask, gen_mask = micro_inputs(idx)
+                batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
                 with autocast:
-                    logps = completion_logps(model, batch, ids, gen_mask, r.temperature, chunk)
+                    logps = completion_logps_grouped(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk)
                 width = ids.shape[1]
                 old = old_logps[idx, :width] if old_logps is not None else logps.detach()
                 ref = ref_logps[idx, :width] if ref_logps is not None else None
@@ -228,7 +231,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
         if cfg.logging.report:
             from .report import make_report
 
-            make_report(out, title=f"GRPO on {Path(cfg.model.name_or_path).name}")
+            make_report(out, title=f"GRPO: {out.name} ({cfg.model.name_or_path})")
     return final
 
 
@@ -309,9 +312,10 @@ def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, a
         for start in range(0, comp.ids.shape[0], mb):
             idx = list(range(start, min(start + mb, comp.ids.shape[0])))
             maybe_inject_oom("scoring", len(idx))
-            batch, ids, _, gen_mask = micro_inputs(idx)
+            batch, row_prompt, ids, _, gen_mask = micro_inputs(idx)
             with autocast:
-                out[idx, : ids.shape[1]] = completion_logps(model, batch, ids, gen_mask, temperature, chunk_tokens).to(out.device)
+                logps = completion_logps_grouped(model, batch, row_prompt, ids, gen_mask, temperature, chunk_tokens)
+            out[idx, : ids.shape[1]] = logps.to(out.device)
     return out
 
 
