@@ -44,9 +44,9 @@ def test_bad_keys_and_types_name_the_field(override, expected):
         load_config(None, [override])
 
 
-def test_ambiguous_flat_key():
-    with pytest.raises(ConfigError, match="ambiguous"):
-        load_config(None, ["learning_rate=0.1"])  # optim.learning_rate and sft.learning_rate
+def test_flat_trl_name_shared_with_sft_means_the_rl_run():
+    cfg = load_config(None, ["learning_rate=0.1"])  # optim.learning_rate and sft.learning_rate both exist
+    assert cfg.optim.learning_rate == 0.1 and cfg.sft.learning_rate == load_config().sft.learning_rate
 
 
 @pytest.mark.parametrize(

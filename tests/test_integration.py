@@ -176,3 +176,14 @@ def test_every_command_has_help(command, capsys):
         main([command, "--help"])
     assert e.value.code == 0
     assert "usage: vlmrl" in capsys.readouterr().out
+
+
+def test_demo_quick_runs_end_to_end(tmp_path, monkeypatch):
+    """`vlmrl demo --quick`: builds the embedded model, SFT, GRPO, evaluation, report (a few steps each)."""
+    from vlmrl.demo import run_demo
+
+    monkeypatch.setenv("VLMRL_CACHE", str(tmp_path / "cache"))
+    result = run_demo(str(tmp_path / "demo"), quick=True)
+    assert 0.0 <= result["before"] <= 1.0 and 0.0 <= result["after"] <= 1.0
+    assert (tmp_path / "demo" / "grpo" / "report.png").exists()
+    assert (tmp_path / "demo" / "grpo" / "final" / "model.safetensors").exists()

@@ -272,6 +272,8 @@ def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
     if len(parts) == 1:
         # TRL users write `num_generations: 8` without a section: accept a unique field name.
         owners = _all_field_names().get(parts[0], [])
+        if len(owners) > 1 and "sft" in owners:  # TRL's names mean the RL run: learning_rate -> optim.learning_rate
+            owners = [o for o in owners if o != "sft"]
         if len(owners) == 1:
             parts = [owners[0], parts[0]]
         elif len(owners) > 1:

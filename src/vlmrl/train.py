@@ -68,163 +68,161 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     def checkpoint(step: int) -> None:
         save(cfg, out, step, model, optimizer, scheduler, sampler, state, logger.info)
 
-    stop = GracefulStop()
-    stop.__enter__()
-    # Piece sizes that OOM recovery may shrink; kept for the rest of the run and in checkpoints.
-    sizes = state.setdefault("sizes", {"train": cfg.training.per_device_train_batch_size,
-                                        "generation": cfg.memory.generation_prompts_per_call})
-    chunk = cfg.memory.logprob_chunk_tokens
-    for step in range(state["step"] + 1, cfg.training.max_steps + 1):
-        t_start = time.perf_counter()
-        reset_peaks()
-        phases: dict[str, float] = {}
+    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
+    with GracefulStop() as stop, logger:
+        # Piece sizes that OOM recovery may shrink; kept for the rest of the run and in checkpoints.
+        sizes = state.setdefault("sizes", {"train": cfg.training.per_device_train_batch_size,
+                                            "generation": cfg.memory.generation_prompts_per_call})
+        chunk = cfg.memory.logprob_chunk_tokens
+        for step in range(state["step"] + 1, cfg.training.max_steps + 1):
+            t_start = time.perf_counter()
+            reset_peaks()
+            phases: dict[str, float] = {}
 
-        # 1. Rollout: G completions for each prompt (OOM -> fewer prompts per generate call, same samples).
-        rows = [data.train[i] for i in sampler.next_batch(cfg.prompts_per_step)]
-        prompts = encode_rows(processor, rows, cfg, device)
-        model.eval()
+            # 1. Rollout: G completions for each prompt (OOM -> fewer prompts per generate call, same samples).
+            rows = [data.train[i] for i in sampler.next_batch(cfg.prompts_per_step)]
+            prompts = encode_rows(processor, rows, cfg, device)
+            model.eval()
 
-        def rollout(prompts_per_call: int) -> Completions:
-            maybe_inject_oom("rollout", prompts_per_call)
-            torch.manual_seed(cfg.training.seed * 1_000_003 + step)  # a redo after an OOM samples the same way
-            with autocast:
-                return generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
-                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=prompts_per_call)
-
-        with phase_memory("rollout", phases):
-            comp, sizes["generation"] = retry_on_oom(rollout, sizes["generation"] or len(rows), "rollout", logger.info,
-                                                     enabled=cfg.memory.oom_recovery)
-        t_rollout = time.perf_counter()
-
-        # 2. Rewards, 3. advantages.
-        texts = decode(processor, comp.ids)
-        prompt_texts = [row["problem"] for row in rows for _ in range(G)]
-        total, per_reward = compute_rewards(reward_funcs, reward_weights, prompt_texts, texts, reward_columns(rows, G))
-        rewards = torch.tensor(total, dtype=torch.float32)
-        advantages = group_advantages(rewards, G, a.scale_rewards).to(device)
-        loss_mask = comp.mask.clone()
-        if a.mask_truncated_completions:
-            loss_mask[comp.truncated] = 0
-        prompt_of_row = torch.arange(len(rows)).repeat_interleave(G)
-
-        def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            """The micro-batch's unique prompts (each image encoded once), which prompt each row continues,
-            and the completions trimmed to the longest one."""
-            width = max(1, int(comp.lengths[idx].max()))
-            ids, mask = comp.ids[idx, :width].to(device), loss_mask[idx, :width].to(device)
-            unique, row_prompt = group_rows(prompt_of_row[idx])
-            return select_rows(prompts, unique.tolist()), row_prompt.to(device), ids, mask, comp.mask[idx, :width].to(device)
-
-        def scored(scoring_model) -> torch.Tensor:
-            logps, sizes["train"] = retry_on_oom(lambda mb: score(scoring_model, micro_inputs, comp, mb, r.temperature, autocast, chunk),
-                                                 sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
-            return logps
-
-        # Old log-probs are needed only when a rollout is reused; reference log-probs only when beta > 0.
-        with phase_memory("scoring", phases):
-            old_logps = scored(model) if a.num_iterations > 1 else None
-            ref_logps = None
-            if reference is not None:
-                with reference as ref_model:
-                    ref_logps = scored(ref_model)
-        t_scored = time.perf_counter()
-
-        # 4. num_iterations x updates over the rollout; each optimizer step sees per_device_train_batch_size x
-        # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows (smaller after an OOM).
-        model.train()
-        rows_per_opt_step = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
-        stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
-        ratio_dev = [0.0] * a.num_iterations  # max |ratio - 1| per pass: 0 on-policy, > 0 once the rollout is reused
-
-        def accumulate(step_rows: list[int], mb: int, iteration: int) -> dict[str, list[float]]:
-            """Forward/backward of one optimizer step's rows in micro-batches of mb; returns its stats."""
-            micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
-            norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
-            out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
-            for idx in micro:
-                maybe_inject_oom("update", len(idx))
-                batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
+            def rollout(prompts_per_call: int) -> Completions:
+                maybe_inject_oom("rollout", prompts_per_call)
+                torch.manual_seed(cfg.training.seed * 1_000_003 + step)  # a redo after an OOM samples the same way
                 with autocast:
-                    logps = completion_logps_grouped(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk)
-                width = ids.shape[1]
-                old = old_logps[idx, :width] if old_logps is not None else logps.detach()
-                ref = ref_logps[idx, :width] if ref_logps is not None else None
-                tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
-                loss = aggregate(tok_loss, mask, a.loss_type, norm)
-                loss.backward()
-                out["loss"][0] += loss.item()
-                out["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
-                out["ratio_dev"][0] = max(out["ratio_dev"][0], float(((parts["ratio"] - 1).abs() * mask).max()))
-                if "kl" in parts:
-                    out["kl"].append(masked_mean(parts["kl"], mask).item())
-            return out
+                    return generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=prompts_per_call)
 
-        with phase_memory("update", phases):
-            for iteration in range(a.num_iterations):
-                for start in range(0, comp.ids.shape[0], rows_per_opt_step):
-                    step_rows = list(range(start, start + rows_per_opt_step))
-                    step_stats, sizes["train"] = retry_on_oom(
-                        lambda mb: accumulate(step_rows, mb, iteration), sizes["train"], "update", logger.info,
-                        on_oom=lambda: optimizer.zero_grad(set_to_none=True), enabled=cfg.memory.oom_recovery)
-                    stats["grad_norm"].append(clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm))
-                    for key in ("loss", "kl", "clip_ratio"):
-                        stats[key] += step_stats[key]
-                    ratio_dev[iteration] = max(ratio_dev[iteration], step_stats["ratio_dev"][0])
-        t_end = time.perf_counter()
+            with phase_memory("rollout", phases):
+                comp, sizes["generation"] = retry_on_oom(rollout, sizes["generation"] or len(rows), "rollout", logger.info,
+                                                         enabled=cfg.memory.oom_recovery)
+            t_rollout = time.perf_counter()
 
-        # 5. Log.
-        metrics = {
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "frac_reward_zero_std": (group_std(rewards, G) == 0).float().mean().item(),
-            **reward_stats(per_reward),
-            "loss": _mean(stats["loss"]),
-            "kl": _mean(stats["kl"]) if stats["kl"] else 0.0,
-            "clip_ratio": _mean(stats["clip_ratio"]),
-            **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(ratio_dev)},
-            "grad_norm": _mean(stats["grad_norm"]),
-            "lr": scheduler.get_last_lr()[0],
-            "completions/mean_length": comp.lengths.float().mean().item(),
-            "completions/truncated_frac": comp.truncated.float().mean().item(),
-            "time/rollout": t_rollout - t_start,
-            "time/scoring": t_scored - t_rollout,
-            "time/update": t_end - t_scored,
-            "time/step": t_end - t_start,
-            "epoch": sampler.epoch,
-            "micro_batch_size": sizes["train"],
-            **phases,
-            **memory_stats(),
-        }
-        warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
-        logger.log(step, metrics)
-        if cfg.logging.log_completions:
-            logger.log_samples(step, [
-                {"prompt": prompt_texts[i], "completion": texts[i], "reward": total[i], "advantage": advantages[i].item(),
-                 "solution": rows[i // G].get("solution")}
-                for i in range(min(cfg.logging.log_completions, len(texts)))
-            ])
-        final = {**final, **metrics}
+            # 2. Rewards, 3. advantages.
+            texts = decode(processor, comp.ids)
+            prompt_texts = [row["problem"] for row in rows for _ in range(G)]
+            total, per_reward = compute_rewards(reward_funcs, reward_weights, prompt_texts, texts, reward_columns(rows, G))
+            rewards = torch.tensor(total, dtype=torch.float32)
+            advantages = group_advantages(rewards, G, a.scale_rewards).to(device)
+            loss_mask = comp.mask.clone()
+            if a.mask_truncated_completions:
+                loss_mask[comp.truncated] = 0
+            prompt_of_row = torch.arange(len(rows)).repeat_interleave(G)
 
-        # 6. Evaluate, 7. maybe save.
-        last = step == cfg.training.max_steps
-        state["step"] = step
-        if data.eval and (last or (cfg.training.eval_steps and step % cfg.training.eval_steps == 0)):
-            eval_metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
-            logger.log_eval(step, eval_metrics)
-            final.update(eval_metrics)
-            value = eval_metrics.get(cfg.training.metric_for_best)
-            if value is not None and (state["best_metric"] is None or value > state["best_metric"]):
-                state["best_metric"], state["best_step"] = value, step
-        preempted = stop.requested or (stop_after is not None and step >= stop_after)
-        if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
-            checkpoint(step)
-        if preempted and not last:
-            why = stop.signal_name or f"stop_after={stop_after}"
-            logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
-            break
+            def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                """The micro-batch's unique prompts (each image encoded once), which prompt each row continues,
+                and the completions trimmed to the longest one."""
+                width = max(1, int(comp.lengths[idx].max()))
+                ids, mask = comp.ids[idx, :width].to(device), loss_mask[idx, :width].to(device)
+                unique, row_prompt = group_rows(prompt_of_row[idx])
+                return select_rows(prompts, unique.tolist()), row_prompt.to(device), ids, mask, comp.mask[idx, :width].to(device)
 
-    stop.__exit__(None, None, None)
-    logger.close()
+            def scored(scoring_model) -> torch.Tensor:
+                logps, sizes["train"] = retry_on_oom(lambda mb: score(scoring_model, micro_inputs, comp, mb, r.temperature, autocast, chunk),
+                                                     sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
+                return logps
+
+            # Old log-probs are needed only when a rollout is reused; reference log-probs only when beta > 0.
+            with phase_memory("scoring", phases):
+                old_logps = scored(model) if a.num_iterations > 1 else None
+                ref_logps = None
+                if reference is not None:
+                    with reference as ref_model:
+                        ref_logps = scored(ref_model)
+            t_scored = time.perf_counter()
+
+            # 4. num_iterations x updates over the rollout; each optimizer step sees per_device_train_batch_size x
+            # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows (smaller after an OOM).
+            model.train()
+            rows_per_opt_step = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
+            stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
+            ratio_dev = [0.0] * a.num_iterations  # max |ratio - 1| per pass: 0 on-policy, > 0 once the rollout is reused
+
+            def accumulate(step_rows: list[int], mb: int, iteration: int) -> dict[str, list[float]]:
+                """Forward/backward of one optimizer step's rows in micro-batches of mb; returns its stats."""
+                micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
+                norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
+                out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
+                for idx in micro:
+                    maybe_inject_oom("update", len(idx))
+                    batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
+                    with autocast:
+                        logps = completion_logps_grouped(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk)
+                    width = ids.shape[1]
+                    old = old_logps[idx, :width] if old_logps is not None else logps.detach()
+                    ref = ref_logps[idx, :width] if ref_logps is not None else None
+                    tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
+                    loss = aggregate(tok_loss, mask, a.loss_type, norm)
+                    loss.backward()
+                    out["loss"][0] += loss.item()
+                    out["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
+                    out["ratio_dev"][0] = max(out["ratio_dev"][0], float(((parts["ratio"] - 1).abs() * mask).max()))
+                    if "kl" in parts:
+                        out["kl"].append(masked_mean(parts["kl"], mask).item())
+                return out
+
+            with phase_memory("update", phases):
+                for iteration in range(a.num_iterations):
+                    for start in range(0, comp.ids.shape[0], rows_per_opt_step):
+                        step_rows = list(range(start, start + rows_per_opt_step))
+                        step_stats, sizes["train"] = retry_on_oom(
+                            lambda mb: accumulate(step_rows, mb, iteration), sizes["train"], "update", logger.info,
+                            on_oom=lambda: optimizer.zero_grad(set_to_none=True), enabled=cfg.memory.oom_recovery)
+                        stats["grad_norm"].append(clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm))
+                        for key in ("loss", "kl", "clip_ratio"):
+                            stats[key] += step_stats[key]
+                        ratio_dev[iteration] = max(ratio_dev[iteration], step_stats["ratio_dev"][0])
+            t_end = time.perf_counter()
+
+            # 5. Log.
+            metrics = {
+                "reward": rewards.mean().item(),
+                "reward_std": rewards.std().item(),
+                "frac_reward_zero_std": (group_std(rewards, G) == 0).float().mean().item(),
+                **reward_stats(per_reward),
+                "loss": _mean(stats["loss"]),
+                "kl": _mean(stats["kl"]) if stats["kl"] else 0.0,
+                "clip_ratio": _mean(stats["clip_ratio"]),
+                **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(ratio_dev)},
+                "grad_norm": _mean(stats["grad_norm"]),
+                "lr": scheduler.get_last_lr()[0],
+                "completions/mean_length": comp.lengths.float().mean().item(),
+                "completions/truncated_frac": comp.truncated.float().mean().item(),
+                "time/rollout": t_rollout - t_start,
+                "time/scoring": t_scored - t_rollout,
+                "time/update": t_end - t_scored,
+                "time/step": t_end - t_start,
+                "epoch": sampler.epoch,
+                "micro_batch_size": sizes["train"],
+                **phases,
+                **memory_stats(),
+            }
+            warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
+            logger.log(step, metrics)
+            if cfg.logging.log_completions:
+                logger.log_samples(step, [
+                    {"prompt": prompt_texts[i], "completion": texts[i], "reward": total[i], "advantage": advantages[i].item(),
+                     "solution": rows[i // G].get("solution")}
+                    for i in range(min(cfg.logging.log_completions, len(texts)))
+                ])
+            final = {**final, **metrics}
+
+            # 6. Evaluate, 7. maybe save.
+            last = step == cfg.training.max_steps
+            state["step"] = step
+            if data.eval and (last or (cfg.training.eval_steps and step % cfg.training.eval_steps == 0)):
+                eval_metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
+                logger.log_eval(step, eval_metrics)
+                final.update(eval_metrics)
+                value = eval_metrics.get(cfg.training.metric_for_best)
+                if value is not None and (state["best_metric"] is None or value > state["best_metric"]):
+                    state["best_metric"], state["best_step"] = value, step
+            preempted = stop.requested or (stop_after is not None and step >= stop_after)
+            if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
+                checkpoint(step)
+            if preempted and not last:
+                why = stop.signal_name or f"stop_after={stop_after}"
+                logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
+                break
+
     if state["step"] == cfg.training.max_steps:
         if cfg.training.save_final_model:
             save_model(model, processor, out / "final")
@@ -232,7 +230,15 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             from .report import make_report
 
             make_report(out, title=f"GRPO: {out.name} ({cfg.model.name_or_path})")
+        if cfg.logging.progress_bar:
+            from .report import summary_table
+
+            shown = {k: v for k, v in final.items() if k in SUMMARY_KEYS or k.startswith("eval/")}
+            summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"GRPO finished: {out}")
     return final
+
+
+SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
 
 
 def find_resume(cfg: Config, log):
