@@ -120,3 +120,13 @@ def test_readme_reference_is_current():
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     block = re.search(r"<!-- config-reference:start -->\n(.*)<!-- config-reference:end -->", readme, re.S).group(1)
     assert block == reference_markdown(), "README config reference is stale: run `make reference`"
+
+
+def test_shipped_example_configs_load():
+    import pathlib
+
+    configs = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.generation_batch_size % cfg.rollout.num_generations == 0

@@ -38,6 +38,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
     kills, finished, log, during_saves = 0, False, [], 0
     stderr = tmp_path / "stderr.txt"
     while kills < KILLS:
+        tmp_before = {(p.name, p.stat().st_mtime_ns) for p in out.glob(".tmp-checkpoint-*")} if out.exists() else set()
         with stderr.open("w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         delay = rng.uniform(4.5, 9.0)  # start-up takes ~4-6 s here: most kills land in training steps or saves
@@ -50,7 +51,8 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
             proc.wait()
             kills += 1
             done = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) if out.exists() else []
-            mid_save = out.exists() and any(out.glob(".tmp-checkpoint-*"))  # killed while writing a checkpoint
+            # Killed while writing a checkpoint: a .tmp folder this attempt created is left behind.
+            mid_save = out.exists() and any((p.name, p.stat().st_mtime_ns) not in tmp_before for p in out.glob(".tmp-checkpoint-*"))
             during_saves += mid_save
             log.append((round(delay, 2), done[-1] if done else None, "mid-save" if mid_save else ""))
     if not finished:

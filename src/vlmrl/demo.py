@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .config import load_config
 
-# The demo's settings, as overrides of the default config (readable as a YAML in configs/demo_*.yaml).
+# The demo's settings, as overrides of the default config.
 COMMON = [
     "data.task=count", "data.task_train_size=2000", "data.task_test_size=200", "data.task_image_size=56",
     "data.min_pixels=3136", "data.max_pixels=3136", "data.task_distractors=false", "data.task_colours=[red]",
@@ -26,7 +26,7 @@ COMMON = [
 SFT = ["sft.projector_steps=20", "sft.projector_learning_rate=3e-3", "sft.steps=25", "sft.learning_rate=1e-3",
        "sft.train_vision_tower=true", "sft.batch_size=32"]
 GRPO = ["rollout.num_generations=8", "training.per_device_train_batch_size=32", "rollout.generation_batch_size=64",
-        "training.gradient_accumulation_steps=2", "training.max_steps=150", "optim.learning_rate=3e-4",
+        "training.gradient_accumulation_steps=2", "training.max_steps=200", "optim.learning_rate=3e-4",
         "algorithm.loss_type=grpo", "algorithm.beta=0.0", "training.val_before_train=true", "rollout.temperature=1.0",
         "training.eval_steps=25"]
 QUICK = ["sft.projector_steps=2", "sft.steps=2", "training.max_steps=2", "data.task_test_size=20"]
