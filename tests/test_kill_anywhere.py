@@ -41,12 +41,18 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
         tmp_before = {(p.name, p.stat().st_mtime_ns) for p in out.glob(".tmp-checkpoint-*")} if out.exists() else set()
         with stderr.open("w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
-        delay = rng.uniform(4.5, 9.0)  # start-up takes ~4-6 s here: most kills land in training steps or saves
+        delay = rng.uniform(4.5, 9.0)  # start-up takes ~4-6 s here: these kills land in steps, saves or start-up
         try:
+            if kills % 2:  # every other kill aims at a save: SIGKILL as soon as a new .tmp checkpoint folder appears
+                t0 = time.time()
+                while proc.poll() is None and time.time() - t0 < 60:
+                    if any((p.name, p.stat().st_mtime_ns) not in tmp_before for p in out.glob(".tmp-checkpoint-*")):
+                        raise subprocess.TimeoutExpired(cmd, 0)
+                    time.sleep(0.001)
             assert proc.wait(timeout=delay) == 0, stderr.read_text()[-3000:]
             finished = True  # the run completed before this kill
             break
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, FileNotFoundError):  # FileNotFoundError: the .tmp folder was renamed meanwhile
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             kills += 1
