@@ -140,3 +140,15 @@ def test_vectorised_matches_naive_loop_and_microbatching(loss_type, beta):
     (g_fast,) = torch.autograd.grad(total, logps)
     assert total.item() == pytest.approx(expected.item(), rel=1e-6)
     assert torch.allclose(g_fast, g_naive, atol=1e-7)
+
+
+def test_pure_modules_import_without_engines():
+    """config, advantages, losses and rewards stay importable without accelerate / deepspeed / vllm / transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import vlmrl.config, vlmrl.advantages, vlmrl.losses, vlmrl.rewards; "
+            "bad = [m for m in ('accelerate', 'deepspeed', 'vllm', 'transformers', 'peft') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
