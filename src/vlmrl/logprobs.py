@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .models import unwrap
+
 # Keys of an encoded prompt batch that are bookkeeping, not model inputs.
 NON_MODEL_KEYS = ("images_per_row",)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The HF *ForConditionalGeneration under a peft wrapper (LoRA layers stay injected)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def model_inputs(batch: dict) -> dict:
