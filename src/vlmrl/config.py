@@ -150,6 +150,7 @@ class MemoryConfig:
     ref_placement: Literal["device", "cpu"] = _f("device", "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).")
     oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.")
     generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.")
+    max_tokens_per_micro_batch: Optional[int] = _f(None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows.")
     logprob_chunk_tokens: int = _f(1024, "Tokens per LM-head chunk when computing log-probs (bounds the logits block).")
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")
 
@@ -400,6 +401,8 @@ def validate(cfg: Config) -> None:
         (cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,
          "memory.generation_prompts_per_call must be >= 1 (or null for all prompts at once)"),
         (cfg.memory.logprob_chunk_tokens >= 1, "memory.logprob_chunk_tokens must be >= 1"),
+        (cfg.memory.max_tokens_per_micro_batch is None or cfg.memory.max_tokens_per_micro_batch >= 1,
+         "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)"),
         (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
     ]

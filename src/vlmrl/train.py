@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .advantages import group_advantages, group_std
+from .batching import pack_by_tokens, split_by_rows
 from .config import Config, save_config
 from .logprobs import completion_logps_grouped, group_rows
 from .losses import aggregate, masked_mean, per_token_loss, step_normaliser
@@ -71,7 +72,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
     with GracefulStop() as stop, logger:
         # Piece sizes that OOM recovery may shrink; kept for the rest of the run and in checkpoints.
-        sizes = state.setdefault("sizes", {"train": cfg.training.per_device_train_batch_size,
+        sizes = state.setdefault("sizes", {"train": cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size,
                                             "generation": cfg.memory.generation_prompts_per_call})
         chunk = cfg.memory.logprob_chunk_tokens
         for step in range(state["step"] + 1, cfg.training.max_steps + 1):
@@ -115,9 +116,17 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 unique, row_prompt = group_rows(prompt_of_row[idx])
                 return select_rows(prompts, unique.tolist()), row_prompt.to(device), ids, mask, comp.mask[idx, :width].to(device)
 
+            def split(rows: list[int], size: int) -> list[list[int]]:
+                """Micro-batches of `size` rows, or of at most `size` tokens (memory.max_tokens_per_micro_batch)."""
+                if cfg.memory.max_tokens_per_micro_batch is None:
+                    return split_by_rows(rows, size)
+                return pack_by_tokens(rows, comp.lengths[rows].tolist(), size, prompts["input_ids"].shape[1])
+
             def scored(scoring_model) -> torch.Tensor:
-                logps, sizes["train"] = retry_on_oom(lambda mb: score(scoring_model, micro_inputs, comp, mb, r.temperature, autocast, chunk),
-                                                     sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
+                all_rows = list(range(comp.ids.shape[0]))
+                logps, sizes["train"] = retry_on_oom(
+                    lambda size: score(scoring_model, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk),
+                    sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
                 return logps
 
             # Old log-probs are needed only when a rollout is reused; reference log-probs only when beta > 0.
@@ -130,7 +139,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             t_scored = time.perf_counter()
 
             # 4. num_iterations x updates over the rollout; each optimizer step sees per_device_train_batch_size x
-            # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows (smaller after an OOM).
+            # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows or tokens (smaller after an OOM).
             model.train()
             rows_per_opt_step = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
             stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
@@ -138,7 +147,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
             def accumulate(step_rows: list[int], mb: int, iteration: int) -> dict[str, list[float]]:
                 """Forward/backward of one optimizer step's rows in micro-batches of mb; returns its stats."""
-                micro = [step_rows[i : i + mb] for i in range(0, len(step_rows), mb)]
+                micro = split(step_rows, mb)
                 norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
                 out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
                 for idx in micro:
@@ -191,7 +200,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 "time/update": t_end - t_scored,
                 "time/step": t_end - t_start,
                 "epoch": sampler.epoch,
-                "micro_batch_size": sizes["train"],
+                ("micro_batch_size" if cfg.memory.max_tokens_per_micro_batch is None else "micro_batch_tokens"): sizes["train"],
                 **phases,
                 **memory_stats(),
             }
@@ -309,14 +318,13 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
             p.copy_(q)
 
 
-def score(model, micro_inputs, comp: Completions, mb: int, temperature: float, autocast, chunk_tokens: int = 1024) -> torch.Tensor:
+def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperature: float, autocast, chunk_tokens: int = 1024) -> torch.Tensor:
     """Per-token log-probs [B*G, T] of the rollout under `model`, in micro-batches, without grad."""
     from .oom import maybe_inject_oom
 
-    out = torch.zeros(comp.ids.shape, dtype=torch.float32, device=comp.ids.device)
+    out = torch.zeros(tuple(shape), dtype=torch.float32, device=next(model.parameters()).device)
     with torch.no_grad():
-        for start in range(0, comp.ids.shape[0], mb):
-            idx = list(range(start, min(start + mb, comp.ids.shape[0])))
+        for idx in micro_batches:
             maybe_inject_oom("scoring", len(idx))
             batch, row_prompt, ids, _, gen_mask = micro_inputs(idx)
             with autocast:
