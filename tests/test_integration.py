@@ -111,7 +111,6 @@ def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, t
 @pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
 def test_rollout_never_samples_vision_placeholders(family, request, count_data):
     """A sampled <|image_pad|> would make scoring fail ('image features and image tokens do not match')."""
-    from vlmrl.config import load_config
     from vlmrl.rollout import generate, vision_token_ids
     from vlmrl.runtime import encode_rows, load_policy
     from vlmrl.data import load_dataset_split
