@@ -84,6 +84,7 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature (also used when scoring log-probs).")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
     top_k: int = _f(0, "Top-k sampling; 0 disables it.")
+    min_completion_length: int = _f(0, "EOS is not sampled before this many tokens (= max_completion_length forces equal-length completions, e.g. for benchmarks).")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class MemoryConfig:
     generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.")
     max_tokens_per_micro_batch: Optional[int] = _f(None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows.")
     logprob_chunk_tokens: int = _f(1024, "Tokens per LM-head chunk when computing log-probs (bounds the logits block).")
+    shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).")
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")
 
 
@@ -370,6 +372,8 @@ def validate(cfg: Config) -> None:
         (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0"),
         (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
         (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)"),
+        (0 <= r.min_completion_length <= r.max_completion_length,
+         f"rollout.min_completion_length={r.min_completion_length} must be in [0, max_completion_length={r.max_completion_length}]"),
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
         (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
