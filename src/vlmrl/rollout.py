@@ -68,12 +68,18 @@ def generate(
     top_k: int = 0,
     do_sample: bool = True,
     prompts_per_call: int | None = None,
+    min_new_tokens: int = 0,
+    shared_prefix: bool = True,
 ) -> Completions:
     """Sample `num_generations` completions for each prompt row of `prompt_batch` ([B, P]).
 
     prompts_per_call bounds how many prompts go through one generate() call (the generation batch),
-    independently of the training micro-batch. Returns [B*G, T] completions grouped by prompt.
+    independently of the training micro-batch. shared_prefix prefills each prompt once and shares its
+    KV cache across its G samples (`prefix.sample_with_shared_prefix`); otherwise HF generate with
+    num_return_sequences (prompt and images processed G times). Returns [B*G, T] completions grouped
+    by prompt.
     """
+    from .prefix import prefix_supported, sample_with_shared_prefix
     from .processing import select_rows
 
     eos = eos_token_ids(model, tokenizer)
@@ -83,7 +89,14 @@ def generate(
     pieces = []
     for start in range(0, n_prompts, step):
         rows = list(range(start, min(start + step, n_prompts)))
-        chunk = model_inputs(select_rows(prompt_batch, rows) if step < n_prompts else prompt_batch)
+        chunk = select_rows(prompt_batch, rows) if step < n_prompts else prompt_batch
+        if shared_prefix and prefix_supported(model, chunk):
+            pieces.append(sample_with_shared_prefix(
+                model, chunk, num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad,
+                suppress_ids=vision_token_ids(model), do_sample=do_sample, temperature=temperature, top_p=top_p,
+                top_k=top_k, min_new_tokens=min_new_tokens))
+            continue
+        chunk = model_inputs(chunk)
         out = model.generate(
             **chunk,
             do_sample=do_sample,
@@ -95,6 +108,7 @@ def generate(
             eos_token_id=eos,
             pad_token_id=pad,
             suppress_tokens=vision_token_ids(model) or None,
+            min_new_tokens=min_new_tokens or None,
         )
         pieces.append(out[:, chunk["input_ids"].shape[1] :])
     width = max(p.shape[1] for p in pieces)

@@ -16,8 +16,9 @@ import torch
 from .advantages import group_advantages, group_std
 from .batching import pack_by_tokens, split_by_rows
 from .config import Config, save_config
-from .logprobs import completion_logps_grouped, group_rows
+from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss, step_normaliser
+from .prefix import completion_logps_for
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
@@ -90,7 +91,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 torch.manual_seed(cfg.training.seed * 1_000_003 + step)  # a redo after an OOM samples the same way
                 with autocast:
                     return generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
-                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=prompts_per_call)
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=prompts_per_call,
+                                    min_new_tokens=r.min_completion_length, shared_prefix=cfg.memory.shared_prefix)
 
             with phase_memory("rollout", phases):
                 comp, sizes["generation"] = retry_on_oom(rollout, sizes["generation"] or len(rows), "rollout", logger.info,
@@ -125,7 +127,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             def scored(scoring_model) -> torch.Tensor:
                 all_rows = list(range(comp.ids.shape[0]))
                 logps, sizes["train"] = retry_on_oom(
-                    lambda size: score(scoring_model, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk),
+                    lambda size: score(scoring_model, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk,
+                                       cfg.memory.shared_prefix),
                     sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
                 return logps
 
@@ -154,7 +157,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                     maybe_inject_oom("update", len(idx))
                     batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
                     with autocast:
-                        logps = completion_logps_grouped(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk)
+                        logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk, cfg.memory.shared_prefix)
                     width = ids.shape[1]
                     old = old_logps[idx, :width] if old_logps is not None else logps.detach()
                     ref = ref_logps[idx, :width] if ref_logps is not None else None
@@ -318,7 +321,8 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
             p.copy_(q)
 
 
-def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperature: float, autocast, chunk_tokens: int = 1024) -> torch.Tensor:
+def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperature: float, autocast, chunk_tokens: int = 1024,
+          shared_prefix: bool = True) -> torch.Tensor:
     """Per-token log-probs [B*G, T] of the rollout under `model`, in micro-batches, without grad."""
     from .oom import maybe_inject_oom
 
@@ -328,7 +332,7 @@ def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperatur
             maybe_inject_oom("scoring", len(idx))
             batch, row_prompt, ids, _, gen_mask = micro_inputs(idx)
             with autocast:
-                logps = completion_logps_grouped(model, batch, row_prompt, ids, gen_mask, temperature, chunk_tokens)
+                logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, temperature, chunk_tokens, shared_prefix)
             out[idx, : ids.shape[1]] = logps.to(out.device)
     return out
 

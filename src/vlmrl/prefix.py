@@ -1,0 +1,220 @@
+"""Shared prompt prefix: each prompt (text + image tokens) goes through the model once per group.
+
+A GRPO group is G completions of one prompt. The naive paths run the prompt G times: HF generate with
+num_return_sequences copies the prompt (and its images) G times before prefill, and scoring /
+training forward prompt + completion per row. Here the U unique prompts are prefilled once, their KV
+cache is repeated (rollout) or gathered (scoring, training) for the N completion rows, and only the
+completion tokens run per row: each completion attends to one shared copy of its prompt.
+
+- `sample_with_shared_prefix`: rollout. Greedy output equals HF generate token for token; sampling uses
+  the same logits processors in the same order and the same one multinomial call per step as HF
+  generate, so it draws from the same distribution (and, with bit-equal logits, the same tokens).
+- `completion_logps_prefix`: per-token log-probs with gradients, equal to `completion_logps` within fp32
+  rounding. Under gradient checkpointing transformers drops the KV cache inside checkpointed layers,
+  so `prefix_supported` says no and callers use the grouped path instead.
+
+| family (config.model_type) | shared prefix | positions of completion tokens                  |
+|----------------------------|---------------|-------------------------------------------------|
+| qwen2_vl, qwen2_5_vl       | yes           | M-RoPE: prompt's max position + 1 + t (all axes) |
+| llava                      | yes           | cache position P + t (the model's default)       |
+| anything else              | no (grouped / naive path) |                                    |
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .logprobs import _accepted, grouped_family, model_inputs, selective_logps
+from .models import unwrap
+
+
+def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: bool = False) -> bool:
+    """True when the shared-prefix path applies: a tested family, no videos, and (for a forward that
+    keeps gradients) no gradient checkpointing in training mode."""
+    if grouped_family(model) is None or prompt_batch.get("pixel_values_videos") is not None:
+        return False
+    core = unwrap(model)
+    checkpointing = getattr(core, "is_activation_checkpointing", None)
+    if checkpointing is None:  # transformers < 5
+        checkpointing = getattr(core, "is_gradient_checkpointing", False)
+    return not (needs_grad and checkpointing and core.training)
+
+
+def completion_logps_for(
+    model: torch.nn.Module,
+    prompt_batch: dict,
+    row_prompt: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    shared_prefix: bool = True,
+) -> torch.Tensor:
+    """[N, T] log-probs by the cheapest exact path: shared prefix when on and supported, else the grouped
+    path (one vision pass per prompt), which itself falls back to the naive path per family."""
+    from .logprobs import completion_logps_grouped
+
+    needs_grad = torch.is_grad_enabled()
+    if shared_prefix and prefix_supported(model, prompt_batch, needs_grad):
+        return completion_logps_prefix(model, prompt_batch, row_prompt, completion_ids, completion_mask, temperature, chunk_tokens)
+    return completion_logps_grouped(model, prompt_batch, row_prompt, completion_ids, completion_mask, temperature, chunk_tokens)
+
+
+def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(position_ids for the prompt or None = model default, next position [U] of the first new token).
+
+    Qwen-VL: M-RoPE ids [3, U, P] from the model's get_rope_index; the first completion token sits at
+    the prompt's largest position + 1 (what the model derives for text after the prompt). Others: the
+    model's default positions 0..P-1, so the next one is P."""
+    core = unwrap(model)
+    input_ids = prompt_batch["input_ids"]
+    if grouped_family(model) != "qwen":
+        return None, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+    inner = core.model
+    mm_types = prompt_batch.get("mm_token_type_ids")
+    if mm_types is None:
+        mm_types = (input_ids == core.config.image_token_id).long()
+    position_ids, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, {
+        "input_ids": input_ids, "mm_token_type_ids": mm_types, "image_grid_thw": prompt_batch.get("image_grid_thw"),
+        "video_grid_thw": None, "attention_mask": prompt_batch["attention_mask"]}))
+    masked = position_ids.masked_fill(prompt_batch["attention_mask"].unsqueeze(0) == 0, -1)
+    return position_ids, masked.amax(dim=(0, 2)) + 1
+
+
+def _continuation_positions(model, next_pos: torch.Tensor, offset: int, length: int) -> torch.Tensor | None:
+    """Position ids of `length` tokens starting `offset` after the prompt, per row ([3, N, length] for Qwen)."""
+    if grouped_family(model) != "qwen":
+        return None  # default: cache_position
+    pos = next_pos.unsqueeze(1) + offset + torch.arange(length, device=next_pos.device)
+    return pos.unsqueeze(0).expand(3, -1, -1)
+
+
+def _prefill(model, prompt_batch: dict, position_ids, lm_logits: bool):
+    """One forward over the U prompts with a KV cache. Returns the HF output (logits of the last position
+    when lm_logits, else last_hidden_state) whose past_key_values hold the prompts."""
+    core = unwrap(model)
+    inputs = model_inputs(prompt_batch)
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    if lm_logits:
+        return core(**inputs, use_cache=True, logits_to_keep=1)
+    return core.model(**inputs, use_cache=True)
+
+
+@torch.no_grad()
+def sample_with_shared_prefix(
+    model: torch.nn.Module,
+    prompt_batch: dict,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    suppress_ids: list[int],
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_new_tokens: int = 0,
+) -> torch.Tensor:
+    """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T], rows of prompt u
+    at u*G .. u*G+G-1, padded with pad_id after EOS (the layout HF generate returns after the prompt).
+
+    The prompts are prefilled once ([U, P]: one vision pass per prompt), the cache is repeated G times,
+    then all U*G rows decode one token per forward."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    core = unwrap(model)
+    G = num_generations if do_sample else 1
+    prompt_mask = prompt_batch["attention_mask"]
+    P = prompt_batch["input_ids"].shape[1]
+    position_ids, next_pos = prefix_positions(model, prompt_batch)
+    out = _prefill(model, prompt_batch, position_ids, lm_logits=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(G)
+    next_pos = next_pos.repeat_interleave(G)
+    attention_mask = prompt_mask.repeat_interleave(G, dim=0)
+    logits = out.logits[:, -1].to(torch.float32).repeat_interleave(G, dim=0)
+    del out
+
+    # HF generate's order: token bans (suppress, min length) first, then temperature, top-k, top-p.
+    warpers = LogitsProcessorList()
+    if do_sample:
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+    device = logits.device
+    eos = torch.tensor(eos_ids, device=device)
+    suppress = torch.tensor(suppress_ids, dtype=torch.long, device=device)
+    n = logits.shape[0]
+    unfinished = torch.ones(n, dtype=torch.bool, device=device)
+    tokens: list[torch.Tensor] = []
+    for t in range(max_new_tokens):
+        scores = logits
+        if suppress.numel():
+            scores = scores.index_fill(1, suppress, float("-inf"))
+        if t < min_new_tokens:
+            scores = scores.index_fill(1, eos, float("-inf"))
+        if do_sample:
+            scores = warpers(None, scores)
+            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            chosen = scores.argmax(dim=-1)
+        chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
+        tokens.append(chosen)
+        unfinished &= ~torch.isin(chosen, eos)
+        if not bool(unfinished.any()) or t == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        step = {"input_ids": chosen.unsqueeze(1), "attention_mask": attention_mask, "past_key_values": cache,
+                "cache_position": torch.tensor([P + t], device=device), "use_cache": True, "logits_to_keep": 1}
+        positions = _continuation_positions(model, next_pos, t, 1)
+        if positions is not None:
+            step["position_ids"] = positions
+        logits = core(**step).logits[:, -1].to(torch.float32)
+    return torch.stack(tokens, dim=1)
+
+
+def completion_logps_prefix(
+    model: torch.nn.Module,
+    prompt_batch: dict,
+    row_prompt: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """`completion_logps_grouped` with the prompt run once per unique prompt, not once per row.
+
+    prompt_batch: the U unique prompts ([U, P] + vision inputs); row_prompt: [N] prompt index of each row;
+    completion_ids, completion_mask: [N, T] right padded. Returns [N, T] float32 log-probs.
+
+    The prompts' forward yields their last hidden state (which predicts each row's first token) and a KV
+    cache; the cache is gathered to the N rows (index_select: backward sums the rows' gradients into the
+    one prompt pass) and the completions' first T-1 tokens run on top of it."""
+    core = unwrap(model)
+    rows = torch.as_tensor(row_prompt, dtype=torch.long).reshape(-1).to(prompt_batch["input_ids"].device)
+    P = prompt_batch["input_ids"].shape[1]
+    T = completion_ids.shape[1]
+    position_ids, next_pos = prefix_positions(model, prompt_batch)
+    out = _prefill(model, prompt_batch, position_ids, lm_logits=False)
+    first = out.last_hidden_state[:, -1].index_select(0, rows).unsqueeze(1)  # [N, 1, H]
+    if T > 1:
+        cache = out.past_key_values
+        cache.batch_select_indices(rows)
+        mask = torch.cat([prompt_batch["attention_mask"].index_select(0, rows),
+                          completion_mask[:, : T - 1].to(prompt_batch["attention_mask"])], dim=1)
+        step = {"input_ids": completion_ids[:, : T - 1], "attention_mask": mask, "past_key_values": cache,
+                "cache_position": torch.arange(P, P + T - 1, device=rows.device), "use_cache": True}
+        positions = _continuation_positions(model, next_pos.index_select(0, rows), 0, T - 1)
+        if positions is not None:
+            step["position_ids"] = positions
+        rest = core.model(**step).last_hidden_state
+        predicting = torch.cat([first.to(rest.dtype), rest], dim=1)
+    else:
+        predicting = first
+    del out
+    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
