@@ -205,8 +205,9 @@ def reference_logps(hidden, head, targets, temperature):
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_selective_logps_matches_full_softmax(temperature):
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 3), (0.6, 3), (0.6, 0)])
+def test_selective_logps_matches_full_softmax(temperature, chunk):
+    """chunk 3 splits 15 tokens unevenly; chunk 0 is the engine switched off (one block)."""
     torch.manual_seed(0)
     n, t, h, v = 3, 5, 16, 40  # 15 tokens: chunks of 3 split rows unevenly
     head = torch.nn.Linear(h, v, bias=False)
@@ -214,7 +215,7 @@ def test_selective_logps_matches_full_softmax(temperature):
     targets = torch.randint(v, (n, t))
     weights = torch.rand(n, t)  # a non-uniform upstream gradient
 
-    out = selective_logps(hidden, head, targets, temperature, chunk_tokens=3)
+    out = selective_logps(hidden, head, targets, temperature, chunk_tokens=chunk)
     (out * weights).sum().backward()
     g_hidden, g_head = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None

@@ -7,7 +7,7 @@ from test_logprobs import FAMILIES, G, LENGTHS, assert_grads_close, completions,
 
 from vlmrl.logprobs import completion_logps, vision_encode_counter
 from vlmrl.models import load_model, vision_tower
-from vlmrl.prefix import completion_logps_prefix, prefix_supported, sample_with_shared_prefix
+from vlmrl.prefix import completion_logps_for, completion_logps_prefix, prefix_supported, sample_with_shared_prefix
 from vlmrl.processing import load_processor, select_rows
 from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
 
@@ -147,3 +147,22 @@ def test_prefix_not_used_under_gradient_checkpointing(tiny_qwen25vl):
     assert prefix_supported(model, prompts, needs_grad=False)
     model.eval()
     assert prefix_supported(model, prompts, needs_grad=True)
+
+
+def test_dispatch_paths_agree_and_encode_as_documented(tiny_qwen25vl):
+    """completion_logps_for: shared prefix, grouped and naive (group_vision off) give the same values;
+    vision work is once per prompt for the first two and once per row for the naive one."""
+    model = load_model(model_cfg(tiny_qwen25vl)).eval()
+    processor = load_processor(tiny_qwen25vl)
+    prompts = prompt_batch(processor, [1, 2], seed=8)
+    row_prompt = torch.arange(2).repeat_interleave(G)
+    ids, mask = completions(processor, LENGTHS, seed=8)
+    out, images = {}, {}
+    for name, flags in {"prefix": (True, True), "grouped": (False, True), "naive": (False, False)}.items():
+        with torch.no_grad(), vision_encode_counter(model) as calls:
+            out[name] = completion_logps_for(model, prompts, row_prompt, ids, mask, 1.0, 0, *flags)
+        images[name] = calls.images
+    m = mask.bool()
+    torch.testing.assert_close(out["prefix"][m], out["naive"][m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out["grouped"][m], out["naive"][m], rtol=0, atol=1e-5)
+    assert images == {"prefix": 3, "grouped": 3, "naive": 3 * G}

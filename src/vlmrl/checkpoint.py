@@ -528,8 +528,10 @@ HARMLESS_TRAINING_KEYS = frozenset({
     "val_before_train", "max_steps", "resume", "resume_force", "resume_weights_only", "on_save_error",
     "output_dir", "device", "save_final_model", "metric_for_best",
 })
-# Where the reference lives and how OOMs are handled do not change what is computed.
-HARMLESS_MEMORY_KEYS = frozenset({"ref_placement", "oom_recovery", "warn_fraction"})
+# Where the reference lives, how OOMs are handled and which exact log-prob path runs do not change what
+# is computed (the paths agree to rounding; a resume across them is then not bit-exact, only equivalent).
+HARMLESS_MEMORY_KEYS = frozenset({"ref_placement", "oom_recovery", "warn_fraction", "shared_prefix", "group_vision",
+                                  "logprob_chunk_tokens", "generation_prompts_per_call"})
 _ABSENT = object()
 
 

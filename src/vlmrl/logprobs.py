@@ -39,9 +39,14 @@ def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.
 def selective_logps(
     hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 1024
 ) -> torch.Tensor:
-    """hidden [N, T, H] predicting targets [N, T] -> [N, T] log-probs, chunked over N*T tokens."""
+    """hidden [N, T, H] predicting targets [N, T] -> [N, T] log-probs, chunked over N*T tokens.
+
+    chunk_tokens <= 0 turns the memory engine off: one [N*T, V] logits block, kept for backward
+    (the naive path; benchmarks and equivalence tests compare against it)."""
     n, t, h = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(n * t, h), targets.reshape(n * t)
+    if chunk_tokens <= 0:
+        return _chunk_logps(flat_hidden, lm_head, flat_targets, temperature).view(n, t)
     out = []
     for start in range(0, n * t, chunk_tokens):
         sl = slice(start, start + chunk_tokens)

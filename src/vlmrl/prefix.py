@@ -49,15 +49,21 @@ def completion_logps_for(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     shared_prefix: bool = True,
+    group_vision: bool = True,
 ) -> torch.Tensor:
     """[N, T] log-probs by the cheapest exact path: shared prefix when on and supported, else the grouped
-    path (one vision pass per prompt), which itself falls back to the naive path per family."""
-    from .logprobs import completion_logps_grouped
+    path (one vision pass per prompt; it falls back to the naive path per family), else the naive path
+    (each row's prompt repeated: group_vision off)."""
+    from .logprobs import completion_logps, completion_logps_grouped
+    from .processing import select_rows
 
     needs_grad = torch.is_grad_enabled()
+    args = (completion_ids, completion_mask, temperature, chunk_tokens)
     if shared_prefix and prefix_supported(model, prompt_batch, needs_grad):
-        return completion_logps_prefix(model, prompt_batch, row_prompt, completion_ids, completion_mask, temperature, chunk_tokens)
-    return completion_logps_grouped(model, prompt_batch, row_prompt, completion_ids, completion_mask, temperature, chunk_tokens)
+        return completion_logps_prefix(model, prompt_batch, row_prompt, *args)
+    if group_vision:
+        return completion_logps_grouped(model, prompt_batch, row_prompt, *args)
+    return completion_logps(model, select_rows(prompt_batch, torch.as_tensor(row_prompt).reshape(-1)), *args)
 
 
 def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.Tensor | None, torch.Tensor]:

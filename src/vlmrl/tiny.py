@@ -186,12 +186,13 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
-def _qwen_text_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size) -> dict:
+def _qwen_text_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                      vocab_size: int | None = None) -> dict:
     if hidden_size % num_heads:
         raise ValueError(f"tiny Qwen: hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     ids = _qwen_ids(tokenizer)
     return dict(
-        vocab_size=_vocab_size(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        vocab_size=vocab_size or _vocab_size(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=4096, max_window_layers=num_layers,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
@@ -211,11 +212,14 @@ def _qwen_image_processor(min_pixels: int, max_pixels: int, patch_size: int = 14
 
 
 def _build_qwen(kind: str, out_dir, seed, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-                vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels) -> Path:
-    """Shared builder: kind is 'qwen2_vl' or 'qwen2_5_vl'."""
+                vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels, vocab_size=None) -> Path:
+    """Shared builder: kind is 'qwen2_vl' or 'qwen2_5_vl'. vocab_size > len(tokenizer) pads the
+    vocabulary (e.g. Qwen's 151,936 for memory benchmarks: ids past the tokenizer decode to nothing)."""
     tokenizer = train_tokenizer(family="qwen")
     ids = _qwen_ids(tokenizer)
-    text = _qwen_text_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size)
+    if vocab_size is not None and vocab_size < _vocab_size(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {_vocab_size(tokenizer)} tokens")
+    text = _qwen_text_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size)
     mm_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     if kind == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration as cls
@@ -249,11 +253,11 @@ def _build_qwen(kind: str, out_dir, seed, hidden_size, num_layers, num_heads, nu
 def build_tiny_qwen25vl(
     out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
     num_kv_heads: int = 2, intermediate_size: int = 256, vision_depth: int = 2, vision_hidden: int = 64,
-    vision_heads: int = 2, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64,
+    vision_heads: int = 2, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64, vocab_size: int | None = None,
 ) -> Path:
     """Tiny Qwen2.5-VL (window-attention ViT + 2x2 merger + Qwen2 decoder with M-RoPE) in out_dir."""
     return _build_qwen("qwen2_5_vl", out_dir, seed, hidden_size, num_layers, num_heads, num_kv_heads,
-                       intermediate_size, vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels)
+                       intermediate_size, vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels, vocab_size)
 
 
 def build_tiny_qwen2vl(

@@ -128,7 +128,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 all_rows = list(range(comp.ids.shape[0]))
                 logps, sizes["train"] = retry_on_oom(
                     lambda size: score(scoring_model, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk,
-                                       cfg.memory.shared_prefix),
+                                       cfg.memory.shared_prefix, cfg.memory.group_vision),
                     sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
                 return logps
 
@@ -157,7 +157,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                     maybe_inject_oom("update", len(idx))
                     batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
                     with autocast:
-                        logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk, cfg.memory.shared_prefix)
+                        logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk, cfg.memory.shared_prefix,
+                                                     cfg.memory.group_vision)
                     width = ids.shape[1]
                     old = old_logps[idx, :width] if old_logps is not None else logps.detach()
                     ref = ref_logps[idx, :width] if ref_logps is not None else None
@@ -322,7 +323,7 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
 
 
 def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperature: float, autocast, chunk_tokens: int = 1024,
-          shared_prefix: bool = True) -> torch.Tensor:
+          shared_prefix: bool = True, group_vision: bool = True) -> torch.Tensor:
     """Per-token log-probs [B*G, T] of the rollout under `model`, in micro-batches, without grad."""
     from .oom import maybe_inject_oom
 
@@ -332,7 +333,7 @@ def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperatur
             maybe_inject_oom("scoring", len(idx))
             batch, row_prompt, ids, _, gen_mask = micro_inputs(idx)
             with autocast:
-                logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, temperature, chunk_tokens, shared_prefix)
+                logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, temperature, chunk_tokens, shared_prefix, group_vision)
             out[idx, : ids.shape[1]] = logps.to(out.device)
     return out
 
