@@ -60,28 +60,45 @@ def test_greedy_rollout_equals_hf_generate(family):
     assert ours.ids.shape[1] > 1
 
 
-def test_sampled_rollout_matches_hf_generate_and_encodes_once(family):
-    """Same processors, same multinomial calls: with the same seed the tokens match HF generate's. HF
-    generate runs the decoder over G copies of every prompt; the shared prefix over one copy, and
-    encodes each prompt's images once (transformers 5 generate also encodes them once; 4.x did G times)."""
+def test_sampled_rollout_prefills_once_and_stays_valid(family):
+    """HF generate runs the decoder over G copies of every prompt; the shared prefix over one copy, and
+    encodes each prompt's images once (transformers 5 generate also encodes them once; 4.x did G times).
+    Sampling is seeded: the same seed gives the same completions."""
     name, model, processor = family
     prompts = prompt_batch(processor, FAMILIES[name], seed=6)
     kw = dict(temperature=0.9, top_k=50, top_p=0.95)
-    torch.manual_seed(3)
     with decoder_token_counter(model) as hf_tokens:
         hf = _hf_generate(model, processor, prompts, G, **kw)
     torch.manual_seed(3)
     with vision_encode_counter(model) as our_calls, decoder_token_counter(model) as our_tokens:
         ours = _prefix_generate(model, processor, prompts, G, **kw)
+    torch.manual_seed(3)
+    again = _prefix_generate(model, processor, prompts, G, **kw)
+    assert torch.equal(ours.ids, again.ids)
     assert our_calls.images == sum(FAMILIES[name]) and our_calls.calls == 1
     n_prompts, prompt_len = prompts["input_ids"].shape
     assert hf_tokens.first == G * n_prompts * prompt_len  # prefill of G copies
     assert our_tokens.first == n_prompts * prompt_len  # prefill of one copy
-    assert ours.ids.shape == hf.ids.shape
-    # Logits differ from HF's in the last bits (prefill over U rows, not U*G), so a token drawn right
-    # at a CDF boundary may differ; on these models every row matches.
-    same_rows = (ours.ids == hf.ids).all(dim=1).float().mean().item()
-    assert same_rows == 1.0, f"only {same_rows:.0%} of sampled rows equal HF generate's"
+    assert ours.ids.shape[0] == hf.ids.shape[0] == G * n_prompts
+    assert not torch.isin(ours.ids, torch.tensor(vision_token_ids(model))).any()
+    assert len({tuple(r) for r in ours.ids.tolist()}) > 1  # really sampled
+
+
+def test_sample_rows_draws_from_softmax():
+    """Inverse-CDF sampling against the exact distribution: 40,000 draws per row, every frequency within
+    5 standard errors; banned (-inf) tokens never drawn."""
+    from vlmrl.prefix import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 3.0], [0.0, 0.0, 0.0, 0.0, 0.0, float("-inf")]])
+    n = 40_000
+    draws = torch.stack([sample_rows(logits) for _ in range(n)], dim=1)  # [2, n]
+    for row in range(2):
+        p = torch.softmax(logits[row].double(), dim=0)
+        freq = torch.bincount(draws[row], minlength=6).double() / n
+        se = (p * (1 - p) / n).sqrt()
+        assert ((freq - p).abs() <= 5 * se + 1e-12).all(), (freq, p)
+        assert freq[p == 0].sum() == 0
 
 
 def test_min_new_tokens_blocks_eos_and_suppress_ids_never_sampled(tiny_qwen25vl):

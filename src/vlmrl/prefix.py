@@ -7,8 +7,9 @@ cache is repeated (rollout) or gathered (scoring, training) for the N completion
 completion tokens run per row: each completion attends to one shared copy of its prompt.
 
 - `sample_with_shared_prefix`: rollout. Greedy output equals HF generate token for token; sampling uses
-  the same logits processors in the same order and the same one multinomial call per step as HF
-  generate, so it draws from the same distribution (and, with bit-equal logits, the same tokens).
+  the same logits processors in the same order as HF generate, so it draws from the same distribution,
+  by inverse CDF (`sample_rows`: one uniform number per row) instead of torch.multinomial (one
+  exponential per vocabulary entry: 84 ms vs 6 ms per step for 16 rows x 151,936 on this CPU).
 - `completion_logps_prefix`: per-token log-probs with gradients, equal to `completion_logps` within fp32
   rounding. Under gradient checkpointing transformers drops the KV cache inside checkpointed layers,
   so `prefix_supported` says no and callers use the grouped path instead.
@@ -107,6 +108,17 @@ def _prefill(model, prompt_batch: dict, position_ids, lm_logits: bool):
     return core.model(**inputs, use_cache=True)
 
 
+def sample_rows(scores: torch.Tensor) -> torch.Tensor:
+    """One token per row of scores [N, V] (logits, -inf = banned) drawn from softmax(scores) -> [N].
+
+    Inverse CDF: the float32 probabilities are summed in float64 (no drift over a 151,936-token
+    vocabulary), one uniform number per row is searched in them. A token of probability 0 is never drawn
+    (searchsorted(right=True) skips flat stretches of the CDF)."""
+    cdf = torch.softmax(scores, dim=-1).to(torch.float64).cumsum_(dim=-1)
+    u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
+
+
 @torch.no_grad()
 def sample_with_shared_prefix(
     model: torch.nn.Module,
@@ -166,7 +178,7 @@ def sample_with_shared_prefix(
             scores = scores.index_fill(1, eos, float("-inf"))
         if do_sample:
             scores = warpers(None, scores)
-            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            chosen = sample_rows(scores)
         else:
             chosen = scores.argmax(dim=-1)
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))

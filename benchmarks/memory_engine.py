@@ -1,0 +1,212 @@
+"""The memory engine part by part: peak memory and step time of whole GRPO steps with each part on/off.
+
+    python benchmarks/memory_engine.py                       # CPU, writes benchmarks/results/memory_engine_<device>_<date>.*
+    python benchmarks/memory_engine.py --device cuda         # on a GPU (peak = torch.cuda.max_memory_allocated)
+    python benchmarks/memory_engine.py --quick               # small sizes, checks the harness in a minute
+
+Workload (issue 4, part 8): tiny Qwen2.5-VL with a Qwen-size vocabulary (151,936), image-heavy prompts
+(448x448 images -> 256 image tokens each), completions forced to 64 tokens (rollout.min_completion_length),
+G = 8, 2 prompts per step (16 completions), fp32, GRPO with beta = 0 and num_iterations = 1.
+
+Each row is one configuration, run in its own subprocess (so each has its own process peak): the
+first row has every part off, each next row switches one more part on:
+  1. chunked log-probs (memory.logprob_chunk_tokens 0 -> 128)
+  2. one vision encode per prompt in scoring/update (memory.group_vision)
+  3. shared prompt prefix in rollout and update (memory.shared_prefix)
+  4. micro-batches of 4 rows x 4 accumulation steps instead of all 16 rows at once (same effective batch)
+Measured: median step time over the measured steps (after warm-up), the split rollout/update, the
+process peak (CPU: peak RSS from getrusage; GPU: max_memory_allocated), the peak increase over the
+loaded-model baseline, and vision-tower calls and images per step (a forward pre-hook on the tower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+ROWS = [
+    ("all off", dict(logprob_chunk_tokens=0, group_vision=False, shared_prefix=False, micro=16)),
+    ("+ chunked log-probs", dict(logprob_chunk_tokens=128, group_vision=False, shared_prefix=False, micro=16)),
+    ("+ one vision encode per prompt", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=False, micro=16)),
+    ("+ shared prompt prefix", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=True, micro=16)),
+    ("+ micro-batch 4 x accumulation 4 (all on)", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=True, micro=4)),
+]
+
+
+def build_model(folder: Path, vocab: int, quick: bool) -> Path:
+    from vlmrl.tiny import build_tiny_qwen25vl
+
+    if not (folder / "config.json").exists():
+        build_tiny_qwen25vl(folder, vocab_size=vocab, max_pixels=448 * 448 if not quick else 224 * 224)
+    return folder
+
+
+def run_one(args) -> dict:
+    """Child process: one configuration, `warmup + steps` GRPO steps; prints a JSON line."""
+    import torch
+
+    import vlmrl.train as train_mod
+    from vlmrl.config import load_config
+    from vlmrl.logprobs import vision_encode_counter
+
+    flags = json.loads(args.flags)
+    micro = flags.pop("micro")
+    total = args.warmup + args.steps
+    overrides = [
+        f"model.name_or_path={args.model}", f"training.device={args.device}", f"training.output_dir={args.out_dir}",
+        f"training.max_steps={total}", "training.save_final_model=false", "training.resume=never",
+        f"training.per_device_train_batch_size={micro}", f"training.gradient_accumulation_steps={16 // micro}",
+        "rollout.generation_batch_size=16", f"rollout.num_generations={args.g}",
+        f"rollout.max_completion_length={args.completion}", f"rollout.min_completion_length={args.completion}",
+        "data.task=count", f"data.task_image_size={args.side}", "data.task_train_size=32", "data.task_test_size=0",
+        f"data.max_pixels={args.side * args.side}", "algorithm.reward_funcs=[answer_format]",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false", "logging.log_completions=0",
+        "optim.learning_rate=1e-5",
+    ] + [f"memory.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items()]
+    cfg = load_config(None, overrides)
+
+    import psutil
+
+    counts, baseline = [], {}
+    original_load = train_mod.load_policy
+
+    def load_and_count(*a, **kw):
+        model, processor = original_load(*a, **kw)
+        counts.append(vision_encode_counter(model).__enter__())
+        baseline["rss_gib"] = psutil.Process().memory_info().rss / 2**30  # model loaded, nothing trained yet
+        return model, processor
+
+    train_mod.load_policy = load_and_count
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    train_mod.train(cfg, log=lambda *_: None)
+    lines = [json.loads(x) for x in (Path(args.out_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [m for m in lines if "time/step" in m][args.warmup:]
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+    out = {
+        "step_s": statistics.median(m["time/step"] for m in steps),
+        "rollout_s": statistics.median(m["time/rollout"] for m in steps),
+        "update_s": statistics.median(m["time/update"] for m in steps),
+        "peak_rss_gib": peak_rss,
+        "completion_tokens_per_step": statistics.median(m["completions/mean_length"] * 16 for m in steps),
+        "vision_calls_per_step": counts[0].calls / total,
+        "vision_images_per_step": counts[0].images / total,
+        "rss_after_load_gib": baseline["rss_gib"],
+        "peak_over_load_gib": peak_rss - baseline["rss_gib"],
+    }
+    if args.device.startswith("cuda"):
+        out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    print("RESULT " + json.dumps(out))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="vocab 20,000, 224px images, completion 16")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--work", default="/tmp/vlmrl-bench-memory-engine")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--flags", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--g", type=int, default=8)
+    ap.add_argument("--completion", type=int, default=64)
+    ap.add_argument("--side", type=int, default=448)
+    a = ap.parse_args()
+    if a.child:
+        run_one(a)
+        return 0
+
+    vocab = 20_000 if a.quick else 151_936
+    if a.quick:
+        a.completion, a.side = 16, 224
+    work = Path(a.work)
+    model = build_model(work / f"model-v{vocab}", vocab, a.quick)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    results = []
+    for name, flags in ROWS:
+        cmd = [sys.executable, __file__, "--child", "--flags", json.dumps(flags), "--model", str(model),
+               "--out-dir", str(work / f"run-{len(results)}"), "--device", a.device, "--steps", str(a.steps),
+               "--warmup", str(a.warmup), "--g", str(a.g), "--completion", str(a.completion), "--side", str(a.side)]
+        subprocess.run(["rm", "-rf", str(work / f"run-{len(results)}")], check=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"configuration {name!r} failed (exit {proc.returncode})")
+        res = {"name": name, "flags": flags, **json.loads(line[0][7:])}
+        results.append(res)
+        print(f"{name:45s} step {res['step_s']:7.2f} s  peak RSS {res['peak_rss_gib']:.2f} GiB  "
+              f"vision images/step {res['vision_images_per_step']:.0f}", flush=True)
+
+    tokens = {r["completion_tokens_per_step"] for r in results}
+    if len(tokens) != 1:
+        raise SystemExit(f"unequal work: completion tokens per step differ between rows: {sorted(tokens)}")
+    off, on = results[0], results[-1]
+    peak_key = "gpu_peak_allocated_gib" if a.device.startswith("cuda") else "peak_rss_gib"
+    summary = {
+        "peak_ratio_all_on_vs_off": on[peak_key] / off[peak_key],
+        "peak_over_load_ratio_all_on_vs_off": on["peak_over_load_gib"] / off["peak_over_load_gib"],
+        "step_time_ratio_all_on_vs_off": on["step_s"] / off["step_s"],
+        "vision_images_per_step_all_on": on["vision_images_per_step"],
+        "unique_prompts_per_step": 2,
+    }
+    device_name = a.device
+    if a.device.startswith("cuda"):
+        import torch
+
+        device_name = torch.cuda.get_device_name().replace(" ", "-")
+    else:
+        device_name = "cpu"
+    date = datetime.date.today().isoformat()
+    import torch
+    import transformers
+
+    meta = {
+        "date": date, "device": device_name, "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "vocab": vocab, "image_side": a.side, "completion": a.completion, "G": a.g, "prompts_per_step": 2,
+        "steps": a.steps, "warmup": a.warmup, "quick": a.quick, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+        "command": "python benchmarks/memory_engine.py " + " ".join(sys.argv[1:]),
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"memory_engine_{device_name}_{date}{'_quick' if a.quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results, "summary": summary}, indent=2))
+    peak_label = "GPU peak allocated (GiB)" if a.device.startswith("cuda") else "peak RSS (GiB)"
+    md = [f"# Memory engine, part by part ({device_name}, {date})", "",
+          f"`{meta['command']}` — torch {meta['torch']}, transformers {meta['transformers']}, {meta['cpu_count']} CPUs.",
+          f"Tiny Qwen2.5-VL, vocab {vocab:,}, {a.side}x{a.side} images, completion {a.completion} (forced), G={a.g}, "
+          f"2 prompts/step, fp32; median of {a.steps} steps after {a.warmup} warm-up.", "",
+          f"| configuration | step (s) | rollout (s) | update (s) | {peak_label} | peak over loaded model (GiB) | vision images / step |",
+          "|---|---|---|---|---|---|---|"]
+    for r in results:
+        md.append(f"| {r['name']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | "
+                  f"{r[peak_key]:.2f} | {r['peak_over_load_gib']:.2f} | {r['vision_images_per_step']:.0f} |")
+    md += ["", f"All on vs all off: peak x{summary['peak_ratio_all_on_vs_off']:.2f} (over the loaded model: "
+               f"x{summary['peak_over_load_ratio_all_on_vs_off']:.2f}), "
+               f"step time x{summary['step_time_ratio_all_on_vs_off']:.2f}; vision images per step with all on: "
+               f"{summary['vision_images_per_step_all_on']:.0f} (unique prompts: 2)."]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"wrote {stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
