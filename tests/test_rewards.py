@@ -110,9 +110,11 @@ def test_format_rewards():
         "<think>x</think><answer>3</answer> trailing",
         "<think>x</think>",
         "<answer>1</answer><answer>2</answer>",
+        "<think>x</think><answer></answer>",  # empty answers earn nothing (a reward hack otherwise)
+        "<answer> \n</answer>",
     ]
-    assert format_reward(None, texts) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert answer_format(None, texts) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert format_reward(None, texts) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert answer_format(None, texts) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_load_reward_builtin_and_file(tmp_path, monkeypatch):

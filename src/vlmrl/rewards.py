@@ -27,7 +27,10 @@ from typing import Any, Callable
 RewardFn = Callable[..., list]
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-THINK_ANSWER_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+# The answer must hold something: an empty <answer></answer> earning the format reward is a known
+# reward hack (the demo's tiny model found it: format reward with no attempt at the task).
+THINK_ANSWER_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>\s*\S.*?</answer>\s*$", re.DOTALL)
+NONEMPTY_ANSWER_RE = re.compile(r"<answer>\s*\S.*?</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?$")
 CHOICE_RE = re.compile(r"^\(?([A-Za-z])\)?[.:]?$")
 _NUM = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
@@ -187,16 +190,17 @@ def iou(prompts: list, completions: list, solution: list, **kwargs) -> list[floa
 
 
 def format_reward(prompts: list, completions: list, **kwargs) -> list[float]:
-    """1.0 when the completion is exactly ``<think>...</think><answer>...</answer>`` (whitespace around ok)."""
+    """1.0 when the completion is exactly ``<think>...</think><answer>...</answer>`` (whitespace around ok)
+    with a non-empty answer."""
     return [1.0 if THINK_ANSWER_RE.match(completion_text(c)) else 0.0 for c in completions]
 
 
 def answer_format(prompts: list, completions: list, **kwargs) -> list[float]:
-    """1.0 when the completion has exactly one ``<answer>...</answer>`` (for tasks without thinking)."""
+    """1.0 when the completion has exactly one ``<answer>...</answer>``, not empty (tasks without thinking)."""
     out = []
     for c in completions:
         text = completion_text(c)
-        one = text.count("<answer>") == 1 and text.count("</answer>") == 1 and ANSWER_RE.search(text) is not None
+        one = text.count("<answer>") == 1 and text.count("</answer>") == 1 and NONEMPTY_ANSWER_RE.search(text) is not None
         out.append(1.0 if one else 0.0)
     return out
 
