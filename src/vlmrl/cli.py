@@ -1,4 +1,4 @@
-"""Command line: `vlmrl train|sft|eval|demo|config`."""
+"""Command line: `vlmrl train|sft|eval|demo|config|plan`."""
 
 from __future__ import annotations
 
@@ -40,7 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--output-dir", default="outputs/demo")
     d.add_argument("--quick", action="store_true", help="A few steps only (smoke test).")
     sub.add_parser("config", help="Print the config reference (markdown) generated from the field docs.")
+    from .plan_cli import add_arguments as add_plan_arguments
+
+    pl = sub.add_parser("plan", help="Predict the per-GPU memory peak of a GRPO step before launch; --search for configs that fit.",
+                        description="Memory planner: every term of the per-device peak, a verdict, --search, --trace (docs/planner.md).")
+    add_plan_arguments(pl)
     ns = parser.parse_args(argv)
+    if ns.command == "plan":
+        from .plan_cli import run_safely
+
+        return run_safely(ns)
 
     try:
         if ns.command == "config":

@@ -25,6 +25,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 SCHEDULERS = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+AUTO_FIT_ALLOW = ("num_generations", "max_pixels", "effective_batch")
 
 
 class ConfigError(ValueError):
@@ -134,6 +135,9 @@ class TrainingConfig:
     resume_weights_only: bool = _f(False, "Start a new schedule from a weights-only checkpoint's weights.")
     on_save_error: Literal["stop", "continue"] = _f("stop", "After a failed checkpoint write: stop the run, or warn and go on.")
     metric_for_best: str = _f("eval/accuracy", "Eval metric (higher is better) that marks the best checkpoint.")
+    auto_fit: bool = _f(False, "Before the run, let the memory planner pick the fastest config predicted to fit (every change is logged; see docs/planner.md).")
+    auto_fit_allow: list[str] = _f([], "What auto_fit may change beyond memory switches: any of num_generations, max_pixels, effective_batch (default none).")
+    auto_fit_gpu_memory_gib: Optional[float] = _f(None, "Device memory auto_fit plans for, GiB; null = the CUDA device's capacity (required on CPU).")
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,12 @@ def validate(cfg: Config) -> None:
          "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)"),
         (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
+        (all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
+         f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}"),
+        (t.auto_fit_gpu_memory_gib is None or t.auto_fit_gpu_memory_gib > 0,
+         f"training.auto_fit_gpu_memory_gib={t.auto_fit_gpu_memory_gib} must be > 0 (GiB), or null for the CUDA device's capacity"),
+        (not (t.auto_fit and t.auto_fit_gpu_memory_gib is None and t.device == "cpu"),
+         "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)"),
     ]
     problems = [msg for ok, msg in rules if not ok]
     if problems:

@@ -173,8 +173,8 @@ def build_meta_model(hf_config, setup: TraceSetup):
 
 def _qwen_grid(patches: int, merge: int) -> tuple[int, int]:
     """A (h, w) patch grid, multiples of `merge`, with about `patches` patches (square-ish)."""
-    side = max(merge, int(round(math.sqrt(patches) / merge)) * merge)
-    w = max(merge, int(round(patches / side / merge)) * merge)
+    side = max(merge, round(math.sqrt(patches) / merge) * merge)
+    w = max(merge, round(patches / side / merge) * merge)
     return side, w
 
 
@@ -217,7 +217,10 @@ class _Inputs:
         self.vocab = text_cfg.vocab_size
 
     def _qwen_bookkeeping(self, grid: torch.Tensor, v) -> dict:
-        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_position_ids,
+        )
 
         vis = self.inner.visual
         kw: dict = {}

@@ -1,0 +1,210 @@
+"""`vlmrl plan`: predict the per-device GPU peak of a GRPO step before launch (and search configs that fit).
+
+    vlmrl plan --model qwen2.5-vl-7b --gpus 8 --gpu-memory 80GiB --num-generations 8 --max-pixels 1003520
+    vlmrl plan --config run.yaml training.per_device_train_batch_size=8 --gpu-memory 80GiB --search
+    vlmrl plan --model path/to/config.json --gpu-memory 24GiB --lora --json
+    vlmrl plan --model qwen2.5-vl-3b --trace            # exact mode: one traced update step on the meta device
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from .planner import OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="key=value config overrides (with --config), e.g. rollout.num_generations=8")
+    p.add_argument("--config", help="a vlmrl YAML config to plan (model, batch, pixels, switches all come from it)")
+    p.add_argument("--model", help="a preset name (see --list-models) or a path to a model folder / config.json")
+    p.add_argument("--list-models", action="store_true", help="print the bundled presets and exit")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (world size); default 1")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB, 80GB, 24GiB (default: 80GiB with --model)")
+    p.add_argument("--num-generations", type=int, help="completions per prompt (G)")
+    p.add_argument("--prompts", type=int, help="prompts per rollout step per GPU")
+    p.add_argument("--micro-batch", type=int, help="rows per forward/backward (per_device_train_batch_size)")
+    p.add_argument("--grad-accum", type=int, help="gradient accumulation steps")
+    p.add_argument("--prompts-per-call", type=int, help="prompts per generate() call (memory.generation_prompts_per_call)")
+    p.add_argument("--max-pixels", type=int, help="pixel cap per image (data.max_pixels)")
+    p.add_argument("--images-per-prompt", type=int, help="images per prompt (default 1)")
+    p.add_argument("--prompt-tokens", type=int, help="text tokens per prompt besides image tokens (default 64)")
+    p.add_argument("--completion-length", type=int, help="max completion tokens (rollout.max_completion_length)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="weights dtype (default bfloat16 with --model)")
+    p.add_argument("--lora", action="store_true", default=None, help="LoRA instead of full fine-tuning")
+    p.add_argument("--lora-r", type=int)
+    p.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    p.add_argument("--freeze-vision", action="store_true", default=None, help="freeze the vision tower")
+    p.add_argument("--beta", type=float, help="KL weight (> 0 adds a reference model for full fine-tuning)")
+    p.add_argument("--ref-placement", choices=("device", "cpu"))
+    p.add_argument("--sharding", choices=SHARDINGS, help="ZeRO/FSDP stage (planning only: vlmrl's loop runs unsharded)")
+    p.add_argument("--offload", choices=OFFLOADS, help="CPU offload with a ZeRO/FSDP stage (planning only)")
+    p.add_argument("--logprob-chunk", type=int, help="memory.logprob_chunk_tokens (0 = off)")
+    p.add_argument("--search", action="store_true", help="print the fastest few configurations predicted to fit")
+    p.add_argument("--allow", default="", help="with --search: comma list of num_generations,max_pixels,effective_batch that may change")
+    p.add_argument("--top", type=int, default=5, help="with --search: how many to print")
+    p.add_argument("--trace", action="store_true", help="exact mode: trace one update step on the meta device and compare")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _workload(ns, spec):
+    from .planner import Workload, workload_from_config
+
+    gpu = parse_memory(ns.gpu_memory) if ns.gpu_memory else None
+    world = ns.gpus or 1
+    if ns.config:
+        from .config import load_config
+
+        cfg = load_config(ns.config, ns.overrides)
+        if gpu is None and cfg.training.auto_fit_gpu_memory_gib:
+            gpu = int(cfg.training.auto_fit_gpu_memory_gib * GiB)
+        base = workload_from_config(cfg, world, gpu)
+    else:
+        if ns.overrides:
+            raise PlanError(f"key=value overrides {ns.overrides} need --config (with --model use the flags)")
+        base = Workload(world_size=world, gpu_memory_bytes=gpu if gpu is not None else 80 * GiB)
+    mapping = {
+        "num_generations": ns.num_generations, "prompts_per_step": ns.prompts, "micro_batch": ns.micro_batch,
+        "grad_accum": ns.grad_accum, "prompts_per_call": ns.prompts_per_call, "max_pixels": ns.max_pixels,
+        "images_per_prompt": ns.images_per_prompt, "prompt_text_tokens": ns.prompt_tokens,
+        "completion_tokens": ns.completion_length, "dtype": ns.dtype, "use_lora": ns.lora, "lora_r": ns.lora_r,
+        "gradient_checkpointing": ns.gradient_checkpointing, "freeze_vision": ns.freeze_vision, "beta": ns.beta,
+        "ref_placement": ns.ref_placement, "sharding": ns.sharding, "offload": ns.offload, "logprob_chunk_tokens": ns.logprob_chunk,
+    }
+    changes = {k: v for k, v in mapping.items() if v is not None}
+    w = dataclasses.replace(base, **changes)
+    if w.sharding == "none" and world > 1 and ns.sharding is None:
+        w = dataclasses.replace(w, sharding="ddp")
+    if ns.micro_batch is not None and ns.grad_accum is None:
+        w = dataclasses.replace(w, grad_accum=max(1, w.rows_per_step // w.micro_batch))
+    return w
+
+
+def _table(spec, p) -> str:
+    d = p.to_dict()
+    head = (f"model {spec.name} ({spec.family}): {spec.total_params / 1e9:.2f} B parameters "
+            f"(vision {spec.vision_params / 1e9:.2f} B), {d['workload']['image_tokens_per_prompt']} image tokens per prompt, "
+            f"{d['workload']['prompt_tokens']} prompt tokens")
+    lines = [head, "", f"{'term':<34} {'GiB':>9}", "-" * 44]
+    for k, v in d["terms_gib"].items():
+        if v:
+            lines.append(f"{k:<34} {v:>9.3f}")
+    lines += ["-" * 44, f"{'peak per phase (allocated)':<34}"]
+    for k, v in d["phases_gib"].items():
+        lines.append(f"  {k:<32} {v:>9.3f}")
+    lines += [f"{'peak allocated':<34} {d['peak_allocated_gib']:>9.3f}", f"{'reserved (allocator)':<34} {d['reserved_gib']:>9.3f}",
+              f"{'total on the device':<34} {d['total_gib']:>9.3f}", f"{'host RAM per node':<34} {d['host_gib']['total']:>9.3f}", "",
+              f"verdict: {p.verdict}", f"step-time model: {p.step_time_s:.2f} s per step"]
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def run(ns) -> int:
+    from .planner import model_spec, plan, search, spec_for_config
+
+    if ns.list_models:
+        from .presets import PLANNER_PRESETS, PRESETS
+
+        print("\n".join(sorted(PRESETS) + sorted(PLANNER_PRESETS)))
+        return 0
+    if not ns.config and not ns.model:
+        raise PlanError("give --model <preset or config.json> or --config <file.yaml> (see vlmrl plan --help)")
+    if ns.config and ns.model:
+        raise PlanError("give either --model or --config, not both (the config names its model)")
+    if ns.gpu_memory:
+        parse_memory(ns.gpu_memory)  # fail early on a bad size
+    if ns.config:
+        from .config import load_config
+
+        source = load_config(ns.config, ns.overrides).model.name_or_path
+        spec = spec_for_config(load_config(ns.config, ns.overrides))
+    else:
+        source = ns.model
+        spec = model_spec(ns.model)
+    w = _workload(ns, spec)
+    p = plan(spec, w)
+    out: dict = {"model": spec.name, "parameters": spec.total_params, **p.to_dict()}
+    if ns.search:
+        allow = tuple(a.strip() for a in ns.allow.split(",") if a.strip())
+        bad = [a for a in allow if a not in ("num_generations", "max_pixels", "effective_batch")]
+        if bad:
+            raise PlanError(f"--allow {','.join(bad)}: use num_generations, max_pixels, effective_batch")
+        found = search(spec, w, allow=allow, top=ns.top)
+        out["search"] = [c.to_dict() for c in found]
+    if ns.trace:
+        out["trace"] = _trace(spec, w, source)
+    if ns.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(_table(spec, p))
+    if ns.search:
+        print(f"\nfastest configurations predicted to fit ({len(out['search'])} shown):" if out["search"] else
+              "\nno configuration fits: allow num_generations / max_pixels / effective_batch (--allow), add GPUs (--gpus) or use --lora")
+        for i, c in enumerate(out["search"], 1):
+            print(f"{i}. {c['total_gib']:.1f} GiB, ~{c['step_time_s']:.2f} s/step: " + ("; ".join(c["changes"]) or "as given"))
+    if ns.trace:
+        t = out["trace"]
+        print(f"\ntrace (meta device, {t['seconds']} s): update peak {t['peak_gib']:.3f} GiB; closed form {t['closed_form_gib']:.3f} GiB "
+              f"({t['difference_pct']:+.1f}%)")
+        for k, v in t["peak_breakdown_gib"].items():
+            print(f"  {k:<30} {v:>9.3f}")
+    return 0
+
+
+def _trace(spec, w, source: str) -> dict:
+    """Trace the update micro-batch of `w` (unsharded, one device) and compare with the closed form's update
+    peak under the trace's semantics (no autocast; weights dtype)."""
+    import torch
+
+    from .plan_trace import TraceSetup, trace_update
+    from .planner import image_patches, plan
+    from .presets import PLANNER_PRESETS, PRESETS, hf_config
+
+    if w.sharding not in ("none", "ddp") or w.offload != "none":
+        raise PlanError("--trace traces one unsharded device; drop --sharding/--offload")
+    config = hf_config(source) if (source in PRESETS or source in PLANNER_PRESETS) else _config_from_path(source)
+    G, N = w.num_generations, w.micro_batch
+    U = (-(-N // G) if (N % G == 0 or G % N == 0) else min(N, -(-N // G) + 1)) if w.group_vision else N
+    setup = TraceSetup(dtype={"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[w.dtype],
+                       gradient_checkpointing=w.gradient_checkpointing, use_lora=w.use_lora, lora_r=w.lora_r,
+                       lora_target_modules=list(w.lora_targets), freeze_vision_tower=w.freeze_vision,
+                       rows=N, unique_prompts=U, prompt_text_tokens=w.prompt_text_tokens,
+                       image_patches=image_patches(spec, w.max_pixels), completion_tokens=w.completion_tokens,
+                       logprob_chunk_tokens=w.logprob_chunk_tokens, group_vision=w.group_vision, shared_prefix=w.shared_prefix)
+    r = trace_update(config, setup)
+    cf = plan(spec, dataclasses.replace(w, autocast=False, beta=0.0, num_iterations=1)).phases["update"]
+    return {"peak_gib": r.peak_bytes / GiB, "closed_form_gib": cf / GiB, "difference_pct": 100 * (cf / r.peak_bytes - 1),
+            "peak_breakdown_gib": {k: round(v / GiB, 3) for k, v in r.peak_breakdown.items()},
+            "stage_peaks_gib": {k: round(v / GiB, 3) for k, v in r.stage_peaks.items()}, "seconds": r.seconds}
+
+
+def _config_from_path(path: str):
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    p = Path(path)
+    return AutoConfig.from_pretrained(p if p.is_dir() else p.parent, local_files_only=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vlmrl plan", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    ns = p.parse_args(argv)
+    return run_safely(ns)
+
+
+def run_safely(ns) -> int:
+    from .config import ConfigError
+
+    try:
+        return run(ns)
+    except (PlanError, ConfigError) as e:
+        print(f"vlmrl plan: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,780 @@
+"""Memory planner: the per-device GPU peak of a GRPO step, term by term, before launch (closed form).
+
+Pure arithmetic on two plain dataclasses: `ModelSpec` (numbers describing an architecture) and `Workload`
+(what one step does). Nothing here imports torch, transformers, accelerate, deepspeed or vllm at module
+level; `spec_from_hf_config` imports torch/transformers lazily to count parameters on the meta device.
+
+Where the coefficients come from: the per-token activation bytes of a decoder layer / vision block were
+read off the exact trace (`vlmrl.plan_trace`, a real forward + backward of the real modules on the meta
+device) by varying one dimension at a time, and written as functions of the dimensions (see docs/planner.md).
+Two global constants describe the CUDA device and were fit to the H100 measurements in benchmarks/results
+(`ALLOCATOR_RESERVE`, the caching allocator's reserved-over-allocated ratio) or taken as a typical value
+(`CUDA_CONTEXT_BYTES`, not measured here). Nothing is fit per configuration.
+
+Main entry points:
+  plan(spec, workload) -> Plan                 terms (bytes), peaks per phase, verdict
+  plan_for_config(cfg, world_size, gpu_memory_bytes) -> Plan
+  search(spec, workload, allow=...) -> ranked feasible candidates (step-time model)
+  auto_fit(cfg, gpu_memory_bytes, world_size) -> (new_cfg, changes)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+# Device constants (global, documented in docs/planner.md).
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)   # CUDA context + cuBLAS/cuDNN workspaces outside torch's allocator (typical, not measured)
+ALLOCATOR_RESERVE = 0.06              # reserved / allocated - 1: mean of the ten Qwen2.5-VL-3B H100 runs in benchmarks/results (0.046 .. 0.089)
+COMM_BUCKET_BYTES = 2 * 25 * 2**20    # DDP / ZeRO gradient buckets (2 x 25 MiB)
+FIT_FRACTION = 0.95                   # a config "fits" when its predicted device total is <= this fraction of the memory
+
+# Step-time model constants (H100-class; only the ranking of candidates uses them).
+PEAK_FLOPS = 989e12 * 0.40            # bf16 dense x an assumed 40% utilisation
+HBM_BYTES_PER_S = 3.35e12
+PCIE_BYTES_PER_S = 25e9
+INTERCONNECT_BYTES_PER_S = 300e9
+CPU_ADAM_PARAMS_PER_S = 1.0e9
+
+
+class PlanError(ValueError):
+    """Nothing fits / bad planner input; the message names the knobs."""
+
+
+# ---------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An architecture as numbers. Parameter counts come from meta-device instantiation (spec_from_hf_config)."""
+
+    name: str
+    family: str
+    total_params: int
+    vision_params: int          # vision encoder including the projector / merger
+    projector_params: int
+    embed_params: int           # input token embedding
+    lm_head_params: int         # 0 when tied to the input embedding
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    v_hidden: int = 0
+    v_intermediate: int = 0
+    v_layers: int = 0
+    v_heads: int = 1
+    patch_size: int = 14
+    merge_size: int = 1         # spatial merge (Qwen-VL 2): image tokens = patches / merge^2
+    temporal_patch: int = 1
+    image_size: int = 0         # fixed-resolution towers (CLIP/SigLIP): side in pixels; 0 = dynamic resolution
+    lora_linears: tuple = ()    # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+
+    @property
+    def dynamic_resolution(self) -> bool:
+        return self.image_size == 0
+
+    def lora_params(self, r: int, targets: tuple | list, vision_linear_in_out: int = 0) -> int:
+        all_linear = "all-linear" in targets
+        n = sum(r * (i + o) * c for s, i, o, c in self.lora_linears if all_linear or s in targets)
+        return n + r * vision_linear_in_out
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GRPO step on one device. Token counts are per prompt; rows are completions."""
+
+    dtype: str = "bfloat16"
+    autocast: bool = True               # bf16 autocast on the device (training.bf16)
+    use_lora: bool = False
+    lora_r: int = 16
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    freeze_vision: bool = False
+    projector_only: bool = False
+    gradient_checkpointing: bool = False
+    num_generations: int = 4
+    prompts_per_step: int = 2           # prompts per rollout step on this device
+    micro_batch: int = 4                # rows per forward/backward
+    grad_accum: int = 1
+    prompts_per_call: int | None = None
+    prompt_text_tokens: int = 64
+    max_pixels: int = 448 * 448
+    images_per_prompt: int = 1
+    completion_tokens: int = 64
+    logprob_chunk_tokens: int = 1024
+    group_vision: bool = True
+    shared_prefix: bool = True
+    beta: float = 0.0
+    num_iterations: int = 1
+    ref_placement: str = "device"
+    sharding: str = "none"
+    offload: str = "none"
+    world_size: int = 1
+    gpu_memory_bytes: int | None = None
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+def image_patches(spec: ModelSpec, max_pixels: int) -> int:
+    """Vision patches of one image at the pixel cap (dynamic resolution) or at the tower's fixed size."""
+    if spec.v_layers == 0:
+        return 0
+    if not spec.dynamic_resolution:
+        return (spec.image_size // spec.patch_size) ** 2
+    unit = spec.patch_size * spec.merge_size
+    side_units = max(1, int(math.isqrt(max(max_pixels, unit * unit)) // unit))  # square image, multiples of patch*merge
+    return (side_units * spec.merge_size) ** 2
+
+
+def image_tokens(spec: ModelSpec, max_pixels: int) -> int:
+    return image_patches(spec, max_pixels) // (spec.merge_size ** 2)
+
+
+# ---------------------------------------------------------------- per-token activation coefficients (bytes)
+
+def text_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> float:
+    """Bytes one decoder layer keeps for backward per token (no checkpointing).
+
+    Full fine-tuning: two RMSNorms (fp32 copy + normalised input + output: 16h), q after RoPE, k and v
+    repeated to the query heads, attention output and its contiguous copy (10 x heads*head_dim), the gated
+    MLP's gate, up, act and product (8i), the float32 log-sum-exp per head (4 heads), less 2h the trace does
+    not keep. LoRA (fp32 adapters): each adapted Linear keeps a float32 copy of its input (half that under
+    autocast, which casts it back to bf16) plus r floats, while the frozen norms and base Linears stop
+    keeping 6h + 2*heads*head_dim + 2i."""
+    h, i, qd = spec.hidden, spec.intermediate, spec.heads * spec.head_dim
+    s = cbytes / 2
+    full = s * (14 * h + 10 * qd + 8 * i) + 4 * spec.heads
+    if not w.use_lora:
+        return full
+    copy = 2 if w.autocast else 4
+    in_dims = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": qd, "gate_proj": h, "up_proj": h, "down_proj": i}
+    all_linear = "all-linear" in w.lora_targets
+    adapted = [d for n, d in in_dims.items() if all_linear or n in w.lora_targets]
+    return full + copy * sum(adapted) + 4 * w.lora_r * len(adapted) - s * (6 * h + 2 * qd + 2 * i)
+
+
+def vision_block_bytes(spec: ModelSpec, cbytes: int) -> float:
+    """Bytes one vision block keeps per patch (trainable tower, no checkpointing): fused qkv kept whole,
+    RoPE'd q/k, attention output + copy, two norms (30 hv), gated/ungated MLP (8 iv), fp32 lse per head."""
+    s = cbytes / 2
+    return s * (30 * spec.v_hidden + 8 * spec.v_intermediate) + 4 * spec.v_heads
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class Plan:
+    terms: dict                 # name -> bytes (per device)
+    phases: dict                # rollout / scoring / update -> peak bytes allocated
+    peak_allocated: int
+    reserved: int               # peak_allocated x (1 + ALLOCATOR_RESERVE): compare with torch.cuda.max_memory_reserved
+    total: int                  # reserved + CUDA context: what must fit on the device
+    host: dict                  # host RAM terms per node (bytes)
+    gpu_memory_bytes: int | None
+    verdict: str
+    headroom: int | None
+    notes: list = field(default_factory=list)
+    workload: dict = field(default_factory=dict)
+    step_time_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes
+
+    def to_dict(self) -> dict:
+        gib = lambda b: round(b / GiB, 3)
+        return {
+            "verdict": self.verdict, "fits": self.fits if self.gpu_memory_bytes else None,
+            "total_gib": gib(self.total), "reserved_gib": gib(self.reserved), "peak_allocated_gib": gib(self.peak_allocated),
+            "gpu_memory_gib": gib(self.gpu_memory_bytes) if self.gpu_memory_bytes else None,
+            "headroom_gib": gib(self.headroom) if self.headroom is not None else None,
+            "phases_gib": {k: gib(v) for k, v in self.phases.items()},
+            "terms_gib": {k: gib(v) for k, v in self.terms.items()},
+            "host_gib": {k: gib(v) for k, v in self.host.items()},
+            "step_time_s": round(self.step_time_s, 3), "notes": list(self.notes), "workload": self.workload,
+        }
+
+
+def _check(w: Workload) -> None:
+    problems = []
+    if w.sharding not in SHARDINGS:
+        problems.append(f"sharding={w.sharding!r}: use one of {', '.join(SHARDINGS)}")
+    if w.offload not in OFFLOADS:
+        problems.append(f"offload={w.offload!r}: use one of {', '.join(OFFLOADS)}")
+    if w.offload == "optimizer+params" and w.sharding not in ("zero3", "fsdp"):
+        problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
+    if w.offload != "none" and w.sharding in ("none", "ddp"):
+        problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    if w.dtype not in DTYPE_BYTES:
+        problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
+        problems.append("micro_batch, grad_accum and world_size must be >= 1")
+    if problems:
+        raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
+
+
+def plan(spec: ModelSpec, w: Workload) -> Plan:
+    """The closed form. All figures are bytes on one device (the busiest rank)."""
+    _check(w)
+    b = DTYPE_BYTES[w.dtype]
+    cb = 2 if (w.autocast or b == 2) else 4             # compute (activation) dtype bytes
+    n = w.world_size
+    sharded = w.sharding in ("zero1", "zero2", "zero3", "fsdp") and n >= 1
+    full_shard = w.sharding in ("zero3", "fsdp")
+    notes: list[str] = []
+
+    # Parameters and what trains.
+    vision_lin = 0
+    lora_n = spec.lora_params(w.lora_r, w.lora_targets) if w.use_lora else 0
+    if w.use_lora:
+        trainable = lora_n
+        tb = 4                                            # peft keeps adapters in float32
+    elif w.projector_only:
+        trainable, tb = spec.projector_params, b
+    elif w.freeze_vision:
+        trainable, tb = spec.total_params - spec.vision_params + spec.projector_params, b
+    else:
+        trainable, tb = spec.total_params, b
+    del vision_lin
+    vision_trains = (not w.use_lora) and (not w.freeze_vision) and (not w.projector_only)
+    text_trains = not w.projector_only
+
+    # Model states. Unsharded (vlmrl today): torch AdamW, states in the parameter dtype. ZeRO/FSDP: mixed
+    # precision as DeepSpeed/FSDP do it: float32 master weights + two float32 moments (12 bytes per trainable
+    # parameter), sharded over the world size.
+    base_w = spec.total_params * b + lora_n * 4
+    weights = base_w / n if full_shard else base_w
+    if full_shard and w.offload == "optimizer+params":
+        weights = 0
+    grads = trainable * tb
+    if w.sharding in ("zero2", "zero3", "fsdp"):
+        grads = grads / n
+    if sharded:
+        opt_states = trainable * 12 / n
+        if w.use_lora:
+            opt_states = trainable * 8 / n                # adapters are fp32 already: no separate master copy
+    else:
+        opt_states = trainable * 2 * tb
+    opt_on_device = w.offload == "none"
+    if not opt_on_device:
+        notes.append(f"optimizer states ({opt_states / GiB:.2f} GiB) live in host RAM")
+        grads = min(grads, COMM_BUCKET_BYTES * 4)         # gradients stream to the host bucket by bucket
+    opt_dev = opt_states if opt_on_device else 0
+    # AdamW's foreach step: sqrt(exp_avg_sq) is a full-size temporary (per dtype group).
+    opt_temp = (trainable * tb / (n if sharded else 1)) if opt_on_device else 0
+    comm = COMM_BUCKET_BYTES if (n > 1 and w.sharding != "none") else 0
+    gathered = 0
+    if full_shard:
+        per_layer = (spec.total_params - spec.embed_params - spec.lm_head_params) / max(spec.layers + spec.v_layers, 1)
+        gathered = 2 * per_layer * b + max(spec.embed_params, spec.lm_head_params) * b  # prefetch 2 layers + the biggest matrix
+    reference = 0
+    if w.beta > 0 and not w.use_lora and w.ref_placement == "device":
+        reference = spec.total_params * b / (n if full_shard else 1)
+    ref_moved_in = spec.total_params * b if (w.beta > 0 and not w.use_lora and w.ref_placement == "cpu") else 0
+
+    # Tokens.
+    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
+    itok = image_tokens(spec, w.max_pixels) * w.images_per_prompt
+    P = w.prompt_text_tokens + itok
+    C = w.completion_tokens
+    N = w.micro_batch
+    G = w.num_generations
+    # Unique prompts in a micro-batch of N consecutive rows (rows are prompt-major, G per prompt).
+    U = (math.ceil(N / G) if (N % G == 0 or G % N == 0) else min(N, math.ceil(N / G) + 1)) if w.group_vision else N
+    rows_step = w.rows_per_step
+    batch_inputs = w.prompts_per_step * patches * 3 * spec.temporal_patch * spec.patch_size ** 2 * 4  # fp32 pixel values
+    rollout_buffers = rows_step * (P + C) * 8 + rows_step * C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
+
+    # Update: activations of one micro-batch.
+    gc = w.gradient_checkpointing
+    prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
+    text_tokens = (U * P + N * C) if prefix else N * (P + C)
+    per_layer = text_layer_bytes(spec, w, cb)
+    vis_block = vision_block_bytes(spec, cb) if spec.v_layers else 0
+    vis_patches = (U if w.group_vision else N) * patches
+    V, h = spec.vocab, spec.hidden
+    if gc:
+        text_act = spec.layers * text_tokens * cb * h
+        vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden   # checkpointed blocks keep their inputs even when frozen
+        recompute = 1.35 * per_layer * text_tokens        # one layer recomputed in backward + its gradient buffers
+    else:
+        text_act = spec.layers * text_tokens * per_layer
+        vision_act = spec.v_layers * vis_patches * vis_block if vision_trains else 0
+        recompute = 0
+    if prefix:  # completion rows attend to the gathered prompt cache (k, v at KV heads + repeated to query heads)
+        text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + spec.heads) * spec.head_dim
+    # Outside the layers: embeddings, image-feature scatter, final norm, the completion slice (12h per token; 7h with
+    # checkpointing, where the embedding output is the only extra copy kept), patch embedding + merger (8 hv per patch).
+    misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if vision_trains else 0)
+    if not text_trains:
+        text_act = 0
+    chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
+    lm_bwd = 12 * chunk * V * (cb / 2)                    # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
+    if w.logprob_chunk_tokens <= 0:
+        misc_act += 4 * N * C * V                         # the whole float32 log-softmax kept for backward
+    emb_grad_tmp = 0
+    if text_trains and not w.use_lora and not w.projector_only:
+        emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b   # fresh embedding / LM-head gradients before accumulation
+    activations = text_act + vision_act + misc_act
+    bwd_transient = max(lm_bwd, recompute)
+
+    # Scoring (no grad) and rollout (generation) transients.
+    score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
+    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate))
+    ppc = w.prompts_per_call or w.prompts_per_step
+    gen_rows = ppc * G
+    kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
+    kv_cache = gen_rows * (P + C) * kv_per_token
+    prefill_tokens = (ppc if w.shared_prefix else gen_rows) * P
+    prefill_patches = (ppc if w.shared_prefix else gen_rows) * patches
+    gen_transient = max(prefill_tokens * cb * (4 * h + 3 * spec.intermediate),
+                        prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
+                        gen_rows * V * 4 * 3)
+
+    persistent = weights + opt_dev + reference + batch_inputs + rollout_buffers + comm
+    rollout = persistent + kv_cache + gen_transient + gathered
+    scoring = persistent + ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else persistent
+    fwd_bwd = persistent + grads + activations + bwd_transient + gathered
+    bwd_end = persistent + grads + emb_grad_tmp + gathered
+    opt_step = persistent + grads + opt_temp
+    update = max(fwd_bwd, bwd_end, opt_step)
+    phases = {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}
+    peak = max(phases.values())
+    reserved = int(peak * (1 + ALLOCATOR_RESERVE))
+    total = reserved + CUDA_CONTEXT_BYTES
+    terms = {
+        "weights": weights, "gradients": grads, "optimizer_states": opt_dev, "optimizer_step_temporary": opt_temp,
+        "reference_model": reference, "activations_text": text_act, "activations_vision": vision_act,
+        "activations_other": misc_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
+        "embedding_grad_temporaries": emb_grad_tmp, "kv_cache": kv_cache, "generation_temporaries": gen_transient,
+        "scoring_temporaries": score_transient if (w.beta > 0 or w.num_iterations > 1) else 0,
+        "reference_moved_in_for_scoring": ref_moved_in, "gathered_parameters": gathered,
+        "batch_inputs": batch_inputs + rollout_buffers, "comm_buffers": comm,
+        "allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES,
+    }
+    terms = {k: int(v) for k, v in terms.items()}
+    host = {
+        "offloaded_optimizer_states": int(opt_states * min(n, 8)) if not opt_on_device else 0,  # per node (8 ranks max)
+        "offloaded_parameters": int(base_w) if w.offload == "optimizer+params" else 0,
+        "pinned_buffers": int(4 * COMM_BUCKET_BYTES * min(n, 8)) if not opt_on_device else 0,
+        "reference_on_cpu": int(spec.total_params * b) if ref_moved_in else 0,
+        "model_loading": int(base_w),
+        "per_process_overhead": int(3 * GiB * min(n, 8)),
+        "data_loading": int(2 * GiB),
+    }
+    host["total"] = sum(host.values())
+    gpu = w.gpu_memory_bytes
+    if gpu:
+        headroom = int(gpu - total)
+        verdict = (f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"
+                   if total <= FIT_FRACTION * gpu else
+                   f"does NOT fit: {total / GiB:.1f} GiB needed on a {gpu / GiB:.1f} GiB device"
+                   + (f" ({-headroom / GiB:.1f} GiB over)" if headroom < 0 else f" (within {(1 - FIT_FRACTION):.0%} margin)"))
+    else:
+        headroom, verdict = None, f"needs {total / GiB:.1f} GiB per device (no device size given)"
+    out = Plan(terms=terms, phases=phases, peak_allocated=int(peak), reserved=reserved, total=int(total), host=host,
+               gpu_memory_bytes=gpu, verdict=verdict, headroom=headroom, notes=notes,
+               workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P})
+    out.step_time_s = step_time(spec, w, trainable)
+    return out
+
+
+# ---------------------------------------------------------------- step-time model (ranking only)
+
+def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> float:
+    """Seconds per GRPO step, rough: compute at PEAK_FLOPS, decode bound by HBM bandwidth, offload by PCIe."""
+    b = DTYPE_BYTES[w.dtype]
+    params = spec.total_params
+    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
+    P = w.prompt_text_tokens + image_tokens(spec, w.max_pixels) * w.images_per_prompt
+    C = w.completion_tokens
+    rows = w.rows_per_step
+    ppc = w.prompts_per_call or w.prompts_per_step
+    calls = math.ceil(w.prompts_per_step / ppc)
+    kv_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+    prefill_rows = w.prompts_per_step if w.shared_prefix else rows
+    t_gen = (2 * params * prefill_rows * P + 2 * spec.vision_params * prefill_rows * patches) / PEAK_FLOPS
+    t_gen += calls * C * (params * b / HBM_BYTES_PER_S) + C * rows * (P + C / 2) * kv_token / HBM_BYTES_PER_S
+    tokens = rows * (P + C)
+    fwd = 2 * params * tokens / PEAK_FLOPS
+    t_score = fwd * ((w.beta > 0) + (w.num_iterations > 1))
+    mult = 2.0 if w.use_lora else 3.0                    # forward + backward(activations) [+ backward(weights)]
+    if w.gradient_checkpointing:
+        mult += 1.0                                       # recompute the forward: +33% of 6 x params x tokens
+    t_update = w.num_iterations * mult * fwd
+    micro_batches = math.ceil(rows / w.micro_batch) * w.num_iterations
+    t_update += micro_batches * 2 * params * b / HBM_BYTES_PER_S * 0.05   # per-call overhead of small micro-batches
+    trainable = trainable if trainable is not None else params
+    opt_steps = max(1, rows // max(1, w.micro_batch * w.grad_accum)) * w.num_iterations
+    t_comm = 0.0
+    if w.world_size > 1:
+        if w.sharding in ("zero3", "fsdp"):
+            t_comm = micro_batches * 3 * params * b / INTERCONNECT_BYTES_PER_S
+        else:
+            t_comm = opt_steps * 2 * trainable * b / INTERCONNECT_BYTES_PER_S
+    t_off = 0.0
+    if w.offload != "none":
+        t_off = opt_steps * (2 * trainable * 4 / PCIE_BYTES_PER_S + trainable / w.world_size / CPU_ADAM_PARAMS_PER_S)
+    if w.offload == "optimizer+params":
+        t_off += micro_batches * 2 * params * b / w.world_size / PCIE_BYTES_PER_S
+    ref_move = 2 * params * b / PCIE_BYTES_PER_S if (w.beta > 0 and not w.use_lora and w.ref_placement == "cpu") else 0.0
+    return t_gen + t_score + t_update + t_comm + t_off + ref_move
+
+
+# ---------------------------------------------------------------- model specs
+
+def _dims(obj, *names, default=None):
+    for n in names:
+        v = getattr(obj, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+@lru_cache(maxsize=64)
+def _spec_cached(config_json: str, name: str) -> ModelSpec:
+    from transformers import AutoConfig
+
+    d = json.loads(config_json)
+    cfg = AutoConfig.for_model(**d)
+    return _spec_from_config_object(cfg, name)
+
+
+def spec_from_hf_config(config: Any, name: str = "") -> ModelSpec:
+    """ModelSpec of a HF VLM config (PretrainedConfig, a dict, or a path to config.json / a model folder):
+    the architecture is instantiated on the meta device (no memory) to count parameters."""
+    if isinstance(config, (str, Path)):
+        p = Path(config)
+        p = p / "config.json" if p.is_dir() else p
+        if not p.is_file():
+            raise PlanError(f"{config}: no such config.json (give a preset name, a model folder or a config.json path)")
+        d = json.loads(p.read_text())
+        return _spec_cached(json.dumps(d, sort_keys=True), name or p.parent.name)
+    if isinstance(config, dict):
+        return _spec_cached(json.dumps(config, sort_keys=True), name or config.get("model_type", "model"))
+    return _spec_from_config_object(config, name or getattr(config, "model_type", "model"))
+
+
+def _spec_from_config_object(cfg, name: str) -> ModelSpec:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from .models import output_head, projector, unwrap, vision_tower
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+    core = unwrap(model)
+    total = sum(p.numel() for p in model.parameters())
+    from .models import ModelLoadError
+
+    try:
+        vt = vision_tower(model)
+        vision = sum(p.numel() for p in vt.parameters())
+    except ModelLoadError:
+        vt, vision = None, 0
+    try:
+        proj = projector(model)
+        proj_n = sum(p.numel() for p in proj.parameters())
+        inside = {id(p) for p in vt.parameters()} if vt is not None else set()
+        if not all(id(p) in inside for p in proj.parameters()):
+            vision += proj_n                              # LLaVA-style projector outside the tower: count it with vision
+    except ModelLoadError:
+        proj_n = 0
+    emb = core.get_input_embeddings()
+    head = output_head(model)
+    tied = head.weight is emb.weight
+    t = cfg.get_text_config()
+    heads = t.num_attention_heads
+    head_dim = _dims(t, "head_dim", default=None) or t.hidden_size // heads
+    linears: dict[tuple, int] = {}
+    vision_ids = {id(m) for m in vt.modules()} if vt is not None else set()
+    for mname, m in core.named_modules():
+        if isinstance(m, torch.nn.Linear) and id(m) not in vision_ids and m is not head:
+            key = (mname.rsplit(".", 1)[-1], m.in_features, m.out_features)
+            linears[key] = linears.get(key, 0) + 1
+    v = getattr(cfg, "vision_config", None)
+    kw: dict = {}
+    if v is not None:
+        vh = _dims(v, "hidden_size", "embed_dim", default=0)
+        if getattr(cfg, "model_type", "") == "qwen2_vl":
+            vh = v.embed_dim
+        vi = _dims(v, "intermediate_size", default=None) or int(vh * _dims(v, "mlp_ratio", default=4))
+        kw = dict(v_hidden=vh, v_intermediate=vi, v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
+                  v_heads=_dims(v, "num_heads", "num_attention_heads", default=1), patch_size=_dims(v, "patch_size", default=14),
+                  merge_size=_dims(v, "spatial_merge_size", default=1), temporal_patch=_dims(v, "temporal_patch_size", default=1))
+        if getattr(cfg, "model_type", "") not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+            size = _dims(v, "image_size", default=336)
+            patch = kw["patch_size"]
+            kw["image_size"] = size[0] if isinstance(size, (list, tuple)) else size
+            kw["patch_size"] = patch[0] if isinstance(patch, (list, tuple)) else patch
+            # Token reduction after the tower: InternVL pixel shuffle (downsample_ratio 0.5 -> 4x fewer), Idefics3/SmolVLM
+            # scale_factor (3 -> 9x fewer); LLaVA keeps every patch (the CLS token is dropped).
+            ratio = getattr(cfg, "downsample_ratio", None)
+            kw["merge_size"] = round(1 / ratio) if ratio else int(getattr(cfg, "scale_factor", 1) or 1)
+    return ModelSpec(
+        name=name, family=getattr(cfg, "model_type", ""), total_params=total, vision_params=vision, projector_params=proj_n,
+        embed_params=emb.weight.numel(), lm_head_params=0 if tied else head.weight.numel(),
+        hidden=t.hidden_size, intermediate=t.intermediate_size, layers=t.num_hidden_layers, heads=heads,
+        kv_heads=_dims(t, "num_key_value_heads", default=heads), head_dim=head_dim, vocab=t.vocab_size,
+        lora_linears=tuple((s, i, o, c) for (s, i, o), c in sorted(linears.items())), **kw)
+
+
+def model_spec(model: str) -> ModelSpec:
+    """A bundled preset name, or a path to a model folder / config.json."""
+    from .presets import PLANNER_PRESETS, PRESETS
+
+    if model in PRESETS or model in PLANNER_PRESETS:
+        return _preset_spec(model)
+    if Path(model).exists():
+        return spec_from_hf_config(model)
+    names = sorted(PRESETS) + sorted(PLANNER_PRESETS)
+    raise PlanError(f"unknown model {model!r}: give a preset ({', '.join(names)}) or a path to a config.json")
+
+
+@lru_cache(maxsize=32)
+def _preset_spec(name: str) -> ModelSpec:
+    from .presets import hf_config
+
+    return spec_from_hf_config(hf_config(name), name)
+
+
+# ---------------------------------------------------------------- vlmrl configs
+
+def parse_memory(text: str | float) -> int:
+    """'80GiB', '80GB', '79.2 GiB', '81920MiB', '8e10' -> bytes. GB = 10^9, GiB = 2^30."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise PlanError(f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB")
+    value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
+    if unit == "B":
+        return int(value)
+    scale = {"K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    base = 1024 if "I" in unit else 1000
+    return int(value * base ** scale)
+
+
+def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Workload:
+    m, t, r, a, d, mem = cfg.model, cfg.training, cfg.rollout, cfg.algorithm, cfg.data, cfg.memory
+    kw = dict(
+        dtype=m.dtype, autocast=t.bf16, use_lora=m.use_lora, lora_r=m.lora_r, lora_targets=tuple(m.lora_target_modules),
+        freeze_vision=m.freeze_vision_tower, projector_only=m.train_projector_only, gradient_checkpointing=m.gradient_checkpointing,
+        num_generations=r.num_generations, prompts_per_step=cfg.prompts_per_step,
+        micro_batch=mem.max_tokens_per_micro_batch and max(1, mem.max_tokens_per_micro_batch // 512) or t.per_device_train_batch_size,
+        grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
+        max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
+        logprob_chunk_tokens=mem.logprob_chunk_tokens, group_vision=mem.group_vision, shared_prefix=mem.shared_prefix,
+        beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    kw.update(extra)
+    return Workload(**kw)
+
+
+def spec_for_config(cfg) -> ModelSpec:
+    name = cfg.model.name_or_path
+    if name.startswith("embedded:"):
+        from .tiny import default_model_path
+
+        path = default_model_path()
+        if not (Path(path) / "config.json").is_file():
+            raise PlanError(f"{name}: the embedded tiny model is not built yet ({path}); run vlmrl demo once, or plan with --model")
+        return spec_from_hf_config(path, name)
+    return model_spec(name)
+
+
+def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Plan:
+    """Plan of a vlmrl Config (training.auto_fit_gpu_memory_gib is used when gpu_memory_bytes is None)."""
+    if gpu_memory_bytes is None:
+        gib = getattr(cfg.training, "auto_fit_gpu_memory_gib", None)
+        gpu_memory_bytes = int(gib * GiB) if gib else None
+    return plan(spec_for_config(cfg), workload_from_config(cfg, world_size, gpu_memory_bytes, **extra))
+
+
+# ---------------------------------------------------------------- search
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class Candidate:
+    workload: Workload
+    plan: Plan
+    changes: list
+
+    def to_dict(self) -> dict:
+        return {"changes": self.changes, "total_gib": round(self.plan.total / GiB, 2), "step_time_s": round(self.plan.step_time_s, 3),
+                "fits": self.plan.fits, "verdict": self.plan.verdict}
+
+
+_WHY = {
+    "micro_batch": "rows per forward/backward (effective batch kept through gradient accumulation): bounds activations",
+    "prompts_per_call": "prompts per generate() call: bounds the KV cache",
+    "gradient_checkpointing": "keep only layer inputs, recompute in backward: activations / ~L, +33% update compute",
+    "sharding": "split optimizer states / gradients / weights over the GPUs",
+    "offload": "optimizer states (and parameters) in host RAM: frees device memory, costs PCIe traffic",
+    "ref_placement": "reference copy in host RAM, moved in only for scoring",
+    "num_generations": "fewer completions per prompt (changes the algorithm's group size)",
+    "max_pixels": "smaller images (fewer image tokens; changes what the model sees)",
+    "prompts_per_step": "fewer prompts per step (changes the effective batch)",
+}
+
+
+def _describe(base: Workload, w: Workload) -> list[str]:
+    """What a candidate changes relative to the given config, each with why it matters."""
+    out = []
+    for f in ("micro_batch", "grad_accum", "prompts_per_call", "gradient_checkpointing", "sharding", "offload", "ref_placement",
+              "num_generations", "max_pixels", "prompts_per_step"):
+        a, b = getattr(base, f), getattr(w, f)
+        if f == "prompts_per_call":
+            a, b = a or base.prompts_per_step, b or w.prompts_per_step
+        if a == b or f == "grad_accum":
+            continue
+        why = _WHY.get(f, "")
+        if f == "gradient_checkpointing" and not b:
+            why = "off: no recompute (faster update), full activations kept"
+        elif f == "micro_batch":
+            why = ("smaller: " if b < a else "larger: ") + why + f"; gradient_accumulation_steps {base.grad_accum} -> {w.grad_accum}"
+        out.append(f"{f}: {a} -> {b}" + (f" ({why})" if why else ""))
+    return out
+
+
+def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int = 5, shardings: tuple | None = None,
+           include_infeasible: bool = False) -> list[Candidate]:
+    """Feasible configurations ranked by the step-time model (fastest first). `allow` may hold
+    num_generations, max_pixels, effective_batch; the effective batch, G and pixel caps never change otherwise."""
+    if base.gpu_memory_bytes is None:
+        raise PlanError("search needs the device memory (--gpu-memory / training.auto_fit_gpu_memory_gib)")
+    allow = set(allow)
+    Gs = [base.num_generations]
+    if "num_generations" in allow:
+        Gs += [g for g in (base.num_generations // 2, base.num_generations // 4) if g >= 2 and g not in Gs]
+    pixels = [base.max_pixels]
+    if "max_pixels" in allow:
+        pixels += [base.max_pixels // 2, base.max_pixels // 4]
+    prompt_counts = [base.prompts_per_step]
+    if "effective_batch" in allow:
+        prompt_counts += [p for p in (base.prompts_per_step // 2, base.prompts_per_step // 4) if p >= 1 and p not in prompt_counts]
+    if shardings is None:
+        shardings = ("none",) if base.world_size == 1 else ("ddp", "zero1", "zero2", "zero3")
+        if base.sharding not in shardings:
+            shardings = (base.sharding, *shardings)
+    offloads_for = {"none": ("none",), "ddp": ("none",), "zero1": ("none", "optimizer"), "zero2": ("none", "optimizer"),
+                    "zero3": ("none", "optimizer", "optimizer+params"), "fsdp": ("none", "optimizer", "optimizer+params")}
+    refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora) else (base.ref_placement,)
+    step_rows = base.micro_batch * base.grad_accum     # rows per optimizer step (kept)
+    out: list[Candidate] = []
+    for G in Gs:
+        for prompts in prompt_counts:
+            rows = prompts * G
+            # keep rows per optimizer step when possible; else (G / prompts changed) keep its ratio to the rollout
+            per_opt = step_rows if (G == base.num_generations and prompts == base.prompts_per_step) else \
+                max(1, step_rows * rows // max(1, base.rows_per_step))
+            for mb in _divisors(per_opt):
+                for ppc in _divisors(prompts):
+                    for gc in (False, True):
+                        for sh in shardings:
+                            for off in offloads_for.get(sh, ("none",)):
+                                for ref in refs:
+                                    for px in pixels:
+                                        w = dataclasses.replace(base, num_generations=G, prompts_per_step=prompts, micro_batch=mb,
+                                                                grad_accum=per_opt // mb, prompts_per_call=None if ppc == prompts else ppc,
+                                                                gradient_checkpointing=gc,
+                                                                sharding=sh, offload=off, ref_placement=ref, max_pixels=px)
+                                        p = plan(spec, w)
+                                        if p.fits or include_infeasible:
+                                            out.append(Candidate(w, p, _describe(base, w)))
+    out.sort(key=lambda c: (not c.plan.fits, c.plan.step_time_s, c.plan.total))
+    return out[:top] if top else out
+
+
+def device_memory_bytes(cfg) -> int:
+    """training.auto_fit_gpu_memory_gib, else the capacity of the CUDA device the run will use."""
+    gib = getattr(cfg.training, "auto_fit_gpu_memory_gib", None)
+    if gib is not None:
+        return int(gib * GiB)
+    import torch
+
+    dev = cfg.training.device
+    if dev != "cpu" and torch.cuda.is_available():
+        index = int(dev.split(":", 1)[1]) if dev.startswith("cuda:") else 0
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    raise PlanError("auto_fit needs the device memory: set training.auto_fit_gpu_memory_gib (required without CUDA)")
+
+
+def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1):
+    """(new_cfg, changes): the fastest configuration predicted to fit, over knobs vlmrl's config has (micro-batch
+    with the effective batch kept, generation prompts per call, gradient checkpointing, reference placement; and
+    num_generations / max_pixels / effective batch only when listed in training.auto_fit_allow). Raises PlanError
+    naming the knobs when nothing fits."""
+    from .config import replace
+
+    if gpu_memory_bytes is None:
+        gpu_memory_bytes = device_memory_bytes(cfg)
+    allow = tuple(getattr(cfg.training, "auto_fit_allow", ()) or ())
+    spec = spec_for_config(cfg)
+    base = workload_from_config(cfg, world_size, gpu_memory_bytes)
+    shardings = (base.sharding,)                        # vlmrl's loop runs unsharded: sharding is a CLI-only suggestion
+    found = search(spec, base, allow=allow, top=1, shardings=shardings)
+    if not found:
+        now = plan(spec, base)
+        knobs = "training.per_device_train_batch_size (with gradient_accumulation_steps), memory.generation_prompts_per_call, " \
+                "model.gradient_checkpointing" + (", memory.ref_placement" if base.beta > 0 and not base.use_lora else "")
+        locked = [k for k in ("num_generations", "max_pixels", "effective_batch") if k not in allow]
+        raise PlanError(
+            f"auto_fit: no configuration fits in {gpu_memory_bytes / GiB:.1f} GiB (the current one needs {now.total / GiB:.1f} GiB). "
+            f"Searched {knobs}. Still locked: {', '.join(locked) or 'nothing'} (allow them in training.auto_fit_allow), or use "
+            "LoRA (model.use_lora), bf16 weights, more GPUs with ZeRO/FSDP (vlmrl plan --search --gpus N), or a bigger device.")
+    best = found[0].workload
+    changes: dict[str, Any] = {}
+    t = cfg.training
+    if best.micro_batch != t.per_device_train_batch_size or best.grad_accum != t.gradient_accumulation_steps:
+        changes["training__per_device_train_batch_size"] = best.micro_batch
+        changes["training__gradient_accumulation_steps"] = best.grad_accum
+    if (best.prompts_per_call or base.prompts_per_step) != (cfg.memory.generation_prompts_per_call or base.prompts_per_step):
+        changes["memory__generation_prompts_per_call"] = best.prompts_per_call
+    if best.gradient_checkpointing != cfg.model.gradient_checkpointing:
+        changes["model__gradient_checkpointing"] = best.gradient_checkpointing
+    if best.ref_placement != cfg.memory.ref_placement:
+        changes["memory__ref_placement"] = best.ref_placement
+    if best.num_generations != cfg.rollout.num_generations and "num_generations" in allow:
+        changes["rollout__num_generations"] = best.num_generations
+    if best.max_pixels != cfg.data.max_pixels and "max_pixels" in allow:
+        changes["data__max_pixels"] = best.max_pixels
+        if cfg.data.min_pixels > best.max_pixels:
+            changes["data__min_pixels"] = best.max_pixels
+    if best.rows_per_step != base.rows_per_step or "rollout__num_generations" in changes:
+        if best.prompts_per_step != base.prompts_per_step and "effective_batch" not in allow:
+            raise PlanError("auto_fit internal error: the effective batch would change without auto_fit_allow")
+        changes["rollout__generation_batch_size"] = best.rows_per_step
+    if not changes:
+        return cfg, []
+    lines = [f"{k.replace('__', '.')}: {_get(cfg, k)} -> {v}" for k, v in changes.items()]
+    new = replace(cfg, **changes)
+    p = plan(spec, best)
+    lines.append(f"predicted peak {p.total / GiB:.1f} GiB of {gpu_memory_bytes / GiB:.1f} GiB; step-time model {p.step_time_s:.2f} s")
+    return new, lines
+
+
+def _get(cfg, dotted: str):
+    section, name = dotted.split("__", 1)
+    return getattr(getattr(cfg, section), name)

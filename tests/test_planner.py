@@ -1,0 +1,326 @@
+"""Memory planner: hand-computed terms, closed form vs the exact meta-device trace, auto_fit's guarantees, the CLI."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmrl.config import ConfigError, load_config
+from vlmrl.planner import (
+    GiB,
+    ModelSpec,
+    PlanError,
+    Workload,
+    auto_fit,
+    image_patches,
+    image_tokens,
+    parse_memory,
+    plan,
+    search,
+    spec_from_hf_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from planner_accuracy import GridPoint, compare_trace, tiny_qwen25_config
+
+# A hand-made architecture: numbers chosen so every term is easy to compute by hand.
+SPEC = ModelSpec(
+    name="hand", family="qwen2_5_vl", total_params=1_000_000, vision_params=200_000, projector_params=10_000,
+    embed_params=100_000, lm_head_params=0, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, head_dim=16,
+    vocab=1000, v_hidden=32, v_intermediate=64, v_layers=2, v_heads=2, patch_size=14, merge_size=2, temporal_patch=2,
+    lora_linears=(("q_proj", 64, 64, 4), ("k_proj", 64, 32, 4), ("v_proj", 64, 32, 4), ("o_proj", 64, 64, 4),
+                  ("gate_proj", 64, 128, 4), ("up_proj", 64, 128, 4), ("down_proj", 128, 64, 4)),
+)
+FP32 = Workload(dtype="float32", autocast=False, num_generations=4, prompts_per_step=2, micro_batch=4, grad_accum=2,
+                prompt_text_tokens=20, max_pixels=56 * 56, completion_tokens=10, gpu_memory_bytes=80 * GiB)
+
+
+# ---------------------------------------------------------------- individual terms, by hand
+
+def test_full_finetune_model_states_fp32():
+    p = plan(SPEC, FP32)
+    P = SPEC.total_params
+    assert p.terms["weights"] == P * 4
+    assert p.terms["gradients"] == P * 4
+    assert p.terms["optimizer_states"] == 2 * P * 4          # AdamW: exp_avg + exp_avg_sq, parameter dtype
+    assert p.terms["optimizer_step_temporary"] == P * 4      # foreach sqrt(exp_avg_sq)
+    assert p.terms["reference_model"] == 0
+
+
+def test_bf16_states_follow_parameter_dtype_and_lora_states_are_fp32():
+    p = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16"))
+    assert p.terms["optimizer_states"] == 2 * SPEC.total_params * 2
+    lora = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", use_lora=True, lora_r=8))
+    n = 8 * 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64))  # r x (in + out) x layers, per module
+    assert SPEC.lora_params(8, FP32.lora_targets) == n
+    assert lora.terms["optimizer_states"] == 2 * n * 4
+    assert lora.terms["gradients"] == n * 4
+    assert lora.terms["weights"] == SPEC.total_params * 2 + n * 4
+
+
+def test_sharding_divides_states():
+    P, n = SPEC.total_params, 8
+    z3 = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n))
+    assert z3.terms["weights"] == P * 2 / n
+    assert z3.terms["gradients"] == P * 2 // n
+    assert z3.terms["optimizer_states"] == P * 12 // n       # fp32 master + two fp32 moments, sharded
+    z2 = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero2", world_size=n))
+    assert z2.terms["weights"] == P * 2 and z2.terms["gradients"] == P * 2 // n
+    z1 = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero1", world_size=n))
+    assert z1.terms["gradients"] == P * 2 and z1.terms["optimizer_states"] == P * 12 // n
+    off = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n, offload="optimizer+params"))
+    assert off.terms["optimizer_states"] == 0 and off.terms["weights"] == 0 and off.host["offloaded_optimizer_states"] > 0
+    with pytest.raises(PlanError, match="offload"):
+        plan(SPEC, dataclasses.replace(FP32, offload="optimizer"))
+
+
+def test_kv_cache_bytes():
+    w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, shared_prefix=False, prompts_per_call=1)
+    p = plan(SPEC, w)
+    tokens = 1 * 4 * (20 + image_tokens(SPEC, 56 * 56) + 10)   # one prompt per call x G rows x (prompt + completion)
+    assert p.terms["kv_cache"] == 2 * SPEC.layers * SPEC.kv_heads * SPEC.head_dim * tokens * 2
+    all_at_once = plan(SPEC, dataclasses.replace(w, prompts_per_call=None))
+    assert all_at_once.terms["kv_cache"] == 2 * p.terms["kv_cache"]
+
+
+def test_image_tokens_from_pixels():
+    assert image_patches(SPEC, 448 * 448) == 1024 and image_tokens(SPEC, 448 * 448) == 256
+    assert image_tokens(SPEC, 56 * 56) == 4
+    clip = dataclasses.replace(SPEC, image_size=336, merge_size=1)
+    assert image_tokens(clip, 10**7) == 576 == image_tokens(clip, 1000)   # fixed-resolution tower ignores the cap
+
+
+def test_reference_placement():
+    w = dataclasses.replace(FP32, beta=0.04)
+    dev = plan(SPEC, w)
+    assert dev.terms["reference_model"] == SPEC.total_params * 4
+    cpu = plan(SPEC, dataclasses.replace(w, ref_placement="cpu"))
+    assert cpu.terms["reference_model"] == 0 and cpu.terms["reference_moved_in_for_scoring"] == SPEC.total_params * 4
+    assert cpu.host["reference_on_cpu"] == SPEC.total_params * 4
+    assert plan(SPEC, dataclasses.replace(w, use_lora=True)).terms["reference_model"] == 0   # adapter disabled
+
+
+def test_gradient_checkpointing_lowers_activations():
+    w = dataclasses.replace(FP32, micro_batch=8, grad_accum=1, max_pixels=448 * 448)
+    off, on = plan(SPEC, w), plan(SPEC, dataclasses.replace(w, gradient_checkpointing=True))
+    assert on.terms["activations_text"] * 5 < off.terms["activations_text"]
+    assert on.step_time_s > off.step_time_s
+
+
+def test_parse_memory():
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("81920MiB") == 80 * 2**30
+    assert parse_memory("24") == 24 * 2**30
+    for bad in ("80XB", "lots", "-3GiB", "0GiB", ""):
+        with pytest.raises(PlanError, match="80GiB"):
+            parse_memory(bad)
+
+
+def test_spec_from_meta_instantiation():
+    cfg = tiny_qwen25_config()
+    spec = spec_from_hf_config(cfg.to_dict(), "tiny")
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
+    assert spec.hidden == 256 and spec.layers == 2 and spec.kv_heads == 2 and spec.head_dim == 64 and spec.lm_head_params == 0
+    assert 0 < spec.projector_params < spec.vision_params < spec.total_params
+
+
+# ---------------------------------------------------------------- closed form vs exact trace (>= 12 configs, CI-sized)
+
+PX_LOW, PX_HIGH = 224 * 224, 448 * 448
+GRID = [
+    GridPoint("full-G4", "tiny", 4, 4, False, False, PX_LOW),
+    GridPoint("full-G4-gc", "tiny", 4, 4, True, False, PX_HIGH),
+    GridPoint("full-G8", "tiny", 8, 8, False, False, PX_HIGH),
+    GridPoint("full-G8-gc", "tiny", 8, 4, True, False, PX_LOW),
+    GridPoint("full-G16", "tiny", 16, 8, False, False, PX_LOW),
+    GridPoint("full-G16-gc", "tiny", 16, 16, True, False, PX_HIGH),
+    GridPoint("lora-G4", "tiny", 4, 4, False, True, PX_HIGH),
+    GridPoint("lora-G4-gc", "tiny", 4, 8, True, True, PX_LOW),
+    GridPoint("lora-G8", "tiny", 8, 8, False, True, PX_LOW),
+    GridPoint("lora-G8-gc", "tiny", 8, 8, True, True, PX_HIGH),
+    GridPoint("lora-G16", "tiny", 16, 16, False, True, PX_HIGH),
+    GridPoint("lora-G16-gc", "tiny", 16, 4, True, True, PX_LOW),
+    GridPoint("qwen2-full-G8", "tiny-qwen2", 8, 4, False, False, PX_HIGH),
+    GridPoint("qwen2-lora-G4-gc", "tiny-qwen2", 4, 4, True, True, PX_LOW),
+    GridPoint("lora-G8-prefix", "tiny", 8, 8, False, True, PX_LOW, shared_prefix=True),
+    GridPoint("full-G4-nochunk", "tiny", 4, 4, False, False, PX_LOW, chunk=0),
+]
+
+
+@pytest.mark.parametrize("point", GRID, ids=[g.name for g in GRID])
+def test_closed_form_within_10pct_of_trace(point):
+    r = compare_trace(point)
+    assert abs(r["difference_pct"]) <= 10, r
+
+
+def test_trace_counts_model_states_exactly():
+    """The tracker's persistent categories equal the hand counts (bf16 weights, bf16 grads, 2 bf16 AdamW moments)."""
+    import torch
+
+    from vlmrl.plan_trace import TraceSetup, trace_update
+
+    cfg = tiny_qwen25_config()
+    spec = spec_from_hf_config(cfg.to_dict(), "tiny")
+    r = trace_update(cfg, TraceSetup(dtype=torch.bfloat16, rows=4, unique_prompts=1, image_patches=64, completion_tokens=8))
+    assert r.persistent["weights"] == spec.total_params * 2
+    assert r.persistent["gradients"] == spec.total_params * 2
+    assert r.persistent["optimizer_states"] == 2 * spec.total_params * 2
+    assert r.stage_peaks["optimizer"] >= r.persistent["weights"] + r.persistent["gradients"] + r.persistent["optimizer_states"] \
+        + spec.total_params * 2   # + the foreach temporary
+
+
+# ---------------------------------------------------------------- search / auto_fit
+
+def _tiny_model_dir(tmp_path) -> Path:
+    d = tmp_path / "tiny-model"
+    d.mkdir(exist_ok=True)
+    tiny_qwen25_config(layers=4, hidden=512, inter=1408, heads=8, kv=2, vocab=32000).to_json_file(d / "config.json")
+    return d
+
+
+def _cfg(tmp_path, *extra):
+    base = [f"model.name_or_path={_tiny_model_dir(tmp_path)}", "model.dtype=bfloat16", "training.bf16=true",
+            "rollout.num_generations=8", "rollout.generation_batch_size=32", "training.per_device_train_batch_size=32",
+            "training.gradient_accumulation_steps=1", f"data.max_pixels={896 * 896}", "rollout.max_completion_length=256",
+            "training.device=cpu"]
+    return load_config(None, base + list(extra))
+
+
+def test_auto_fit_keeps_protected_fields(tmp_path):
+    cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2")
+    from vlmrl.planner import plan_for_config
+
+    before = plan_for_config(cfg)
+    assert not before.fits                                   # the test needs a config that does not fit as given
+    new, changes = auto_fit(cfg)
+    assert changes and plan_for_config(new).fits
+    assert new.rollout.num_generations == cfg.rollout.num_generations
+    assert new.generation_batch_size == cfg.generation_batch_size
+    assert new.data.max_pixels == cfg.data.max_pixels and new.data.min_pixels == cfg.data.min_pixels
+    assert (new.training.per_device_train_batch_size * new.training.gradient_accumulation_steps
+            == cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
+    assert all("->" in c for c in changes[:-1])
+
+
+def test_auto_fit_may_change_allowed_fields_only(tmp_path):
+    from vlmrl.planner import FIT_FRACTION, spec_for_config, workload_from_config
+
+    probe = _cfg(tmp_path)
+    spec, base = spec_for_config(probe), workload_from_config(probe, 1, 10**15)
+    least = lambda allow: min(c.plan.total for c in search(spec, base, allow=allow, top=0, include_infeasible=True))
+    fixed, smaller = least(()), least(("max_pixels",))
+    assert smaller < fixed                                  # only smaller images can fit in between
+    gib = (fixed + smaller) / 2 / FIT_FRACTION / GiB
+    with pytest.raises(PlanError):
+        auto_fit(_cfg(tmp_path, f"training.auto_fit_gpu_memory_gib={gib}"))
+    cfg = _cfg(tmp_path, f"training.auto_fit_gpu_memory_gib={gib}", "training.auto_fit_allow=[max_pixels]")
+    new, _ = auto_fit(cfg)
+    assert new.data.max_pixels < cfg.data.max_pixels
+    assert new.rollout.num_generations == cfg.rollout.num_generations and new.generation_batch_size == cfg.generation_batch_size
+
+
+def test_auto_fit_error_names_the_knobs(tmp_path):
+    cfg = _cfg(tmp_path, "training.auto_fit_gpu_memory_gib=0.3")
+    with pytest.raises(PlanError) as e:
+        auto_fit(cfg)
+    msg = str(e.value)
+    for knob in ("per_device_train_batch_size", "generation_prompts_per_call", "gradient_checkpointing", "auto_fit_allow",
+                 "num_generations", "max_pixels"):
+        assert knob in msg
+
+
+def test_search_ranks_fitting_configs_and_keeps_effective_batch(tmp_path):
+    spec = spec_from_hf_config(_tiny_model_dir(tmp_path))
+    base = Workload(num_generations=8, prompts_per_step=4, micro_batch=32, grad_accum=1, max_pixels=896 * 896,
+                    completion_tokens=256, gpu_memory_bytes=int(2 * GiB))
+    found = search(spec, base, top=0)
+    assert found and all(c.plan.fits for c in found)
+    assert [c.plan.step_time_s for c in found] == sorted(c.plan.step_time_s for c in found)
+    assert all(c.workload.micro_batch * c.workload.grad_accum == 32 and c.workload.num_generations == 8 for c in found)
+
+
+def test_auto_fit_config_validation():
+    with pytest.raises(ConfigError, match="auto_fit_allow"):
+        load_config(None, ["training.auto_fit_allow=[batch_size]"])
+    with pytest.raises(ConfigError, match="auto_fit_gpu_memory_gib"):
+        load_config(None, ["training.auto_fit=true", "training.device=cpu"])
+    with pytest.raises(ConfigError, match="auto_fit_gpu_memory_gib"):
+        load_config(None, ["training.auto_fit_gpu_memory_gib=-1"])
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_plan_json(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    rc = main(["plan", "--model", str(_tiny_model_dir(tmp_path) / "config.json"), "--gpu-memory", "24GiB", "--num-generations", "8",
+               "--micro-batch", "8", "--lora", "--json", "--search", "--top", "3"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("verdict", "fits", "total_gib", "reserved_gib", "phases_gib", "terms_gib", "host_gib", "search"):
+        assert key in out
+    assert set(out["phases_gib"]) == {"rollout", "scoring", "update"}
+    assert out["fits"] is True and out["workload"]["num_generations"] == 8 and out["workload"]["use_lora"] is True
+    assert out["terms_gib"]["weights"] > 0 and len(out["search"]) <= 3
+
+
+def test_cli_plan_bad_memory(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    rc = main(["plan", "--model", str(_tiny_model_dir(tmp_path)), "--gpu-memory", "80XB"])
+    assert rc == 2
+    assert "cannot read GPU memory '80XB'" in capsys.readouterr().err
+
+
+def test_cli_plan_trace(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    rc = main(["plan", "--model", str(_tiny_model_dir(tmp_path)), "--micro-batch", "4", "--trace", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["trace"]["difference_pct"]) <= 10
+
+
+def test_planner_import_is_pure():
+    code = ("import sys, vlmrl.planner, vlmrl.plan_cli; "
+            "bad = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed', 'vllm') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_cli_plan_config_with_overrides(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    y = tmp_path / "run.yaml"
+    y.write_text(f"model:\n  name_or_path: {_tiny_model_dir(tmp_path)}\n  dtype: bfloat16\nrollout:\n  num_generations: 4\n")
+    rc = main(["plan", "--config", str(y), "rollout.num_generations=8", "training.per_device_train_batch_size=8",
+               "--gpu-memory", "16GiB", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["num_generations"] == 8 and out["workload"]["micro_batch"] == 8 and out["gpu_memory_gib"] == 16.0
+    assert main(["plan", "--config", str(y), "rollout.bogus=1"]) == 2
+    assert "rollout.bogus" in capsys.readouterr().err
+
+
+def test_planner_presets_meta_counts_match_published():
+    """Planner-only presets (typed from published config.json values): meta-device counts vs published totals."""
+    from vlmrl.planner import model_spec
+    from vlmrl.presets import PLANNER_PRESETS
+
+    for name, d in PLANNER_PRESETS.items():
+        n = model_spec(name).total_params
+        assert abs(n / d["params"] - 1) < 0.03, f"{name}: {n / 1e9:.3f}B vs published {d['params'] / 1e9:.2f}B"
+    assert image_tokens(model_spec("llava-1.5-7b"), 10**6) == 576
+    assert image_tokens(model_spec("internvl3-2b"), 10**6) == 256
+    assert image_tokens(model_spec("smolvlm-instruct"), 10**6) == 81
