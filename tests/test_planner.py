@@ -324,3 +324,24 @@ def test_planner_presets_meta_counts_match_published():
     assert image_tokens(model_spec("llava-1.5-7b"), 10**6) == 576
     assert image_tokens(model_spec("internvl3-2b"), 10**6) == 256
     assert image_tokens(model_spec("smolvlm-instruct"), 10**6) == 81
+
+
+def test_run_time_prediction_and_auto_fit_logging(tmp_path):
+    from vlmrl.planner import GiB, apply_auto_fit, predict_for_run, prediction_vs_measured
+
+    lines = []
+    cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2")
+    fitted = apply_auto_fit(cfg, lines.append)
+    assert fitted != cfg and lines and all(line.startswith("auto_fit") for line in lines)
+    p = predict_for_run(fitted, lines.append)
+    assert p is not None and "predicted per-device GPU peak" in lines[-1]
+    warnings = []
+    close = prediction_vs_measured(p, {"mem/gpu_peak_reserved": p.reserved / GiB * 1.05}, warnings.append)
+    assert close["plan/error_reserved"] == pytest.approx(1 / 1.05 - 1) and not warnings
+    far = prediction_vs_measured(p, {"mem/gpu_peak_reserved": p.reserved / GiB * 2}, warnings.append)
+    assert far["plan/error_reserved"] == pytest.approx(-0.5) and len(warnings) == 1
+    assert "plan/error_reserved" not in prediction_vs_measured(p, {}, warnings.append)  # CPU: nothing to compare
+    # A model the planner cannot read gives no prediction and does not stop the run.
+    broken = load_config(None, [f"model.name_or_path={tmp_path / 'nowhere'}", "training.device=cpu"])
+    assert predict_for_run(broken, lines.append) is None and lines[-1].startswith("planner: no prediction")
+    assert prediction_vs_measured(None, {}, warnings.append) == {}

@@ -778,3 +778,49 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1):
 def _get(cfg, dotted: str):
     section, name = dotted.split("__", 1)
     return getattr(getattr(cfg, section), name)
+
+
+# ---------------------------------------------------------------- at run time (train.py)
+
+PREDICTION_WARN_FRACTION = 0.25  # a measured GPU peak this far from the prediction is worth a warning
+
+
+def apply_auto_fit(cfg, log, world_size: int = 1):
+    """training.auto_fit: the config the planner picks, every change logged. PlanError when nothing fits."""
+    new_cfg, changes = auto_fit(cfg, world_size=world_size)
+    for line in changes or ["auto_fit: the configuration as given is predicted to fit and to be the fastest; nothing changed"]:
+        log(line if line.startswith("auto_fit") else f"auto_fit: {line}")
+    return new_cfg
+
+
+def predict_for_run(cfg, log, world_size: int = 1) -> Plan | None:
+    """The planner's prediction for this run, logged once; None (with the reason) when the model cannot be
+    planned. Never stops a run: the prediction is advice."""
+    try:
+        gpu = device_memory_bytes(cfg)
+    except PlanError:
+        gpu = None
+    try:
+        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu)
+    except Exception as e:  # noqa: BLE001 - any model the planner cannot read must not stop training
+        log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
+        return None
+    log(f"planner: predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, {p.reserved / GiB:.2f} GiB reserved"
+        + (f" ({p.verdict})" if gpu else ""))
+    return p
+
+
+def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
+    """plan/* keys for metrics.jsonl: the prediction, and on CUDA its error against the measured reserved peak
+    (mem/gpu_peak_reserved, GiB); warns when the miss is over PREDICTION_WARN_FRACTION."""
+    if p is None:
+        return {}
+    out = {"plan/peak_allocated": p.peak_allocated / GiB, "plan/peak_reserved": p.reserved / GiB}
+    measured = metrics.get("mem/gpu_peak_reserved")
+    if measured:
+        error = (p.reserved / GiB - measured) / measured
+        out["plan/error_reserved"] = error
+        if abs(error) > PREDICTION_WARN_FRACTION:
+            warn(f"WARNING: planner predicted {p.reserved / GiB:.2f} GiB reserved, measured {measured:.2f} GiB "
+                 f"({error:+.0%}); please report the config (vlmrl plan --json) so the planner can learn from it")
+    return out
