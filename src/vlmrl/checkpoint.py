@@ -219,6 +219,7 @@ def save_checkpoint(
     weights_only: bool = False,
     save_total_limit: Optional[int] = None,
     warn: Warn = print,
+    rng_states: Optional[dict[int, dict]] = None,
 ) -> Path:
     """Write `output_dir/checkpoint-<step>` atomically and return its path.
 
@@ -226,7 +227,8 @@ def save_checkpoint(
     counters (epoch, samples_consumed, sampler_state, best_metric, best_step, ...) and must be JSON
     serialisable; global_step, config_hash, versions and weights_only are added here. With
     `weights_only` the optimizer, scheduler and RNG are not saved (such a checkpoint cannot resume
-    exactly). Any OSError while writing raises CheckpointSaveError; the temporary folder is removed
+    exactly). `rng_states` ({rank: state}, several processes) writes one `rng_state_<rank>.pt` per process
+    instead of this process's own. Any OSError while writing raises CheckpointSaveError; the temporary folder is removed
     and earlier checkpoints are untouched. After a successful save, `save_total_limit` rotates old
     checkpoints (the newest and the best, `trainer_state["best_step"]`, are always kept).
     """
@@ -238,7 +240,8 @@ def save_checkpoint(
         _rmtree(tmp)  # a stale folder from a killed save of the same step
         tmp.mkdir()
         _write_contents(tmp, step, save_model=save_model, optimizer=optimizer, scheduler=scheduler,
-                        trainer_state=trainer_state, config=config, rank=rank, weights_only=weights_only)
+                        trainer_state=trainer_state, config=config, rank=rank, weights_only=weights_only,
+                        rng_states=rng_states)
         _write_manifest(tmp, step)
         _move_into_place(tmp, final)
     except OSError as e:
@@ -259,7 +262,7 @@ def save_checkpoint(
 
 
 def _write_contents(tmp: Path, step: int, *, save_model, optimizer, scheduler, trainer_state: dict,
-                    config: dict, rank: int, weights_only: bool) -> None:
+                    config: dict, rank: int, weights_only: bool, rng_states: Optional[dict[int, dict]] = None) -> None:
     """Every file except the manifest, each fsync'ed."""
     model_dir = tmp / MODEL_DIR
     model_dir.mkdir()
@@ -271,7 +274,8 @@ def _write_contents(tmp: Path, step: int, *, save_model, optimizer, scheduler, t
             _torch_save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         if scheduler is not None:
             _torch_save(_plain_scheduler_state(scheduler.state_dict()), tmp / SCHEDULER_FILE)
-        _torch_save(rng_state(), tmp / rng_file(rank))
+        for r, state in (rng_states or {rank: rng_state()}).items():
+            _torch_save(state, tmp / rng_file(r))
     state = dict(trainer_state)
     state.update(global_step=step, weights_only=weights_only, config_hash=_hash_config(config),
                  versions=_versions(), format_version=FORMAT_VERSION, saved_at=time.time(),
@@ -533,7 +537,7 @@ HARMLESS_TRAINING_KEYS = frozenset({
 # Where the reference lives, how OOMs are handled and which exact log-prob path runs do not change what
 # is computed (the paths agree to rounding; a resume across them is then not bit-exact, only equivalent).
 HARMLESS_MEMORY_KEYS = frozenset({"ref_placement", "oom_recovery", "warn_fraction", "shared_prefix", "group_vision",
-                                  "logprob_chunk_tokens", "generation_prompts_per_call"})
+                                  "logprob_chunk_tokens", "generation_prompts_per_call", "generation_gather"})
 _ABSENT = object()
 
 

@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--output-dir", default="outputs/demo")
     d.add_argument("--quick", action="store_true", help="A few steps only (smoke test).")
     sub.add_parser("config", help="Print the config reference (markdown) generated from the field docs.")
+    ex = sub.add_parser("export", help="Write a checkpoint (or a run folder's newest) as a plain HF model folder.",
+                        description="Checkpoint -> plain HF folder: base model + trained weights (LoRA merged) + processor.")
+    ex.add_argument("checkpoint", help="output_dir/checkpoint-<step>, or a run folder (its newest valid checkpoint)")
+    ex.add_argument("out", help="folder to write")
     from .plan_cli import add_arguments as add_plan_arguments
 
     pl = sub.add_parser("plan", help="Predict the per-GPU memory peak of a GRPO step before launch; --search for configs that fit.",
@@ -56,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
             from .config import reference_markdown
 
             print(reference_markdown())
+            return 0
+        if ns.command == "export":
+            from .checkpoint import CheckpointError
+            from .distributed import export_checkpoint
+
+            try:
+                export_checkpoint(ns.checkpoint, ns.out)
+            except CheckpointError as e:
+                print(f"vlmrl export: {e}", file=sys.stderr)
+                return 2
             return 0
         if ns.command == "demo":
             from .demo import run_demo
@@ -88,7 +102,10 @@ def _run(command: str, cfg) -> int:
     except (DataError, ModelLoadError, RewardError, ConfigError) as e:
         print(f"vlmrl {command}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}, indent=1))
+    from .distributed import env_world
+
+    if env_world()[1] == 0:  # one line of results, from the main process only
+        print(json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}, indent=1))
     return 0
 
 

@@ -86,6 +86,7 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
     top_k: int = _f(0, "Top-k sampling; 0 disables it.")
     min_completion_length: int = _f(0, "EOS is not sampled before this many tokens (= max_completion_length forces equal-length completions, e.g. for benchmarks).")
+    sampling_seed: Literal["auto", "step", "prompt"] = _f("auto", "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several.")
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class MemoryConfig:
     group_vision: bool = _f(True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).")
     shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).")
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")
+    generation_gather: Literal["full", "layers"] = _f("full", "FSDP2 full shard / ZeRO-3 rollout: full = gather all parameters once for the rollout (holds the whole model per process, fast); layers = one layer per forward (holds one layer, an all-gather per layer per token).")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,11 @@ def sft(cfg: Config, log=print) -> dict:
     from .models import save_model
     from .tracking import RunLogger
     from .train import clip_and_step, make_optimizer
+    from .distributed import DistributedError, env_world
 
+    if env_world()[0] > 1:
+        raise DistributedError(f"vlmrl sft runs on one process; this launch has {env_world()[0]} (WORLD_SIZE). Run it without "
+                               "accelerate launch / torchrun (only vlmrl train runs on several processes, docs/scaling_out.md)")
     out = Path(cfg.training.output_dir)
     save_config(cfg, out / "config.yaml")
     device = resolve_device(cfg.training.device)

@@ -17,7 +17,7 @@ from .advantages import group_advantages, group_std
 from .batching import pack_by_tokens, split_by_rows
 from .config import Config, save_config
 from .logprobs import group_rows
-from .losses import aggregate, masked_mean, per_token_loss, step_normaliser
+from .losses import aggregate, masked_mean, per_token_loss
 from .prefix import completion_logps_for
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
@@ -33,22 +33,38 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """
     from .checkpoint import GracefulStop
     from .data import PromptSampler
+    from .distributed import Distributed, cat_completions, prompt_seed
     from .evaluate import evaluate
     from .memory import memory_stats, phase_memory, reset_peaks
     from .oom import maybe_inject_oom, retry_on_oom
     from .models import save_model
     from .processing import decode, select_rows
+    from .rollout import eos_token_ids
     from .tracking import RunLogger
 
     out = Path(cfg.training.output_dir)
-    save_config(cfg, out / "config.yaml")
-    device = resolve_device(cfg.training.device)
+    # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
+    # collectives. One process: nothing changes (distributed.py).
+    dist = Distributed.from_env(cpu=resolve_device(cfg.training.device).type == "cpu")
+    log = log if dist.is_main else (lambda *_: None)
+    if dist.is_main:
+        save_config(cfg, out / "config.yaml")
+    device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
-    resume_from = find_resume(cfg, log)
+    resume_from = dist.broadcast(find_resume(cfg, log) if dist.is_main else None)  # only the main process repairs folders
+    G, a, r = cfg.rollout.num_generations, cfg.algorithm, cfg.rollout
+    shard = dist.shard(cfg.prompts_per_step, G, cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
+    per_prompt_seed = r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1)
+    if dist.world_size > 1:
+        log(f"{dist.describe()}: {len(shard.prompts)} of {cfg.prompts_per_step} prompts per step on each process")
+    if dist.sharded and (cfg.training.save_steps or cfg.training.save_final_model):
+        raise dist.unsupported("writing checkpoints and the final model from sharded states (set training.save_steps=0 and "
+                               "training.save_final_model=false, or use DDP)")
     model, processor = load_policy(cfg, device)
     tokenizer = processor.tokenizer
     reference = make_reference(model, cfg, device, fresh=resume_from is not None)
-    data = load_datasets(cfg)
+    with dist.main_first():  # the built-in task's files are written once
+        data = load_datasets(cfg)
     for line in data.reports:
         log(line)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
@@ -56,19 +72,30 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
     state = {"step": 0, "best_metric": None, "best_step": None}
     if resume_from is not None:
-        state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log)
-    G, a, r = cfg.rollout.num_generations, cfg.algorithm, cfg.rollout
+        state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
+    optimizer = dist.prepare(model, optimizer, cfg.training.per_device_train_batch_size)  # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged
     autocast = _autocast(cfg, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
 
     logger = RunLogger(out, total_steps=cfg.training.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
-                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO")
+                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO",
+                       is_main_process=dist.is_main)
+
+    def run_eval() -> dict:
+        """Greedy evaluation: the main process alone (one process, DDP), or every process through the engine
+        when parameters are sharded (they all take part in the all-gathers). Every process gets the metrics."""
+        if dist.sharded:
+            with dist.gathered_for_generation(cfg.memory.generation_gather):
+                return dist.call(evaluate, processor, data.eval, cfg, reward_funcs, device)
+        return dist.broadcast(evaluate(model, processor, data.eval, cfg, reward_funcs, device) if dist.is_main else None)
+
     final: dict = {}
     if cfg.training.val_before_train and data.eval and state["step"] == 0:
-        final.update(evaluate(model, processor, data.eval, cfg, reward_funcs, device))
+        final.update(run_eval())
         logger.log_eval(0, final)
 
     def checkpoint(step: int) -> None:
-        save(cfg, out, step, model, optimizer, scheduler, sampler, state, logger.info)
+        save(cfg, out, step, model, optimizer, scheduler, sampler, state, logger.info, dist)
 
     # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
     with GracefulStop() as stop, logger:
@@ -82,17 +109,31 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             phases: dict[str, float] = {}
 
             # 1. Rollout: G completions for each prompt (OOM -> fewer prompts per generate call, same samples).
-            rows = [data.train[i] for i in sampler.next_batch(cfg.prompts_per_step)]
+            # Every process draws the whole step's prompts (same sampler state everywhere) and keeps its shard.
+            batch_indices = sampler.next_batch(cfg.prompts_per_step)
+            rows = [data.train[batch_indices[p]] for p in shard.prompts]
             prompts = encode_rows(processor, rows, cfg, device)
             model.eval()
 
             def rollout(prompts_per_call: int) -> Completions:
                 maybe_inject_oom("rollout", prompts_per_call)
-                torch.manual_seed(cfg.training.seed * 1_000_003 + step)  # a redo after an OOM samples the same way
-                with autocast:
-                    return generate(model, tokenizer, prompts, num_generations=G, max_new_tokens=r.max_completion_length,
-                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=prompts_per_call,
-                                    min_new_tokens=r.min_completion_length, shared_prefix=cfg.memory.shared_prefix)
+
+                def sample(batch: dict, per_call: int) -> Completions:
+                    return dist.call(generate, tokenizer, batch, num_generations=G, max_new_tokens=r.max_completion_length,
+                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=per_call,
+                                     min_new_tokens=r.min_completion_length, shared_prefix=cfg.memory.shared_prefix)
+
+                with autocast, dist.gathered_for_generation(cfg.memory.generation_gather):
+                    if not per_prompt_seed:
+                        # A redo after an OOM samples the same way; each process its own stream (one process: rank 0, W 1).
+                        torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
+                        return sample(prompts, prompts_per_call)
+                    # rollout.sampling_seed=prompt: each prompt from its own stream, whichever process samples it.
+                    pieces = []
+                    for i, position in enumerate(shard.prompts):
+                        torch.manual_seed(prompt_seed(cfg.training.seed, step, position))
+                        pieces.append(sample(select_rows(prompts, [i]), 1))
+                    return cat_completions(pieces, pad_id)
 
             with phase_memory("rollout", phases):
                 comp, sizes["generation"] = retry_on_oom(rollout, sizes["generation"] or len(rows), "rollout", logger.info,
@@ -103,8 +144,10 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             texts = decode(processor, comp.ids)
             prompt_texts = [row["problem"] for row in rows for _ in range(G)]
             total, per_reward = compute_rewards(reward_funcs, reward_weights, prompt_texts, texts, reward_columns(rows, G))
-            rewards = torch.tensor(total, dtype=torch.float32)
-            advantages = group_advantages(rewards, G, a.scale_rewards).to(device)
+            # The whole step's rewards (every process's rows, global order): advantages over whole groups and batch.
+            all_total, all_per_reward, all_lengths, all_truncated = dist.gather_rollout(shard, total, per_reward, comp)
+            rewards = torch.tensor(all_total, dtype=torch.float32)
+            advantages = dist.local(shard, group_advantages(rewards, G, a.scale_rewards)).to(device)
             loss_mask = comp.mask.clone()
             if a.mask_truncated_completions:
                 loss_mask[comp.truncated] = 0
@@ -126,9 +169,11 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
             def scored(scoring_model) -> torch.Tensor:
                 all_rows = list(range(comp.ids.shape[0]))
+                # The policy (and LoRA's adapter-disabled reference) goes through the engine; a frozen copy directly.
+                run = dist.call if scoring_model is model else (lambda fn, *args: fn(scoring_model, *args))
                 logps, sizes["train"] = retry_on_oom(
-                    lambda size: score(scoring_model, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk,
-                                       cfg.memory.shared_prefix, cfg.memory.group_vision),
+                    lambda size: run(score, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk,
+                                     cfg.memory.shared_prefix, cfg.memory.group_vision),
                     sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
                 return logps
 
@@ -143,28 +188,31 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
             # 4. num_iterations x updates over the rollout; each optimizer step sees per_device_train_batch_size x
             # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows or tokens (smaller after an OOM).
+            # With several processes each one runs its 1/W share of every optimizer step (shard.rows_per_opt_step).
             model.train()
-            rows_per_opt_step = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
+            rows_per_opt_step = shard.rows_per_opt_step
             stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
             ratio_dev = [0.0] * a.num_iterations  # max |ratio - 1| per pass: 0 on-policy, > 0 once the rollout is reused
 
             def accumulate(step_rows: list[int], mb: int, iteration: int) -> dict[str, list[float]]:
                 """Forward/backward of one optimizer step's rows in micro-batches of mb; returns its stats."""
                 micro = split(step_rows, mb)
-                norm = step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
+                # Counts of the optimizer step over every process, so the gradient is the one of the global batch.
+                norm = dist.step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
                 out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
-                for idx in micro:
+                for k, idx in enumerate(micro):
                     maybe_inject_oom("update", len(idx))
                     batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
-                    with autocast:
-                        logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, r.temperature, chunk, cfg.memory.shared_prefix,
-                                                     cfg.memory.group_vision)
-                    width = ids.shape[1]
-                    old = old_logps[idx, :width] if old_logps is not None else logps.detach()
-                    ref = ref_logps[idx, :width] if ref_logps is not None else None
-                    tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
-                    loss = aggregate(tok_loss, mask, a.loss_type, norm)
-                    loss.backward()
+                    with dist.no_sync(last=k == len(micro) - 1):  # gradients are synced once, after the last micro-batch
+                        with autocast:
+                            logps = dist.call(completion_logps_for, batch, row_prompt, ids, gen_mask, r.temperature, chunk,
+                                              cfg.memory.shared_prefix, cfg.memory.group_vision, grad=True)
+                        width = ids.shape[1]
+                        old = old_logps[idx, :width] if old_logps is not None else logps.detach()
+                        ref = ref_logps[idx, :width] if ref_logps is not None else None
+                        tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
+                        loss = aggregate(tok_loss, mask, a.loss_type, norm)
+                        dist.backward(loss)
                     out["loss"][0] += loss.item()
                     out["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
                     out["ratio_dev"][0] = max(out["ratio_dev"][0], float(((parts["ratio"] - 1).abs() * mask).max()))
@@ -179,7 +227,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                         step_stats, sizes["train"] = retry_on_oom(
                             lambda mb: accumulate(step_rows, mb, iteration), sizes["train"], "update", logger.info,
                             on_oom=lambda: optimizer.zero_grad(set_to_none=True), enabled=cfg.memory.oom_recovery)
-                        stats["grad_norm"].append(clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm))
+                        stats["grad_norm"].append(clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, dist))
                         for key in ("loss", "kl", "clip_ratio"):
                             stats[key] += step_stats[key]
                         ratio_dev[iteration] = max(ratio_dev[iteration], step_stats["ratio_dev"][0])
@@ -190,15 +238,15 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 "reward": rewards.mean().item(),
                 "reward_std": rewards.std().item(),
                 "frac_reward_zero_std": (group_std(rewards, G) == 0).float().mean().item(),
-                **reward_stats(per_reward),
+                **reward_stats(all_per_reward),
                 "loss": _mean(stats["loss"]),
                 "kl": _mean(stats["kl"]) if stats["kl"] else 0.0,
                 "clip_ratio": _mean(stats["clip_ratio"]),
                 **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(ratio_dev)},
                 "grad_norm": _mean(stats["grad_norm"]),
                 "lr": scheduler.get_last_lr()[0],
-                "completions/mean_length": comp.lengths.float().mean().item(),
-                "completions/truncated_frac": comp.truncated.float().mean().item(),
+                "completions/mean_length": all_lengths.float().mean().item(),
+                "completions/truncated_frac": all_truncated.float().mean().item(),
                 "time/rollout": t_rollout - t_start,
                 "time/scoring": t_scored - t_rollout,
                 "time/update": t_end - t_scored,
@@ -208,6 +256,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 **phases,
                 **memory_stats(),
             }
+            # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
+            metrics = dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
             warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
             logger.log(step, metrics)
             if cfg.logging.log_completions:
@@ -222,13 +272,14 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             last = step == cfg.training.max_steps
             state["step"] = step
             if data.eval and (last or (cfg.training.eval_steps and step % cfg.training.eval_steps == 0)):
-                eval_metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
+                eval_metrics = run_eval()
                 logger.log_eval(step, eval_metrics)
                 final.update(eval_metrics)
                 value = eval_metrics.get(cfg.training.metric_for_best)
                 if value is not None and (state["best_metric"] is None or value > state["best_metric"]):
                     state["best_metric"], state["best_step"] = value, step
-            preempted = stop.requested or (stop_after is not None and step >= stop_after)
+            # A signal that reached some processes only stops them all at the same step.
+            preempted = dist.any(stop.requested or (stop_after is not None and step >= stop_after))
             if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
                 checkpoint(step)
             if preempted and not last:
@@ -238,7 +289,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     if state["step"] == cfg.training.max_steps:
         if cfg.training.save_final_model:
-            save_model(model, processor, out / "final")
+            save_final(model, processor, out / "final", dist, save_model)
+        if not dist.is_main:
+            return final
         if cfg.logging.report:
             from .report import make_report
 
@@ -260,14 +313,22 @@ def find_resume(cfg: Config, log):
     return find_resume_checkpoint(cfg.training.output_dir, cfg.training.resume, warn=log)
 
 
-def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log) -> dict:
-    """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state."""
+def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
+    """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state.
+    Every process loads the same full state (output_dir on a file system they all see); each its own RNG."""
     from safetensors.torch import load_file
 
-    from .checkpoint import CheckpointError, check_resume_compat, is_weights_only, load_training_state, read_checkpoint_config, restore_rng
+    from .checkpoint import (CheckpointError, check_resume_compat, is_weights_only, load_training_state, read_checkpoint_config,
+                             read_trainer_state, restore_rng)
     from .config import to_dict
 
     check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log)
+    saved_world = int(read_trainer_state(path).get("world_size", 1))
+    if dist is not None and saved_world != dist.world_size:
+        # Checkpoints hold full (consolidated) states and the sampler is global, so a new world size continues the
+        # same run; batch sizes are global, so the math does not change either.
+        log(f"resuming {path} (saved by {saved_world} process(es)) on {dist.world_size}: model, optimizer, scheduler "
+            f"and sampler are full copies; RNG streams of processes the checkpoint has no file for start fresh")
     load_trainable_weights(model, path / "model", load_file)
     if is_weights_only(path):
         if not cfg.training.resume_weights_only:
@@ -277,7 +338,10 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log) 
         return {"step": 0, "best_metric": None, "best_step": None}
     ts = load_training_state(path, optimizer, scheduler)
     sampler.load_state_dict(ts["sampler_state"])
-    restore_rng(path, warn=log)
+    if dist is None or dist.world_size == 1:
+        restore_rng(path, warn=log)
+    else:
+        dist.restore_rng(path, saved_world, cfg.training.seed, log)
     log(f"resumed from {path} at step {ts['global_step']} (epoch {ts['epoch']}, {ts['samples_consumed']} prompts consumed)")
     out = {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
     if ts.get("sizes"):
@@ -285,21 +349,45 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log) 
     return out
 
 
-def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log) -> None:
+def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None) -> None:
+    """One atomic checkpoint written by the main process: full model and optimizer (all processes hold the same
+    ones under DDP), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
     from .checkpoint import CheckpointSaveError, save_checkpoint
     from .config import to_dict
 
     t = cfg.training
     trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
                      "best_metric": state["best_metric"], "best_step": state["best_step"], "sizes": state.get("sizes")}
-    try:
-        save_checkpoint(out, step, save_model=lambda p: save_trainable_weights(model, p), optimizer=optimizer, scheduler=scheduler,
-                        trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
-                        save_total_limit=t.save_total_limit, warn=log)
-    except CheckpointSaveError as e:
+    many = dist is not None and dist.world_size > 1
+    if many:
+        if dist.sharded:
+            raise dist.unsupported("checkpoints of sharded engines (FSDP2 / DeepSpeed)")
+        trainer_state.update(world_size=dist.world_size, engine=dist.engine)
+    rng_states = dist.gather_rng_states() if many else None  # every process takes part
+    error = None
+    if not many or dist.is_main:
+        try:
+            save_checkpoint(out, step, save_model=lambda p: save_trainable_weights(model, p), optimizer=optimizer, scheduler=scheduler,
+                            trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
+                            save_total_limit=t.save_total_limit, warn=log, rng_states=rng_states)
+        except CheckpointSaveError as e:
+            error = e
+    if many:
+        message = dist.broadcast(str(error) if error else None)  # every process stops, or none does
+        error = error or (CheckpointSaveError(message) if message else None)
+    if error is not None:
         if t.on_save_error == "stop":
-            raise
-        log(f"WARNING: {e}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
+            raise error
+        log(f"WARNING: {error}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
+
+
+def save_final(model, processor, folder: Path, dist, save_model) -> None:
+    """output_dir/final as a plain HF folder, written by the main process."""
+    if dist.sharded:
+        raise dist.unsupported("saving the final model of sharded engines (FSDP2 / DeepSpeed)")
+    if dist.is_main:
+        save_model(model, processor, folder)
+    dist.barrier()
 
 
 def save_trainable_weights(model, folder: Path) -> None:
@@ -406,7 +494,9 @@ def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | No
     return optimizer, scheduler
 
 
-def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float, dist=None) -> float:
+    if dist is not None and dist.runner is not None:
+        return dist.clip_and_step(optimizer, scheduler, max_grad_norm)  # gradients already synced across processes
     params = [p for p in model.parameters() if p.requires_grad]
     if max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()

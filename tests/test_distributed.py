@@ -1,0 +1,374 @@
+"""Several processes on the CPU (gloo): sharding / gather helpers, DDP vs one process, a 2-node launch on loopback.
+
+Sampling: the multi-process runs use rollout.sampling_seed=prompt (the default `auto` picks it for several
+processes) and so does the one-process reference, so both sample the same completions: each prompt draws
+from its own stream seeded by (seed, step, position in the global batch), whichever process rolls it out.
+Tolerances: per-step losses and rewards agree to 1e-6 relative (they came out bit-identical here); final
+weights to 5e-5 absolute after 3 AdamW steps at lr 1e-3 (gradients are summed in a different order across
+processes, ~1e-7 relative, and Adam's normalisation amplifies that for parameters with tiny gradients).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlmrl.distributed import (Distributed, DistributedError, cat_completions, merge_rows, prompt_seed, reduce_metric_dicts,
+                               rows_of, shard_prompts)
+from vlmrl.rollout import Completions
+from vlmrl.tasks import make_count_task
+
+LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
+
+
+# ---------------------------------------------------------------- one process: pure helpers
+@pytest.mark.parametrize("P,G,R,W", [(4, 2, 4, 2), (8, 4, 16, 2), (12, 2, 12, 3), (16, 2, 8, 4), (6, 4, 8, 1)])
+def test_shard_prompts_gives_whole_prompts_and_splits_every_optimizer_step(P, G, R, W):
+    shards = [shard_prompts(P, G, R, W, r) for r in range(W)]
+    flat = sorted(p for s in shards for p in s)
+    assert flat == list(range(P))  # every prompt once, on exactly one process
+    per_opt = R // G
+    for s in range(P // per_opt):  # each optimizer step's prompts split evenly over processes
+        counts = [sum(1 for p in sh if s * per_opt <= p < (s + 1) * per_opt) for sh in shards]
+        assert counts == [per_opt // W] * W
+    rows = [rows_of(sh, G) for sh in shards]
+    assert all(len(r) == P * G // W for r in rows)
+    assert all(r[i * G:(i + 1) * G] == list(range(p * G, p * G + G)) for sh, r in zip(shards, rows) for i, p in enumerate(sh))
+
+
+def test_shard_prompts_refuses_uneven_batches_with_the_fix():
+    with pytest.raises(DistributedError, match="multiple of 2"):
+        shard_prompts(3, 2, 6, 2, 0)  # 3 prompts over 2 processes
+    with pytest.raises(DistributedError, match="gradient_accumulation_steps"):
+        shard_prompts(4, 2, 2, 2, 0)  # one prompt per optimizer step cannot be split over 2 processes
+
+
+def test_merge_rows_is_the_inverse_of_sharding():
+    P, G, R, W = 8, 2, 8, 2
+    per_rank = [rows_of(shard_prompts(P, G, R, W, r), G) for r in range(W)]
+    values = [[f"row{i}" for i in rows] for rows in per_rank]
+    assert merge_rows(values, per_rank) == [f"row{i}" for i in range(P * G)]
+
+
+def test_reduce_metric_dicts():
+    a = {"loss": 0.5, "reward": 1.0, "kl": 0.1, "mem/host_peak_rss": 2.0, "time/step": 1.0, "ratio_dev/iter1": 0.1, "tag": "x"}
+    b = {"loss": 0.25, "reward": 1.0, "kl": 0.3, "mem/host_peak_rss": 3.0, "time/step": 2.0, "ratio_dev/iter1": 0.4, "tag": "y"}
+    out = reduce_metric_dicts([a, b], sum_keys=("loss",), max_keys=("ratio_dev/iter1",))
+    assert out["loss"] == 0.75 and out["reward"] == 1.0 and out["kl"] == pytest.approx(0.2)
+    assert out["mem/host_peak_rss"] == 3.0 and out["mem/host_peak_rss/rank0"] == 2.0 and out["mem/host_peak_rss/rank1"] == 3.0
+    assert out["time/step"] == 2.0 and out["ratio_dev/iter1"] == 0.4 and out["tag"] == "x"
+    assert reduce_metric_dicts([a]) == a
+
+
+def test_single_process_is_a_pass_through():
+    from vlmrl.losses import step_normaliser
+
+    d = Distributed(None)
+    assert (d.world_size, d.rank, d.is_main, d.engine, d.sharded) == (1, 0, True, "single", False)
+    shard = d.shard(4, 2, 4)
+    assert shard.prompts == [0, 1, 2, 3] and shard.rows_per_opt_step == 4
+    total = [1.0, 2.0]
+    assert d.gather_rows(shard, total)[0] is total
+    comp = Completions(ids=torch.zeros(2, 3, dtype=torch.long), mask=torch.ones(2, 3, dtype=torch.long), truncated=torch.zeros(2, dtype=torch.bool))
+    out = d.gather_rollout(shard, total, {"r": total}, comp)
+    assert out[0] is total and torch.equal(out[2], comp.lengths)
+    t = torch.arange(8.0)
+    assert d.local(shard, t) is t
+    masks = [torch.ones(2, 3), torch.zeros(1, 3)]
+    assert d.step_normaliser(masks, 5) == step_normaliser(masks, 5)
+    metrics = {"loss": 1.0}
+    assert d.reduce_metrics(metrics) is metrics and d.broadcast("x") == "x" and d.any(True) and not d.any(False)
+    assert list(d.gather_rng_states()) == [0]
+    opt = object()
+    assert d.prepare(torch.nn.Linear(2, 2), opt) is opt and d.runner is None
+
+
+def test_prompt_seeds_differ_by_step_position_and_seed():
+    seeds = {prompt_seed(s, t, p) for s in range(3) for t in range(1, 20) for p in range(64)}
+    assert len(seeds) == 3 * 19 * 64
+
+
+def test_cat_completions_pads_to_the_longest():
+    a = Completions(ids=torch.tensor([[5, 6]]), mask=torch.tensor([[1, 1]]), truncated=torch.tensor([True]))
+    b = Completions(ids=torch.tensor([[7, 8, 9]]), mask=torch.tensor([[1, 1, 0]]), truncated=torch.tensor([False]))
+    c = cat_completions([a, b], pad_id=0)
+    assert c.ids.tolist() == [[5, 6, 0], [7, 8, 9]] and c.mask.tolist() == [[1, 1, 0], [1, 1, 0]]
+    assert c.truncated.tolist() == [True, False]
+
+
+# ---------------------------------------------------------------- two processes, no model: the collectives
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collectives_worker(rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    d = Distributed.from_env(cpu=True)
+    shard = d.shard(4, 2, 4)  # 2 optimizer steps of 2 prompts: rank 0 gets prompts 0 and 2, rank 1 gets 1 and 3
+    total = [float(i) for i in shard.rows]  # each row's value is its global index
+    comp = Completions(ids=torch.zeros(4, 2, dtype=torch.long), mask=torch.ones(4, 2, dtype=torch.long),
+                       truncated=torch.tensor([rank == 1] * 4))
+    all_total, per_reward, lengths, truncated = d.gather_rollout(shard, total, {"acc": [rank] * 4}, comp)
+    norm = d.step_normaliser([torch.ones(2, 3) * rank], 7)  # rank 0: 0 tokens, rank 1: 6 tokens
+    metrics = d.reduce_metrics({"loss": 0.5 + rank, "mem/host_peak_rss": 1.0 + rank, "same": 3.0}, sum_keys=("loss",))
+    rng = d.gather_rng_states()
+    queue.put((rank, shard.prompts, all_total, per_reward["acc"], truncated.tolist(), (norm.num_sequences, norm.num_tokens),
+               metrics, None if rng is None else sorted(rng), d.any(rank == 1)))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_collectives_on_two_gloo_processes():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_collectives_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((item[0], item[1:]) for item in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (p0, total0, acc0, trunc0, norm0, m0, rng0, any0), (p1, total1, acc1, trunc1, norm1, m1, rng1, any1) = results[0], results[1]
+    assert p0 == [0, 2] and p1 == [1, 3]
+    assert total0 == total1 == [float(i) for i in range(8)]  # global order restored on every process
+    assert acc0 == [0, 0, 1, 1, 0, 0, 1, 1] and trunc0 == [False, False, True, True] * 2
+    assert norm0 == norm1 == (4, 6)  # sequences and tokens summed over processes
+    assert m0 == m1 and m0["loss"] == 2.0 and m0["mem/host_peak_rss"] == 2.0 and m0["mem/host_peak_rss/rank0"] == 1.0 and m0["same"] == 3.0
+    assert rng0 == [0, 1] and rng1 is None and any0 and any1
+
+
+# ---------------------------------------------------------------- whole runs: torchrun / loopback nodes
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from vlmrl.tiny import build_tiny_qwen25vl
+
+    root = tmp_path_factory.mktemp("dist")
+    model = build_tiny_qwen25vl(root / "model")
+    data = make_count_task(root / "count", n_train=16, n_test=0, seed=0, image_size=56)
+    return root, model, data
+
+
+def _args(setup, out, *extra):
+    _, model, data = setup
+    # 4 prompts x G=2 per step; optimizer steps of 4 completions (2 prompts): with 2 processes each holds one prompt
+    # of every optimizer step. beta > 0: the reference is scored too.
+    return [f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=", f"training.output_dir={out}",
+            "training.max_steps=3", "rollout.num_generations=2", "training.per_device_train_batch_size=2",
+            "training.gradient_accumulation_steps=2", "rollout.generation_batch_size=8", "rollout.max_completion_length=5",
+            "optim.learning_rate=1e-3", "algorithm.beta=0.05", "rollout.sampling_seed=prompt", "training.device=cpu",
+            "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false", "data.min_pixels=3136",
+            "data.max_pixels=3136", f"algorithm.reward_funcs=['{LENGTH_REWARD}']", *extra]
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return env
+
+
+def _run(cmd, timeout=240):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
+
+
+def _torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "vlmrl", "train"]
+
+
+def _metrics(out):
+    return {r["step"]: r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def _assert_same_run(out, ref, steps=(1, 2, 3)):
+    a, b = _metrics(out), _metrics(ref)
+    for s in steps:
+        assert a[s]["reward"] == b[s]["reward"], s  # the same completions were sampled
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-6, abs=1e-9), s
+        assert a[s]["kl"] == pytest.approx(b[s]["kl"], rel=1e-5, abs=1e-9), s
+
+
+def _assert_same_weights(out, ref, atol=5e-5):
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(ref / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < atol, worst
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    out = setup[0] / "one"
+    _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, out)])
+    return out
+
+
+def test_ddp_two_processes_match_one_process(setup, reference):
+    out = setup[0] / "ddp"
+    log = _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())) + _args(setup, out))
+    assert "2 processes (ddp)" in log
+    _assert_same_run(out, reference)
+    _assert_same_weights(out, reference)
+    row = _metrics(out)[1]
+    assert {"mem/host_peak_rss/rank0", "mem/host_peak_rss/rank1"} <= row.keys()  # per-process peaks; the plain key is the max
+    assert row["mem/host_peak_rss"] == max(row["mem/host_peak_rss/rank0"], row["mem/host_peak_rss/rank1"])
+    assert not list(out.glob("rank*"))  # only the main process writes
+
+
+def _two_nodes(setup, out, *extra):
+    """Two torchrun launches, node ranks 0 and 1, one process each, meeting at 127.0.0.1."""
+    port = str(_free_port())
+    procs = [subprocess.Popen(_torchrun("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                                        "--master_port", port) + _args(setup, out, *extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for n in range(2)]
+    logs = []
+    for p in procs:
+        text, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, text[-6000:]
+        logs.append(text)
+    return logs
+
+
+def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
+    out = setup[0] / "nodes"
+    _two_nodes(setup, out, "training.max_steps=2", "training.save_steps=2")
+    ckpt = out / "checkpoint-2"
+    assert (ckpt / "rng_state_0.pt").exists() and (ckpt / "rng_state_1.pt").exists()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
+    logs = _two_nodes(setup, out)  # max_steps 2 -> 3 is a harmless change: resume from checkpoint-2
+    assert "resumed from" in logs[0] and "checkpoint-2" in logs[0]
+    assert sorted(_metrics(out)) == [1, 2, 3]
+    _assert_same_run(out, reference)
+    _assert_same_weights(out, reference)
+
+    # The same checkpoint on ONE process (another world size): continues the same run.
+    single = setup[0] / "resized"
+    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3"))
+    (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
+    log = _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
+    assert "saved by 2 process(es)) on 1" in log
+    _assert_same_run(single, reference)
+    _assert_same_weights(single, reference)
+
+    # vlmrl export: a plain HF folder that transformers loads, equal to the checkpoint's weights.
+    exported = setup[0] / "exported"
+    _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
+    a, b = load_file(exported / "model.safetensors"), load_file(ckpt / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (exported / "config.json").exists() and list(exported.glob("*token*"))
+
+
+# ---------------------------------------------------------------- FSDP2 (torch fully_shard applied directly; see docs)
+def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: str, queue) -> None:
+    """accelerate enables FSDP only on GPUs, so here fully_shard is applied by hand to the same PolicyCall root that
+    accelerate would wrap; the loop's calls (rollout with either generation_gather, update forward, clip) run on it."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from vlmrl.config import load_config
+    from vlmrl.data import load_dataset_split
+    from vlmrl.distributed import PolicyCall
+    from vlmrl.logprobs import group_rows
+    from vlmrl.losses import aggregate, per_token_loss
+    from vlmrl.prefix import completion_logps_for
+    from vlmrl.rollout import generate
+    from vlmrl.runtime import encode_rows, load_policy
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
+    d = Distributed.from_env(cpu=True)
+    model, processor = load_policy(cfg, torch.device("cpu"))
+    rows, _ = load_dataset_split(data_path, limit_images=4, skip_bad_rows=False)
+    prompts = encode_rows(processor, rows[2 * rank: 2 * rank + 2], cfg, torch.device("cpu"))
+    plain = copy.deepcopy(model)
+    torch.manual_seed(0)
+    expected = generate(plain, processor.tokenizer, prompts, num_generations=2, max_new_tokens=5)
+
+    root = PolicyCall(model)
+    for m in model.modules():
+        if type(m).__name__ in model._no_split_modules:
+            fully_shard(m)
+    fully_shard(root)
+    d.model, d.runner, d.engine = model, root, "fsdp2"
+    model.eval()
+    same = []
+    for mode in ("full", "layers"):
+        torch.manual_seed(0)
+        with d.gathered_for_generation(mode):
+            comp = d.call(generate, processor.tokenizer, prompts, num_generations=2, max_new_tokens=5)
+        same.append(torch.equal(comp.ids, expected.ids))
+
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    _, row_prompt = group_rows(torch.arange(2).repeat_interleave(2))
+
+    def loss_of(fn_model_call, norm):
+        logps = fn_model_call(completion_logps_for, prompts, row_prompt, comp.ids, comp.mask, 1.0, 1024, True, True)
+        return aggregate(per_token_loss(logps, logps.detach(), advantages, 0.2, 0.2)[0], comp.mask, "grpo", norm)
+
+    norm = d.step_normaliser([comp.mask], 5)
+    # Reference: the unsharded model's gradient of the same global loss (sum of the processes' parts).
+    plain.train()
+    loss_of(lambda fn, *a: fn(plain, *a), norm).backward()
+    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in plain.parameters()])
+    dist.all_reduce(flat)
+    model.train()
+    d.backward(loss_of(lambda fn, *a: d.call(fn, *a, grad=True), norm))
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-3)
+
+    class _Sched:
+        def step(self):
+            pass
+
+    sharded = torch.cat([p.grad.full_tensor().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                         for p in root.parameters()])
+    grad_error = ((sharded - flat).abs().max() / flat.abs().max()).item()
+    norm_fsdp = d.clip_and_step(opt, _Sched(), 1e9)
+    queue.put((rank, same, flat.double().norm().item(), norm_fsdp, grad_error))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_fully_shard_rollout_and_gradients_on_two_gloo_processes(setup):
+    import torch.multiprocessing as mp
+
+    _, model, data = setup
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_fsdp2_worker, args=(r, 2, port, str(model), str(data["train"]), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((item[0], item[1:]) for item in (queue.get(timeout=180) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank in range(2):
+        same, expected_norm, fsdp_norm, grad_error = results[rank]
+        assert same == [True, True]  # generation_gather full and layers sample what the unsharded model samples
+        assert grad_error < 1e-5  # every gradient = the unsharded gradient of the global loss (sum of the processes' parts)
+        # The clip's global norm over the DTensor shards, against a float64 norm of the reference gradients (a float32
+        # norm of the concatenated vector is itself 3.7e-5 off here).
+        assert fsdp_norm == pytest.approx(expected_norm, rel=1e-5), (fsdp_norm, expected_norm)
+
+
+def test_sft_refuses_a_multi_process_launch(monkeypatch, tmp_path):
+    from vlmrl.config import load_config
+    from vlmrl.sft import sft
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedError, match="vlmrl sft runs on one process"):
+        sft(load_config(None, [f"training.output_dir={tmp_path}"]))
