@@ -157,7 +157,7 @@ class MemoryConfig:
     oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.")
     generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.")
     max_tokens_per_micro_batch: Optional[int] = _f(None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows.")
-    logprob_chunk_tokens: int = _f(1024, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).")
+    logprob_chunk_tokens: int = _f(128, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).")
     group_vision: bool = _f(True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).")
     shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).")
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")

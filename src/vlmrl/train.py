@@ -18,6 +18,7 @@ from .batching import pack_by_tokens, split_by_rows
 from .config import Config, save_config
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
+from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import completion_logps_for
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
@@ -47,6 +48,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     # collectives. One process: nothing changes (distributed.py).
     dist = Distributed.from_env(cpu=resolve_device(cfg.training.device).type == "cpu")
     log = log if dist.is_main else (lambda *_: None)
+    if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
+        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size)
+    plan = predict_for_run(cfg, log, world_size=dist.world_size)  # logged next to the measured peak every step
     if dist.is_main:
         save_config(cfg, out / "config.yaml")
     device = dist.device(resolve_device(cfg.training.device))
@@ -258,6 +262,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             }
             # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
             metrics = dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
+            metrics.update(prediction_vs_measured(plan, metrics, logger.info))
             warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
             logger.log(step, metrics)
             if cfg.logging.log_completions:
