@@ -69,6 +69,11 @@ def load_model(cfg):
         )
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelLoadError(f"could not load {path} with AutoModelForImageTextToText: {type(e).__name__}: {e}") from e
+    return prepare_trainable(model, cfg)
+
+
+def prepare_trainable(model: nn.Module, cfg) -> nn.Module:
+    """Freezing, activation checkpointing and LoRA as `cfg` (a ModelConfig) says; returns the model to train."""
     apply_freezing(model, cfg)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)

@@ -141,7 +141,7 @@ class TraceSetup:
     prompt_text_tokens: int = 32   # prompt tokens that are not image tokens
     image_patches: int = 1024      # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
     completion_tokens: int = 64
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int = 128
     group_vision: bool = True
     shared_prefix: bool = True
     weight_decay: float = 0.0
@@ -152,21 +152,15 @@ def build_meta_model(hf_config, setup: TraceSetup):
     """The model of `hf_config` on the meta device in setup.dtype, frozen / checkpointed / LoRA as vlmrl does it."""
     from transformers import AutoModelForImageTextToText
 
-    from .models import apply_freezing, apply_lora, enable_checkpointing
+    from .models import prepare_trainable
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(hf_config, dtype=setup.dtype)
     mcfg = types.SimpleNamespace(
         freeze_vision_tower=setup.freeze_vision_tower, train_projector_only=setup.train_projector_only,
         lora_r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=0.0, lora_target_modules=list(setup.lora_target_modules),
-        lora_vision=setup.lora_vision)
-    apply_freezing(model, mcfg)
-    if setup.gradient_checkpointing:
-        enable_checkpointing(model)
-    if setup.use_lora:
-        model = apply_lora(model, mcfg)
-        if setup.gradient_checkpointing:
-            model.enable_input_require_grads()
+        lora_vision=setup.lora_vision, use_lora=setup.use_lora, gradient_checkpointing=setup.gradient_checkpointing)
+    model = prepare_trainable(model, mcfg)
     _set_attention(model, _register_attention())
     return model
 
