@@ -74,7 +74,7 @@ class GridPoint:
     completion: int = 64
     prompt_text: int = 41
     shared_prefix: bool = False
-    chunk: int = 1024
+    chunk: int = 128
 
 
 def unique_prompts(N: int, G: int) -> int:

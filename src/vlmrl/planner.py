@@ -116,7 +116,7 @@ class Workload:
     max_pixels: int = 448 * 448
     images_per_prompt: int = 1
     completion_tokens: int = 64
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int = 128
     group_vision: bool = True
     shared_prefix: bool = True
     beta: float = 0.0
@@ -333,7 +333,11 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     if text_trains and not w.use_lora and not w.projector_only:
         emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b   # fresh embedding / LM-head gradients before accumulation
     activations = text_act + vision_act + misc_act
-    bwd_transient = max(lm_bwd, recompute)
+    # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
+    # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
+    head_trains = text_trains and not w.use_lora and not w.projector_only
+    head_grad_tmp = 2 * V * h * b if (head_trains and w.logprob_chunk_tokens > 0) else 0
+    bwd_transient = max(lm_bwd + head_grad_tmp, recompute)
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
