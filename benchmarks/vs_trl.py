@@ -425,8 +425,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per side, not measured")
     ap.add_argument("--rounds", type=int, default=1, help="alternations vlmrl, TRL per config")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1+2 steps: checks the harness")
-    ap.add_argument("--allocator", choices=["tuned", "default"], default="tuned",
-                    help=f"tuned: GLIBC_TUNABLES={GLIBC_TUNED} for both sides; default: glibc defaults for both")
+    ap.add_argument("--allocator", choices=["default", "tuned"], default="default",
+                    help=f"default: glibc defaults for both sides (what a user's process gets); tuned: GLIBC_TUNABLES={GLIBC_TUNED} "
+                         "for both (no mmap, no trim: faster big-vocabulary steps, but peak RSS becomes the heap's high-water mark)")
     ap.add_argument("--work", default="/tmp/vlmrl_vs_trl", help="scratch folder for models, data and runs")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; with --quick: <work>/results)")
     ap.add_argument("--vlmrl-override", action="append", default=[], metavar="KEY=VALUE",
@@ -528,7 +529,8 @@ def main(argv=None) -> int:
 
     out = Path(a.out) if a.out else (work / "results" if a.quick else ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"vs_trl_cpu_{record['date']}" + ("_quick" if a.quick else "") + ("_overrides" if a.vlmrl_override else "")
+    stem = (f"vs_trl_cpu_{record['date']}" + ("_quick" if a.quick else "") + ("_overrides" if a.vlmrl_override else "")
+            + ("_tuned_allocator" if a.allocator == "tuned" else ""))
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     (out / f"{stem}.md").write_text(markdown(record))
     print(markdown(record))

@@ -179,8 +179,8 @@ def _env():
     return env
 
 
-def _run(cmd, timeout=240):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+def _run(cmd, timeout=240, **extra_env):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), **extra_env}, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 
@@ -268,6 +268,66 @@ def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
     a, b = load_file(exported / "model.safetensors"), load_file(ckpt / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (exported / "config.json").exists() and list(exported.glob("*token*"))
+
+
+# ---------------------------------------------------------------- FSDP2
+def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, reference):
+    """`vlmrl train` under FSDP2 as `accelerate launch --config_file configs/accelerate/fsdp2.yaml` asks for it (the
+    env it exports) on two CPU processes: accelerate sets up plain multi-CPU, vlmrl applies fully_shard itself.
+    Same run as one process; the checkpoint (states gathered to rank 0) resumes on 2 processes and on 1; export."""
+    out = setup[0] / "fsdp2"
+    fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+
+    def launch(*extra):
+        return _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
+                    + _args(setup, out, *extra), **fsdp_env)
+
+    log = launch("training.max_steps=2", "training.save_steps=2")
+    assert "2 processes (fsdp2)" in log
+    held = float(log.split("this process holds ")[1].split("%")[0])
+    assert 45 < held < 55, held  # sharded: about half of the parameters on each of 2 processes
+    ckpt = out / "checkpoint-2"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["engine"] == "fsdp2"
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    n_trainable = len(load_file(ckpt / "model" / "model.safetensors"))
+    assert len(saved["state"]) == n_trainable and all(v["exp_avg"].dim() >= 1 for v in saved["state"].values())  # full, not shards
+    log = launch()  # max_steps 2 -> 3: resume from checkpoint-2, optimizer state restored into the shards
+    assert "resumed from" in log and "checkpoint-2" in log
+    assert sorted(_metrics(out)) == [1, 2, 3]
+    _assert_same_run(out, reference)
+    _assert_same_weights(out, reference)
+
+    single = setup[0] / "fsdp2_on_one"  # the same checkpoint on ONE process (another world size, no FSDP)
+    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3"))
+    (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
+    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
+    _assert_same_run(single, reference)
+    _assert_same_weights(single, reference)
+
+    exported = setup[0] / "fsdp2_exported"
+    _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
+    a, b = load_file(exported / "model.safetensors"), load_file(ckpt / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_optimizer_state_layouts_round_trip():
+    """Name-keyed (torch.distributed.checkpoint) <-> index-keyed (optimizer.state_dict()) optimizer states."""
+    from vlmrl.distributed import DistributedError, optimizer_state_by_index, optimizer_state_by_name
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias], "lr": 0.5}])
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    own = opt.state_dict()
+    names = [["0.weight", "1.weight"], ["0.bias"]]
+    by_name = optimizer_state_by_name(own, names)
+    assert set(by_name["state"]) == {"0.weight", "1.weight", "0.bias"}
+    assert torch.equal(by_name["state"]["0.bias"]["exp_avg"], own["state"][2]["exp_avg"])
+    back = optimizer_state_by_index(by_name)
+    assert back["param_groups"] == own["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg_sq"], own["state"][i]["exp_avg_sq"]) for i in own["state"])
+    with pytest.raises(DistributedError, match="param groups"):
+        optimizer_state_by_name(own, [["0.weight"], ["0.bias"]])
 
 
 # ---------------------------------------------------------------- FSDP2 (torch fully_shard applied directly; see docs)

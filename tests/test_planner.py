@@ -79,6 +79,20 @@ def test_sharding_divides_states():
         plan(SPEC, dataclasses.replace(FP32, offload="optimizer"))
 
 
+def test_generation_gather_under_full_shard():
+    """memory.generation_gather=full adds the whole gathered model to the rollout phase only; layers does not;
+    without full sharding (ddp, zero2) the switch changes nothing."""
+    P, n = SPEC.total_params, 8
+    base = dataclasses.replace(FP32, dtype="bfloat16", sharding="fsdp", world_size=n)
+    full = plan(SPEC, dataclasses.replace(base, generation_gather="full"))
+    layers = plan(SPEC, dataclasses.replace(base, generation_gather="layers"))
+    assert full.terms["gathered_for_generation"] == P * 2 and layers.terms["gathered_for_generation"] == 0
+    assert full.phases["rollout"] - layers.phases["rollout"] == P * 2 - layers.terms["gathered_parameters"]
+    assert full.phases["update"] == layers.phases["update"]
+    z2 = dataclasses.replace(base, sharding="zero2")
+    assert plan(SPEC, dataclasses.replace(z2, generation_gather="full")).phases == plan(SPEC, dataclasses.replace(z2, generation_gather="layers")).phases
+
+
 def test_kv_cache_bytes():
     w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, shared_prefix=False, prompts_per_call=1)
     p = plan(SPEC, w)

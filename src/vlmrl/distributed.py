@@ -30,9 +30,14 @@ Engines (from the accelerate config / env): DDP (accelerate's default for severa
 the engine goes through `PolicyCall`, a root module that runs a function of the policy inside its own
 forward, so DDP's reducer and FSDP's unshard hooks see the shared-prefix and grouped log-prob paths.
 
-Tested on CPU/gloo (tests/test_distributed.py): DDP through torchrun, two nodes on loopback, FSDP2 with
-fully_shard applied by hand (and, by hand, DDP through accelerate launch --config_file .../ddp.yaml). Not run: FSDP2 through accelerate (it enables FSDP on
-GPUs only), DeepSpeed (no GPU, not installed). docs/scaling_out.md has the commands and the limits.
+accelerate enables FSDP on GPUs only; when the launcher asks for FSDP2 on CPU (accelerate launch with
+configs/accelerate/fsdp2.yaml, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2), vlmrl applies fully_shard itself
+(`shard_fsdp2`). FSDP2 checkpoints gather full states to the main process (`full_state_dicts`), so they have
+the single-process layout; the optimizer state goes back into the shards after sharding.
+
+Tested on CPU/gloo (tests/test_distributed.py): DDP through torchrun, two nodes on loopback, FSDP2 training,
+checkpoint, resume (2 processes and 1) and export. Not run: accelerate's GPU FSDP2 preparation, DeepSpeed
+(no GPU, not installed). docs/scaling_out.md has the commands and the limits.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ PER_RANK_MEMORY = ("mem/host_peak_rss", "mem/gpu_peak_allocated", "mem/gpu_peak_
 
 
 from .config import ConfigError
+
+
+def fsdp2_asked_on_cpu(distributed_type: str) -> bool:
+    """The launcher asked for FSDP2 (accelerate config / env) but accelerate set up plain multi-CPU."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION", "1") == "2"
+    return asked and "multi_cpu" in distributed_type
 
 
 class DistributedError(ConfigError):
@@ -186,6 +197,7 @@ class Distributed:
         self.accelerator = accelerator
         self.model: nn.Module | None = None
         self.runner: nn.Module | None = None
+        self.fsdp2_by_hand = False
         if accelerator is None:
             self.world_size, self.rank, self.local_rank, self.engine = 1, 0, 0, "single"
             return
@@ -200,13 +212,17 @@ class Distributed:
             if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
                 raise DistributedError("the accelerate config asks for FSDP version 1; vlmrl supports FSDP2 only: set "
                                        "fsdp_version: 2 (configs/accelerate/fsdp2.yaml)")
+        elif fsdp2_asked_on_cpu(dt):
+            # accelerate enables FSDP on accelerators only (never for MULTI_CPU); torch's fully_shard works on CPU
+            # with gloo, so vlmrl applies it itself, the way accelerate's TRANSFORMER_BASED_WRAP would (prepare).
+            self.engine, self.fsdp2_by_hand = "fsdp2", True
         else:
             self.engine = "ddp"
             if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
                 # accelerate enables FSDP / DeepSpeed only on accelerators (MULTI_GPU, ...), never for MULTI_CPU.
                 import warnings
 
-                warnings.warn(f"the accelerate config asks for FSDP / DeepSpeed but accelerate set up {dt or 'no engine'} "
+                warnings.warn(f"the accelerate config asks for FSDP version 1 / DeepSpeed but accelerate set up {dt or 'no engine'} "
                               "(it enables them on GPUs only): this run uses DDP, every process holds the whole model")
 
     @classmethod
@@ -234,6 +250,14 @@ class Distributed:
     def sharded(self) -> bool:
         """Parameters / optimizer states split across processes (FSDP2, DeepSpeed)."""
         return self.engine in ("fsdp2", "deepspeed")
+
+    @property
+    def planner_sharding(self) -> str:
+        """This engine in the memory planner's terms (planner.Workload.sharding)."""
+        if self.engine == "deepspeed":
+            plugin = self.accelerator.state.deepspeed_plugin
+            return {1: "zero1", 2: "zero2", 3: "zero3"}.get(plugin.zero_stage if plugin else 0, "ddp")
+        return {"single": "none", "ddp": "ddp", "fsdp2": "fsdp"}[self.engine]
 
     def device(self, configured: torch.device) -> torch.device:
         """The configured device, made per-process: cuda -> cuda:<local rank>."""
@@ -378,6 +402,9 @@ class Distributed:
         if self.world_size == 1:
             return optimizer
         root = PolicyCall(model)
+        if self.fsdp2_by_hand:
+            self.runner = shard_fsdp2(root, optimizer)
+            return optimizer
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if self.engine == "deepspeed" and plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
             # There is no dataloader for accelerate to read it from; DeepSpeed uses it for bookkeeping only.
@@ -400,6 +427,9 @@ class Distributed:
         if self.engine == "deepspeed":
             # DeepSpeed accumulates until accelerate tells it the boundary (accelerator.backward reads sync_gradients).
             self.accelerator.gradient_state._set_sync_gradients(last)
+            return contextlib.nullcontext()
+        if self.fsdp2_by_hand:
+            self.runner.set_requires_gradient_sync(last)  # reduce-scatter only after the last micro-batch
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.runner)
 
@@ -428,6 +458,39 @@ class Distributed:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm) if norm is not None else float("nan")
+
+    def local_parameter_fraction(self) -> float:
+        """Share of the policy's parameter elements this process holds (1.0 unsharded, ~1/W under FSDP2)."""
+        params = list((self.model or nn.Module()).parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        return local / max(1, sum(p.numel() for p in params))
+
+    # -- full states of sharded engines (checkpoints and the final model) -------------------------------------
+    def full_state_dicts(self, optimizer) -> tuple[dict | None, dict | None]:
+        """FSDP2: the whole model and optimizer states gathered to the main process's CPU, every process taking
+        part; the optimizer's in torch's own layout, so the checkpoint is the one a single process writes and any
+        world size resumes it. Other processes get (None, None)."""
+        if self.engine != "fsdp2":
+            raise self.unsupported("full state dicts of DeepSpeed engines")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optim_state = get_optimizer_state_dict(self.model, raw_optimizer(optimizer), options=options) if optimizer is not None else None
+        if not self.is_main:
+            return None, None
+        return model_state, optimizer_state_by_index(optim_state) if optim_state is not None else None
+
+    def load_full_optimizer_state(self, optimizer, state: dict | None) -> None:
+        """FSDP2: a saved full optimizer state (torch's layout; read by the main process only, None elsewhere) into
+        the sharded optimizer: the main process broadcasts it and every process keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        opt = raw_optimizer(optimizer)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        by_name = (optimizer_state_by_name(state, [[names[id(p)] for p in g["params"]] for g in opt.param_groups])
+                   if self.is_main else {})
+        set_optimizer_state_dict(self.model, opt, by_name, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     @contextlib.contextmanager
     def gathered_for_generation(self, mode: str = "full"):
@@ -462,6 +525,56 @@ class Distributed:
             yield
 
 
+def shard_fsdp2(root: nn.Module, optimizer) -> nn.Module:
+    """fully_shard every transformer block (the model's _no_split_modules), then the root, as accelerate's FSDP2
+    TRANSFORMER_BASED_WRAP does; the optimizer is pointed at the sharded (DTensor) parameters. Its state is
+    loaded after this (Distributed.load_full_optimizer_state), so it must be empty here."""
+    from torch.distributed.fsdp import fully_shard
+
+    if optimizer.state:
+        raise DistributedError("internal: FSDP2 sharding needs an optimizer without state (it is restored after sharding)")
+    names = {id(p): n for n, p in root.named_parameters()}
+    blocks = set(getattr(root, "_no_split_modules", None) or ())
+    for module in root.policy.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(root)
+    params = dict(root.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [params[names[id(p)]] for p in group["params"]]
+    return root
+
+
+def raw_optimizer(optimizer):
+    """The torch optimizer under accelerate's AcceleratedOptimizer wrapper (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def optimizer_state_by_index(state: dict) -> dict:
+    """A parameter-name-keyed optimizer state dict (torch.distributed.checkpoint's full layout) in torch's own
+    layout: integer ids numbered in param-group order, as `optimizer.state_dict()` numbers them."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            index[name] = len(index)
+            ids.append(index[name])
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: v for name, v in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_name(state: dict, names_per_group: list[list[str]]) -> dict:
+    """Inverse of optimizer_state_by_index for an optimizer whose param groups hold the parameters `names_per_group`."""
+    if len(names_per_group) != len(state["param_groups"]) or any(
+            len(names) != len(g["params"]) for names, g in zip(names_per_group, state["param_groups"])):
+        raise DistributedError("the checkpoint's optimizer state has other param groups than this run's optimizer "
+                               "(different trainable parameters?)")
+    name_of = {i: n for names, g in zip(names_per_group, state["param_groups"]) for i, n in zip(g["params"], names)}
+    return {"state": {name_of[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": names} for names, g in zip(names_per_group, state["param_groups"])]}
+
+
 def cat_completions(pieces: list, pad_id: int):
     """Concatenate per-prompt rollouts (rollout.Completions) into one, right-padding ids with pad_id."""
     from .rollout import Completions
@@ -478,8 +591,8 @@ def cat_completions(pieces: list, pad_id: int):
 def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
     """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
     transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
-    also under out/adapter), plus the processor. Checkpoints hold full, unsharded states (one process or DDP),
-    so this is a consolidation-free copy; sharded engines do not write checkpoints yet (docs/scaling_out.md)."""
+    also under out/adapter), plus the processor. Checkpoints hold full, unsharded states (one process, DDP, and
+    FSDP2, whose states are gathered when the checkpoint is written), so this is a consolidation-free copy."""
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -500,8 +613,8 @@ def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
     if not ok:
         raise CheckpointError(f"checkpoint {path} is invalid: {reason}")
     engine = read_trainer_state(path).get("engine", "single")
-    if engine in ("fsdp2", "deepspeed"):
-        raise CheckpointError(f"{path} holds sharded {engine} states; exporting them is not supported")
+    if engine == "deepspeed":  # vlmrl does not write these (train refuses); a hand-made folder would hold ZeRO partitions
+        raise CheckpointError(f"{path} holds DeepSpeed states; exporting them is not supported")
     tree = read_checkpoint_config(path)
     tree.setdefault("training", {})["device"] = "cpu"
     cfg = build_config(tree)

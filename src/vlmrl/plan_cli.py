@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze-vision", action="store_true", default=None, help="freeze the vision tower")
     p.add_argument("--beta", type=float, help="KL weight (> 0 adds a reference model for full fine-tuning)")
     p.add_argument("--ref-placement", choices=("device", "cpu"))
-    p.add_argument("--sharding", choices=SHARDINGS, help="ZeRO/FSDP stage (planning only: vlmrl's loop runs unsharded)")
+    p.add_argument("--sharding", choices=SHARDINGS, help="engine of the accelerate config: ddp, zero1/2/3 (DeepSpeed), fsdp (FSDP2)")
+    p.add_argument("--generation-gather", choices=("full", "layers"),
+                   help="memory.generation_gather under zero3/fsdp: full = whole model gathered for the rollout, layers = one block")
     p.add_argument("--offload", choices=OFFLOADS, help="CPU offload with a ZeRO/FSDP stage (planning only)")
     p.add_argument("--logprob-chunk", type=int, help="memory.logprob_chunk_tokens (0 = off)")
     p.add_argument("--search", action="store_true", help="print the fastest few configurations predicted to fit")
@@ -72,6 +74,7 @@ def _workload(ns, spec):
         "completion_tokens": ns.completion_length, "dtype": ns.dtype, "use_lora": ns.lora, "lora_r": ns.lora_r,
         "gradient_checkpointing": ns.gradient_checkpointing, "freeze_vision": ns.freeze_vision, "beta": ns.beta,
         "ref_placement": ns.ref_placement, "sharding": ns.sharding, "offload": ns.offload, "logprob_chunk_tokens": ns.logprob_chunk,
+        "generation_gather": ns.generation_gather,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
     w = dataclasses.replace(base, **changes)

@@ -123,6 +123,7 @@ class Workload:
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"
+    generation_gather: str = "full"    # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
     world_size: int = 1
     gpu_memory_bytes: int | None = None
@@ -266,7 +267,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     grads = trainable * tb
     if w.sharding in ("zero2", "zero3", "fsdp"):
         grads = grads / n
-    if sharded:
+    if w.sharding == "fsdp":
+        opt_states = trainable * 2 * tb / n               # FSDP2 as vlmrl runs it (mixed_precision "no"): states in the weights' dtype
+    elif sharded:
         opt_states = trainable * 12 / n
         if w.use_lora:
             opt_states = trainable * 8 / n                # adapters are fp32 already: no separate master copy
@@ -353,7 +356,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
                         gen_rows * V * 4 * 3)
 
     persistent = weights + opt_dev + reference + batch_inputs + rollout_buffers + comm
-    rollout = persistent + kv_cache + gen_transient + gathered
+    # memory.generation_gather=full: the whole model is all-gathered for the rollout (one copy, the own shard included).
+    gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full") else gathered
+    rollout = persistent + kv_cache + gen_transient + gen_gathered
     scoring = persistent + ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else persistent
     fwd_bwd = persistent + grads + activations + bwd_transient + gathered
     bwd_end = persistent + grads + emb_grad_tmp + gathered
@@ -370,6 +375,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "embedding_grad_temporaries": emb_grad_tmp, "kv_cache": kv_cache, "generation_temporaries": gen_transient,
         "scoring_temporaries": score_transient if (w.beta > 0 or w.num_iterations > 1) else 0,
         "reference_moved_in_for_scoring": ref_moved_in, "gathered_parameters": gathered,
+        "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
         "batch_inputs": batch_inputs + rollout_buffers, "comm_buffers": comm,
         "allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES,
     }
@@ -586,7 +592,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
         max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
         logprob_chunk_tokens=mem.logprob_chunk_tokens, group_vision=mem.group_vision, shared_prefix=mem.shared_prefix,
-        beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
+        generation_gather=mem.generation_gather, beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
     kw.update(extra)
@@ -797,15 +803,16 @@ def apply_auto_fit(cfg, log, world_size: int = 1):
     return new_cfg
 
 
-def predict_for_run(cfg, log, world_size: int = 1) -> Plan | None:
+def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None) -> Plan | None:
     """The planner's prediction for this run, logged once; None (with the reason) when the model cannot be
-    planned. Never stops a run: the prediction is advice."""
+    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3)."""
     try:
         gpu = device_memory_bytes(cfg)
     except PlanError:
         gpu = None
     try:
-        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu)
+        extra = {"sharding": sharding} if sharding and world_size > 1 else {}
+        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, **extra)
     except Exception as e:  # noqa: BLE001 - any model the planner cannot read must not stop training
         log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
         return None

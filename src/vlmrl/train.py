@@ -50,7 +50,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     log = log if dist.is_main else (lambda *_: None)
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
         cfg = apply_auto_fit(cfg, log, world_size=dist.world_size)
-    plan = predict_for_run(cfg, log, world_size=dist.world_size)  # logged next to the measured peak every step
+    plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)  # logged next to the measured peak
     if dist.is_main:
         save_config(cfg, out / "config.yaml")
     device = dist.device(resolve_device(cfg.training.device))
@@ -61,9 +61,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     per_prompt_seed = r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1)
     if dist.world_size > 1:
         log(f"{dist.describe()}: {len(shard.prompts)} of {cfg.prompts_per_step} prompts per step on each process")
-    if dist.sharded and (cfg.training.save_steps or cfg.training.save_final_model):
-        raise dist.unsupported("writing checkpoints and the final model from sharded states (set training.save_steps=0 and "
-                               "training.save_final_model=false, or use DDP)")
+    if dist.engine == "deepspeed" and (cfg.training.save_steps or cfg.training.save_final_model):
+        raise dist.unsupported("writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
+                               "training.save_final_model=false, or use FSDP2 / DDP)")
     model, processor = load_policy(cfg, device)
     tokenizer = processor.tokenizer
     reference = make_reference(model, cfg, device, fresh=resume_from is not None)
@@ -78,6 +78,11 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if resume_from is not None:
         state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
     optimizer = dist.prepare(model, optimizer, cfg.training.per_device_train_batch_size)  # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged
+    if dist.engine == "fsdp2":
+        how = "fully_shard applied by vlmrl (accelerate enables FSDP on GPUs only)" if dist.fsdp2_by_hand else "accelerate"
+        log(f"FSDP2 via {how}: this process holds {100 * dist.local_parameter_fraction():.1f}% of the parameters")
+        if resume_from is not None:
+            restore_sharded_optimizer(resume_from, optimizer, dist)
     autocast = _autocast(cfg, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
 
@@ -294,7 +299,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     if state["step"] == cfg.training.max_steps:
         if cfg.training.save_final_model:
-            save_final(model, processor, out / "final", dist, save_model)
+            save_final(model, processor, out / "final", dist, save_model, cfg)
         if not dist.is_main:
             return final
         if cfg.logging.report:
@@ -341,7 +346,8 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
                                   "Set training.resume_weights_only=true to start a NEW schedule from its weights.")
         log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
         return {"step": 0, "best_metric": None, "best_step": None}
-    ts = load_training_state(path, optimizer, scheduler)
+    # FSDP2 loads the optimizer after sharding (restore_sharded_optimizer): its state must follow the sharded parameters.
+    ts = load_training_state(path, None if dist is not None and dist.engine == "fsdp2" else optimizer, scheduler)
     sampler.load_state_dict(ts["sampler_state"])
     if dist is None or dist.world_size == 1:
         restore_rng(path, warn=log)
@@ -354,9 +360,19 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     return out
 
 
+def restore_sharded_optimizer(path: Path, optimizer, dist) -> None:
+    """FSDP2: the checkpoint's full optimizer state (read by the main process) into the sharded optimizer."""
+    from .checkpoint import OPTIMIZER_FILE, is_weights_only, safe_torch_load
+
+    if is_weights_only(path):
+        return
+    dist.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE) if dist.is_main else None)
+
+
 def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None) -> None:
     """One atomic checkpoint written by the main process: full model and optimizer (all processes hold the same
-    ones under DDP), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
+    ones under DDP; FSDP2 gathers them to the main process first, so the checkpoint has the single-process layout
+    and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
     from .checkpoint import CheckpointSaveError, save_checkpoint
     from .config import to_dict
 
@@ -364,15 +380,20 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
     trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
                      "best_metric": state["best_metric"], "best_step": state["best_step"], "sizes": state.get("sizes")}
     many = dist is not None and dist.world_size > 1
+    save_weights = lambda p: save_trainable_weights(model, p)  # noqa: E731
     if many:
-        if dist.sharded:
-            raise dist.unsupported("checkpoints of sharded engines (FSDP2 / DeepSpeed)")
+        if dist.engine == "deepspeed":
+            raise dist.unsupported("checkpoints of DeepSpeed engines")
         trainer_state.update(world_size=dist.world_size, engine=dist.engine)
+        if dist.engine == "fsdp2":  # every process takes part in the gathers
+            model_state, optim_state = dist.full_state_dicts(None if t.save_only_model else optimizer)
+            save_weights = lambda p: save_trainable_weights(model, p, model_state)  # noqa: E731
+            optimizer = FullState(optim_state)
     rng_states = dist.gather_rng_states() if many else None  # every process takes part
     error = None
     if not many or dist.is_main:
         try:
-            save_checkpoint(out, step, save_model=lambda p: save_trainable_weights(model, p), optimizer=optimizer, scheduler=scheduler,
+            save_checkpoint(out, step, save_model=save_weights, optimizer=optimizer, scheduler=scheduler,
                             trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
                             save_total_limit=t.save_total_limit, warn=log, rng_states=rng_states)
         except CheckpointSaveError as e:
@@ -386,18 +407,39 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
         log(f"WARNING: {error}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
 
 
-def save_final(model, processor, folder: Path, dist, save_model) -> None:
-    """output_dir/final as a plain HF folder, written by the main process."""
-    if dist.sharded:
-        raise dist.unsupported("saving the final model of sharded engines (FSDP2 / DeepSpeed)")
-    if dist.is_main:
+class FullState:
+    """A gathered optimizer state (FSDP2) where save_checkpoint expects an optimizer: state_dict() returns it."""
+
+    def __init__(self, state: dict | None):
+        self.state = state
+
+    def state_dict(self) -> dict | None:
+        return self.state
+
+
+def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | None = None) -> None:
+    """output_dir/final as a plain HF folder, written by the main process. FSDP2: the weights are gathered to the
+    main process, which loads them into an unsharded CPU copy of the policy (LoRA merged from there)."""
+    if dist.engine == "deepspeed":
+        raise dist.unsupported("saving the final model of DeepSpeed engines")
+    if dist.engine == "fsdp2":
+        state, _ = dist.full_state_dicts(None)
+        if dist.is_main:
+            plain, _ = load_policy(cfg, torch.device("cpu"))
+            plain.load_state_dict(state)
+            save_model(plain, processor, folder)
+    elif dist.is_main:
         save_model(model, processor, folder)
     dist.barrier()
 
 
-def save_trainable_weights(model, folder: Path) -> None:
-    """HF format: the full model for full fine-tuning, only the adapter for LoRA (peft's save_pretrained)."""
-    model.save_pretrained(folder, safe_serialization=True)
+def save_trainable_weights(model, folder: Path, state_dict: dict | None = None) -> None:
+    """HF format: the full model for full fine-tuning, only the adapter for LoRA (peft's save_pretrained).
+    `state_dict`: the model's full state gathered from sharded parameters (FSDP2) instead of its own."""
+    if state_dict is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
 
 
 def load_trainable_weights(model, folder: Path, load_file) -> None:
