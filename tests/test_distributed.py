@@ -310,6 +310,39 @@ def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, referenc
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_fsdp2_sharded_checkpoints_resume_on_two_and_one_process_and_export(setup, reference):
+    """fsdp_state_dict_type: SHARDED_STATE_DICT (env FSDP_STATE_DICT_TYPE): each process writes its own shards
+    (torch.distributed.checkpoint); resume on 2 processes and on 1 (re-sharded on load) continues the same run;
+    `vlmrl export` consolidates on one process."""
+    out = setup[0] / "fsdp2_sharded"
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+
+    def launch(folder, *extra):
+        return _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
+                    + _args(setup, folder, *extra), **env)
+
+    launch(out, "training.max_steps=2", "training.save_steps=2")
+    ckpt = out / "checkpoint-2"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["state_format"] == "sharded"
+    assert len(list((ckpt / "sharded").glob("*.distcp"))) == 2 and not (ckpt / "optimizer.pt").exists()
+    assert not list(out.glob(".tmp-*"))
+    single = setup[0] / "fsdp2_sharded_on_one"
+    shutil.copytree(out, single)
+    log = launch(out, "training.save_steps=1")  # also writes checkpoint-3 (sharded), exported below
+    assert "resumed from" in log and "checkpoint-2" in log
+    _assert_same_run(out, reference)
+    _assert_same_weights(out, reference)
+
+    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
+    _assert_same_run(single, reference)
+    _assert_same_weights(single, reference)
+
+    exported = setup[0] / "fsdp2_sharded_exported"
+    _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
+    a, b = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_optimizer_state_layouts_round_trip():
     """Name-keyed (torch.distributed.checkpoint) <-> index-keyed (optimizer.state_dict()) optimizer states."""
     from vlmrl.distributed import DistributedError, optimizer_state_by_index, optimizer_state_by_name

@@ -62,6 +62,7 @@ CONFIG_FILE = "config.yaml"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 MODEL_DIR = "model"
+SHARDED_DIR = "sharded"  # FSDP2 SHARDED_STATE_DICT: torch.distributed.checkpoint files (model + optimizer)
 FORMAT_VERSION = 1
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -471,6 +472,11 @@ def read_checkpoint_config(path: str | Path) -> dict:
 def is_weights_only(path: str | Path) -> bool:
     """Whether a checkpoint holds the model weights only (no optimizer, scheduler, RNG)."""
     return bool(read_trainer_state(path).get("weights_only", False))
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Model and optimizer live in `path/sharded` (torch.distributed.checkpoint), not in model/ and optimizer.pt."""
+    return read_trainer_state(path).get("state_format") == "sharded"
 
 
 def load_training_state(path: str | Path, optimizer: Any = None, scheduler: Any = None) -> dict:

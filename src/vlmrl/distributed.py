@@ -481,6 +481,34 @@ class Distributed:
             return None, None
         return model_state, optimizer_state_by_index(optim_state) if optim_state is not None else None
 
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """FSDP2 with `fsdp_state_dict_type: SHARDED_STATE_DICT` in the accelerate config (env FSDP_STATE_DICT_TYPE):
+        checkpoints as torch.distributed.checkpoint files, each process writing its own shards."""
+        if self.engine != "fsdp2":
+            return False
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.accelerator is not None else None
+        kind = getattr(plugin, "state_dict_type", None) or os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+        return "SHARDED" in str(kind).upper()
+
+    def save_sharded_state(self, folder, optimizer) -> None:
+        """Every process writes its shards of the model (and optimizer, when given) into `folder`
+        (torch.distributed.checkpoint: one file per process plus metadata); returns when all are done."""
+        import shutil
+
+        import torch.distributed as tdist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        if self.is_main:
+            shutil.rmtree(folder, ignore_errors=True)  # a stale folder of a killed save
+        self.barrier()
+        state = {"model": get_model_state_dict(self.model)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, raw_optimizer(optimizer))
+        dcp.save(state, checkpoint_id=str(folder), no_dist=not tdist.is_initialized())
+        self.barrier()
+
     def load_full_optimizer_state(self, optimizer, state: dict | None) -> None:
         """FSDP2: a saved full optimizer state (torch's layout; read by the main process only, None elsewhere) into
         the sharded optimizer: the main process broadcasts it and every process keeps its shard."""
@@ -575,6 +603,37 @@ def optimizer_state_by_name(state: dict, names_per_group: list[list[str]]) -> di
             "param_groups": [{**g, "params": names} for names, g in zip(names_per_group, state["param_groups"])]}
 
 
+def load_sharded_state(model: nn.Module, folder, optimizer=None) -> None:
+    """A torch.distributed.checkpoint folder (save_sharded_state) into `model` (and `optimizer`): sharded (FSDP2,
+    any world size: the files are re-sharded on load), replicated (DDP) or plain (one process)."""
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    opt = raw_optimizer(optimizer) if optimizer is not None else None
+    state = {"model": get_model_state_dict(model)}
+    if opt is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, opt)  # builds the state tensors DCP loads into
+    dcp.load(state, checkpoint_id=str(folder), no_dist=not tdist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if opt is not None:
+        set_optimizer_state_dict(model, opt, state["optimizer"])
+
+
+def consolidated_model_state(folder) -> dict:
+    """The model part of a torch.distributed.checkpoint folder as one plain state dict, on one process."""
+    import tempfile
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "state.pt"
+        dcp_to_torch_save(str(folder), str(target))
+        return torch.load(target, weights_only=True)["model"]
+
+
 def cat_completions(pieces: list, pad_id: int):
     """Concatenate per-prompt rollouts (rollout.Completions) into one, right-padding ids with pad_id."""
     from .rollout import Completions
@@ -591,13 +650,14 @@ def cat_completions(pieces: list, pad_id: int):
 def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
     """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
     transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
-    also under out/adapter), plus the processor. Checkpoints hold full, unsharded states (one process, DDP, and
-    FSDP2, whose states are gathered when the checkpoint is written), so this is a consolidation-free copy."""
+    also under out/adapter), plus the processor. Checkpoints hold full states (one process, DDP, FSDP2 with
+    FULL_STATE_DICT: gathered when written) or, with SHARDED_STATE_DICT, per-process shards consolidated here."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
-    from .checkpoint import CheckpointError, find_resume_checkpoint, read_checkpoint_config, read_trainer_state, verify_checkpoint
+    from .checkpoint import (SHARDED_DIR, CheckpointError, find_resume_checkpoint, is_sharded_checkpoint, read_checkpoint_config,
+                             read_trainer_state, verify_checkpoint)
     from .config import build_config
     from .models import save_model
     from .runtime import load_policy
@@ -619,7 +679,10 @@ def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
     tree.setdefault("training", {})["device"] = "cpu"
     cfg = build_config(tree)
     model, processor = load_policy(cfg, torch.device("cpu"))
-    load_trainable_weights(model, path / "model", load_file)
+    if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process
+        model.load_state_dict(consolidated_model_state(path / SHARDED_DIR))
+    else:
+        load_trainable_weights(model, path / "model", load_file)
     save_model(model, processor, out)
     log(f"exported {path} to {out}")
     return out

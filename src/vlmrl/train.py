@@ -32,7 +32,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
     a preemption after that step (tests and benchmarks use it).
     """
-    from .checkpoint import GracefulStop
+    from .checkpoint import SHARDED_DIR, GracefulStop, is_sharded_checkpoint, is_weights_only
+    from .distributed import load_sharded_state
     from .data import PromptSampler
     from .distributed import Distributed, cat_completions, prompt_seed
     from .evaluate import evaluate
@@ -81,8 +82,11 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if dist.engine == "fsdp2":
         how = "fully_shard applied by vlmrl (accelerate enables FSDP on GPUs only)" if dist.fsdp2_by_hand else "accelerate"
         log(f"FSDP2 via {how}: this process holds {100 * dist.local_parameter_fraction():.1f}% of the parameters")
-        if resume_from is not None:
+        if resume_from is not None and not is_sharded_checkpoint(resume_from):
             restore_sharded_optimizer(resume_from, optimizer, dist)
+    if resume_from is not None and is_sharded_checkpoint(resume_from):
+        # torch.distributed.checkpoint files load into the prepared (possibly sharded) model, any world size.
+        load_sharded_state(dist.model, resume_from / SHARDED_DIR, None if is_weights_only(resume_from) else optimizer)
     autocast = _autocast(cfg, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
 
@@ -328,8 +332,8 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     Every process loads the same full state (output_dir on a file system they all see); each its own RNG."""
     from safetensors.torch import load_file
 
-    from .checkpoint import (CheckpointError, check_resume_compat, is_weights_only, load_training_state, read_checkpoint_config,
-                             read_trainer_state, restore_rng)
+    from .checkpoint import (CheckpointError, check_resume_compat, is_sharded_checkpoint, is_weights_only, load_training_state,
+                             read_checkpoint_config, read_trainer_state, restore_rng)
     from .config import to_dict
 
     check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log)
@@ -339,7 +343,9 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
         # same run; batch sizes are global, so the math does not change either.
         log(f"resuming {path} (saved by {saved_world} process(es)) on {dist.world_size}: model, optimizer, scheduler "
             f"and sampler are full copies; RNG streams of processes the checkpoint has no file for start fresh")
-    load_trainable_weights(model, path / "model", load_file)
+    sharded = is_sharded_checkpoint(path)  # weights and optimizer are loaded after the engine wraps the model
+    if not sharded:
+        load_trainable_weights(model, path / "model", load_file)
     if is_weights_only(path):
         if not cfg.training.resume_weights_only:
             raise CheckpointError(f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
@@ -347,7 +353,7 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
         log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
         return {"step": 0, "best_metric": None, "best_step": None}
     # FSDP2 loads the optimizer after sharding (restore_sharded_optimizer): its state must follow the sharded parameters.
-    ts = load_training_state(path, None if dist is not None and dist.engine == "fsdp2" else optimizer, scheduler)
+    ts = load_training_state(path, None if sharded or (dist is not None and dist.engine == "fsdp2") else optimizer, scheduler)
     sampler.load_state_dict(ts["sampler_state"])
     if dist is None or dist.world_size == 1:
         restore_rng(path, warn=log)
@@ -385,7 +391,13 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
         if dist.engine == "deepspeed":
             raise dist.unsupported("checkpoints of DeepSpeed engines")
         trainer_state.update(world_size=dist.world_size, engine=dist.engine)
-        if dist.engine == "fsdp2":  # every process takes part in the gathers
+        if dist.sharded_checkpoints:  # every process writes its shards, then they move into the checkpoint
+            staging = out / f".tmp-sharded-{step}"
+            dist.save_sharded_state(staging, None if t.save_only_model else optimizer)
+            save_weights = lambda p: move_sharded_state(staging, p, model)  # noqa: E731
+            optimizer = None
+            trainer_state["state_format"] = "sharded"
+        elif dist.engine == "fsdp2":  # every process takes part in the gathers
             model_state, optim_state = dist.full_state_dicts(None if t.save_only_model else optimizer)
             save_weights = lambda p: save_trainable_weights(model, p, model_state)  # noqa: E731
             optimizer = FullState(optim_state)
@@ -405,6 +417,15 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
         if t.on_save_error == "stop":
             raise error
         log(f"WARNING: {error}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
+
+
+def move_sharded_state(staging: Path, model_dir: Path, model) -> None:
+    """Into a checkpoint being written: the processes' shards as <checkpoint>/sharded, the model config in model/."""
+    from .checkpoint import SHARDED_DIR
+    from .models import unwrap
+
+    staging.rename(model_dir.parent / SHARDED_DIR)
+    unwrap(model).config.save_pretrained(model_dir)
 
 
 class FullState:
