@@ -282,6 +282,21 @@ def test_config_diff_classification():
     assert warnings == ["config changes since the checkpoint (harmless for resuming):\n  training.device: 'auto' -> 'cpu'"]
 
 
+def test_config_diff_settings_newer_than_the_checkpoint():
+    """A checkpoint written before a setting existed: absent there and at its default now is harmless;
+    absent there and set to something else is not."""
+    defaults = to_dict(load_config())
+    old = to_dict(load_config())
+    del old["rollout"]["sampling_seed"]
+    breaking, harmless = config_diff(old, defaults, defaults)
+    assert breaking == [] and harmless == ["rollout.sampling_seed: <absent> -> 'auto' (a setting newer than the checkpoint, at its default)"]
+    changed = to_dict(load_config(overrides=["rollout.sampling_seed=prompt"]))
+    breaking, _ = config_diff(old, changed, defaults)
+    assert breaking == ["rollout.sampling_seed: <absent> -> 'prompt'"]
+    assert config_diff(old, defaults)[0] == ["rollout.sampling_seed: <absent> -> 'auto'"]  # without defaults: breaking
+    check_resume_compat(old, defaults, warn=lambda m: None, defaults=defaults)  # resumes without resume_force
+
+
 def test_checkpoint_config_round_trips(tmp_path):
     model, opt, sched = make_run()
     cfg = to_dict(load_config())

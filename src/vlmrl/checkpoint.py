@@ -570,13 +570,16 @@ def _is_harmless(key: str) -> bool:
             or (section == "memory" and name in HARMLESS_MEMORY_KEYS))
 
 
-def config_diff(old: dict, new: dict) -> tuple[list[str], list[str]]:
+def config_diff(old: dict, new: dict, defaults: Optional[dict] = None) -> tuple[list[str], list[str]]:
     """(breaking, harmless) differences between two config trees, as lines like `algorithm.beta: 0.0 -> 0.04`.
 
-    Harmless: logging.*, and training keys about saving, evaluation, run length, resuming and device.
-    Everything else changes what the run computes, so it breaks exact resume.
+    Harmless: logging.*, and training keys about saving, evaluation, run length, resuming and device; and a
+    setting the checkpoint's config does not have (added to vlmrl after it was written) that the new config
+    leaves at its default (`defaults`: the default config tree), since a new setting's default keeps the old
+    behaviour. Everything else changes what the run computes, so it breaks exact resume.
     """
     a, b = _flatten(old), _flatten(new)
+    d = _flatten(defaults) if defaults is not None else {}
     breaking, harmless = [], []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
@@ -585,13 +588,16 @@ def config_diff(old: dict, new: dict) -> tuple[list[str], list[str]]:
         line = f"{key}: {_fmt(va)} -> {_fmt(vb)}"
         if key == "training.max_steps" and _flatten(new).get("optim.lr_scheduler_type", "constant") != "constant":
             line += " (the LR schedule follows the new length from here on)"
-        (harmless if _is_harmless(key) else breaking).append(line)
+        added_at_default = va is _ABSENT and key in d and vb == d[key]
+        if added_at_default:
+            line += " (a setting newer than the checkpoint, at its default)"
+        (harmless if (_is_harmless(key) or added_at_default) else breaking).append(line)
     return breaking, harmless
 
 
-def check_resume_compat(old: dict, new: dict, force: bool = False, warn: Warn = print) -> None:
+def check_resume_compat(old: dict, new: dict, force: bool = False, warn: Warn = print, defaults: Optional[dict] = None) -> None:
     """Refuse a resume whose config changed in a way that breaks equivalence, unless `force`."""
-    breaking, harmless = config_diff(old, new)
+    breaking, harmless = config_diff(old, new, defaults)
     if breaking:
         listing = "\n  " + "\n  ".join(breaking)
         if not force:

@@ -336,7 +336,7 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
                              read_checkpoint_config, read_trainer_state, restore_rng)
     from .config import to_dict
 
-    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log)
+    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log, defaults=to_dict(Config()))
     saved_world = int(read_trainer_state(path).get("world_size", 1))
     if dist is not None and saved_world != dist.world_size:
         # Checkpoints hold full (consolidated) states and the sampler is global, so a new world size continues the
