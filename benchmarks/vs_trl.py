@@ -4,6 +4,7 @@
     python benchmarks/vs_trl.py                     # configs a,b,c; 2 warm-up + 8 measured steps per side
     python benchmarks/vs_trl.py --quick             # tiny sizes: checks the harness in a few minutes
     python benchmarks/vs_trl.py --configs a --steps 8 --warmup 2 --rounds 2
+    python benchmarks/vs_trl.py --device cuda --dtype bfloat16 --rounds 2   # on a GPU (written, not yet run)
 
 For each configuration the parent process builds one tiny Qwen2.5-VL (`vlmrl.tiny`), saves it with
 `save_pretrained`, writes a JSONL dataset of PNG images, then runs each side in its own subprocess,
@@ -150,7 +151,7 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
 
     steps = spec["warmup"] + spec["steps"]
     overrides = {
-        "model.name_or_path": spec["model"], "model.dtype": "float32",
+        "model.name_or_path": spec["model"], "model.dtype": spec.get("dtype", "float32"),
         "data.train_path": spec["data"], "data.min_pixels": spec["pixels"], "data.max_pixels": spec["pixels"],
         "rollout.num_generations": spec["G"], "rollout.max_completion_length": spec["completion"],
         "rollout.min_completion_length": spec["completion"], "rollout.temperature": spec["temperature"],
@@ -163,7 +164,7 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
         "optim.adam_epsilon": spec["adam_epsilon"], "optim.weight_decay": spec["weight_decay"],
         "optim.max_grad_norm": spec["max_grad_norm"],
         "training.per_device_train_batch_size": spec["completions_per_step"], "training.gradient_accumulation_steps": 1,
-        "training.max_steps": steps, "training.seed": spec["seed"], "training.device": "cpu", "training.bf16": False,
+        "training.max_steps": steps, "training.seed": spec["seed"], "training.device": spec.get("device", "cpu"), "training.bf16": False,
         "training.output_dir": str(out / "run"), "training.resume": "never", "training.save_final_model": False,
         "logging.tensorboard": False, "logging.progress_bar": False, "logging.log_completions": 0, "logging.report": False,
     }
@@ -238,8 +239,8 @@ def run_trl(spec: dict, out: Path) -> dict:
 
     n = spec["completions_per_step"]
     args = GRPOConfig(
-        output_dir=str(out / "run"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        model_init_kwargs={"dtype": torch.float32},
+        output_dir=str(out / "run"), use_cpu=spec.get("device", "cpu") == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
+        model_init_kwargs={"dtype": getattr(torch, spec.get("dtype", "float32"))},
         per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=spec["G"], num_iterations=1,
         max_completion_length=spec["completion"], generation_kwargs={"min_new_tokens": spec["completion"]},
         temperature=spec["temperature"], top_p=1.0, top_k=0,
@@ -280,6 +281,8 @@ def run_trl(spec: dict, out: Path) -> dict:
             self.t_begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available() and spec.get("device") == "cuda":
+                torch.cuda.synchronize()  # the step's kernels are done before it is timed
             now = time.perf_counter()
             step = now - self.t_begin
             rollout, score = timers["rollout"], timers["gen_and_score"] - timers["rollout"]
@@ -314,6 +317,9 @@ def child(side: str, spec_path: str, out_path: str) -> int:
     import torch
 
     torch.manual_seed(spec["seed"])
+    on_gpu = spec.get("device") == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     rss_start = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     result = run_vlmrl(spec, out) if side == "vlmrl" else run_trl(spec, out)
@@ -321,6 +327,9 @@ def child(side: str, spec_path: str, out_path: str) -> int:
         side=side, wall_s=time.perf_counter() - t0, rss_at_start_gib=rss_start / 2**30,
         peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
         torch_threads=torch.get_num_threads(),
+        gpu_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        gpu_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if on_gpu else None,
+        gpu_name=torch.cuda.get_device_name() if on_gpu else None,
         vision_images_encoded_per_step=VISION["images"] / max(1, len(result["per_step"])),
         vision_calls_per_step=VISION["calls"] / max(1, len(result["per_step"])),
     )
@@ -342,7 +351,8 @@ def summarise(result: dict, warmup: int) -> dict:
     return {**{f"median_{k}": v for k, v in med.items()},
             **({"median_between_steps_s": _median(between)} if between else {}),
             "tokens_per_step": tokens, "trained_tokens_per_s": _median(tokens) / med["step_s"],
-            "peak_rss_gib": result["peak_rss_gib"], "measured_steps": len(steps)}
+            "peak_rss_gib": result["peak_rss_gib"], "measured_steps": len(steps),
+            "gpu_peak_allocated_gib": result.get("gpu_peak_allocated_gib"), "gpu_peak_reserved_gib": result.get("gpu_peak_reserved_gib")}
 
 
 def library_versions() -> dict:
@@ -377,8 +387,12 @@ def machine() -> dict:
 
 def markdown(record: dict) -> str:
     m, libs = record["machine"], record["libraries"]
+    gpu = record.get("device") == "cuda"
+    where = f"GPU ({record.get('gpu')})" if gpu else "CPU"
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[record.get("dtype", "float32")]
+    gpu_head = " GPU peak alloc / reserved GiB |" if gpu else ""
     lines = [
-        f"# vlmrl vs TRL GRPOTrainer on CPU ({record['date']})", "",
+        f"# vlmrl vs TRL GRPOTrainer on {where} ({record['date']})", "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM; torch threads {record['torch_threads']}",
         "- libraries: " + ", ".join(f"{k} {v}" for k, v in libs.items()),
         f"- allocator: GLIBC_TUNABLES={record['glibc_tunables'] or '(unset, glibc defaults)'} (same for both sides)",
@@ -386,33 +400,37 @@ def markdown(record: dict) -> str:
         (f"- steps: {record['warmup']} warm-up + {record['steps']} measured per side, {record['rounds']} round(s) alternating vlmrl, TRL; "
          "medians over measured steps (over all rounds)"),
         f"- vlmrl overrides beyond its defaults: {record.get('vlmrl_overrides') or 'none'}",
-        "- common: fp32, CPU, " + ", ".join(f"{k}={v}" for k, v in COMMON.items())
+        f"- common: {dtype} weights, {'CUDA' if gpu else 'CPU'}, " + ", ".join(f"{k}={v}" for k, v in COMMON.items())
         + "; one rollout and one optimizer step per step, all completions in one micro-batch on both sides",
         "",
-        "| config | side | step s | rollout s | scoring s | update s | peak RSS GiB | trained tok/s | tok/step | images encoded/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| config | side | step s | rollout s | scoring s | update s | peak RSS GiB |{gpu_head} trained tok/s | tok/step | images encoded/step |",
+        "|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + "---|---|---|",
     ]
     for c in record["configs"]:
         for side in ("vlmrl", "trl"):
             s = c[side]
+            gpu_cell = f" {s['gpu_peak_allocated_gib']:.2f} / {s['gpu_peak_reserved_gib']:.2f} |" if gpu else ""
             lines.append(f"| {c['name']} | {side} | {s['median_step_s']:.3f} | {s['median_rollout_s']:.3f} | {s['median_scoring_s']:.3f} | "
-                         f"{s['median_update_s']:.3f} | {s['peak_rss_gib']:.2f} | {s['trained_tokens_per_s']:.0f} | {_median(s['tokens_per_step']):.0f} | "
+                         f"{s['median_update_s']:.3f} | {s['peak_rss_gib']:.2f} |{gpu_cell} {s['trained_tokens_per_s']:.0f} | {_median(s['tokens_per_step']):.0f} | "
                          f"{s.get('vision_images_encoded_per_step') if s.get('vision_images_encoded_per_step') is not None else '?'} |")
         r = c["ratios_vlmrl_over_trl"]
+        gpu_cell = f" **{r['gpu_peak_allocated']:.2f} / {r['gpu_peak_reserved']:.2f}** |" if gpu else ""
         lines.append(f"| {c['name']} | **vlmrl/TRL** | **{r['step_time']:.2f}** | {r['rollout']:.2f} | {r['scoring']:.2f} | {r['update']:.2f} | "
-                     f"**{r['peak_rss']:.2f}** | {r['throughput']:.2f} | equal: {c['equal_work']} | |")
+                     f"**{r['peak_rss']:.2f}** |{gpu_cell} {r['throughput']:.2f} | equal: {c['equal_work']} | |")
     lines += ["", "Ratios are vlmrl / TRL: below 1 means vlmrl is faster or smaller, except throughput (above 1 = vlmrl trains more tokens per second).",
               "", "Configurations:", ""]
     for c in record["configs"]:
         lines.append(f"- **{c['name']}**: {c['title']}; image {c['image']}x{c['image']} px, vocab {c['vocab'] or 'tokenizer (~600)'}, "
                      f"{c['prompts']} prompt(s) x G={c['G']} = {c['completions_per_step']} completions of {c['completion']} tokens per step; "
                      f"prompt tokens per step {c.get('prompt_tokens_per_step')} (same on both sides)")
-    lines += ["", "Targets (issue 7): on a and b, vlmrl step time <= 0.5x TRL's and peak RSS <= 0.5x TRL's.", ""]
+    memory = "GPU peak reserved" if gpu else "peak RSS"
+    lines += ["", f"Targets (issue 7): on a and b, vlmrl step time <= 0.5x TRL's and {memory} <= 0.5x TRL's.", ""]
     for c in record["configs"]:
         if c["name"] in ("a", "b"):
             r = c["ratios_vlmrl_over_trl"]
+            mem = r["gpu_peak_reserved"] if gpu else r["peak_rss"]
             lines.append(f"- {c['name']}: step time {r['step_time']:.2f}x ({'met' if r['step_time'] <= 0.5 else 'NOT met'}), "
-                         f"peak RSS {r['peak_rss']:.2f}x ({'met' if r['peak_rss'] <= 0.5 else 'NOT met'})")
+                         f"{memory} {mem:.2f}x ({'met' if mem <= 0.5 else 'NOT met'})")
     if record.get("note"):
         lines += ["", f"Note: {record['note']}"]
     return "\n".join(lines) + "\n"
@@ -428,6 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--allocator", choices=["default", "tuned"], default="default",
                     help=f"default: glibc defaults for both sides (what a user's process gets); tuned: GLIBC_TUNABLES={GLIBC_TUNED} "
                          "for both (no mmap, no trim: faster big-vocabulary steps, but peak RSS becomes the heap's high-water mark)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: both sides on the GPU; also records torch.cuda.max_memory_allocated / reserved per side")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype on both sides")
     ap.add_argument("--work", default="/tmp/vlmrl_vs_trl", help="scratch folder for models, data and runs")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; with --quick: <work>/results)")
     ap.add_argument("--vlmrl-override", action="append", default=[], metavar="KEY=VALUE",
@@ -462,11 +483,11 @@ def main(argv=None) -> int:
               "machine": machine(), "libraries": library_versions(), "glibc_tunables": env.get("GLIBC_TUNABLES"),
               "command": shlex.join(["python", "benchmarks/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
               "warmup": a.warmup, "steps": a.steps, "rounds": a.rounds, "quick": a.quick, "note": a.note,
-              "vlmrl_overrides": a.vlmrl_override, "configs": []}
+              "vlmrl_overrides": a.vlmrl_override, "device": a.device, "dtype": a.dtype, "configs": []}
     failures = []
     for name in names:
         spec = prepare(name, table[name], work)
-        spec.update(warmup=a.warmup, steps=a.steps, vlmrl_overrides=a.vlmrl_override)
+        spec.update(warmup=a.warmup, steps=a.steps, vlmrl_overrides=a.vlmrl_override, device=a.device, dtype=a.dtype)
         spec_path = work / f"config_{name}" / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         runs: dict[str, list] = {"vlmrl": [], "trl": []}
@@ -495,13 +516,15 @@ def main(argv=None) -> int:
         merged = {}
         for side, results in runs.items():
             per_step = [st for res in results for st in res["per_step"][a.warmup:]]
-            merged[side] = summarise({"per_step": per_step, "peak_rss_gib": max(r["peak_rss_gib"] for r in results)}, 0)
+            gpu = {k: max(r[k] for r in results) for k in ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib") if results[0].get(k) is not None}
+            merged[side] = summarise({"per_step": per_step, "peak_rss_gib": max(r["peak_rss_gib"] for r in results), **gpu}, 0)
             merged[side]["rss_at_start_gib"] = max(r["rss_at_start_gib"] for r in results)
             merged[side]["settings"] = results[0].get("settings")
             merged[side]["vision_images_encoded_per_step"] = results[0].get("vision_images_encoded_per_step")
             merged[side]["vision_calls_per_step"] = results[0].get("vision_calls_per_step")
             merged[side]["per_step_all_rounds"] = [res["per_step"] for res in results]
             record["torch_threads"] = results[0]["torch_threads"]
+            record["gpu"] = results[0].get("gpu_name")
         # Equal work: every measured and warm-up step of every round must train the same number of tokens.
         expected = spec["completions_per_step"] * spec["completion"]
         v_tok = [st["tokens"] for res in runs["vlmrl"] for st in res["per_step"]]
@@ -521,6 +544,9 @@ def main(argv=None) -> int:
                   "scoring": v["median_scoring_s"] / t["median_scoring_s"] if t["median_scoring_s"] > 0 else float("nan"),
                   "update": v["median_update_s"] / t["median_update_s"], "peak_rss": v["peak_rss_gib"] / t["peak_rss_gib"],
                   "throughput": v["trained_tokens_per_s"] / t["trained_tokens_per_s"]}
+        if v.get("gpu_peak_reserved_gib") is not None:  # on a GPU the memory target is on the device's peaks
+            ratios["gpu_peak_allocated"] = v["gpu_peak_allocated_gib"] / t["gpu_peak_allocated_gib"]
+            ratios["gpu_peak_reserved"] = v["gpu_peak_reserved_gib"] / t["gpu_peak_reserved_gib"]
         record["configs"].append({**{k: spec[k] for k in ("name", "title", "image", "vocab", "completion", "G", "prompts", "completions_per_step")},
                                   "image_tokens_per_prompt": (spec["image"] // 28) ** 2, "equal_work": equal,
                                   "tokens_per_step_expected": expected,
@@ -529,7 +555,8 @@ def main(argv=None) -> int:
 
     out = Path(a.out) if a.out else (work / "results" if a.quick else ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    stem = (f"vs_trl_cpu_{record['date']}" + ("_quick" if a.quick else "") + ("_overrides" if a.vlmrl_override else "")
+    where = "cpu" if a.device == "cpu" else (record.get("gpu") or "cuda").replace(" ", "-")
+    stem = (f"vs_trl_{where}_{record['date']}" + ("_quick" if a.quick else "") + ("_overrides" if a.vlmrl_override else "")
             + ("_tuned_allocator" if a.allocator == "tuned" else ""))
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     (out / f"{stem}.md").write_text(markdown(record))
