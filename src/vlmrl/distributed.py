@@ -563,10 +563,13 @@ def shard_fsdp2(root: nn.Module, optimizer) -> nn.Module:
         raise DistributedError("internal: FSDP2 sharding needs an optimizer without state (it is restored after sharding)")
     names = {id(p): n for n, p in root.named_parameters()}
     blocks = set(getattr(root, "_no_split_modules", None) or ())
+    # fsdp_reshard_after_forward of the accelerate config (exported as FSDP_RESHARD_AFTER_FORWARD): false keeps
+    # each block gathered from forward to backward (ZeRO-2-like), true (default) frees it after the forward.
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip().lower() not in ("false", "0", "no")
     for module in root.policy.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(root)
+            fully_shard(module, reshard_after_forward=reshard)
+    fully_shard(root, reshard_after_forward=reshard)
     params = dict(root.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [params[names[id(p)]] for p in group["params"]]
