@@ -359,3 +359,14 @@ def test_run_time_prediction_and_auto_fit_logging(tmp_path):
     broken = load_config(None, [f"model.name_or_path={tmp_path / 'nowhere'}", "training.device=cpu"])
     assert predict_for_run(broken, lines.append) is None and lines[-1].startswith("planner: no prediction")
     assert prediction_vs_measured(None, {}, warnings.append) == {}
+
+
+def test_workload_from_config_is_per_process():
+    """Batch sizes in the config are global: with W processes each rolls out 1/W of the prompts; the run's
+    engine reaches the plan as its sharding."""
+    from vlmrl.planner import workload_from_config
+
+    cfg = load_config(None, ["rollout.num_generations=4", "rollout.generation_batch_size=16"])
+    assert workload_from_config(cfg).prompts_per_step == 4
+    assert workload_from_config(cfg, world_size=2).prompts_per_step == 2
+    assert workload_from_config(cfg, world_size=2, sharding="fsdp").sharding == "fsdp"

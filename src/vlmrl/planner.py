@@ -587,7 +587,8 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
     kw = dict(
         dtype=m.dtype, autocast=t.bf16, use_lora=m.use_lora, lora_r=m.lora_r, lora_targets=tuple(m.lora_target_modules),
         freeze_vision=m.freeze_vision_tower, projector_only=m.train_projector_only, gradient_checkpointing=m.gradient_checkpointing,
-        num_generations=r.num_generations, prompts_per_step=cfg.prompts_per_step,
+        # The config's batch sizes are global (docs/scaling_out.md): each of W processes rolls out 1/W of the prompts.
+        num_generations=r.num_generations, prompts_per_step=max(1, cfg.prompts_per_step // max(1, world_size)),
         micro_batch=mem.max_tokens_per_micro_batch and max(1, mem.max_tokens_per_micro_batch // 512) or t.per_device_train_batch_size,
         grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
         max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
@@ -731,7 +732,7 @@ def device_memory_bytes(cfg) -> int:
     raise PlanError("auto_fit needs the device memory: set training.auto_fit_gpu_memory_gib (required without CUDA)")
 
 
-def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1):
+def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, sharding: str | None = None):
     """(new_cfg, changes): the fastest configuration predicted to fit, over knobs vlmrl's config has (micro-batch
     with the effective batch kept, generation prompts per call, gradient checkpointing, reference placement; and
     num_generations / max_pixels / effective batch only when listed in training.auto_fit_allow). Raises PlanError
@@ -742,8 +743,9 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1):
         gpu_memory_bytes = device_memory_bytes(cfg)
     allow = tuple(getattr(cfg.training, "auto_fit_allow", ()) or ())
     spec = spec_for_config(cfg)
-    base = workload_from_config(cfg, world_size, gpu_memory_bytes)
-    shardings = (base.sharding,)                        # vlmrl's loop runs unsharded: sharding is a CLI-only suggestion
+    extra = {"sharding": sharding} if sharding and world_size > 1 else {}
+    base = workload_from_config(cfg, world_size, gpu_memory_bytes, **extra)
+    shardings = (base.sharding,)                        # the engine is the launcher's choice: auto_fit keeps it
     found = search(spec, base, allow=allow, top=1, shardings=shardings)
     if not found:
         now = plan(spec, base)
@@ -795,9 +797,9 @@ def _get(cfg, dotted: str):
 PREDICTION_WARN_FRACTION = 0.25  # a measured GPU peak this far from the prediction is worth a warning
 
 
-def apply_auto_fit(cfg, log, world_size: int = 1):
+def apply_auto_fit(cfg, log, world_size: int = 1, sharding: str | None = None):
     """training.auto_fit: the config the planner picks, every change logged. PlanError when nothing fits."""
-    new_cfg, changes = auto_fit(cfg, world_size=world_size)
+    new_cfg, changes = auto_fit(cfg, world_size=world_size, sharding=sharding)
     for line in changes or ["auto_fit: the configuration as given is predicted to fit and to be the fastest; nothing changed"]:
         log(line if line.startswith("auto_fit") else f"auto_fit: {line}")
     return new_cfg

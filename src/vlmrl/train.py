@@ -50,7 +50,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     dist = Distributed.from_env(cpu=resolve_device(cfg.training.device).type == "cpu")
     log = log if dist.is_main else (lambda *_: None)
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
-        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size)
+        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)  # logged next to the measured peak
     if dist.is_main:
         save_config(cfg, out / "config.yaml")
