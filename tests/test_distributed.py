@@ -241,6 +241,25 @@ def _two_nodes(setup, out, *extra):
     return logs
 
 
+def _resume_on_one_process(setup, out, reference, name):
+    """A copy of `out` as it was after step 2 (checkpoint-2 newest) resumed by ONE process (another world size):
+    the same run as the uninterrupted 1-process reference."""
+    single = setup[0] / name
+    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3"))
+    (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
+    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
+    _assert_same_run(single, reference)
+    _assert_same_weights(single, reference)
+
+
+def _assert_exports_as(ckpt, exported, expected_weights):
+    """`vlmrl export ckpt exported`: a plain HF folder whose weights equal `expected_weights` bit for bit."""
+    _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
+    a, b = load_file(exported / "model.safetensors"), load_file(expected_weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (exported / "config.json").exists() and list(exported.glob("*token*"))
+
+
 def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
     out = setup[0] / "nodes"
     _two_nodes(setup, out, "training.max_steps=2", "training.save_steps=2")
@@ -253,36 +272,23 @@ def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
 
-    # The same checkpoint on ONE process (another world size): continues the same run.
-    single = setup[0] / "resized"
-    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3"))
-    (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
-    log = _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
-    assert "saved by 2 process(es)) on 1" in log
-    _assert_same_run(single, reference)
-    _assert_same_weights(single, reference)
-
-    # vlmrl export: a plain HF folder that transformers loads, equal to the checkpoint's weights.
-    exported = setup[0] / "exported"
-    _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
-    a, b = load_file(exported / "model.safetensors"), load_file(ckpt / "model" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (exported / "config.json").exists() and list(exported.glob("*token*"))
+    _resume_on_one_process(setup, out, reference, "resized")
+    _assert_exports_as(ckpt, setup[0] / "exported", ckpt / "model" / "model.safetensors")
 
 
 # ---------------------------------------------------------------- FSDP2
+def _launch_fsdp2(setup, out, env: dict, *extra) -> str:
+    """torchrun x2 with the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports."""
+    return _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
+                + _args(setup, out, *extra), ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", **env)
+
+
 def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, reference):
     """`vlmrl train` under FSDP2 as `accelerate launch --config_file configs/accelerate/fsdp2.yaml` asks for it (the
     env it exports) on two CPU processes: accelerate sets up plain multi-CPU, vlmrl applies fully_shard itself.
     Same run as one process; the checkpoint (states gathered to rank 0) resumes on 2 processes and on 1; export."""
     out = setup[0] / "fsdp2"
-    fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
-
-    def launch(*extra):
-        return _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
-                    + _args(setup, out, *extra), **fsdp_env)
-
-    log = launch("training.max_steps=2", "training.save_steps=2")
+    log = _launch_fsdp2(setup, out, {}, "training.max_steps=2", "training.save_steps=2")
     assert "2 processes (fsdp2)" in log
     held = float(log.split("this process holds ")[1].split("%")[0])
     assert 45 < held < 55, held  # sharded: about half of the parameters on each of 2 processes
@@ -291,23 +297,14 @@ def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, referenc
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
     n_trainable = len(load_file(ckpt / "model" / "model.safetensors"))
     assert len(saved["state"]) == n_trainable and all(v["exp_avg"].dim() >= 1 for v in saved["state"].values())  # full, not shards
-    log = launch()  # max_steps 2 -> 3: resume from checkpoint-2, optimizer state restored into the shards
+    log = _launch_fsdp2(setup, out, {})  # max_steps 2 -> 3: resume from checkpoint-2, optimizer state restored into the shards
     assert "resumed from" in log and "checkpoint-2" in log
     assert sorted(_metrics(out)) == [1, 2, 3]
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
 
-    single = setup[0] / "fsdp2_on_one"  # the same checkpoint on ONE process (another world size, no FSDP)
-    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3"))
-    (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
-    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
-    _assert_same_run(single, reference)
-    _assert_same_weights(single, reference)
-
-    exported = setup[0] / "fsdp2_exported"
-    _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
-    a, b = load_file(exported / "model.safetensors"), load_file(ckpt / "model" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _resume_on_one_process(setup, out, reference, "fsdp2_on_one")  # no FSDP there
+    _assert_exports_as(ckpt, setup[0] / "fsdp2_exported", ckpt / "model" / "model.safetensors")
 
 
 def test_fsdp2_sharded_checkpoints_resume_on_two_and_one_process_and_export(setup, reference):
@@ -315,32 +312,18 @@ def test_fsdp2_sharded_checkpoints_resume_on_two_and_one_process_and_export(setu
     (torch.distributed.checkpoint); resume on 2 processes and on 1 (re-sharded on load) continues the same run;
     `vlmrl export` consolidates on one process."""
     out = setup[0] / "fsdp2_sharded"
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
-
-    def launch(folder, *extra):
-        return _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
-                    + _args(setup, folder, *extra), **env)
-
-    launch(out, "training.max_steps=2", "training.save_steps=2")
+    sharded = {"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+    _launch_fsdp2(setup, out, sharded, "training.max_steps=2", "training.save_steps=2")
     ckpt = out / "checkpoint-2"
     assert json.loads((ckpt / "trainer_state.json").read_text())["state_format"] == "sharded"
     assert len(list((ckpt / "sharded").glob("*.distcp"))) == 2 and not (ckpt / "optimizer.pt").exists()
     assert not list(out.glob(".tmp-*"))
-    single = setup[0] / "fsdp2_sharded_on_one"
-    shutil.copytree(out, single)
-    log = launch(out, "training.save_steps=1")  # also writes checkpoint-3 (sharded), exported below
+    log = _launch_fsdp2(setup, out, sharded, "training.save_steps=1")  # also writes checkpoint-3 (sharded), exported below
     assert "resumed from" in log and "checkpoint-2" in log
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
-
-    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
-    _assert_same_run(single, reference)
-    _assert_same_weights(single, reference)
-
-    exported = setup[0] / "fsdp2_sharded_exported"
-    _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
-    a, b = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _resume_on_one_process(setup, out, reference, "fsdp2_sharded_on_one")  # checkpoint-2, re-sharded for 1 process
+    _assert_exports_as(out / "checkpoint-3", setup[0] / "fsdp2_sharded_exported", out / "final" / "model.safetensors")
 
 
 def test_optimizer_state_layouts_round_trip():

@@ -32,8 +32,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
     a preemption after that step (tests and benchmarks use it).
     """
-    from .checkpoint import SHARDED_DIR, GracefulStop, is_sharded_checkpoint, is_weights_only
-    from .distributed import load_sharded_state
+    from .checkpoint import GracefulStop
     from .data import PromptSampler
     from .distributed import Distributed, cat_completions, prompt_seed
     from .evaluate import evaluate
@@ -82,11 +81,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if dist.engine == "fsdp2":
         how = "fully_shard applied by vlmrl (accelerate enables FSDP on GPUs only)" if dist.fsdp2_by_hand else "accelerate"
         log(f"FSDP2 via {how}: this process holds {100 * dist.local_parameter_fraction():.1f}% of the parameters")
-        if resume_from is not None and not is_sharded_checkpoint(resume_from):
-            restore_sharded_optimizer(resume_from, optimizer, dist)
-    if resume_from is not None and is_sharded_checkpoint(resume_from):
-        # torch.distributed.checkpoint files load into the prepared (possibly sharded) model, any world size.
-        load_sharded_state(dist.model, resume_from / SHARDED_DIR, None if is_weights_only(resume_from) else optimizer)
+    if resume_from is not None:
+        restore_after_wrap(resume_from, optimizer, dist)
     autocast = _autocast(cfg, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
 
@@ -343,7 +339,7 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
         # same run; batch sizes are global, so the math does not change either.
         log(f"resuming {path} (saved by {saved_world} process(es)) on {dist.world_size}: model, optimizer, scheduler "
             f"and sampler are full copies; RNG streams of processes the checkpoint has no file for start fresh")
-    sharded = is_sharded_checkpoint(path)  # weights and optimizer are loaded after the engine wraps the model
+    sharded = is_sharded_checkpoint(path)  # weights and optimizer load after the engine wraps the model (restore_after_wrap)
     if not sharded:
         load_trainable_weights(model, path / "model", load_file)
     if is_weights_only(path):
@@ -352,7 +348,7 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
                                   "Set training.resume_weights_only=true to start a NEW schedule from its weights.")
         log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
         return {"step": 0, "best_metric": None, "best_step": None}
-    # FSDP2 loads the optimizer after sharding (restore_sharded_optimizer): its state must follow the sharded parameters.
+    # FSDP2 loads the optimizer after sharding (restore_after_wrap): its state must follow the sharded parameters.
     ts = load_training_state(path, None if sharded or (dist is not None and dist.engine == "fsdp2") else optimizer, scheduler)
     sampler.load_state_dict(ts["sampler_state"])
     if dist is None or dist.world_size == 1:
@@ -366,13 +362,17 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     return out
 
 
-def restore_sharded_optimizer(path: Path, optimizer, dist) -> None:
-    """FSDP2: the checkpoint's full optimizer state (read by the main process) into the sharded optimizer."""
-    from .checkpoint import OPTIMIZER_FILE, is_weights_only, safe_torch_load
+def restore_after_wrap(path: Path, optimizer, dist) -> None:
+    """What loads after the engine has wrapped the model: a SHARDED checkpoint's torch.distributed.checkpoint files
+    (weights and optimizer, re-sharded for any world size), or under FSDP2 the full optimizer state (read by the
+    main process) scattered into the shards. Nothing otherwise (restore loaded it all)."""
+    from .checkpoint import OPTIMIZER_FILE, SHARDED_DIR, is_sharded_checkpoint, is_weights_only, safe_torch_load
+    from .distributed import load_sharded_state
 
-    if is_weights_only(path):
-        return
-    dist.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE) if dist.is_main else None)
+    if is_sharded_checkpoint(path):
+        load_sharded_state(dist.model, path / SHARDED_DIR, None if is_weights_only(path) else optimizer)
+    elif dist.engine == "fsdp2" and not is_weights_only(path):
+        dist.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE) if dist.is_main else None)
 
 
 def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None) -> None:
@@ -457,10 +457,7 @@ def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | N
 def save_trainable_weights(model, folder: Path, state_dict: dict | None = None) -> None:
     """HF format: the full model for full fine-tuning, only the adapter for LoRA (peft's save_pretrained).
     `state_dict`: the model's full state gathered from sharded parameters (FSDP2) instead of its own."""
-    if state_dict is None:
-        model.save_pretrained(folder, safe_serialization=True)
-    else:
-        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
+    model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)  # None: the model's own
 
 
 def load_trainable_weights(model, folder: Path, load_file) -> None:
