@@ -4,3 +4,15 @@
 def text_length(prompts, completions, **columns):
     """Characters in the completion / 10: varies between samples, so advantages are not all zero."""
     return [len(c) / 10 for c in completions]
+
+
+def overflowing(prompts, completions, **columns):
+    """Finite in float32 (3e38 < 3.4e38) but a group's sum overflows: the advantages become NaN."""
+    return [3e38 if i % 4 < 2 else 0.0 for i in range(len(completions))]
+
+
+def fails_on_three(prompts, completions, **columns):
+    """Raises on a batch of exactly three completions (evaluation with training.eval_batch_size=3), works in training."""
+    if len(completions) == 3:
+        raise ValueError("this reward cannot score a batch of three")
+    return [len(c) / 10 for c in completions]

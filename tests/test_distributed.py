@@ -360,7 +360,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     from vlmrl.distributed import PolicyCall
     from vlmrl.logprobs import group_rows
     from vlmrl.losses import aggregate, per_token_loss
-    from vlmrl.prefix import completion_logps_for
+    from vlmrl.prefix import LogprobOptions, completion_logps_for
     from vlmrl.rollout import generate
     from vlmrl.runtime import encode_rows, load_policy
 
@@ -394,7 +394,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     _, row_prompt = group_rows(torch.arange(2).repeat_interleave(2))
 
     def loss_of(fn_model_call, norm):
-        logps = fn_model_call(completion_logps_for, prompts, row_prompt, comp.ids, comp.mask, 1.0, 1024, True, True)
+        logps = fn_model_call(completion_logps_for, prompts, row_prompt, comp.ids, comp.mask, LogprobOptions(chunk_tokens=1024))
         return aggregate(per_token_loss(logps, logps.detach(), advantages, 0.2, 0.2)[0], comp.mask, "grpo", norm)
 
     norm = d.step_normaliser([comp.mask], 5)

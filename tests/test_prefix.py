@@ -7,7 +7,7 @@ from test_logprobs import FAMILIES, G, LENGTHS, assert_grads_close, completions,
 
 from vlmrl.logprobs import completion_logps, vision_encode_counter
 from vlmrl.models import load_model, vision_tower
-from vlmrl.prefix import completion_logps_for, completion_logps_prefix, prefix_supported, sample_with_shared_prefix
+from vlmrl.prefix import LogprobOptions, completion_logps_for, completion_logps_prefix, prefix_supported, sample_with_shared_prefix
 from vlmrl.processing import load_processor, select_rows
 from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
 
@@ -177,7 +177,7 @@ def test_dispatch_paths_agree_and_encode_as_documented(tiny_qwen25vl):
     out, images = {}, {}
     for name, flags in {"prefix": (True, True), "grouped": (False, True), "naive": (False, False)}.items():
         with torch.no_grad(), vision_encode_counter(model) as calls:
-            out[name] = completion_logps_for(model, prompts, row_prompt, ids, mask, 1.0, 0, *flags)
+            out[name] = completion_logps_for(model, prompts, row_prompt, ids, mask, LogprobOptions(1.0, 0, *flags))
         images[name] = calls.images
     m = mask.bool()
     torch.testing.assert_close(out["prefix"][m], out["naive"][m], rtol=0, atol=1e-5)

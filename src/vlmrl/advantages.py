@@ -29,6 +29,25 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     return centred.reshape(-1)
 
 
+def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """REINFORCE++: the baseline is the whole batch, not the group: (r - batch mean) / (batch std + eps).
+    rewards: [B*G] (the global batch: every process's rows). Returns [B*G]."""
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a multiple of {num_generations} entries, got shape {tuple(rewards.shape)}")
+    return (rewards - rewards.mean()) / (rewards.std() + ADV_EPS)
+
+
+# algorithm.advantage_estimator -> fn(rewards [B*G], num_generations) -> advantages [B*G] (or [B*G, T] per token).
+# TRL's scale_rewards picks among the first three: group -> grpo, batch -> grpo_batch_std, none -> dr_grpo.
+ADVANTAGE_ESTIMATORS = {
+    "grpo": lambda rewards, g: group_advantages(rewards, g, "group"),
+    "grpo_batch_std": lambda rewards, g: group_advantages(rewards, g, "batch"),
+    "dr_grpo": lambda rewards, g: group_advantages(rewards, g, "none"),
+    "reinforce_pp": reinforce_pp_advantages,
+}
+SCALE_REWARDS_ESTIMATOR = {"group": "grpo", "batch": "grpo_batch_std", "none": "dr_grpo"}
+
+
 def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """[B*G] -> [B] reward std per group; a zero means the group carries no learning signal."""
     return rewards.view(-1, num_generations).std(dim=1)

@@ -26,6 +26,7 @@ SCHEDULERS = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 AUTO_FIT_ALLOW = ("num_generations", "max_pixels", "effective_batch")
+LOGPROB_CHUNK_TOKENS = 128  # the one default of memory.logprob_chunk_tokens, also used by direct calls of the log-prob functions
 
 
 class ConfigError(ValueError):
@@ -91,12 +92,15 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = _f("grpo", "Token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length).")
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = _f("grpo", "TRL's name for the token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length); see loss_aggregation.")
     beta: float = _f(0.0, "Weight of the k3 KL to the reference policy; 0 loads no reference.")
     epsilon: float = _f(0.2, "Lower clip range of the importance ratio.")
     epsilon_high: Optional[float] = _f(None, "Upper clip range (DAPO clip-higher); default epsilon.")
     num_iterations: int = _f(1, "Updates per rollout (mu); >1 reuses the rollout against stored old log-probs.")
-    scale_rewards: Literal["group", "batch", "none"] = _f("group", "Divide advantages by the group std, the batch std, or nothing (Dr.GRPO).")
+    scale_rewards: Literal["group", "batch", "none"] = _f("group", "TRL's name for the advantage scaling: divide by the group std, the batch std, or nothing (Dr.GRPO); see advantage_estimator.")
+    advantage_estimator: Optional[str] = _f(None, "advantages.ADVANTAGE_ESTIMATORS key: grpo, grpo_batch_std, dr_grpo, reinforce_pp (batch baseline); default follows scale_rewards.")
+    policy_loss: str = _f("ppo_clip", "losses.POLICY_LOSSES key: ppo_clip (GRPO/DAPO), gspo (sequence-level ratio and clip), cispo (clipped IS-weight REINFORCE).")
+    loss_aggregation: Optional[str] = _f(None, "losses.AGGREGATIONS key: seq_mean_token_mean, token_mean, seq_mean_token_sum_norm; default follows loss_type.")
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
@@ -128,6 +132,7 @@ class TrainingConfig:
     eval_batch_size: int = _f(16, "Prompts per greedy-decoding batch in evaluation.")
     eval_max_samples: Optional[int] = _f(None, "Cap on held-out rows evaluated; default all.")
     save_final_model: bool = _f(True, "Save the trained model as a plain HF folder in output_dir/final.")
+    max_nonfinite_steps: int = _f(5, "Stop (with a checkpoint of the last good state) after this many optimizer steps in a row skipped for a non-finite reward, loss or gradient; 0 = never stop.")
     save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.")
     save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).")
     save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.")
@@ -156,8 +161,9 @@ class MemoryConfig:
     ref_placement: Literal["device", "cpu"] = _f("device", "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).")
     oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.")
     generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.")
+    scoring_micro_batch_size: Optional[int] = _f(None, "Rows (or tokens with max_tokens_per_micro_batch) per no-grad scoring micro-batch (old / reference log-probs); default the update's size.")
     max_tokens_per_micro_batch: Optional[int] = _f(None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows.")
-    logprob_chunk_tokens: int = _f(128, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).")
+    logprob_chunk_tokens: int = _f(LOGPROB_CHUNK_TOKENS, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).")
     group_vision: bool = _f(True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).")
     shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).")
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")
@@ -194,6 +200,20 @@ class Config:
     @property
     def prompts_per_step(self) -> int:
         return self.generation_batch_size // self.rollout.num_generations
+
+    @property
+    def advantage_estimator(self) -> str:
+        """algorithm.advantage_estimator, or the one TRL's scale_rewards names."""
+        from .advantages import SCALE_REWARDS_ESTIMATOR
+
+        return self.algorithm.advantage_estimator or SCALE_REWARDS_ESTIMATOR[self.algorithm.scale_rewards]
+
+    @property
+    def loss_aggregation(self) -> str:
+        """algorithm.loss_aggregation, or the one TRL's loss_type names."""
+        from .losses import LOSS_TYPE_AGGREGATION
+
+        return self.algorithm.loss_aggregation or LOSS_TYPE_AGGREGATION[self.algorithm.loss_type]
 
     @property
     def epsilon_high(self) -> float:
@@ -397,6 +417,9 @@ def validate(cfg: Config) -> None:
         (t.eval_steps >= 0, "training.eval_steps must be >= 0"),
         (t.eval_batch_size >= 1, "training.eval_batch_size must be >= 1"),
         (t.save_steps >= 0, "training.save_steps must be >= 0"),
+        (t.max_nonfinite_steps >= 0, "training.max_nonfinite_steps must be >= 0 (0 = never stop)"),
+        (cfg.memory.scoring_micro_batch_size is None or cfg.memory.scoring_micro_batch_size >= 1,
+         "memory.scoring_micro_batch_size must be >= 1 (or null for the update's size)"),
         (t.save_total_limit is None or t.save_total_limit >= 1, "training.save_total_limit must be >= 1 (or null for no limit)"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), f"training.device={t.device!r}: use auto, cpu, cuda or cuda:N"),
         (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
@@ -423,9 +446,30 @@ def validate(cfg: Config) -> None:
         (not (t.auto_fit and t.auto_fit_gpu_memory_gib is None and t.device == "cpu"),
          "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)"),
     ]
-    problems = [msg for ok, msg in rules if not ok]
+    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
+    """Algorithm names checked against the dicts of functions that implement them (imported here only: torch)."""
+    from .advantages import ADVANTAGE_ESTIMATORS
+    from .losses import AGGREGATIONS, POLICY_LOSSES
+
+    problems = []
+    for name, value, table in (("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS),
+                               ("policy_loss", a.policy_loss, POLICY_LOSSES), ("loss_aggregation", a.loss_aggregation, AGGREGATIONS)):
+        if value is not None and value not in table:
+            close = difflib.get_close_matches(value, list(table), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"algorithm.{name}={value!r} is not one of {', '.join(table)}{hint}")
+    if a.advantage_estimator is not None and a.scale_rewards != "group":
+        problems.append(f"algorithm.advantage_estimator={a.advantage_estimator!r} and algorithm.scale_rewards={a.scale_rewards!r} both "
+                        "choose the advantages; set only one (scale_rewards is TRL's name for the first three estimators)")
+    if a.loss_aggregation is not None and a.loss_type != "grpo":
+        problems.append(f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
+                        "aggregation; set only one (loss_type is TRL's name for it)")
+    return problems
 
 
 # ---------------------------------------------------------------- output

@@ -441,23 +441,44 @@ class Distributed:
             return
         self.accelerator.backward(loss * self.world_size)
 
-    def clip_and_step(self, optimizer, scheduler, max_grad_norm: float) -> float:
-        """Clip (or just measure) the global gradient norm, step, zero; for several processes (DTensor and
-        DeepSpeed gradients included). Returns the pre-clip norm."""
-        params = [p for p in self.runner.parameters() if p.requires_grad]
-        if self.engine == "deepspeed":
-            norm = self.accelerator.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
-            optimizer.step()
-            norm = self.runner.get_global_grad_norm() if norm is None else norm
-        else:
-            # max_norm=inf measures without changing the gradients (the clip coefficient is clamped to 1).
-            norm = self.accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    def clip_grad_norm(self, params: list, max_norm: float) -> float:
+        """The global gradient norm over every process (DTensor gradients included), clipped to max_norm."""
+        if self.runner is None:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = self.accelerator.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm) if norm is not None else float("nan")
+        return float(norm)
+
+    def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
+        """optim.clip_and_step with this engine's global norm: a non-finite norm skips the step on every process
+        alike (the norm is global). DeepSpeed (experimental, never run here) clips inside its own step."""
+        from .optim import StepResult, clip_and_step
+
+        if self.engine != "deepspeed":
+            model = self.runner if self.runner is not None else self.model
+            params = [p for p in model.parameters() if p.requires_grad]
+            return clip_and_step(params, optimizer, scheduler, max_grad_norm, self.clip_grad_norm)
+        params = [p for p in self.runner.parameters() if p.requires_grad]
+        norm = self.accelerator.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
+        optimizer.step()
+        norm = self.runner.get_global_grad_norm() if norm is None else norm
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(float(norm) if norm is not None else float("nan"), skipped=False)
+
+    def check_supported(self, save_steps: int, save_final_model: bool) -> None:
+        """Refuse, before any model is loaded, what this engine cannot do."""
+        if self.engine == "deepspeed" and (save_steps or save_final_model):
+            raise self.unsupported("writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
+                                   "training.save_final_model=false, or use FSDP2 / DDP)")
+
+    def prepared_report(self) -> list[str]:
+        """Lines worth logging once the model is wrapped."""
+        if self.engine != "fsdp2":
+            return []
+        how = "fully_shard applied by vlmrl (accelerate enables FSDP on GPUs only)" if self.fsdp2_by_hand else "accelerate"
+        return [f"FSDP2 via {how}: this process holds {100 * self.local_parameter_fraction():.1f}% of the parameters"]
 
     def local_parameter_fraction(self) -> float:
         """Share of the policy's parameter elements this process holds (1.0 unsharded, ~1/W under FSDP2)."""

@@ -10,9 +10,12 @@ from .rollout import generate
 from .runtime import encode_rows, reward_columns
 
 
-def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device) -> dict[str, float]:
+def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device, log=print) -> dict[str, float]:
     """Greedy completions for `rows`; returns `eval/<reward>` means (e.g. eval/accuracy, eval/iou) and
-    eval/reward (the unweighted mean of all rewards per sample, then over samples)."""
+    eval/reward (the unweighted mean of all rewards per sample, then over samples). Batches of
+    training.eval_batch_size prompts, halved on out-of-memory (greedy decoding gives the same tokens)."""
+    from .oom import maybe_inject_oom, retry_on_oom
+    from .prefix import LogprobOptions
     from .processing import decode
 
     was_training = model.training
@@ -20,12 +23,20 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     lengths = []
-    bs = cfg.training.eval_batch_size
-    for start in range(0, len(rows), bs):
+    opts = LogprobOptions.from_config(cfg, device)
+
+    def greedy(chunk: list[dict]):
+        maybe_inject_oom("eval", len(chunk))
+        with opts.autocast():
+            return generate(model, processor.tokenizer, encode_rows(processor, chunk, cfg, device), num_generations=1, do_sample=False,
+                            max_new_tokens=cfg.rollout.max_completion_length, shared_prefix=opts.shared_prefix)
+
+    bs, start = cfg.training.eval_batch_size, 0
+    while start < len(rows):
+        comp, bs = retry_on_oom(lambda size: greedy(rows[start : start + size]), bs, "evaluation", log,  # noqa: B023
+                                enabled=cfg.memory.oom_recovery)
         chunk = rows[start : start + bs]
-        prompts = encode_rows(processor, chunk, cfg, device)
-        comp = generate(model, processor.tokenizer, prompts, num_generations=1, do_sample=False,
-                        max_new_tokens=cfg.rollout.max_completion_length)
+        start += bs
         texts = decode(processor, comp.ids)
         _, per_reward = compute_rewards(reward_funcs, {k: 1.0 for k in reward_funcs}, [r["problem"] for r in chunk], texts,
                                         reward_columns(chunk, 1))

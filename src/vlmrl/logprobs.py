@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .config import LOGPROB_CHUNK_TOKENS
 from .models import unwrap
 
 # Keys of an encoded prompt batch that are bookkeeping, not model inputs.
@@ -37,7 +38,7 @@ def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.
 
 
 def selective_logps(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 1024
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
 ) -> torch.Tensor:
     """hidden [N, T, H] predicting targets [N, T] -> [N, T] log-probs, chunked over N*T tokens.
 
@@ -63,7 +64,7 @@ def completion_logps(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Log-probs of each completion token given its prompt.
 
@@ -155,7 +156,7 @@ def completion_logps_grouped(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """`completion_logps` for rows that share prompts, running the vision tower once per unique prompt.
 

@@ -13,6 +13,54 @@ from dataclasses import dataclass
 import torch
 
 
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """[N] (one advantage per sequence) or [N, T] (per token) -> broadcastable against [N, T]."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+
+
+def ppo_clip_loss(logps, old_logps, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """PPO's clipped surrogate per token (GRPO, DAPO's clip-higher): -min(r A, clip(r, 1-eps_lo, 1+eps_hi) A),
+    r = exp(logp - old). logps, old_logps, mask: [N, T]; advantages: [N] or [N, T]. Returns (loss [N, T], parts)."""
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    adv = _per_token(advantages)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    return loss, {"ratio": ratio.detach(), "is_clipped": (ratio * adv > clipped * adv).detach()}
+
+
+def gspo_loss(logps, old_logps, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """GSPO: one importance ratio per sequence, s = exp(mean over its completion tokens of (logp - old)), clipped
+    per sequence. Written in the token form s_t = sg(s) * exp(logp_t - sg(logp_t)): every token carries the value
+    s, and after a per-sequence mean (loss_aggregation=seq_mean_token_mean) the gradient is GSPO's
+    -A * grad(s). GSPO's clip ranges are ~1e3 x smaller than GRPO's (the paper uses 3e-4 / 4e-4).
+    Shapes as ppo_clip_loss; advantages [N] (per-token advantages are averaged per sequence by the mask)."""
+    m = mask.to(logps.dtype)
+    lengths = m.sum(dim=1).clamp(min=1)
+    seq_log_ratio = ((logps - old_logps) * m).sum(dim=1) / lengths  # [N]
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logps - logps.detach()  # value: seq ratio; grad: token's
+    ratio = torch.exp(token_log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    adv = advantages if advantages.dim() == 1 else (advantages * m).sum(dim=1) / lengths
+    adv = adv.unsqueeze(1)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    return loss, {"ratio": ratio.detach(), "is_clipped": (ratio * adv > clipped * adv).detach()}
+
+
+def cispo_loss(logps, old_logps, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """CISPO: REINFORCE with a clipped, stopped-gradient importance weight, -sg(min(r, 1+eps_hi)) * A * logp, so
+    every token keeps a gradient (clipping bounds the weight instead of dropping the token). Only the upper bound
+    clips, as in MiniMax-M1; epsilon_low is unused. Shapes as ppo_clip_loss."""
+    ratio = torch.exp(logps - old_logps)
+    weight = torch.clamp(ratio, max=1.0 + epsilon_high).detach()
+    loss = -weight * _per_token(advantages) * logps
+    return loss, {"ratio": ratio.detach(), "is_clipped": (ratio > 1.0 + epsilon_high).detach()}
+
+
+# algorithm.policy_loss -> per-token loss, all with the signature
+# (logps, old_logps, advantages, mask, epsilon_low, epsilon_high) -> (loss [N, T], {"ratio", "is_clipped"}).
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
 def per_token_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -21,20 +69,17 @@ def per_token_loss(
     epsilon_high: float,
     ref_logps: torch.Tensor | None = None,
     beta: float = 0.0,
+    mask: torch.Tensor | None = None,
+    policy_loss: str = "ppo_clip",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate (+ beta * k3 KL) per token.
+    """The policy loss (POLICY_LOSSES[policy_loss]) + beta * k3 KL to the reference, per token.
 
-    logps, old_logps, ref_logps: [N, T] per-token log-probs of the sampled tokens under the current,
-    the rollout (old) and the reference policy. advantages: [N]. Returns (loss [N, T], parts) where
-    parts holds `ratio`, `is_clipped` and `kl` ([N, T] each, detached) for logging.
+    logps, old_logps, ref_logps, mask: [N, T] per-token log-probs of the sampled tokens under the current, the
+    rollout (old) and the reference policy, and the tokens that count (default all). advantages: [N] or [N, T].
+    Returns (loss [N, T], parts) where parts holds `ratio`, `is_clipped` and `kl` ([N, T] each, detached).
     """
-    log_ratio = logps - old_logps
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    adv = advantages.unsqueeze(1)
-    surrogate = torch.min(ratio * adv, clipped * adv)
-    loss = -surrogate
-    parts = {"ratio": ratio.detach(), "is_clipped": (ratio * adv > clipped * adv).detach()}
+    mask = torch.ones_like(logps) if mask is None else mask
+    loss, parts = POLICY_LOSSES[policy_loss](logps, old_logps, advantages, mask, epsilon_low, epsilon_high)
     if beta > 0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
@@ -68,32 +113,34 @@ def step_normaliser(masks: list[torch.Tensor], max_completion_length: int) -> No
     )
 
 
-def _grpo(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     per_seq = (loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     return per_seq.sum() / norm.num_sequences
 
 
-def _dapo(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+def token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     return (loss * mask).sum() / norm.num_tokens
 
 
-def _dr_grpo(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     return (loss * mask).sum() / (norm.num_sequences * norm.max_completion_length)
 
 
-# loss_type -> token aggregation. grpo: mean over each sequence's tokens, then over sequences.
-# dapo: mean over all tokens of the step. dr_grpo: sum over tokens / (sequences x max length).
-AGGREGATIONS = {"grpo": _grpo, "dapo": _dapo, "dr_grpo": _dr_grpo}
+# algorithm.loss_aggregation -> how an optimizer step's [N, T] token losses become one scalar.
+# seq_mean_token_mean: mean over each sequence's tokens, then over sequences (GRPO). token_mean: mean over all
+# tokens of the step (DAPO). seq_mean_token_sum_norm: sum over tokens / (sequences x max length) (Dr.GRPO).
+AGGREGATIONS = {"seq_mean_token_mean": seq_mean_token_mean, "token_mean": token_mean, "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+# TRL's algorithm.loss_type names for the same aggregations.
+LOSS_TYPE_AGGREGATION = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: Normaliser) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, aggregation: str, norm: Normaliser) -> torch.Tensor:
     """loss, mask: [N, T] (mask 1 on completion tokens that count). Returns this micro-batch's share of
-    the optimizer step's scalar loss."""
-    try:
-        fn = AGGREGATIONS[loss_type]
-    except KeyError:
-        raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(AGGREGATIONS)}") from None
-    return fn(loss, mask.to(loss.dtype), norm)
+    the optimizer step's scalar loss. aggregation: an AGGREGATIONS key or a TRL loss_type."""
+    name = LOSS_TYPE_AGGREGATION.get(aggregation, aggregation)
+    if name not in AGGREGATIONS:
+        raise ValueError(f"unknown loss_type {aggregation!r}; use one of {', '.join([*LOSS_TYPE_AGGREGATION, *AGGREGATIONS])}")
+    return AGGREGATIONS[name](loss, mask.to(loss.dtype), norm)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Out-of-memory recovery: redo the same work in smaller pieces instead of dying.
 
 The trainer wraps each unit of work (a generation call, a scoring pass, one optimizer step's
-accumulation) in `retry_on_oom`. On `torch.OutOfMemoryError` the partial work is discarded (the
+accumulation, an evaluation batch) in `retry_on_oom`. On out-of-memory (`is_out_of_memory`) the partial work is discarded (the
 caller's `on_oom` zeroes partial gradients), the piece size is halved, and the same data is redone.
 Because an optimizer step's loss normaliser is computed from the whole step (losses.step_normaliser),
 smaller micro-batches give the same effective batch and the same update.
@@ -10,6 +10,7 @@ smaller micro-batches give the same effective batch and the same update.
 from __future__ import annotations
 
 import gc
+import re
 from typing import Callable, TypeVar
 
 import torch
@@ -31,6 +32,17 @@ KNOBS = ("model.gradient_checkpointing=true", "training.bf16=true (and model.dty
 
 class OutOfMemoryGaveUp(RuntimeError):
     """Out of memory even at a piece size of 1."""
+
+
+# What CUDA / ROCm allocators and libraries say when memory runs out but raise as a plain RuntimeError (cuBLAS handle
+# creation, some kernels' workspaces): matched exactly, so other RuntimeErrors still surface.
+_OOM_MESSAGE = re.compile(r"(CUDA|HIP|XPU) (error: )?out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
+                          r"CUSOLVER_STATUS_ALLOC_FAILED|MPS backend out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch.OutOfMemoryError, or a RuntimeError whose message is an allocator's / library's out-of-memory."""
+    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and bool(_OOM_MESSAGE.search(str(error))))
 
 
 def maybe_inject_oom(phase: str, rows: int) -> None:
@@ -55,8 +67,8 @@ def retry_on_oom(fn: Callable[[int], T], size: int, what: str, warn: Callable[[s
     while True:
         try:
             return fn(size), size
-        except torch.OutOfMemoryError as e:
-            if not enabled:
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            if not enabled or not is_out_of_memory(e):
                 raise
             if on_oom is not None:
                 on_oom()

@@ -23,8 +23,12 @@ completion tokens run per row: each completion attends to one shared copy of its
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
+from .config import LOGPROB_CHUNK_TOKENS
 from .logprobs import _accepted, grouped_family, model_inputs, selective_logps
 from .models import unwrap
 
@@ -41,30 +45,53 @@ def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: boo
     return not (needs_grad and checkpointing and core.training)
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """How per-token log-probs are computed: one object, one set of defaults, for GRPO scoring and update, SFT
+    and evaluation (`from_config` reads them from memory.* / rollout.temperature / training.bf16)."""
+
+    temperature: float = 1.0  # logits are divided by it (the rollout's sampling temperature)
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS  # tokens per LM-head chunk; 0 = one full block
+    shared_prefix: bool = True  # prefill each prompt once and share its KV cache across its rows
+    group_vision: bool = True  # encode each unique prompt's images once per forward
+    bf16_autocast: bool = False  # run the forward under bfloat16 autocast
+    device_type: str = "cpu"  # autocast's device type
+
+    @classmethod
+    def from_config(cls, cfg, device: torch.device) -> "LogprobOptions":
+        m = cfg.memory
+        return cls(temperature=cfg.rollout.temperature, chunk_tokens=m.logprob_chunk_tokens, shared_prefix=m.shared_prefix,
+                   group_vision=m.group_vision, bf16_autocast=cfg.training.bf16, device_type=torch.device(device).type)
+
+    def autocast(self):
+        if not self.bf16_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+
+
 def completion_logps_for(
     model: torch.nn.Module,
     prompt_batch: dict,
     row_prompt: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_tokens: int = 1024,
-    shared_prefix: bool = True,
-    group_vision: bool = True,
+    opts: LogprobOptions = LogprobOptions(),
 ) -> torch.Tensor:
     """[N, T] log-probs by the cheapest exact path: shared prefix when on and supported, else the grouped
     path (one vision pass per prompt; it falls back to the naive path per family), else the naive path
-    (each row's prompt repeated: group_vision off)."""
+    (each row's prompt repeated: group_vision off). prompt_batch: the U unique prompts [U, P];
+    row_prompt: [N] which prompt each completion row continues; completion_ids, completion_mask: [N, T]."""
     from .logprobs import completion_logps, completion_logps_grouped
     from .processing import select_rows
 
     needs_grad = torch.is_grad_enabled()
-    args = (completion_ids, completion_mask, temperature, chunk_tokens)
-    if shared_prefix and prefix_supported(model, prompt_batch, needs_grad):
-        return completion_logps_prefix(model, prompt_batch, row_prompt, *args)
-    if group_vision:
-        return completion_logps_grouped(model, prompt_batch, row_prompt, *args)
-    return completion_logps(model, select_rows(prompt_batch, torch.as_tensor(row_prompt).reshape(-1)), *args)
+    args = (completion_ids, completion_mask, opts.temperature, opts.chunk_tokens)
+    with opts.autocast():
+        if opts.shared_prefix and prefix_supported(model, prompt_batch, needs_grad):
+            return completion_logps_prefix(model, prompt_batch, row_prompt, *args)
+        if opts.group_vision:
+            return completion_logps_grouped(model, prompt_batch, row_prompt, *args)
+        return completion_logps(model, select_rows(prompt_batch, torch.as_tensor(row_prompt).reshape(-1)), *args)
 
 
 def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -203,7 +230,7 @@ def completion_logps_prefix(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """`completion_logps_grouped` with the prompt run once per unique prompt, not once per row.
 

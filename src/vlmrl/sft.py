@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from .config import Config, save_config
-from .logprobs import completion_logps
 from .losses import masked_mean
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
 
@@ -51,7 +50,8 @@ def sft(cfg: Config, log=print) -> dict:
     from .evaluate import evaluate
     from .models import save_model
     from .tracking import RunLogger
-    from .train import clip_and_step, make_optimizer
+    from .optim import clip_and_step, make_optimizer
+    from .prefix import LogprobOptions, completion_logps_for
     from .distributed import DistributedError, env_world
 
     if env_world()[0] > 1:
@@ -72,6 +72,7 @@ def sft(cfg: Config, log=print) -> dict:
     total = s.projector_steps + s.steps
     logger = RunLogger(out, total_steps=total, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="SFT")
     step, final = 0, {}
+    opts = LogprobOptions.from_config(cfg, device)  # the same log-prob settings as GRPO's
     model.train()
     for stage, steps, lr in stages:
         if steps == 0:
@@ -85,19 +86,25 @@ def sft(cfg: Config, log=print) -> dict:
             rows = [data.train[i] for i in sampler.next_batch(s.batch_size)]
             prompts = encode_rows(processor, rows, cfg, device)
             ids, mask = target_batch(processor.tokenizer, rows, device)
-            logps = completion_logps(model, prompts, ids, mask)
+            logps = completion_logps_for(model, prompts, torch.arange(len(rows), device=device), ids, mask, opts)
             loss = -masked_mean(logps, mask)
             loss.backward()
-            grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
-            final = {"loss": loss.item(), "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+            result = clip_and_step([p for p in model.parameters() if p.requires_grad], optimizer, scheduler, cfg.optim.max_grad_norm)
+            if result.skipped:
+                log(f"WARNING: SFT step {step}: loss {loss.item()} / gradient norm {result.grad_norm} not finite; step skipped, nothing changed")
+            final = {"loss": loss.item(), "grad_norm": result.grad_norm, "nonfinite/skipped_steps": float(result.skipped), "lr": scheduler.get_last_lr()[0],
                      "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0}
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
+    save_model(model, processor, out / "final")  # before the last evaluation: its failure must not lose the training
     if data.eval:
-        metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device)
-        logger.log_eval(step, metrics)
-        final.update(metrics)
+        try:
+            metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device, log)
+            logger.log_eval(step, metrics)
+            final.update(metrics)
+        except Exception as e:  # noqa: BLE001 - the model is saved; report and keep it
+            log(f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); the trained model is saved in {out / 'final'}")
+            final["eval/failed"] = 1.0
     logger.close()
-    save_model(model, processor, out / "final")
     return final

@@ -1,30 +1,148 @@
-"""The GRPO training loop: one function, read top to bottom.
+"""The GRPO training loop: a short loop over named phases, read top to bottom.
 
-rollout -> rewards -> advantages -> (old / reference log-probs) -> num_iterations x updates -> log -> eval.
+    rollout -> rewards (+ advantages) -> score (old / reference log-probs) -> update (num_iterations x optimizer
+    steps) -> log -> maybe evaluate -> maybe save
+
+Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`);
+what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The math is in
+pure modules: advantages.py (ADVANTAGE_ESTIMATORS), losses.py (POLICY_LOSSES, AGGREGATIONS), optim.py.
 """
 
 from __future__ import annotations
 
-import copy
 import contextlib
-import math
+import copy
+import functools
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .advantages import group_advantages, group_std
+from .advantages import ADVANTAGE_ESTIMATORS, group_std
 from .batching import pack_by_tokens, split_by_rows
 from .config import Config, save_config
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
+from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
-from .prefix import completion_logps_for
+from .prefix import LogprobOptions, completion_logps_for
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
 
 
+class NonFiniteStop(RuntimeError):
+    """training.max_nonfinite_steps optimizer steps in a row were skipped as non-finite; a checkpoint holds the last good state."""
+
+
+# ---------------------------------------------------------------- what the phases pass along
+@dataclass
+class Sizes:
+    """Piece sizes that OOM recovery may shrink, each kept for the rest of the run and in checkpoints."""
+
+    generation: int | None  # prompts per generate call (None: all of the step's prompts)
+    scoring: int  # rows (or tokens, memory.max_tokens_per_micro_batch) per no-grad scoring micro-batch
+    update: int  # rows (or tokens) per forward/backward micro-batch of the update
+
+    @classmethod
+    def initial(cls, cfg: Config, saved: dict | None = None) -> "Sizes":
+        if saved:  # checkpoints before the scoring / update split stored one shared "train" size
+            return cls(saved.get("generation"), saved.get("scoring", saved.get("train")), saved.get("update", saved.get("train")))
+        update = cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size
+        return cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
+
+
+@dataclass
+class Run:
+    """What lives for the whole run; built once by `start_run`."""
+
+    cfg: Config
+    out: Path
+    dist: object  # distributed.Distributed: world, rank, engine, collectives (one process: all trivial)
+    shard: object  # distributed.Shard: this process's prompts and rows of every step
+    device: torch.device
+    model: torch.nn.Module
+    processor: object
+    reference: object  # _Reference or None (beta == 0)
+    data: object  # runtime.Datasets
+    reward_funcs: dict
+    reward_weights: dict
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sampler: object  # data.PromptSampler
+    logger: object  # tracking.RunLogger
+    opts: LogprobOptions
+    sizes: Sizes
+    state: dict  # step, best_metric, best_step
+    plan: object  # the planner's prediction, logged next to the measured peak
+    pad_id: int
+    per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
+    nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
+
+
+@dataclass
+class Rollout:
+    """One step's samples on this process: P prompts, G completions each, rows grouped by prompt."""
+
+    rows: list[dict]  # [P] dataset rows
+    prompts: dict  # encoded prompts: input_ids / attention_mask [P, L] (+ vision inputs)
+    completions: Completions  # ids, mask [P*G, T]; truncated [P*G]
+    texts: list[str]  # [P*G] decoded completions
+    prompt_texts: list[str]  # [P*G] the problem each row answers
+
+    @property
+    def prompt_of_row(self) -> torch.Tensor:
+        """[P*G] which prompt each completion row continues."""
+        return torch.arange(len(self.rows)).repeat_interleave(len(self.texts) // max(1, len(self.rows)))
+
+
+@dataclass
+class Rewards:
+    """Rewards of the whole step (every process's rows, global order) and this process's advantages."""
+
+    local: list[float]  # [P*G] weighted reward of this process's rows
+    rewards: torch.Tensor  # [B*G] float32
+    per_reward: dict[str, list]  # name -> [B*G] values (None where the reward does not apply)
+    advantages: torch.Tensor  # [P*G] (or [P*G, T] per token), on the device
+    lengths: torch.Tensor  # [B*G] completion lengths
+    truncated: torch.Tensor  # [B*G] bool
+    nonfinite: str | None = None  # what was not finite (the step's update is skipped), or None
+
+
+@dataclass
+class Scores:
+    """Log-probs the update compares against, scored once per rollout without gradients."""
+
+    loss_mask: torch.Tensor  # [P*G, T] completion tokens that count in the loss
+    old_logps: torch.Tensor | None  # [P*G, T] under the rollout policy (only when num_iterations > 1)
+    ref_logps: torch.Tensor | None  # [P*G, T] under the reference (only when beta > 0)
+
+
+@dataclass
+class MicroBatch:
+    """Rows of one forward: their unique prompts (each image encoded once) and completions trimmed to the longest."""
+
+    prompts: dict  # [U, L] the unique prompts of these rows
+    row_prompt: torch.Tensor  # [n] index into prompts
+    ids: torch.Tensor  # [n, t] completion ids
+    loss_mask: torch.Tensor  # [n, t] tokens that count in the loss
+    completion_mask: torch.Tensor  # [n, t] generated tokens (up to and including EOS): what the model attends to
+
+
+@dataclass
+class UpdateStats:
+    """Per optimizer step (loss, grad_norm) or micro-batch (kl, clip_ratio) values of one step's update."""
+
+    loss: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    clip_ratio: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    ratio_dev: list[float] = field(default_factory=list)  # max |ratio - 1| per iteration: 0 on-policy, > 0 when reused
+    skipped: list[str] = field(default_factory=list)  # why each skipped optimizer step was skipped
+
+
+# ---------------------------------------------------------------- the loop
 def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """Train with GRPO as `cfg` says; returns the final metrics (last step + last evaluation).
 
@@ -33,13 +151,58 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     a preemption after that step (tests and benchmarks use it).
     """
     from .checkpoint import GracefulStop
+    from .memory import reset_peaks
+
+    run = start_run(cfg, log)
+    final: dict = {}
+    if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
+        final.update(evaluate_run(run))
+        run.logger.log_eval(0, final)
+    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
+    with GracefulStop() as stop, run.logger:
+        for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
+            reset_peaks()
+            phases: dict[str, float] = {}
+            with phase("rollout", phases):
+                samples = rollout(run, step)
+            with phase("rewards", phases):
+                rewards = reward_and_advantages(run, samples)
+            with phase("scoring", phases):
+                scores = score(run, samples, rewards)
+            with phase("update", phases):
+                stats = update(run, samples, rewards, scores)
+            final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
+            run.state["step"] = step
+            last = step == cfg.training.max_steps
+            if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
+                final.update(maybe_evaluate(run, step))
+            preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
+            if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
+                checkpoint(run, step)
+            stop_if_nonfinite(run, step)
+            if preempted and not last:
+                why = stop.signal_name or f"stop_after={stop_after}"
+                run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
+                break
+    return finish_run(run, final)
+
+
+@contextlib.contextmanager
+def phase(name: str, into: dict):
+    """Time and memory of one phase: time/<name> and mem/<name>/* in `into`."""
+    from .memory import phase_memory
+
+    start = time.perf_counter()
+    with phase_memory(name, into):
+        yield
+    into[f"time/{name}"] = time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- set-up and end
+def start_run(cfg: Config, log) -> Run:
+    """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
     from .data import PromptSampler
-    from .distributed import Distributed, cat_completions, prompt_seed
-    from .evaluate import evaluate
-    from .memory import memory_stats, phase_memory, reset_peaks
-    from .oom import maybe_inject_oom, retry_on_oom
-    from .models import save_model
-    from .processing import decode, select_rows
+    from .distributed import Distributed
     from .rollout import eos_token_ids
     from .tracking import RunLogger
 
@@ -50,22 +213,18 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     log = log if dist.is_main else (lambda *_: None)
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
         cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
-    plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)  # logged next to the measured peak
+    plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
     if dist.is_main:
         save_config(cfg, out / "config.yaml")
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
     resume_from = dist.broadcast(find_resume(cfg, log) if dist.is_main else None)  # only the main process repairs folders
-    G, a, r = cfg.rollout.num_generations, cfg.algorithm, cfg.rollout
-    shard = dist.shard(cfg.prompts_per_step, G, cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
-    per_prompt_seed = r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1)
+    t = cfg.training
+    shard = dist.shard(cfg.prompts_per_step, cfg.rollout.num_generations, t.per_device_train_batch_size * t.gradient_accumulation_steps)
     if dist.world_size > 1:
         log(f"{dist.describe()}: {len(shard.prompts)} of {cfg.prompts_per_step} prompts per step on each process")
-    if dist.engine == "deepspeed" and (cfg.training.save_steps or cfg.training.save_final_model):
-        raise dist.unsupported("writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
-                               "training.save_final_model=false, or use FSDP2 / DDP)")
+    dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
     model, processor = load_policy(cfg, device)
-    tokenizer = processor.tokenizer
     reference = make_reference(model, cfg, device, fresh=resume_from is not None)
     with dist.main_first():  # the built-in task's files are written once
         data = load_datasets(cfg)
@@ -73,248 +232,357 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
         log(line)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
     optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
-    sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+    sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     state = {"step": 0, "best_metric": None, "best_step": None}
     if resume_from is not None:
         state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
-    optimizer = dist.prepare(model, optimizer, cfg.training.per_device_train_batch_size)  # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged
-    if dist.engine == "fsdp2":
-        how = "fully_shard applied by vlmrl (accelerate enables FSDP on GPUs only)" if dist.fsdp2_by_hand else "accelerate"
-        log(f"FSDP2 via {how}: this process holds {100 * dist.local_parameter_fraction():.1f}% of the parameters")
+    optimizer = dist.prepare(model, optimizer, t.per_device_train_batch_size)  # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged
+    for line in dist.prepared_report():
+        log(line)
     if resume_from is not None:
         restore_after_wrap(resume_from, optimizer, dist)
-    autocast = _autocast(cfg, device)
+    allocate_optimizer_state(optimizer)  # an OOM for AdamW's moments happens now, not inside optimizer.step
+    tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
+    logger = RunLogger(out, total_steps=t.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
+                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO", is_main_process=dist.is_main)
+    r = cfg.rollout
+    return Run(cfg=cfg, out=out, dist=dist, shard=shard, device=device, model=model, processor=processor, reference=reference,
+               data=data, reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, scheduler=scheduler,
+               sampler=sampler, logger=logger, opts=LogprobOptions.from_config(cfg, device), sizes=Sizes.initial(cfg, state.pop("sizes", None)),
+               state=state, plan=plan, pad_id=pad_id,
+               per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1))
 
-    logger = RunLogger(out, total_steps=cfg.training.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
-                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO",
-                       is_main_process=dist.is_main)
 
-    def run_eval() -> dict:
-        """Greedy evaluation: the main process alone (one process, DDP), or every process through the engine
-        when parameters are sharded (they all take part in the all-gathers). Every process gets the metrics."""
-        if dist.sharded:
-            with dist.gathered_for_generation(cfg.memory.generation_gather):
-                return dist.call(evaluate, processor, data.eval, cfg, reward_funcs, device)
-        return dist.broadcast(evaluate(model, processor, data.eval, cfg, reward_funcs, device) if dist.is_main else None)
+def finish_run(run: Run, final: dict) -> dict:
+    """After the last step: the final model first, then the last evaluation (whose failure is reported and
+    loses nothing), then the report."""
+    cfg, dist = run.cfg, run.dist
+    if run.state["step"] != cfg.training.max_steps:
+        return final  # stopped early (signal / stop_after): the checkpoint resumes it
+    if cfg.training.save_final_model:
+        from .models import save_model
 
-    final: dict = {}
-    if cfg.training.val_before_train and data.eval and state["step"] == 0:
-        final.update(run_eval())
-        logger.log_eval(0, final)
+        save_final(run.model, run.processor, run.out / "final", dist, save_model, cfg)
+    try:
+        final.update(maybe_evaluate(run, run.state["step"]))
+    except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        run.logger.info(f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); training finished and is saved in "
+                        f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause.")
+        final["eval/failed"] = 1.0
+    if not dist.is_main:
+        return final
+    if cfg.logging.report:
+        from .report import make_report
 
-    def checkpoint(step: int) -> None:
-        save(cfg, out, step, model, optimizer, scheduler, sampler, state, logger.info, dist)
+        make_report(run.out, title=f"GRPO: {run.out.name} ({cfg.model.name_or_path})")
+    if cfg.logging.progress_bar:
+        from .report import summary_table
 
-    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
-    with GracefulStop() as stop, logger:
-        # Piece sizes that OOM recovery may shrink; kept for the rest of the run and in checkpoints.
-        sizes = state.setdefault("sizes", {"train": cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size,
-                                            "generation": cfg.memory.generation_prompts_per_call})
-        chunk = cfg.memory.logprob_chunk_tokens
-        for step in range(state["step"] + 1, cfg.training.max_steps + 1):
-            t_start = time.perf_counter()
-            reset_peaks()
-            phases: dict[str, float] = {}
-
-            # 1. Rollout: G completions for each prompt (OOM -> fewer prompts per generate call, same samples).
-            # Every process draws the whole step's prompts (same sampler state everywhere) and keeps its shard.
-            batch_indices = sampler.next_batch(cfg.prompts_per_step)
-            rows = [data.train[batch_indices[p]] for p in shard.prompts]
-            prompts = encode_rows(processor, rows, cfg, device)
-            model.eval()
-
-            def rollout(prompts_per_call: int) -> Completions:
-                maybe_inject_oom("rollout", prompts_per_call)
-
-                def sample(batch: dict, per_call: int) -> Completions:
-                    return dist.call(generate, tokenizer, batch, num_generations=G, max_new_tokens=r.max_completion_length,
-                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=per_call,
-                                     min_new_tokens=r.min_completion_length, shared_prefix=cfg.memory.shared_prefix)
-
-                with autocast, dist.gathered_for_generation(cfg.memory.generation_gather):
-                    if not per_prompt_seed:
-                        # A redo after an OOM samples the same way; each process its own stream (one process: rank 0, W 1).
-                        torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
-                        return sample(prompts, prompts_per_call)
-                    # rollout.sampling_seed=prompt: each prompt from its own stream, whichever process samples it.
-                    pieces = []
-                    for i, position in enumerate(shard.prompts):
-                        torch.manual_seed(prompt_seed(cfg.training.seed, step, position))
-                        pieces.append(sample(select_rows(prompts, [i]), 1))
-                    return cat_completions(pieces, pad_id)
-
-            with phase_memory("rollout", phases):
-                comp, sizes["generation"] = retry_on_oom(rollout, sizes["generation"] or len(rows), "rollout", logger.info,
-                                                         enabled=cfg.memory.oom_recovery)
-            t_rollout = time.perf_counter()
-
-            # 2. Rewards, 3. advantages.
-            texts = decode(processor, comp.ids)
-            prompt_texts = [row["problem"] for row in rows for _ in range(G)]
-            total, per_reward = compute_rewards(reward_funcs, reward_weights, prompt_texts, texts, reward_columns(rows, G))
-            # The whole step's rewards (every process's rows, global order): advantages over whole groups and batch.
-            all_total, all_per_reward, all_lengths, all_truncated = dist.gather_rollout(shard, total, per_reward, comp)
-            rewards = torch.tensor(all_total, dtype=torch.float32)
-            advantages = dist.local(shard, group_advantages(rewards, G, a.scale_rewards)).to(device)
-            loss_mask = comp.mask.clone()
-            if a.mask_truncated_completions:
-                loss_mask[comp.truncated] = 0
-            prompt_of_row = torch.arange(len(rows)).repeat_interleave(G)
-
-            def micro_inputs(idx: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-                """The micro-batch's unique prompts (each image encoded once), which prompt each row continues,
-                and the completions trimmed to the longest one."""
-                width = max(1, int(comp.lengths[idx].max()))
-                ids, mask = comp.ids[idx, :width].to(device), loss_mask[idx, :width].to(device)
-                unique, row_prompt = group_rows(prompt_of_row[idx])
-                return select_rows(prompts, unique.tolist()), row_prompt.to(device), ids, mask, comp.mask[idx, :width].to(device)
-
-            def split(rows: list[int], size: int) -> list[list[int]]:
-                """Micro-batches of `size` rows, or of at most `size` tokens (memory.max_tokens_per_micro_batch)."""
-                if cfg.memory.max_tokens_per_micro_batch is None:
-                    return split_by_rows(rows, size)
-                return pack_by_tokens(rows, comp.lengths[rows].tolist(), size, prompts["input_ids"].shape[1])
-
-            def scored(scoring_model) -> torch.Tensor:
-                all_rows = list(range(comp.ids.shape[0]))
-                # The policy (and LoRA's adapter-disabled reference) goes through the engine; a frozen copy directly.
-                run = dist.call if scoring_model is model else (lambda fn, *args: fn(scoring_model, *args))
-                logps, sizes["train"] = retry_on_oom(
-                    lambda size: run(score, micro_inputs, split(all_rows, size), comp.ids.shape, r.temperature, autocast, chunk,
-                                     cfg.memory.shared_prefix, cfg.memory.group_vision),
-                    sizes["train"], "scoring", logger.info, enabled=cfg.memory.oom_recovery)
-                return logps
-
-            # Old log-probs are needed only when a rollout is reused; reference log-probs only when beta > 0.
-            with phase_memory("scoring", phases):
-                old_logps = scored(model) if a.num_iterations > 1 else None
-                ref_logps = None
-                if reference is not None:
-                    with reference as ref_model:
-                        ref_logps = scored(ref_model)
-            t_scored = time.perf_counter()
-
-            # 4. num_iterations x updates over the rollout; each optimizer step sees per_device_train_batch_size x
-            # gradient_accumulation_steps rows, cut into micro-batches of sizes["train"] rows or tokens (smaller after an OOM).
-            # With several processes each one runs its 1/W share of every optimizer step (shard.rows_per_opt_step).
-            model.train()
-            rows_per_opt_step = shard.rows_per_opt_step
-            stats: dict[str, list[float]] = {"loss": [], "kl": [], "clip_ratio": [], "grad_norm": []}
-            ratio_dev = [0.0] * a.num_iterations  # max |ratio - 1| per pass: 0 on-policy, > 0 once the rollout is reused
-
-            def accumulate(step_rows: list[int], mb: int, iteration: int) -> dict[str, list[float]]:
-                """Forward/backward of one optimizer step's rows in micro-batches of mb; returns its stats."""
-                micro = split(step_rows, mb)
-                # Counts of the optimizer step over every process, so the gradient is the one of the global batch.
-                norm = dist.step_normaliser([loss_mask[m] for m in micro], r.max_completion_length)
-                out: dict[str, list[float]] = {"loss": [0.0], "kl": [], "clip_ratio": [], "ratio_dev": [0.0]}
-                for k, idx in enumerate(micro):
-                    maybe_inject_oom("update", len(idx))
-                    batch, row_prompt, ids, mask, gen_mask = micro_inputs(idx)
-                    with dist.no_sync(last=k == len(micro) - 1):  # gradients are synced once, after the last micro-batch
-                        with autocast:
-                            logps = dist.call(completion_logps_for, batch, row_prompt, ids, gen_mask, r.temperature, chunk,
-                                              cfg.memory.shared_prefix, cfg.memory.group_vision, grad=True)
-                        width = ids.shape[1]
-                        old = old_logps[idx, :width] if old_logps is not None else logps.detach()
-                        ref = ref_logps[idx, :width] if ref_logps is not None else None
-                        tok_loss, parts = per_token_loss(logps, old, advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta)
-                        loss = aggregate(tok_loss, mask, a.loss_type, norm)
-                        dist.backward(loss)
-                    out["loss"][0] += loss.item()
-                    out["clip_ratio"].append(masked_mean(parts["is_clipped"].float(), mask).item())
-                    out["ratio_dev"][0] = max(out["ratio_dev"][0], float(((parts["ratio"] - 1).abs() * mask).max()))
-                    if "kl" in parts:
-                        out["kl"].append(masked_mean(parts["kl"], mask).item())
-                return out
-
-            with phase_memory("update", phases):
-                for iteration in range(a.num_iterations):
-                    for start in range(0, comp.ids.shape[0], rows_per_opt_step):
-                        step_rows = list(range(start, start + rows_per_opt_step))
-                        step_stats, sizes["train"] = retry_on_oom(
-                            lambda mb: accumulate(step_rows, mb, iteration), sizes["train"], "update", logger.info,
-                            on_oom=lambda: optimizer.zero_grad(set_to_none=True), enabled=cfg.memory.oom_recovery)
-                        stats["grad_norm"].append(clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, dist))
-                        for key in ("loss", "kl", "clip_ratio"):
-                            stats[key] += step_stats[key]
-                        ratio_dev[iteration] = max(ratio_dev[iteration], step_stats["ratio_dev"][0])
-            t_end = time.perf_counter()
-
-            # 5. Log.
-            metrics = {
-                "reward": rewards.mean().item(),
-                "reward_std": rewards.std().item(),
-                "frac_reward_zero_std": (group_std(rewards, G) == 0).float().mean().item(),
-                **reward_stats(all_per_reward),
-                "loss": _mean(stats["loss"]),
-                "kl": _mean(stats["kl"]) if stats["kl"] else 0.0,
-                "clip_ratio": _mean(stats["clip_ratio"]),
-                **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(ratio_dev)},
-                "grad_norm": _mean(stats["grad_norm"]),
-                "lr": scheduler.get_last_lr()[0],
-                "completions/mean_length": all_lengths.float().mean().item(),
-                "completions/truncated_frac": all_truncated.float().mean().item(),
-                "time/rollout": t_rollout - t_start,
-                "time/scoring": t_scored - t_rollout,
-                "time/update": t_end - t_scored,
-                "time/step": t_end - t_start,
-                "epoch": sampler.epoch,
-                ("micro_batch_size" if cfg.memory.max_tokens_per_micro_batch is None else "micro_batch_tokens"): sizes["train"],
-                **phases,
-                **memory_stats(),
-            }
-            # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
-            metrics = dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
-            metrics.update(prediction_vs_measured(plan, metrics, logger.info))
-            warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
-            logger.log(step, metrics)
-            if cfg.logging.log_completions:
-                logger.log_samples(step, [
-                    {"prompt": prompt_texts[i], "completion": texts[i], "reward": total[i], "advantage": advantages[i].item(),
-                     "solution": rows[i // G].get("solution")}
-                    for i in range(min(cfg.logging.log_completions, len(texts)))
-                ])
-            final = {**final, **metrics}
-
-            # 6. Evaluate, 7. maybe save.
-            last = step == cfg.training.max_steps
-            state["step"] = step
-            if data.eval and (last or (cfg.training.eval_steps and step % cfg.training.eval_steps == 0)):
-                eval_metrics = run_eval()
-                logger.log_eval(step, eval_metrics)
-                final.update(eval_metrics)
-                value = eval_metrics.get(cfg.training.metric_for_best)
-                if value is not None and (state["best_metric"] is None or value > state["best_metric"]):
-                    state["best_metric"], state["best_step"] = value, step
-            # A signal that reached some processes only stops them all at the same step.
-            preempted = dist.any(stop.requested or (stop_after is not None and step >= stop_after))
-            if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
-                checkpoint(step)
-            if preempted and not last:
-                why = stop.signal_name or f"stop_after={stop_after}"
-                logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
-                break
-
-    if state["step"] == cfg.training.max_steps:
-        if cfg.training.save_final_model:
-            save_final(model, processor, out / "final", dist, save_model, cfg)
-        if not dist.is_main:
-            return final
-        if cfg.logging.report:
-            from .report import make_report
-
-            make_report(out, title=f"GRPO: {out.name} ({cfg.model.name_or_path})")
-        if cfg.logging.progress_bar:
-            from .report import summary_table
-
-            shown = {k: v for k, v in final.items() if k in SUMMARY_KEYS or k.startswith("eval/")}
-            summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"GRPO finished: {out}")
+        shown = {k: v for k, v in final.items() if k in SUMMARY_KEYS or k.startswith("eval/")}
+        summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"GRPO finished: {run.out}")
     return final
 
 
 SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+
+
+# ---------------------------------------------------------------- 1. rollout
+def rollout(run: Run, step: int) -> Rollout:
+    """G completions for each of this process's prompts. Every process draws the whole step's prompts (same
+    sampler state everywhere) and keeps its shard. OOM -> fewer prompts per generate call, the same samples."""
+    from .oom import retry_on_oom
+    from .processing import decode
+
+    cfg = run.cfg
+    batch_indices = run.sampler.next_batch(cfg.prompts_per_step)
+    rows = [run.data.train[batch_indices[p]] for p in run.shard.prompts]
+    prompts = encode_rows(run.processor, rows, cfg, run.device)
+    run.model.eval()
+    completions, run.sizes.generation = retry_on_oom(lambda per_call: sample(run, step, prompts, per_call), run.sizes.generation or len(rows),
+                                                     "rollout", run.logger.info, enabled=cfg.memory.oom_recovery)
+    G = cfg.rollout.num_generations
+    return Rollout(rows=rows, prompts=prompts, completions=completions, texts=decode(run.processor, completions.ids),
+                   prompt_texts=[row["problem"] for row in rows for _ in range(G)])
+
+
+def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
+    """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
+    from .distributed import cat_completions, prompt_seed
+    from .oom import maybe_inject_oom
+    from .processing import select_rows
+
+    maybe_inject_oom("rollout", prompts_per_call)
+    cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
+
+    def generate_for(batch: dict, per_call: int) -> Completions:
+        return dist.call(generate, run.processor.tokenizer, batch, num_generations=r.num_generations, max_new_tokens=r.max_completion_length,
+                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=per_call,
+                         min_new_tokens=r.min_completion_length, shared_prefix=run.opts.shared_prefix)
+
+    with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
+        if not run.per_prompt_seed:  # one stream per step and process (one process: rank 0, W 1)
+            torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
+            return generate_for(prompts, prompts_per_call)
+        # rollout.sampling_seed=prompt: each prompt from its own stream, whichever process samples it.
+        pieces = []
+        for i, position in enumerate(run.shard.prompts):
+            torch.manual_seed(prompt_seed(cfg.training.seed, step, position))
+            pieces.append(generate_for(select_rows(prompts, [i]), 1))
+        return cat_completions(pieces, run.pad_id)
+
+
+# ---------------------------------------------------------------- 2. rewards and advantages
+def reward_and_advantages(run: Run, samples: Rollout) -> Rewards:
+    """Rewards of this process's rows, gathered over processes so that advantages see whole groups and the whole
+    batch (algorithm.advantage_estimator), then this process's rows of the advantages."""
+    cfg, dist = run.cfg, run.dist
+    G = cfg.rollout.num_generations
+    local, per_reward = compute_rewards(run.reward_funcs, run.reward_weights, samples.prompt_texts, samples.texts,
+                                        reward_columns(samples.rows, G))
+    all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
+    rewards = torch.tensor(all_total, dtype=torch.float32)
+    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G)
+    nonfinite = None
+    if not torch.isfinite(rewards).all():
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        nonfinite = f"reward of row {bad} is {all_total[bad]!r} (not finite in float32); per reward: " + \
+                    ", ".join(f"{name}={values[bad]!r}" for name, values in all_per_reward.items())
+    elif not torch.isfinite(advantages).all():
+        nonfinite = f"advantages are not finite (rewards from {float(rewards.min()):.3g} to {float(rewards.max()):.3g} overflow float32)"
+    return Rewards(local=local, rewards=rewards, per_reward=all_per_reward, advantages=dist.local(run.shard, advantages).to(run.device),
+                   lengths=lengths, truncated=truncated, nonfinite=nonfinite)
+
+
+# ---------------------------------------------------------------- 3. scoring
+def loss_mask_of(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """[N, T] tokens that count in the loss: the generated ones (up to and including EOS), minus every token of a
+    truncated row ([N] bool: no EOS within max_completion_length) when algorithm.mask_truncated_completions."""
+    loss_mask = completion_mask.clone()
+    if mask_truncated:
+        loss_mask[truncated] = 0
+    return loss_mask
+
+
+def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
+    """Old log-probs (only when the rollout is reused: num_iterations > 1) and reference log-probs (only when
+    beta > 0), without gradients, in micro-batches of sizes.scoring (halved on OOM)."""
+    a = run.cfg.algorithm
+    loss_mask = loss_mask_of(samples.completions.mask, samples.completions.truncated, a.mask_truncated_completions)
+    old = logps_without_grad(run, run.model, samples, loss_mask) if a.num_iterations > 1 and rewards.nonfinite is None else None
+    ref = None
+    if run.reference is not None and rewards.nonfinite is None:
+        with run.reference as ref_model:
+            ref = logps_without_grad(run, ref_model, samples, loss_mask)
+    return Scores(loss_mask=loss_mask, old_logps=old, ref_logps=ref)
+
+
+def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
+    frozen reference copy directly)."""
+    from .oom import maybe_inject_oom, retry_on_oom
+
+    comp = samples.completions
+    call = run.dist.call if scoring_model is run.model else (lambda fn, *args: fn(scoring_model, *args))
+
+    def attempt(size: int) -> torch.Tensor:
+        out = torch.zeros(tuple(comp.ids.shape), dtype=torch.float32, device=run.device)
+        with torch.no_grad():
+            for idx in micro_batches(run, samples, list(range(comp.ids.shape[0])), size):
+                maybe_inject_oom("scoring", len(idx))
+                mb = micro_batch(run, samples, loss_mask, idx)
+                logps = call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts)
+                out[idx, : mb.ids.shape[1]] = logps.to(out.device)
+        return out
+
+    logps, run.sizes.scoring = retry_on_oom(attempt, run.sizes.scoring, "scoring", run.logger.info, enabled=run.cfg.memory.oom_recovery)
+    return logps
+
+
+def micro_batches(run: Run, samples: Rollout, rows: list[int], size: int) -> list[list[int]]:
+    """`rows` cut into micro-batches of `size` rows, or of at most `size` tokens (memory.max_tokens_per_micro_batch)."""
+    if run.cfg.memory.max_tokens_per_micro_batch is None:
+        return split_by_rows(rows, size)
+    return pack_by_tokens(rows, samples.completions.lengths[rows].tolist(), size, samples.prompts["input_ids"].shape[1])
+
+
+def micro_batch(run: Run, samples: Rollout, loss_mask: torch.Tensor, idx: list[int]) -> MicroBatch:
+    from .processing import select_rows
+
+    comp = samples.completions
+    width = max(1, int(comp.lengths[idx].max()))
+    unique, row_prompt = group_rows(samples.prompt_of_row[idx])
+    return MicroBatch(prompts=select_rows(samples.prompts, unique.tolist()), row_prompt=row_prompt.to(run.device),
+                      ids=comp.ids[idx, :width].to(run.device), loss_mask=loss_mask[idx, :width].to(run.device),
+                      completion_mask=comp.mask[idx, :width].to(run.device))
+
+
+# ---------------------------------------------------------------- 4. update
+def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> UpdateStats:
+    """num_iterations passes over the rollout; each optimizer step sees per_device_train_batch_size x
+    gradient_accumulation_steps rows (with several processes, each its 1/W share: shard.rows_per_opt_step), cut
+    into micro-batches of sizes.update rows or tokens (halved on OOM: the same step redone, partial gradients
+    dropped). A step whose gradient norm is not finite changes nothing (optim.clip_and_step)."""
+    from .oom import retry_on_oom
+
+    cfg = run.cfg
+    stats = UpdateStats(ratio_dev=[0.0] * cfg.algorithm.num_iterations)
+    if rewards.nonfinite is not None:
+        stats.skipped.append(rewards.nonfinite)
+        run.nonfinite_streak += 1
+        return stats
+    run.model.train()
+    n_rows, per_step = samples.completions.ids.shape[0], run.shard.rows_per_opt_step
+    for iteration in range(cfg.algorithm.num_iterations):
+        for start in range(0, n_rows, per_step):
+            step_rows = list(range(start, start + per_step))
+            step_stats, run.sizes.update = retry_on_oom(
+                functools.partial(accumulate, run, samples, rewards, scores, step_rows), run.sizes.update, "update", run.logger.info,
+                on_oom=functools.partial(run.optimizer.zero_grad, set_to_none=True), enabled=cfg.memory.oom_recovery)
+            result = run.dist.optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm)
+            stats.grad_norm.append(result.grad_norm)
+            run.nonfinite_streak = run.nonfinite_streak + 1 if result.skipped else 0
+            if result.skipped:
+                stats.skipped.append(f"gradient norm {result.grad_norm} (iteration {iteration + 1}, rows {start}-{start + per_step - 1}); "
+                                     + (step_stats.nonfinite_where or "every micro-batch loss was finite"))
+                continue
+            stats.loss.append(step_stats.loss)
+            stats.kl += step_stats.kl
+            stats.clip_ratio += step_stats.clip_ratio
+            stats.ratio_dev[iteration] = max(stats.ratio_dev[iteration], step_stats.ratio_dev)
+    return stats
+
+
+@dataclass
+class StepGradients:
+    """What one optimizer step's accumulation leaves besides the gradients."""
+
+    loss: float = 0.0
+    kl: list[float] = field(default_factory=list)
+    clip_ratio: list[float] = field(default_factory=list)
+    ratio_dev: float = 0.0
+    nonfinite_where: str | None = None  # the first micro-batch whose loss or log-probs were not finite
+
+
+def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, step_rows: list[int], size: int) -> StepGradients:
+    """Forward/backward of one optimizer step's rows in micro-batches of `size`; gradients accumulate in the model."""
+    from .oom import maybe_inject_oom
+
+    cfg, dist = run.cfg, run.dist
+    a = cfg.algorithm
+    micro = micro_batches(run, samples, step_rows, size)
+    # Counts of the optimizer step over every process, so the gradient is the one of the global batch.
+    norm = dist.step_normaliser([scores.loss_mask[m] for m in micro], cfg.rollout.max_completion_length)
+    out = StepGradients()
+    for k, idx in enumerate(micro):
+        maybe_inject_oom("update", len(idx))
+        mb = micro_batch(run, samples, scores.loss_mask, idx)
+        width = mb.ids.shape[1]
+        with dist.no_sync(last=k == len(micro) - 1):  # gradients are synced once, after the last micro-batch
+            logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
+            old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
+            ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
+            tok_loss, parts = per_token_loss(logps, old, rewards.advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta,
+                                             mask=mb.loss_mask, policy_loss=a.policy_loss)
+            loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm)
+            dist.backward(loss)
+        value = loss.item()
+        if out.nonfinite_where is None and not (torch.isfinite(loss) and torch.isfinite(logps[mb.loss_mask.bool()]).all()):
+            out.nonfinite_where = f"micro-batch {k + 1} of {len(micro)} (rows {idx[0]}-{idx[-1]}): loss {value}"
+        out.loss += value
+        out.clip_ratio.append(masked_mean(parts["is_clipped"].float(), mb.loss_mask).item())
+        out.ratio_dev = max(out.ratio_dev, float(((parts["ratio"] - 1).abs() * mb.loss_mask).max()))
+        if "kl" in parts:
+            out.kl.append(masked_mean(parts["kl"], mb.loss_mask).item())
+    return out
+
+
+def stop_if_nonfinite(run: Run, step: int) -> None:
+    """After training.max_nonfinite_steps skipped steps in a row: a checkpoint of the last good state (skipped steps
+    changed nothing), then stop with what was not finite."""
+    limit = run.cfg.training.max_nonfinite_steps
+    if not limit or run.nonfinite_streak < limit:
+        return
+    checkpoint(run, step)
+    raise NonFiniteStop(f"{run.nonfinite_streak} optimizer steps in a row were skipped because a reward, advantage, loss or gradient "
+                        f"was not finite (last at step {step}; metrics.jsonl: nonfinite/*). The checkpoint of step {step} holds the "
+                        "last good weights. Check the reward functions' ranges, lower optim.learning_rate, or raise training.max_nonfinite_steps.")
+
+
+# ---------------------------------------------------------------- 5. log, 6. evaluate, 7. save
+def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: UpdateStats, phases: dict) -> dict:
+    """One metrics line (reduced over processes), the planner's prediction next to the measured peak, samples."""
+    from .memory import memory_stats
+
+    cfg, G = run.cfg, run.cfg.rollout.num_generations
+    for why in stats.skipped:
+        run.logger.info(f"WARNING: step {step}: skipped a non-finite optimizer step, nothing changed: {why}")
+    wide = rewards.rewards.double()  # float32 rewards near its limit overflow a float32 mean
+    metrics = {
+        "reward": wide.mean().item(),
+        "reward_std": wide.std().item(),
+        "frac_reward_zero_std": (group_std(rewards.rewards, G) == 0).float().mean().item(),
+        **reward_stats(rewards.per_reward),
+        "loss": sum(stats.loss) / max(1, len(stats.loss)),
+        "kl": _mean(stats.kl),
+        "clip_ratio": _mean(stats.clip_ratio),
+        **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(stats.ratio_dev)},
+        "grad_norm": _mean([g for g in stats.grad_norm if g == g and abs(g) != float("inf")]),
+        "nonfinite/skipped_steps": float(len(stats.skipped)),
+        "lr": run.scheduler.get_last_lr()[0],
+        "completions/mean_length": rewards.lengths.float().mean().item(),
+        "completions/truncated_frac": rewards.truncated.float().mean().item(),
+        "time/step": sum(v for k, v in phases.items() if k.startswith("time/")),
+        "epoch": run.sampler.epoch,
+        ("micro_batch_size" if cfg.memory.max_tokens_per_micro_batch is None else "micro_batch_tokens"): run.sizes.update,
+        **phases,
+        **memory_stats(),
+    }
+    # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
+    metrics = run.dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
+    metrics.update(prediction_vs_measured(run.plan, metrics, run.logger.info))
+    warn_if_near_capacity(metrics, cfg.memory.warn_fraction, run.logger.info)
+    run.logger.log(step, metrics)
+    if cfg.logging.log_completions:
+        run.logger.log_samples(step, [
+            {"prompt": samples.prompt_texts[i], "completion": samples.texts[i], "reward": rewards.local[i],
+             "advantage": rewards.advantages[i].mean().item(), "solution": samples.rows[i // G].get("solution")}
+            for i in range(min(cfg.logging.log_completions, len(samples.texts)))
+        ])
+    return metrics
+
+
+def maybe_evaluate(run: Run, step: int) -> dict:
+    """Evaluate at every training.eval_steps and after the last step; keeps the best metric for rotation."""
+    t = run.cfg.training
+    if not run.data.eval or not (step == t.max_steps or (t.eval_steps and step % t.eval_steps == 0)):
+        return {}
+    metrics = evaluate_run(run)
+    run.logger.log_eval(step, metrics)
+    value = metrics.get(t.metric_for_best)
+    if value is not None and (run.state["best_metric"] is None or value > run.state["best_metric"]):
+        run.state["best_metric"], run.state["best_step"] = value, step
+    return metrics
+
+
+def evaluate_run(run: Run) -> dict:
+    """Greedy evaluation: the main process alone (one process, DDP), or every process through the engine
+    when parameters are sharded (they all take part in the all-gathers). Every process gets the metrics."""
+    from .evaluate import evaluate
+
+    dist = run.dist
+    if dist.sharded:
+        with dist.gathered_for_generation(run.cfg.memory.generation_gather):
+            return dist.call(evaluate, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
+    return dist.broadcast(evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
+                          if dist.is_main else None)
+
+
+def checkpoint(run: Run, step: int) -> None:
+    run.state["sizes"] = asdict(run.sizes)
+    save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
 
 
 def find_resume(cfg: Config, log):
@@ -475,22 +743,6 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
             p.copy_(q)
 
 
-def score(model, micro_inputs, micro_batches: list[list[int]], shape, temperature: float, autocast, chunk_tokens: int = 1024,
-          shared_prefix: bool = True, group_vision: bool = True) -> torch.Tensor:
-    """Per-token log-probs [B*G, T] of the rollout under `model`, in micro-batches, without grad."""
-    from .oom import maybe_inject_oom
-
-    out = torch.zeros(tuple(shape), dtype=torch.float32, device=next(model.parameters()).device)
-    with torch.no_grad():
-        for idx in micro_batches:
-            maybe_inject_oom("scoring", len(idx))
-            batch, row_prompt, ids, _, gen_mask = micro_inputs(idx)
-            with autocast:
-                logps = completion_logps_for(model, batch, row_prompt, ids, gen_mask, temperature, chunk_tokens, shared_prefix, group_vision)
-            out[idx, : ids.shape[1]] = logps.to(out.device)
-    return out
-
-
 def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
     peak, capacity = metrics.get("mem/gpu_peak_reserved"), metrics.get("mem/gpu_capacity")
     if peak is not None and capacity and peak > fraction * capacity:
@@ -538,45 +790,6 @@ def make_reference(model, cfg: Config, device, fresh: bool = False):
         return _Reference(model)
     initial = load_policy(cfg, device)[0] if fresh else copy.deepcopy(model)
     return _Reference(model, initial.eval().requires_grad_(False), device, offload=cfg.memory.ref_placement == "cpu")
-
-
-def total_optimizer_steps(cfg: Config) -> int:
-    per_rollout = cfg.generation_batch_size // (cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
-    return cfg.training.max_steps * cfg.algorithm.num_iterations * per_rollout
-
-
-def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | None = None):
-    from transformers import get_scheduler
-
-    o = cfg.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")
-    optimizer = torch.optim.AdamW(params, lr=o.learning_rate if learning_rate is None else learning_rate,
-                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
-    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.lr_scheduler_type]
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=math.ceil(o.warmup_ratio * num_steps), num_training_steps=num_steps)
-    return optimizer, scheduler
-
-
-def clip_and_step(model, optimizer, scheduler, max_grad_norm: float, dist=None) -> float:
-    if dist is not None and dist.runner is not None:
-        return dist.clip_and_step(optimizer, scheduler, max_grad_norm)  # gradients already synced across processes
-    params = [p for p in model.parameters() if p.requires_grad]
-    if max_grad_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    else:
-        norm = torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
-def _autocast(cfg: Config, device: torch.device):
-    if not cfg.training.bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def _mean(values: list[float]) -> float:

@@ -1,0 +1,168 @@
+"""GSPO, CISPO and REINFORCE++ (each one function in a dict): hand-computed values and naive per-sequence loops;
+the config names and their TRL aliases; the optimizer step's non-finite skip; the schedule without transformers."""
+
+import math
+
+import pytest
+import torch
+
+from vlmrl.advantages import ADVANTAGE_ESTIMATORS, group_advantages, reinforce_pp_advantages
+from vlmrl.config import ConfigError, load_config
+from vlmrl.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, per_token_loss, step_normaliser
+from vlmrl.train import loss_mask_of
+
+pytestmark = pytest.mark.unit
+
+
+# ---------------------------------------------------------------- REINFORCE++
+def test_reinforce_pp_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    # batch mean 2/3; unbiased batch std sqrt((4/3)/5) = 0.5163978
+    std = math.sqrt((4 / 3) / 5)
+    expected = [(r - 2 / 3) / (std + 1e-4) for r in rewards.tolist()]
+    assert reinforce_pp_advantages(rewards, 2).tolist() == pytest.approx(expected, rel=1e-6)
+    # the all-ones group (rows 4, 5) gets a positive advantage: the baseline is the batch, not the group
+    assert reinforce_pp_advantages(rewards, 2)[4] > 0 and group_advantages(rewards, 2)[4] == 0
+
+
+def test_reinforce_pp_matches_naive_loop():
+    torch.manual_seed(0)
+    rewards = torch.rand(12)
+    n = len(rewards)
+    mean = sum(rewards.tolist()) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards.tolist()) / (n - 1))
+    naive = [(r - mean) / (std + 1e-4) for r in rewards.tolist()]
+    assert ADVANTAGE_ESTIMATORS["reinforce_pp"](rewards, 4).tolist() == pytest.approx(naive, rel=1e-5)
+
+
+# ---------------------------------------------------------------- GSPO
+def test_gspo_hand_computed_value_and_gradient():
+    """One sequence, two tokens, mean log-ratio 0.5: s = e^0.5 = 1.6487."""
+    old = torch.tensor([[-1.5, -2.5]])
+    mask = torch.ones(1, 2)
+    norm = step_normaliser([mask], 2)
+    s = math.exp(0.5)
+    # A = +1: min(s, 1.2) = 1.2 (clipped): loss -1.2 and no gradient.
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss = aggregate(per_token_loss(logps, old, torch.tensor([1.0]), 0.2, 0.2, mask=mask, policy_loss="gspo")[0], mask, "seq_mean_token_mean", norm)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2)
+    assert logps.grad.abs().max().item() == 0
+    # A = -1: min(-s, -1.2) = -s (unclipped): loss s, d loss / d logp_t = s / 2 per token (the sequence mean's 1/|y|).
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss = aggregate(per_token_loss(logps, old, torch.tensor([-1.0]), 0.2, 0.2, mask=mask, policy_loss="gspo")[0], mask, "seq_mean_token_mean", norm)
+    loss.backward()
+    assert loss.item() == pytest.approx(s, rel=1e-6)
+    assert logps.grad[0].tolist() == pytest.approx([s / 2, s / 2], rel=1e-6)
+
+
+def test_gspo_matches_naive_sequence_loop_values_and_gradients():
+    torch.manual_seed(1)
+    n, t = 5, 7
+    logps0 = -torch.rand(n, t) * 3
+    old = logps0 + 0.05 * torch.randn(n, t)
+    adv = torch.randn(n)
+    mask = (torch.rand(n, t) > 0.3).float()
+    mask[:, 0] = 1
+    eps_lo, eps_hi = 0.03, 0.04
+
+    logps = logps0.clone().requires_grad_(True)
+    tok, _ = per_token_loss(logps, old, adv, eps_lo, eps_hi, mask=mask, policy_loss="gspo")
+    fast = aggregate(tok, mask, "seq_mean_token_mean", step_normaliser([mask], t))
+    fast.backward()
+
+    ref_logps = logps0.clone().requires_grad_(True)
+    total = 0.0
+    for i in range(n):
+        idx = mask[i].bool()
+        s = torch.exp((ref_logps[i][idx] - old[i][idx]).mean())
+        total = total - torch.min(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
+    naive = total / n
+    naive.backward()
+    assert fast.item() == pytest.approx(naive.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(logps.grad * mask, ref_logps.grad * mask, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- CISPO
+def test_cispo_hand_computed():
+    """ratio e^0.5 = 1.65 > 1 + 0.28: the weight is clipped to 1.28 but the token keeps its gradient -w A."""
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0]])  # ratios e^0.5, 1
+    mask = torch.ones(1, 2)
+    tok, parts = per_token_loss(logps, old, torch.tensor([2.0]), 0.2, 0.28, mask=mask, policy_loss="cispo")
+    assert tok[0].tolist() == pytest.approx([-1.28 * 2 * -1.0, -1.0 * 2 * -2.0])
+    assert parts["is_clipped"].tolist() == [[True, False]]
+    tok.sum().backward()
+    assert logps.grad[0].tolist() == pytest.approx([-1.28 * 2, -2.0])
+
+
+def test_cispo_matches_naive_token_loop():
+    torch.manual_seed(2)
+    n, t = 4, 6
+    logps0 = -torch.rand(n, t) * 2
+    old = logps0 + 0.3 * torch.randn(n, t)
+    adv = torch.randn(n)
+    mask = (torch.rand(n, t) > 0.2).float()
+    logps = logps0.clone().requires_grad_(True)
+    fast = aggregate(per_token_loss(logps, old, adv, 0.2, 0.28, mask=mask, policy_loss="cispo")[0], mask, "token_mean",
+                     step_normaliser([mask], t))
+    fast.backward()
+    ref_logps = logps0.clone().requires_grad_(True)
+    total, count = 0.0, 0
+    for i in range(n):
+        for j in range(t):
+            if mask[i, j]:
+                w = min(math.exp(float(logps0[i, j] - old[i, j])), 1.28)
+                total = total - w * adv[i] * ref_logps[i, j]
+                count += 1
+    naive = total / count
+    naive.backward()
+    assert fast.item() == pytest.approx(naive.item(), rel=1e-5)
+    torch.testing.assert_close(logps.grad, ref_logps.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_policy_losses_accept_per_token_advantages():
+    logps = -torch.rand(2, 3)
+    adv_seq = torch.tensor([0.5, -1.0])
+    adv_tok = adv_seq.unsqueeze(1).expand(2, 3)
+    mask = torch.ones(2, 3)
+    for name, fn in POLICY_LOSSES.items():
+        a, _ = fn(logps, logps + 0.1, adv_seq, mask, 0.2, 0.2)
+        b, _ = fn(logps, logps + 0.1, adv_tok, mask, 0.2, 0.2)
+        torch.testing.assert_close(a, b, msg=name)
+
+
+# ---------------------------------------------------------------- config names and aliases
+def test_trl_names_are_aliases_of_the_explicit_ones():
+    cfg = load_config(None, ["algorithm.loss_type=dapo", "algorithm.scale_rewards=none"])
+    assert (cfg.loss_aggregation, cfg.advantage_estimator) == ("token_mean", "dr_grpo")
+    cfg = load_config(None, ["algorithm.advantage_estimator=reinforce_pp", "algorithm.policy_loss=cispo",
+                             "algorithm.loss_aggregation=token_mean"])
+    assert (cfg.advantage_estimator, cfg.algorithm.policy_loss, cfg.loss_aggregation) == ("reinforce_pp", "cispo", "token_mean")
+    assert set(AGGREGATIONS) == {"seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.policy_loss=gpso", "did you mean 'gspo'"),
+    ("algorithm.advantage_estimator=reinforce", "did you mean 'reinforce_pp'"),
+    ("algorithm.loss_aggregation=token-mean", "did you mean 'token_mean'"),
+])
+def test_unknown_algorithm_names_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_alias_and_explicit_name_together_are_refused():
+    with pytest.raises(ConfigError, match="set only one"):
+        load_config(None, ["algorithm.scale_rewards=batch", "algorithm.advantage_estimator=grpo"])
+    with pytest.raises(ConfigError, match="set only one"):
+        load_config(None, ["algorithm.loss_type=dapo", "algorithm.loss_aggregation=token_mean"])
+
+
+# ---------------------------------------------------------------- the loss mask
+def test_loss_mask_hand_made():
+    completion_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    truncated = torch.tensor([False, True, False])
+    assert loss_mask_of(completion_mask, truncated, mask_truncated=False).tolist() == completion_mask.tolist()
+    assert loss_mask_of(completion_mask, truncated, mask_truncated=True).tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
+    assert completion_mask[1].sum() == 4  # the input is not changed in place

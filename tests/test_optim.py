@@ -1,0 +1,96 @@
+"""optim.py: the schedule equals transformers' (without importing it in the run), AdamW's state allocated up
+front equals its lazy start, a non-finite gradient norm changes nothing; oom.is_out_of_memory."""
+
+import pytest
+import torch
+
+from vlmrl.oom import is_out_of_memory, retry_on_oom
+from vlmrl.optim import WarmupSchedule, allocate_optimizer_state, clip_and_step
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("kind, hf_name", [("constant", "constant_with_warmup"), ("linear", "linear"), ("cosine", "cosine")])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_schedule_equals_transformers(kind, hf_name, warmup):
+    from transformers import get_scheduler
+
+    total = 17
+    ours = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3), WarmupSchedule(kind, warmup, total))
+    hf = get_scheduler(hf_name, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3), num_warmup_steps=warmup, num_training_steps=total)
+    for _ in range(total + 2):
+        assert ours.get_last_lr() == hf.get_last_lr()  # exactly: resumed runs compare bit for bit
+        ours.optimizer.step()
+        hf.optimizer.step()
+        ours.step()
+        hf.step()
+
+
+def _model_and_grads(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    loss = model(torch.randn(5, 4)).pow(2).sum()
+    loss.backward()
+    return model
+
+
+def test_adamw_state_allocated_up_front_equals_lazy_start():
+    lazy, eager = _model_and_grads(), _model_and_grads()
+    opt_lazy = torch.optim.AdamW(lazy.parameters(), lr=0.1)
+    opt_eager = torch.optim.AdamW(eager.parameters(), lr=0.1)
+    allocated = allocate_optimizer_state(opt_eager)
+    assert allocated == 2 * 4 * sum(p.numel() for p in eager.parameters())  # exp_avg + exp_avg_sq, fp32
+    assert all(len(opt_eager.state[p]) == 3 for p in eager.parameters())
+    for _ in range(3):
+        opt_lazy.step()
+        opt_eager.step()
+    for a, b in zip(lazy.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt_lazy.state.values(), opt_eager.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nonfinite_gradient_norm_changes_nothing():
+    model = _model_and_grads()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupSchedule("linear", 0, 10))
+    params = list(model.parameters())
+    assert not clip_and_step(params, opt, sched, 1.0).skipped  # a good step first: AdamW state exists
+    before = [p.detach().clone() for p in params]
+    state_before = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    model(torch.randn(2, 4)).sum().backward()
+    params[1].grad[0] = float("nan")
+    result = clip_and_step(params, opt, sched, 1.0)
+    assert result.skipped and result.grad_norm != result.grad_norm
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert all(torch.equal(state_before[k], opt.state[params[0]][k]) for k in state_before)
+    assert sched.last_epoch == 1 and all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", True),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+    ("CUDA error: out of memory", True),
+    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", False),
+    ("the memory layout is out of order", False),
+])
+def test_out_of_memory_is_recognised_by_the_allocators_message(message, expected):
+    assert is_out_of_memory(RuntimeError(message)) is expected
+
+
+def test_a_cublas_alloc_failure_is_retried_and_other_runtime_errors_surface():
+    calls = []
+
+    def work(size):
+        calls.append(size)
+        if size > 2:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return size
+
+    assert retry_on_oom(work, 8, "test", lambda _: None) == (2, 2) and calls == [8, 4, 2]
+
+    def broken(size):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        retry_on_oom(broken, 8, "test", lambda _: None)
