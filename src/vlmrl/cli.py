@@ -116,7 +116,7 @@ def run_eval(cfg) -> dict:
     device = resolve_device(cfg.training.device)
     seed_everything(cfg.training.seed)
     model, processor = load_policy(cfg, device)
-    data = load_datasets(cfg, need_train=False)
+    data = load_datasets(cfg, need_train=False, processor=processor)
     if not data.eval:
         raise ConfigError("data.eval_path is empty and no built-in task test split is configured; set data.eval_path")
     funcs, _ = load_reward_funcs(cfg)

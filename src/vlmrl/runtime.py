@@ -57,8 +57,11 @@ class Datasets:
     reports: list[str]
 
 
-def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
-    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set."""
+def load_datasets(cfg: Config, need_train: bool = True, processor=None) -> Datasets:
+    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set.
+
+    Images are checked against what the model's processor accepts (`image_shape_check`); without `processor`
+    the model folder's processor is loaded for that."""
     from .data import load_dataset_split
     from .tasks import TASKS
 
@@ -73,25 +76,40 @@ def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
         train_path = train_path or str(files["train"])
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []
+    checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
     train_rows: list[dict] = []
     if need_train:
-        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
+        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
         reports.append(f"train {train_path}: {rep.summary()}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
+        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
         reports.append(f"eval {eval_path}: {rep.summary()}")
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
 
 
+def image_shape_check(cfg: Config, processor=None):
+    """The check of image sizes against the model's image processor (processing.ImageShapeCheck)."""
+    from .processing import ImageShapeCheck, load_processor
+
+    if processor is None:
+        processor = load_processor(resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code,
+                                   min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
+                                   local_files_only=not cfg.model.allow_hub_download)
+    return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
+
+
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
-    from .data import load_images
+    from .data import load_images, shared_image_cache
     from .processing import build_prompt, encode_prompts
 
-    images = [load_images(r["images"][: cfg.data.limit_images], cfg.data.min_pixels, cfg.data.max_pixels) for r in rows]
+    d = cfg.data
+    cache = shared_image_cache(d.image_cache_mb)
+    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
+              for r in rows]
     texts = [build_prompt(processor, r["problem"], len(imgs), cfg.data.system_prompt) for r, imgs in zip(rows, images)]
     batch = encode_prompts(processor, texts, images)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}

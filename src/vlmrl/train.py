@@ -68,7 +68,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     tokenizer = processor.tokenizer
     reference = make_reference(model, cfg, device, fresh=resume_from is not None)
     with dist.main_first():  # the built-in task's files are written once
-        data = load_datasets(cfg)
+        data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
