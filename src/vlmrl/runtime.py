@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import EMBEDDED_MODEL, Config
+from .config import EMBEDDED_MODEL, Config, ConfigError
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"training.device={name!r} but CUDA is not available; use training.device=cpu")
+        raise ConfigError(f"training.device={name!r} but CUDA is not available; use training.device=cpu")
     return torch.device(name)
 
 
@@ -38,16 +39,35 @@ def load_policy(cfg: Config, device: torch.device, model_path: str | None = None
     """(model, processor) from cfg.model, on `device`, with freezing / LoRA applied."""
     import dataclasses
 
-    from .models import load_model
+    from .models import load_model, require_complete_model_folder
     from .processing import load_processor
 
     path = resolve_model_path(model_path or cfg.model.name_or_path)
+    if not cfg.model.allow_hub_download or Path(path).expanduser().exists():
+        require_complete_model_folder(path)  # every missing piece named now, not a crash in step 1
     model_cfg = dataclasses.replace(cfg.model, name_or_path=path)
-    model = load_model(model_cfg).to(device)
+    with hf_progress_bars(cfg.logging.progress_bar):
+        model = load_model(model_cfg).to(device)
     processor = load_processor(
         path, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
     )
     return model, processor
+
+
+@contextlib.contextmanager
+def hf_progress_bars(enabled: bool):
+    """transformers' own progress bars (weight loading) follow logging.progress_bar, so that with it off stderr
+    holds only warnings and errors."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not enabled:
+            hf_logging.enable_progress_bar()
 
 
 @dataclass
@@ -130,6 +150,6 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     # A file reward is logged under its function's name unless two rewards share it.
     keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"algorithm.reward_funcs lists the same reward twice: {names}")
+        raise ConfigError(f"algorithm.reward_funcs lists the same reward twice: {names}")
     funcs = {k: load_reward(n) for k, n in zip(keys, names)}
     return funcs, dict(zip(keys, weights))
