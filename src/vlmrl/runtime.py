@@ -141,6 +141,11 @@ def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
     return {k: [r.get(k) for r in rows for _ in range(repeats)] for k in keys}
 
 
+def row_sources(rows: list[dict], repeats: int) -> list[str]:
+    """Each completion's dataset row as ``file:line`` (the rows' ``_source``), aligned with `reward_columns`, for messages."""
+    return [str(r.get("_source", "")) for r in rows for _ in range(repeats)]
+
+
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     from .rewards import load_reward
 
