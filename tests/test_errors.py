@@ -111,6 +111,10 @@ def test_checkpoint_problems_are_one_message(tiny_qwen25vl, tmp_path, capsys):
     assert main(["train", *[a for a in base if not a.startswith("training.max_steps")], "training.max_steps=2", "optim.learning_rate=0.5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vlmrl train: ") and "learning_rate" in err and "Traceback" not in err
+    # Forced past the config check, a data set of another size is still refused (the sampler state cannot apply).
+    assert main(["train", *base, "training.max_steps=2", "data.task_train_size=6", "training.resume_force=true"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith("vlmrl train: sampler state has num_rows=4 but this sampler has 6; the data or seed changed")
     # A corrupt checkpoint named explicitly.
     weights = next((checkpoint / "model").glob("*.safetensors"))
     data = bytearray(weights.read_bytes())

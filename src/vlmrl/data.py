@@ -713,11 +713,11 @@ class PromptSampler:
         return {"epoch": self._epoch, "position": self._position, "num_rows": self.num_rows, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved state; refuses a state saved for different data or a different seed."""
+        """Continue from a saved state; refuses (DataError, a user error) a state saved for different data or a different seed."""
         for key in ("num_rows", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
-                                 "the data or seed changed since the checkpoint")
+                raise DataError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                                "the data or seed changed since the checkpoint")
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_rows:
             raise ValueError(f"invalid sampler state epoch={epoch} position={position} for {self.num_rows} rows")
