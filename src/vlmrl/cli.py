@@ -104,16 +104,19 @@ def _dispatch(ns) -> int:
 
 
 def _run(command: str, cfg) -> int:
-    if command == "train":
-        from .train import train
+    from .runtime import hf_progress_bars
 
-        metrics = train(cfg)
-    elif command == "sft":
-        from .sft import sft
+    with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
+        if command == "train":
+            from .train import train
 
-        metrics = sft(cfg)
-    else:
-        metrics = run_eval(cfg)
+            metrics = train(cfg)
+        elif command == "sft":
+            from .sft import sft
+
+            metrics = sft(cfg)
+        else:
+            metrics = run_eval(cfg)
     from .distributed import env_world
 
     if env_world()[1] == 0:  # one line of results, from the main process only
