@@ -150,3 +150,16 @@ def test_training_set_up_validates_with_the_models_processor(tmp_path, tiny_qwen
     cfg = load_config(None, [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={path}", "data.eval_path=" + str(path)])
     with pytest.raises(DataError, match=rf"{path}:2: image: .*side ratio 30000:1"):
         load_datasets(cfg)
+
+
+def test_a_refusal_validation_did_not_foresee_still_names_the_rows(tmp_path, tiny_qwen25vl, qwen_processor):
+    import torch
+
+    from vlmrl.runtime import encode_rows
+
+    path = _data(tmp_path, [(56, 56), (30000, 1)])
+    rows, _ = load_dataset_split(path, limit_images=1, skip_bad_rows=False)  # no shape check: the strip gets through
+    cfg = load_config(None, [f"model.name_or_path={tiny_qwen25vl}"])
+    with pytest.raises(DataError, match=rf"refused a batch of rows: {path}:1 \(images \['56x56'\]\); {path}:2 \(images \['30000x1'\]\): "
+                                        "ValueError: absolute aspect ratio must be smaller than 200"):
+        encode_rows(qwen_processor, rows, cfg, torch.device("cpu"))

@@ -131,8 +131,19 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
               for r in rows]
     texts = [build_prompt(processor, r["problem"], len(imgs), cfg.data.system_prompt) for r, imgs in zip(rows, images)]
-    batch = encode_prompts(processor, texts, images)
+    try:
+        batch = encode_prompts(processor, texts, images)
+    except ValueError as e:  # what validation could not foresee still names the rows
+        raise _rows_error(rows, images, e) from e
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _rows_error(rows: list[dict], images: list[list], error: Exception):
+    """DataError naming each row of a batch the processor refused, with its image sizes after resizing."""
+    from .data import DataError
+
+    described = "; ".join(f"{r.get('_source', '?')} (images {[f'{im.width}x{im.height}' for im in imgs]})" for r, imgs in zip(rows, images))
+    return DataError(f"the processor refused a batch of rows: {described}: {type(error).__name__}: {' '.join(str(error).split())}")
 
 
 def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
