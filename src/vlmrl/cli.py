@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from .config import ConfigError, load_config
 
+DEBUG_ENV = "VLMRL_DEBUG"
 CONFIG_HELP = ("optional YAML config, then any number of key=value overrides, e.g. "
                "rollout.num_generations=8 training.max_steps=50 (TRL names without a section also work: beta=0.04)")
 
@@ -54,41 +57,56 @@ def main(argv: list[str] | None = None) -> int:
         from .plan_cli import run_safely
 
         return run_safely(ns)
-
     try:
-        if ns.command == "config":
-            from .config import reference_markdown
+        return _dispatch(ns)
+    except user_error_types() as e:
+        return report_user_error(ns.command, e)
 
-            print(reference_markdown())
-            return 0
-        if ns.command == "export":
-            from .checkpoint import CheckpointError
-            from .distributed import export_checkpoint
 
-            try:
-                export_checkpoint(ns.checkpoint, ns.out)
-            except CheckpointError as e:
-                print(f"vlmrl export: {e}", file=sys.stderr)
-                return 2
-            return 0
-        if ns.command == "demo":
-            from .demo import run_demo
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Failures the user fixes (config, data, model folder, rewards, checkpoints / resume, out of memory at size 1):
+    they end the run with one message and exit code 2; anything else is a bug and keeps its traceback."""
+    from . import checkpoint
+    from .data import DataError
+    from .models import ModelLoadError
+    from .oom import OutOfMemoryGaveUp
+    from .rewards import RewardError
 
-            run_demo(ns.output_dir, quick=ns.quick)
-            return 0
-        cfg = load_config(*_split(ns.args))
-    except ConfigError as e:
-        print(f"vlmrl: {e}", file=sys.stderr)
-        return 2
-    return _run(ns.command, cfg)
+    extra = tuple(getattr(checkpoint, name) for name in ("ResumeError",) if hasattr(checkpoint, name))
+    return (ConfigError, DataError, ModelLoadError, RewardError, checkpoint.CheckpointError, OutOfMemoryGaveUp, *extra)
+
+
+def report_user_error(command: str, error: BaseException) -> int:
+    """Print `vlmrl <command>: <message>` on stderr (the traceback too with VLMRL_DEBUG=1); returns exit code 2."""
+    if os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes"):
+        traceback.print_exception(error)
+    print(f"vlmrl {command}: {error}", file=sys.stderr)
+    return 2
+
+
+def _dispatch(ns) -> int:
+    if ns.command == "config":
+        from .config import reference_markdown
+
+        print(reference_markdown())
+        return 0
+    if ns.command == "export":
+        from .distributed import export_checkpoint
+
+        export_checkpoint(ns.checkpoint, ns.out)
+        return 0
+    if ns.command == "demo":
+        from .demo import run_demo
+
+        run_demo(ns.output_dir, quick=ns.quick)
+        return 0
+    return _run(ns.command, load_config(*_split(ns.args)))
 
 
 def _run(command: str, cfg) -> int:
-    from .data import DataError
-    from .models import ModelLoadError
-    from .rewards import RewardError
+    from .runtime import hf_progress_bars
 
-    try:
+    with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":
             from .train import train
 
@@ -99,9 +117,6 @@ def _run(command: str, cfg) -> int:
             metrics = sft(cfg)
         else:
             metrics = run_eval(cfg)
-    except (DataError, ModelLoadError, RewardError, ConfigError) as e:
-        print(f"vlmrl {command}: {e}", file=sys.stderr)
-        return 2
     from .distributed import env_world
 
     if env_world()[1] == 0:  # one line of results, from the main process only
@@ -116,7 +131,7 @@ def run_eval(cfg) -> dict:
     device = resolve_device(cfg.training.device)
     seed_everything(cfg.training.seed)
     model, processor = load_policy(cfg, device)
-    data = load_datasets(cfg, need_train=False)
+    data = load_datasets(cfg, need_train=False, processor=processor)
     if not data.eval:
         raise ConfigError("data.eval_path is empty and no built-in task test split is configured; set data.eval_path")
     funcs, _ = load_reward_funcs(cfg)

@@ -73,6 +73,8 @@ class DataConfig:
     min_pixels: int = _f(28 * 28, "Images smaller than this many pixels are upscaled (aspect kept).")
     max_pixels: int = _f(448 * 448, "Images larger than this many pixels are downscaled (aspect kept).")
     limit_images: int = _f(4, "Most images kept per row; extra images are dropped and counted.")
+    max_image_pixels: int = _f(89_478_485, "Images with more pixels (read from the header, before decoding) are bad rows; default PIL's bomb guard.")
+    image_cache_mb: float = _f(1024.0, "MiB of decoded, resized images kept between steps instead of decoded again; 0 = no cache.")
     skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
     system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
@@ -425,6 +427,8 @@ def validate(cfg: Config) -> None:
         (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
         (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels"),
         (d.limit_images >= 1, "data.limit_images must be >= 1"),
+        (d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels} must be >= 1 (pixels; default {89_478_485:,})"),
+        (d.image_cache_mb >= 0, f"data.image_cache_mb={d.image_cache_mb} must be >= 0 (MiB; 0 = no cache)"),
         (d.task_train_size >= 1 and d.task_test_size >= 0, "data.task_train_size must be >= 1 and data.task_test_size >= 0"),
         (d.task_image_size >= 28, "data.task_image_size must be >= 28"),
         (m.lora_r >= 1, "model.lora_r must be >= 1"),

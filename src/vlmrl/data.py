@@ -26,15 +26,22 @@ import json
 import math
 import os
 import random
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from PIL import Image
 
 MAX_LISTED_PROBLEMS = 20
 SPLIT_SEP = "::"
+# PIL's decompression-bomb guard, read once at import: the default of data.max_image_pixels.
+DEFAULT_MAX_IMAGE_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
+# (original width, height) -> why the model's processor cannot take an image of that size, or None.
+ShapeCheck = Callable[[int, int], "str | None"]
 
 
 class DataError(ValueError):
@@ -182,7 +189,7 @@ class Problem:
     source: str
     field: str
     reason: str
-    kind: str  # malformed, missing_field, wrong_type, empty_field, missing_image, bad_image
+    kind: str  # malformed, missing_field, wrong_type, empty_field, missing_image, bad_image, image_too_large, image_shape
 
     def __str__(self) -> str:
         return f"{self.source}: {self.field}: {self.reason}"
@@ -229,6 +236,8 @@ def validate_rows(
     skip_bad_rows: bool,
     check_images: bool = True,
     name: str | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    shape_check: ShapeCheck | None = None,
 ) -> tuple[list[dict], ValidationReport]:
     """Check every row before training and return the good rows, normalised, with a report.
 
@@ -241,6 +250,10 @@ def validate_rows(
     Without ``skip_bad_rows`` any problem raises DataError listing up to 20 as ``file:line: field:
     reason`` and the totals; with it, bad rows are dropped and counted. No rows left is always an error.
     ``name`` (the data file) is used in that message. Input rows are not modified.
+
+    Images are also checked the way training will use them: one with more than ``max_image_pixels`` pixels
+    (read from the header, before decoding) is an ``image_too_large`` problem, and ``shape_check`` (see
+    `processing.ImageShapeCheck`) turns sizes the model's processor rejects into ``image_shape`` problems.
     """
     if limit_images is not None and limit_images < 1:
         raise ValueError(f"limit_images must be >= 1 or None, got {limit_images}")
@@ -256,8 +269,9 @@ def validate_rows(
     # Pass 2: each distinct image file once, in threads (decoding releases the GIL).
     paths = sorted({p for normal, *_ in checked for p in normal["images"]})
     workers = min(8, (os.cpu_count() or 1) + 1, max(1, len(paths)))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, decode=check_images), paths)))
+    with own_pixel_limit(), ThreadPoolExecutor(max_workers=workers) as pool:
+        image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, check_images, max_image_pixels), paths)))
+    image_errors = _apply_shape_check(image_errors, shape_check)
 
     good = []
     for normal, problems, image_field, dropped in checked:
@@ -399,9 +413,10 @@ def _resolve(path: str, base: Path) -> str:
     return os.path.abspath(p if p.is_absolute() else base / p)
 
 
-def _check_image(path: str, decode: bool) -> tuple[str, str] | None:
-    """None when the image is usable, else (kind, reason). Decoding reads every byte (``load()``), which is
-    what finds truncated files; ``Image.open`` alone only reads the header."""
+def _check_image(path: str, decode: bool, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[str, str] | tuple[int, int] | None:
+    """(kind, reason) when the image is unusable, else its (width, height) (None when not opened). Decoding
+    reads every byte (``load()``), which is what finds truncated files; ``Image.open`` alone only reads the
+    header, which is enough for the pixel limit. Call under `own_pixel_limit`."""
     if "://" in path:
         return "missing_image", f"URLs are not supported, download the image first: {path}"
     if not os.path.exists(path):
@@ -412,35 +427,179 @@ def _check_image(path: str, decode: bool) -> tuple[str, str] | None:
         return None
     try:
         with Image.open(path) as im:
+            too_large = _pixel_limit_problem(im.width, im.height, max_image_pixels)
+            if too_large:
+                return "image_too_large", f"{path}: {too_large}"
             im.load()
             if im.width < 1 or im.height < 1:
                 return "bad_image", f"image has no pixels: {path}"
+            return im.width, im.height
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         return "bad_image", f"cannot read image {path}: {type(e).__name__}: {e}"
-    return None
+
+
+def _pixel_limit_problem(width: int, height: int, max_image_pixels: int) -> str | None:
+    if width * height <= max_image_pixels:
+        return None
+    return (f"image is {width}x{height} = {width * height:,} pixels, over data.max_image_pixels={max_image_pixels:,} "
+            "(the decompression-bomb guard); shrink the image or raise data.max_image_pixels")
+
+
+def _apply_shape_check(results: dict, shape_check: ShapeCheck | None) -> dict[str, tuple[str, str] | None]:
+    """`_check_image` results -> path: (kind, reason) or None, with each distinct size asked once of shape_check."""
+    reasons: dict[tuple[int, int], str | None] = {}
+    out: dict[str, tuple[str, str] | None] = {}
+    for path, result in results.items():
+        if result is None or isinstance(result[0], str):
+            out[path] = result
+            continue
+        if shape_check is None:
+            out[path] = None
+            continue
+        if result not in reasons:
+            reasons[result] = shape_check(*result)
+        reason = reasons[result]
+        out[path] = None if reason is None else ("image_shape", f"{path}: image is {result[0]}x{result[1]}: {reason}")
+    return out
+
+
+_pixel_limit_lock = threading.Lock()
+_pixel_limit_depth = 0
+_pixel_limit_saved: int | None = None
+
+
+@contextmanager
+def own_pixel_limit() -> Iterator[None]:
+    """Switch PIL's global decompression-bomb check off while vlmrl opens images, because vlmrl checks the
+    header size against data.max_image_pixels itself (which can then be larger than PIL's default).
+    Nested and concurrent uses share one switch; the first one in saves PIL's value, the last one out restores it."""
+    global _pixel_limit_depth, _pixel_limit_saved
+    with _pixel_limit_lock:
+        if _pixel_limit_depth == 0:
+            _pixel_limit_saved = Image.MAX_IMAGE_PIXELS
+            Image.MAX_IMAGE_PIXELS = None
+        _pixel_limit_depth += 1
+    try:
+        yield
+    finally:
+        with _pixel_limit_lock:
+            _pixel_limit_depth -= 1
+            if _pixel_limit_depth == 0:
+                Image.MAX_IMAGE_PIXELS = _pixel_limit_saved
 
 
 # ---------------------------------------------------------------------------------------------------
 # Images
 
 
-def load_images(paths: list[str], min_pixels: int | None, max_pixels: int | None) -> list[Image.Image]:
+def load_images(paths: list[str], min_pixels: int | None, max_pixels: int | None, *,
+                max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, cache: ImageCache | None = None) -> list[Image.Image]:
     """RGB images, resized (aspect ratio kept) so that min_pixels <= width * height <= max_pixels.
 
     Transparent images are composited onto white (as Qwen-VL's loader does) instead of turning black.
-    max_pixels is a hard cap (it bounds memory); min_pixels is met where max_pixels allows.
+    max_pixels is a hard cap (it bounds memory); min_pixels is met where max_pixels allows. Images over
+    max_image_pixels are refused before decoding. With a `cache`, an image decoded and resized before (same
+    file, size and modification time, same bounds) is returned from memory: treat the images as read-only.
     """
     out = []
     for path in paths:
-        try:
-            with Image.open(path) as im:
-                im.load()
-                rgb = _to_rgb(im)
-        except Exception as e:
-            raise DataError(f"{path}: cannot read image: {type(e).__name__}: {e}") from e
-        size = target_size(rgb.width, rgb.height, min_pixels, max_pixels)
-        out.append(rgb if size == rgb.size else rgb.resize(size, Image.Resampling.BICUBIC))
+        key = _cache_key(path, min_pixels, max_pixels) if cache is not None else None
+        image = cache.get(key) if key is not None else None
+        if image is None:
+            image = _decode_resized(path, min_pixels, max_pixels, max_image_pixels)
+            if key is not None:
+                cache.put(key, image)
+        out.append(image)
     return out
+
+
+def _decode_resized(path: str, min_pixels: int | None, max_pixels: int | None, max_image_pixels: int) -> Image.Image:
+    try:
+        with own_pixel_limit(), Image.open(path) as im:
+            too_large = _pixel_limit_problem(im.width, im.height, max_image_pixels)
+            if too_large:
+                raise DataError(f"{path}: {too_large}")
+            im.load()
+            rgb = _to_rgb(im)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{path}: cannot read image: {type(e).__name__}: {e}") from e
+    size = target_size(rgb.width, rgb.height, min_pixels, max_pixels)
+    return rgb if size == rgb.size else rgb.resize(size, Image.Resampling.BICUBIC)
+
+
+def _cache_key(path: str, min_pixels: int | None, max_pixels: int | None) -> tuple | None:
+    """The file's identity (path, size, modification time) and the resize bounds; None when it cannot be stat'ed
+    (then the load reports the error)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path, st.st_size, st.st_mtime_ns, min_pixels, max_pixels
+
+
+class ImageCache:
+    """Decoded, resized RGB images kept in memory up to a byte budget, least recently used evicted first.
+
+    Without it every step decodes its images again, which for large files (tens of megapixels) costs more
+    than the step. The budget counts width * height * 3 bytes per image; an image larger than the whole
+    budget is not kept. Thread-safe.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = max(0, int(budget_bytes))
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = 0
+        self._items: OrderedDict[tuple, Image.Image] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple) -> Image.Image | None:
+        with self._lock:
+            image = self._items.get(key)
+            if image is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return image
+
+    def put(self, key: tuple, image: Image.Image) -> None:
+        size = _image_bytes(image)
+        with self._lock:
+            if size > self.budget_bytes or key in self._items:
+                return
+            while self._items and self.bytes + size > self.budget_bytes:
+                _, old = self._items.popitem(last=False)
+                self.bytes -= _image_bytes(old)
+                self.evictions += 1
+            self._items[key] = image
+            self.bytes += size
+
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "images": len(self._items), "bytes": self.bytes}
+
+
+def _image_bytes(image: Image.Image) -> int:
+    return image.width * image.height * len(image.getbands())
+
+
+_shared_cache: ImageCache | None = None
+
+
+def shared_image_cache(budget_mb: float) -> ImageCache | None:
+    """The process's image cache for a budget in MiB (data.image_cache_mb); None when the budget is 0. A new budget
+    starts a new cache."""
+    global _shared_cache
+    budget = int(budget_mb * 2**20)
+    if budget <= 0:
+        return None
+    if _shared_cache is None or _shared_cache.budget_bytes != budget:
+        _shared_cache = ImageCache(budget)
+    return _shared_cache
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -485,6 +644,8 @@ def load_dataset_split(
     skip_bad_rows: bool,
     max_rows: int | None = None,
     check_images: bool = True,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    shape_check: ShapeCheck | None = None,
 ) -> tuple[list[dict], ValidationReport]:
     """`load_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
 
@@ -497,7 +658,8 @@ def load_dataset_split(
         rows = rows[:max_rows]
     base = file_path.resolve().parent
     return validate_rows(
-        rows, base, limit_images=limit_images, skip_bad_rows=skip_bad_rows, check_images=check_images, name=os.fspath(path)
+        rows, base, limit_images=limit_images, skip_bad_rows=skip_bad_rows, check_images=check_images, name=os.fspath(path),
+        max_image_pixels=max_image_pixels, shape_check=shape_check,
     )
 
 
@@ -551,11 +713,11 @@ class PromptSampler:
         return {"epoch": self._epoch, "position": self._position, "num_rows": self.num_rows, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved state; refuses a state saved for different data or a different seed."""
+        """Continue from a saved state; refuses (DataError, a user error) a state saved for different data or a different seed."""
         for key in ("num_rows", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
-                                 "the data or seed changed since the checkpoint")
+                raise DataError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                                "the data or seed changed since the checkpoint")
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_rows:
             raise ValueError(f"invalid sampler state epoch={epoch} position={position} for {self.num_rows} rows")

@@ -7,7 +7,7 @@ import torch
 from .config import Config
 from .rewards import compute_rewards
 from .rollout import generate
-from .runtime import encode_rows, reward_columns
+from .runtime import encode_rows, reward_columns, row_sources
 
 
 def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device, log=print) -> dict[str, float]:
@@ -39,7 +39,7 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
         start += bs
         texts = decode(processor, comp.ids)
         _, per_reward = compute_rewards(reward_funcs, {k: 1.0 for k in reward_funcs}, [r["problem"] for r in chunk], texts,
-                                        reward_columns(chunk, 1))
+                                        reward_columns(chunk, 1), when="evaluation", sources=row_sources(chunk, 1))
         for name, values in per_reward.items():
             valid = [v for v in values if v is not None]
             sums[name] = sums.get(name, 0.0) + sum(valid)

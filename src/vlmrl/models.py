@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -40,6 +41,67 @@ def _check_folder(path: str) -> None:
         raise ModelLoadError(
             f"model folder {folder} has no weight files (*.safetensors or *.bin) ({NO_DOWNLOAD})"
         )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_model_folder(path: str | Path) -> list[str]:
+    """What a local model folder lacks for vlmrl to train and prompt it, as one phrase per missing piece ([] = complete).
+
+    Looked for: config.json; weights (*.safetensors / *.bin, and every shard an index names); the image processor
+    (preprocessor_config.json, or an ``image_processor`` entry in processor_config.json); tokenizer files
+    (tokenizer.json, or a vocabulary such as tokenizer.model / vocab.json with merges.txt); a chat template
+    (chat_template.jinja / chat_template.json, or ``chat_template`` in tokenizer_config.json / processor_config.json).
+    Without a chat template prompts cannot be built; without the image processor no image reaches the model.
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return [f"the folder itself ({folder} does not exist)" if not folder.exists() else f"a folder ({folder} is a file)"]
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    missing += _missing_weights(folder)
+    processor_cfg = _read_json(folder / "processor_config.json")
+    if not (folder / "preprocessor_config.json").is_file() and "image_processor" not in processor_cfg:
+        missing.append("image processor config (preprocessor_config.json)")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        missing.append("tokenizer files (tokenizer.json, or tokenizer.model / vocab.json)")
+    elif (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file() and not (folder / "merges.txt").is_file():
+        missing.append("merges.txt (vocab.json without tokenizer.json needs it)")
+    has_template = ((folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+                    or _read_json(folder / "tokenizer_config.json").get("chat_template") or processor_cfg.get("chat_template"))
+    if not has_template:
+        missing.append("a chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
+    return missing
+
+
+def _missing_weights(folder: Path) -> list[str]:
+    if not any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS):
+        return ["weight files (*.safetensors or *.bin)"]
+    out = []
+    for index in sorted(folder.glob("*.index.json")):
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        absent = [name for name in shards if not (folder / name).is_file()]
+        if absent:
+            out.append(f"weight shards named in {index.name}: {', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''}")
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from a file; {} when absent or not an object (an unreadable file is reported by the loader)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def require_complete_model_folder(path: str | Path) -> None:
+    """ModelLoadError naming everything `check_model_folder` finds missing, before any loading starts."""
+    missing = check_model_folder(path)
+    if missing:
+        raise ModelLoadError(f"model folder {Path(path).expanduser()} is incomplete: missing {'; '.join(missing)} ({NO_DOWNLOAD})")
 
 
 def _check_attention(name: str) -> None:

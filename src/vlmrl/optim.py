@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .config import Config
+from .config import Config, ConfigError
 
 
 class WarmupSchedule:
@@ -42,7 +42,7 @@ def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | No
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")
+        raise ConfigError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")
     optimizer = torch.optim.AdamW(params, lr=o.learning_rate if learning_rate is None else learning_rate,
                                   betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
     schedule = WarmupSchedule(o.lr_scheduler_type, math.ceil(o.warmup_ratio * num_steps), num_steps)

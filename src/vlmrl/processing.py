@@ -16,6 +16,7 @@ Encoded prompt batches are plain dicts of tensors:
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from pathlib import Path
 from typing import Sequence
@@ -324,3 +325,72 @@ def append_tokens(batch: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:
         if key in batch:
             out[key] = torch.cat([batch[key], torch.zeros_like(ids, dtype=batch[key].dtype, device=batch[key].device)], dim=1)
     return out
+
+
+# ---------------------------------------------------------------- image sizes the processor accepts
+
+# transformers' smart_resize (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...) raises for a longer/shorter side ratio above this.
+SMART_RESIZE_MAX_RATIO = 200
+# Shapes inside these bounds are accepted by every image processor vlmrl knows; others are tried on the processor itself.
+USUAL_MAX_RATIO = 20
+USUAL_MIN_SIDE = 28
+
+
+class ImageShapeCheck:
+    """Whether the model's image processor accepts an image of a given size, as validation's `shape_check`.
+
+    Sees what the model will see: the size after vlmrl's own resize (data.min_pixels / data.max_pixels,
+    `data.target_size`), then
+    - processors built on smart_resize (they have merge_size): a side ratio over 200 raises there;
+    - processors that first scale the shortest edge to a fixed length (CLIP / LLaVA): the intermediate image
+      of shortest_edge x (shortest_edge x ratio) pixels must stay within data.max_image_pixels (a 1x30000 strip
+      becomes a 56 x 1,680,000 image before the crop);
+    - any other unusual shape (ratio over 20 or a side under 28 pixels) is run through the image processor on
+      a blank image of that size, and its error, if any, is the reason.
+    Call with the original (width, height); returns None or the reason. Sizes are remembered.
+    """
+
+    def __init__(self, processor, min_pixels: int | None, max_pixels: int | None, max_image_pixels: int):
+        self.image_processor = getattr(processor, "image_processor", None)
+        self.min_pixels, self.max_pixels, self.max_image_pixels = min_pixels, max_pixels, max_image_pixels
+        self.name = type(self.image_processor).__name__
+        self._memo: dict[tuple[int, int], str | None] = {}
+
+    def __call__(self, width: int, height: int) -> str | None:
+        if (width, height) not in self._memo:
+            self._memo[(width, height)] = self._reason(width, height)
+        return self._memo[(width, height)]
+
+    def _reason(self, width: int, height: int) -> str | None:
+        from .data import target_size
+
+        if self.image_processor is None:
+            return None
+        w, h = target_size(width, height, self.min_pixels, self.max_pixels)
+        ratio = max(w, h) / min(w, h)
+        resized = f" (after resizing to {w}x{h} for data.min_pixels/max_pixels)" if (w, h) != (width, height) else ""
+        if hasattr(self.image_processor, "merge_size") and ratio > SMART_RESIZE_MAX_RATIO:
+            return (f"side ratio {ratio:.0f}:1{resized} is over the {SMART_RESIZE_MAX_RATIO}:1 that {self.name} accepts; "
+                    "crop or pad the image")
+        shortest = _size_field(self.image_processor, "shortest_edge")
+        if not hasattr(self.image_processor, "merge_size") and shortest:
+            intermediate = shortest * math.ceil(shortest * ratio)
+            if intermediate > self.max_image_pixels:
+                return (f"side ratio {ratio:.0f}:1{resized}: {self.name} would first scale it to {intermediate:,} pixels, over "
+                        f"data.max_image_pixels={self.max_image_pixels:,}; crop or pad the image")
+        if ratio <= USUAL_MAX_RATIO and min(w, h) >= USUAL_MIN_SIDE:
+            return None
+        from PIL import Image
+
+        try:
+            self.image_processor(images=[Image.new("RGB", (w, h))], return_tensors="pt")
+        except Exception as e:  # whatever the processor raises is what step 1 would have raised
+            return f"{self.name} rejects it{resized}: {type(e).__name__}: {e}"
+        return None
+
+
+def _size_field(image_processor, name: str) -> int | None:
+    """A field of the image processor's `size` (a dict, or transformers 5's SizeDict)."""
+    size = getattr(image_processor, "size", None)
+    value = size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+    return int(value) if isinstance(value, (int, float)) and value else None

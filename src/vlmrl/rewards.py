@@ -14,17 +14,23 @@ Only the standard library is imported here, so user reward files load fast and a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
+import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 RewardFn = Callable[..., list]
+# Rewards become float32 tensors: a larger value (1e39 is a finite Python float) turns into inf, then NaN weights.
+FLOAT32_MAX = 3.4028234663852886e38
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # The answer must hold something: an empty <answer></answer> earning the format reward is a known
@@ -278,6 +284,9 @@ def compute_rewards(
     prompts: list,
     completions: list,
     columns: dict[str, list],
+    *,
+    when: str | None = None,
+    sources: list[str] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted total reward per completion, and each reward's raw values.
 
@@ -285,7 +294,11 @@ def compute_rewards(
     whose value for sample i is not None (None counts as 0, like TRL's nansum); when every reward is None
     for a sample its total is 0 (`reward_stats` reports how often as ``rewards/all_none_frac``). NaN
     returns are treated as None. A function that raises is re-run sample by sample to name the sample
-    that fails; it, a wrong return length and a non-numeric value raise RewardError naming the reward.
+    that fails; it, a wrong return length, a non-numeric value and a value (or weighted total) outside
+    float32's finite range raise RewardError naming the reward and the sample. ``when`` (e.g. "step 3")
+    and ``sources`` (the dataset ``file:line`` of each completion's row) make those messages say where:
+    the step, the row (with its solution and image paths from ``columns``) and, for a raise, the file:line
+    inside the reward function.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -299,63 +312,125 @@ def compute_rewards(
     if missing:
         raise ValueError(f"no weight for reward(s) {', '.join(missing)}")
 
+    where = functools.partial(describe_sample, when=when, sources=sources, columns=columns)
     per_reward: dict[str, list[float | None]] = {}
     for name, fn in funcs.items():
-        per_reward[name] = _call_reward(name, fn, prompts, completions, columns)
+        per_reward[name] = _call_reward(name, fn, prompts, completions, columns, where)
 
     total = []
     for i in range(n):
         values = [(weights[name], per_reward[name][i]) for name in funcs]
         total.append(float(sum(w * v for w, v in values if v is not None)))
+        if not abs(total[-1]) <= FLOAT32_MAX:
+            parts = ", ".join(f"{name}={per_reward[name][i]} x {weights[name]}" for name in funcs)
+            raise RewardError(f"the weighted total reward {total[-1]} of {where(i)} is outside float32's range ({parts}); "
+                              "lower algorithm.reward_weights or the rewards' scale")
     return total, per_reward
 
 
-def _call_reward(name: str, fn: RewardFn, prompts: list, completions: list, columns: dict[str, list]) -> list[float | None]:
+def _call_reward(name: str, fn: RewardFn, prompts: list, completions: list, columns: dict[str, list],
+                 where: Callable[[int], str] | None = None) -> list[float | None]:
+    where = where or (lambda i: f"sample {i}")
     try:
         raw = fn(prompts=prompts, completions=completions, **columns)
     except Exception as e:
-        raise _locate_failure(name, fn, prompts, completions, columns, e) from e
+        raise _locate_failure(name, fn, prompts, completions, columns, e, where) from e
     try:
         count = len(raw)
     except TypeError:
         raise RewardError(f"reward {name!r} returned a {type(raw).__name__}, expected a list of floats or None") from None
     if isinstance(raw, (str, bytes, dict)) or count != len(completions):
         raise RewardError(f"reward {name!r} returned {count} values for {len(completions)} completions")
-    return [_check_value(name, i, v) for i, v in enumerate(raw)]
+    return [_check_value(name, i, v, where) for i, v in enumerate(raw)]
 
 
-def _check_value(name: str, index: int, value: Any) -> float | None:
-    """A reward value as float or None; numbers of any numeric type (bool, numpy, 0-d tensors) are accepted."""
+def _check_value(name: str, index: int, value: Any, where: Callable[[int], str] | None = None) -> float | None:
+    """A reward value as float or None; numbers of any numeric type (bool, numpy, 0-d tensors) are accepted.
+    NaN is None (TRL's meaning); inf and values beyond float32's range are errors."""
     if value is None:
         return None
+    sample = where(index) if where is not None else f"sample {index}"
     if hasattr(value, "item") and not isinstance(value, numbers.Number):  # numpy scalar / 0-d tensor
         try:
             value = value.item()
         except Exception:
             pass
     if not isinstance(value, numbers.Real):
-        raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for sample {index}; expected a float or None")
-    value = float(value)
+        raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for {sample}; expected a float or None")
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        value = math.inf if value > 0 else -math.inf
     if math.isnan(value):
         return None
-    if math.isinf(value):
-        raise RewardError(f"reward {name!r} returned {value} for sample {index}; rewards must be finite")
+    if not abs(value) <= FLOAT32_MAX:
+        raise RewardError(f"reward {name!r} returned {value} for {sample}; rewards must be finite and within float32's range "
+                          f"(|r| <= {FLOAT32_MAX:.4g}), because they are trained on as float32")
     return value
 
 
-def _locate_failure(name, fn, prompts, completions, columns, error: Exception) -> RewardError:
-    """Re-run a failing reward one sample at a time to say which sample makes it raise."""
+def describe_sample(index: int, when: str | None = None, sources: list[str] | None = None, columns: dict[str, list] | None = None) -> str:
+    """'sample 5 at step 3 (row data.jsonl:7, solution '3', images ['/data/a.png'])': what a user needs to find the row."""
+    text = f"sample {index}" + (f" at {when}" if when else "")
+    row = []
+    if sources is not None and index < len(sources) and sources[index]:
+        row.append(f"row {sources[index]}")
+    for key in ("solution", "image", "images"):
+        values = (columns or {}).get(key)
+        if values is not None and index < len(values) and not _is_empty(values[index]):
+            row.append(f"{key} {_short(values[index])}")
+    return f"{text} ({', '.join(row)})" if row else text
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0)
+
+
+def _locate_failure(name, fn, prompts, completions, columns, error: Exception,
+                    where: Callable[[int], str] | None = None) -> RewardError:
+    """Re-run a failing reward one sample at a time to say which sample makes it raise, and where in its code."""
+    where = where or (lambda i: f"sample {i}")
     for i in range(len(completions)):
         try:
             fn(prompts=[prompts[i]], completions=[completions[i]], **{k: [v[i]] for k, v in columns.items()})
         except Exception as e:
             return RewardError(
-                f"reward {name!r} raised on sample {i} (prompt {_short(prompts[i])}, completion {_short(completions[i])}): "
-                f"{type(e).__name__}: {e}"
+                f"reward {name!r} raised on {where(i)}, prompt {_short(prompts[i])}, completion {_short(completions[i])}: "
+                f"{type(e).__name__}: {_one_line(e)}{raised_at(fn, e)}"
             )
     return RewardError(
-        f"reward {name!r} raised on the batch of {len(completions)} but on no single sample: {type(error).__name__}: {error}"
+        f"reward {name!r} raised on the batch of {len(completions)} but on no single sample: {type(error).__name__}: "
+        f"{_one_line(error)}{raised_at(fn, error)}"
     )
+
+
+def raised_at(fn: RewardFn, error: BaseException) -> str:
+    """' (at path/to/rewards.py:12 in my_reward)': the innermost line of the reward function's own file in the error's
+    traceback (where the user looks, even when the error came from a library it called); else the innermost line
+    outside vlmrl; '' when there is none."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    if not frames:
+        return ""
+    own_file = _source_file(fn)
+    own = [f for f in frames if own_file and os.path.abspath(f.filename) == own_file]
+    frame = (own or frames)[-1]
+    return f" (at {frame.filename}:{frame.lineno} in {frame.name})"
+
+
+def _source_file(fn: Any) -> str | None:
+    """The file that defines a reward function (plain function, partial, bound method or callable object)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(target))
+    except (TypeError, ValueError):
+        return None
+    return os.path.abspath(path) if path else None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def _short(value: Any, limit: int = 80) -> str:

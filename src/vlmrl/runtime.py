@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import EMBEDDED_MODEL, Config
+from .config import EMBEDDED_MODEL, Config, ConfigError
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"training.device={name!r} but CUDA is not available; use training.device=cpu")
+        raise ConfigError(f"training.device={name!r} but CUDA is not available; use training.device=cpu")
     return torch.device(name)
 
 
@@ -38,16 +39,35 @@ def load_policy(cfg: Config, device: torch.device, model_path: str | None = None
     """(model, processor) from cfg.model, on `device`, with freezing / LoRA applied."""
     import dataclasses
 
-    from .models import load_model
+    from .models import load_model, require_complete_model_folder
     from .processing import load_processor
 
     path = resolve_model_path(model_path or cfg.model.name_or_path)
+    if not cfg.model.allow_hub_download or Path(path).expanduser().exists():
+        require_complete_model_folder(path)  # every missing piece named now, not a crash in step 1
     model_cfg = dataclasses.replace(cfg.model, name_or_path=path)
-    model = load_model(model_cfg).to(device)
+    with hf_progress_bars(cfg.logging.progress_bar):
+        model = load_model(model_cfg).to(device)
     processor = load_processor(
         path, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
     )
     return model, processor
+
+
+@contextlib.contextmanager
+def hf_progress_bars(enabled: bool):
+    """transformers' own progress bars (weight loading) follow logging.progress_bar, so that with it off stderr
+    holds only warnings and errors."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not enabled:
+            hf_logging.enable_progress_bar()
 
 
 @dataclass
@@ -57,8 +77,11 @@ class Datasets:
     reports: list[str]
 
 
-def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
-    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set."""
+def load_datasets(cfg: Config, need_train: bool = True, processor=None) -> Datasets:
+    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set.
+
+    Images are checked against what the model's processor accepts (`image_shape_check`); without `processor`
+    the model folder's processor is loaded for that."""
     from .data import load_dataset_split
     from .tasks import TASKS
 
@@ -73,34 +96,65 @@ def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
         train_path = train_path or str(files["train"])
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []
+    checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
     train_rows: list[dict] = []
     if need_train:
-        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
+        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
         reports.append(f"train {train_path}: {rep.summary()}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
+        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
         reports.append(f"eval {eval_path}: {rep.summary()}")
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
 
 
+def image_shape_check(cfg: Config, processor=None):
+    """The check of image sizes against the model's image processor (processing.ImageShapeCheck)."""
+    from .processing import ImageShapeCheck, load_processor
+
+    if processor is None:
+        processor = load_processor(resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code,
+                                   min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
+                                   local_files_only=not cfg.model.allow_hub_download)
+    return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
+
+
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
-    from .data import load_images
+    from .data import load_images, shared_image_cache
     from .processing import build_prompt, encode_prompts
 
-    images = [load_images(r["images"][: cfg.data.limit_images], cfg.data.min_pixels, cfg.data.max_pixels) for r in rows]
+    d = cfg.data
+    cache = shared_image_cache(d.image_cache_mb)
+    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
+              for r in rows]
     texts = [build_prompt(processor, r["problem"], len(imgs), cfg.data.system_prompt) for r, imgs in zip(rows, images)]
-    batch = encode_prompts(processor, texts, images)
+    try:
+        batch = encode_prompts(processor, texts, images)
+    except ValueError as e:  # what validation could not foresee still names the rows
+        raise _rows_error(rows, images, e) from e
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _rows_error(rows: list[dict], images: list[list], error: Exception):
+    """DataError naming each row of a batch the processor refused, with its image sizes after resizing."""
+    from .data import DataError
+
+    described = "; ".join(f"{r.get('_source', '?')} (images {[f'{im.width}x{im.height}' for im in imgs]})" for r, imgs in zip(rows, images))
+    return DataError(f"the processor refused a batch of rows: {described}: {type(error).__name__}: {' '.join(str(error).split())}")
 
 
 def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
     """Dataset columns for reward functions, each row repeated once per completion (TRL's convention)."""
     keys = [k for k in rows[0] if not k.startswith("_")]
     return {k: [r.get(k) for r in rows for _ in range(repeats)] for k in keys}
+
+
+def row_sources(rows: list[dict], repeats: int) -> list[str]:
+    """Each completion's dataset row as ``file:line`` (the rows' ``_source``), aligned with `reward_columns`, for messages."""
+    return [str(r.get("_source", "")) for r in rows for _ in range(repeats)]
 
 
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
@@ -112,6 +166,6 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     # A file reward is logged under its function's name unless two rewards share it.
     keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"algorithm.reward_funcs lists the same reward twice: {names}")
+        raise ConfigError(f"algorithm.reward_funcs lists the same reward twice: {names}")
     funcs = {k: load_reward(n) for k, n in zip(keys, names)}
     return funcs, dict(zip(keys, weights))

@@ -62,7 +62,7 @@ def sft(cfg: Config, log=print) -> dict:
     device = resolve_device(cfg.training.device)
     seed_everything(cfg.training.seed)
     model, processor = load_policy(cfg, device)
-    data = load_datasets(cfg)
+    data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
     sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)

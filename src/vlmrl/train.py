@@ -29,7 +29,8 @@ from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
-from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
+from .runtime import (encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, row_sources,
+                      seed_everything)
 
 
 class NonFiniteStop(RuntimeError):
@@ -166,7 +167,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             with phase("rollout", phases):
                 samples = rollout(run, step)
             with phase("rewards", phases):
-                rewards = reward_and_advantages(run, samples)
+                rewards = reward_and_advantages(run, samples, step)
             with phase("scoring", phases):
                 scores = score(run, samples, rewards)
             with phase("update", phases):
@@ -227,7 +228,7 @@ def start_run(cfg: Config, log) -> Run:
     model, processor = load_policy(cfg, device)
     reference = make_reference(model, cfg, device, fresh=resume_from is not None)
     with dist.main_first():  # the built-in task's files are written once
-        data = load_datasets(cfg)
+        data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
@@ -335,13 +336,13 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
 
 
 # ---------------------------------------------------------------- 2. rewards and advantages
-def reward_and_advantages(run: Run, samples: Rollout) -> Rewards:
+def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
     """Rewards of this process's rows, gathered over processes so that advantages see whole groups and the whole
     batch (algorithm.advantage_estimator), then this process's rows of the advantages."""
     cfg, dist = run.cfg, run.dist
     G = cfg.rollout.num_generations
     local, per_reward = compute_rewards(run.reward_funcs, run.reward_weights, samples.prompt_texts, samples.texts,
-                                        reward_columns(samples.rows, G))
+                                        reward_columns(samples.rows, G), when=f"step {step}", sources=row_sources(samples.rows, G))
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
     advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G)
