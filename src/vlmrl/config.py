@@ -100,6 +100,9 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
+    completion_format: Literal["text", "conversational"] = _f(
+        "text", "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
+        "read them: completion[0]['content']); built-in rewards take both.")
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,25 @@ def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
     return {k: [r.get(k) for r in rows for _ in range(repeats)] for k in keys}
 
 
+def score_rollout(cfg: Config, funcs: dict, weights: dict, rows: list[dict], repeats: int, texts: list[str], comp=None,
+                  step: int = 0, num_rows: int | None = None) -> tuple[list[float], dict]:
+    """Rewards of `texts` (``repeats`` completions per row, in order), called the way TRL calls them: prompts and
+    completions in algorithm.completion_format, the dataset columns, ``completion_ids`` (each completion's ids up
+    to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
+    ``num_rows`` training rows). Returns `compute_rewards`' (total, per_reward)."""
+    from .rewards import TrainerState, compute_rewards, reward_inputs
+
+    prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt,
+                                         cfg.data.limit_images)
+    completion_ids = None
+    if comp is not None:
+        completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
+    epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
+    state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
+    return compute_rewards(funcs, weights, prompts, completions, reward_columns(rows, repeats),
+                           completion_ids=completion_ids, trainer_state=state)
+
+
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     from .rewards import load_reward
 

@@ -20,9 +20,9 @@ from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import completion_logps_for
-from .rewards import compute_rewards, reward_stats
+from .rewards import reward_stats
 from .rollout import Completions, generate
-from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
+from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
 
 
 def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
@@ -152,7 +152,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             # 2. Rewards, 3. advantages.
             texts = decode(processor, comp.ids)
             prompt_texts = [row["problem"] for row in rows for _ in range(G)]
-            total, per_reward = compute_rewards(reward_funcs, reward_weights, prompt_texts, texts, reward_columns(rows, G))
+            total, per_reward = score_rollout(cfg, reward_funcs, reward_weights, rows, G, texts, comp, step, len(data.train))
             # The whole step's rewards (every process's rows, global order): advantages over whole groups and batch.
             all_total, all_per_reward, all_lengths, all_truncated = dist.gather_rollout(shard, total, per_reward, comp)
             rewards = torch.tensor(all_total, dtype=torch.float32)
