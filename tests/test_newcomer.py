@@ -71,3 +71,29 @@ def test_trl_and_vlmr1_rewards_run_inside_train(tiny_qwen25vl, count_data, tmp_p
     assert final["eval/vlmr1_accuracy"] == final["eval/accuracy"]  # the same judgement through both forms
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["rewards/trl_length/mean"] > 0 for m in metrics)
+
+
+def embed_images(jsonl, out_parquet):
+    """The count task rewritten as a hub-style parquet: a datasets.Image column holding the PNG bytes."""
+    import datasets
+    from PIL import Image
+
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    images = [Image.open(jsonl.parent / r["image"]).convert("RGB") for r in rows]
+    ds = datasets.Dataset.from_dict({"image": images, "problem": [r["problem"] for r in rows],
+                                     "solution": [str(r["solution"]) for r in rows]},
+                                    features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
+                                                                "solution": datasets.Value("string")}))
+    ds.to_parquet(str(out_parquet))
+    return out_parquet
+
+
+def test_train_on_a_dataset_with_embedded_images(tiny_qwen25vl, count_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLMRL_CACHE", str(tmp_path / "cache"))
+    train_set = embed_images(count_data["train"], tmp_path / "train.parquet")
+    test_set = embed_images(count_data["test"], tmp_path / "test.parquet")
+    out = tmp_path / "run"
+    final = train(small_cfg(tiny_qwen25vl, train_set, test_set, out, "algorithm.reward_funcs=[accuracy, answer_format]",
+                            "logging.log_completions=1"))
+    assert final["eval/num_samples"] == 4.0
+    assert len(list((tmp_path / "cache" / "images").glob("*.png"))) == 20  # 16 train + 4 test images, spilled once each
