@@ -174,6 +174,7 @@ class LoggingConfig:
     progress_bar: bool = _f(True, "Show a live progress bar.")
     log_completions: int = _f(4, "Completions per step written to samples.jsonl.")
     report: bool = _f(True, "Draw output_dir/report.png at the end.")
+    no_signal_warn_steps: int = _f(5, "Warn when every group's rewards are equal (no gradient) for this many steps in a row; 0 = never.")
 
 
 @dataclass(frozen=True)
@@ -419,6 +420,7 @@ def validate(cfg: Config) -> None:
          "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)"),
         (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
+        (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
         (all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
          f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}"),
         (t.auto_fit_gpu_memory_gib is None or t.auto_fit_gpu_memory_gib > 0,

@@ -328,16 +328,31 @@ class ValidationReport:
             counts[p.kind] = counts.get(p.kind, 0) + 1
         return counts
 
+    def skipped_sources(self) -> list[str]:
+        """The ``file:line`` of each skipped row, in file order, once each."""
+        return list(dict.fromkeys(p.source for p in self.problems))
+
+    def skipped_sources_text(self, limit: int = 5) -> str:
+        """'rows a.jsonl:2, a.jsonl:7 and 3 more': which rows skip_bad_rows dropped, the first few named."""
+        sources = self.skipped_sources()
+        more = f" and {len(sources) - limit} more" if len(sources) > limit else ""
+        return "rows " + ", ".join(sources[:limit]) + more
+
     def summary(self) -> str:
         parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images"]
         if self.skipped_rows:
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.problem_counts.items()))
-            parts.append(f"{self.skipped_rows} bad rows skipped ({kinds})")
+            parts.append(f"{self.skipped_rows} bad rows skipped ({kinds}; {self.skipped_sources_text()})")
         if self.truncated_rows:
             parts.append(f"{self.truncated_rows} rows over limit_images ({self.dropped_images} images dropped)")
         if self.text_only_rows:
             parts.append(f"{self.text_only_rows} text-only rows")
         return "; ".join(parts)
+
+
+def bad_rows_records(report: ValidationReport) -> list[dict]:
+    """One record per problem of the skipped rows, ``{"source", "field", "kind", "reason"}``, for bad_rows.jsonl."""
+    return [{"source": p.source, "field": p.field, "kind": p.kind, "reason": p.reason} for p in report.problems]
 
 
 def validate_rows(

@@ -57,8 +57,35 @@ class Datasets:
     reports: list[str]
 
 
-def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
-    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set."""
+# Datasets validated by the preflight (cli.py), handed once to the run's own load_datasets call with the same settings.
+_VALIDATED: dict[str, Datasets] = {}
+
+
+def _datasets_key(cfg: Config, need_train: bool) -> str:
+    import json
+
+    from .config import to_dict
+
+    return json.dumps([to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train],
+                      sort_keys=True, default=str)
+
+
+def load_datasets(cfg: Config, need_train: bool = True, keep_for_run: bool = False) -> Datasets:
+    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set.
+
+    ``keep_for_run``: the preflight validated them; the next call with the same settings gets them without
+    reading every row again (once: they are not held after that)."""
+    key = _datasets_key(cfg, need_train)
+    if key in _VALIDATED:
+        return _VALIDATED.pop(key)
+    data = _load_datasets(cfg, need_train)
+    if keep_for_run:
+        _VALIDATED.clear()
+        _VALIDATED[key] = data
+    return data
+
+
+def _load_datasets(cfg: Config, need_train: bool) -> Datasets:
     from .data import load_dataset_split
     from .tasks import TASKS
 
@@ -76,14 +103,38 @@ def load_datasets(cfg: Config, need_train: bool = True) -> Datasets:
     train_rows: list[dict] = []
     if need_train:
         train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
-        reports.append(f"train {train_path}: {rep.summary()}")
+        reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
         eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
-        reports.append(f"eval {eval_path}: {rep.summary()}")
+        reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+
+
+def record_bad_rows(cfg: Config, split: str, report) -> str:
+    """Every problem of the rows data.skip_bad_rows dropped, one JSON line each (``split``, ``source`` = file:line,
+    ``field``, ``kind``, ``reason``), in output_dir/bad_rows.jsonl (rewritten per split each run, main process only).
+    Returns the text that points the report line to that file ('' when nothing was dropped)."""
+    import json
+
+    from .data import bad_rows_records
+    from .distributed import env_world
+
+    path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
+    if env_world()[1] == 0:
+        from .tracking import read_jsonl
+
+        # The other split's lines stay (train and eval load one after the other); unreadable lines go.
+        kept = [json.dumps(r, ensure_ascii=False) for r in read_jsonl(path) if isinstance(r, dict) and r.get("split") != split]
+        lines = kept + [json.dumps({"split": split, **r}, ensure_ascii=False) for r in bad_rows_records(report)]
+        if lines:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        elif path.exists():
+            path.unlink()
+    return f" (all listed in {path})" if report.skipped_rows else ""
 
 
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:

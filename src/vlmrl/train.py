@@ -22,6 +22,7 @@ from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import completion_logps_for
 from .rewards import reward_stats
 from .rollout import Completions, generate
+from .signals import warn_if_no_learning_signal
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
 
 
@@ -269,6 +270,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             metrics = dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
             metrics.update(prediction_vs_measured(plan, metrics, logger.info))
             warn_if_near_capacity(metrics, cfg.memory.warn_fraction, logger.info)
+            warn_if_no_learning_signal(metrics, cfg, state, logger.info)
             logger.log(step, metrics)
             if cfg.logging.log_completions:
                 logger.log_samples(step, [
