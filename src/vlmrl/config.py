@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -171,6 +171,7 @@ class MemoryConfig:
 class LoggingConfig:
     logging_steps: int = _f(1, "Write TensorBoard scalars every this many steps (metrics.jsonl gets every step).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tb.")
+    report_to: Union[list[str], str] = _f(["tensorboard"], "Trackers (TRL's report_to): tensorboard, wandb (WANDB_MODE=offline honoured), mlflow, all, none.")
     progress_bar: bool = _f(True, "Show a live progress bar.")
     log_completions: int = _f(4, "Completions per step written to samples.jsonl.")
     report: bool = _f(True, "Draw output_dir/report.png at the end.")
@@ -420,6 +421,7 @@ def validate(cfg: Config) -> None:
          "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)"),
         (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
+        (_report_to_problem(cfg.logging.report_to) is None, f"{_report_to_problem(cfg.logging.report_to)}"),
         (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
         (all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
          f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}"),
@@ -431,6 +433,16 @@ def validate(cfg: Config) -> None:
     problems = [msg for ok, msg in rules if not ok]
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _report_to_problem(report_to: list[str] | str) -> str | None:
+    from .tracking import resolve_report_to
+
+    try:
+        resolve_report_to(report_to)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------- output

@@ -28,6 +28,8 @@ def preflight(cfg: Config, command: str, log=print) -> None:
     """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind."""
     if command == "eval":
         check_eval_data(cfg)
+    elif command in ("train", "sft", "check"):
+        check_trackers(cfg)
     check_model_folder(cfg)
     from .runtime import load_datasets, load_reward_funcs
 
@@ -43,6 +45,15 @@ def preflight(cfg: Config, command: str, log=print) -> None:
     rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
+
+
+def check_trackers(cfg: Config) -> None:
+    """ConfigError when a tracker in logging.report_to needs a package that is not installed (found without importing it)."""
+    from .tracking import missing_tracker_packages, resolve_report_to
+
+    missing = missing_tracker_packages(resolve_report_to(cfg.logging.report_to))
+    if missing:
+        raise ConfigError(missing[0])
 
 
 # ---------------------------------------------------------------------------------------------------

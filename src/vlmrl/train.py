@@ -42,7 +42,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     from .models import save_model
     from .processing import decode, select_rows
     from .rollout import eos_token_ids
-    from .tracking import RunLogger
+    from .tracking import RunLogger, tracker_options
 
     out = Path(cfg.training.output_dir)
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
@@ -88,7 +88,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
 
     logger = RunLogger(out, total_steps=cfg.training.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
-                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO",
+                       **tracker_options(cfg), progress=cfg.logging.progress_bar, desc="GRPO",
                        is_main_process=dist.is_main)
 
     def run_eval() -> dict:
