@@ -161,11 +161,11 @@ def check_eval_data(cfg: Config) -> None:
     if cfg.data.eval_path:
         return
     if cfg.data.train_path:
-        raise ConfigError(f"vlmrl eval: data.eval_path is empty (data.train_path={cfg.data.train_path} is your data); set "
+        raise ConfigError(f"data.eval_path is empty (data.train_path={cfg.data.train_path} is your data); set "
                           "data.eval_path=<held-out file> so eval scores your data, not the built-in task")
     if cfg.model.name_or_path == EMBEDDED_MODEL or trained_on_builtin_task(Path(cfg.model.name_or_path).expanduser()):
         return
-    raise ConfigError(f"vlmrl eval: data.eval_path is empty; set data.eval_path=<held-out file> to score "
+    raise ConfigError(f"data.eval_path is empty; set data.eval_path=<held-out file> to score "
                       f"{cfg.model.name_or_path} (only the embedded model or a run on the built-in task falls back to the "
                       f"built-in {cfg.data.task!r} task)")
 

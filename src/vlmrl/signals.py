@@ -31,9 +31,10 @@ def no_signal_message(streak: int, metrics: dict, cfg: Config) -> str:
     if truncated is not None and truncated >= 0.5:
         cause += f"; {truncated:.0%} of completions hit rollout.max_completion_length={r.max_completion_length} (raise it)"
     return (f"WARNING: no learning signal for {streak} steps: every group's rewards are equal (frac_reward_zero_std = 1), so "
-            f"advantages and the policy gradient are zero. Likely: {cause}. Also check optim.learning_rate={o.learning_rate:g} "
-            f"(too low to move a small model), rollout.temperature={r.temperature:g} (too low: samples alike), "
-            f"rollout.num_generations={r.num_generations}.")
+            f"advantages and the policy gradient are zero. Likely: {cause}. Settings to check: optim.learning_rate={o.learning_rate:g} "
+            f"(small or untrained models need larger rates; the demo's GRPO uses 3e-4 after SFT), rollout.temperature={r.temperature:g} "
+            f"(low temperatures make a group's samples alike), rollout.num_generations={r.num_generations} (more samples per "
+            "prompt find more reward differences). (logging.no_signal_warn_steps sets when this warns.)")
 
 
 def warn_if_no_learning_signal(metrics: dict, cfg: Config, state: dict, warn) -> None:
