@@ -159,7 +159,7 @@ def test_skip_bad_rows_keeps_good_rows_and_counts_kinds(tmp_path):
                                      "malformed": 2, "empty_field": 1}
     assert report.summary() == (
         "1 of 11 rows kept, 1 images; 10 bad rows skipped (bad_image: 2, empty_field: 1, malformed: 2, "
-        "missing_field: 1, missing_image: 1, wrong_type: 4)"
+        f"missing_field: 1, missing_image: 1, wrong_type: 4; rows {path}:2, 3, 4, 5, 6 and 5 more)"
     )
 
 

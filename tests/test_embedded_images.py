@@ -120,3 +120,19 @@ def test_truncated_cache_file_is_rewritten(tmp_path, cache):
     assert row2["image"] == row["image"]
     with open(row["image"], "rb") as f:
         assert f.read() == data
+
+
+def test_hub_style_parquet_shards_by_pattern(tmp_path, cache):
+    shards = tmp_path / "data"
+    shards.mkdir()
+    for i, colour in enumerate(["red", "green", "blue"]):
+        ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", (4, 4), colour)], "problem": [f"q{i}"], "solution": ["s"]},
+                                        features=FEATURES)
+        ds.to_parquet(str(shards / f"train-{i:05d}-of-00003.parquet"))
+    (shards / "test-00000-of-00001.parquet").write_bytes(b"not read")
+    rows, _ = load_dataset_split(f"{shards}/train-*.parquet", limit_images=None, skip_bad_rows=False)
+    assert [r["problem"] for r in rows] == ["q0", "q1", "q2"]
+    assert rows[2]["_source"] == f"{shards / 'train-00002-of-00003.parquet'}:row 0"
+    assert [_pixel(r["images"][0]) for r in rows] == [(255, 0, 0), (0, 128, 0), (0, 0, 255)]
+    with pytest.raises(DataError, match="no file matches"):
+        load_rows(f"{shards}/val-*.parquet")

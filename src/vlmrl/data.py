@@ -69,7 +69,8 @@ def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malform
     Formats: ``.jsonl`` (one object per line; blank lines are ignored), ``.json`` (a list of objects, or
     ``{"data": [...]}``; a ``.json`` file holding JSON lines, as ``Dataset.to_json`` writes, is read as
     JSONL), ``.parquet``, or a ``datasets.save_to_disk`` folder (a DatasetDict needs a split:
-    ``split=`` or ``path::split``). Rows are returned as read; `validate_rows` checks them.
+    ``split=`` or ``path::split``). A pattern in the file name (``data/train-*.parquet``) reads every
+    matching file in name order. Rows are returned as read; `validate_rows` checks them.
 
     A malformed JSONL line or a row that is not an object raises DataError naming the file and line,
     unless ``keep_malformed``: then it becomes ``{"_source": ..., "_malformed": reason}`` so that
@@ -83,6 +84,8 @@ def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malform
     if split is not None and inline_split is not None and split != inline_split:
         raise DataError(f"{path}: split given twice ({inline_split!r} in the path, {split!r} as argument)")
     split = split or inline_split
+    if any(ch in path.name for ch in "*?[") and split is None:
+        return _load_shards(path, keep_malformed, cache)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if path.is_dir():
@@ -103,6 +106,18 @@ def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malform
         for row in rows:
             if "_malformed" in row:
                 raise DataError(f"{row['_source']}: {row['_malformed']}")
+    return rows
+
+
+def _load_shards(pattern: Path, keep_malformed: bool, cache: Path) -> list[dict]:
+    """Every file matching a file-name pattern (``data/train-*.parquet``, how hub datasets ship their shards), in
+    name order; each row keeps its own file in ``_source``."""
+    files = sorted(p for p in pattern.parent.glob(pattern.name) if p.is_file())
+    if not files:
+        raise DataError(f"{pattern}: no file matches this pattern")
+    rows: list[dict] = []
+    for file in files:
+        rows += load_rows(file, keep_malformed=keep_malformed, image_cache=cache)
     return rows
 
 
@@ -333,10 +348,16 @@ class ValidationReport:
         return list(dict.fromkeys(p.source for p in self.problems))
 
     def skipped_sources_text(self, limit: int = 5) -> str:
-        """'rows a.jsonl:2, a.jsonl:7 and 3 more': which rows skip_bad_rows dropped, the first few named."""
+        """'rows a.jsonl:2, 7, b.jsonl:4 and 3 more': which rows skip_bad_rows dropped, the first few named
+        (a row of the same file as the one before it by its line / row number alone)."""
         sources = self.skipped_sources()
+        shown, previous_file = [], None
+        for source in sources[:limit]:
+            file, sep, where = source.rpartition(":")
+            shown.append(where if sep and file == previous_file else source)
+            previous_file = file if sep else None
         more = f" and {len(sources) - limit} more" if len(sources) > limit else ""
-        return "rows " + ", ".join(sources[:limit]) + more
+        return "rows " + ", ".join(shown) + more
 
     def summary(self) -> str:
         parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images"]
