@@ -207,3 +207,15 @@ def test_train_warns_when_rewards_are_constant(tiny_qwen25vl, count_data, tmp_pa
     assert [m for m in logged if m.startswith("WARNING: no learning signal for 2 steps")]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["no_signal_steps"] for r in rows] == [1, 2]
+
+
+def test_report_shades_no_signal_steps_and_bar_shows_them(tmp_path):
+    from vlmrl.report import make_report, no_signal_spans
+    from vlmrl.tracking import RunLogger
+
+    rows = [{"step": s, "frac_reward_zero_std": f} for s, f in [(1, 1.0), (2, 1.0), (3, 0.5), (4, 1), (6, 1.0), (7, 1.0)]]
+    assert no_signal_spans(rows) == [(1.0, 2.0), (4.0, 4.0), (6.0, 7.0)]
+    assert RunLogger._summary({"reward": 0.0, "no_signal_steps": 3}) == "reward=0 no-signal=3"
+    assert RunLogger._summary({"reward": 0.0, "no_signal_steps": 0}) == "reward=0"
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**r, "reward": 0.0}) for r in rows))
+    assert make_report(tmp_path).stat().st_size > 0

@@ -340,6 +340,8 @@ class RunLogger:
         mem = metrics.get("mem/gpu_peak_allocated", metrics.get("mem/host_peak_rss"))
         if mem is not None:
             parts.append(f"mem={_short(mem)}G")
+        if metrics.get("no_signal_steps"):  # steps in a row with zero advantages (signals.py)
+            parts.append(f"no-signal={metrics['no_signal_steps']}")
         return " ".join(parts)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
