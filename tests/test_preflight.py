@@ -163,6 +163,11 @@ def test_skipped_rows_are_named_and_written(count_data, tmp_path):
     records = [json.loads(x) for x in (tmp_path / "out" / "bad_rows.jsonl").read_text().splitlines()]
     assert [r["source"] for r in records if r["split"] == "train"] == [f"{data}:{i}" for i in range(2, 9)]
     assert len(records) == 14 and records[0]["reason"] == "missing" and records[0]["field"] == "solution"
+    runtime.load_datasets(cfg)  # run again: the file is rewritten, not appended to
+    assert len((tmp_path / "out" / "bad_rows.jsonl").read_text().splitlines()) == 14
+    data.write_text(lines[0] + "\n")  # data fixed: no stale list left behind
+    runtime.load_datasets(cfg)
+    assert not (tmp_path / "out" / "bad_rows.jsonl").exists()
 
 
 # -- no learning signal ----------------------------------------------------------------------------------------------
