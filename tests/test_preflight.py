@@ -224,3 +224,12 @@ def test_report_shades_no_signal_steps_and_bar_shows_them(tmp_path):
     assert RunLogger._summary({"reward": 0.0, "no_signal_steps": 0}) == "reward=0"
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({**r, "reward": 0.0}) for r in rows))
     assert make_report(tmp_path).stat().st_size > 0
+
+
+def test_a_column_named_like_a_reward_argument_is_a_data_error(tiny_qwen25vl, tmp_path, capsys, no_model_load, count_data):
+    row = json.loads(count_data["train"].read_text().splitlines()[0])
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({**row, "image": str(count_data["train"].parent / row["image"]), "completion_ids": 3}) + "\n")
+    code, err, _ = run_cli(capsys, "check", f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data}",
+                           f"training.output_dir={tmp_path / 'o'}")
+    assert code == 2 and f"{data}:1: dataset column 'completion_ids' clashes" in err and "Traceback" not in err

@@ -146,8 +146,13 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
 
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
-    compute_rewards(funcs, weights, prompts, completions, reward_columns(rows, 1), completion_ids=[[0] for _ in rows],
-                    trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps))
+    try:
+        compute_rewards(funcs, weights, prompts, completions, reward_columns(rows, 1), completion_ids=[[0] for _ in rows],
+                        trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps))
+    except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
+        from .data import DataError
+
+        raise DataError(f"{rows[0].get('_source', 'data')}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
