@@ -22,8 +22,8 @@ from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import completion_logps_for
 from .rewards import reward_stats
 from .rollout import Completions, generate
-from .signals import warn_if_no_learning_signal
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
+from .signals import warn_if_no_learning_signal
 
 
 def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
