@@ -81,7 +81,7 @@ def test_cli_refuses_incomplete_model_before_loading(model_copy, count_data, cap
     code, err, seconds = run_cli(capsys, "train", f"model.name_or_path={model_copy}", f"data.train_path={count_data['train']}",
                                  f"training.output_dir={tmp_path / 'out'}")
     assert code == 2 and err.startswith("vlmrl train: model folder") and "no tokenizer files" in err
-    assert "Traceback" not in err and seconds < 5
+    assert "Traceback" not in err and seconds < 10  # generous on a shared machine; no_model_load is the real guarantee
 
 
 def test_cli_broken_data_fails_fast_with_model_present(tiny_qwen25vl, count_data, capsys, no_model_load, tmp_path):
@@ -93,7 +93,7 @@ def test_cli_broken_data_fails_fast_with_model_present(tiny_qwen25vl, count_data
         code, err, seconds = run_cli(capsys, command, f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={bad}",
                                      f"training.output_dir={tmp_path / 'out'}")
         assert code == 2 and f"{bad}:2: solution: missing" in err and f"{bad}:3: row: invalid JSON" in err
-        assert seconds < 5
+        assert seconds < 10  # generous on a shared machine; no_model_load is the real guarantee
 
 
 def test_cli_reward_problems_fail_before_loading(tiny_qwen25vl, count_data, capsys, no_model_load, tmp_path):
