@@ -100,6 +100,8 @@ def test_cli_reward_problems_fail_before_loading(tiny_qwen25vl, count_data, caps
     base = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={count_data['train']}", f"training.output_dir={tmp_path / 'o'}"]
     code, err, _ = run_cli(capsys, "train", *base, "algorithm.reward_funcs=[acurracy]")
     assert code == 2 and "did you mean 'accuracy'?" in err
+    code, err, _ = run_cli(capsys, "train", *base, "algorithm.reward_funcs=[accuracy, accuracy]")
+    assert code == 2 and err == "vlmrl train: algorithm.reward_funcs lists the same reward twice: ['accuracy', 'accuracy']"
     rewards = tmp_path / "r.py"
     rewards.write_text(VLMR1_REWARD)
     # A VLM-R1 reward with string completions fails now, on a real row, saying which switch makes it run.

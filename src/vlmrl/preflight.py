@@ -31,11 +31,13 @@ def preflight(cfg: Config, command: str, log=print) -> None:
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
     check_model_folder(cfg)
+    from .distributed import env_world
     from .runtime import load_datasets, load_reward_funcs
 
-    from .distributed import env_world
-
-    funcs, weights = load_reward_funcs(cfg)  # unknown names, missing files, import errors
+    try:
+        funcs, weights = load_reward_funcs(cfg)  # unknown names (RewardError), missing files, import errors
+    except ValueError as e:  # the same reward listed twice
+        raise ConfigError(str(e)) from None
     if env_world()[1] != 0:
         return  # several processes: the main one reads the data (the built-in task's files are written once)
     data = load_datasets(cfg, need_train=command != "eval", keep_for_run=command != "check")
