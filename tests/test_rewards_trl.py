@@ -173,3 +173,16 @@ def test_reward_spec_typos_get_did_you_mean(tmp_path):
         load_reward(f"{f}:count_rewad")
     with pytest.raises(RewardError, match=r"did you mean .*my_rewards.py\?"):
         load_reward(f"{tmp_path / 'my_reward.py'}:count_reward")
+
+
+def test_builtin_rewards_give_the_same_values_in_both_forms():
+    from vlmrl.rewards import BUILTIN_REWARDS
+
+    rows = [{"problem": "Where?", "solution": "[1, 2, 5, 6]"}, {"problem": "How many?", "solution": "3"}]
+    texts = ["<think>x</think><answer>[1, 2, 5, 7]</answer>", "<answer>[0,0,1,1]</answer>", "<answer>3</answer>", "3"]
+    columns = {"solution": [r["solution"] for r in rows for _ in range(2)]}
+    weights = dict.fromkeys(BUILTIN_REWARDS, 1.0)
+    results = [compute_rewards(BUILTIN_REWARDS, weights, *reward_inputs(rows, texts, 2, form), columns)
+               for form in ("text", "conversational")]
+    assert results[0] == results[1]
+    assert results[0][1]["format"] == [1.0, 0.0, 0.0, 0.0] and results[0][1]["accuracy"][2:] == [1.0, 0.0]
