@@ -87,15 +87,16 @@ def test_json_parquet_and_load_from_disk(good_dir):
         load_rows(good_dir / "missing.jsonl")
 
 
-def test_embedded_image_column_is_a_clear_error(good_dir):
+def test_embedded_image_column_is_read(good_dir, tmp_path, monkeypatch):
     import datasets
 
+    monkeypatch.setenv("VLMRL_CACHE", str(tmp_path / "cache"))
     ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", (4, 4))], "problem": ["p"], "solution": ["s"]},
                                     features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
                                                                 "solution": datasets.Value("string")}))
     ds.save_to_disk(str(good_dir / "emb"))
-    with pytest.raises(DataError, match=r"emb:row 0: image: expected a path string, got embedded image data"):
-        load_dataset_split(good_dir / "emb", limit_images=None, skip_bad_rows=False)
+    (row,), _ = load_dataset_split(good_dir / "emb", limit_images=None, skip_bad_rows=False)
+    assert row["images"][0].startswith(str(tmp_path / "cache" / "images"))  # more cases: tests/test_embedded_images.py
 
 
 def _bad_rows_file(d):
@@ -158,7 +159,7 @@ def test_skip_bad_rows_keeps_good_rows_and_counts_kinds(tmp_path):
                                      "malformed": 2, "empty_field": 1}
     assert report.summary() == (
         "1 of 11 rows kept, 1 images; 10 bad rows skipped (bad_image: 2, empty_field: 1, malformed: 2, "
-        "missing_field: 1, missing_image: 1, wrong_type: 4)"
+        f"missing_field: 1, missing_image: 1, wrong_type: 4; rows {path}:2, 3, 4, 5, 6 and 5 more)"
     )
 
 

@@ -83,10 +83,22 @@ def test_training_reports_the_step_row_and_line(tiny_qwen25vl, reward_file, tmp_
             f"algorithm.reward_funcs=[{reward_file}:picky]", "training.max_steps=1", "rollout.num_generations=2",
             "training.per_device_train_batch_size=4", "rollout.max_completion_length=3", "logging.progress_bar=false",
             "logging.tensorboard=false", "logging.report=false"]
+    # The check before training calls the reward on the rows (their solutions as completions) and finds it first.
     assert main(["train", *args]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert line.startswith(f"vlmrl train: reward 'picky' raised on sample 2 at step 1 (row {data}:2, solution '7', images ['{tmp_path / 'a.png'}'])")
+    assert line.startswith(f"vlmrl train: reward 'picky' raised on sample 1 at the check before training (the row's solution as the "
+                           f"completion) (row {data}:2, solution '7', images ['{tmp_path / 'a.png'}'])")
     assert line.endswith(f"(at {reward_file}:8 in picky)")
+    # Inside the loop (no check before it) the step is named.
+    from vlmrl.config import load_config
+    from vlmrl.rewards import RewardError
+    from vlmrl.train import train
+
+    with pytest.raises(RewardError) as raised:
+        train(load_config(None, args))
+    message = str(raised.value)
+    assert message.startswith(f"reward 'picky' raised on sample 2 at step 1 (row {data}:2, solution '7', images ['{tmp_path / 'a.png'}'])")
+    assert message.endswith(f"(at {reward_file}:8 in picky)")
 
 
 def test_a_1e39_reward_stops_training_instead_of_poisoning_the_weights(tiny_qwen25vl, reward_file, tmp_path, capsys):
@@ -97,5 +109,14 @@ def test_a_1e39_reward_stops_training_instead_of_poisoning_the_weights(tiny_qwen
             "logging.tensorboard=false", "logging.report=false"]
     assert main(["train", *args]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert line.startswith("vlmrl train: reward 'huge' returned 1e+39 for sample 1 at step 1 (row ") and "float32" in line
+    # Found by the check before training, before any weights load.
+    assert line.startswith("vlmrl train: reward 'huge' returned 1e+39 for sample 1 at the check before training") and "float32" in line
+    assert not (out / "final").exists()
+    # Inside the loop (no check before it): refused at step 1, nothing trained on it.
+    from vlmrl.config import load_config
+    from vlmrl.rewards import RewardError
+    from vlmrl.train import train
+
+    with pytest.raises(RewardError, match=r"returned 1e\+39 for sample 1 at step 1 \(row .*float32"):
+        train(load_config(None, args))
     assert not (out / "final").exists()

@@ -1,4 +1,4 @@
-"""Command line: `vlmrl train|sft|eval|demo|config|plan`."""
+"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -30,13 +31,53 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
     return path, overrides
 
 
+# Per command: (one-line help, description, epilog with an example and the pointer to `vlmrl config`).
+COMMAND_HELP = {
+    "train": (
+        "GRPO training from rewards.",
+        "GRPO training (rollout, rewards, group advantages, clipped updates). Checks the config, data, rewards "
+        "and model folder first (as vlmrl check does), then trains; resumes from output_dir's newest checkpoint.",
+        "example:\n"
+        "  vlmrl train model.name_or_path=outputs/sft/final data.train_path=data/train.parquet \\\n"
+        "    data.eval_path=data/test.parquet algorithm.reward_funcs='[accuracy, answer_format]' \\\n"
+        "    training.output_dir=outputs/grpo\n\n"
+        "Every setting (GRPO: rollout.*, algorithm.*, optim.*, training.*): vlmrl config",
+    ),
+    "sft": (
+        "Supervised fine-tuning on the rows' targets.",
+        "Supervised fine-tuning on each row's response (default <answer>solution</answer>): stage 1 the "
+        "projector only (sft.projector_steps), stage 2 the language model (sft.steps, sft.learning_rate). "
+        "Runs the same checks first as train.",
+        "example:\n"
+        "  vlmrl sft model.name_or_path=/models/Qwen2.5-VL-3B-Instruct data.train_path=data/train.jsonl \\\n"
+        "    data.eval_path=data/test.jsonl sft.steps=200 sft.learning_rate=1e-5 training.output_dir=outputs/sft\n"
+        "then GRPO from it: vlmrl train model.name_or_path=outputs/sft/final ...\n\n"
+        "Every setting (SFT: sft.*, data.*, model.*): vlmrl config",
+    ),
+    "eval": (
+        "Greedy evaluation on data.eval_path.",
+        "Greedy evaluation of a model on data.eval_path: reward means (eval/<reward>, e.g. accuracy or IoU), "
+        "written to output_dir/eval.json. data.eval_path is required except for runs on the built-in task.",
+        "example:\n"
+        "  vlmrl eval model.name_or_path=outputs/grpo/final data.eval_path=data/test.parquet \\\n"
+        "    algorithm.reward_funcs='[accuracy]' training.output_dir=outputs/eval\n\n"
+        "Every setting: vlmrl config",
+    ),
+    "check": (
+        "Check config, data, rewards and model folder without loading weights.",
+        "Run train's checks in seconds, without loading any weights: the config, every data row, the reward "
+        "functions called on a few real rows, the model folder's files.",
+        "example:\n  vlmrl check my.yaml data.train_path=data/train.parquet\n\nEvery setting: vlmrl config",
+    ),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmrl", description="GRPO and SFT for vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in [("train", "GRPO training (rollout, rewards, group advantages, clipped updates)."),
-                       ("sft", "Supervised fine-tuning: stage 1 projector only, stage 2 language model."),
-                       ("eval", "Greedy evaluation on the held-out split: reward means, accuracy / IoU.")]:
-        p = sub.add_parser(name, help=text, description=text)
+    for name, (short, text, epilog) in COMMAND_HELP.items():
+        p = sub.add_parser(name, help=short, description=textwrap.fill(text, 100), epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("args", nargs="*", help=CONFIG_HELP)
     d = sub.add_parser("demo", help="Build the tiny model, synthesize data, SFT, GRPO, evaluate, report.",
                        description="The end-to-end demo on the embedded tiny Qwen2.5-VL (CPU, a few minutes).")
@@ -71,9 +112,10 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from .models import ModelLoadError
     from .oom import OutOfMemoryGaveUp
     from .rewards import RewardError
+    from .train import NonFiniteStop
 
     extra = tuple(getattr(checkpoint, name) for name in ("ResumeError",) if hasattr(checkpoint, name))
-    return (ConfigError, DataError, ModelLoadError, RewardError, checkpoint.CheckpointError, OutOfMemoryGaveUp, *extra)
+    return (ConfigError, DataError, ModelLoadError, RewardError, checkpoint.CheckpointError, OutOfMemoryGaveUp, NonFiniteStop, *extra)
 
 
 def report_user_error(command: str, error: BaseException) -> int:
@@ -104,8 +146,14 @@ def _dispatch(ns) -> int:
 
 
 def _run(command: str, cfg) -> int:
+    from .preflight import preflight
     from .runtime import hf_progress_bars
 
+    # Errors raised here are the user's (config, data, model folder, rewards): main() prints them in one line, exit 2.
+    preflight(cfg, command, log=lambda line: print(line, file=sys.stderr))  # before any weights load
+    if command == "check":
+        print(f"vlmrl check: OK ({cfg.model.name_or_path})", file=sys.stderr)
+        return 0
     with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":
             from .train import train
@@ -135,6 +183,9 @@ def run_eval(cfg) -> dict:
     if not data.eval:
         raise ConfigError("data.eval_path is empty and no built-in task test split is configured; set data.eval_path")
     funcs, _ = load_reward_funcs(cfg)
+    from .preflight import eval_data_name
+
+    print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows", file=sys.stderr)
     metrics = evaluate(model, processor, data.eval, cfg, funcs, device)
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)

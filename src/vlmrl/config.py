@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -106,6 +106,9 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
+    completion_format: Literal["text", "conversational"] = _f(
+        "text", "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
+        "read them: completion[0]['content']); built-in rewards take both.")
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,11 @@ class MemoryConfig:
 class LoggingConfig:
     logging_steps: int = _f(1, "Write TensorBoard scalars every this many steps (metrics.jsonl gets every step).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tb.")
+    report_to: Union[list[str], str] = _f(["tensorboard"], "Trackers (TRL's report_to): tensorboard, wandb (WANDB_MODE=offline honoured), mlflow, all, none.")
     progress_bar: bool = _f(True, "Show a live progress bar.")
     log_completions: int = _f(4, "Completions per step written to samples.jsonl.")
     report: bool = _f(True, "Draw output_dir/report.png at the end.")
+    no_signal_warn_steps: int = _f(5, "Warn when every group's rewards are equal (no gradient) for this many steps in a row; 0 = never.")
 
 
 @dataclass(frozen=True)
@@ -443,6 +448,8 @@ def validate(cfg: Config) -> None:
          "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)"),
         (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
+        (_report_to_problem(cfg.logging.report_to) is None, f"{_report_to_problem(cfg.logging.report_to)}"),
+        (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
         (all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
          f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}"),
         (t.auto_fit_gpu_memory_gib is None or t.auto_fit_gpu_memory_gib > 0,
@@ -474,6 +481,16 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
         problems.append(f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
                         "aggregation; set only one (loss_type is TRL's name for it)")
     return problems
+
+
+def _report_to_problem(report_to: list[str] | str) -> str | None:
+    from .tracking import resolve_report_to
+
+    try:
+        resolve_report_to(report_to)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------- output

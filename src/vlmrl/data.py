@@ -8,7 +8,11 @@ Row format (JSONL / JSON / Parquet / a ``datasets.save_to_disk`` folder, one row
   holds the data file (for a ``save_to_disk`` folder: the folder that holds that folder); absolute paths
   are used as they are. A row with no image (key absent, ``null`` or ``[]``) is a text-only prompt and is
   allowed; the report counts them. Giving both ``image`` and ``images`` is an error (which one wins would
-  be a guess). Embedded image bytes (a ``datasets.Image`` column) are not supported: store paths.
+  be a guess). Embedded images are read too: a ``datasets.Image`` column (or a list of them), parquet
+  ``{bytes, path}`` structs, raw bytes, and ``data:image/...;base64,`` URIs. Their bytes are written once
+  to a content-addressed cache folder (`image_cache_dir`) while the file is read batch by batch, and the
+  row then holds that file's path: memory stays bounded by one batch, decoding stays lazy, and validation,
+  resizing and rewards see paths exactly as for image files.
 - ``problem``: non-empty string, the user prompt.
 - ``solution``: non-empty string. Integers and floats are accepted and converted with ``str()`` (3 -> "3",
   2.5 -> "2.5"), and a list of numbers (a box) becomes ``"[x1, y1, x2, y2]"``, because the built-in
@@ -22,6 +26,10 @@ After validation every row has ``images: list[str]`` of absolute paths (``image`
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import io
 import json
 import math
 import os
@@ -61,42 +69,62 @@ def split_path(path: str | os.PathLike) -> tuple[Path, str | None]:
     return Path(text), None
 
 
-def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False) -> list[dict]:
+def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False,
+              image_cache: str | os.PathLike | None = None) -> list[dict]:
     """All rows of a data file as dicts, each with ``_source`` for messages.
 
     Formats: ``.jsonl`` (one object per line; blank lines are ignored), ``.json`` (a list of objects, or
     ``{"data": [...]}``; a ``.json`` file holding JSON lines, as ``Dataset.to_json`` writes, is read as
     JSONL), ``.parquet``, or a ``datasets.save_to_disk`` folder (a DatasetDict needs a split:
-    ``split=`` or ``path::split``). Rows are returned as read; `validate_rows` checks them.
+    ``split=`` or ``path::split``). A pattern in the file name (``data/train-*.parquet``) reads every
+    matching file in name order. Rows are returned as read; `validate_rows` checks them.
 
     A malformed JSONL line or a row that is not an object raises DataError naming the file and line,
     unless ``keep_malformed``: then it becomes ``{"_source": ..., "_malformed": reason}`` so that
     `validate_rows` reports it together with every other bad row (and can skip it).
+
+    Embedded images are written to ``image_cache`` (default `image_cache_dir`) and replaced by their paths
+    (see `spill_embedded_images`).
     """
+    cache = Path(image_cache) if image_cache is not None else image_cache_dir()
     path, inline_split = split_path(path)
     if split is not None and inline_split is not None and split != inline_split:
         raise DataError(f"{path}: split given twice ({inline_split!r} in the path, {split!r} as argument)")
     split = split or inline_split
+    if any(ch in path.name for ch in "*?[") and split is None:
+        return _load_shards(path, keep_malformed, cache)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if path.is_dir():
-        rows = _load_from_disk(path, split)
+        rows = _load_from_disk(path, split, cache)
     else:
         if split is not None:
             raise DataError(f"{path}: a split ({split!r}) only applies to a datasets.save_to_disk folder")
         suffix = path.suffix.lower()
         if suffix == ".jsonl":
-            rows = _load_jsonl(path)
+            rows = [spill_embedded_images(row, cache) for row in _load_jsonl(path)]  # data: URIs
         elif suffix == ".json":
-            rows = _load_json(path)
+            rows = [spill_embedded_images(row, cache) for row in _load_json(path)]
         elif suffix == ".parquet":
-            rows = _load_parquet(path)
+            rows = _load_parquet(path, cache)
         else:
             raise DataError(f"{path}: unsupported format {suffix or '(no suffix)'!r}; use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
     if not keep_malformed:
         for row in rows:
             if "_malformed" in row:
                 raise DataError(f"{row['_source']}: {row['_malformed']}")
+    return rows
+
+
+def _load_shards(pattern: Path, keep_malformed: bool, cache: Path) -> list[dict]:
+    """Every file matching a file-name pattern (``data/train-*.parquet``, how hub datasets ship their shards), in
+    name order; each row keeps its own file in ``_source``."""
+    files = sorted(p for p in pattern.parent.glob(pattern.name) if p.is_file())
+    if not files:
+        raise DataError(f"{pattern}: no file matches this pattern")
+    rows: list[dict] = []
+    for file in files:
+        rows += load_rows(file, keep_malformed=keep_malformed, image_cache=cache)
     return rows
 
 
@@ -146,17 +174,28 @@ def _load_json(path: Path) -> list[dict]:
     return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value)]
 
 
-def _load_parquet(path: Path) -> list[dict]:
+def _load_parquet(path: Path, cache: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=ARROW_BATCH_ROWS)
+        return _rows_from_batches(batches, str(path), cache)
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(f"{path}: cannot read parquet: {type(e).__name__}: {e}") from e
-    return [{**row, "_source": f"{path}:row {i}"} for i, row in enumerate(table.to_pylist())]
 
 
-def _load_from_disk(path: Path, split: str | None) -> list[dict]:
+def _rows_from_batches(batches, name: str, cache: Path) -> list[dict]:
+    """Rows of arrow batches, embedded images spilled batch by batch (only one batch of image bytes in memory)."""
+    rows: list[dict] = []
+    for batch in batches:
+        for row in batch.to_pylist():
+            rows.append(spill_embedded_images({**row, "_source": f"{name}:row {len(rows)}"}, cache))
+    return rows
+
+
+def _load_from_disk(path: Path, split: str | None, cache: Path) -> list[dict]:
     import datasets
 
     try:
@@ -173,9 +212,104 @@ def _load_from_disk(path: Path, split: str | None) -> list[dict]:
         name = f"{path}{SPLIT_SEP}{split}"
     elif split is not None:
         raise DataError(f"{path}: is a single Dataset without splits; drop {SPLIT_SEP}{split}")
-    # The arrow table gives raw values: an Image column stays {bytes, path} instead of being decoded.
-    table = ds.with_format("arrow")[:]
-    return [{**row, "_source": f"{name}:row {i}"} for i, row in enumerate(table.to_pylist())]
+    # The arrow format gives raw values: an Image column stays {bytes, path} instead of being decoded.
+    return _rows_from_batches(ds.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS), name, cache)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Embedded images
+
+ARROW_BATCH_ROWS = 256
+IMAGE_FIELDS = ("image", "images")
+DATA_URI_PREFIX = "data:image/"
+
+
+def image_cache_dir() -> Path:
+    """Where embedded images are written: ``$VLMRL_CACHE/images``, default ``~/.cache/vlmrl/images``. Files are
+    named by the hash of their bytes, so runs share them and reading a dataset twice writes nothing new."""
+    return Path(os.environ.get("VLMRL_CACHE") or Path.home() / ".cache" / "vlmrl").expanduser() / "images"
+
+
+def spill_embedded_images(row: dict, cache: Path) -> dict:
+    """`row` with each embedded image in ``image`` / ``images`` replaced by the path of a cache file holding its
+    bytes; a ``{bytes: None, path}`` struct becomes its path. Anything else is left for `validate_rows` to judge.
+    An undecodable data: URI marks the row malformed (with its field); a failed write raises DataError."""
+    out = row
+    for key in IMAGE_FIELDS:
+        value = row.get(key)
+        try:
+            if isinstance(value, (list, tuple)):
+                new = [_spill_one(v, cache, row.get("_source", "?")) for v in value]
+                changed = any(a is not b for a, b in zip(new, value))
+            else:
+                new = _spill_one(value, cache, row.get("_source", "?"))
+                changed = new is not value
+        except _BadEmbedded as e:
+            return {**out, "_malformed": f"{key}: {e}"}
+        if changed:
+            out = {**out, key: new}
+    return out
+
+
+class _BadEmbedded(ValueError):
+    pass
+
+
+def _spill_one(value: Any, cache: Path, source: str) -> Any:
+    if isinstance(value, dict) and set(value) <= {"bytes", "path"}:
+        data = value.get("bytes")
+        if data is None:  # a datasets.Image that points to a file instead of holding it
+            return value["path"] if isinstance(value.get("path"), str) and value["path"] else value
+    elif isinstance(value, str) and value[:len(DATA_URI_PREFIX)].lower() == DATA_URI_PREFIX:
+        data = _decode_data_uri(value)
+    else:
+        data = value
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return value
+    data = bytes(data)
+    if not data:
+        raise _BadEmbedded("embedded image has no bytes")
+    return _write_cached(data, cache, source)
+
+
+def _decode_data_uri(uri: str) -> bytes:
+    header, sep, payload = uri.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise _BadEmbedded(f"data URI {uri[:40]!r}... is not base64 (expected data:image/<type>;base64,<data>)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise _BadEmbedded(f"data URI holds invalid base64 ({e})") from None
+
+
+def _write_cached(data: bytes, cache: Path, source: str) -> str:
+    """The cache file holding `data` (written atomically unless a file of that content is there already)."""
+    target = cache / (hashlib.sha256(data).hexdigest()[:40] + _image_suffix(data))
+    try:
+        if target.is_file() and target.stat().st_size == len(data):
+            return str(target)
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # never a half-written file under the final name
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise DataError(f"{source}: cannot write its embedded image to the cache {cache} ({e.strerror or e}); "
+                        "free space there or set VLMRL_CACHE to another folder") from None
+    return str(target)
+
+
+def _image_suffix(data: bytes) -> str:
+    """The file suffix of the image format in the header (PIL reads the header only), '.bin' when unknown:
+    the bytes are then reported by validation as an unreadable image of that row."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = (im.format or "").lower()
+    except Exception:
+        return ".bin"
+    return {"jpeg": ".jpg", "": ".bin"}.get(fmt, "." + fmt if fmt.isalnum() else ".bin")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -216,16 +350,37 @@ class ValidationReport:
             counts[p.kind] = counts.get(p.kind, 0) + 1
         return counts
 
+    def skipped_sources(self) -> list[str]:
+        """The ``file:line`` of each skipped row, in file order, once each."""
+        return list(dict.fromkeys(p.source for p in self.problems))
+
+    def skipped_sources_text(self, limit: int = 5) -> str:
+        """'rows a.jsonl:2, 7, b.jsonl:4 and 3 more': which rows skip_bad_rows dropped, the first few named
+        (a row of the same file as the one before it by its line / row number alone)."""
+        sources = self.skipped_sources()
+        shown, previous_file = [], None
+        for source in sources[:limit]:
+            file, sep, where = source.rpartition(":")
+            shown.append(where if sep and file == previous_file else source)
+            previous_file = file if sep else None
+        more = f" and {len(sources) - limit} more" if len(sources) > limit else ""
+        return "rows " + ", ".join(shown) + more
+
     def summary(self) -> str:
         parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images"]
         if self.skipped_rows:
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.problem_counts.items()))
-            parts.append(f"{self.skipped_rows} bad rows skipped ({kinds})")
+            parts.append(f"{self.skipped_rows} bad rows skipped ({kinds}; {self.skipped_sources_text()})")
         if self.truncated_rows:
             parts.append(f"{self.truncated_rows} rows over limit_images ({self.dropped_images} images dropped)")
         if self.text_only_rows:
             parts.append(f"{self.text_only_rows} text-only rows")
         return "; ".join(parts)
+
+
+def bad_rows_records(report: ValidationReport) -> list[dict]:
+    """One record per problem of the skipped rows, ``{"source", "field", "kind", "reason"}``, for bad_rows.jsonl."""
+    return [{"source": p.source, "field": p.field, "kind": p.kind, "reason": p.reason} for p in report.problems]
 
 
 def validate_rows(
@@ -399,8 +554,10 @@ def _image_list(row: dict, bad) -> tuple[list[str] | None, str]:
 
 
 def _describe_image_value(value: Any) -> str:
-    if isinstance(value, dict) and ("bytes" in value or "path" in value) or isinstance(value, Image.Image):
-        return "embedded image data (not supported: store image paths)"
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        return "an image struct with neither bytes nor path"
+    if isinstance(value, Image.Image):
+        return "a PIL image (give its file path or its encoded bytes)"
     return _type_name(value)
 
 
@@ -646,6 +803,7 @@ def load_dataset_split(
     check_images: bool = True,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     shape_check: ShapeCheck | None = None,
+    image_cache: str | os.PathLike | None = None,
 ) -> tuple[list[dict], ValidationReport]:
     """`load_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
 
@@ -653,7 +811,7 @@ def load_dataset_split(
     with ``skip_bad_rows`` fewer rows may remain.
     """
     file_path, _ = split_path(path)
-    rows = load_rows(path, keep_malformed=True)
+    rows = load_rows(path, keep_malformed=True, image_cache=image_cache)
     if max_rows is not None:
         rows = rows[:max_rows]
     base = file_path.resolve().parent

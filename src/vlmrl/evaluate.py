@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from .config import Config
-from .rewards import compute_rewards
 from .rollout import generate
-from .runtime import encode_rows, reward_columns, row_sources
+from .runtime import encode_rows, score_rollout
 
 
 def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device, log=print) -> dict[str, float]:
@@ -38,8 +37,7 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
         chunk = rows[start : start + bs]
         start += bs
         texts = decode(processor, comp.ids)
-        _, per_reward = compute_rewards(reward_funcs, {k: 1.0 for k in reward_funcs}, [r["problem"] for r in chunk], texts,
-                                        reward_columns(chunk, 1), when="evaluation", sources=row_sources(chunk, 1))
+        _, per_reward = score_rollout(cfg, reward_funcs, {k: 1.0 for k in reward_funcs}, chunk, 1, texts, comp, when="evaluation")
         for name, values in per_reward.items():
             valid = [v for v in values if v is not None]
             sums[name] = sums.get(name, 0.0) + sum(valid)

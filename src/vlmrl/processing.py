@@ -236,11 +236,9 @@ def load_processor(
 
 def build_prompt(processor, problem: str, num_images: int, system_prompt: str | None = None) -> str:
     """Chat-template text: optional system message, one user turn (images first), generation prompt."""
-    messages = []
-    if system_prompt:
-        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": problem}]
-    messages.append({"role": "user", "content": content})
+    from .rewards import prompt_messages
+
+    messages = prompt_messages(problem, num_images, system_prompt)
     template_owner = processor if getattr(processor, "chat_template", None) else _tokenizer_of(processor)
     if not getattr(template_owner, "chat_template", None):
         raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")

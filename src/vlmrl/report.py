@@ -74,6 +74,29 @@ def _panel(ax, title: str, curves: list[tuple[str, tuple[np.ndarray, np.ndarray]
         ax.legend(fontsize=7)
 
 
+def no_signal_spans(rows: list[dict]) -> list[tuple[float, float]]:
+    """[(first, last)] step ranges where every group's rewards were equal (``frac_reward_zero_std == 1``): steps
+    whose policy gradient was zero, shaded in the reward panel so a flat curve is not mistaken for convergence."""
+    spans: list[tuple[float, float]] = []
+    for row in rows:
+        if row.get("frac_reward_zero_std") != 1:
+            continue
+        step = float(row["step"])
+        if spans and spans[-1][1] == step - 1:
+            spans[-1] = (spans[-1][0], step)
+        else:
+            spans.append((step, step))
+    return spans
+
+
+def _shade_no_signal(ax, spans: list[tuple[float, float]]) -> None:
+    for i, (first, last) in enumerate(spans):
+        ax.axvspan(first - 0.5, last + 0.5, color="red", alpha=0.12, linewidth=0,
+                   label="no signal (all rewards in each group equal)" if i == 0 else None)
+    if spans:
+        ax.legend(fontsize=7)
+
+
 def make_report(output_dir: str | Path, title: str | None = None) -> Path:
     """Draw ``output_dir/report.png`` from the run's logs and return its path.
 
@@ -96,6 +119,7 @@ def make_report(output_dir: str | Path, title: str | None = None) -> Path:
     fig = Figure(figsize=(16, 7.5), layout="constrained")
     axes = fig.subplots(2, 4).ravel()
     _panel(axes[0], "reward", [(k.removeprefix("rewards/").removesuffix("/mean"), _series(train, k)) for k in reward_keys])
+    _shade_no_signal(axes[0], no_signal_spans(train))
     _panel(axes[1], "eval", curves(eval_keys, evals, "eval/"), markers=True)
     _panel(axes[2], "loss", curves(["loss"]))
     _panel(axes[3], "KL to reference", curves(["kl"]))

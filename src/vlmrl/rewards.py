@@ -2,8 +2,17 @@
 
 Every reward function is called as ``fn(prompts=[...], completions=[...], **columns)`` where ``columns``
 are the dataset columns as lists aligned with the completions (e.g. ``solution=[...]``), and returns
-one ``float`` or ``None`` per completion. That is exactly TRL's ``GRPOTrainer`` convention, so reward
-functions written for TRL or VLM-R1 plug in unchanged, and ours work there too.
+one ``float`` or ``None`` per completion. That is TRL's ``GRPOTrainer`` convention, so reward functions
+written for TRL or VLM-R1 plug in unchanged, and ours work there too. As in TRL:
+
+- ``completion_ids`` (token ids of each completion, no padding) and ``trainer_state`` (``global_step``,
+  ``max_steps``, ``epoch``) are passed too, to functions that take them by name or take ``**kwargs``
+  (a function without ``**kwargs`` that does not name them is not handed arguments it cannot take).
+- Completions are plain strings (``algorithm.completion_format=text``, the default) or TRL's
+  conversational form ``[{"role": "assistant", "content": text}]`` with prompts as chat messages
+  (``conversational``: how TRL hands VLM rewards their inputs; VLM-R1 rewards read
+  ``completion[0]["content"]``). The built-in rewards accept both.
+- ``async def`` reward functions are awaited, all of a batch's async rewards concurrently.
 
 ``None`` means "this reward does not apply to this sample" (e.g. an accuracy reward on a row without
 a solution). As in TRL (which turns ``None`` into NaN and sums with ``nansum``), a ``None`` contributes
@@ -14,17 +23,21 @@ Only the standard library is imported here, so user reward files load fast and a
 
 from __future__ import annotations
 
+import asyncio
+import difflib
 import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import math
 import numbers
-import os
 import re
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -229,8 +242,10 @@ def load_reward(spec: str) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
+        close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? Otherwise " if close else ""
         raise RewardError(
-            f"unknown reward {spec!r}: use one of {', '.join(BUILTIN_REWARDS)} or path/to/file.py:function"
+            f"unknown reward {spec!r}: {hint}use one of {', '.join(BUILTIN_REWARDS)} or path/to/file.py:function"
         )
     target, name = spec.rsplit(":", 1)  # rsplit keeps Windows drive letters in the path
     if not name.isidentifier():
@@ -238,7 +253,9 @@ def load_reward(spec: str) -> RewardFn:
     module = _import_file(target, spec) if target.endswith(".py") else _import_module(target, spec)
     if not hasattr(module, name):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise RewardError(f"reward {spec!r}: {target} has no {name!r} (callables there: {', '.join(found) or 'none'})")
+        close = difflib.get_close_matches(name, found, n=1, cutoff=0.6)
+        hint = f"; did you mean {target}:{close[0]}?" if close else ""
+        raise RewardError(f"reward {spec!r}: {target} has no {name!r}{hint} (callables there: {', '.join(found) or 'none'})")
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(f"reward {spec!r}: {target}:{name} is a {type(fn).__name__}, not a function")
@@ -248,7 +265,10 @@ def load_reward(spec: str) -> RewardFn:
 def _import_file(target: str, spec: str):
     path = Path(target).expanduser().resolve()
     if not path.is_file():
-        raise RewardError(f"reward {spec!r}: file not found: {path}")
+        siblings = [p.name for p in path.parent.glob("*.py")] if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
+        hint = f"; did you mean {path.parent / close[0]}?" if close else ""
+        raise RewardError(f"reward {spec!r}: file not found: {path}{hint}")
     # A stable, unique module name per file, registered in sys.modules so that two specs naming the same
     # file share one module and dataclasses/pickle inside the file work.
     mod_name = f"vlmrl_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
@@ -275,6 +295,93 @@ def _import_module(target: str, spec: str):
 
 
 # ---------------------------------------------------------------------------------------------------
+# TRL's conversational form and keyword arguments
+
+COMPLETION_FORMATS = ("text", "conversational")
+# Arguments TRL passes besides the dataset columns; a column with one of these names would be shadowed.
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward gets as ``trainer_state``: the fields of TRL's ``TrainerState`` that rewards use for
+    schedules (``global_step`` is the step being scored, counted from 1; ``epoch`` is fractional)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
+def conversational_completions(texts: list[str]) -> list[list[dict]]:
+    """TRL's conversational completions: one assistant message per completion."""
+    return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+def prompt_messages(problem: str, num_images: int, system_prompt: str | None = None) -> list[dict]:
+    """The chat a row becomes (optional system message, one user turn with its images first), as TRL hands
+    a conversational prompt to reward functions. `processing.build_prompt` renders this same list."""
+    messages = []
+    if system_prompt:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": problem}]
+    messages.append({"role": "user", "content": content})
+    return messages
+
+
+def reward_inputs(rows: list[dict], texts: list[str], repeats: int, completion_format: str = "text",
+                  system_prompt: str | None = None, limit_images: int | None = None) -> tuple[list, list]:
+    """(prompts, completions) for reward functions: ``rows`` repeated ``repeats`` times (one per completion,
+    TRL's order) and the decoded ``texts``, in the configured format (see COMPLETION_FORMATS)."""
+    if completion_format not in COMPLETION_FORMATS:
+        raise ValueError(f"completion_format must be one of {COMPLETION_FORMATS}, got {completion_format!r}")
+    if completion_format == "text":
+        return [row["problem"] for row in rows for _ in range(repeats)], list(texts)
+    prompts = []
+    for row in rows:
+        n = len(row.get("images") or [])
+        messages = prompt_messages(row["problem"], min(n, limit_images) if limit_images else n, system_prompt)
+        prompts += [messages] * repeats
+    return prompts, conversational_completions(texts)
+
+
+def _accepted(fn: RewardFn, names: tuple[str, ...]) -> set[str]:
+    """Which of `names` `fn` can take: all of them with ``**kwargs`` (TRL always passes them), else those it names.
+    A callable whose signature cannot be read (some builtins) gets them all, as TRL would pass them."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set(names)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return set(names)
+    named = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return set(names) & named
+
+
+def _run_coroutines(coros: list) -> list:
+    """Results of the coroutines, run concurrently on a private event loop (exceptions returned, not raised).
+    Inside a running loop (a notebook) they run on a loop in a helper thread, since a loop cannot be nested."""
+    async def gather():
+        return await asyncio.gather(*coros, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _call_once(fn: RewardFn, kwargs: dict) -> Any:
+    """`fn(**kwargs)`, awaited when it is async."""
+    raw = fn(**kwargs)
+    if inspect.isawaitable(raw):
+        (raw,) = _run_coroutines([raw])
+        if isinstance(raw, BaseException):
+            raise raw
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------------
 # Combining rewards
 
 
@@ -285,37 +392,50 @@ def compute_rewards(
     completions: list,
     columns: dict[str, list],
     *,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerState | None = None,
     when: str | None = None,
     sources: list[str] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted total reward per completion, and each reward's raw values.
 
-    Each function is called once on the whole batch. total[i] = sum of weight * value over the rewards
-    whose value for sample i is not None (None counts as 0, like TRL's nansum); when every reward is None
-    for a sample its total is 0 (`reward_stats` reports how often as ``rewards/all_none_frac``). NaN
-    returns are treated as None. A function that raises is re-run sample by sample to name the sample
-    that fails; it, a wrong return length, a non-numeric value and a value (or weighted total) outside
-    float32's finite range raise RewardError naming the reward and the sample. ``when`` (e.g. "step 3")
-    and ``sources`` (the dataset ``file:line`` of each completion's row) make those messages say where:
-    the step, the row (with its solution and image paths from ``columns``) and, for a raise, the file:line
-    inside the reward function.
+    Each function is called once on the whole batch, with ``completion_ids`` and ``trainer_state`` when
+    given and the function takes them; async functions are awaited, all of them concurrently.
+    total[i] = sum of weight * value over the rewards whose value for sample i is not None (None counts as
+    0, like TRL's nansum); when every reward is None for a sample its total is 0 (`reward_stats` reports
+    how often as ``rewards/all_none_frac``). NaN returns are treated as None. A function that raises is
+    re-run sample by sample to name the sample that fails; it, a wrong return length, a non-numeric value and
+    a value (or weighted total) outside float32's finite range raise RewardError naming the reward and the
+    sample. ``when`` (e.g. "step 3") and ``sources`` (the dataset ``file:line`` of each completion's row) make
+    those messages say where: the step, the row (with its solution and image paths from ``columns``) and, for
+    a raise, the file:line inside the reward function.
     """
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"{len(prompts)} prompts for {n} completions")
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ValueError(f"{len(completion_ids)} completion_ids for {n} completions")
     for key, values in columns.items():
-        if key in ("prompts", "completions"):
-            raise ValueError(f"dataset column {key!r} clashes with the reward function argument of that name")
+        if key in RESERVED_ARGUMENTS:
+            raise ValueError(f"dataset column {key!r} clashes with the reward function argument of that name; rename the column")
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     missing = [name for name in funcs if name not in weights]
     if missing:
         raise ValueError(f"no weight for reward(s) {', '.join(missing)}")
+    extras = {k: v for k, v in (("completion_ids", completion_ids), ("trainer_state", trainer_state)) if v is not None}
+
+    def arguments(fn: RewardFn, index: int | None = None) -> dict:
+        """The keyword arguments of one call: the whole batch, or sample `index` alone."""
+        pick = (lambda values: values) if index is None else (lambda values: [values[index]])
+        kwargs = {"prompts": pick(prompts), "completions": pick(completions), **{k: pick(v) for k, v in columns.items()}}
+        for key in _accepted(fn, tuple(extras)):
+            kwargs[key] = extras[key] if key == "trainer_state" else pick(extras[key])
+        return kwargs
 
     where = functools.partial(describe_sample, when=when, sources=sources, columns=columns)
-    per_reward: dict[str, list[float | None]] = {}
-    for name, fn in funcs.items():
-        per_reward[name] = _call_reward(name, fn, prompts, completions, columns, where)
+    raw = _call_all(funcs, arguments, n, where)
+    per_reward = {name: _check_values(name, raw[name], n, where) for name in funcs}
 
     total = []
     for i in range(n):
@@ -328,19 +448,38 @@ def compute_rewards(
     return total, per_reward
 
 
-def _call_reward(name: str, fn: RewardFn, prompts: list, completions: list, columns: dict[str, list],
-                 where: Callable[[int], str] | None = None) -> list[float | None]:
-    where = where or (lambda i: f"sample {i}")
-    try:
-        raw = fn(prompts=prompts, completions=completions, **columns)
-    except Exception as e:
-        raise _locate_failure(name, fn, prompts, completions, columns, e, where) from e
+def _call_all(funcs: dict[str, RewardFn], arguments: Callable[..., dict], n: int, where: Callable[[int], str]) -> dict[str, Any]:
+    """Each reward's raw return: sync ones in order, then every async one at once (they may wait on I/O, e.g.
+    a judge model behind an API). A failure raises RewardError naming the reward and the sample."""
+    raw: dict[str, Any] = {}
+    pending: dict[str, Any] = {}  # name -> coroutine of an async reward
+    for name, fn in funcs.items():
+        try:
+            result = fn(**arguments(fn))
+        except Exception as e:
+            for coro in pending.values():  # never started: close them so Python does not warn they were not awaited
+                coro.close()
+            raise _locate_failure(name, fn, arguments, n, e, where) from e
+        if inspect.isawaitable(result):
+            pending[name] = result
+        else:
+            raw[name] = result
+    for name, result in zip(pending, _run_coroutines(list(pending.values())) if pending else []):
+        if isinstance(result, Exception):
+            raise _locate_failure(name, funcs[name], arguments, n, result, where) from result
+        if isinstance(result, BaseException):  # KeyboardInterrupt, SystemExit: not the reward's fault
+            raise result
+        raw[name] = result
+    return raw
+
+
+def _check_values(name: str, raw: Any, n: int, where: Callable[[int], str] | None = None) -> list[float | None]:
     try:
         count = len(raw)
     except TypeError:
         raise RewardError(f"reward {name!r} returned a {type(raw).__name__}, expected a list of floats or None") from None
-    if isinstance(raw, (str, bytes, dict)) or count != len(completions):
-        raise RewardError(f"reward {name!r} returned {count} values for {len(completions)} completions")
+    if isinstance(raw, (str, bytes, dict)) or count != n:
+        raise RewardError(f"reward {name!r} returned {count} values for {n} completions")
     return [_check_value(name, i, v, where) for i, v in enumerate(raw)]
 
 
@@ -369,6 +508,37 @@ def _check_value(name: str, index: int, value: Any, where: Callable[[int], str] 
     return value
 
 
+def _locate_failure(name: str, fn: RewardFn, arguments: Callable[..., dict], n: int, error: Exception,
+                    where: Callable[[int], str] | None = None) -> RewardError:
+    """Re-run a failing reward one sample at a time to say which sample makes it raise, and where in its code."""
+    where = where or (lambda i: f"sample {i}")
+    for i in range(n):
+        kwargs = arguments(fn, i)
+        try:
+            _call_once(fn, kwargs)
+        except Exception as e:
+            return RewardError(
+                f"reward {name!r} raised on {where(i)}, prompt {_short(kwargs['prompts'][0])}, completion "
+                f"{_short(kwargs['completions'][0])}: {type(e).__name__}: {_one_line(e)}{raised_at(fn, e)}"
+                f"{_format_hint(e, kwargs['completions'][0])}"
+            )
+    return RewardError(
+        f"reward {name!r} raised on the batch of {n} but on no single sample: {type(error).__name__}: "
+        f"{_one_line(error)}{raised_at(fn, error)}"
+    )
+
+
+def _format_hint(error: Exception, completion: Any) -> str:
+    """A pointer to algorithm.completion_format when the error is the one indexing the other form gives
+    (``completion[0]["content"]`` on a string, or string methods on a list of messages)."""
+    if isinstance(completion, str) and isinstance(error, TypeError) and "indices must be integers" in str(error):
+        return ("; a reward written for TRL's conversational completions (completion[0]['content'], as VLM-R1's) "
+                "needs algorithm.completion_format=conversational")
+    if isinstance(completion, list) and isinstance(error, (AttributeError, TypeError)):
+        return "; a reward that expects plain string completions needs algorithm.completion_format=text"
+    return ""
+
+
 def describe_sample(index: int, when: str | None = None, sources: list[str] | None = None, columns: dict[str, list] | None = None) -> str:
     """'sample 5 at step 3 (row data.jsonl:7, solution '3', images ['/data/a.png'])': what a user needs to find the row."""
     text = f"sample {index}" + (f" at {when}" if when else "")
@@ -384,24 +554,6 @@ def describe_sample(index: int, when: str | None = None, sources: list[str] | No
 
 def _is_empty(value: Any) -> bool:
     return value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0)
-
-
-def _locate_failure(name, fn, prompts, completions, columns, error: Exception,
-                    where: Callable[[int], str] | None = None) -> RewardError:
-    """Re-run a failing reward one sample at a time to say which sample makes it raise, and where in its code."""
-    where = where or (lambda i: f"sample {i}")
-    for i in range(len(completions)):
-        try:
-            fn(prompts=[prompts[i]], completions=[completions[i]], **{k: [v[i]] for k, v in columns.items()})
-        except Exception as e:
-            return RewardError(
-                f"reward {name!r} raised on {where(i)}, prompt {_short(prompts[i])}, completion {_short(completions[i])}: "
-                f"{type(e).__name__}: {_one_line(e)}{raised_at(fn, e)}"
-            )
-    return RewardError(
-        f"reward {name!r} raised on the batch of {len(completions)} but on no single sample: {type(error).__name__}: "
-        f"{_one_line(error)}{raised_at(fn, error)}"
-    )
 
 
 def raised_at(fn: RewardFn, error: BaseException) -> str:

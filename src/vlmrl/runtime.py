@@ -77,11 +77,36 @@ class Datasets:
     reports: list[str]
 
 
-def load_datasets(cfg: Config, need_train: bool = True, processor=None) -> Datasets:
+# Datasets validated by the preflight (cli.py), handed once to the run's own load_datasets call with the same settings.
+_VALIDATED: dict[str, Datasets] = {}
+
+
+def _datasets_key(cfg: Config, need_train: bool) -> str:
+    import json
+
+    from .config import to_dict
+
+    return json.dumps([to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train],
+                      sort_keys=True, default=str)
+
+
+def load_datasets(cfg: Config, need_train: bool = True, keep_for_run: bool = False, processor=None) -> Datasets:
     """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set.
 
-    Images are checked against what the model's processor accepts (`image_shape_check`); without `processor`
-    the model folder's processor is loaded for that."""
+    ``keep_for_run``: the preflight validated them; the next call with the same settings gets them without
+    reading every row again (once: they are not held after that). Images are checked against what the model's
+    processor accepts (`image_shape_check`); without `processor` the model folder's processor is loaded for that."""
+    key = _datasets_key(cfg, need_train)
+    if key in _VALIDATED:
+        return _VALIDATED.pop(key)
+    data = _load_datasets(cfg, need_train, processor)
+    if keep_for_run:
+        _VALIDATED.clear()
+        _VALIDATED[key] = data
+    return data
+
+
+def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     from .data import load_dataset_split
     from .tasks import TASKS
 
@@ -100,13 +125,13 @@ def load_datasets(cfg: Config, need_train: bool = True, processor=None) -> Datas
     train_rows: list[dict] = []
     if need_train:
         train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
-        reports.append(f"train {train_path}: {rep.summary()}")
+        reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
         eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
-        reports.append(f"eval {eval_path}: {rep.summary()}")
+        reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
 
 
@@ -119,6 +144,30 @@ def image_shape_check(cfg: Config, processor=None):
                                    min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                    local_files_only=not cfg.model.allow_hub_download)
     return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
+
+
+def record_bad_rows(cfg: Config, split: str, report) -> str:
+    """Every problem of the rows data.skip_bad_rows dropped, one JSON line each (``split``, ``source`` = file:line,
+    ``field``, ``kind``, ``reason``), in output_dir/bad_rows.jsonl (rewritten per split each run, main process only).
+    Returns the text that points the report line to that file ('' when nothing was dropped)."""
+    import json
+
+    from .data import bad_rows_records
+    from .distributed import env_world
+
+    path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
+    if env_world()[1] == 0:
+        from .tracking import read_jsonl
+
+        # The other split's lines stay (train and eval load one after the other); unreadable lines go.
+        kept = [json.dumps(r, ensure_ascii=False) for r in read_jsonl(path) if isinstance(r, dict) and r.get("split") != split]
+        lines = kept + [json.dumps({"split": split, **r}, ensure_ascii=False) for r in bad_rows_records(report)]
+        if lines:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        elif path.exists():
+            path.unlink()
+    return f" (all listed in {path})" if report.skipped_rows else ""
 
 
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
@@ -155,6 +204,25 @@ def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
 def row_sources(rows: list[dict], repeats: int) -> list[str]:
     """Each completion's dataset row as ``file:line`` (the rows' ``_source``), aligned with `reward_columns`, for messages."""
     return [str(r.get("_source", "")) for r in rows for _ in range(repeats)]
+
+
+def score_rollout(cfg: Config, funcs: dict, weights: dict, rows: list[dict], repeats: int, texts: list[str], comp=None,
+                  step: int = 0, num_rows: int | None = None, when: str | None = None) -> tuple[list[float], dict]:
+    """Rewards of `texts` (``repeats`` completions per row, in order), called the way TRL calls them: prompts and
+    completions in algorithm.completion_format, the dataset columns, ``completion_ids`` (each completion's ids up
+    to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
+    ``num_rows`` training rows). Returns `compute_rewards`' (total, per_reward)."""
+    from .rewards import TrainerState, compute_rewards, reward_inputs
+
+    prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt,
+                                         cfg.data.limit_images)
+    completion_ids = None
+    if comp is not None:
+        completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
+    epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
+    state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
+    return compute_rewards(funcs, weights, prompts, completions, reward_columns(rows, repeats),
+                           completion_ids=completion_ids, trainer_state=state, when=when, sources=row_sources(rows, repeats))
 
 
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:

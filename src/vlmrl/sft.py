@@ -49,9 +49,9 @@ def sft(cfg: Config, log=print) -> dict:
     from .data import PromptSampler
     from .evaluate import evaluate
     from .models import save_model
-    from .tracking import RunLogger
     from .optim import clip_and_step, make_optimizer
     from .prefix import LogprobOptions, completion_logps_for
+    from .tracking import RunLogger, tracker_options
     from .distributed import DistributedError, env_world
 
     if env_world()[0] > 1:
@@ -70,7 +70,7 @@ def sft(cfg: Config, log=print) -> dict:
     s = cfg.sft
     stages = [("projector", s.projector_steps, s.projector_learning_rate), ("language", s.steps, s.learning_rate)]
     total = s.projector_steps + s.steps
-    logger = RunLogger(out, total_steps=total, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="SFT")
+    logger = RunLogger(out, total_steps=total, **tracker_options(cfg), progress=cfg.logging.progress_bar, desc="SFT")
     step, final = 0, {}
     opts = LogprobOptions.from_config(cfg, device)  # the same log-prob settings as GRPO's
     model.train()

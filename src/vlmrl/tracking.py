@@ -1,4 +1,5 @@
-"""Run logging: JSONL files (the source of truth), TensorBoard scalars and a tqdm progress bar.
+"""Run logging: JSONL files (the source of truth), TensorBoard scalars, a tqdm progress bar, and the
+trackers TRL users name in ``report_to`` (Weights & Biases, MLflow; optional packages imported only when asked).
 
 Files written under ``output_dir`` (all appended to, so a resumed run continues the same files):
 
@@ -7,14 +8,24 @@ Files written under ``output_dir`` (all appended to, so a resumed run continues 
 - ``samples.jsonl``: one line per logged completion, ``{"step", **sample}``
 - ``tb/``: TensorBoard event files
 
+``logging.report_to`` (TRL's name) picks the trackers: ``tensorboard`` (the default), ``wandb`` (the
+``WANDB_MODE``, ``WANDB_PROJECT``, ``WANDB_DIR`` environment variables are honoured; ``WANDB_MODE=offline``
+writes a run folder to sync later), ``mlflow`` (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``), ``all``
+(TensorBoard and whichever of the others is installed) or ``none``. Each gets the run name and the config
+at the start, the step's metrics every ``logging_steps`` with their step, the evaluations, and the final
+metrics as a summary at the end.
+
 Non-finite floats are written as ``null`` so every line is strict JSON (``json.loads`` in any language,
 ``jq``, pandas) rather than Python's non-standard ``NaN``. Only the main process writes anything.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -90,6 +101,143 @@ def _drop_partial_last_line(path: Path) -> None:
         f.truncate(data.rfind(b"\n") + 1)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Trackers (report_to)
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
+OPTIONAL_TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the package it needs
+
+
+class TrackerError(RuntimeError):
+    """A tracker named in logging.report_to cannot be used (package missing, or it failed to start)."""
+
+
+def resolve_report_to(report_to: str | list[str] | tuple[str, ...]) -> list[str]:
+    """logging.report_to as the list of trackers to use, in TRACKERS order. ``all`` = TensorBoard and every
+    optional tracker whose package is installed (as TRL does); ``none`` (alone) = nothing."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], REPORT_TO_CHOICES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"logging.report_to: unknown tracker {unknown[0]!r}{hint} (choose from {', '.join(REPORT_TO_CHOICES)})")
+    if "none" in names:
+        if len(names) > 1:
+            raise ValueError(f"logging.report_to={names}: 'none' cannot be combined with trackers")
+        return []
+    if "all" in names:
+        return ["tensorboard"] + [t for t, pkg in OPTIONAL_TRACKERS.items() if _installed(pkg)]
+    return [t for t in TRACKERS if t in names]
+
+
+def missing_tracker_packages(trackers: list[str]) -> list[str]:
+    """One line per chosen tracker whose package is not installed (checked without importing it)."""
+    return [f"logging.report_to includes {t} but the {pkg} package is not installed: pip install {pkg}, or remove {t} from "
+            "logging.report_to" for t, pkg in OPTIONAL_TRACKERS.items() if t in trackers and not _installed(pkg)]
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules without a spec (set up by hand): importable
+        return True
+
+
+def _import_tracker(name: str):
+    package = OPTIONAL_TRACKERS[name]
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        raise TrackerError(missing_tracker_packages([name])[0] if not _installed(package)
+                           else f"logging.report_to includes {name} but importing {package} failed: {e}") from e
+
+
+def _flat_config(config: dict | None, prefix: str = "") -> dict[str, Any]:
+    """{"training": {"seed": 0}} -> {"training.seed": 0}: the form trackers show as a parameter table."""
+    out: dict[str, Any] = {}
+    for key, value in (config or {}).items():
+        if isinstance(value, dict):
+            out.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _numbers(metrics: dict) -> dict[str, float]:
+    """The finite numeric entries of `metrics` (trackers reject strings, lists and NaN)."""
+    out = {}
+    for key, value in metrics.items():
+        number = _scalar(value)
+        if number is not None and math.isfinite(number):
+            out[key] = number
+    return out
+
+
+class WandbTracker:
+    """Weights & Biases: one run per RunLogger; WANDB_MODE (online / offline / disabled) is passed through."""
+
+    def __init__(self, output_dir: Path, run_name: str, config: dict | None):
+        wandb = _import_tracker("wandb")
+        # The run id is kept in output_dir, so a resumed run continues the same W&B run instead of starting another.
+        id_file = output_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            import uuid
+
+            run_id = uuid.uuid4().hex[:12]
+            id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "vlmrl"), name=run_name, config=config, id=run_id,
+                              resume="allow", dir=os.environ.get("WANDB_DIR", str(output_dir)),
+                              mode=os.environ.get("WANDB_MODE") or None)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(_numbers(metrics), step=step)
+
+    def finish(self, summary: dict, failed: bool = False) -> None:
+        self.run.summary.update(_numbers(summary))
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowTracker:
+    """MLflow: one run in MLFLOW_EXPERIMENT_NAME (default vlmrl) at MLFLOW_TRACKING_URI (default ./mlruns)."""
+
+    PARAMS_PER_CALL = 100  # MLflow's batch limit for parameters
+
+    def __init__(self, output_dir: Path, run_name: str, config: dict | None):
+        self.mlflow = _import_tracker("mlflow")
+        self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "vlmrl"))
+        self.mlflow.start_run(run_name=run_name)
+        params = {k: str(v)[:500] for k, v in _flat_config(config).items()}
+        items = list(params.items())
+        for start in range(0, len(items), self.PARAMS_PER_CALL):
+            self.mlflow.log_params(dict(items[start : start + self.PARAMS_PER_CALL]))
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.mlflow.log_metrics(_numbers(metrics), step=step)
+
+    def finish(self, summary: dict, failed: bool = False) -> None:
+        self.mlflow.log_metrics({f"final/{k}": v for k, v in _numbers(summary).items()})
+        self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
+
+
+EXTERNAL_TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+
+
+def tracker_options(cfg, run_name: str | None = None) -> dict:
+    """RunLogger keyword arguments from a Config: ``tensorboard``, ``report_to`` (the other trackers), ``run_name``
+    (default: output_dir's folder name) and ``run_config`` (the whole config, for the trackers' parameter tables)."""
+    from .config import to_dict
+
+    trackers = resolve_report_to(cfg.logging.report_to)
+    return {"tensorboard": cfg.logging.tensorboard and "tensorboard" in trackers,
+            "report_to": [t for t in trackers if t != "tensorboard"],
+            "run_name": run_name or Path(cfg.training.output_dir).name, "run_config": to_dict(cfg)}
+
+
 class RunLogger:
     """Logs a training run to JSONL, TensorBoard and a progress bar.
 
@@ -104,10 +252,13 @@ class RunLogger:
             which reads better in a log file than carriage returns.
         is_main_process: when False nothing is written or printed at all (other ranks of a distributed run).
         desc: the bar's label.
+        report_to: other trackers (``wandb``, ``mlflow``), started here on the main process only.
+        run_name, run_config: what those trackers show the run as (default name: output_dir's folder name).
     """
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, initial_step: int = 0, logging_steps: int = 1,
-                 tensorboard: bool = True, progress: bool = True, is_main_process: bool = True, desc: str = "GRPO"):
+                 tensorboard: bool = True, progress: bool = True, is_main_process: bool = True, desc: str = "GRPO",
+                 report_to: Iterable[str] = (), run_name: str | None = None, run_config: dict | None = None):
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
         self.logging_steps = max(1, int(logging_steps))
@@ -118,9 +269,16 @@ class RunLogger:
         self._writer = None
         self._bar = None
         self._closed = False
+        self._trackers: list = []
+        self._last: dict = {}  # the latest value of every metric, the trackers' final summary
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        name = run_name or self.output_dir.name
+        for tracker in report_to:
+            if tracker not in EXTERNAL_TRACKERS:
+                raise ValueError(f"report_to: unknown tracker {tracker!r} (RunLogger takes {', '.join(EXTERNAL_TRACKERS)})")
+            self._trackers.append(EXTERNAL_TRACKERS[tracker](self.output_dir, name, run_config))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -158,8 +316,11 @@ class RunLogger:
             return
         self._append("metrics.jsonl", [{"step": step, "time": time.time(), **metrics}])
         due = step % self.logging_steps == 0 or step == self.total_steps
+        self._last.update(metrics)
         if due:
             self._tb(step, metrics)
+            for tracker in self._trackers:
+                tracker.log(metrics, step)
         summary = self._summary(metrics)
         if self._bar is not None:
             self._bar.set_postfix_str(summary, refresh=False)
@@ -179,6 +340,8 @@ class RunLogger:
         mem = metrics.get("mem/gpu_peak_allocated", metrics.get("mem/host_peak_rss"))
         if mem is not None:
             parts.append(f"mem={_short(mem)}G")
+        if metrics.get("no_signal_steps"):  # steps in a row with zero advantages (signals.py)
+            parts.append(f"no-signal={metrics['no_signal_steps']}")
         return " ".join(parts)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
@@ -187,6 +350,10 @@ class RunLogger:
             return
         self._append("eval.jsonl", [{"step": step, "time": time.time(), **metrics}])
         self._tb(step, metrics, prefix="eval/")
+        shown = {k if k.startswith("eval/") else f"eval/{k}": v for k, v in metrics.items()}
+        self._last.update(shown)
+        for tracker in self._trackers:
+            tracker.log(shown, step)
         if self._writer is not None:
             self._writer.flush()  # evals are rare and the numbers people look for first
         shown = " ".join(f"{k.removeprefix('eval/')}={_short(_scalar(v))}" for k, v in metrics.items()
@@ -204,8 +371,8 @@ class RunLogger:
         if self.enabled:
             tqdm.write(str(msg))
 
-    def close(self) -> None:
-        """Flush and close everything; safe to call twice."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and close everything (trackers get the final metrics, and whether the run failed); safe to call twice."""
         if self._closed:
             return
         self._closed = True
@@ -213,6 +380,8 @@ class RunLogger:
             self._bar.close()
         if self._writer is not None:
             self._writer.close()
+        for tracker in self._trackers:
+            tracker.finish(self._last, failed=failed)
         for f in self._files.values():
             f.close()
         self._files.clear()
@@ -220,5 +389,5 @@ class RunLogger:
     def __enter__(self) -> "RunLogger":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)

@@ -27,10 +27,10 @@ from .losses import aggregate, masked_mean, per_token_loss
 from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
-from .rewards import compute_rewards, reward_stats
+from .rewards import reward_stats
 from .rollout import Completions, generate
-from .runtime import (encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, row_sources,
-                      seed_everything)
+from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
+from .signals import warn_if_no_learning_signal
 
 
 class NonFiniteStop(RuntimeError):
@@ -205,7 +205,7 @@ def start_run(cfg: Config, log) -> Run:
     from .data import PromptSampler
     from .distributed import Distributed
     from .rollout import eos_token_ids
-    from .tracking import RunLogger
+    from .tracking import RunLogger, tracker_options
 
     out = Path(cfg.training.output_dir)
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
@@ -246,7 +246,7 @@ def start_run(cfg: Config, log) -> Run:
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
     logger = RunLogger(out, total_steps=t.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
-                       tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress_bar, desc="GRPO", is_main_process=dist.is_main)
+                       **tracker_options(cfg), progress=cfg.logging.progress_bar, desc="GRPO", is_main_process=dist.is_main)
     r = cfg.rollout
     return Run(cfg=cfg, out=out, dist=dist, shard=shard, device=device, model=model, processor=processor, reference=reference,
                data=data, reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, scheduler=scheduler,
@@ -341,8 +341,8 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
     batch (algorithm.advantage_estimator), then this process's rows of the advantages."""
     cfg, dist = run.cfg, run.dist
     G = cfg.rollout.num_generations
-    local, per_reward = compute_rewards(run.reward_funcs, run.reward_weights, samples.prompt_texts, samples.texts,
-                                        reward_columns(samples.rows, G), when=f"step {step}", sources=row_sources(samples.rows, G))
+    local, per_reward = score_rollout(cfg, run.reward_funcs, run.reward_weights, samples.rows, G, samples.texts, samples.completions,
+                                      step, len(run.data.train), when=f"step {step}")
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
     advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G)
@@ -545,6 +545,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     metrics = run.dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
     metrics.update(prediction_vs_measured(run.plan, metrics, run.logger.info))
     warn_if_near_capacity(metrics, cfg.memory.warn_fraction, run.logger.info)
+    warn_if_no_learning_signal(metrics, cfg, run.state, run.logger.info)
     run.logger.log(step, metrics)
     if cfg.logging.log_completions:
         run.logger.log_samples(step, [
