@@ -166,3 +166,25 @@ def test_loss_mask_hand_made():
     assert loss_mask_of(completion_mask, truncated, mask_truncated=False).tolist() == completion_mask.tolist()
     assert loss_mask_of(completion_mask, truncated, mask_truncated=True).tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
     assert completion_mask[1].sum() == 4  # the input is not changed in place
+
+
+def test_the_readme_example_algorithm_plugs_in(monkeypatch):
+    """The README's "Adding an algorithm" diff, taken from the README itself: the function it adds, registered in
+    POLICY_LOSSES, is accepted by the config and used by per_token_loss."""
+    import pathlib
+    import re
+
+    from vlmrl import losses
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    diff = re.search(r"```diff\n(.*?)```", readme, re.S).group(1)
+    added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    code = "\n".join(line for line in added if not line.startswith("POLICY_LOSSES"))
+    namespace = {"torch": torch, "_per_token": losses._per_token}
+    exec(code, namespace)  # noqa: S102 - our own README
+    monkeypatch.setitem(losses.POLICY_LOSSES, "masked_ratio", namespace["masked_ratio_loss"])
+    assert load_config(None, ["algorithm.policy_loss=masked_ratio"]).algorithm.policy_loss == "masked_ratio"
+    logps = torch.tensor([[-1.0, -1.0]])
+    old = torch.tensor([[-1.0, -2.0]])  # ratios 1 (inside) and e (outside)
+    loss, parts = per_token_loss(logps, old, torch.tensor([2.0]), 0.2, 0.2, policy_loss="masked_ratio")
+    assert loss[0].tolist() == pytest.approx([-2.0, 0.0]) and parts["is_clipped"].tolist() == [[False, True]]
