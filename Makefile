@@ -8,7 +8,7 @@ TORCH_CPU ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-quick test test-slow reference clean
+.PHONY: install demo demo-quick lint test test-unit test-integration test-multiproc test-slow reference clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,8 +24,21 @@ demo: install
 demo-quick: install
 	$(VENV)/bin/vlmrl demo --output-dir outputs/demo-quick --quick
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+# The default suite: lint, then every tier but `slow` (unit, integration, multiproc).
+test: install lint
 	$(PY) -m pytest
+
+test-unit: install
+	$(PY) -m pytest -m unit -q
+
+test-integration: install
+	$(PY) -m pytest -m integration -q
+
+test-multiproc: install
+	$(PY) -m pytest -m multiproc -q
 
 test-slow: install
 	$(PY) -m pytest -m slow

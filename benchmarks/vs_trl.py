@@ -175,7 +175,8 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
     rows = [r for r in rows if "time/step" in r]
     n = spec["completions_per_step"]
     per_step = [{
-        "step": r.get("step", i + 1), "step_s": r["time/step"], "rollout_s": r["time/rollout"], "scoring_s": r["time/scoring"],
+        "step": r.get("step", i + 1), "step_s": r["time/step"], "rollout_s": r["time/rollout"],
+        "scoring_s": r["time/scoring"] + r.get("time/rewards", 0.0),
         "update_s": r["time/update"], "tokens": round(r["completions/mean_length"] * n), "prompt_tokens": prompt_tokens * n,
     } for i, r in enumerate(rows)]
     settings = {"memory": {k: v for k, v in cfg.memory.__dict__.items()}, "attn_implementation": cfg.model.attn_implementation}
@@ -411,13 +412,16 @@ def markdown(record: dict) -> str:
             s = c[side]
             gpu_cell = f" {s['gpu_peak_allocated_gib']:.2f} / {s['gpu_peak_reserved_gib']:.2f} |" if gpu else ""
             lines.append(f"| {c['name']} | {side} | {s['median_step_s']:.3f} | {s['median_rollout_s']:.3f} | {s['median_scoring_s']:.3f} | "
-                         f"{s['median_update_s']:.3f} | {s['peak_rss_gib']:.2f} |{gpu_cell} {s['trained_tokens_per_s']:.0f} | {_median(s['tokens_per_step']):.0f} | "
+                         f"{s['median_update_s']:.3f} | {s['peak_rss_gib']:.2f} |{gpu_cell} {s['trained_tokens_per_s']:.0f} | "
+                         f"{_median(s['tokens_per_step']):.0f} | "
                          f"{s.get('vision_images_encoded_per_step') if s.get('vision_images_encoded_per_step') is not None else '?'} |")
         r = c["ratios_vlmrl_over_trl"]
         gpu_cell = f" **{r['gpu_peak_allocated']:.2f} / {r['gpu_peak_reserved']:.2f}** |" if gpu else ""
-        lines.append(f"| {c['name']} | **vlmrl/TRL** | **{r['step_time']:.2f}** | {r['rollout']:.2f} | {r['scoring']:.2f} | {r['update']:.2f} | "
+        lines.append(f"| {c['name']} | **vlmrl/TRL** | **{r['step_time']:.2f}** | {r['rollout']:.2f} | {r['scoring']:.2f} | "
+                     f"{r['update']:.2f} | "
                      f"**{r['peak_rss']:.2f}** |{gpu_cell} {r['throughput']:.2f} | equal: {c['equal_work']} | |")
-    lines += ["", "Ratios are vlmrl / TRL: below 1 means vlmrl is faster or smaller, except throughput (above 1 = vlmrl trains more tokens per second).",
+    lines += ["", "Ratios are vlmrl / TRL: below 1 means vlmrl is faster or smaller, except throughput "
+              "(above 1 = vlmrl trains more tokens per second).",
               "", "Configurations:", ""]
     for c in record["configs"]:
         lines.append(f"- **{c['name']}**: {c['title']}; image {c['image']}x{c['image']} px, vocab {c['vocab'] or 'tokenizer (~600)'}, "

@@ -28,3 +28,21 @@ def tiny_llava(tmp_path_factory):
     from vlmrl.tiny import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+# Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
+# `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
+TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"}
+TIERS = {"integration", "multiproc", "slow"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {m.name for m in item.iter_markers()}
+        if item.path.name == "test_distributed.py" and ("setup" in fixtures or "gloo" in item.name):
+            item.add_marker(pytest.mark.multiproc)
+        elif not marks & TIERS and fixtures & TINY_MODEL_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        if not {m.name for m in item.iter_markers()} & TIERS:
+            item.add_marker(pytest.mark.unit)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from vlmrl.config import ConfigError, Config, config_hash, load_config, reference_markdown, replace, save_config
@@ -22,7 +24,7 @@ def test_yaml_then_overrides(tmp_path):
 
 def test_frozen():
     cfg = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.training.max_steps = 3  # type: ignore[misc]
 
 

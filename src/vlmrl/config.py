@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
@@ -246,20 +246,37 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+def _float(value: Any) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return _NO
+
+
+_NO = object()  # "does not fit this type"
+# Scalar annotation -> the value as that type, or _NO. bool is not an int here, ints are floats.
+_SCALARS: dict[Any, Callable[[Any], Any]] = {
+    bool: lambda v: v if isinstance(v, bool) else _NO,
+    int: lambda v: v if isinstance(v, int) and not isinstance(v, bool) else _NO,
+    float: _float,
+    str: lambda v: v if isinstance(v, str) else _NO,
+    type(None): lambda v: None if v is None else _NO,
+}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted for floats. Returns the value."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-    if tp is type(None):
-        if value is None:
-            return None
+            except ConfigError:
+                pass
     elif origin is Literal:
         if value in typing.get_args(tp):
             return value
@@ -270,23 +287,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (list, tuple)):
             (item_tp,) = typing.get_args(tp)
             return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp in _SCALARS:
+        result = _SCALARS[tp](value)
+        if result is not _NO:
+            return result
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 

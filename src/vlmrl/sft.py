@@ -92,8 +92,8 @@ def sft(cfg: Config, log=print) -> dict:
             result = clip_and_step([p for p in model.parameters() if p.requires_grad], optimizer, scheduler, cfg.optim.max_grad_norm)
             if result.skipped:
                 log(f"WARNING: SFT step {step}: loss {loss.item()} / gradient norm {result.grad_norm} not finite; step skipped, nothing changed")
-            final = {"loss": loss.item(), "grad_norm": result.grad_norm, "nonfinite/skipped_steps": float(result.skipped), "lr": scheduler.get_last_lr()[0],
-                     "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0}
+            final = {"loss": loss.item(), "grad_norm": result.grad_norm, "nonfinite/skipped_steps": float(result.skipped),
+                     "lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0}
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
