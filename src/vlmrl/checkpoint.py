@@ -56,6 +56,8 @@ import numpy as np
 import torch
 import yaml
 
+from .config import config_hash
+
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -171,11 +173,6 @@ def _versions() -> dict[str, Optional[str]]:
     return out
 
 
-def _hash_config(config: dict) -> str:
-    """Same recipe as vlmrl.config.config_hash, applied to the nested dict from to_dict()."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def rng_state() -> dict[str, Any]:
     """All RNG streams as tensors and plain values, so that a weights_only torch.load can read them back."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -278,7 +275,7 @@ def _write_contents(tmp: Path, step: int, *, save_model, optimizer, scheduler, t
         for r, state in (rng_states or {rank: rng_state()}).items():
             _torch_save(state, tmp / rng_file(r))
     state = dict(trainer_state)
-    state.update(global_step=step, weights_only=weights_only, config_hash=_hash_config(config),
+    state.update(global_step=step, weights_only=weights_only, config_hash=config_hash(config),
                  versions=_versions(), format_version=FORMAT_VERSION, saved_at=time.time(),
                  has_optimizer=optimizer is not None and not weights_only,
                  has_scheduler=scheduler is not None and not weights_only)
@@ -533,17 +530,6 @@ def _as_tuple(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------- config compatibility
-HARMLESS_TRAINING_KEYS = frozenset({
-    "save_steps", "save_total_limit", "save_only_model", "eval_steps", "eval_batch_size", "eval_max_samples",
-    "val_before_train", "max_steps", "resume", "resume_force", "resume_weights_only", "on_save_error",
-    "output_dir", "device", "save_final_model", "metric_for_best",
-    # auto_fit's own switches; the changes it applies show up as the fields they change.
-    "auto_fit", "auto_fit_allow", "auto_fit_gpu_memory_gib",
-})
-# Where the reference lives, how OOMs are handled and which exact log-prob path runs do not change what
-# is computed (the paths agree to rounding; a resume across them is then not bit-exact, only equivalent).
-HARMLESS_MEMORY_KEYS = frozenset({"ref_placement", "oom_recovery", "warn_fraction", "shared_prefix", "group_vision",
-                                  "logprob_chunk_tokens", "generation_prompts_per_call", "generation_gather"})
 _ABSENT = object()
 
 
@@ -565,9 +551,9 @@ def _fmt(v: Any) -> str:
 
 
 def _is_harmless(key: str) -> bool:
-    section, _, name = key.partition(".")
-    return (section == "logging" or (section == "training" and name in HARMLESS_TRAINING_KEYS)
-            or (section == "memory" and name in HARMLESS_MEMORY_KEYS))
+    from .config import resume_harmless  # marked on the config fields themselves
+
+    return resume_harmless(key)
 
 
 def config_diff(old: dict, new: dict, defaults: Optional[dict] = None) -> tuple[list[str], list[str]]:

@@ -33,10 +33,13 @@ class ConfigError(ValueError):
     """A config problem; the message names the field and the fix."""
 
 
-def _f(default: Any, doc: str, **kw: Any) -> Any:
+def _f(default: Any, doc: str, resume_harmless: bool = False, **kw: Any) -> Any:
+    """A config field with its one-line doc. resume_harmless: changing it between a checkpoint and its resume does not
+    change what is computed (where things live, how often to save / evaluate, logging), so resume does not refuse."""
+    metadata = {"doc": doc, "resume_harmless": resume_harmless}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
-    return field(default=default, metadata={"doc": doc}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class DataConfig:
     max_pixels: int = _f(448 * 448, "Images larger than this many pixels are downscaled (aspect kept).")
     limit_images: int = _f(4, "Most images kept per row; extra images are dropped and counted.")
     max_image_pixels: int = _f(89_478_485, "Images with more pixels (read from the header, before decoding) are bad rows; default PIL's bomb guard.")
-    image_cache_mb: float = _f(1024.0, "MiB of decoded, resized images kept between steps instead of decoded again; 0 = no cache.")
+    image_cache_mb: float = _f(1024.0, "MiB of decoded, resized images kept between steps instead of decoded again; 0 = no cache.", resume_harmless=True)
     skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
     system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
@@ -125,30 +128,30 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    output_dir: str = _f("outputs/run", "Folder for metrics, samples, report and the final model.")
-    max_steps: int = _f(100, "Rollout steps to train for.")
+    output_dir: str = _f("outputs/run", "Folder for metrics, samples, report and the final model.", resume_harmless=True)
+    max_steps: int = _f(100, "Rollout steps to train for.", resume_harmless=True)
     per_device_train_batch_size: int = _f(4, "Sequences (completions) per forward/backward micro-batch.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated per optimizer step.")
     seed: int = _f(0, "Seed for data order, sampling and initialisation.")
     bf16: bool = _f(False, "bfloat16 autocast for forward passes (CPU and GPU).")
-    device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
-    eval_steps: int = _f(0, "Evaluate every this many steps; 0 = only at the end.")
-    val_before_train: bool = _f(False, "Evaluate once before the first step.")
-    eval_batch_size: int = _f(16, "Prompts per greedy-decoding batch in evaluation.")
-    eval_max_samples: Optional[int] = _f(None, "Cap on held-out rows evaluated; default all.")
-    save_final_model: bool = _f(True, "Save the trained model as a plain HF folder in output_dir/final.")
-    max_nonfinite_steps: int = _f(5, "Stop (with a checkpoint of the last good state) after this many optimizer steps in a row skipped for a non-finite reward, loss or gradient; 0 = never stop.")
-    save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.")
-    save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).")
-    save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.")
-    resume: str = _f("auto", "auto (newest valid checkpoint in output_dir), never, or a checkpoint path.")
-    resume_force: bool = _f(False, "Resume even when the config changed in ways that break equivalence.")
-    resume_weights_only: bool = _f(False, "Start a new schedule from a weights-only checkpoint's weights.")
-    on_save_error: Literal["stop", "continue"] = _f("stop", "After a failed checkpoint write: stop the run, or warn and go on.")
-    metric_for_best: str = _f("eval/accuracy", "Eval metric (higher is better) that marks the best checkpoint.")
-    auto_fit: bool = _f(False, "Before the run, let the memory planner pick the fastest config predicted to fit (every change is logged; see docs/planner.md).")
-    auto_fit_allow: list[str] = _f([], "What auto_fit may change beyond memory switches: any of num_generations, max_pixels, effective_batch (default none).")
-    auto_fit_gpu_memory_gib: Optional[float] = _f(None, "Device memory auto_fit plans for, GiB; null = the CUDA device's capacity (required on CPU).")
+    device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N.", resume_harmless=True)
+    eval_steps: int = _f(0, "Evaluate every this many steps; 0 = only at the end.", resume_harmless=True)
+    val_before_train: bool = _f(False, "Evaluate once before the first step.", resume_harmless=True)
+    eval_batch_size: int = _f(16, "Prompts per greedy-decoding batch in evaluation.", resume_harmless=True)
+    eval_max_samples: Optional[int] = _f(None, "Cap on held-out rows evaluated; default all.", resume_harmless=True)
+    save_final_model: bool = _f(True, "Save the trained model as a plain HF folder in output_dir/final.", resume_harmless=True)
+    max_nonfinite_steps: int = _f(5, "Stop (with a checkpoint of the last good state) after this many optimizer steps in a row skipped for a non-finite reward, loss or gradient; 0 = never stop.", resume_harmless=True)
+    save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.", resume_harmless=True)
+    save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).", resume_harmless=True)
+    save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.", resume_harmless=True)
+    resume: str = _f("auto", "auto (newest valid checkpoint in output_dir), never, or a checkpoint path.", resume_harmless=True)
+    resume_force: bool = _f(False, "Resume even when the config changed in ways that break equivalence.", resume_harmless=True)
+    resume_weights_only: bool = _f(False, "Start a new schedule from a weights-only checkpoint's weights.", resume_harmless=True)
+    on_save_error: Literal["stop", "continue"] = _f("stop", "After a failed checkpoint write: stop the run, or warn and go on.", resume_harmless=True)
+    metric_for_best: str = _f("eval/accuracy", "Eval metric (higher is better) that marks the best checkpoint.", resume_harmless=True)
+    auto_fit: bool = _f(False, "Before the run, let the memory planner pick the fastest config predicted to fit (every change is logged; see docs/planner.md).", resume_harmless=True)
+    auto_fit_allow: list[str] = _f([], "What auto_fit may change beyond memory switches: any of num_generations, max_pixels, effective_batch (default none).", resume_harmless=True)
+    auto_fit_gpu_memory_gib: Optional[float] = _f(None, "Device memory auto_fit plans for, GiB; null = the CUDA device's capacity (required on CPU).", resume_harmless=True)
 
 
 @dataclass(frozen=True)
@@ -163,16 +166,16 @@ class SFTConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    ref_placement: Literal["device", "cpu"] = _f("device", "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).")
-    oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.")
-    generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.")
-    scoring_micro_batch_size: Optional[int] = _f(None, "Rows (or tokens with max_tokens_per_micro_batch) per no-grad scoring micro-batch (old / reference log-probs); default the update's size.")
+    ref_placement: Literal["device", "cpu"] = _f("device", "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).", resume_harmless=True)
+    oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.", resume_harmless=True)
+    generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.", resume_harmless=True)
+    scoring_micro_batch_size: Optional[int] = _f(None, "Rows (or tokens with max_tokens_per_micro_batch) per no-grad scoring micro-batch (old / reference log-probs); default the update's size.", resume_harmless=True)
     max_tokens_per_micro_batch: Optional[int] = _f(None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows.")
-    logprob_chunk_tokens: int = _f(LOGPROB_CHUNK_TOKENS, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).")
-    group_vision: bool = _f(True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).")
-    shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).")
-    warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.")
-    generation_gather: Literal["full", "layers"] = _f("full", "FSDP2 full shard / ZeRO-3 rollout: full = gather all parameters once for the rollout (holds the whole model per process, fast); layers = one layer per forward (holds one layer, an all-gather per layer per token).")
+    logprob_chunk_tokens: int = _f(LOGPROB_CHUNK_TOKENS, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).", resume_harmless=True)
+    group_vision: bool = _f(True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).", resume_harmless=True)
+    shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).", resume_harmless=True)
+    warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.", resume_harmless=True)
+    generation_gather: Literal["full", "layers"] = _f("full", "FSDP2 full shard / ZeRO-3 rollout: full = gather all parameters once for the rollout (holds the whole model per process, fast); layers = one layer per forward (holds one layer, an all-gather per layer per token).", resume_harmless=True)
 
 
 @dataclass(frozen=True)
@@ -509,8 +512,20 @@ def save_config(cfg: Config, path: str | Path) -> Path:
     return path
 
 
-def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+def resume_harmless(key: str) -> bool:
+    """`section.field` may change between a checkpoint and its resume (every logging field, and those marked so)."""
+    section, _, name = key.partition(".")
+    if section == "logging":
+        return True
+    cls = SECTIONS.get(section)
+    match = [f for f in fields(cls) if f.name == name] if cls else []
+    return bool(match and match[0].metadata.get("resume_harmless"))
+
+
+def config_hash(cfg: Config | dict) -> str:
+    """16 hex digits of the config tree (a Config, or the nested dict of `to_dict`)."""
+    tree = cfg if isinstance(cfg, dict) else to_dict(cfg)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def replace(cfg: Config, **dotted: Any) -> Config:
