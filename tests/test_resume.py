@@ -7,7 +7,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -146,11 +145,14 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tiny_qwen25vl, data, tmp_pat
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(_cli(tiny_qwen25vl, data, out, "training.max_steps=1000"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.2)
+    seen = []
+    for line in proc.stdout:  # ready when the first step is logged (a printed line, not a polled file)
+        seen.append(line)
+        if line.startswith("GRPO step 1/"):
+            break
     proc.send_signal(signal.SIGTERM)
-    text, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(seen) + rest
     assert proc.returncode == 0, text
     assert "stopped by SIGTERM" in text and "resume" in text
     (ckpt,) = list_checkpoints(out)
