@@ -230,12 +230,12 @@ EXTERNAL_TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 def tracker_options(cfg, run_name: str | None = None) -> dict:
     """RunLogger keyword arguments from a Config: ``tensorboard``, ``report_to`` (the other trackers), ``run_name``
     (default: output_dir's folder name) and ``run_config`` (the whole config, for the trackers' parameter tables)."""
-    from .config import to_dict
+    import dataclasses
 
     trackers = resolve_report_to(cfg.logging.report_to)
     return {"tensorboard": cfg.logging.tensorboard and "tensorboard" in trackers,
             "report_to": [t for t in trackers if t != "tensorboard"],
-            "run_name": run_name or Path(cfg.training.output_dir).name, "run_config": to_dict(cfg)}
+            "run_name": run_name or Path(cfg.training.output_dir).name, "run_config": dataclasses.asdict(cfg)}  # config.to_dict's tree
 
 
 class RunLogger:
