@@ -414,7 +414,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     sharded = torch.cat([p.grad.full_tensor().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
                          for p in root.parameters()])
     grad_error = ((sharded - flat).abs().max() / flat.abs().max()).item()
-    norm_fsdp = d.clip_and_step(opt, _Sched(), 1e9)
+    norm_fsdp = d.optimizer_step(opt, _Sched(), 1e9).grad_norm
     queue.put((rank, same, flat.double().norm().item(), norm_fsdp, grad_error))
     dist.destroy_process_group()
 
