@@ -337,7 +337,7 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> tuple[bool
         entries = [(rel, int(e["size"]), str(e["sha256"])) for rel, e in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"unreadable {MANIFEST}: {e}"
-    for rel, size, digest in entries:
+    for rel, size, _digest in entries:
         p = path / rel
         if not p.is_file():
             return False, f"missing file {rel}"
@@ -439,6 +439,16 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: Optional[int], 
 
 
 # ---------------------------------------------------------------- load
+def unpickling_reason(e: BaseException) -> str:
+    """The line of an unpickling error that says what was refused (torch's weights_only message starts with advice
+    on how to load the file anyway, which is the opposite of what an untrusted checkpoint needs)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("WeightsUnpickler error"):
+            return line.split(" Please use ")[0]  # torch goes on with how to allowlist the global
+    return lines[0] if lines else type(e).__name__
+
+
 def safe_torch_load(path: str | Path) -> Any:
     """torch.load restricted to tensors and plain containers; anything else is a CheckpointError."""
     path = Path(path)
@@ -448,7 +458,7 @@ def safe_torch_load(path: str | Path) -> Any:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # UnpicklingError and friends: the file holds more than tensors
         raise CheckpointError(f"refusing to load {path}: it is not a plain tensor file "
-                              f"(weights_only=True rejected it: {str(e).splitlines()[0]})") from e
+                              f"(weights_only=True rejected it: {unpickling_reason(e)})") from e
 
 
 def read_trainer_state(path: str | Path) -> dict:

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                         description="Checkpoint -> plain HF folder: base model + trained weights (LoRA merged) + processor.")
     ex.add_argument("checkpoint", help="output_dir/checkpoint-<step>, or a run folder (its newest valid checkpoint)")
     ex.add_argument("out", help="folder to write")
+    ex.add_argument("overrides", nargs="*", help="key=value settings that replace the checkpoint's config, e.g. "
+                    "model.name_or_path=<base model folder>; model.trust_remote_code / model.allow_hub_download are "
+                    "never taken from the checkpoint, only from here (with model.name_or_path)")
     from .plan_cli import add_arguments as add_plan_arguments
 
     pl = sub.add_parser("plan", help="Predict the per-GPU memory peak of a GRPO step before launch; --search for configs that fit.",
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             from .distributed import export_checkpoint
 
             try:
-                export_checkpoint(ns.checkpoint, ns.out)
+                export_checkpoint(ns.checkpoint, ns.out, overrides=ns.overrides)
             except CheckpointError as e:
                 print(f"vlmrl export: {e}", file=sys.stderr)
                 return 2

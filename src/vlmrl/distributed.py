@@ -610,31 +610,27 @@ def load_sharded_state(model: nn.Module, folder, optimizer=None) -> None:
     """A torch.distributed.checkpoint folder (save_sharded_state) into `model` (and `optimizer`): sharded (FSDP2,
     any world size: the files are re-sharded on load), replicated (DDP) or plain (one process)."""
     import torch.distributed as tdist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
+
+    from .safe_load import dcp_load
 
     opt = raw_optimizer(optimizer) if optimizer is not None else None
     state = {"model": get_model_state_dict(model)}
     if opt is not None:
         state["optimizer"] = get_optimizer_state_dict(model, opt)  # builds the state tensors DCP loads into
-    dcp.load(state, checkpoint_id=str(folder), no_dist=not tdist.is_initialized())
+    dcp_load(state, folder, no_dist=not tdist.is_initialized())  # metadata and bytes entries read code-free (safe_load.py)
     set_model_state_dict(model, state["model"])
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optimizer"])
 
 
 def consolidated_model_state(folder) -> dict:
-    """The model part of a torch.distributed.checkpoint folder as one plain state dict, on one process."""
-    import tempfile
-    from pathlib import Path
+    """The model part of a torch.distributed.checkpoint folder as one plain state dict, on one process (read
+    code-free: safe_load.py)."""
+    from .safe_load import dcp_read_all
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "state.pt"
-        dcp_to_torch_save(str(folder), str(target))
-        return torch.load(target, weights_only=True)["model"]
+    return dcp_read_all(folder, keys={"model"})["model"]
 
 
 def cat_completions(pieces: list, pad_id: int):
@@ -650,18 +646,51 @@ def cat_completions(pieces: list, pad_id: int):
                        truncated=torch.cat([p.truncated for p in pieces]))
 
 
-def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
+# Settings that decide which code runs while loading a model: never taken from the folder being exported.
+CODE_LOADING_KEYS = ("trust_remote_code", "allow_hub_download")
+
+
+def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=print):
+    """The Config `vlmrl export` loads the base model with: the checkpoint's config tree, except that the
+    code-loading settings (model.trust_remote_code, model.allow_hub_download) come only from the user's
+    `overrides` (key=value, as on the command line; off otherwise), and with any of them on, the model path
+    they load code from must come from the overrides too."""
+    from .config import ConfigError, _merge_key, build_config, parse_override
+
+    tree = {section: dict(values) for section, values in (tree or {}).items() if isinstance(values, dict)}
+    model = tree.setdefault("model", {})
+    ignored = [f"model.{k}" for k in CODE_LOADING_KEYS if model.pop(k, False)]
+    if ignored:
+        log(f"ignoring {', '.join(ignored)}=true from the checkpoint's config.yaml: code-loading settings come only from "
+            f"the command line (add them there, with model.name_or_path, if you trust that code)")
+    given: dict = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _merge_key(given, key, value, f"argument {text!r}")
+    for section, values in given.items():
+        tree.setdefault(section, {}).update(values)
+    tree.setdefault("training", {})["device"] = "cpu"
+    user_model = given.get("model", {})
+    if any(user_model.get(k) for k in CODE_LOADING_KEYS) and "name_or_path" not in user_model:
+        raise ConfigError("model.trust_remote_code / model.allow_hub_download load code from model.name_or_path: give "
+                          "model.name_or_path=<folder you trust> on the command line too (vlmrl export never takes it from "
+                          "the checkpoint folder when code loading is on)")
+    return build_config(tree)
+
+
+def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
     transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
     also under out/adapter), plus the processor. Checkpoints hold full states (one process, DDP, FSDP2 with
-    FULL_STATE_DICT: gathered when written) or, with SHARDED_STATE_DICT, per-process shards consolidated here."""
+    FULL_STATE_DICT: gathered when written) or, with SHARDED_STATE_DICT, per-process shards consolidated here.
+    Nothing read from the checkpoint can run code: weights through safetensors / code-free DCP reading, configs
+    as JSON / safe YAML, and code-loading settings only from `overrides` (export_config)."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
     from .checkpoint import (SHARDED_DIR, CheckpointError, find_resume_checkpoint, is_sharded_checkpoint, read_checkpoint_config,
                              read_trainer_state, verify_checkpoint)
-    from .config import build_config
     from .models import save_model
     from .runtime import load_policy
     from .train import load_trainable_weights
@@ -678,9 +707,7 @@ def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
     engine = read_trainer_state(path).get("engine", "single")
     if engine == "deepspeed":  # vlmrl does not write these (train refuses); a hand-made folder would hold ZeRO partitions
         raise CheckpointError(f"{path} holds DeepSpeed states; exporting them is not supported")
-    tree = read_checkpoint_config(path)
-    tree.setdefault("training", {})["device"] = "cpu"
-    cfg = build_config(tree)
+    cfg = export_config(read_checkpoint_config(path), overrides, log)
     model, processor = load_policy(cfg, torch.device("cpu"))
     if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process
         model.load_state_dict(consolidated_model_state(path / SHARDED_DIR))

@@ -467,7 +467,8 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
 
         set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         return
-    loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
+    # safetensors only (no pickled .bin), from this folder only; the concrete class never runs code the folder ships.
+    loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype, use_safetensors=True, local_files_only=True)
     with torch.no_grad():
         for (name, p), (name2, q) in zip(model.state_dict(keep_vars=True).items(), loaded.state_dict(keep_vars=True).items()):
             if name != name2:
