@@ -467,8 +467,13 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
 
         set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         return
+    from .checkpoint import CheckpointError
+
     # safetensors only (no pickled .bin), from this folder only; the concrete class never runs code the folder ships.
-    loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype, use_safetensors=True, local_files_only=True)
+    try:
+        loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype, use_safetensors=True, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the weights in {folder} (vlmrl reads model.safetensors only): {e}") from e
     with torch.no_grad():
         for (name, p), (name2, q) in zip(model.state_dict(keep_vars=True).items(), loaded.state_dict(keep_vars=True).items()):
             if name != name2:

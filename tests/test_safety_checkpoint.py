@@ -1,0 +1,239 @@
+"""Adversarial tests for what a checkpoint / output folder can do to the loader: every loaded file planted with a
+payload (a pickle whose __reduce__ creates a marker file) must be refused with a clear error and never run."""
+
+import json
+import pathlib
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from vlmrl import checkpoint as ckpt
+from vlmrl.checkpoint import CheckpointError, load_training_state, restore_rng, save_checkpoint
+from vlmrl.config import ConfigError, load_config
+from vlmrl.distributed import consolidated_model_state, export_checkpoint, load_sharded_state
+from vlmrl.tasks import make_count_task
+from vlmrl.train import train
+
+LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
+
+
+class Payload:
+    """Unpickling this creates `marker`: the proof that a loader ran code from a file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def rehash(path: pathlib.Path) -> None:
+    """What an attacker does after planting: a manifest that vouches for the planted files."""
+    (path / ckpt.MANIFEST).unlink()
+    ckpt._write_manifest(path, ckpt.checkpoint_step(path))
+
+
+def linear_run():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def dcp_folder(folder, state):
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint (sharded checkpoints)
+def test_sharded_state_round_trips_through_the_safe_loader(tmp_path):
+    """The code-free reader loads what DCP wrote: weights, optimizer tensors and the param groups (bytes entries)."""
+    model, opt = linear_run()
+    folder = dcp_folder(tmp_path / "s", {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)})
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    load_sharded_state(fresh, folder, fresh_opt)
+    assert torch.equal(fresh.weight, model.weight) and fresh_opt.param_groups[0]["lr"] == 1e-2
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(consolidated_model_state(folder)["weight"], model.weight)
+
+
+LOADERS = {
+    "resume (load_sharded_state)": lambda folder: load_sharded_state(torch.nn.Linear(3, 2), folder),
+    "export (consolidated_model_state)": consolidated_model_state,
+}
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+def test_sharded_metadata_pickle_payload_never_runs(tmp_path, loader):
+    model, _ = linear_run()
+    folder = dcp_folder(tmp_path / "s", {"model": get_model_state_dict(model)})
+    marker = tmp_path / "PWNED"
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"refusing to load .*\.metadata: global .*open is not part of"):
+        LOADERS[loader](folder)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+def test_sharded_bytes_entry_payload_never_runs(tmp_path, loader):
+    """A state entry stored as bytes (stock DCP reads those with torch.load(weights_only=False))."""
+    marker = tmp_path / "PWNED"
+    folder = dcp_folder(tmp_path / "s", {"model": {"weight": Payload(marker), "bias": torch.zeros(2)}})
+    with pytest.raises(CheckpointError, match=r"refusing to load entry 'model.weight'.*not plain data"):
+        LOADERS[loader](folder)
+    assert not marker.exists()
+
+
+def test_sharded_storage_path_outside_the_folder_is_refused(tmp_path):
+    model, _ = linear_run()
+    folder = dcp_folder(tmp_path / "s", {"model": get_model_state_dict(model)})
+    from vlmrl.safe_load import MetadataUnpickler
+
+    metadata = MetadataUnpickler(open(folder / ".metadata", "rb")).load()
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        consolidated_model_state(folder)
+
+
+# ---------------------------------------------------------------- torch.load files of a checkpoint
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng_state_0.pt"])
+def test_pt_file_payload_never_runs(tmp_path, name):
+    from transformers import get_scheduler
+
+    model, opt = linear_run()
+    sched = get_scheduler("constant", opt)
+    path = save_checkpoint(tmp_path, 1, save_model=lambda f: None, optimizer=opt, scheduler=sched,
+                           trainer_state={"epoch": 0}, config={})
+    marker = tmp_path / "PWNED"
+    torch.save({"state": {}, "param_groups": [], "x": Payload(marker)}, path / name)
+    rehash(path)
+    with pytest.raises(CheckpointError, match=rf"refusing to load .*{name}"):
+        load_training_state(path, opt, sched)
+        restore_rng(path)
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- a real run's checkpoint: resume and export
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_count_task(tmp_path_factory.mktemp("count"), n_train=8, n_test=0, seed=0, image_size=56)
+
+
+def overrides(model, data, out, *extra):
+    return [
+        f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=",
+        f"training.output_dir={out}", "training.max_steps=2", "rollout.num_generations=2",
+        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=4",
+        "rollout.max_completion_length=3", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
+        "data.min_pixels=3136", "data.max_pixels=3136", f"algorithm.reward_funcs=['{LENGTH_REWARD}']", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def run_folder(tiny_qwen25vl, data, tmp_path_factory):
+    """A run stopped after step 1: output_dir with checkpoint-1 (a clean copy per test: `fresh_run`)."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    train(load_config(None, overrides(tiny_qwen25vl, data, out)), stop_after=1)
+    return out
+
+
+@pytest.fixture
+def fresh_run(run_folder, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run_folder, out)
+    return out
+
+
+def as_sharded(path: pathlib.Path, model_folder) -> dict:
+    """Turn a checkpoint into an FSDP2 SHARDED_STATE_DICT one (DCP files under sharded/, model/ keeps only the
+    config), written by one process. Returns the model state it holds."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path / "model")
+    state = get_model_state_dict(model)
+    dcp_folder(path / ckpt.SHARDED_DIR, {"model": state})
+    (path / "model" / "model.safetensors").unlink()
+    ts = json.loads((path / ckpt.TRAINER_STATE).read_text())
+    ts["state_format"] = "sharded"
+    (path / ckpt.TRAINER_STATE).write_text(json.dumps(ts))
+    rehash(path)
+    return state
+
+
+def test_export_of_a_sharded_checkpoint_with_planted_payloads_runs_nothing(fresh_run, tmp_path, tiny_qwen25vl):
+    path = fresh_run / "checkpoint-1"
+    state = as_sharded(path, tiny_qwen25vl)
+    exported = export_checkpoint(str(path), str(tmp_path / "exported"), log=lambda m: None)  # the untouched one exports
+    weights = load_file(pathlib.Path(exported) / "model.safetensors")
+    assert all(torch.equal(weights[k], v) for k, v in state.items() if k in weights) and len(weights) > 10
+
+    marker = tmp_path / "PWNED"
+    (path / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    rehash(path)
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        export_checkpoint(str(path), str(tmp_path / "exported2"), log=lambda m: None)
+    assert not marker.exists() and not (tmp_path / "exported2" / "model.safetensors").exists()
+
+
+def evil_model_folder(tiny, tmp_path, marker) -> pathlib.Path:
+    """The tiny model plus remote code (auto_map) that creates `marker` when transformers imports it."""
+    evil = tmp_path / "evil-model"
+    shutil.copytree(tiny, evil)
+    (evil / "evil_code.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config = json.loads((evil / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForImageTextToText": "evil_code.EvilModel"}
+    (evil / "config.json").write_text(json.dumps(config))
+    return evil
+
+
+def test_export_takes_no_code_loading_settings_from_the_checkpoint(fresh_run, tmp_path, tiny_qwen25vl):
+    """config.yaml in the checkpoint says trust_remote_code=true and points at a folder with code: export ignores
+    both settings (says so) and loads no code; giving them on the command line needs the model path there too."""
+    marker = tmp_path / "PWNED"
+    evil = evil_model_folder(tiny_qwen25vl, tmp_path, marker)
+    path = fresh_run / "checkpoint-1"
+    tree = yaml.safe_load((path / "config.yaml").read_text())
+    tree["model"].update(name_or_path=str(evil), trust_remote_code=True, allow_hub_download=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(tree))
+    rehash(path)
+    lines = []
+    export_checkpoint(str(path), str(tmp_path / "exported"), log=lines.append)
+    assert not marker.exists()
+    assert any("ignoring model.trust_remote_code, model.allow_hub_download=true" in line for line in lines), lines
+    assert (tmp_path / "exported" / "model.safetensors").exists()
+    with pytest.raises(ConfigError, match="give model.name_or_path=<folder you trust> on the command line"):
+        export_checkpoint(str(path), str(tmp_path / "exported2"), overrides=["model.trust_remote_code=true"])
+    assert not marker.exists()
+
+
+def test_resume_refuses_pickled_model_weights(fresh_run, tmp_path, tiny_qwen25vl, data):
+    """model/ holding a pytorch_model.bin (a pickle) instead of safetensors: resume refuses, nothing runs."""
+    path = fresh_run / "checkpoint-1"
+    marker = tmp_path / "PWNED"
+    (path / "model" / "model.safetensors").unlink()
+    torch.save({"x": Payload(marker)}, path / "model" / "pytorch_model.bin")
+    rehash(path)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run)))
+    assert not marker.exists()
+
+
+def test_resume_refuses_a_yaml_payload_in_config(fresh_run, tmp_path, tiny_qwen25vl, data):
+    path = fresh_run / "checkpoint-1"
+    marker = tmp_path / "PWNED"
+    (path / "config.yaml").write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n")
+    rehash(path)
+    with pytest.raises(CheckpointError, match="cannot read .*config.yaml"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run)))
+    assert not marker.exists()
