@@ -362,7 +362,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 def find_resume_checkpoint(output_dir: str | Path, resume: str, warn: Warn = print) -> Optional[Path]:
     """The checkpoint to resume from: "never" -> None, a path -> that one (must be valid),
-    "auto" -> the newest valid one in output_dir (invalid ones are reported and skipped), else None."""
+    "auto" -> the newest valid one in output_dir (invalid ones are reported and skipped; when there are
+    checkpoints but none is valid, CheckpointError: starting over would lose them), else None."""
     if resume == "never":
         return None
     if resume != "auto":
@@ -377,11 +378,19 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str, warn: Warn = pri
             raise CheckpointError(f"training.resume={resume}: checkpoint {path} is invalid: {reason}{hint}")
         return path
     _recover_parked(Path(output_dir), warn)
+    invalid = []
     for path in reversed(list_checkpoints(output_dir)):
         ok, reason = verify_checkpoint(path)
         if ok:
             return path
         warn(f"skipping invalid checkpoint {path}: {reason}; trying an older one")
+        invalid.append(f"{path.name}: {reason}")
+    if invalid:
+        # Starting over here would train from step 0 and later rotate these away: never without being asked.
+        raise CheckpointError(
+            f"every checkpoint in {output_dir} is invalid ({'; '.join(invalid)}); refusing to start over from step 0. "
+            f"Repair or restore a checkpoint, or set training.resume=never to start a new run in this folder (its "
+            f"checkpoints then replace these), or use a new training.output_dir")
     return None
 
 

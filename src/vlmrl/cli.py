@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(command: str, cfg) -> int:
+    from .checkpoint import CheckpointError
     from .data import DataError
     from .models import ModelLoadError
     from .rewards import RewardError
+    from .rundir import RunAlreadyComplete
 
     try:
         if command == "train":
@@ -102,7 +104,11 @@ def _run(command: str, cfg) -> int:
             metrics = sft(cfg)
         else:
             metrics = run_eval(cfg)
-    except (DataError, ModelLoadError, RewardError, ConfigError) as e:
+    except RunAlreadyComplete as e:  # running a finished run again: nothing to do, not a failure
+        print(f"vlmrl {command}: {e}", file=sys.stderr)
+        return 0
+    except (DataError, ModelLoadError, RewardError, ConfigError, CheckpointError) as e:
+        # CheckpointError: a refused resume, an invalid or unsafe checkpoint, a failed save (training.on_save_error=stop).
         print(f"vlmrl {command}: {e}", file=sys.stderr)
         return 2
     from .distributed import env_world

@@ -15,16 +15,18 @@ import torch
 
 from .advantages import group_advantages, group_std
 from .batching import pack_by_tokens, split_by_rows
-from .config import Config, save_config
+from .config import Config
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import completion_logps_for
 from .rewards import compute_rewards, reward_stats
 from .rollout import Completions, generate
+from .rundir import guard_run_folder, prepare_run
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, reward_columns, seed_everything
 
 
+@guard_run_folder  # one run per output_dir (lock), completion marker (rundir.py)
 def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """Train with GRPO as `cfg` says; returns the final metrics (last step + last evaluation).
 
@@ -51,11 +53,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
         cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)  # logged next to the measured peak
-    if dist.is_main:
-        save_config(cfg, out / "config.yaml")
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
-    resume_from = dist.broadcast(find_resume(cfg, log) if dist.is_main else None)  # only the main process repairs folders
+    resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
     G, a, r = cfg.rollout.num_generations, cfg.algorithm, cfg.rollout
     shard = dist.shard(cfg.prompts_per_step, G, cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
     per_prompt_seed = r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1)
@@ -317,22 +317,14 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
 
 
-def find_resume(cfg: Config, log):
-    from .checkpoint import find_resume_checkpoint
-
-    return find_resume_checkpoint(cfg.training.output_dir, cfg.training.resume, warn=log)
-
-
 def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
     """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state.
     Every process loads the same full state (output_dir on a file system they all see); each its own RNG."""
     from safetensors.torch import load_file
 
-    from .checkpoint import (CheckpointError, check_resume_compat, is_sharded_checkpoint, is_weights_only, load_training_state,
-                             read_checkpoint_config, read_trainer_state, restore_rng)
-    from .config import to_dict
+    from .checkpoint import CheckpointError, is_sharded_checkpoint, is_weights_only, load_training_state, read_trainer_state, restore_rng
 
-    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log, defaults=to_dict(Config()))
+    # The config compatibility check ran in rundir.prepare_run, before anything was written.
     saved_world = int(read_trainer_state(path).get("world_size", 1))
     if dist is not None and saved_world != dist.world_size:
         # Checkpoints hold full (consolidated) states and the sampler is global, so a new world size continues the
