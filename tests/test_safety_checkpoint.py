@@ -237,3 +237,139 @@ def test_resume_refuses_a_yaml_payload_in_config(fresh_run, tmp_path, tiny_qwen2
     with pytest.raises(CheckpointError, match="cannot read .*config.yaml"):
         train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run)))
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- one run per output_dir
+HOLD_LOCK = ("import sys; from vlmrl.rundir import RunLock; lock = RunLock(sys.argv[1]); lock.acquire(); "
+             "print('locked', flush=True); sys.stdin.read()")
+
+
+def hold_lock_in_child(folder):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
+    assert child.stdout.readline().strip() == "locked"
+    return child
+
+
+def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from vlmrl.rundir import LOCK_FILE, RunLock, RunLockError
+
+    out = tmp_path / "out"
+    child = hold_lock_in_child(out)
+    try:
+        with pytest.raises(RunLockError, match=rf"in use by another vlmrl run \(PID {child.pid} on host {socket.gethostname()}"):
+            RunLock(out).acquire()
+        # The command line: one line, exit 2, before any model is loaded.
+        cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", f"training.output_dir={out}"], capture_output=True,
+                             text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
+        assert cli.returncode == 2, cli.stderr
+        assert cli.stderr.strip().count("\n") == 0 and f"PID {child.pid}" in cli.stderr, cli.stderr
+    finally:
+        child.send_signal(signal.SIGKILL)  # dies holding the lock: the file stays, flock is released by the kernel
+        child.wait()
+    assert (out / LOCK_FILE).exists()
+    messages = []
+    with RunLock(out, messages.append):
+        holder = json.loads((out / LOCK_FILE).read_text())
+        assert holder["pid"] == __import__("os").getpid()
+    assert any(f"left by PID {child.pid}" in m and "no longer running" in m for m in messages), messages
+    assert not (out / LOCK_FILE).exists()  # released: removed
+
+
+def test_lock_without_flock_falls_back_to_the_pid_check(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import socket
+
+    from vlmrl.rundir import LOCK_FILE, RunLock, RunLockError
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    tmp_path.mkdir(exist_ok=True)
+    import os
+    import subprocess
+
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": alive.pid, "host": socket.gethostname()}))
+        with pytest.raises(RunLockError, match=f"PID {alive.pid}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+    messages = []
+    with RunLock(tmp_path, messages.append):  # the same PID, now dead: taken over
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert any(f"PID {alive.pid}" in m for m in messages)
+
+
+# ---------------------------------------------------------------- resume semantics
+def snapshot(folder: pathlib.Path) -> dict:
+    """Every file under `folder`: its bytes and modification time."""
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_all_invalid_checkpoints_are_refused_not_restarted_over(fresh_run, tiny_qwen25vl, data):
+    path = fresh_run / "checkpoint-1"
+    blob = bytearray((path / "optimizer.pt").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (path / "optimizer.pt").write_bytes(bytes(blob))
+    before = snapshot(fresh_run)
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is invalid \(checkpoint-1: sha256 mismatch"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run)))
+    assert snapshot(fresh_run) == before
+    # Asked for explicitly, a new run starts over; the invalid checkpoint is still there.
+    train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run, "training.resume=never")))
+    assert path.is_dir() and (fresh_run / "final").is_dir()
+
+
+def test_refused_resume_leaves_every_file_as_it_was(fresh_run, tiny_qwen25vl, data):
+    before = snapshot(fresh_run)
+    with pytest.raises(CheckpointError, match=r"rollout.max_completion_length: 3 -> 4"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run, "rollout.max_completion_length=4")))
+    assert snapshot(fresh_run) == before
+
+
+def steps_of(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_qwen25vl, data):
+    import subprocess
+    import sys
+
+    from vlmrl.rundir import COMPLETE_FILE, RunAlreadyComplete
+
+    cfg = load_config(None, overrides(tiny_qwen25vl, data, fresh_run))
+    train(cfg)  # resumes from checkpoint-1, runs step 2
+    assert steps_of(fresh_run / "metrics.jsonl") == [1, 2]
+    samples = steps_of(fresh_run / "samples.jsonl")
+    # A kill after step 2 was logged but before the run finished: step 2 runs again from checkpoint-1.
+    (fresh_run / COMPLETE_FILE).unlink()
+    shutil.rmtree(fresh_run / "final")
+    with open(fresh_run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "loss"')  # and a line cut by the kill
+    lines = []
+    train(cfg, log=lines.append)
+    assert steps_of(fresh_run / "metrics.jsonl") == [1, 2]
+    assert steps_of(fresh_run / "samples.jsonl") == samples
+    assert any("removed 2 row(s) logged after step 1" in line for line in lines), lines
+
+    before = snapshot(fresh_run)
+    with pytest.raises(RunAlreadyComplete, match=r"is complete \(2 steps, final model in"):
+        train(cfg)
+    cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", *overrides(tiny_qwen25vl, data, fresh_run)], capture_output=True,
+                         text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
+    assert cli.returncode == 0 and "is complete" in cli.stderr, cli.stderr
+    assert snapshot(fresh_run) == before

@@ -219,7 +219,8 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
     out = Path(t.output_dir)
     path = find_resume_checkpoint(out, t.resume, warn=log)  # refuses when every checkpoint is invalid
     done = read_complete(out)
-    if done is not None and t.resume != "never" and not (path is not None and t.max_steps > checkpoint_step(path)):
+    # A finished run continues only to train longer, from a checkpoint; anything else would silently train it again.
+    if done is not None and t.resume != "never" and not (path is not None and t.max_steps > done["step"]):
         final = f", final model in {out / 'final'}" if (out / "final").is_dir() else ""
         raise RunAlreadyComplete(
             f"the run in {out} is complete ({done['step']} steps{final}); nothing to do. To train again use a new "
