@@ -373,3 +373,131 @@ def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_
                          text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
     assert cli.returncode == 0 and "is complete" in cli.stderr, cli.stderr
     assert snapshot(fresh_run) == before
+
+
+# ---------------------------------------------------------------- save errors of every kind
+def small_save(out, step, model, opt, **kw):
+    from safetensors.torch import save_file
+
+    return save_checkpoint(out, step, save_model=lambda f: save_file(model.state_dict(), str(f / "model.safetensors")),
+                           optimizer=opt, trainer_state={"epoch": 0}, config={}, **kw)
+
+
+def _raiser(error):
+    def boom(*args, **kwargs):
+        raise error
+    return boom
+
+
+def storage_errors():
+    import errno
+
+    from safetensors import SafetensorError
+
+    return {
+        "torch full disk (RuntimeError unexpected pos)": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+        "safetensors full disk": SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+        "permission": PermissionError(errno.EACCES, "Permission denied"),
+        "read-only file system": OSError(errno.EROFS, "Read-only file system"),
+        "quota": OSError(errno.EDQUOT, "Disk quota exceeded"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(storage_errors()))
+@pytest.mark.parametrize("where", ["torch.save", "model writer"])
+def test_every_storage_error_is_a_checkpoint_save_error(tmp_path, monkeypatch, kind, where):
+    model, opt = linear_run()
+    good = small_save(tmp_path, 1, model, opt)
+    error = storage_errors()[kind]
+    if where == "torch.save":
+        monkeypatch.setattr(torch, "save", _raiser(error))
+        with pytest.raises(ckpt.CheckpointSaveError, match=r"could not write checkpoint .*checkpoint-2 .*MiB free"):
+            small_save(tmp_path, 2, model, opt)
+    else:
+        with pytest.raises(ckpt.CheckpointSaveError, match=r"earlier checkpoints in .* are intact"):
+            save_checkpoint(tmp_path, 2, save_model=_raiser(error), optimizer=opt, trainer_state={}, config={})
+    assert ckpt.verify_checkpoint(good) == (True, "ok")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_a_bug_while_saving_is_not_hidden_as_a_save_error(tmp_path):
+    model, opt = linear_run()
+    with pytest.raises(ValueError, match="a bug"):
+        save_checkpoint(tmp_path, 1, save_model=_raiser(ValueError("a bug")), optimizer=opt, trainer_state={}, config={})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 1 MiB tmpfs (root only): writes hit a real ENOSPC from the kernel."""
+    import os
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (mount -t tmpfs); the injected-error tests cover the mapping")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_full_and_read_only_file_system(small_fs):
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from vlmrl.checkpoint import save_folder_atomically
+
+    torch.manual_seed(0)
+    small = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(small.parameters())
+    small(torch.randn(1, 64)).sum().backward()
+    opt.step()
+    good = small_save(small_fs / "out", 1, small, opt)  # ~50 KiB: fits
+    final = save_folder_atomically(small_fs / "out" / "final", lambda f: save_file(small.state_dict(), str(f / "model.safetensors")))
+    big = torch.nn.Linear(400, 400)  # 640 KiB of weights, plus AdamW states: does not fit
+    big_opt = torch.optim.AdamW(big.parameters())
+    big(torch.randn(1, 400)).sum().backward()
+    big_opt.step()
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"could not write checkpoint .*checkpoint-2.*MiB free"):
+        small_save(small_fs / "out", 2, big, big_opt)
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"could not write .*final"):
+        save_folder_atomically(final, lambda f: save_file({"w": torch.zeros(400, 1000)}, str(f / "model.safetensors")))
+    assert ckpt.verify_checkpoint(good) == (True, "ok")
+    assert sorted(p.name for p in (small_fs / "out").iterdir()) == ["checkpoint-1", "final"]
+    assert load_file(final / "model.safetensors")["weight"].shape == (64, 64)  # the previous final/ as it was
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    with pytest.raises(ckpt.CheckpointSaveError, match="Read-only file system"):
+        small_save(small_fs / "out", 3, small, opt)
+    with pytest.raises(ckpt.CheckpointSaveError, match="Read-only file system"):
+        save_folder_atomically(final, lambda f: None)
+    assert ckpt.verify_checkpoint(good) == (True, "ok")
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_final_model_save_error_follows_on_save_error(fresh_run, tiny_qwen25vl, data, monkeypatch, policy):
+    import errno
+
+    import vlmrl.models
+
+    real = vlmrl.models.save_model
+
+    def full_disk(model, processor, folder, *args, **kwargs):
+        real(model, processor, folder, *args, **kwargs)  # written, then the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(vlmrl.models, "save_model", full_disk)
+    cfg = load_config(None, overrides(tiny_qwen25vl, data, fresh_run, f"training.on_save_error={policy}"))
+    lines = []
+    if policy == "stop":
+        with pytest.raises(ckpt.CheckpointSaveError, match=r"could not write .*final: \[Errno 28\] No space left"):
+            train(cfg, log=lines.append)
+    else:
+        train(cfg, log=lines.append)
+        assert any("going on (training.on_save_error=continue), the run has no final model" in line for line in lines)
+    assert not (fresh_run / "final").exists() and not (fresh_run / ".tmp-final").exists()
+    assert ckpt.verify_checkpoint(fresh_run / "checkpoint-1") == (True, "ok")

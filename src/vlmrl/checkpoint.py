@@ -157,6 +157,76 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Messages of writers that report a failed write as something other than OSError: torch's zip stream writer
+# (a full disk surfaces as "unexpected pos N vs M"), and OS error texts that libraries wrap in their own types.
+_STORAGE_MESSAGES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "No space left", "Disk quota exceeded",
+                     "Read-only file system", "Permission denied", "Input/output error", "StorageFull")
+
+
+def is_storage_error(e: Optional[BaseException]) -> bool:
+    """Whether an exception raised while writing files comes from the storage (full disk, quota, permissions,
+    read-only file system, I/O error) rather than from a bug: an OSError anywhere in its cause chain, safetensors'
+    SafetensorError (its Rust writer's I/O errors), torch's stream-writer RuntimeError, or a DCP
+    CheckpointException (a BaseException) whose per-rank failures are any of these."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            return True
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in _STORAGE_MESSAGES):
+            return True
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint: {rank: (exception, traceback)}
+        if isinstance(failures, dict) and any(is_storage_error(v[0] if isinstance(v, tuple) else v) for v in failures.values()):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _storage_reason(e: BaseException, folder: Path) -> str:
+    """First line of the error, plus the free space left where it was written (a full disk explains itself)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(e).__name__
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        reason += f" ({shutil.disk_usage(probe).free / 2**20:.1f} MiB free on that file system)"
+    except OSError:
+        pass
+    return reason
+
+
+def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write a folder (output_dir/final) by `write(tmp)` into `.tmp-<name>`, fsync it, then swap it in for any
+    previous one. A failure leaves the previous folder as it was; a storage error (is_storage_error) raises
+    CheckpointSaveError naming the folder, anything else propagates."""
+    folder = Path(folder)
+    tmp, old = folder.parent / f".tmp-{folder.name}", folder.parent / f".old-{folder.name}"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _rmtree(tmp)
+        tmp.mkdir()
+        write(tmp)
+        for rel in _files_under(tmp):
+            _fsync_file(tmp / rel)
+        for dirpath, _dirs, _files in os.walk(tmp):
+            _fsync_dir(Path(dirpath))
+        if folder.exists():
+            _rmtree(old)
+            os.rename(folder, old)
+        os.rename(tmp, folder)
+        _fsync_dir(folder.parent)
+        _rmtree(old)
+    except BaseException as e:
+        _rmtree(tmp)
+        if old.exists() and not folder.exists():
+            os.rename(old, folder)  # the swap failed half-way: the previous folder gets its name back
+        if isinstance(e, Exception) and is_storage_error(e):
+            raise CheckpointSaveError(f"could not write {folder}: {_storage_reason(e, folder.parent)}") from e
+        raise
+    return folder
+
+
 # ---------------------------------------------------------------- state collection
 def _versions() -> dict[str, Optional[str]]:
     """Library versions for the record; metadata lookups only, so transformers is never imported."""
@@ -229,7 +299,8 @@ def save_checkpoint(
     serialisable; global_step, config_hash, versions and weights_only are added here. With
     `weights_only` the optimizer, scheduler and RNG are not saved (such a checkpoint cannot resume
     exactly). `rng_states` ({rank: state}, several processes) writes one `rng_state_<rank>.pt` per process
-    instead of this process's own. Any OSError while writing raises CheckpointSaveError; the temporary folder is removed
+    instead of this process's own. A storage error while writing (is_storage_error: OSError, torch's "unexpected pos",
+    safetensors' SafetensorError, ...) raises CheckpointSaveError; the temporary folder is removed
     and earlier checkpoints are untouched. After a successful save, `save_total_limit` rotates old
     checkpoints (the newest and the best, `trainer_state["best_step"]`, are always kept).
     """
@@ -245,12 +316,11 @@ def save_checkpoint(
                         rng_states=rng_states)
         _write_manifest(tmp, step)
         _move_into_place(tmp, final)
-    except OSError as e:
-        _rmtree(tmp)
-        raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {e}; "
-                                  f"earlier checkpoints in {output_dir} are intact") from e
-    except BaseException:
+    except BaseException as e:
         _rmtree(tmp)  # never leave half a checkpoint behind, whatever went wrong (KeyboardInterrupt too)
+        if isinstance(e, Exception) and is_storage_error(e):  # full disk, permissions, read-only FS, I/O: any writer's form
+            raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {_storage_reason(e, output_dir)}; "
+                                      f"earlier checkpoints in {output_dir} are intact") from e
         raise
     if save_total_limit is not None:
         try:

@@ -299,7 +299,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     if state["step"] == cfg.training.max_steps:
         if cfg.training.save_final_model:
-            save_final(model, processor, out / "final", dist, save_model, cfg)
+            save_final(model, processor, out / "final", dist, save_model, cfg, log)
         if not dist.is_main:
             return final
         if cfg.logging.report:
@@ -371,7 +371,9 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
     """One atomic checkpoint written by the main process: full model and optimizer (all processes hold the same
     ones under DDP; FSDP2 gathers them to the main process first, so the checkpoint has the single-process layout
     and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
-    from .checkpoint import CheckpointSaveError, save_checkpoint
+    import shutil
+
+    from .checkpoint import CheckpointSaveError, is_storage_error, save_checkpoint
     from .config import to_dict
 
     t = cfg.training
@@ -385,7 +387,15 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
         trainer_state.update(world_size=dist.world_size, engine=dist.engine)
         if dist.sharded_checkpoints:  # every process writes its shards, then they move into the checkpoint
             staging = out / f".tmp-sharded-{step}"
-            dist.save_sharded_state(staging, None if t.save_only_model else optimizer)
+            try:
+                dist.save_sharded_state(staging, None if t.save_only_model else optimizer)
+            except BaseException as e:  # DCP raises the same CheckpointException (a BaseException) on every process
+                if not is_storage_error(e):
+                    raise
+                if dist.is_main:
+                    shutil.rmtree(staging, ignore_errors=True)
+                return on_save_error(CheckpointSaveError(f"could not write the sharded state of checkpoint {step} to {staging}: "
+                                                         f"{str(e).splitlines()[0]}; earlier checkpoints in {out} are intact"), t, log)
             save_weights = lambda p: move_sharded_state(staging, p, model)  # noqa: E731
             optimizer = None
             trainer_state["state_format"] = "sharded"
@@ -406,9 +416,14 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
         message = dist.broadcast(str(error) if error else None)  # every process stops, or none does
         error = error or (CheckpointSaveError(message) if message else None)
     if error is not None:
-        if t.on_save_error == "stop":
-            raise error
-        log(f"WARNING: {error}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
+        on_save_error(error, t, log)
+
+
+def on_save_error(error, training, log, what: str = "the previous checkpoint stays the newest") -> None:
+    """training.on_save_error: stop -> raise the CheckpointSaveError (the CLI prints it, exit 2); continue -> warn."""
+    if training.on_save_error == "stop":
+        raise error
+    log(f"WARNING: {error}; going on (training.on_save_error=continue), {what}")
 
 
 def move_sharded_state(staging: Path, model_dir: Path, model) -> None:
@@ -430,20 +445,36 @@ class FullState:
         return self.state
 
 
-def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | None = None) -> None:
+def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | None = None, log=print) -> None:
     """output_dir/final as a plain HF folder, written by the main process. FSDP2: the weights are gathered to the
-    main process, which loads them into an unsharded CPU copy of the policy (LoRA merged from there)."""
+    main process, which loads them into an unsharded CPU copy of the policy (LoRA merged from there). Written
+    under a temporary name and swapped in (a failure leaves no half folder); a storage error follows
+    training.on_save_error on every process (stop: CheckpointSaveError; continue: a warning, no final model)."""
+    from .checkpoint import CheckpointSaveError, save_folder_atomically
+
     if dist.engine == "deepspeed":
         raise dist.unsupported("saving the final model of DeepSpeed engines")
-    if dist.engine == "fsdp2":
-        state, _ = dist.full_state_dicts(None)
-        if dist.is_main:
-            plain, _ = load_policy(cfg, torch.device("cpu"))
-            plain.load_state_dict(state)
-            save_model(plain, processor, folder)
-    elif dist.is_main:
-        save_model(model, processor, folder)
+    error = None
+    try:
+        if dist.engine == "fsdp2":
+            state, _ = dist.full_state_dicts(None)
+            if dist.is_main:
+                plain, _ = load_policy(cfg, torch.device("cpu"))
+                plain.load_state_dict(state)
+                save_folder_atomically(folder, lambda tmp: save_model(plain, processor, tmp))
+        elif dist.is_main:
+            save_folder_atomically(folder, lambda tmp: save_model(model, processor, tmp))
+    except CheckpointSaveError as e:
+        error = e
+    if dist.world_size > 1:
+        message = dist.broadcast(str(error) if error else None)  # every process stops, or none does
+        error = error or (CheckpointSaveError(message) if message else None)
     dist.barrier()
+    if error is not None:
+        if cfg is None:
+            raise error
+        on_save_error(error, cfg.training, log if dist.is_main else (lambda *_: None),
+                      "the run has no final model (the last checkpoint, if any, is intact)")
 
 
 def save_trainable_weights(model, folder: Path, state_dict: dict | None = None) -> None:
