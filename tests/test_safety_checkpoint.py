@@ -1,10 +1,16 @@
 """Adversarial tests for what a checkpoint / output folder can do to the loader: every loaded file planted with a
 payload (a pickle whose __reduce__ creates a marker file) must be refused with a clear error and never run."""
 
+import errno
 import json
+import os
 import pathlib
 import pickle
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +26,7 @@ from vlmrl.distributed import consolidated_model_state, export_checkpoint, load_
 from vlmrl.tasks import make_count_task
 from vlmrl.train import train
 
+SRC_ENV = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")}
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
 
@@ -245,21 +252,14 @@ HOLD_LOCK = ("import sys; from vlmrl.rundir import RunLock; lock = RunLock(sys.a
 
 
 def hold_lock_in_child(folder):
-    import subprocess
-    import sys
 
     child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
+                             text=True, env=SRC_ENV)
     assert child.stdout.readline().strip() == "locked"
     return child
 
 
 def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
-    import signal
-    import socket
-    import subprocess
-    import sys
-
     from vlmrl.rundir import LOCK_FILE, RunLock, RunLockError
 
     out = tmp_path / "out"
@@ -269,7 +269,7 @@ def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
             RunLock(out).acquire()
         # The command line: one line, exit 2, before any model is loaded.
         cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", f"training.output_dir={out}"], capture_output=True,
-                             text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
+                             text=True, env=SRC_ENV)
         assert cli.returncode == 2, cli.stderr
         assert cli.stderr.strip().count("\n") == 0 and f"PID {child.pid}" in cli.stderr, cli.stderr
     finally:
@@ -279,15 +279,13 @@ def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
     messages = []
     with RunLock(out, messages.append):
         holder = json.loads((out / LOCK_FILE).read_text())
-        assert holder["pid"] == __import__("os").getpid()
+        assert holder["pid"] == os.getpid()
     assert any(f"left by PID {child.pid}" in m and "no longer running" in m for m in messages), messages
     assert not (out / LOCK_FILE).exists()  # released: removed
 
 
 def test_lock_without_flock_falls_back_to_the_pid_check(tmp_path, monkeypatch):
-    import errno
     import fcntl
-    import socket
 
     from vlmrl.rundir import LOCK_FILE, RunLock, RunLockError
 
@@ -295,10 +293,6 @@ def test_lock_without_flock_falls_back_to_the_pid_check(tmp_path, monkeypatch):
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    tmp_path.mkdir(exist_ok=True)
-    import os
-    import subprocess
-
     alive = subprocess.Popen(["sleep", "30"])
     try:
         (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": alive.pid, "host": socket.gethostname()}))
@@ -346,8 +340,6 @@ def steps_of(path):
 
 
 def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_qwen25vl, data):
-    import subprocess
-    import sys
 
     from vlmrl.rundir import COMPLETE_FILE, RunAlreadyComplete
 
@@ -370,7 +362,7 @@ def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_
     with pytest.raises(RunAlreadyComplete, match=r"is complete \(2 steps, final model in"):
         train(cfg)
     cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", *overrides(tiny_qwen25vl, data, fresh_run)], capture_output=True,
-                         text=True, env={**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")})
+                         text=True, env=SRC_ENV)
     assert cli.returncode == 0 and "is complete" in cli.stderr, cli.stderr
     assert snapshot(fresh_run) == before
 
@@ -390,13 +382,13 @@ def _raiser(error):
 
 
 def storage_errors():
-    import errno
 
     from safetensors import SafetensorError
 
     return {
         "torch full disk (RuntimeError unexpected pos)": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
-        "safetensors full disk": SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+        "safetensors full disk": SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
         "permission": PermissionError(errno.EACCES, "Permission denied"),
         "read-only file system": OSError(errno.EROFS, "Read-only file system"),
         "quota": OSError(errno.EDQUOT, "Disk quota exceeded"),
@@ -430,8 +422,6 @@ def test_a_bug_while_saving_is_not_hidden_as_a_save_error(tmp_path):
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 1 MiB tmpfs (root only): writes hit a real ENOSPC from the kernel."""
-    import os
-    import subprocess
 
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -445,7 +435,6 @@ def small_fs(tmp_path):
 
 
 def test_real_full_and_read_only_file_system(small_fs):
-    import subprocess
 
     from safetensors.torch import save_file
 
@@ -480,7 +469,6 @@ def test_real_full_and_read_only_file_system(small_fs):
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_final_model_save_error_follows_on_save_error(fresh_run, tiny_qwen25vl, data, monkeypatch, policy):
-    import errno
 
     import vlmrl.models
 

@@ -218,11 +218,13 @@ def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) ->
         _fsync_dir(folder.parent)
         _rmtree(old)
     except BaseException as e:
+        storage = isinstance(e, Exception) and is_storage_error(e)
+        reason = _storage_reason(e, folder.parent) if storage else ""
         _rmtree(tmp)
         if old.exists() and not folder.exists():
             os.rename(old, folder)  # the swap failed half-way: the previous folder gets its name back
-        if isinstance(e, Exception) and is_storage_error(e):
-            raise CheckpointSaveError(f"could not write {folder}: {_storage_reason(e, folder.parent)}") from e
+        if storage:
+            raise CheckpointSaveError(f"could not write {folder}: {reason}") from e
         raise
     return folder
 
@@ -317,9 +319,11 @@ def save_checkpoint(
         _write_manifest(tmp, step)
         _move_into_place(tmp, final)
     except BaseException as e:
+        storage = isinstance(e, Exception) and is_storage_error(e)  # full disk, permissions, read-only FS, I/O: any writer's form
+        reason = _storage_reason(e, output_dir) if storage else ""  # free space measured before the cleanup frees it
         _rmtree(tmp)  # never leave half a checkpoint behind, whatever went wrong (KeyboardInterrupt too)
-        if isinstance(e, Exception) and is_storage_error(e):  # full disk, permissions, read-only FS, I/O: any writer's form
-            raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {_storage_reason(e, output_dir)}; "
+        if storage:
+            raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {reason}; "
                                       f"earlier checkpoints in {output_dir} are intact") from e
         raise
     if save_total_limit is not None:
