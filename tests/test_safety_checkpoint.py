@@ -489,3 +489,17 @@ def test_final_model_save_error_follows_on_save_error(fresh_run, tiny_qwen25vl, 
         assert any("going on (training.on_save_error=continue), the run has no final model" in line for line in lines)
     assert not (fresh_run / "final").exists() and not (fresh_run / ".tmp-final").exists()
     assert ckpt.verify_checkpoint(fresh_run / "checkpoint-1") == (True, "ok")
+
+
+def test_storage_error_classification_covers_sharded_writes():
+    """DCP's save raises a CheckpointException (a BaseException) holding each rank's (exception, traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from vlmrl.checkpoint import is_storage_error
+
+    full = CheckpointException("write_data", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
+    bug = CheckpointException("write_data", {0: (KeyError("model.x"), None)})
+    wrapped = RuntimeError("while saving")
+    wrapped.__cause__ = PermissionError(errno.EACCES, "Permission denied")
+    assert is_storage_error(full) and is_storage_error(wrapped)
+    assert not is_storage_error(bug) and not is_storage_error(ValueError("unexpected shape")) and not is_storage_error(None)
