@@ -67,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "export":
             from .checkpoint import CheckpointError
             from .distributed import export_checkpoint
+            from .models import ModelLoadError
 
             try:
                 export_checkpoint(ns.checkpoint, ns.out, overrides=ns.overrides)
-            except CheckpointError as e:
+            except (CheckpointError, ModelLoadError) as e:  # ModelLoadError: the base model named in config.yaml is not there
                 print(f"vlmrl export: {e}", file=sys.stderr)
                 return 2
             return 0
