@@ -31,7 +31,8 @@ valid checkpoint.
 Safety
 ------
 All `.pt` files are read with `torch.load(weights_only=True)`: a checkpoint folder from elsewhere can
-hold only tensors and plain containers, never pickled code that runs on load.
+hold only tensors and plain containers, never pickled code that runs on load. Sharded (DCP) state goes
+through safe_load.py, model weights through safetensors only, configs through JSON / yaml.safe_load.
 
 This module depends only on the standard library, torch, numpy and yaml: it must stay importable
 without transformers / accelerate (the model itself is written by the caller's callback).
