@@ -99,5 +99,8 @@ def sft(cfg: Config, log=print) -> dict:
         logger.log_eval(step, metrics)
         final.update(metrics)
     logger.close()
-    save_model(model, processor, out / "final")
+    from .checkpoint import save_folder_atomically
+
+    # Under a temporary name, then renamed: a full disk leaves no half folder, and is one line (CheckpointSaveError).
+    save_folder_atomically(out / "final", lambda tmp: save_model(model, processor, tmp))
     return final
