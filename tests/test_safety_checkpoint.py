@@ -100,6 +100,50 @@ def test_sharded_bytes_entry_payload_never_runs(tmp_path, loader):
     assert not marker.exists()
 
 
+def _load_planted_worker(rank: int, port: int, folder: str, queue) -> None:
+    import torch.distributed as tdist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo")
+    model = torch.nn.Linear(3, 2)
+    try:
+        load_sharded_state(model, folder, torch.optim.AdamW(model.parameters()))
+        queue.put((rank, "loaded"))
+    except CheckpointError as e:
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("where", ["metadata", "bytes entry"])
+def test_sharded_payload_is_refused_on_every_process_of_a_two_process_resume(tmp_path, where):
+    """Two gloo processes resume from a planted folder: both get the refusal (none hangs), nothing runs."""
+    import torch.multiprocessing as mp
+
+    marker = tmp_path / "PWNED"
+    model, opt = linear_run()
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    if where == "bytes entry":
+        state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+    folder = dcp_folder(tmp_path / "s", state)
+    if where == "metadata":
+        (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_load_planted_worker, args=(r, port, str(folder), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert sorted(results) == [0, 1]
+    assert all(r.startswith("UnsafeCheckpointError: refusing to load") for r in results.values()), results
+    assert not marker.exists()
+
+
 def test_sharded_storage_path_outside_the_folder_is_refused(tmp_path):
     model, _ = linear_run()
     folder = dcp_folder(tmp_path / "s", {"model": get_model_state_dict(model)})
