@@ -547,3 +547,23 @@ def test_storage_error_classification_covers_sharded_writes():
     wrapped.__cause__ = PermissionError(errno.EACCES, "Permission denied")
     assert is_storage_error(full) and is_storage_error(wrapped)
     assert not is_storage_error(bug) and not is_storage_error(ValueError("unexpected shape")) and not is_storage_error(None)
+
+
+def test_resume_from_a_planted_sharded_checkpoint_runs_nothing(fresh_run, tmp_path, tiny_qwen25vl, data):
+    """The whole resume path (train -> restore_after_wrap -> load_sharded_state) on a planted sharded checkpoint."""
+    path = fresh_run / "checkpoint-1"
+    as_sharded(path, tiny_qwen25vl)
+    marker = tmp_path / "PWNED"
+    (path / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    rehash(path)
+    with pytest.raises(CheckpointError, match=r"refusing to load .*sharded/\.metadata"):
+        train(load_config(None, overrides(tiny_qwen25vl, data, fresh_run)))
+    assert not marker.exists()
+
+
+def test_export_command_line_code_loading_needs_the_model_path(fresh_run, tmp_path, capsys):
+    from vlmrl.cli import main
+
+    assert main(["export", str(fresh_run), str(tmp_path / "x"), "model.trust_remote_code=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model.name_or_path=<folder you trust>" in err, err
