@@ -245,7 +245,7 @@ def _resume_on_one_process(setup, out, reference, name):
     """A copy of `out` as it was after step 2 (checkpoint-2 newest) resumed by ONE process (another world size):
     the same run as the uninterrupted 1-process reference."""
     single = setup[0] / name
-    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3"))
+    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3", "run_complete.json"))
     (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
     assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
     _assert_same_run(single, reference)

@@ -86,7 +86,9 @@ def test_incomplete_folder_through_the_cli(tiny_qwen25vl, tmp_path, capsys, dele
     folder = _copy(tiny_qwen25vl, tmp_path)
     (folder / delete).unlink()
     for command in ("train", "sft", "eval"):
-        assert main([command, f"model.name_or_path={folder}", f"training.output_dir={tmp_path / 'out'}", *QUICK]) == 2
+        # eval needs its own data named (checked first); the model folder is checked before the data is read.
+        eval_data = [f"data.eval_path={tmp_path / 'held_out.jsonl'}"] if command == "eval" else []
+        assert main([command, f"model.name_or_path={folder}", f"training.output_dir={tmp_path / 'out'}", *QUICK, *eval_data]) == 2
         (line,) = _err_lines(capsys)
         assert line.startswith(f"vlmrl {command}: model folder {folder} is incomplete: missing ") and "Traceback" not in line
 

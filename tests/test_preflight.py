@@ -10,7 +10,8 @@ from vlmrl import cli, runtime, sft, train
 from vlmrl.config import ConfigError, load_config
 from vlmrl.data import load_dataset_split
 from vlmrl.models import ModelLoadError
-from vlmrl.preflight import check_eval_data, check_model_folder, model_folder_problems
+from vlmrl.models import check_model_folder as model_folder_problems
+from vlmrl.preflight import check_eval_data, check_model_folder
 from vlmrl.signals import no_signal_message, update_no_signal_streak, warn_if_no_learning_signal
 from vlmrl.tasks import make_count_task
 
@@ -59,9 +60,9 @@ def test_incomplete_folder_lists_everything_missing(model_copy):
     tok_config.pop("chat_template", None)
     (model_copy / "tokenizer_config.json").write_text(json.dumps(tok_config))
     problems = model_folder_problems(model_copy)
-    assert [p.split(" ")[0] for p in problems] == ["tokenizer", "a", "an"], problems
+    assert [p.split(" ")[0] for p in problems] == ["image", "tokenizer", "a"], problems
     cfg = load_config(None, [f"model.name_or_path={model_copy}"])
-    with pytest.raises(ModelLoadError, match=r"incomplete, it has no tokenizer files .*; no a chat template .*; no an image processor"):
+    with pytest.raises(ModelLoadError, match=r"incomplete: missing image processor config .*; tokenizer files .*; a chat template"):
         check_model_folder(cfg)
 
 
@@ -70,7 +71,7 @@ def test_sharded_weights_with_a_missing_shard(model_copy):
     index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
     assert model_folder_problems(model_copy) == [
-        "weight shards named in model.safetensors.index.json: model-00002-of-00002.safetensors (1 of 2)"]
+        "weight shards named in model.safetensors.index.json: model-00002-of-00002.safetensors"]
     (model_copy / "model.safetensors.index.json").write_text("{not json")
     assert "readable model.safetensors.index.json" in model_folder_problems(model_copy)[0]
 
@@ -80,7 +81,7 @@ def test_cli_refuses_incomplete_model_before_loading(model_copy, count_data, cap
     (model_copy / "vocab.json").unlink(missing_ok=True)
     code, err, seconds = run_cli(capsys, "train", f"model.name_or_path={model_copy}", f"data.train_path={count_data['train']}",
                                  f"training.output_dir={tmp_path / 'out'}")
-    assert code == 2 and err.startswith("vlmrl train: model folder") and "no tokenizer files" in err
+    assert code == 2 and err.startswith("vlmrl train: model folder") and "missing tokenizer files" in err
     assert "Traceback" not in err and seconds < 10  # generous on a shared machine; no_model_load is the real guarantee
 
 

@@ -111,7 +111,7 @@ def test_corrupt_newest_checkpoint_falls_back(tiny_qwen25vl, data, tmp_path):
 
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_save_failure(policy, tiny_qwen25vl, data, tmp_path, monkeypatch):
-    import vlmrl.train as train_mod
+    import vlmrl.run_checkpoint as train_mod
 
     out = tmp_path / "run"
     cfg = load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_steps=1", f"training.on_save_error={policy}"))

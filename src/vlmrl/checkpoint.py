@@ -31,7 +31,8 @@ valid checkpoint.
 Safety
 ------
 All `.pt` files are read with `torch.load(weights_only=True)`: a checkpoint folder from elsewhere can
-hold only tensors and plain containers, never pickled code that runs on load.
+hold only tensors and plain containers, never pickled code that runs on load. Sharded (DCP) state goes
+through safe_load.py, model weights through safetensors only, configs through JSON / yaml.safe_load.
 
 This module depends only on the standard library, torch, numpy and yaml: it must stay importable
 without transformers / accelerate (the model itself is written by the caller's callback).
@@ -159,6 +160,78 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Messages of writers that report a failed write as something other than OSError: torch's zip stream writer
+# (a full disk surfaces as "unexpected pos N vs M"), and OS error texts that libraries wrap in their own types.
+_STORAGE_MESSAGES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "No space left", "Disk quota exceeded",
+                     "Read-only file system", "Permission denied", "Input/output error", "StorageFull")
+
+
+def is_storage_error(e: Optional[BaseException]) -> bool:
+    """Whether an exception raised while writing files comes from the storage (full disk, quota, permissions,
+    read-only file system, I/O error) rather than from a bug: an OSError anywhere in its cause chain, safetensors'
+    SafetensorError (its Rust writer's I/O errors), torch's stream-writer RuntimeError, or a DCP
+    CheckpointException (a BaseException) whose per-rank failures are any of these."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            return True
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in _STORAGE_MESSAGES):
+            return True
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint: {rank: (exception, traceback)}
+        if isinstance(failures, dict) and any(is_storage_error(v[0] if isinstance(v, tuple) else v) for v in failures.values()):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _storage_reason(e: BaseException, folder: Path) -> str:
+    """First line of the error, plus the free space left where it was written (a full disk explains itself)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(e).__name__
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        reason += f" ({shutil.disk_usage(probe).free / 2**20:.1f} MiB free on that file system)"
+    except OSError:
+        pass
+    return reason
+
+
+def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write a folder (output_dir/final) by `write(tmp)` into `.tmp-<name>`, fsync it, then swap it in for any
+    previous one. A failure leaves the previous folder as it was; a storage error (is_storage_error) raises
+    CheckpointSaveError naming the folder, anything else propagates."""
+    folder = Path(folder)
+    tmp, old = folder.parent / f".tmp-{folder.name}", folder.parent / f".old-{folder.name}"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _rmtree(tmp)
+        tmp.mkdir()
+        write(tmp)
+        for rel in _files_under(tmp):
+            _fsync_file(tmp / rel)
+        for dirpath, _dirs, _files in os.walk(tmp):
+            _fsync_dir(Path(dirpath))
+        if folder.exists():
+            _rmtree(old)
+            os.rename(folder, old)
+        os.rename(tmp, folder)
+        _fsync_dir(folder.parent)
+        _rmtree(old)
+    except BaseException as e:
+        storage = isinstance(e, Exception) and is_storage_error(e)
+        reason = _storage_reason(e, folder.parent) if storage else ""
+        _rmtree(tmp)
+        if old.exists() and not folder.exists():
+            os.rename(old, folder)  # the swap failed half-way: the previous folder gets its name back
+        if storage:
+            raise CheckpointSaveError(f"could not write {folder}: {reason}") from e
+        raise
+    return folder
+
+
 # ---------------------------------------------------------------- state collection
 def _versions() -> dict[str, Optional[str]]:
     """Library versions for the record; metadata lookups only, so transformers is never imported."""
@@ -226,7 +299,8 @@ def save_checkpoint(
     serialisable; global_step, config_hash, versions and weights_only are added here. With
     `weights_only` the optimizer, scheduler and RNG are not saved (such a checkpoint cannot resume
     exactly). `rng_states` ({rank: state}, several processes) writes one `rng_state_<rank>.pt` per process
-    instead of this process's own. Any OSError while writing raises CheckpointSaveError; the temporary folder is removed
+    instead of this process's own. A storage error while writing (is_storage_error: OSError, torch's "unexpected pos",
+    safetensors' SafetensorError, ...) raises CheckpointSaveError; the temporary folder is removed
     and earlier checkpoints are untouched. After a successful save, `save_total_limit` rotates old
     checkpoints (the newest and the best, `trainer_state["best_step"]`, are always kept).
     """
@@ -242,12 +316,13 @@ def save_checkpoint(
                         rng_states=rng_states)
         _write_manifest(tmp, step)
         _move_into_place(tmp, final)
-    except OSError as e:
-        _rmtree(tmp)
-        raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {e}; "
-                                  f"earlier checkpoints in {output_dir} are intact") from e
-    except BaseException:
+    except BaseException as e:
+        storage = isinstance(e, Exception) and is_storage_error(e)  # full disk, permissions, read-only FS, I/O: any writer's form
+        reason = _storage_reason(e, output_dir) if storage else ""  # free space measured before the cleanup frees it
         _rmtree(tmp)  # never leave half a checkpoint behind, whatever went wrong (KeyboardInterrupt too)
+        if storage:
+            raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {reason}; "
+                                      f"earlier checkpoints in {output_dir} are intact") from e
         raise
     if save_total_limit is not None:
         try:
@@ -334,7 +409,7 @@ def verify_checkpoint(path: str | Path, check_hashes: bool = True) -> tuple[bool
         entries = [(rel, int(e["size"]), str(e["sha256"])) for rel, e in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"unreadable {MANIFEST}: {e}"
-    for rel, size, digest in entries:
+    for rel, size, _digest in entries:
         p = path / rel
         if not p.is_file():
             return False, f"missing file {rel}"
@@ -359,7 +434,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 def find_resume_checkpoint(output_dir: str | Path, resume: str, warn: Warn = print) -> Optional[Path]:
     """The checkpoint to resume from: "never" -> None, a path -> that one (must be valid),
-    "auto" -> the newest valid one in output_dir (invalid ones are reported and skipped), else None."""
+    "auto" -> the newest valid one in output_dir (invalid ones are reported and skipped; when there are
+    checkpoints but none is valid, CheckpointError: starting over would lose them), else None."""
     if resume == "never":
         return None
     if resume != "auto":
@@ -374,11 +450,19 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str, warn: Warn = pri
             raise CheckpointError(f"training.resume={resume}: checkpoint {path} is invalid: {reason}{hint}")
         return path
     _recover_parked(Path(output_dir), warn)
+    invalid = []
     for path in reversed(list_checkpoints(output_dir)):
         ok, reason = verify_checkpoint(path)
         if ok:
             return path
         warn(f"skipping invalid checkpoint {path}: {reason}; trying an older one")
+        invalid.append(f"{path.name}: {reason}")
+    if invalid:
+        # Starting over here would train from step 0 and later rotate these away: never without being asked.
+        raise CheckpointError(
+            f"every checkpoint in {output_dir} is invalid ({'; '.join(invalid)}); refusing to start over from step 0. "
+            f"Repair or restore a checkpoint, or set training.resume=never to start a new run in this folder (its "
+            f"checkpoints then replace these), or use a new training.output_dir")
     return None
 
 
@@ -436,6 +520,16 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: Optional[int], 
 
 
 # ---------------------------------------------------------------- load
+def unpickling_reason(e: BaseException) -> str:
+    """The line of an unpickling error that says what was refused (torch's weights_only message starts with advice
+    on how to load the file anyway, which is the opposite of what an untrusted checkpoint needs)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("WeightsUnpickler error"):
+            return line.split(" Please use ")[0]  # torch goes on with how to allowlist the global
+    return lines[0] if lines else type(e).__name__
+
+
 def safe_torch_load(path: str | Path) -> Any:
     """torch.load restricted to tensors and plain containers; anything else is a CheckpointError."""
     path = Path(path)
@@ -445,7 +539,7 @@ def safe_torch_load(path: str | Path) -> Any:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # UnpicklingError and friends: the file holds more than tensors
         raise CheckpointError(f"refusing to load {path}: it is not a plain tensor file "
-                              f"(weights_only=True rejected it: {str(e).splitlines()[0]})") from e
+                              f"(weights_only=True rejected it: {unpickling_reason(e)})") from e
 
 
 def read_trainer_state(path: str | Path) -> dict:

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                         description="Checkpoint -> plain HF folder: base model + trained weights (LoRA merged) + processor.")
     ex.add_argument("checkpoint", help="output_dir/checkpoint-<step>, or a run folder (its newest valid checkpoint)")
     ex.add_argument("out", help="folder to write")
+    ex.add_argument("overrides", nargs="*", help="key=value settings that replace the checkpoint's config, e.g. "
+                    "model.name_or_path=<base model folder>; model.trust_remote_code / model.allow_hub_download are "
+                    "never taken from the checkpoint, only from here (with model.name_or_path)")
     from .plan_cli import add_arguments as add_plan_arguments
 
     pl = sub.add_parser("plan", help="Predict the per-GPU memory peak of a GRPO step before launch; --search for configs that fit.",
@@ -98,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         from .plan_cli import run_safely
 
         return run_safely(ns)
+    from .rundir import RunAlreadyComplete
+
     try:
         return _dispatch(ns)
+    except RunAlreadyComplete as e:  # running a finished run again: nothing to do, not a failure
+        print(f"vlmrl {ns.command}: {e}", file=sys.stderr)
+        return 0
     except user_error_types() as e:
         return report_user_error(ns.command, e)
 
@@ -133,9 +141,9 @@ def _dispatch(ns) -> int:
         print(reference_markdown())
         return 0
     if ns.command == "export":
-        from .distributed import export_checkpoint
+        from .export import export_checkpoint
 
-        export_checkpoint(ns.checkpoint, ns.out)
+        export_checkpoint(ns.checkpoint, ns.out, overrides=ns.overrides)
         return 0
     if ns.command == "demo":
         from .demo import run_demo
@@ -165,7 +173,7 @@ def _run(command: str, cfg) -> int:
             metrics = sft(cfg)
         else:
             metrics = run_eval(cfg)
-    from .distributed import env_world
+    from .runtime import env_world
 
     if env_world()[1] == 0:  # one line of results, from the main process only
         print(json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}, indent=1))

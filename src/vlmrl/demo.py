@@ -53,6 +53,7 @@ def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
         f"training.output_dir={out / 'grpo'}", f"model.name_or_path={out / 'sft' / 'final'}",
         f"data.train_path={out / 'sft' / 'data' / 'count' / 'train.jsonl'}",
         f"data.eval_path={out / 'sft' / 'data' / 'count' / 'test.jsonl'}",
+        "training.resume=never",  # SFT just trained a new start model: a demo run again starts GRPO over
     ])
     print("[demo] GRPO from the SFT model")
     grpo_metrics = train(grpo_cfg)

@@ -50,12 +50,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .config import ConfigError
+from .runtime import env_world  # noqa: F401 - also part of this module's interface
+
 ENGINES = ("single", "ddp", "fsdp2", "deepspeed")
 # Memory keys whose per-process values are also logged (`mem/<key>/rank<r>`); the plain key is the max.
 PER_RANK_MEMORY = ("mem/host_peak_rss", "mem/gpu_peak_allocated", "mem/gpu_peak_reserved")
-
-
-from .config import ConfigError
 
 
 def fsdp2_asked_on_cpu(distributed_type: str) -> bool:
@@ -69,20 +69,6 @@ class DistributedError(ConfigError):
 
 
 # ---------------------------------------------------------------- pure helpers (unit-tested in one process)
-def env_world() -> tuple[int, int, int]:
-    """(world_size, rank, local_rank) from the launcher's environment (torchrun / accelerate launch / MPI)."""
-    def first(names: tuple[str, ...], default: int) -> int:
-        for name in names:
-            if os.environ.get(name, "") != "":
-                return int(os.environ[name])
-        return default
-
-    world = first(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), 1)
-    rank = first(("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), 0)
-    local = first(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"), 0)
-    return world, rank, local
-
-
 def shard_prompts(prompts_per_step: int, num_generations: int, rows_per_opt_step: int, world_size: int, rank: int) -> list[int]:
     """Positions (in the step's global prompt order) of the prompts `rank` rolls out.
 
@@ -223,7 +209,7 @@ class Distributed:
                 import warnings
 
                 warnings.warn(f"the accelerate config asks for FSDP version 1 / DeepSpeed but accelerate set up {dt or 'no engine'} "
-                              "(it enables them on GPUs only): this run uses DDP, every process holds the whole model")
+                              "(it enables them on GPUs only): this run uses DDP, every process holds the whole model", stacklevel=2)
 
     @classmethod
     def from_env(cls, cpu: bool = False) -> "Distributed":
@@ -627,37 +613,6 @@ def optimizer_state_by_name(state: dict, names_per_group: list[list[str]]) -> di
             "param_groups": [{**g, "params": names} for names, g in zip(names_per_group, state["param_groups"])]}
 
 
-def load_sharded_state(model: nn.Module, folder, optimizer=None) -> None:
-    """A torch.distributed.checkpoint folder (save_sharded_state) into `model` (and `optimizer`): sharded (FSDP2,
-    any world size: the files are re-sharded on load), replicated (DDP) or plain (one process)."""
-    import torch.distributed as tdist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    opt = raw_optimizer(optimizer) if optimizer is not None else None
-    state = {"model": get_model_state_dict(model)}
-    if opt is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, opt)  # builds the state tensors DCP loads into
-    dcp.load(state, checkpoint_id=str(folder), no_dist=not tdist.is_initialized())
-    set_model_state_dict(model, state["model"])
-    if opt is not None:
-        set_optimizer_state_dict(model, opt, state["optimizer"])
-
-
-def consolidated_model_state(folder) -> dict:
-    """The model part of a torch.distributed.checkpoint folder as one plain state dict, on one process."""
-    import tempfile
-    from pathlib import Path
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "state.pt"
-        dcp_to_torch_save(str(folder), str(target))
-        return torch.load(target, weights_only=True)["model"]
-
-
 def cat_completions(pieces: list, pad_id: int):
     """Concatenate per-prompt rollouts (rollout.Completions) into one, right-padding ids with pad_id."""
     from .rollout import Completions
@@ -671,42 +626,4 @@ def cat_completions(pieces: list, pad_id: int):
                        truncated=torch.cat([p.truncated for p in pieces]))
 
 
-def export_checkpoint(checkpoint: str, out: str, log=print) -> str:
-    """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
-    transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
-    also under out/adapter), plus the processor. Checkpoints hold full states (one process, DDP, FSDP2 with
-    FULL_STATE_DICT: gathered when written) or, with SHARDED_STATE_DICT, per-process shards consolidated here."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from .checkpoint import (SHARDED_DIR, CheckpointError, find_resume_checkpoint, is_sharded_checkpoint, read_checkpoint_config,
-                             read_trainer_state, verify_checkpoint)
-    from .config import build_config
-    from .models import save_model
-    from .runtime import load_policy
-    from .train import load_trainable_weights
-
-    path = Path(checkpoint)
-    if not (path / "manifest.json").exists():
-        found = find_resume_checkpoint(path, "auto", warn=log)
-        if found is None:
-            raise CheckpointError(f"{path} is neither a checkpoint nor a run folder holding a valid one")
-        path = found
-    ok, reason = verify_checkpoint(path)
-    if not ok:
-        raise CheckpointError(f"checkpoint {path} is invalid: {reason}")
-    engine = read_trainer_state(path).get("engine", "single")
-    if engine == "deepspeed":  # vlmrl does not write these (train refuses); a hand-made folder would hold ZeRO partitions
-        raise CheckpointError(f"{path} holds DeepSpeed states; exporting them is not supported")
-    tree = read_checkpoint_config(path)
-    tree.setdefault("training", {})["device"] = "cpu"
-    cfg = build_config(tree)
-    model, processor = load_policy(cfg, torch.device("cpu"))
-    if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process
-        model.load_state_dict(consolidated_model_state(path / SHARDED_DIR))
-    else:
-        load_trainable_weights(model, path / "model", load_file)
-    save_model(model, processor, out)
-    log(f"exported {path} to {out}")
-    return out
+# Settings that decide which code runs while loading a model: never taken from the folder being exported.

@@ -81,7 +81,11 @@ def _missing_weights(folder: Path) -> list[str]:
         return ["weight files (*.safetensors or *.bin)"]
     out = []
     for index in sorted(folder.glob("*.index.json")):
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            out.append(f"a readable {index.name} (it is not JSON with a weight_map)")
+            continue
+        shards = sorted(set(weight_map.values()))
         absent = [name for name in shards if not (folder / name).is_file()]
         if absent:
             out.append(f"weight shards named in {index.name}: {', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''}")

@@ -10,17 +10,10 @@ and exit status 2 (ConfigError, DataError, ModelLoadError, RewardError).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .config import EMBEDDED_MODEL, Config, ConfigError
 
-WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tiktoken.model")
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-CONFIGS_WITH_TEMPLATES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
-IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)
 REWARD_PROBE_ROWS = 2
 
 
@@ -31,7 +24,7 @@ def preflight(cfg: Config, command: str, log=print) -> None:
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
     check_model_folder(cfg)
-    from .distributed import env_world
+    from .runtime import env_world
     from .runtime import load_datasets, load_reward_funcs
 
     try:
@@ -62,75 +55,20 @@ def check_trackers(cfg: Config) -> None:
 # Model folder
 
 
-def model_folder_problems(folder: Path) -> list[str]:
-    """What a model folder lacks for vlmrl to load it (empty when complete). Reads only small JSON files."""
-    if not folder.exists():
-        return [f"{folder} does not exist"]
-    if not folder.is_dir():
-        return [f"{folder} is not a folder"]
-    problems = []
-    config = _read_json(folder / "config.json")
-    if config is None:
-        problems.append("config.json (missing or not JSON)")
-    problems += _weight_problems(folder)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        problems.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
-    if not _has_chat_template(folder):
-        problems.append(f"a chat template ({' or '.join(CHAT_TEMPLATE_FILES)}, or chat_template in tokenizer_config.json)")
-    processor_config = _read_json(folder / "processor_config.json") or {}
-    if not any((folder / name).is_file() for name in IMAGE_PROCESSOR_FILES) and "image_processor" not in processor_config:
-        problems.append("an image processor config (preprocessor_config.json)")
-    return problems
-
-
-def _weight_problems(folder: Path) -> list[str]:
-    for index_name in WEIGHT_INDEXES:
-        index = folder / index_name
-        if index.is_file():
-            data = _read_json(index)
-            if data is None or not isinstance(data.get("weight_map"), dict):
-                return [f"a readable {index_name} (it is not JSON with a weight_map)"]
-            shards = sorted(set(data["weight_map"].values()))
-            missing = [s for s in shards if not (folder / s).is_file()]
-            if missing:
-                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                return [f"weight shards named in {index_name}: {', '.join(missing[:3])}{more} ({len(missing)} of {len(shards)})"]
-            return []
-    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_GLOBS):
-        return ["weight files (*.safetensors or *.bin)"]
-    return []
-
-
-def _has_chat_template(folder: Path) -> bool:
-    if any((folder / name).is_file() for name in CHAT_TEMPLATE_FILES) or (folder / "additional_chat_templates").is_dir():
-        return True
-    return any("chat_template" in (_read_json(folder / name) or {}) for name in CONFIGS_WITH_TEMPLATES)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def check_model_folder(cfg: Config) -> None:
-    """ModelLoadError listing everything the model folder lacks. The embedded model is built by vlmrl, and a
-    hub id with model.allow_hub_download=true is fetched by transformers: neither is a folder to check."""
-    from .models import ModelLoadError
+    """ModelLoadError listing everything the model folder lacks (models.check_model_folder). The embedded model is
+    built by vlmrl, and a hub id with model.allow_hub_download=true is fetched by transformers: neither is a
+    folder to check."""
+    from .models import ModelLoadError, require_complete_model_folder
 
     name = cfg.model.name_or_path
     folder = Path(name).expanduser()
     if name == EMBEDDED_MODEL or (cfg.model.allow_hub_download and not folder.exists()):
         return
-    problems = model_folder_problems(folder)
-    if problems and not folder.is_dir():
-        raise ModelLoadError(f"model.name_or_path: {problems[0]} (vlmrl loads local folders; model.allow_hub_download=true lets "
-                             "transformers download a hub id)")
-    if problems:
-        raise ModelLoadError(f"model folder {folder} is incomplete, it has no {'; no '.join(problems)}. Copy the missing files "
-                             "from the original model (save_pretrained writes the model, processor.save_pretrained the rest)")
+    if not folder.is_dir():
+        raise ModelLoadError(f"model.name_or_path: {folder} {'does not exist' if not folder.exists() else 'is not a folder'} (vlmrl "
+                             "loads local folders; model.allow_hub_download=true lets transformers download a hub id)")
+    require_complete_model_folder(folder)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,20 @@ import numpy as np
 import torch
 
 from .config import EMBEDDED_MODEL, Config, ConfigError
+
+
+def env_world() -> tuple[int, int, int]:
+    """(world_size, rank, local_rank) from the launcher's environment (torchrun / accelerate launch / MPI)."""
+    def first(names: tuple[str, ...], default: int) -> int:
+        for name in names:
+            if os.environ.get(name, "") != "":
+                return int(os.environ[name])
+        return default
+
+    world = first(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), 1)
+    rank = first(("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), 0)
+    local = first(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"), 0)
+    return world, rank, local
 
 
 def resolve_device(name: str) -> torch.device:
@@ -153,8 +168,6 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
     import json
 
     from .data import bad_rows_records
-    from .distributed import env_world
-
     path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
     if env_world()[1] == 0:
         from .tracking import read_jsonl

@@ -52,7 +52,8 @@ def sft(cfg: Config, log=print) -> dict:
     from .optim import clip_and_step, make_optimizer
     from .prefix import LogprobOptions, completion_logps_for
     from .tracking import RunLogger, tracker_options
-    from .distributed import DistributedError, env_world
+    from .distributed import DistributedError
+    from .runtime import env_world
 
     if env_world()[0] > 1:
         raise DistributedError(f"vlmrl sft runs on one process; this launch has {env_world()[0]} (WORLD_SIZE). Run it without "
@@ -97,7 +98,11 @@ def sft(cfg: Config, log=print) -> dict:
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
-    save_model(model, processor, out / "final")  # before the last evaluation: its failure must not lose the training
+    from .checkpoint import save_folder_atomically
+
+    # Before the last evaluation (its failure must not lose the training); under a temporary name, then renamed: a
+    # full disk leaves no half folder, and is one line (CheckpointSaveError).
+    save_folder_atomically(out / "final", lambda tmp: save_model(model, processor, tmp))
     if data.eval:
         try:
             metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device, log)

@@ -238,6 +238,46 @@ def tracker_options(cfg, run_name: str | None = None) -> dict:
             "run_name": run_name or Path(cfg.training.output_dir).name, "run_config": dataclasses.asdict(cfg)}  # config.to_dict's tree
 
 
+LOG_FILES = ("metrics.jsonl", "eval.jsonl", "samples.jsonl")
+
+
+def cut_logs(output_dir: str | Path, step: int, log=print) -> dict[str, int]:
+    """Remove the rows of LOG_FILES logged after `step`, the step a run continues from: a run killed after its
+    last checkpoint logged steps that the resumed run logs again, and each step must appear once. `step` 0 (a
+    fresh start) removes every row with a step. Rows without a step and the rest of each file stay as they are;
+    a partial last line (a write cut by a kill) goes. Each file is replaced atomically. Returns {file: rows removed}."""
+    removed: dict[str, int] = {}
+    for name in LOG_FILES:
+        path = Path(output_dir) / name
+        if not path.is_file():
+            continue
+        keep, dropped = [], 0
+        for raw in path.read_bytes().split(b"\n"):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except ValueError:
+                dropped += 1
+                continue
+            row_step = row.get("step") if isinstance(row, dict) else None
+            if isinstance(row_step, int) and not isinstance(row_step, bool) and (row_step > step or step == 0):
+                dropped += 1
+                continue
+            keep.append(raw)
+        if dropped:
+            tmp = path.with_name(f".{name}.tmp")
+            with tmp.open("wb") as f:
+                f.write(b"".join(line + b"\n" for line in keep))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            removed[name] = dropped
+            log(f"{path}: removed {dropped} row(s) logged after step {step} (the run continues from step {step}, "
+                f"so they are logged again)")
+    return removed
+
+
 class RunLogger:
     """Logs a training run to JSONL, TensorBoard and a progress bar.
 

@@ -21,7 +21,7 @@ import torch
 
 from .advantages import ADVANTAGE_ESTIMATORS, group_std
 from .batching import pack_by_tokens, split_by_rows
-from .config import Config, save_config
+from .config import Config
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
 from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
@@ -29,6 +29,8 @@ from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
 from .rewards import reward_stats
 from .rollout import Completions, generate
+from .run_checkpoint import restore, restore_after_wrap, save, save_final
+from .rundir import guard_run_folder, prepare_run
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
 from .signals import warn_if_no_learning_signal
 
@@ -73,6 +75,7 @@ class Run:
     scheduler: object
     sampler: object  # data.PromptSampler
     logger: object  # tracking.RunLogger
+    log: object  # the caller's log function (main process; others: a no-op)
     opts: LogprobOptions
     sizes: Sizes
     state: dict  # step, best_metric, best_step
@@ -144,6 +147,7 @@ class UpdateStats:
 
 
 # ---------------------------------------------------------------- the loop
+@guard_run_folder  # one run per output_dir (a lock), and the completion marker (rundir.py)
 def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """Train with GRPO as `cfg` says; returns the final metrics (last step + last evaluation).
 
@@ -215,11 +219,9 @@ def start_run(cfg: Config, log) -> Run:
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
         cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
-    if dist.is_main:
-        save_config(cfg, out / "config.yaml")
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
-    resume_from = dist.broadcast(find_resume(cfg, log) if dist.is_main else None)  # only the main process repairs folders
+    resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
     t = cfg.training
     shard = dist.shard(cfg.prompts_per_step, cfg.rollout.num_generations, t.per_device_train_batch_size * t.gradient_accumulation_steps)
     if dist.world_size > 1:
@@ -250,7 +252,7 @@ def start_run(cfg: Config, log) -> Run:
     r = cfg.rollout
     return Run(cfg=cfg, out=out, dist=dist, shard=shard, device=device, model=model, processor=processor, reference=reference,
                data=data, reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, scheduler=scheduler,
-               sampler=sampler, logger=logger, opts=LogprobOptions.from_config(cfg, device), sizes=Sizes.initial(cfg, state.pop("sizes", None)),
+               sampler=sampler, logger=logger, log=log, opts=LogprobOptions.from_config(cfg, device), sizes=Sizes.initial(cfg, state.pop("sizes", None)),
                state=state, plan=plan, pad_id=pad_id,
                per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1))
 
@@ -264,7 +266,7 @@ def finish_run(run: Run, final: dict) -> dict:
     if cfg.training.save_final_model:
         from .models import save_model
 
-        save_final(run.model, run.processor, run.out / "final", dist, save_model, cfg)
+        save_final(run.model, run.processor, run.out / "final", dist, save_model, cfg, run.log)
     try:
         final.update(maybe_evaluate(run, run.state["step"]))
     except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
@@ -585,164 +587,6 @@ def evaluate_run(run: Run) -> dict:
 def checkpoint(run: Run, step: int) -> None:
     run.state["sizes"] = asdict(run.sizes)
     save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
-
-
-def find_resume(cfg: Config, log):
-    from .checkpoint import find_resume_checkpoint
-
-    return find_resume_checkpoint(cfg.training.output_dir, cfg.training.resume, warn=log)
-
-
-def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
-    """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state.
-    Every process loads the same full state (output_dir on a file system they all see); each its own RNG."""
-    from safetensors.torch import load_file
-
-    from .checkpoint import (CheckpointError, check_resume_compat, is_sharded_checkpoint, is_weights_only, load_training_state,
-                             read_checkpoint_config, read_trainer_state, restore_rng)
-    from .config import to_dict
-
-    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), cfg.training.resume_force, warn=log, defaults=to_dict(Config()))
-    saved_world = int(read_trainer_state(path).get("world_size", 1))
-    if dist is not None and saved_world != dist.world_size:
-        # Checkpoints hold full (consolidated) states and the sampler is global, so a new world size continues the
-        # same run; batch sizes are global, so the math does not change either.
-        log(f"resuming {path} (saved by {saved_world} process(es)) on {dist.world_size}: model, optimizer, scheduler "
-            f"and sampler are full copies; RNG streams of processes the checkpoint has no file for start fresh")
-    sharded = is_sharded_checkpoint(path)  # weights and optimizer load after the engine wraps the model (restore_after_wrap)
-    if not sharded:
-        load_trainable_weights(model, path / "model", load_file)
-    if is_weights_only(path):
-        if not cfg.training.resume_weights_only:
-            raise CheckpointError(f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
-                                  "Set training.resume_weights_only=true to start a NEW schedule from its weights.")
-        log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
-        return {"step": 0, "best_metric": None, "best_step": None}
-    # FSDP2 loads the optimizer after sharding (restore_after_wrap): its state must follow the sharded parameters.
-    ts = load_training_state(path, None if sharded or (dist is not None and dist.engine == "fsdp2") else optimizer, scheduler)
-    sampler.load_state_dict(ts["sampler_state"])
-    if dist is None or dist.world_size == 1:
-        restore_rng(path, warn=log)
-    else:
-        dist.restore_rng(path, saved_world, cfg.training.seed, log)
-    log(f"resumed from {path} at step {ts['global_step']} (epoch {ts['epoch']}, {ts['samples_consumed']} prompts consumed)")
-    out = {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
-    if ts.get("sizes"):
-        out["sizes"] = ts["sizes"]  # micro-batch sizes that OOM recovery settled on
-    return out
-
-
-def restore_after_wrap(path: Path, optimizer, dist) -> None:
-    """What loads after the engine has wrapped the model: a SHARDED checkpoint's torch.distributed.checkpoint files
-    (weights and optimizer, re-sharded for any world size), or under FSDP2 the full optimizer state (read by the
-    main process) scattered into the shards. Nothing otherwise (restore loaded it all)."""
-    from .checkpoint import OPTIMIZER_FILE, SHARDED_DIR, is_sharded_checkpoint, is_weights_only, safe_torch_load
-    from .distributed import load_sharded_state
-
-    if is_sharded_checkpoint(path):
-        load_sharded_state(dist.model, path / SHARDED_DIR, None if is_weights_only(path) else optimizer)
-    elif dist.engine == "fsdp2" and not is_weights_only(path):
-        dist.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE) if dist.is_main else None)
-
-
-def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None) -> None:
-    """One atomic checkpoint written by the main process: full model and optimizer (all processes hold the same
-    ones under DDP; FSDP2 gathers them to the main process first, so the checkpoint has the single-process layout
-    and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
-    from .checkpoint import CheckpointSaveError, save_checkpoint
-    from .config import to_dict
-
-    t = cfg.training
-    trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
-                     "best_metric": state["best_metric"], "best_step": state["best_step"], "sizes": state.get("sizes")}
-    many = dist is not None and dist.world_size > 1
-    save_weights = lambda p: save_trainable_weights(model, p)  # noqa: E731
-    if many:
-        if dist.engine == "deepspeed":
-            raise dist.unsupported("checkpoints of DeepSpeed engines")
-        trainer_state.update(world_size=dist.world_size, engine=dist.engine)
-        if dist.sharded_checkpoints:  # every process writes its shards, then they move into the checkpoint
-            staging = out / f".tmp-sharded-{step}"
-            dist.save_sharded_state(staging, None if t.save_only_model else optimizer)
-            save_weights = lambda p: move_sharded_state(staging, p, model)  # noqa: E731
-            optimizer = None
-            trainer_state["state_format"] = "sharded"
-        elif dist.engine == "fsdp2":  # every process takes part in the gathers
-            model_state, optim_state = dist.full_state_dicts(None if t.save_only_model else optimizer)
-            save_weights = lambda p: save_trainable_weights(model, p, model_state)  # noqa: E731
-            optimizer = FullState(optim_state)
-    rng_states = dist.gather_rng_states() if many else None  # every process takes part
-    error = None
-    if not many or dist.is_main:
-        try:
-            save_checkpoint(out, step, save_model=save_weights, optimizer=optimizer, scheduler=scheduler,
-                            trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
-                            save_total_limit=t.save_total_limit, warn=log, rng_states=rng_states)
-        except CheckpointSaveError as e:
-            error = e
-    if many:
-        message = dist.broadcast(str(error) if error else None)  # every process stops, or none does
-        error = error or (CheckpointSaveError(message) if message else None)
-    if error is not None:
-        if t.on_save_error == "stop":
-            raise error
-        log(f"WARNING: {error}; going on (training.on_save_error=continue), the previous checkpoint stays the newest")
-
-
-def move_sharded_state(staging: Path, model_dir: Path, model) -> None:
-    """Into a checkpoint being written: the processes' shards as <checkpoint>/sharded, the model config in model/."""
-    from .checkpoint import SHARDED_DIR
-    from .models import unwrap
-
-    staging.rename(model_dir.parent / SHARDED_DIR)
-    unwrap(model).config.save_pretrained(model_dir)
-
-
-class FullState:
-    """A gathered optimizer state (FSDP2) where save_checkpoint expects an optimizer: state_dict() returns it."""
-
-    def __init__(self, state: dict | None):
-        self.state = state
-
-    def state_dict(self) -> dict | None:
-        return self.state
-
-
-def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | None = None) -> None:
-    """output_dir/final as a plain HF folder, written by the main process. FSDP2: the weights are gathered to the
-    main process, which loads them into an unsharded CPU copy of the policy (LoRA merged from there)."""
-    if dist.engine == "deepspeed":
-        raise dist.unsupported("saving the final model of DeepSpeed engines")
-    if dist.engine == "fsdp2":
-        state, _ = dist.full_state_dicts(None)
-        if dist.is_main:
-            plain, _ = load_policy(cfg, torch.device("cpu"))
-            plain.load_state_dict(state)
-            save_model(plain, processor, folder)
-    elif dist.is_main:
-        save_model(model, processor, folder)
-    dist.barrier()
-
-
-def save_trainable_weights(model, folder: Path, state_dict: dict | None = None) -> None:
-    """HF format: the full model for full fine-tuning, only the adapter for LoRA (peft's save_pretrained).
-    `state_dict`: the model's full state gathered from sharded parameters (FSDP2) instead of its own."""
-    model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)  # None: the model's own
-
-
-def load_trainable_weights(model, folder: Path, load_file) -> None:
-    """Inverse of save_trainable_weights, into the already-built model (so freezing / LoRA stay as configured)."""
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
-        return
-    loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
-    with torch.no_grad():
-        for (name, p), (name2, q) in zip(model.state_dict(keep_vars=True).items(), loaded.state_dict(keep_vars=True).items()):
-            if name != name2:
-                raise RuntimeError(f"checkpoint parameter {name2} does not match the model's {name}")
-            p.copy_(q)
 
 
 def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
