@@ -143,7 +143,7 @@ def test_collectives_on_two_gloo_processes():
     (p0, total0, acc0, trunc0, norm0, m0, rng0, any0), (p1, total1, acc1, trunc1, norm1, m1, rng1, any1) = results[0], results[1]
     assert p0 == [0, 2] and p1 == [1, 3]
     assert total0 == total1 == [float(i) for i in range(8)]  # global order restored on every process
-    assert acc0 == [0, 0, 1, 1, 0, 0, 1, 1] and trunc0 == [False, False, True, True] * 2
+    assert acc0 == acc1 == [0, 0, 1, 1, 0, 0, 1, 1] and trunc0 == trunc1 == [False, False, True, True] * 2
     assert norm0 == norm1 == (4, 6)  # sequences and tokens summed over processes
     assert m0 == m1 and m0["loss"] == 2.0 and m0["mem/host_peak_rss"] == 2.0 and m0["mem/host_peak_rss/rank0"] == 1.0 and m0["same"] == 3.0
     assert rng0 == [0, 1] and rng1 is None and any0 and any1

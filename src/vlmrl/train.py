@@ -252,8 +252,8 @@ def start_run(cfg: Config, log) -> Run:
     r = cfg.rollout
     return Run(cfg=cfg, out=out, dist=dist, shard=shard, device=device, model=model, processor=processor, reference=reference,
                data=data, reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, scheduler=scheduler,
-               sampler=sampler, logger=logger, log=log, opts=LogprobOptions.from_config(cfg, device), sizes=Sizes.initial(cfg, state.pop("sizes", None)),
-               state=state, plan=plan, pad_id=pad_id,
+               sampler=sampler, logger=logger, log=log, opts=LogprobOptions.from_config(cfg, device),
+               sizes=Sizes.initial(cfg, state.pop("sizes", None)), state=state, plan=plan, pad_id=pad_id,
                per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1))
 
 
