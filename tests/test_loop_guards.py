@@ -125,3 +125,18 @@ def test_update_oom_with_a_reused_rollout_is_exact(tiny_qwen25vl, data, tmp_path
     wa, wb = load_file(recovered / "final" / "model.safetensors"), load_file(small / "final" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not math.isnan(a[-1]["loss"])
+
+
+def test_adamw_state_exists_before_the_first_optimizer_step(tiny_qwen25vl, data, tmp_path, monkeypatch):
+    """An allocation inside optimizer.step cannot be undone halfway; the run creates AdamW's moments before step 1.
+    Simulated: AdamW's lazy state creation runs out of memory, which the run must never reach."""
+    real = torch.optim.Adam._init_group
+
+    def no_memory_for_new_state(self, group, *args, **kwargs):
+        if any(p.grad is not None and len(self.state[p]) == 0 for p in group["params"]):
+            raise torch.OutOfMemoryError("simulated: no memory for AdamW's moment buffers inside optimizer.step")
+        return real(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "_init_group", no_memory_for_new_state)
+    train(cfg(tiny_qwen25vl, data, tmp_path / "run", "training.max_steps=1"), log=lambda *_: None)
+    assert len(metrics(tmp_path / "run")) == 1
