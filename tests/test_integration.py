@@ -106,6 +106,7 @@ def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, t
     before, after = weights(tiny_qwen25vl), weights(out / "final")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("merger" in k for k in changed), sorted(changed)[:5]
+    assert (out / "report.png").stat().st_size > 10_000  # SFT runs draw the same report as GRPO runs
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])

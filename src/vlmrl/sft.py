@@ -112,4 +112,8 @@ def sft(cfg: Config, log=print) -> dict:
             log(f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); the trained model is saved in {out / 'final'}")
             final["eval/failed"] = 1.0
     logger.close()
+    if cfg.logging.report:  # the same report.png as GRPO runs (loss, eval, memory, step time)
+        from .report import make_report
+
+        make_report(out, title=f"SFT: {out.name} ({cfg.model.name_or_path})")
     return final
