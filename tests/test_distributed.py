@@ -105,6 +105,8 @@ def test_cat_completions_pads_to_the_longest():
 
 # ---------------------------------------------------------------- two processes, no model: the collectives
 def _free_port() -> int:
+    """A port that was free a moment ago (bind, read, close): only where several launchers must share one port;
+    a single torchrun uses --standalone, which binds its own, so no other process can take it in between."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -217,7 +219,7 @@ def reference(setup):
 
 def test_ddp_two_processes_match_one_process(setup, reference):
     out = setup[0] / "ddp"
-    log = _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())) + _args(setup, out))
+    log = _run(_torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out))
     assert "2 processes (ddp)" in log
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
@@ -279,7 +281,7 @@ def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
 # ---------------------------------------------------------------- FSDP2
 def _launch_fsdp2(setup, out, env: dict, *extra) -> str:
     """torchrun x2 with the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports."""
-    return _run(_torchrun("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
+    return _run(_torchrun("--standalone", "--nproc_per_node", "2")
                 + _args(setup, out, *extra), ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", **env)
 
 
