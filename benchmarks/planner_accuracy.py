@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vlmrl.planner import (
+from vlmrl.planner import (  # noqa: E402 (src/ on the path first)
     GiB,
     Workload,
     image_patches,
@@ -96,6 +96,8 @@ def hf_config_for(model: str):
         return tiny_qwen25_config()
     if model == "tiny-qwen2":
         return tiny_qwen25_config(family="qwen2_vl")
+    if model == "tiny-wide":   # weights large next to activations: the shared prefix's held gradients show
+        return tiny_qwen25_config(layers=4, hidden=512, inter=1408, heads=8, kv=2)
     from vlmrl.presets import hf_config
 
     return hf_config(model)
@@ -240,7 +242,8 @@ def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
                          f"(+ctx {r['predicted_total_with_context_gib']:.2f}: {'fits' if r['predicted_fits'] else 'does not fit'}) | "
                          f"verdict {'right' if r['verdict_correct'] else 'WRONG'} | | | |")
         else:
-            lines.append(f"| {r['file']} | {r['config']} | {r['log_prob_path']} | {r['measured_reserved_gib']:.2f} | {r['predicted_reserved_gib']:.2f} | "
+            lines.append(f"| {r['file']} | {r['config']} | {r['log_prob_path']} | {r['measured_reserved_gib']:.2f} | "
+                         f"{r['predicted_reserved_gib']:.2f} | "
                          f"{r['reserved_difference_pct']:+.1f}% | {r['measured_allocated_gib']:.2f} | {r['predicted_allocated_gib']:.2f} | "
                          f"{r['allocated_difference_pct']:+.1f}% |")
     ok = [r for r in rows if "within_10pct" in r]

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import sys
 
-from .planner import OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
+from .planner import GPU_MEMORY_GIB, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a preset name (see --list-models) or a path to a model folder / config.json")
     p.add_argument("--list-models", action="store_true", help="print the bundled presets and exit")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (world size); default 1")
-    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB, 80GB, 24GiB (default: 80GiB with --model)")
+    p.add_argument("--gpu-memory", "--gpu", dest="gpu_memory", default=None,
+                   help="memory per GPU as PyTorch sees it: a GPU name (" + ", ".join(GPU_MEMORY_GIB) + ") or a size. "
+                        "Sizes: 80GiB = 80 x 2^30 bytes; 80GB = 80 x 10^9 bytes (74.5 GiB); a bare number is GiB. A card sold "
+                        "as '80GB' is neither: an H100 80GB gives PyTorch 79.18 GiB (nvidia-smi: 81559 MiB = 79.6 GiB), so "
+                        "prefer the name (--gpu h100-80gb). Default with --model: h100-80gb")
     p.add_argument("--num-generations", type=int, help="completions per prompt (G)")
     p.add_argument("--prompts", type=int, help="prompts per rollout step per GPU")
     p.add_argument("--micro-batch", type=int, help="rows per forward/backward (per_device_train_batch_size)")
@@ -66,7 +70,7 @@ def _workload(ns, spec):
     else:
         if ns.overrides:
             raise PlanError(f"key=value overrides {ns.overrides} need --config (with --model use the flags)")
-        base = Workload(world_size=world, gpu_memory_bytes=gpu if gpu is not None else 80 * GiB)
+        base = Workload(world_size=world, gpu_memory_bytes=gpu if gpu is not None else parse_memory("h100-80gb"))
     mapping = {
         "num_generations": ns.num_generations, "prompts_per_step": ns.prompts, "micro_batch": ns.micro_batch,
         "grad_accum": ns.grad_accum, "prompts_per_call": ns.prompts_per_call, "max_pixels": ns.max_pixels,

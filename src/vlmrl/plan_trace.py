@@ -352,11 +352,14 @@ def trace_update(hf_config, setup: TraceSetup) -> TraceResult:
         tracker.register(inp.pixels, "inputs")
     persistent = dict(tracker.by_cat)
     with _quiet(), tracker:
-        model.train()
+        # Scoring runs in eval mode as in train.py (rollout and scoring under model.eval()): with checkpointing on,
+        # transformers drops use_cache in training mode, and the shared-prefix scoring path needs the prompt's cache.
+        model.eval()
         tracker.set_stage("scoring", "scoring_activations")
         with torch.no_grad():
             lp = micro_batch_logps(model, inp, setup, needs_grad=False)
         del lp
+        model.train()
         tracker.set_stage("forward", "activations")
         logps = micro_batch_logps(model, inp, setup, needs_grad=True)
         adv = torch.empty(inp.N, 1, device="meta")

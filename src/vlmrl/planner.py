@@ -341,6 +341,16 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     head_trains = text_trains and not w.use_lora and not w.projector_only
     head_grad_tmp = 2 * V * h * b if (head_trains and w.logprob_chunk_tokens > 0) else 0
     bwd_transient = max(lm_bwd + head_grad_tmp, recompute)
+    # Shared prefix: every decoder weight is used twice (prompt pass, completion pass), so autograd holds each
+    # weight's gradient from the completion pass until the prompt pass adds its own (one summed gradient per weight).
+    # Backward through the completion pass frees its activations layer by layer while these fill up: the peak is at
+    # one end, and at the far end the prompt pass's activations and the vision tower's are still alive.
+    prefix_held = 0
+    prefix_bwd_act = 0
+    if prefix and text_trains:
+        decoder_params = lora_n if w.use_lora else spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
+        prefix_held = decoder_params * tb
+        prefix_bwd_act = spec.layers * U * P * per_layer + vision_act + misc_act
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
@@ -362,6 +372,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     scoring = persistent + ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else persistent
     fwd_bwd = persistent + grads + activations + bwd_transient + gathered
     bwd_end = persistent + grads + emb_grad_tmp + gathered
+    if prefix_held:
+        bwd_end += prefix_held + prefix_bwd_act
     opt_step = persistent + grads + opt_temp
     update = max(fwd_bwd, bwd_end, opt_step)
     phases = {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}
@@ -372,7 +384,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "weights": weights, "gradients": grads, "optimizer_states": opt_dev, "optimizer_step_temporary": opt_temp,
         "reference_model": reference, "activations_text": text_act, "activations_vision": vision_act,
         "activations_other": misc_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
-        "embedding_grad_temporaries": emb_grad_tmp, "kv_cache": kv_cache, "generation_temporaries": gen_transient,
+        "embedding_grad_temporaries": emb_grad_tmp, "prefix_held_gradients": prefix_held,
+        "kv_cache": kv_cache, "generation_temporaries": gen_transient,
         "scoring_temporaries": score_transient if (w.beta > 0 or w.num_iterations > 1) else 0,
         "reference_moved_in_for_scoring": ref_moved_in, "gathered_parameters": gathered,
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
@@ -475,11 +488,38 @@ def spec_from_hf_config(config: Any, name: str = "") -> ModelSpec:
         p = p / "config.json" if p.is_dir() else p
         if not p.is_file():
             raise PlanError(f"{config}: no such config.json (give a preset name, a model folder or a config.json path)")
-        d = json.loads(p.read_text())
-        return _spec_cached(json.dumps(d, sort_keys=True), name or p.parent.name)
+        try:
+            d = json.loads(p.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PlanError(f"{p}: not a JSON config ({e}); give a model's config.json") from None
+        return _known_architecture(d, str(p), name or p.parent.name)
     if isinstance(config, dict):
-        return _spec_cached(json.dumps(config, sort_keys=True), name or config.get("model_type", "model"))
+        return _known_architecture(config, "config", name or config.get("model_type", "model"))
     return _spec_from_config_object(config, name or getattr(config, "model_type", "model"))
+
+
+def _known_architecture(d: dict, where: str, name: str) -> ModelSpec:
+    """The spec of a config dict; one PlanError line (not transformers' traceback) when transformers cannot
+    build it as an image-text model."""
+    model_type = d.get("model_type") if isinstance(d, dict) else None
+    how = ("pass the config.json of an architecture this transformers knows as an image-text model (model_type such as "
+           "qwen2_5_vl, qwen2_vl, qwen3_vl, llava, llava_onevision, internvl, idefics3), or a preset (vlmrl plan --list-models)")
+    if not model_type:
+        raise PlanError(f"{where}: no model_type in the config; {how}")
+    try:
+        return _spec_cached(json.dumps(d, sort_keys=True), name)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        import transformers
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if first.startswith("Unrecognized model identifier"):
+            first = "an architecture it does not know"
+        elif first.startswith("Unrecognized configuration class"):
+            first = "not an image-text model"
+        elif len(first) > 120:
+            first = first[:117] + "..."
+        raise PlanError(f"{where}: model_type {model_type!r} cannot be planned with transformers {transformers.__version__} "
+                        f"({first}); {how}") from None
 
 
 def _spec_from_config_object(cfg, name: str) -> ModelSpec:
@@ -567,13 +607,27 @@ def _preset_spec(name: str) -> ModelSpec:
 
 # ---------------------------------------------------------------- vlmrl configs
 
+# What torch.cuda.get_device_properties().total_memory reports (the memory a run can have), by marketing name.
+# A card sold as "80GB" is neither 80e9 nor 80 x 2^30 bytes to PyTorch. h100-80gb was measured here (benchmarks/results/
+# gpu_memory_*.json: 79.18 GiB; nvidia-smi shows 81559 MiB = 79.6 GiB, part of it the driver's); the others are the
+# "total capacity" PyTorch prints in out-of-memory messages on those cards as commonly reported (not measured here).
+GPU_MEMORY_GIB = {
+    "h100-80gb": 79.18, "h100": 79.18, "h200": 139.8, "a100-80gb": 79.15, "a100-40gb": 39.39, "l40s": 44.53, "a6000": 47.54,
+    "rtx4090": 23.65, "rtx3090": 23.69, "a10g": 22.2, "l4": 22.04, "v100-32gb": 31.75, "v100-16gb": 15.77, "t4": 14.75,
+}
+
+
 def parse_memory(text: str | float) -> int:
-    """'80GiB', '80GB', '79.2 GiB', '81920MiB', '8e10' -> bytes. GB = 10^9, GiB = 2^30."""
+    """'80GiB', '80GB', '79.2 GiB', '81920MiB', '8e10', or a GPU name ('h100-80gb', GPU_MEMORY_GIB) -> bytes.
+    GB = 10^9 (decimal, so '80GB' = 74.5 GiB), GiB = 2^30; a bare number is GiB."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return int(text)
+    if str(text).strip().lower() in GPU_MEMORY_GIB:
+        return int(GPU_MEMORY_GIB[str(text).strip().lower()] * GiB)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
-        raise PlanError(f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB")
+        raise PlanError(f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB, "
+                        f"or a GPU name ({', '.join(GPU_MEMORY_GIB)})")
     value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
     if unit == "B":
         return int(value)
@@ -661,9 +715,7 @@ def _describe(base: Workload, w: Workload) -> list[str]:
         if a == b or f == "grad_accum":
             continue
         why = _WHY.get(f, "")
-        if f == "gradient_checkpointing" and not b:
-            why = "off: no recompute (faster update), full activations kept"
-        elif f == "micro_batch":
+        if f == "micro_batch":
             why = ("smaller: " if b < a else "larger: ") + why + f"; gradient_accumulation_steps {base.grad_accum} -> {w.grad_accum}"
         out.append(f"{f}: {a} -> {b}" + (f" ({why})" if why else ""))
     return out
@@ -691,7 +743,12 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
             shardings = (base.sharding, *shardings)
     offloads_for = {"none": ("none",), "ddp": ("none",), "zero1": ("none", "optimizer"), "zero2": ("none", "optimizer"),
                     "zero3": ("none", "optimizer", "optimizer+params"), "fsdp": ("none", "optimizer", "optimizer+params")}
-    refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora) else (base.ref_placement,)
+    # Memory savers the given config has stay on: a candidate that turns one off to go faster would trade the
+    # user's margin for speed (and "fixing" an OOM by switching checkpointing off is never right).
+    gcs = (True,) if base.gradient_checkpointing else (False, True)
+    refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora and base.ref_placement == "device") else (base.ref_placement,)
+    offload_rank = {o: i for i, o in enumerate(OFFLOADS)}
+    offloads_for = {k: tuple(o for o in v if offload_rank[o] >= offload_rank[base.offload]) for k, v in offloads_for.items()}
     step_rows = base.micro_batch * base.grad_accum     # rows per optimizer step (kept)
     out: list[Candidate] = []
     for G in Gs:
@@ -702,7 +759,7 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
                 max(1, step_rows * rows // max(1, base.rows_per_step))
             for mb in _divisors(per_opt):
                 for ppc in _divisors(prompts):
-                    for gc in (False, True):
+                    for gc in gcs:
                         for sh in shardings:
                             for off in offloads_for.get(sh, ("none",)):
                                 for ref in refs:
