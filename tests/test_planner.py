@@ -10,6 +10,7 @@ import pytest
 
 from vlmrl.config import ConfigError, load_config
 from vlmrl.planner import (
+    COMM_BUCKET_BYTES,
     GiB,
     ModelSpec,
     PlanError,
@@ -68,15 +69,49 @@ def test_sharding_divides_states():
     z3 = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n))
     assert z3.terms["weights"] == P * 2 / n
     assert z3.terms["gradients"] == P * 2 // n
-    assert z3.terms["optimizer_states"] == P * 12 // n       # fp32 master + two fp32 moments, sharded
+    assert z3.terms["master_weights"] == P * 4 // n and z3.terms["optimizer_states"] == P * 8 // n  # DeepSpeed: fp32 master + moments
     z2 = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero2", world_size=n))
     assert z2.terms["weights"] == P * 2 and z2.terms["gradients"] == P * 2 // n
     z1 = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero1", world_size=n))
-    assert z1.terms["gradients"] == P * 2 and z1.terms["optimizer_states"] == P * 12 // n
+    assert z1.terms["gradients"] == P * 2 and z1.terms["master_weights"] + z1.terms["optimizer_states"] == P * 12 // n
     off = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n, offload="optimizer+params"))
     assert off.terms["optimizer_states"] == 0 and off.terms["weights"] == 0 and off.host["offloaded_optimizer_states"] > 0
     with pytest.raises(PlanError, match="offload"):
         plan(SPEC, dataclasses.replace(FP32, offload="optimizer"))
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp32"])
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_precision_scheme_is_the_same_under_every_engine(scheme, gpus):
+    """Under one precision scheme, ZeRO-2 is never above plain DDP (equal model states on one GPU, less on two),
+    and ZeRO-1/3 / FSDP never above ZeRO-2's optimizer bytes."""
+    base = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, master_weights=scheme, world_size=gpus)
+    ddp = plan(SPEC, dataclasses.replace(base, sharding="ddp" if gpus > 1 else "none"))
+    states = ("weights", "gradients", "master_weights", "optimizer_states", "optimizer_step_temporary")
+    for sharding in ("zero1", "zero2", "zero3", "fsdp"):
+        p = plan(SPEC, dataclasses.replace(base, sharding=sharding))
+        assert sum(p.terms[k] for k in states) <= sum(ddp.terms[k] for k in states), sharding
+        if gpus == 1:
+            assert all(p.terms[k] == ddp.terms[k] for k in states), (sharding, {k: (p.terms[k], ddp.terms[k]) for k in states})
+    assert plan(SPEC, dataclasses.replace(base, sharding="zero2")).total <= ddp.total + COMM_BUCKET_BYTES * 1.1
+
+
+def test_precision_flag_changes_exactly_the_optimizer_terms():
+    """bf16 full fine-tuning: none = two bf16 moments, bf16 step temporary; fp32 = fp32 master + two fp32 moments
+    + an fp32 temporary. Nothing else moves (besides the allocator reserve that follows the peak)."""
+    P = SPEC.total_params
+    w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True)
+    none, fp32 = plan(SPEC, dataclasses.replace(w, master_weights="none")), plan(SPEC, dataclasses.replace(w, master_weights="fp32"))
+    assert none.terms["master_weights"] == 0 and none.terms["optimizer_states"] == 2 * P * 2 and none.terms["optimizer_step_temporary"] == P * 2
+    assert fp32.terms["master_weights"] == 4 * P and fp32.terms["optimizer_states"] == 8 * P and fp32.terms["optimizer_step_temporary"] == 4 * P
+    moved = {k for k in none.terms if none.terms[k] != fp32.terms[k]}
+    assert moved <= {"master_weights", "optimizer_states", "optimizer_step_temporary", "allocator_reserve"}, moved
+    assert plan(SPEC, w).terms == none.terms                              # auto without DeepSpeed: what vlmrl runs
+    assert plan(SPEC, dataclasses.replace(w, sharding="zero2")).terms["master_weights"] == 4 * P   # auto under DeepSpeed
+    lora = plan(SPEC, dataclasses.replace(w, use_lora=True, lora_r=8, master_weights="fp32"))
+    assert lora.terms["master_weights"] == 0                              # fp32 adapters are their own master
+    with pytest.raises(PlanError, match="master_weights"):
+        plan(SPEC, dataclasses.replace(w, master_weights="fp16"))
 
 
 def test_generation_gather_under_full_shard():

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import sys
 
-from .planner import GPU_MEMORY_GIB, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
+from .planner import GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharding", choices=SHARDINGS, help="engine of the accelerate config: ddp, zero1/2/3 (DeepSpeed), fsdp (FSDP2)")
     p.add_argument("--generation-gather", choices=("full", "layers"),
                    help="memory.generation_gather under zero3/fsdp: full = whole model gathered for the rollout, layers = one block")
+    p.add_argument("--master-weights", choices=MASTER_WEIGHTS,
+                   help="precision scheme of the optimizer: none = AdamW on the weights, moments in their dtype (bf16 weights: "
+                        "4 bytes/parameter of states); fp32 = a float32 master copy + float32 moments (12 bytes/parameter; "
+                        "DeepSpeed, verl/EasyR1 FSDP). Sharded by the same rule under every engine. auto (default) = what vlmrl "
+                        "runs: none without DeepSpeed and under fsdp, fp32 under zero1/2/3")
     p.add_argument("--offload", choices=OFFLOADS, help="CPU offload with a ZeRO/FSDP stage (planning only)")
     p.add_argument("--logprob-chunk", type=int, help="memory.logprob_chunk_tokens (0 = off)")
     p.add_argument("--search", action="store_true", help="print the fastest few configurations predicted to fit")
@@ -78,7 +83,7 @@ def _workload(ns, spec):
         "completion_tokens": ns.completion_length, "dtype": ns.dtype, "use_lora": ns.lora, "lora_r": ns.lora_r,
         "gradient_checkpointing": ns.gradient_checkpointing, "freeze_vision": ns.freeze_vision, "beta": ns.beta,
         "ref_placement": ns.ref_placement, "sharding": ns.sharding, "offload": ns.offload, "logprob_chunk_tokens": ns.logprob_chunk,
-        "generation_gather": ns.generation_gather,
+        "generation_gather": ns.generation_gather, "master_weights": ns.master_weights,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
     w = dataclasses.replace(base, **changes)

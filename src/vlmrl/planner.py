@@ -21,6 +21,7 @@ Main entry points:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -32,6 +33,7 @@ from typing import Any
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+MASTER_WEIGHTS = ("auto", "none", "fp32")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 # Device constants (global, documented in docs/planner.md).
@@ -123,6 +125,7 @@ class Workload:
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"
+    master_weights: str = "auto"       # auto | none | fp32: see master_weights_scheme
     generation_gather: str = "full"    # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
     world_size: int = 1
@@ -223,6 +226,8 @@ def _check(w: Workload) -> None:
         problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
     if w.offload != "none" and w.sharding in ("none", "ddp"):
         problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    if w.master_weights not in MASTER_WEIGHTS:
+        problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
         problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
@@ -231,57 +236,73 @@ def _check(w: Workload) -> None:
         raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
 
 
-def plan(spec: ModelSpec, w: Workload) -> Plan:
-    """The closed form. All figures are bytes on one device (the busiest rank)."""
-    _check(w)
-    b = DTYPE_BYTES[w.dtype]
-    cb = 2 if (w.autocast or b == 2) else 4             # compute (activation) dtype bytes
-    n = w.world_size
-    sharded = w.sharding in ("zero1", "zero2", "zero3", "fsdp") and n >= 1
-    full_shard = w.sharding in ("zero3", "fsdp")
-    notes: list[str] = []
+def master_weights_scheme(w: Workload) -> str:
+    """'none' (AdamW on the weights themselves, states in their dtype) or 'fp32' (a float32 master copy of every
+    trainable parameter + float32 moments). 'auto' is what vlmrl runs under each engine: torch AdamW on the weights
+    without DeepSpeed (none, ddp) and under FSDP2 (mixed_precision "no"); DeepSpeed ZeRO-1/2/3 always keep float32
+    partitions for the optimizer, whatever the weights' dtype."""
+    if w.master_weights != "auto":
+        return w.master_weights
+    return "fp32" if w.sharding in ("zero1", "zero2", "zero3") else "none"
 
-    # Parameters and what trains.
-    vision_lin = 0
+
+def model_states(spec: ModelSpec, w: Workload) -> dict:
+    """Bytes per device of weights, gradients, the float32 master copy, AdamW's two moments and the step's
+    full-size temporary (foreach sqrt(exp_avg_sq)), under the precision scheme (master_weights_scheme) and the
+    sharding: optimizer state (master + moments) sharded over n from ZeRO-1 on, gradients from ZeRO-2, weights
+    from ZeRO-3 / FSDP. The same scheme on one device gives the same bytes under every engine."""
+    b = DTYPE_BYTES[w.dtype]
+    n = w.world_size
     lora_n = spec.lora_params(w.lora_r, w.lora_targets) if w.use_lora else 0
     if w.use_lora:
-        trainable = lora_n
-        tb = 4                                            # peft keeps adapters in float32
+        trainable, tb = lora_n, 4                          # peft keeps adapters in float32
     elif w.projector_only:
         trainable, tb = spec.projector_params, b
     elif w.freeze_vision:
         trainable, tb = spec.total_params - spec.vision_params + spec.projector_params, b
     else:
         trainable, tb = spec.total_params, b
-    del vision_lin
+    scheme = master_weights_scheme(w)
+    state_shards = n if w.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    grad_shards = n if w.sharding in ("zero2", "zero3", "fsdp") else 1
+    full_shard = w.sharding in ("zero3", "fsdp")
+    base_w = spec.total_params * b + lora_n * 4
+    weights = 0 if (full_shard and w.offload == "optimizer+params") else base_w / (n if full_shard else 1)
+    if scheme == "fp32":
+        master = trainable * 4 / state_shards if tb < 4 else 0   # float32 trainables are their own master copy
+        moments = trainable * 8 / state_shards
+        step_tmp = trainable * 4 / state_shards
+    else:
+        master = 0
+        moments = trainable * 2 * tb / state_shards
+        step_tmp = trainable * tb / state_shards
+    grads = trainable * tb / grad_shards
+    if w.offload != "none":
+        grads = min(grads, COMM_BUCKET_BYTES * 4)          # gradients stream to the host bucket by bucket
+        step_tmp = 0                                        # the step runs on the CPU
+    return {"trainable": trainable, "trainable_bytes": tb, "lora_params": lora_n, "base_weights": base_w, "scheme": scheme,
+            "weights": weights, "gradients": grads, "master": master, "moments": moments, "step_temporary": step_tmp}
+
+
+def plan(spec: ModelSpec, w: Workload) -> Plan:
+    """The closed form. All figures are bytes on one device (the busiest rank)."""
+    _check(w)
+    b = DTYPE_BYTES[w.dtype]
+    cb = 2 if (w.autocast or b == 2) else 4             # compute (activation) dtype bytes
+    n = w.world_size
+    full_shard = w.sharding in ("zero3", "fsdp")
+    notes: list[str] = []
+
+    st = model_states(spec, w)
+    trainable, tb, lora_n, base_w = st["trainable"], st["trainable_bytes"], st["lora_params"], st["base_weights"]
+    weights, grads, master, opt_states, opt_temp = st["weights"], st["gradients"], st["master"], st["moments"], st["step_temporary"]
     vision_trains = (not w.use_lora) and (not w.freeze_vision) and (not w.projector_only)
     text_trains = not w.projector_only
-
-    # Model states. Unsharded (vlmrl today): torch AdamW, states in the parameter dtype. ZeRO/FSDP: mixed
-    # precision as DeepSpeed/FSDP do it: float32 master weights + two float32 moments (12 bytes per trainable
-    # parameter), sharded over the world size.
-    base_w = spec.total_params * b + lora_n * 4
-    weights = base_w / n if full_shard else base_w
-    if full_shard and w.offload == "optimizer+params":
-        weights = 0
-    grads = trainable * tb
-    if w.sharding in ("zero2", "zero3", "fsdp"):
-        grads = grads / n
-    if w.sharding == "fsdp":
-        opt_states = trainable * 2 * tb / n               # FSDP2 as vlmrl runs it (mixed_precision "no"): states in the weights' dtype
-    elif sharded:
-        opt_states = trainable * 12 / n
-        if w.use_lora:
-            opt_states = trainable * 8 / n                # adapters are fp32 already: no separate master copy
-    else:
-        opt_states = trainable * 2 * tb
     opt_on_device = w.offload == "none"
     if not opt_on_device:
-        notes.append(f"optimizer states ({opt_states / GiB:.2f} GiB) live in host RAM")
-        grads = min(grads, COMM_BUCKET_BYTES * 4)         # gradients stream to the host bucket by bucket
+        notes.append(f"optimizer states ({(opt_states + master) / GiB:.2f} GiB) live in host RAM")
     opt_dev = opt_states if opt_on_device else 0
-    # AdamW's foreach step: sqrt(exp_avg_sq) is a full-size temporary (per dtype group).
-    opt_temp = (trainable * tb / (n if sharded else 1)) if opt_on_device else 0
+    master_dev = master if opt_on_device else 0
     comm = COMM_BUCKET_BYTES if (n > 1 and w.sharding != "none") else 0
     gathered = 0
     if full_shard:
@@ -365,7 +386,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
                         prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
                         gen_rows * V * 4 * 3)
 
-    persistent = weights + opt_dev + reference + batch_inputs + rollout_buffers + comm
+    persistent = weights + master_dev + opt_dev + reference + batch_inputs + rollout_buffers + comm
     # memory.generation_gather=full: the whole model is all-gathered for the rollout (one copy, the own shard included).
     gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full") else gathered
     rollout = persistent + kv_cache + gen_transient + gen_gathered
@@ -381,7 +402,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     reserved = int(peak * (1 + ALLOCATOR_RESERVE))
     total = reserved + CUDA_CONTEXT_BYTES
     terms = {
-        "weights": weights, "gradients": grads, "optimizer_states": opt_dev, "optimizer_step_temporary": opt_temp,
+        "weights": weights, "gradients": grads, "master_weights": master_dev, "optimizer_states": opt_dev,
+        "optimizer_step_temporary": opt_temp,
         "reference_model": reference, "activations_text": text_act, "activations_vision": vision_act,
         "activations_other": misc_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
         "embedding_grad_temporaries": emb_grad_tmp, "prefix_held_gradients": prefix_held,
@@ -394,7 +416,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     }
     terms = {k: int(v) for k, v in terms.items()}
     host = {
-        "offloaded_optimizer_states": int(opt_states * min(n, 8)) if not opt_on_device else 0,  # per node (8 ranks max)
+        "offloaded_optimizer_states": int((opt_states + master) * min(n, 8)) if not opt_on_device else 0,  # per node (8 ranks max)
         "offloaded_parameters": int(base_w) if w.offload == "optimizer+params" else 0,
         "pinned_buffers": int(4 * COMM_BUCKET_BYTES * min(n, 8)) if not opt_on_device else 0,
         "reference_on_cpu": int(spec.total_params * b) if ref_moved_in else 0,
@@ -757,20 +779,14 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
             # keep rows per optimizer step when possible; else (G / prompts changed) keep its ratio to the rollout
             per_opt = step_rows if (G == base.num_generations and prompts == base.prompts_per_step) else \
                 max(1, step_rows * rows // max(1, base.rows_per_step))
-            for mb in _divisors(per_opt):
-                for ppc in _divisors(prompts):
-                    for gc in gcs:
-                        for sh in shardings:
-                            for off in offloads_for.get(sh, ("none",)):
-                                for ref in refs:
-                                    for px in pixels:
-                                        w = dataclasses.replace(base, num_generations=G, prompts_per_step=prompts, micro_batch=mb,
-                                                                grad_accum=per_opt // mb, prompts_per_call=None if ppc == prompts else ppc,
-                                                                gradient_checkpointing=gc,
-                                                                sharding=sh, offload=off, ref_placement=ref, max_pixels=px)
-                                        p = plan(spec, w)
-                                        if p.fits or include_infeasible:
-                                            out.append(Candidate(w, p, _describe(base, w)))
+            engines = [(sh, off) for sh in shardings for off in offloads_for.get(sh, ("none",))]
+            for mb, ppc, gc, (sh, off), ref, px in itertools.product(_divisors(per_opt), _divisors(prompts), gcs, engines, refs, pixels):
+                w = dataclasses.replace(base, num_generations=G, prompts_per_step=prompts, micro_batch=mb, grad_accum=per_opt // mb,
+                                        prompts_per_call=None if ppc == prompts else ppc, gradient_checkpointing=gc,
+                                        sharding=sh, offload=off, ref_placement=ref, max_pixels=px)
+                p = plan(spec, w)
+                if p.fits or include_infeasible:
+                    out.append(Candidate(w, p, _describe(base, w)))
     out.sort(key=lambda c: (not c.plan.fits, c.plan.step_time_s, c.plan.total))
     return out[:top] if top else out
 
