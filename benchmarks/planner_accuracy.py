@@ -75,6 +75,8 @@ class GridPoint:
     prompt_text: int = 41
     shared_prefix: bool = False
     chunk: int = 128
+    attn: str = "sdpa"
+    freeze_vision: bool = False
 
 
 def unique_prompts(N: int, G: int) -> int:
@@ -88,7 +90,8 @@ def workload_for(p: GridPoint) -> Workload:
     return Workload(dtype="bfloat16", autocast=False, use_lora=p.lora, gradient_checkpointing=p.gc, num_generations=p.G,
                     prompts_per_step=U, micro_batch=p.micro_batch, grad_accum=max(1, U * p.G // p.micro_batch),
                     prompt_text_tokens=p.prompt_text, max_pixels=p.max_pixels, completion_tokens=p.completion,
-                    logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix)
+                    logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix, attn_implementation=p.attn,
+                    freeze_vision=p.freeze_vision)
 
 
 def hf_config_for(model: str):
@@ -120,7 +123,8 @@ def compare_trace(p: GridPoint) -> dict:
     U = unique_prompts(N, G)
     setup = TraceSetup(dtype=torch.bfloat16, gradient_checkpointing=p.gc, use_lora=p.lora, rows=N, unique_prompts=U,
                        prompt_text_tokens=p.prompt_text, image_patches=image_patches(spec, p.max_pixels),
-                       completion_tokens=p.completion, logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix)
+                       completion_tokens=p.completion, logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix,
+                       attn_implementation=p.attn, freeze_vision_tower=p.freeze_vision)
     t0 = time.perf_counter()
     r = trace_update(hf_config_for(p.model), setup)
     closed = plan(spec, w).phases["update"]

@@ -363,8 +363,9 @@ def test_cli_plan_bad_memory(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags", [[], ["--gradient-checkpointing"], ["--lora"], ["--lora", "--gradient-checkpointing"],
-                                   ["--freeze-vision"], ["--freeze-vision", "--gradient-checkpointing"]],
-                         ids=["full", "gc", "lora", "lora-gc", "frozen-vision", "frozen-vision-gc"])
+                                   ["--freeze-vision"], ["--freeze-vision", "--gradient-checkpointing"], ["--attn-implementation", "eager"],
+                                   ["--attn-implementation", "eager", "--gradient-checkpointing", "--lora"]],
+                         ids=["full", "gc", "lora", "lora-gc", "frozen-vision", "frozen-vision-gc", "eager", "eager-gc-lora"])
 def test_cli_plan_trace(tmp_path, capsys, flags):
     """Every --trace flag combination runs with the default shared prefix (gradient checkpointing crashed: the
     scoring forward ran in training mode, where transformers drops the prompt's KV cache)."""
@@ -474,3 +475,52 @@ def test_cli_plan_unknown_architecture_is_one_line(tmp_path, capsys, content, sa
     assert main(["plan", "--model", str(path)]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err and len(err) < 600
+
+
+def test_eager_minus_sdpa_is_the_score_matrix():
+    """Eager attention keeps, per decoder layer, the float32 softmax and its bf16 cast ([rows, heads, S, S], 6 bytes
+    an element) where the fused kernels keep a float32 log-sum-exp (4 bytes per head and query). Trace of the
+    family's own eager code vs the sdpa stand-in, frozen vision tower (text only), by hand and in the closed form."""
+    import torch
+
+    from vlmrl.plan_trace import TraceSetup, trace_update
+
+    cfg = tiny_qwen25_config()          # 2 layers, 4 heads
+    rows, S = 4, 32 + 64 + 32           # prompt text + 64 image tokens (256 patches) + completion
+    hand = 2 * 4 * (rows * S * S * (4 + 2) - 4 * rows * S)
+    kw = dict(dtype=torch.bfloat16, rows=rows, unique_prompts=1, image_patches=256, prompt_text_tokens=32, completion_tokens=32,
+              shared_prefix=False, freeze_vision_tower=True)
+    sdpa = trace_update(cfg, TraceSetup(attn_implementation="sdpa", **kw))
+    eager = trace_update(cfg, TraceSetup(attn_implementation="eager", **kw))
+    assert abs((eager.peak_bytes - sdpa.peak_bytes) - hand) <= 0.001 * hand, (eager.peak_bytes - sdpa.peak_bytes, hand)
+    spec = spec_from_hf_config(cfg.to_dict(), "tiny")
+    w = Workload(dtype="bfloat16", autocast=False, freeze_vision=True, num_generations=4, prompts_per_step=1, micro_batch=4,
+                 prompt_text_tokens=32, max_pixels=224 * 224, completion_tokens=32, shared_prefix=False)
+    assert plan(spec, dataclasses.replace(w, attn_implementation="eager")).terms["eager_attention_scores"] == hand
+    assert plan(spec, w).terms["eager_attention_scores"] == 0
+
+
+EAGER_GRID = [
+    GridPoint("eager-full", "tiny", 8, 4, False, False, 448 * 448, completion=256, prompt_text=32, attn="eager"),
+    GridPoint("eager-full-gc", "tiny", 4, 4, True, False, 224 * 224, completion=32, prompt_text=32, attn="eager"),
+    GridPoint("eager-prefix-gc", "tiny", 4, 4, True, False, 224 * 224, completion=32, prompt_text=32, attn="eager", shared_prefix=True),
+    GridPoint("eager-lora", "tiny", 4, 4, False, True, 224 * 224, completion=32, prompt_text=32, attn="eager"),
+]
+
+
+@pytest.mark.parametrize("point", EAGER_GRID, ids=[g.name for g in EAGER_GRID])
+def test_eager_closed_form_vs_trace(point):
+    r = compare_trace(point)
+    assert abs(r["difference_pct"]) <= 10, r
+
+
+def test_eager_follows_the_run_config(tmp_path):
+    from vlmrl.planner import workload_from_config
+
+    cfg = load_config(None, ["model.attn_implementation=eager"])
+    assert workload_from_config(cfg).attn_implementation == "eager"
+    w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, gradient_checkpointing=True)
+    on = plan(SPEC, dataclasses.replace(w, attn_implementation="eager"))
+    assert on.terms["eager_attention_scores"] == 0 and on.terms["checkpoint_recompute"] > plan(SPEC, w).terms["checkpoint_recompute"]
+    flash = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", attn_implementation="flash_attention_2"))
+    assert flash.terms["activations_text"] < plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16")).terms["activations_text"]

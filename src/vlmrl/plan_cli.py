@@ -13,7 +13,7 @@ import dataclasses
 import json
 import sys
 
-from .planner import GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
+from .planner import ATTENTIONS, GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharding", choices=SHARDINGS, help="engine of the accelerate config: ddp, zero1/2/3 (DeepSpeed), fsdp (FSDP2)")
     p.add_argument("--generation-gather", choices=("full", "layers"),
                    help="memory.generation_gather under zero3/fsdp: full = whole model gathered for the rollout, layers = one block")
+    p.add_argument("--attn-implementation", choices=ATTENTIONS,
+                   help="model.attn_implementation: sdpa (default) and flash_attention_2 keep no score matrix; eager keeps "
+                        "[rows, heads, S, S] float32 softmax + cast probabilities per layer (--trace runs the family's eager code)")
     p.add_argument("--master-weights", choices=MASTER_WEIGHTS,
                    help="precision scheme of the optimizer: none = AdamW on the weights, moments in their dtype (bf16 weights: "
                         "4 bytes/parameter of states); fp32 = a float32 master copy + float32 moments (12 bytes/parameter; "
@@ -84,6 +87,7 @@ def _workload(ns, spec):
         "gradient_checkpointing": ns.gradient_checkpointing, "freeze_vision": ns.freeze_vision, "beta": ns.beta,
         "ref_placement": ns.ref_placement, "sharding": ns.sharding, "offload": ns.offload, "logprob_chunk_tokens": ns.logprob_chunk,
         "generation_gather": ns.generation_gather, "master_weights": ns.master_weights,
+        "attn_implementation": ns.attn_implementation,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
     w = dataclasses.replace(base, **changes)
@@ -184,7 +188,8 @@ def _trace(spec, w, source: str) -> dict:
                        lora_target_modules=list(w.lora_targets), freeze_vision_tower=w.freeze_vision,
                        rows=N, unique_prompts=U, prompt_text_tokens=w.prompt_text_tokens,
                        image_patches=image_patches(spec, w.max_pixels), completion_tokens=w.completion_tokens,
-                       logprob_chunk_tokens=w.logprob_chunk_tokens, group_vision=w.group_vision, shared_prefix=w.shared_prefix)
+                       logprob_chunk_tokens=w.logprob_chunk_tokens, group_vision=w.group_vision, shared_prefix=w.shared_prefix,
+                       attn_implementation=w.attn_implementation)
     r = trace_update(config, setup)
     cf = plan(spec, dataclasses.replace(w, autocast=False, beta=0.0, num_iterations=1)).phases["update"]
     return {"peak_gib": r.peak_bytes / GiB, "closed_form_gib": cf / GiB, "difference_pct": 100 * (cf / r.peak_bytes - 1),

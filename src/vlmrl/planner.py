@@ -33,6 +33,7 @@ from typing import Any
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+ATTENTIONS = ("sdpa", "flash_attention_2", "eager")
 MASTER_WEIGHTS = ("auto", "none", "fp32")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
@@ -82,6 +83,8 @@ class ModelSpec:
     merge_size: int = 1         # spatial merge (Qwen-VL 2): image tokens = patches / merge^2
     temporal_patch: int = 1
     image_size: int = 0         # fixed-resolution towers (CLIP/SigLIP): side in pixels; 0 = dynamic resolution
+    v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
+    v_window_patches: int = 0     # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
     lora_linears: tuple = ()    # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
 
     @property
@@ -126,6 +129,7 @@ class Workload:
     ref_placement: str = "device"
     sharding: str = "none"
     master_weights: str = "auto"       # auto | none | fp32: see master_weights_scheme
+    attn_implementation: str = "sdpa"  # model.attn_implementation: sdpa / flash_attention_2 (fused) or eager ([B, heads, S, S] kept)
     generation_gather: str = "full"    # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
     world_size: int = 1
@@ -226,6 +230,8 @@ def _check(w: Workload) -> None:
         problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
     if w.offload != "none" and w.sharding in ("none", "ddp"):
         problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    if w.attn_implementation not in ATTENTIONS:
+        problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
     if w.master_weights not in MASTER_WEIGHTS:
         problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
@@ -244,6 +250,33 @@ def master_weights_scheme(w: Workload) -> str:
     if w.master_weights != "auto":
         return w.master_weights
     return "fp32" if w.sharding in ("zero1", "zero2", "zero3") else "none"
+
+
+def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vis_images: int, patches_per_image: int) -> dict:
+    """Eager attention's score tensors (model.attn_implementation=eager), bytes.
+
+    transformers' eager_attention_forward (Qwen2-VL / Qwen2.5-VL text and vision) computes scores = q k^T in the
+    compute dtype, softmax(scores, dtype=float32) and casts the probabilities back: backward keeps the float32
+    softmax output and the cast probabilities, (4 + c) bytes per [heads, query, key] element, per layer call. The
+    fused kernels (sdpa, flash) keep a float32 log-sum-exp per head and query instead (in text_layer_bytes /
+    vision_block_bytes), so that is taken off. rows: ((rows, queries, keys), ...) of one decoder layer's attention
+    calls (prompt pass and completion pass on the shared-prefix path). Returns text / vision bytes kept for
+    backward over all layers, one layer's worth (what checkpointing recomputes), and the no-grad transient of one
+    layer call (scores in c, float32 softmax, cast probabilities)."""
+    if w.attn_implementation != "eager":
+        return {"text": 0, "vision": 0, "text_layer": 0, "vision_block": 0, "transient": 0}
+    per = 4 + cb
+    pairs = sum(r * q * k for r, q, k in rows)
+    queries = sum(r * q for r, q, k in rows)
+    text_layer = spec.heads * (pairs * per - 4 * queries)
+    vision_block = 0.0
+    if spec.v_layers and patches_per_image:
+        full = spec.v_layers if spec.v_full_attn_blocks < 0 else spec.v_full_attn_blocks
+        window = min(spec.v_window_patches or patches_per_image, patches_per_image)
+        elems = full * patches_per_image ** 2 + (spec.v_layers - full) * patches_per_image * window
+        vision_block = spec.v_heads * vis_images * (elems * per - 4 * spec.v_layers * patches_per_image) / spec.v_layers
+    return {"text": spec.layers * text_layer, "vision": spec.v_layers * vision_block, "text_layer": text_layer,
+            "vision_block": vision_block, "transient": spec.heads * max(r * q * k for r, q, k in rows) * (2 * cb + 4)}
 
 
 def model_states(spec: ModelSpec, w: Workload) -> dict:
@@ -331,19 +364,27 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
     text_tokens = (U * P + N * C) if prefix else N * (P + C)
     per_layer = text_layer_bytes(spec, w, cb)
+    if w.attn_implementation == "flash_attention_2":   # flash reads grouped k, v as they are: no copies repeated to the query heads
+        per_layer -= (cb / 2) * 4 * (spec.heads - spec.kv_heads) * spec.head_dim
     vis_block = vision_block_bytes(spec, cb) if spec.v_layers else 0
     vis_patches = (U if w.group_vision else N) * patches
     V, h = spec.vocab, spec.hidden
+    calls = ((U, P, P), (N, C - 1, P + C - 1)) if prefix else ((N, P + C, P + C),)
+    eager = eager_attention_bytes(spec, w, cb, calls, U if w.group_vision else N, patches)
     if gc:
         text_act = spec.layers * text_tokens * cb * h
         vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden   # checkpointed blocks keep their inputs even when frozen
-        recompute = 1.35 * per_layer * text_tokens        # one layer recomputed in backward + its gradient buffers
+        # one layer recomputed in backward + its gradient buffers
+        # (+ its eager scores and, while that layer's backward runs, their gradients: the same size again)
+        recompute = 1.35 * per_layer * text_tokens + (eager["text_layer"] + eager["transient"] if text_trains else 0)
     else:
         text_act = spec.layers * text_tokens * per_layer
         vision_act = spec.v_layers * vis_patches * vis_block if vision_trains else 0
         recompute = 0
-    if prefix:  # completion rows attend to the gathered prompt cache (k, v at KV heads + repeated to query heads)
-        text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + spec.heads) * spec.head_dim
+    eager_act = 0 if gc else eager["text"] * text_trains + eager["vision"] * vision_trains
+    if prefix:  # completion rows attend to the gathered prompt cache (k, v at KV heads, + repeated to query heads unless flash)
+        repeated = 0 if w.attn_implementation == "flash_attention_2" else spec.heads
+        text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + repeated) * spec.head_dim
     # Outside the layers: embeddings, image-feature scatter, final norm, the completion slice (12h per token; 7h with
     # checkpointing, where the embedding output is the only extra copy kept), patch embedding + merger (8 hv per patch).
     misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if vision_trains else 0)
@@ -356,7 +397,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     emb_grad_tmp = 0
     if text_trains and not w.use_lora and not w.projector_only:
         emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b   # fresh embedding / LM-head gradients before accumulation
-    activations = text_act + vision_act + misc_act
+    activations = text_act + vision_act + misc_act + eager_act
     # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
     # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
     head_trains = text_trains and not w.use_lora and not w.projector_only
@@ -371,18 +412,21 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     if prefix and text_trains:
         decoder_params = lora_n if w.use_lora else spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
         prefix_held = decoder_params * tb
-        prefix_bwd_act = spec.layers * U * P * per_layer + vision_act + misc_act
+        prefix_bwd_act = spec.layers * U * P * per_layer + vision_act + misc_act + eager["vision"] * vision_trains
+        prefix_bwd_act += eager_attention_bytes(spec, w, cb, ((U, P, P),), 0, 0)["text"]   # the prompt pass's scores
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
-    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate))
+    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
     ppc = w.prompts_per_call or w.prompts_per_step
     gen_rows = ppc * G
     kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
     kv_cache = gen_rows * (P + C) * kv_per_token
     prefill_tokens = (ppc if w.shared_prefix else gen_rows) * P
     prefill_patches = (ppc if w.shared_prefix else gen_rows) * patches
+    prefill_rows = ppc if w.shared_prefix else gen_rows
     gen_transient = max(prefill_tokens * cb * (4 * h + 3 * spec.intermediate),
+                        eager_attention_bytes(spec, w, cb, ((prefill_rows, P, P),), 0, 0)["transient"],
                         prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
                         gen_rows * V * 4 * 3)
 
@@ -405,7 +449,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "weights": weights, "gradients": grads, "master_weights": master_dev, "optimizer_states": opt_dev,
         "optimizer_step_temporary": opt_temp,
         "reference_model": reference, "activations_text": text_act, "activations_vision": vision_act,
-        "activations_other": misc_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
+        "activations_other": misc_act,
+        "eager_attention_scores": eager_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
         "embedding_grad_temporaries": emb_grad_tmp, "prefix_held_gradients": prefix_held,
         "kv_cache": kv_cache, "generation_temporaries": gen_transient,
         "scoring_temporaries": score_transient if (w.beta > 0 or w.num_iterations > 1) else 0,
@@ -591,6 +636,9 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         kw = dict(v_hidden=vh, v_intermediate=vi, v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
                   v_heads=_dims(v, "num_heads", "num_attention_heads", default=1), patch_size=_dims(v, "patch_size", default=14),
                   merge_size=_dims(v, "spatial_merge_size", default=1), temporal_patch=_dims(v, "temporal_patch_size", default=1))
+        if getattr(v, "fullatt_block_indexes", None) is not None and getattr(v, "window_size", None):
+            kw["v_full_attn_blocks"] = len(v.fullatt_block_indexes)          # Qwen2.5-VL: windowed attention elsewhere
+            kw["v_window_patches"] = (v.window_size // kw["patch_size"]) ** 2
         if getattr(cfg, "model_type", "") not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
             size = _dims(v, "image_size", default=336)
             patch = kw["patch_size"]
@@ -669,7 +717,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
         max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
         logprob_chunk_tokens=mem.logprob_chunk_tokens, group_vision=mem.group_vision, shared_prefix=mem.shared_prefix,
-        generation_gather=mem.generation_gather, beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
+        generation_gather=mem.generation_gather, attn_implementation=m.attn_implementation, beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
     kw.update(extra)
