@@ -717,7 +717,8 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
         max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
         logprob_chunk_tokens=mem.logprob_chunk_tokens, group_vision=mem.group_vision, shared_prefix=mem.shared_prefix,
-        generation_gather=mem.generation_gather, attn_implementation=m.attn_implementation, beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
+        generation_gather=mem.generation_gather, attn_implementation=m.attn_implementation,
+        beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
     kw.update(extra)
