@@ -85,10 +85,12 @@ def unique_prompts(N: int, G: int) -> int:
 
 
 def workload_for(p: GridPoint) -> Workload:
-    """The traced micro-batch as a step: its prompts are the step's prompts (the trace holds their pixels)."""
+    """The traced micro-batch as a step: its prompts are the step's prompts (the trace holds their pixels). The
+    trace is the steady state (gradients already there, as from an optimizer step's second micro-batch on), so the
+    workload accumulates over at least two micro-batches."""
     U = unique_prompts(p.micro_batch, p.G)
     return Workload(dtype="bfloat16", autocast=False, use_lora=p.lora, gradient_checkpointing=p.gc, num_generations=p.G,
-                    prompts_per_step=U, micro_batch=p.micro_batch, grad_accum=max(1, U * p.G // p.micro_batch),
+                    prompts_per_step=U, micro_batch=p.micro_batch, grad_accum=max(2, U * p.G // p.micro_batch),  # steady state
                     prompt_text_tokens=p.prompt_text, max_pixels=p.max_pixels, completion_tokens=p.completion,
                     logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix, attn_implementation=p.attn,
                     freeze_vision=p.freeze_vision)
@@ -171,6 +173,79 @@ def _md_trace(rows: list[dict], date: str) -> str:
                      f"{r['closed_form_gib']:.3f} | {r['difference_pct']:+.1f}% |")
     within = sum(abs(r["difference_pct"]) <= 10 for r in rows)
     lines += ["", f"Within +/-10%: {within} of {len(rows)}; largest |difference| {max(abs(r['difference_pct']) for r in rows):.1f}%."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- closed form vs real CPU runs (host peak RSS)
+
+MID = {"hidden_size": 1024, "num_layers": 8, "intermediate_size": 2816, "num_heads": 8, "num_kv_heads": 2,
+       "vision_hidden": 256, "vision_depth": 4}
+CPU_GRID = [  # name, tiny-model dims, command, config overrides
+    ("tiny-grpo-full", {}, "train", []),
+    ("tiny-grpo-lora", {}, "train", ["model.use_lora=true", "model.lora_r=8"]),
+    ("tiny-sft-stage1", {}, "sft", ["sft.projector_steps=2", "sft.steps=0"]),
+    ("mid-grpo-full", MID, "train", []),
+    ("mid-grpo-full-eager", MID, "train", ["model.attn_implementation=eager"]),
+    ("mid-grpo-lora", MID, "train", ["model.use_lora=true", "model.lora_r=16"]),
+    ("mid-grpo-full-gc", MID, "train", ["model.gradient_checkpointing=true"]),
+    ("mid-grpo-G8-long", MID, "train", ["rollout.num_generations=8", "rollout.generation_batch_size=16",
+                                        "training.per_device_train_batch_size=8", "rollout.max_completion_length=48"]),
+    ("mid-sft-stage2", MID, "sft", ["sft.projector_steps=0", "sft.steps=2"]),
+    ("mid-sft-stage2-eager", MID, "sft", ["sft.projector_steps=0", "sft.steps=2", "model.attn_implementation=eager"]),
+]
+
+
+def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Path) -> dict:
+    """One real `vlmrl train` / `vlmrl sft` of 2 steps on the CPU in a fresh process; the planner's logged
+    prediction (plan/*) next to the measured lifetime peak RSS (mem/host_peak_rss) of that process."""
+    import subprocess
+
+    from vlmrl.tasks import make_count_task
+    from vlmrl.tiny import build_tiny_qwen25vl
+
+    model = work / f"model-{abs(hash(json.dumps(dims, sort_keys=True))) % 10**8}"
+    if not (model / "config.json").exists():
+        build_tiny_qwen25vl(model, **dims)
+    data = work / "count"
+    if not (data / "train.jsonl").exists():
+        make_count_task(data, n_train=32, n_test=8, seed=0, image_size=56)
+    out = work / name
+    args = [f"model.name_or_path={model}", f"data.train_path={data / 'train.jsonl'}", "data.eval_path=", f"training.output_dir={out}",
+            "training.device=cpu", "training.max_steps=2", "rollout.num_generations=4", "rollout.generation_batch_size=8",
+            "training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=1", "rollout.max_completion_length=16",
+            "sft.batch_size=4", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
+            "data.min_pixels=3136", "data.max_pixels=3136", "training.resume=never", *overrides]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "vlmrl", command, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "plan/host_peak_rss" in r][-1]
+    measured, predicted, runtime = last["mem/host_peak_rss"], last["plan/host_peak_rss"], last["plan/host_runtime"]
+    return {"name": name, "command": command, "dims": dims or "tiny defaults", "overrides": overrides,
+            "measured_peak_rss_gib": round(measured, 4), "predicted_peak_rss_gib": round(predicted, 4),
+            "runtime_at_prediction_gib": round(runtime, 4), "predicted_tensors_gib": round(last["plan/peak_allocated"], 4),
+            "difference_pct": round(100 * (predicted / measured - 1), 2),
+            "above_runtime_difference_pct": round(100 * ((predicted - runtime) / (measured - runtime) - 1), 2),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _md_cpu(rows: list[dict], date: str, machine: str) -> str:
+    lines = [f"# Planner host prediction vs real CPU runs ({date}, {machine})", "",
+             "Each row: `vlmrl train` or `vlmrl sft` for 2 steps with training.device=cpu in a fresh process "
+             "(`python benchmarks/planner_accuracy.py cpu`); the planner's prediction logged by the run itself (plan/host_peak_rss: "
+             "the RSS measured when it predicts, libraries loaded, + planned tensors, loading and buffers) vs that process's "
+             "lifetime peak RSS (mem/host_peak_rss). 'above runtime' compares only what comes after the prediction "
+             "(peak minus the RSS at prediction time). Count task, 56 px images (16 image tokens), 16 completion tokens, fp32 weights.",
+             "", "| run | command | measured peak RSS GiB | predicted GiB | diff | RSS at prediction GiB | above runtime: diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['command']} | {r['measured_peak_rss_gib']:.3f} | {r['predicted_peak_rss_gib']:.3f} | "
+                     f"{r['difference_pct']:+.1f}% | {r['runtime_at_prediction_gib']:.3f} | {r['above_runtime_difference_pct']:+.1f}% |")
+    within = sum(abs(r["above_runtime_difference_pct"]) <= 10 for r in rows)
+    lines += ["", f"Above-runtime within +/-10%: {within} of {len(rows)}; whole peak within +/-10%: "
+                  f"{sum(abs(r['difference_pct']) <= 10 for r in rows)} of {len(rows)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -260,7 +335,7 @@ def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("trace", "measured", "field"))
+    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="trace: comma-separated grid names")
     ap.add_argument("--inputs", nargs="*", default=None, help="measured: gpu_memory_*.json files (default: all in benchmarks/results)")
@@ -274,6 +349,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['id']:<18} {r['model']:<14} {r['gpus']}x{r['gpu_memory']:<7} predicted {r['predicted_total_gib']:6.1f} GiB "
                   f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}" + (f" | {r['also']}" if "also" in r else ""))
         (out / "planner_field_reports.json").write_text(json.dumps({"date": today, "rows": rows}, indent=1))
+        return 0
+    if args.mode == "cpu":
+        import platform
+        import tempfile
+
+        machine = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)"
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, dims, command, overrides in CPU_GRID:
+                if args.only and name not in args.only.split(","):
+                    continue
+                r = cpu_run(name, dims, command, overrides, Path(tmp))
+                rows.append(r)
+                print(f"{name:<24} measured {r['measured_peak_rss_gib']:.3f} GiB predicted {r['predicted_peak_rss_gib']:.3f} GiB "
+                      f"{r['difference_pct']:+6.1f}%  above runtime {r['above_runtime_difference_pct']:+6.1f}%  ({r['seconds']} s)", flush=True)
+        (out / f"planner_accuracy_cpu_runs_{today}.json").write_text(json.dumps({"date": today, "machine": machine, "rows": rows}, indent=1))
+        (out / f"planner_accuracy_cpu_runs_{today}.md").write_text(_md_cpu(rows, today, machine))
         return 0
     if args.mode == "trace":
         grid = [g for g in trace_grid() if not args.only or g.name in args.only.split(",")]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -420,9 +421,19 @@ def test_run_time_prediction_and_auto_fit_logging(tmp_path):
     cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2")
     fitted = apply_auto_fit(cfg, lines.append)
     assert fitted != cfg and lines and all(line.startswith("auto_fit") for line in lines)
+    p = predict_for_run(fitted, lines.append)                # training.device=cpu: the host prediction
+    assert p is not None and "CPU run, predicted host peak RSS" in lines[-1] and "GPU" not in lines[-1]
+    warnings = []
+    host = prediction_vs_measured(p, {"mem/host_peak_rss": p.host["process_peak"] / GiB * 1.25}, warnings.append)
+    assert host["plan/error_host_rss"] == pytest.approx(1 / 1.25 - 1) and len(warnings) == 0
+    assert "plan/error_reserved" not in host and "plan/peak_reserved" not in host
+    assert prediction_vs_measured(p, {"mem/host_peak_rss": p.host["process_peak"] / GiB * 2}, warnings.append)["plan/error_host_rss"] < 0
+    assert len(warnings) == 1 and "host peak RSS" in warnings[0]
+    warnings.clear()
+    fitted = load_config(None, [f"model.name_or_path={_tiny_model_dir(tmp_path)}", "training.device=cuda:0",
+                                "training.auto_fit_gpu_memory_gib=2"])      # a CUDA run (the plan does not touch CUDA)
     p = predict_for_run(fitted, lines.append)
     assert p is not None and "predicted per-device GPU peak" in lines[-1]
-    warnings = []
     close = prediction_vs_measured(p, {"mem/gpu_peak_reserved": p.reserved / GiB * 1.05}, warnings.append)
     assert close["plan/error_reserved"] == pytest.approx(1 / 1.05 - 1) and not warnings
     far = prediction_vs_measured(p, {"mem/gpu_peak_reserved": p.reserved / GiB * 2}, warnings.append)
@@ -524,3 +535,151 @@ def test_eager_follows_the_run_config(tmp_path):
     assert on.terms["eager_attention_scores"] == 0 and on.terms["checkpoint_recompute"] > plan(SPEC, w).terms["checkpoint_recompute"]
     flash = plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16", attn_implementation="flash_attention_2"))
     assert flash.terms["activations_text"] < plan(SPEC, dataclasses.replace(FP32, dtype="bfloat16")).terms["activations_text"]
+
+
+# ---------------------------------------------------------------- host RAM
+
+def test_host_terms_by_hand():
+    """Per node (8 processes of a 16-GPU ZeRO-3 run with optimizer+parameter offload, reference on the CPU)."""
+    from vlmrl.planner import HOST_RUNTIME_CUDA_BYTES
+
+    P, n = SPEC.total_params, 16
+    w = dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n, offload="optimizer+params", beta=0.04,
+                            ref_placement="cpu")
+    h = plan(SPEC, w).host
+    assert h["runtime_per_process"] == 8 * HOST_RUNTIME_CUDA_BYTES
+    assert h["model_loading"] == 8 * P * 2                            # each process's bf16 copy while loading
+    assert h["offloaded_optimizer_states"] == int(P * 12 / n * 8)     # fp32 master + moments of 8 shards
+    assert h["offloaded_gradients"] == int(P * 4 / n * 8)
+    assert h["offloaded_parameters"] == int(P * 2 / n * 8)
+    assert h["reference_on_cpu"] == 8 * P * 2
+    assert h["gathered_state_dict_at_save"] == P * 2
+    assert h["total"] == max(h["peak_loading"], h["peak_training"], h["peak_saving"]) == h["peak_saving"]
+    assert h["peak_saving"] - h["peak_training"] == P * 2
+
+
+def test_host_verdict_flips_at_the_right_size():
+    from vlmrl.planner import FIT_FRACTION
+
+    w = dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=8, offload="optimizer")
+    need = plan(SPEC, w).host["total"]
+    edge = math.ceil(need / FIT_FRACTION)
+    fits, short = plan(SPEC, dataclasses.replace(w, host_memory_bytes=edge)), plan(SPEC, dataclasses.replace(w, host_memory_bytes=edge - 2))
+    assert fits.host_fits is True and "host RAM fits" in fits.verdict and fits.fits
+    assert short.host_fits is False and "host RAM does NOT fit" in short.verdict and not short.fits   # the device still fits
+    assert short.total == fits.total and short.total <= FIT_FRACTION * w.gpu_memory_bytes
+    assert plan(SPEC, w).host_fits is None                              # no size, no host verdict
+
+
+def test_search_and_auto_fit_respect_host_memory(tmp_path):
+    w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, beta=0.04, gpu_memory_bytes=80 * GiB)
+    need_device_ref = plan(SPEC, w).host["total"]
+    limited = dataclasses.replace(w, host_memory_bytes=int(need_device_ref / 0.95) + 1)   # room for no CPU reference copy
+    found = search(SPEC, limited, top=0)
+    assert found and all(c.plan.host_fits for c in found) and all(c.workload.ref_placement == "device" for c in found)
+    assert any(c.workload.ref_placement == "cpu" for c in search(SPEC, w, top=0))       # without the limit it is a candidate
+    cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2", "training.auto_fit_host_memory_gib=0.5")
+    with pytest.raises(PlanError, match="host RAM"):
+        auto_fit(cfg)
+    with pytest.raises(ConfigError, match="auto_fit_host_memory_gib"):
+        load_config(None, ["training.auto_fit_host_memory_gib=0"])
+
+
+def test_cli_host_memory_and_cpu(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    model = str(_tiny_model_dir(tmp_path))
+    assert main(["plan", "--model", model, "--host-memory", "1GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["host_fits"] is False and out["fits"] is False and "host RAM does NOT fit" in out["verdict"]
+    assert main(["plan", "--model", model, "--cpu", "--host-memory", "64GiB", "--json"]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert cpu["verdict"].startswith("CPU run") and cpu["fits"] is True
+    assert cpu["host_gib"]["device_tensors_on_cpu"] > cpu["peak_allocated_gib"]      # every tensor (+ the CPU heap's slack)
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_cpu_run_predicts_its_own_peak_rss(command, tiny_qwen25vl, tmp_path):
+    """A real 2-step CPU run in a fresh process logs plan/host_peak_rss next to mem/host_peak_rss, within +/-15%."""
+    from vlmrl.tasks import make_count_task
+
+    data = make_count_task(tmp_path / "count", n_train=16, n_test=4, seed=0, image_size=56)
+    out = tmp_path / "run"
+    args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data['train']}", "data.eval_path=", f"training.output_dir={out}",
+            "training.device=cpu", "training.max_steps=2", "rollout.num_generations=4", "rollout.generation_batch_size=8",
+            "training.per_device_train_batch_size=4", "rollout.max_completion_length=8", "sft.projector_steps=1", "sft.steps=1",
+            "sft.batch_size=4", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
+            "data.min_pixels=3136", "data.max_pixels=3136"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-m", "vlmrl", command, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU run, predicted host peak RSS" in proc.stdout + proc.stderr and "GPU peak" not in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "plan/host_peak_rss" in r][-1]
+    assert abs(last["plan/error_host_rss"]) <= 0.15, last
+    assert last["plan/error_host_rss"] == pytest.approx(last["plan/host_peak_rss"] / last["mem/host_peak_rss"] - 1)
+
+
+# ---------------------------------------------------------------- SFT mode
+
+def test_sft_workload_by_hand():
+    from vlmrl.planner import sft_workload
+
+    base = dataclasses.replace(FP32, micro_batch=6, completion_tokens=10)
+    s1, s2 = sft_workload(base, 1, target_tokens=12), sft_workload(base, 2)
+    p1, p2 = plan(SPEC, s1), plan(SPEC, s2)
+    assert p1.terms["gradients"] == SPEC.projector_params * 4 and p1.terms["optimizer_states"] == 2 * SPEC.projector_params * 4
+    assert p2.terms["gradients"] == (SPEC.total_params - SPEC.vision_params + SPEC.projector_params) * 4   # vision frozen
+    assert plan(SPEC, sft_workload(base, 2, train_vision_tower=True)).terms["gradients"] == SPEC.total_params * 4
+    for p in (p1, p2):
+        assert p.terms["kv_cache"] == 0 and p.terms["generation_temporaries"] == 0 and p.terms["prefix_held_gradients"] == 0
+    assert s1.completion_tokens == 12 and s2.completion_tokens == 10 and s1.num_generations == 1 and not s1.group_vision
+    assert s2.micro_batch == s2.prompts_per_step == 6 and s2.grad_accum == 1 and s2.logprob_chunk_tokens == 1024
+    lora = sft_workload(dataclasses.replace(base, use_lora=True), 1)
+    assert not lora.projector_only                                      # sft.py leaves LoRA's trainables as they are
+    with pytest.raises(PlanError, match="stage 3"):
+        sft_workload(base, 3)
+
+
+SFT_GRID = [  # (projector_only, freeze_vision, gc)
+    (True, False, False), (True, False, True), (False, True, False), (False, True, True), (False, False, False),
+]
+
+
+@pytest.mark.parametrize("projector_only, freeze_vision, gc", SFT_GRID)
+def test_sft_closed_form_vs_trace(projector_only, freeze_vision, gc):
+    """SFT terms vs the trace of the same step (rows with their own prompt and image, negative log-likelihood loss)."""
+    import torch
+
+    from vlmrl.plan_trace import TraceSetup, trace_update
+    from vlmrl.planner import sft_workload
+
+    cfg = tiny_qwen25_config()
+    spec = spec_from_hf_config(cfg.to_dict(), "tiny")
+    base = Workload(dtype="bfloat16", autocast=False, micro_batch=4, prompt_text_tokens=32, max_pixels=224 * 224,
+                    completion_tokens=64, gradient_checkpointing=gc)
+    w = sft_workload(base, 1 if projector_only else 2, train_vision_tower=not freeze_vision and not projector_only)
+    w = dataclasses.replace(w, grad_accum=2)        # the trace's steady state: gradients already there
+    r = trace_update(cfg, TraceSetup(dtype=torch.bfloat16, rows=4, unique_prompts=4, image_patches=image_patches(spec, 224 * 224),
+                                     prompt_text_tokens=32, completion_tokens=64, group_vision=False, shared_prefix=False,
+                                     train_projector_only=projector_only, freeze_vision_tower=freeze_vision, gradient_checkpointing=gc,
+                                     loss="sft", logprob_chunk_tokens=1024))
+    closed = plan(spec, w).phases["update"]
+    assert abs(closed / r.peak_bytes - 1) <= 0.10, (closed, r.peak_bytes)
+
+
+def test_cli_plan_sft(tmp_path, capsys):
+    from vlmrl.cli import main
+
+    model = str(_tiny_model_dir(tmp_path))
+    assert main(["plan", "--model", model, "--mode", "sft", "--sft-stage", "1", "--micro-batch", "8", "--json"]) == 0
+    s1 = json.loads(capsys.readouterr().out)
+    assert s1["workload"]["mode"] == "sft" and s1["workload"]["projector_only"] and s1["terms_gib"]["kv_cache"] == 0
+    y = tmp_path / "sft.yaml"
+    y.write_text(f"model:\n  name_or_path: {model}\nsft:\n  projector_steps: 5\n  steps: 5\n  batch_size: 4\n")
+    assert main(["plan", "--config", str(y), "--mode", "sft", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert set(both["sft_stages"]) == {"stage1", "stage2"}
+    assert both["total_gib"] == max(d["total_gib"] for d in both["sft_stages"].values())
+    assert main(["plan", "--model", model, "--mode", "sft", "--sft-stage", "2", "--micro-batch", "4", "--trace", "--json"]) == 0
+    assert abs(json.loads(capsys.readouterr().out)["trace"]["difference_pct"]) <= 10

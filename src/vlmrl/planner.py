@@ -134,6 +134,10 @@ class Workload:
     offload: str = "none"
     world_size: int = 1
     gpu_memory_bytes: int | None = None
+    host_memory_bytes: int | None = None   # host RAM per node; None = no host verdict
+    device: str = "cuda"                   # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
+    mode: str = "grpo"                     # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
+    host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
 
     @property
     def rows_per_step(self) -> int:
@@ -204,12 +208,22 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes
+        """Fits on the device and, when a host size is given, in host RAM (on a CPU run: in host RAM only)."""
+        host_ok = self.host_fits is not False
+        if self.workload.get("device") == "cpu":
+            return bool(self.host_fits)
+        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes and host_ok
+
+    @property
+    def host_fits(self) -> bool | None:
+        size = self.workload.get("host_memory_bytes")
+        return None if not size else self.host["total"] <= FIT_FRACTION * size
 
     def to_dict(self) -> dict:
         gib = lambda b: round(b / GiB, 3)
         return {
-            "verdict": self.verdict, "fits": self.fits if self.gpu_memory_bytes else None,
+            "verdict": self.verdict, "fits": self.fits if (self.gpu_memory_bytes or self.host_fits is not None) else None,
+            "host_fits": self.host_fits, "host_total_gib": gib(self.host["total"]),
             "total_gib": gib(self.total), "reserved_gib": gib(self.reserved), "peak_allocated_gib": gib(self.peak_allocated),
             "gpu_memory_gib": gib(self.gpu_memory_bytes) if self.gpu_memory_bytes else None,
             "headroom_gib": gib(self.headroom) if self.headroom is not None else None,
@@ -230,6 +244,8 @@ def _check(w: Workload) -> None:
         problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
     if w.offload != "none" and w.sharding in ("none", "ddp"):
         problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    if w.mode not in ("grpo", "sft"):
+        problems.append(f"mode={w.mode!r}: use grpo or sft")
     if w.attn_implementation not in ATTENTIONS:
         problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
     if w.master_weights not in MASTER_WEIGHTS:
@@ -240,6 +256,33 @@ def _check(w: Workload) -> None:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
         raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
+
+
+def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, target_tokens: int | None = None) -> Workload:
+    """What one `vlmrl sft` step of `stage` does (src/vlmrl/sft.py): base.micro_batch rows (sft.batch_size), each with
+    its own prompt and image (one vision pass per row, no shared prefix), the target's tokens as the completion,
+    log-probs in chunks of 1024 tokens (completion_logps' default), one micro-batch per optimizer step, no rollout,
+    no reference. Stage 1 trains the projector only; stage 2 the language model + projector (+ the vision tower with
+    sft.train_vision_tower). With LoRA the stages train the same adapters (sft.py leaves them as they are)."""
+    if stage not in (1, 2):
+        raise PlanError(f"SFT stage {stage}: use 1 (projector only) or 2 (language model)")
+    n = base.micro_batch
+    stage_kw = {} if base.use_lora else {"projector_only": stage == 1, "freeze_vision": stage == 2 and not train_vision_tower}
+    return dataclasses.replace(
+        base, mode="sft", num_generations=1, prompts_per_step=n, micro_batch=n, grad_accum=1, prompts_per_call=None,
+        group_vision=False, shared_prefix=False, logprob_chunk_tokens=1024, beta=0.0, num_iterations=1,
+        completion_tokens=target_tokens or base.completion_tokens, **stage_kw)
+
+
+def sft_plans_for_config(cfg, gpu_memory_bytes: int | None = None, target_tokens: int | None = None, **extra) -> dict:
+    """{stage: Plan} for the stages cfg.sft runs (sft.projector_steps > 0: stage 1, sft.steps > 0: stage 2). The
+    target length is `target_tokens` (vlmrl sft measures its data) or rollout.max_completion_length."""
+    s = cfg.sft
+    base = workload_from_config(cfg, 1, gpu_memory_bytes, **extra)
+    base = dataclasses.replace(base, micro_batch=s.batch_size)
+    spec = spec_for_config(cfg)
+    stages = [k for k, steps in ((1, s.projector_steps), (2, s.steps)) if steps > 0]
+    return {k: plan(spec, sft_workload(base, k, s.train_vision_tower, target_tokens)) for k in stages}
 
 
 def master_weights_scheme(w: Workload) -> str:
@@ -277,6 +320,68 @@ def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vi
         vision_block = spec.v_heads * vis_images * (elems * per - 4 * spec.v_layers * patches_per_image) / spec.v_layers
     return {"text": spec.layers * text_layer, "vision": spec.v_layers * vision_block, "text_layer": text_layer,
             "vision_block": vision_block, "transient": spec.heads * max(r * q * k for r, q, k in rows) * (2 * cb + 4)}
+
+
+# Host RAM constants (per process). CUDA: the CUDA/cuBLAS/NCCL libraries and context mapped into the process (typical,
+# not measured here). CPU: python + torch + transformers + vlmrl with one model family, its tokenizer, PIL and a small
+# data set loaded: the peak RSS of `vlmrl train` / `vlmrl sft` on the tiny model less its tensors (0.38-0.39 GiB,
+# benchmarks/results/planner_accuracy_cpu_runs_*). CPU_ALLOCATOR_RESERVE: peak RSS over the planned tensor peak on the
+# CPU (glibc heap fragmentation), from the mid-size GRPO / SFT runs of the same benchmark (12%).
+HOST_RUNTIME_CUDA_BYTES = 3 * GiB
+HOST_RUNTIME_CPU_BYTES = int(0.38 * GiB)
+CPU_ALLOCATOR_RESERVE = 0.12
+HOST_DATA_BYTES = 2 * GiB              # dataset, decoded images, tokenizer caches on a real run (typical, not measured)
+
+
+def host_terms(spec: ModelSpec, w: Workload, states: dict, step_buffers: float, device_peak: int, ref_on_cpu: bool,
+               processes: int | None = None) -> dict:
+    """Host RAM of one node (min(world size, 8) processes), bytes, term by term, and its peak over three moments:
+    loading (each process builds its copy on the CPU before moving it),
+    training (runtime per process, CPU-offloaded optimizer / gradients / parameters, pinned transfer buffers, the
+    reference model on the CPU, each process's images and rollout buffers, and on a CPU run every tensor the
+    device plan counts), and saving (rank 0 gathers the full weights on the CPU for save_pretrained / export)."""
+    n = w.world_size
+    r = processes or min(n, 8)
+    base_w = states["base_weights"]
+    shards = n if w.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    offloaded = w.offload != "none"
+    cpu = w.device == "cpu"
+    runtime = w.host_runtime_bytes or (HOST_RUNTIME_CPU_BYTES if cpu else HOST_RUNTIME_CUDA_BYTES)
+    terms = {
+        "runtime_per_process": runtime * r,
+        "model_loading": r * base_w,     # each process's copy (the checkpoint's mapped pages are shared page cache)
+        "offloaded_optimizer_states": (states["master"] + states["moments"]) * r if offloaded else 0,
+        "offloaded_gradients": states["trainable"] * 4 / shards * r if offloaded else 0,    # float32 gradient partitions for CPU Adam
+        "offloaded_parameters": base_w / n * r if w.offload == "optimizer+params" else 0,
+        "pinned_buffers": 4 * COMM_BUCKET_BYTES * r if offloaded else 0,
+        "reference_on_cpu": spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0,
+        "images_and_rollout_buffers": step_buffers * r,
+        "data": HOST_DATA_BYTES if not cpu else 0,
+        "device_tensors_on_cpu": device_peak * (1 + CPU_ALLOCATOR_RESERVE) * r if cpu else 0,
+        # save_pretrained copies device tensors to the CPU; CPU tensors of an unsharded run are written as they are
+        "gathered_state_dict_at_save": base_w if (not cpu or w.sharding in ("zero3", "fsdp")) else 0,
+    }
+    runtime = terms["runtime_per_process"] + terms["data"]
+    training = runtime + sum(terms[k] for k in ("offloaded_optimizer_states", "offloaded_gradients", "offloaded_parameters",
+                                                "pinned_buffers", "reference_on_cpu", "images_and_rollout_buffers",
+                                                "device_tensors_on_cpu"))
+    phases = {"loading": runtime + terms["model_loading"], "training": training,
+              "saving": training + terms["gathered_state_dict_at_save"]}
+    out = {k: int(v) for k, v in terms.items()}
+    out.update({f"peak_{k}": int(v) for k, v in phases.items()})
+    out["total"] = int(max(phases.values()))
+    if processes is None:   # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
+        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, processes=1)["total"]
+    return out
+
+
+def host_verdict(host: dict, host_memory_bytes: int | None) -> str:
+    total = host["total"]
+    if not host_memory_bytes:
+        return f"needs {total / GiB:.1f} GiB of host RAM per node (no host size given: --host-memory)"
+    if total <= FIT_FRACTION * host_memory_bytes:
+        return f"host RAM fits: {total / GiB:.1f} of {host_memory_bytes / GiB:.1f} GiB per node"
+    return f"host RAM does NOT fit: {total / GiB:.1f} GiB needed of {host_memory_bytes / GiB:.1f} GiB per node"
 
 
 def model_states(spec: ModelSpec, w: Workload) -> dict:
@@ -327,7 +432,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     notes: list[str] = []
 
     st = model_states(spec, w)
-    trainable, tb, lora_n, base_w = st["trainable"], st["trainable_bytes"], st["lora_params"], st["base_weights"]
+    trainable, tb, lora_n = st["trainable"], st["trainable_bytes"], st["lora_params"]
     weights, grads, master, opt_states, opt_temp = st["weights"], st["gradients"], st["master"], st["moments"], st["step_temporary"]
     vision_trains = (not w.use_lora) and (not w.freeze_vision) and (not w.projector_only)
     text_trains = not w.projector_only
@@ -387,9 +492,13 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + repeated) * spec.head_dim
     # Outside the layers: embeddings, image-feature scatter, final norm, the completion slice (12h per token; 7h with
     # checkpointing, where the embedding output is the only extra copy kept), patch embedding + merger (8 hv per patch).
-    misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if vision_trains else 0)
-    if not text_trains:
-        text_act = 0
+    projector_trains = vision_trains or w.projector_only   # the merger keeps its inputs (frozen tower: measured smaller, left out)
+    misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if projector_trains else 0)
+    if not text_trains and not gc:
+        # Projector only: the decoder is frozen but the gradient still flows through it to the image features, so each
+        # layer keeps what its input gradient needs: everything but the inputs of the frozen norms and Linears.
+        h_, qd = spec.hidden, spec.heads * spec.head_dim
+        text_act = spec.layers * text_tokens * (per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate))
     chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
     lm_bwd = 12 * chunk * V * (cb / 2)                    # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
     if w.logprob_chunk_tokens <= 0:
@@ -401,7 +510,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
     # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
     head_trains = text_trains and not w.use_lora and not w.projector_only
-    head_grad_tmp = 2 * V * h * b if (head_trains and w.logprob_chunk_tokens > 0) else 0
+    # (one chunk only: its gradients come after its logits are freed; nothing to add)
+    head_grad_tmp = 2 * V * h * b if (head_trains and 0 < w.logprob_chunk_tokens < N * C) else 0
     bwd_transient = max(lm_bwd + head_grad_tmp, recompute)
     # Shared prefix: every decoder weight is used twice (prompt pass, completion pass), so autograd holds each
     # weight's gradient from the completion pass until the prompt pass adds its own (one summed gradient per weight).
@@ -430,15 +540,25 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
                         prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
                         gen_rows * V * 4 * 3)
 
+    if w.mode == "sft":   # no rollout: no KV cache, no sampling; the batch is the micro-batch's prompts and targets
+        kv_cache = gen_transient = 0
+        rollout_buffers = N * C * 8 * 2
     persistent = weights + master_dev + opt_dev + reference + batch_inputs + rollout_buffers + comm
     # memory.generation_gather=full: the whole model is all-gathered for the rollout (one copy, the own shard included).
-    gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full") else gathered
+    gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full" and w.mode != "sft") else gathered
     rollout = persistent + kv_cache + gen_transient + gen_gathered
     scoring = persistent + ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else persistent
-    fwd_bwd = persistent + grads + activations + bwd_transient + gathered
-    bwd_end = persistent + grads + emb_grad_tmp + gathered
+    # Gradients are set to None after every optimizer step. With one micro-batch per optimizer step
+    # (grad_accum 1) a backward never finds gradients already there: each fresh gradient becomes .grad (no
+    # accumulation temporaries), and the decoder gradients held on the shared-prefix path are the gradients.
+    # From the second micro-batch of a step on (grad_accum > 1, the trace's steady state) they coexist.
+    steady = w.grad_accum > 1
+    fwd_bwd = persistent + (grads if steady else 0) + activations + bwd_transient + gathered
+    bwd_end = persistent + grads + (emb_grad_tmp if steady else 0) + gathered
     if prefix_held:
-        bwd_end += prefix_held + prefix_bwd_act
+        bwd_end = max(bwd_end, persistent + (grads if steady else 0) + emb_grad_tmp * steady + prefix_held + prefix_bwd_act + gathered)
+    if w.device == "cpu":
+        opt_temp = 0                                      # torch AdamW runs per tensor (no foreach) on CPU tensors
     opt_step = persistent + grads + opt_temp
     update = max(fwd_bwd, bwd_end, opt_step)
     phases = {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}
@@ -460,17 +580,21 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES,
     }
     terms = {k: int(v) for k, v in terms.items()}
-    host = {
-        "offloaded_optimizer_states": int((opt_states + master) * min(n, 8)) if not opt_on_device else 0,  # per node (8 ranks max)
-        "offloaded_parameters": int(base_w) if w.offload == "optimizer+params" else 0,
-        "pinned_buffers": int(4 * COMM_BUCKET_BYTES * min(n, 8)) if not opt_on_device else 0,
-        "reference_on_cpu": int(spec.total_params * b) if ref_moved_in else 0,
-        "model_loading": int(base_w),
-        "per_process_overhead": int(3 * GiB * min(n, 8)),
-        "data_loading": int(2 * GiB),
-    }
-    host["total"] = sum(host.values())
+    host = host_terms(spec, w, st, batch_inputs + rollout_buffers, int(peak), ref_moved_in > 0)
+    gpu = w.gpu_memory_bytes if w.device != "cpu" else None
+    headroom, verdict = _verdict(int(total), w, host)
+    out = Plan(terms=terms, phases=phases, peak_allocated=int(peak), reserved=reserved, total=int(total), host=host,
+               gpu_memory_bytes=gpu, verdict=verdict, headroom=headroom, notes=notes,
+               workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P})
+    out.step_time_s = step_time(spec, w, trainable)
+    return out
+
+
+def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
+    """(device headroom, the verdict line): the device's, and the host's when a host size is given (on CPU: only it)."""
     gpu = w.gpu_memory_bytes
+    if w.device == "cpu":
+        return None, "CPU run: no device memory; " + host_verdict(host, w.host_memory_bytes)
     if gpu:
         headroom = int(gpu - total)
         verdict = (f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"
@@ -479,11 +603,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
                    + (f" ({-headroom / GiB:.1f} GiB over)" if headroom < 0 else f" (within {(1 - FIT_FRACTION):.0%} margin)"))
     else:
         headroom, verdict = None, f"needs {total / GiB:.1f} GiB per device (no device size given)"
-    out = Plan(terms=terms, phases=phases, peak_allocated=int(peak), reserved=reserved, total=int(total), host=host,
-               gpu_memory_bytes=gpu, verdict=verdict, headroom=headroom, notes=notes,
-               workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P})
-    out.step_time_s = step_time(spec, w, trainable)
-    return out
+    if w.host_memory_bytes:
+        verdict += "; " + host_verdict(host, w.host_memory_bytes)
+    return headroom, verdict
 
 
 # ---------------------------------------------------------------- step-time model (ranking only)
@@ -721,6 +843,9 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
+    host_gib = getattr(t, "auto_fit_host_memory_gib", None)
+    if host_gib:
+        kw["host_memory_bytes"] = int(host_gib * GiB)
     kw.update(extra)
     return Workload(**kw)
 
@@ -874,8 +999,10 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
         knobs = "training.per_device_train_batch_size (with gradient_accumulation_steps), memory.generation_prompts_per_call, " \
                 "model.gradient_checkpointing" + (", memory.ref_placement" if base.beta > 0 and not base.use_lora else "")
         locked = [k for k in ("num_generations", "max_pixels", "effective_batch") if k not in allow]
+        host = (f" and {base.host_memory_bytes / GiB:.0f} GiB of host RAM (the current one needs {now.host['total'] / GiB:.1f})"
+                if base.host_memory_bytes else "")
         raise PlanError(
-            f"auto_fit: no configuration fits in {gpu_memory_bytes / GiB:.1f} GiB (the current one needs {now.total / GiB:.1f} GiB). "
+            f"auto_fit: no configuration fits in {gpu_memory_bytes / GiB:.1f} GiB{host} (the current one needs {now.total / GiB:.1f} GiB). "
             f"Searched {knobs}. Still locked: {', '.join(locked) or 'nothing'} (allow them in training.auto_fit_allow), or use "
             "LoRA (model.use_lora), bf16 weights, more GPUs with ZeRO/FSDP (vlmrl plan --search --gpus N), or a bigger device.")
     best = found[0].workload
@@ -927,35 +1054,105 @@ def apply_auto_fit(cfg, log, world_size: int = 1, sharding: str | None = None):
     return new_cfg
 
 
+def runs_on_cpu(cfg) -> bool:
+    """training.device is cpu, or auto on a machine without CUDA."""
+    dev = cfg.training.device
+    if dev == "cpu":
+        return True
+    if dev != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _run_context(cfg, world_size: int = 1) -> tuple[bool, int | None, dict]:
+    """(cpu, gpu bytes, workload extras) of the run about to start: on CPU the runtime RSS measured now."""
+    cpu = runs_on_cpu(cfg)
+    gpu = None
+    if not cpu:
+        try:
+            gpu = device_memory_bytes(cfg)
+        except PlanError:
+            gpu = None
+    extra: dict = {}
+    if cpu:
+        from .memory import host_rss
+
+        # libraries imported later in the run (the model family, tokenizer, data) count from the start
+        extra.update(device="cpu", host_runtime_bytes=max(int(host_rss() * GiB), HOST_RUNTIME_CPU_BYTES))
+    return cpu, gpu, extra
+
+
+def _log_prediction(p: Plan, log, what: str = "") -> None:
+    if p.workload.get("device") == "cpu":
+        log(f"planner: {what}CPU run, predicted host peak RSS {p.host['process_peak'] / GiB:.2f} GiB per process "
+            f"(tensors {p.peak_allocated / GiB:.2f} GiB, runtime now {p.workload['host_runtime_bytes'] / GiB:.2f} GiB)"
+            + (f"; {p.verdict}" if p.workload.get("host_memory_bytes") else ""))
+    else:
+        log(f"planner: {what}predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, "
+            f"{p.reserved / GiB:.2f} GiB reserved" + (f" ({p.verdict})" if p.gpu_memory_bytes else ""))
+
+
 def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None) -> Plan | None:
     """The planner's prediction for this run, logged once; None (with the reason) when the model cannot be
-    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3)."""
+    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3).
+    On a CPU run every tensor lives in host RAM: the prediction is this process's peak RSS, from the RSS it has
+    now (libraries loaded, measured) plus the planned tensors, loading and buffers (Plan.host["process_peak"])."""
     try:
-        gpu = device_memory_bytes(cfg)
-    except PlanError:
-        gpu = None
-    try:
-        extra = {"sharding": sharding} if sharding and world_size > 1 else {}
+        _, gpu, extra = _run_context(cfg, world_size)
+        if sharding and world_size > 1:
+            extra["sharding"] = sharding
         p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, **extra)
     except Exception as e:  # noqa: BLE001 - any model the planner cannot read must not stop training
         log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
         return None
-    log(f"planner: predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, {p.reserved / GiB:.2f} GiB reserved"
-        + (f" ({p.verdict})" if gpu else ""))
+    _log_prediction(p, log)
     return p
 
 
-def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
-    """plan/* keys for metrics.jsonl: the prediction, and on CUDA its error against the measured reserved peak
-    (mem/gpu_peak_reserved, GiB); warns when the miss is over PREDICTION_WARN_FRACTION."""
+def predict_for_sft(cfg, log, target_tokens: int | None = None) -> Plan | None:
+    """`predict_for_run` for `vlmrl sft`: each configured stage planned and logged; returns the larger one."""
+    try:
+        _, gpu, extra = _run_context(cfg)
+        plans = sft_plans_for_config(cfg, gpu, target_tokens, **extra)
+    except Exception as e:  # noqa: BLE001 - advice only
+        log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
+        return None
+    for stage, p in plans.items():
+        _log_prediction(p, log, f"SFT stage {stage}: ")
+    return max(plans.values(), key=lambda p: (p.host["process_peak"], p.peak_allocated)) if plans else None
+
+
+def measured_vs_predicted(p: Plan | None, warn) -> dict:
+    """memory_stats() now plus the plan/* comparison (for loops that do not collect memory metrics themselves)."""
     if p is None:
         return {}
-    out = {"plan/peak_allocated": p.peak_allocated / GiB, "plan/peak_reserved": p.reserved / GiB}
-    measured = metrics.get("mem/gpu_peak_reserved")
+    from .memory import memory_stats
+
+    stats = memory_stats()
+    return {**stats, **prediction_vs_measured(p, stats, warn)}
+
+
+def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
+    """plan/* keys for metrics.jsonl: the prediction and its error against what the step measured: on CUDA the
+    reserved peak (mem/gpu_peak_reserved, GiB), on a CPU run this process's peak RSS (mem/host_peak_rss, GiB);
+    warns when the miss is over PREDICTION_WARN_FRACTION."""
+    if p is None:
+        return {}
+    if p.workload.get("device") == "cpu":
+        predicted = p.host["process_peak"] / GiB
+        out = {"plan/host_peak_rss": predicted, "plan/peak_allocated": p.peak_allocated / GiB,
+               "plan/host_runtime": p.workload["host_runtime_bytes"] / GiB}
+        measured, key, what = metrics.get("mem/host_peak_rss"), "plan/error_host_rss", "GiB host peak RSS"
+    else:
+        predicted = p.reserved / GiB
+        out = {"plan/peak_allocated": p.peak_allocated / GiB, "plan/peak_reserved": predicted}
+        measured, key, what = metrics.get("mem/gpu_peak_reserved"), "plan/error_reserved", "GiB reserved"
     if measured:
-        error = (p.reserved / GiB - measured) / measured
-        out["plan/error_reserved"] = error
+        error = (predicted - measured) / measured
+        out[key] = error
         if abs(error) > PREDICTION_WARN_FRACTION:
-            warn(f"WARNING: planner predicted {p.reserved / GiB:.2f} GiB reserved, measured {measured:.2f} GiB "
+            warn(f"WARNING: planner predicted {predicted:.2f} {what}, measured {measured:.2f} GiB "
                  f"({error:+.0%}); please report the config (vlmrl plan --json) so the planner can learn from it")
     return out

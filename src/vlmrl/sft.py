@@ -10,6 +10,7 @@ import torch
 from .config import Config, save_config
 from .logprobs import completion_logps
 from .losses import masked_mean
+from .planner import measured_vs_predicted, predict_for_sft
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
 
 
@@ -30,6 +31,12 @@ def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, tor
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     return ids.to(device), mask.to(device)
+
+
+def longest_target(tokenizer, rows, sample: int = 512) -> int:
+    """Tokens of the longest target (+ EOS) among the first `sample` rows: the planner's completion length."""
+    return max((len(tokenizer(sft_target(rows[i]), add_special_tokens=False)["input_ids"]) + 1
+                for i in range(min(sample, len(rows)))), default=1)
 
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
@@ -65,6 +72,7 @@ def sft(cfg: Config, log=print) -> dict:
     data = load_datasets(cfg)
     for line in data.reports:
         log(line)
+    plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train))  # logged; compared each step
     sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
     reward_funcs, _ = load_reward_funcs(cfg)
     s = cfg.sft
@@ -90,7 +98,8 @@ def sft(cfg: Config, log=print) -> dict:
             loss.backward()
             grad_norm = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
             final = {"loss": loss.item(), "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
-                     "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0}
+                     "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0,
+                     **measured_vs_predicted(plan, log)}
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
