@@ -538,7 +538,7 @@ HARMLESS_TRAINING_KEYS = frozenset({
     "val_before_train", "max_steps", "resume", "resume_force", "resume_weights_only", "on_save_error",
     "output_dir", "device", "save_final_model", "metric_for_best",
     # auto_fit's own switches; the changes it applies show up as the fields they change.
-    "auto_fit", "auto_fit_allow", "auto_fit_gpu_memory_gib",
+    "auto_fit", "auto_fit_allow", "auto_fit_gpu_memory_gib", "auto_fit_host_memory_gib",
 })
 # Where the reference lives, how OOMs are handled and which exact log-prob path runs do not change what
 # is computed (the paths agree to rounding; a resume across them is then not bit-exact, only equivalent).
