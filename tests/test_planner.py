@@ -681,5 +681,7 @@ def test_cli_plan_sft(tmp_path, capsys):
     both = json.loads(capsys.readouterr().out)
     assert set(both["sft_stages"]) == {"stage1", "stage2"}
     assert both["total_gib"] == max(d["total_gib"] for d in both["sft_stages"].values())
+    assert main(["plan", "--model", model, "--mode", "sft", "--search"]) == 2
+    assert "--search tunes GRPO" in capsys.readouterr().err
     assert main(["plan", "--model", model, "--mode", "sft", "--sft-stage", "2", "--micro-batch", "4", "--trace", "--json"]) == 0
     assert abs(json.loads(capsys.readouterr().out)["trace"]["difference_pct"]) <= 10

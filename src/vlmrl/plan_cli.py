@@ -173,6 +173,9 @@ def run(ns) -> int:
         spec = model_spec(ns.model)
     w = _workload(ns, spec)
     stages: dict = {}
+    if ns.mode == "sft" and ns.search:
+        raise PlanError("--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
+                        "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself")
     if ns.mode == "sft":
         stages = _sft_stages(ns, w)
         w = max(stages.values(), key=lambda x: plan(spec, x).total)
