@@ -365,8 +365,11 @@ def test_cli_plan_bad_memory(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags", [[], ["--gradient-checkpointing"], ["--lora"], ["--lora", "--gradient-checkpointing"],
                                    ["--freeze-vision"], ["--freeze-vision", "--gradient-checkpointing"], ["--attn-implementation", "eager"],
-                                   ["--attn-implementation", "eager", "--gradient-checkpointing", "--lora"]],
-                         ids=["full", "gc", "lora", "lora-gc", "frozen-vision", "frozen-vision-gc", "eager", "eager-gc-lora"])
+                                   ["--attn-implementation", "eager", "--gradient-checkpointing", "--lora"],
+                                   ["--attn-implementation", "flash_attention_2", "--master-weights", "fp32", "--cpu", "--host-memory", "1GiB"],
+                                   ["--mode", "sft", "--sft-stage", "1", "--gradient-checkpointing"]],
+                         ids=["full", "gc", "lora", "lora-gc", "frozen-vision", "frozen-vision-gc", "eager", "eager-gc-lora",
+                              "flash-fp32-cpu-host", "sft-stage1-gc"])
 def test_cli_plan_trace(tmp_path, capsys, flags):
     """Every --trace flag combination runs with the default shared prefix (gradient checkpointing crashed: the
     scoring forward ran in training mode, where transformers drops the prompt's KV cache)."""
@@ -376,7 +379,7 @@ def test_cli_plan_trace(tmp_path, capsys, flags):
                "--trace", "--json", *flags])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["workload"]["shared_prefix"] is True
+    assert out["workload"]["shared_prefix"] is ("sft" not in flags)
     assert abs(out["trace"]["difference_pct"]) <= 10, out["trace"]
 
 

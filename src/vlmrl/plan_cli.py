@@ -240,9 +240,12 @@ def _trace(spec, w, source: str) -> dict:
                        attn_implementation=w.attn_implementation)
     r = trace_update(config, setup)
     # The trace is the steady state of an accumulating optimizer step (gradients already there): compare like with like.
+    # The trace runs torch AdamW on the weights (no master copy) and, for flash_attention_2, the sdpa-like stand-in.
+    attn = "eager" if w.attn_implementation == "eager" else "sdpa"
     cf = plan(spec, dataclasses.replace(w, autocast=False, beta=0.0, num_iterations=1, grad_accum=max(2, w.grad_accum),
-                                        device="cuda")).phases["update"]
+                                        device="cuda", master_weights="none", attn_implementation=attn)).phases["update"]
     return {"peak_gib": r.peak_bytes / GiB, "closed_form_gib": cf / GiB, "difference_pct": 100 * (cf / r.peak_bytes - 1),
+            "compared_as": {"attn_implementation": attn, "master_weights": "none", "steady_state": True},
             "peak_breakdown_gib": {k: round(v / GiB, 3) for k, v in r.peak_breakdown.items()},
             "stage_peaks_gib": {k: round(v / GiB, 3) for k, v in r.stage_peaks.items()}, "seconds": r.seconds}
 
