@@ -599,6 +599,13 @@ def test_cli_host_memory_and_cpu(tmp_path, capsys):
     cpu = json.loads(capsys.readouterr().out)
     assert cpu["verdict"].startswith("CPU run") and cpu["fits"] is True
     assert cpu["host_gib"]["device_tensors_on_cpu"] > cpu["peak_allocated_gib"]      # every tensor (+ the CPU heap's slack)
+    assert main(["plan", "--model", model, "--cpu", "--search"]) == 2
+    assert "needs the host memory" in capsys.readouterr().err
+    y = tmp_path / "cpu.yaml"
+    y.write_text(f"model:\n  name_or_path: {model}\ntraining:\n  device: cpu\n")
+    assert main(["plan", "--config", str(y), "--host-memory", "64GiB", "--search", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"].startswith("CPU run") and out["search"] and all(c["fits"] for c in out["search"])
 
 
 @pytest.mark.parametrize("command", ["train", "sft"])

@@ -84,6 +84,8 @@ def _workload(ns, spec):
         if gpu is None and cfg.training.auto_fit_gpu_memory_gib:
             gpu = int(cfg.training.auto_fit_gpu_memory_gib * GiB)
         base = workload_from_config(cfg, world, gpu)
+        if cfg.training.device == "cpu":   # a config that trains on the CPU is planned as a CPU run
+            base = dataclasses.replace(base, device="cpu")
     else:
         if ns.overrides:
             raise PlanError(f"key=value overrides {ns.overrides} need --config (with --model use the flags)")

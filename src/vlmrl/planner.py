@@ -921,7 +921,9 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
            include_infeasible: bool = False) -> list[Candidate]:
     """Feasible configurations ranked by the step-time model (fastest first). `allow` may hold
     num_generations, max_pixels, effective_batch; the effective batch, G and pixel caps never change otherwise."""
-    if base.gpu_memory_bytes is None:
+    if base.device == "cpu" and not base.host_memory_bytes:
+        raise PlanError("search on a CPU run needs the host memory (--host-memory / training.auto_fit_host_memory_gib)")
+    if base.gpu_memory_bytes is None and base.device != "cpu":
         raise PlanError("search needs the device memory (--gpu-memory / training.auto_fit_gpu_memory_gib)")
     allow = set(allow)
     Gs = [base.num_generations]
