@@ -1,4 +1,4 @@
-"""Memory planner: the per-device GPU peak of a GRPO step, term by term, before launch (closed form).
+"""Memory planner: the per-device GPU peak of a GRPO or SFT step and the host RAM per node, term by term, before launch.
 
 Pure arithmetic on two plain dataclasses: `ModelSpec` (numbers describing an architecture) and `Workload`
 (what one step does). Nothing here imports torch, transformers, accelerate, deepspeed or vllm at module
@@ -12,7 +12,9 @@ Two global constants describe the CUDA device and were fit to the H100 measureme
 (`CUDA_CONTEXT_BYTES`, not measured here). Nothing is fit per configuration.
 
 Main entry points:
-  plan(spec, workload) -> Plan                 terms (bytes), peaks per phase, verdict
+  plan(spec, workload) -> Plan                 terms (bytes), peaks per phase, host terms, verdict (device and host)
+  sft_workload(base, stage) -> Workload        what one `vlmrl sft` step of stage 1 / 2 does
+  model_states / host_terms / eager_attention_bytes   the pieces, each documented with its formula
   plan_for_config(cfg, world_size, gpu_memory_bytes) -> Plan
   search(spec, workload, allow=...) -> ranked feasible candidates (step-time model)
   auto_fit(cfg, gpu_memory_bytes, world_size) -> (new_cfg, changes)
@@ -102,7 +104,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """One GRPO step on one device. Token counts are per prompt; rows are completions."""
+    """One GRPO step (mode sft: one `vlmrl sft` step, see sft_workload) on one device. Token counts are per prompt;
+    rows are completions."""
 
     dtype: str = "bfloat16"
     autocast: bool = True               # bf16 autocast on the device (training.bf16)
