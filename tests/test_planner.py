@@ -695,3 +695,12 @@ def test_cli_plan_sft(tmp_path, capsys):
     assert "--search tunes GRPO" in capsys.readouterr().err
     assert main(["plan", "--model", model, "--mode", "sft", "--sft-stage", "2", "--micro-batch", "4", "--trace", "--json"]) == 0
     assert abs(json.loads(capsys.readouterr().out)["trace"]["difference_pct"]) <= 10
+
+
+def test_cli_help_states_the_size_rule(capsys):
+    from vlmrl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "80GB = 80 x 10^9 bytes (74.5 GiB)" in text and "80GiB = 80 x 2^30" in text and "h100-80gb" in text
