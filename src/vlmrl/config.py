@@ -152,6 +152,7 @@ class TrainingConfig:
     auto_fit: bool = _f(False, "Before the run, let the memory planner pick the fastest config predicted to fit (every change is logged; see docs/planner.md).", resume_harmless=True)
     auto_fit_allow: list[str] = _f([], "What auto_fit may change beyond memory switches: any of num_generations, max_pixels, effective_batch (default none).", resume_harmless=True)
     auto_fit_gpu_memory_gib: Optional[float] = _f(None, "Device memory auto_fit plans for, GiB; null = the CUDA device's capacity (required on CPU).", resume_harmless=True)
+    auto_fit_host_memory_gib: Optional[float] = _f(None, "Host RAM per node, GiB: auto_fit keeps configs that fit it; null = no host check.", resume_harmless=True)
 
 
 @dataclass(frozen=True)
@@ -461,6 +462,8 @@ def validate(cfg: Config) -> None:
          f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}"),
         (t.auto_fit_gpu_memory_gib is None or t.auto_fit_gpu_memory_gib > 0,
          f"training.auto_fit_gpu_memory_gib={t.auto_fit_gpu_memory_gib} must be > 0 (GiB), or null for the CUDA device's capacity"),
+        (t.auto_fit_host_memory_gib is None or t.auto_fit_host_memory_gib > 0,
+         f"training.auto_fit_host_memory_gib={t.auto_fit_host_memory_gib} must be > 0 (GiB), or null for no host check"),
         (not (t.auto_fit and t.auto_fit_gpu_memory_gib is None and t.device == "cpu"),
          "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)"),
     ]

@@ -16,8 +16,11 @@ Things this trace does NOT do (the closed form models them, the trace cannot che
 cache and sampling, CUDA context / allocator reserve, autocast (the trace runs in the weights' dtype; bf16
 weights make autocast nearly a no-op, except that LoRA adapter inputs are then cast to fp32 and kept),
 padding (no attention mask: the causal kernel path), and the vision bookkeeping is precomputed on the CPU.
-Attention is a stand-in with the memory of the fused CUDA kernels (saves q, k, v, output and a float32
-log-sum-exp per query head; no [T, T] matrix), registered under the name `vlmrl_trace`.
+Attention: with attn_implementation=eager the family's own eager code runs (its [B, heads, S, S] scores, float32
+softmax and cast probabilities are traced like any op); sdpa and flash_attention_2 have no meta kernels, so a
+stand-in with the memory of the fused CUDA kernels runs (saves q, k, v repeated to the query heads, output and a
+float32 log-sum-exp per query head; no [T, T] matrix), registered under the name `vlmrl_trace`.
+Scoring runs under model.eval() and the update under model.train(), as in train.py.
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ class TraceSetup:
     shared_prefix: bool = True
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    attn_implementation: str = "sdpa"   # eager: transformers' own eager attention runs (its [B, heads, S, S] scores are traced)
+    loss: str = "grpo"                  # grpo: ratio x advantage; sft: mean negative log-likelihood
 
 
 def build_meta_model(hf_config, setup: TraceSetup):
@@ -161,7 +166,9 @@ def build_meta_model(hf_config, setup: TraceSetup):
         lora_r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=0.0, lora_target_modules=list(setup.lora_target_modules),
         lora_vision=setup.lora_vision, use_lora=setup.use_lora, gradient_checkpointing=setup.gradient_checkpointing)
     model = prepare_trainable(model, mcfg)
-    _set_attention(model, _register_attention())
+    # The fused kernels (sdpa, flash_attention_2) have no meta implementation: a stand-in with their memory runs instead.
+    # Eager attention is plain tensor ops, so the family's own eager_attention_forward runs as the run would run it.
+    _set_attention(model, "eager" if setup.attn_implementation == "eager" else _register_attention())
     return model
 
 
@@ -352,16 +359,23 @@ def trace_update(hf_config, setup: TraceSetup) -> TraceResult:
         tracker.register(inp.pixels, "inputs")
     persistent = dict(tracker.by_cat)
     with _quiet(), tracker:
-        model.train()
+        # Scoring runs in eval mode as in train.py (rollout and scoring under model.eval()): with checkpointing on,
+        # transformers drops use_cache in training mode, and the shared-prefix scoring path needs the prompt's cache.
+        model.eval()
         tracker.set_stage("scoring", "scoring_activations")
         with torch.no_grad():
             lp = micro_batch_logps(model, inp, setup, needs_grad=False)
         del lp
+        model.train()
         tracker.set_stage("forward", "activations")
         logps = micro_batch_logps(model, inp, setup, needs_grad=True)
-        adv = torch.empty(inp.N, 1, device="meta")
-        ratio = torch.exp(logps - logps.detach())
-        loss = -(ratio * adv).mean()
+        if setup.loss == "sft":
+            ratio = logps
+            loss = -logps.mean()
+        else:
+            adv = torch.empty(inp.N, 1, device="meta")
+            ratio = torch.exp(logps - logps.detach())
+            loss = -(ratio * adv).mean()
         tracker.set_stage("backward", "backward_temporaries")
         loss.backward()
         del loss, ratio, logps

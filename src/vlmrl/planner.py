@@ -1,4 +1,4 @@
-"""Memory planner: the per-device GPU peak of a GRPO step, term by term, before launch (closed form).
+"""Memory planner: the per-device GPU peak of a GRPO or SFT step and the host RAM per node, term by term, before launch.
 
 Pure arithmetic on two plain dataclasses: `ModelSpec` (numbers describing an architecture) and `Workload`
 (what one step does). Nothing here imports torch, transformers, accelerate, deepspeed or vllm at module
@@ -12,7 +12,9 @@ Two global constants describe the CUDA device and were fit to the H100 measureme
 (`CUDA_CONTEXT_BYTES`, not measured here). Nothing is fit per configuration.
 
 Main entry points:
-  plan(spec, workload) -> Plan                 terms (bytes), peaks per phase, verdict
+  plan(spec, workload) -> Plan                 terms (bytes), peaks per phase, host terms, verdict (device and host)
+  sft_workload(base, stage) -> Workload        what one `vlmrl sft` step of stage 1 / 2 does
+  model_states / host_terms / eager_attention_bytes   the pieces, each documented with its formula
   plan_for_config(cfg, world_size, gpu_memory_bytes) -> Plan
   search(spec, workload, allow=...) -> ranked feasible candidates (step-time model)
   auto_fit(cfg, gpu_memory_bytes, world_size) -> (new_cfg, changes)
@@ -21,6 +23,7 @@ Main entry points:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -32,6 +35,8 @@ from typing import Any
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+ATTENTIONS = ("sdpa", "flash_attention_2", "eager")
+MASTER_WEIGHTS = ("auto", "none", "fp32")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 # Device constants (global, documented in docs/planner.md).
@@ -80,6 +85,8 @@ class ModelSpec:
     merge_size: int = 1         # spatial merge (Qwen-VL 2): image tokens = patches / merge^2
     temporal_patch: int = 1
     image_size: int = 0         # fixed-resolution towers (CLIP/SigLIP): side in pixels; 0 = dynamic resolution
+    v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
+    v_window_patches: int = 0     # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
     lora_linears: tuple = ()    # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
 
     @property
@@ -97,7 +104,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """One GRPO step on one device. Token counts are per prompt; rows are completions."""
+    """One GRPO step (mode sft: one `vlmrl sft` step, see sft_workload) on one device. Token counts are per prompt;
+    rows are completions."""
 
     dtype: str = "bfloat16"
     autocast: bool = True               # bf16 autocast on the device (training.bf16)
@@ -123,10 +131,16 @@ class Workload:
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"
+    master_weights: str = "auto"       # auto | none | fp32: see master_weights_scheme
+    attn_implementation: str = "sdpa"  # model.attn_implementation: sdpa / flash_attention_2 (fused) or eager ([B, heads, S, S] kept)
     generation_gather: str = "full"    # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
     world_size: int = 1
     gpu_memory_bytes: int | None = None
+    host_memory_bytes: int | None = None   # host RAM per node; None = no host verdict
+    device: str = "cuda"                   # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
+    mode: str = "grpo"                     # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
+    host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
 
     @property
     def rows_per_step(self) -> int:
@@ -197,12 +211,22 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes
+        """Fits on the device and, when a host size is given, in host RAM (on a CPU run: in host RAM only)."""
+        host_ok = self.host_fits is not False
+        if self.workload.get("device") == "cpu":
+            return bool(self.host_fits)
+        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes and host_ok
+
+    @property
+    def host_fits(self) -> bool | None:
+        size = self.workload.get("host_memory_bytes")
+        return None if not size else self.host["total"] <= FIT_FRACTION * size
 
     def to_dict(self) -> dict:
         gib = lambda b: round(b / GiB, 3)
         return {
-            "verdict": self.verdict, "fits": self.fits if self.gpu_memory_bytes else None,
+            "verdict": self.verdict, "fits": self.fits if (self.gpu_memory_bytes or self.host_fits is not None) else None,
+            "host_fits": self.host_fits, "host_total_gib": gib(self.host["total"]),
             "total_gib": gib(self.total), "reserved_gib": gib(self.reserved), "peak_allocated_gib": gib(self.peak_allocated),
             "gpu_memory_gib": gib(self.gpu_memory_bytes) if self.gpu_memory_bytes else None,
             "headroom_gib": gib(self.headroom) if self.headroom is not None else None,
@@ -223,6 +247,12 @@ def _check(w: Workload) -> None:
         problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
     if w.offload != "none" and w.sharding in ("none", "ddp"):
         problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    if w.mode not in ("grpo", "sft"):
+        problems.append(f"mode={w.mode!r}: use grpo or sft")
+    if w.attn_implementation not in ATTENTIONS:
+        problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
+    if w.master_weights not in MASTER_WEIGHTS:
+        problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
         problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
@@ -231,57 +261,189 @@ def _check(w: Workload) -> None:
         raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
 
 
-def plan(spec: ModelSpec, w: Workload) -> Plan:
-    """The closed form. All figures are bytes on one device (the busiest rank)."""
-    _check(w)
-    b = DTYPE_BYTES[w.dtype]
-    cb = 2 if (w.autocast or b == 2) else 4             # compute (activation) dtype bytes
-    n = w.world_size
-    sharded = w.sharding in ("zero1", "zero2", "zero3", "fsdp") and n >= 1
-    full_shard = w.sharding in ("zero3", "fsdp")
-    notes: list[str] = []
+def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, target_tokens: int | None = None) -> Workload:
+    """What one `vlmrl sft` step of `stage` does (src/vlmrl/sft.py): base.micro_batch rows (sft.batch_size), each with
+    its own prompt and image (one vision pass per row, no shared prefix), the target's tokens as the completion,
+    log-probs in chunks of 1024 tokens (completion_logps' default), one micro-batch per optimizer step, no rollout,
+    no reference. Stage 1 trains the projector only; stage 2 the language model + projector (+ the vision tower with
+    sft.train_vision_tower). With LoRA the stages train the same adapters (sft.py leaves them as they are)."""
+    if stage not in (1, 2):
+        raise PlanError(f"SFT stage {stage}: use 1 (projector only) or 2 (language model)")
+    n = base.micro_batch
+    stage_kw = {} if base.use_lora else {"projector_only": stage == 1, "freeze_vision": stage == 2 and not train_vision_tower}
+    return dataclasses.replace(
+        base, mode="sft", num_generations=1, prompts_per_step=n, micro_batch=n, grad_accum=1, prompts_per_call=None,
+        group_vision=False, shared_prefix=False, logprob_chunk_tokens=1024, beta=0.0, num_iterations=1,
+        completion_tokens=target_tokens or base.completion_tokens, **stage_kw)
 
-    # Parameters and what trains.
-    vision_lin = 0
+
+def sft_plans_for_config(cfg, gpu_memory_bytes: int | None = None, target_tokens: int | None = None, **extra) -> dict:
+    """{stage: Plan} for the stages cfg.sft runs (sft.projector_steps > 0: stage 1, sft.steps > 0: stage 2). The
+    target length is `target_tokens` (vlmrl sft measures its data) or rollout.max_completion_length."""
+    s = cfg.sft
+    base = workload_from_config(cfg, 1, gpu_memory_bytes, **extra)
+    base = dataclasses.replace(base, micro_batch=s.batch_size)
+    spec = spec_for_config(cfg)
+    stages = [k for k, steps in ((1, s.projector_steps), (2, s.steps)) if steps > 0]
+    return {k: plan(spec, sft_workload(base, k, s.train_vision_tower, target_tokens)) for k in stages}
+
+
+def master_weights_scheme(w: Workload) -> str:
+    """'none' (AdamW on the weights themselves, states in their dtype) or 'fp32' (a float32 master copy of every
+    trainable parameter + float32 moments). 'auto' is what vlmrl runs under each engine: torch AdamW on the weights
+    without DeepSpeed (none, ddp) and under FSDP2 (mixed_precision "no"); DeepSpeed ZeRO-1/2/3 always keep float32
+    partitions for the optimizer, whatever the weights' dtype."""
+    if w.master_weights != "auto":
+        return w.master_weights
+    return "fp32" if w.sharding in ("zero1", "zero2", "zero3") else "none"
+
+
+def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vis_images: int, patches_per_image: int) -> dict:
+    """Eager attention's score tensors (model.attn_implementation=eager), bytes.
+
+    transformers' eager_attention_forward (Qwen2-VL / Qwen2.5-VL text and vision) computes scores = q k^T in the
+    compute dtype, softmax(scores, dtype=float32) and casts the probabilities back: backward keeps the float32
+    softmax output and the cast probabilities, (4 + c) bytes per [heads, query, key] element, per layer call. The
+    fused kernels (sdpa, flash) keep a float32 log-sum-exp per head and query instead (in text_layer_bytes /
+    vision_block_bytes), so that is taken off. rows: ((rows, queries, keys), ...) of one decoder layer's attention
+    calls (prompt pass and completion pass on the shared-prefix path). Returns text / vision bytes kept for
+    backward over all layers, one layer's worth (what checkpointing recomputes), and the no-grad transient of one
+    layer call (scores in c, float32 softmax, cast probabilities)."""
+    if w.attn_implementation != "eager":
+        return {"text": 0, "vision": 0, "text_layer": 0, "vision_block": 0, "transient": 0}
+    per = 4 + cb
+    pairs = sum(r * q * k for r, q, k in rows)
+    queries = sum(r * q for r, q, k in rows)
+    text_layer = spec.heads * (pairs * per - 4 * queries)
+    vision_block = 0.0
+    if spec.v_layers and patches_per_image:
+        full = spec.v_layers if spec.v_full_attn_blocks < 0 else spec.v_full_attn_blocks
+        window = min(spec.v_window_patches or patches_per_image, patches_per_image)
+        elems = full * patches_per_image ** 2 + (spec.v_layers - full) * patches_per_image * window
+        vision_block = spec.v_heads * vis_images * (elems * per - 4 * spec.v_layers * patches_per_image) / spec.v_layers
+    return {"text": spec.layers * text_layer, "vision": spec.v_layers * vision_block, "text_layer": text_layer,
+            "vision_block": vision_block, "transient": spec.heads * max(r * q * k for r, q, k in rows) * (2 * cb + 4)}
+
+
+# Host RAM constants (per process). CUDA: the CUDA/cuBLAS/NCCL libraries and context mapped into the process (typical,
+# not measured here). CPU: python + torch + transformers + vlmrl with one model family, its tokenizer, PIL and a small
+# data set loaded: the peak RSS of `vlmrl train` / `vlmrl sft` on the tiny model less its tensors (0.38-0.39 GiB,
+# benchmarks/results/planner_accuracy_cpu_runs_*). CPU_ALLOCATOR_RESERVE: peak RSS over the planned tensor peak on the
+# CPU (glibc heap fragmentation), from the mid-size GRPO / SFT runs of the same benchmark (12%).
+HOST_RUNTIME_CUDA_BYTES = 3 * GiB
+HOST_RUNTIME_CPU_BYTES = int(0.38 * GiB)
+CPU_ALLOCATOR_RESERVE = 0.12
+HOST_DATA_BYTES = 2 * GiB              # dataset, decoded images, tokenizer caches on a real run (typical, not measured)
+
+
+def host_terms(spec: ModelSpec, w: Workload, states: dict, step_buffers: float, device_peak: int, ref_on_cpu: bool,
+               processes: int | None = None) -> dict:
+    """Host RAM of one node (min(world size, 8) processes), bytes, term by term, and its peak over three moments:
+    loading (each process builds its copy on the CPU before moving it),
+    training (runtime per process, CPU-offloaded optimizer / gradients / parameters, pinned transfer buffers, the
+    reference model on the CPU, each process's images and rollout buffers, and on a CPU run every tensor the
+    device plan counts), and saving (rank 0 gathers the full weights on the CPU for save_pretrained / export)."""
+    n = w.world_size
+    r = processes or min(n, 8)
+    base_w = states["base_weights"]
+    shards = n if w.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    offloaded = w.offload != "none"
+    cpu = w.device == "cpu"
+    runtime = w.host_runtime_bytes or (HOST_RUNTIME_CPU_BYTES if cpu else HOST_RUNTIME_CUDA_BYTES)
+    terms = {
+        "runtime_per_process": runtime * r,
+        "model_loading": r * base_w,     # each process's copy (the checkpoint's mapped pages are shared page cache)
+        "offloaded_optimizer_states": (states["master"] + states["moments"]) * r if offloaded else 0,
+        "offloaded_gradients": states["trainable"] * 4 / shards * r if offloaded else 0,    # float32 gradient partitions for CPU Adam
+        "offloaded_parameters": base_w / n * r if w.offload == "optimizer+params" else 0,
+        "pinned_buffers": 4 * COMM_BUCKET_BYTES * r if offloaded else 0,
+        "reference_on_cpu": spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0,
+        "images_and_rollout_buffers": step_buffers * r,
+        "data": HOST_DATA_BYTES if not cpu else 0,
+        "device_tensors_on_cpu": device_peak * (1 + CPU_ALLOCATOR_RESERVE) * r if cpu else 0,
+        # save_pretrained copies device tensors to the CPU; CPU tensors of an unsharded run are written as they are
+        "gathered_state_dict_at_save": base_w if (not cpu or w.sharding in ("zero3", "fsdp")) else 0,
+    }
+    runtime = terms["runtime_per_process"] + terms["data"]
+    training = runtime + sum(terms[k] for k in ("offloaded_optimizer_states", "offloaded_gradients", "offloaded_parameters",
+                                                "pinned_buffers", "reference_on_cpu", "images_and_rollout_buffers",
+                                                "device_tensors_on_cpu"))
+    phases = {"loading": runtime + terms["model_loading"], "training": training,
+              "saving": training + terms["gathered_state_dict_at_save"]}
+    out = {k: int(v) for k, v in terms.items()}
+    out.update({f"peak_{k}": int(v) for k, v in phases.items()})
+    out["total"] = int(max(phases.values()))
+    if processes is None:   # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
+        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, processes=1)["total"]
+    return out
+
+
+def host_verdict(host: dict, host_memory_bytes: int | None) -> str:
+    total = host["total"]
+    if not host_memory_bytes:
+        return f"needs {total / GiB:.1f} GiB of host RAM per node (no host size given: --host-memory)"
+    if total <= FIT_FRACTION * host_memory_bytes:
+        return f"host RAM fits: {total / GiB:.1f} of {host_memory_bytes / GiB:.1f} GiB per node"
+    return f"host RAM does NOT fit: {total / GiB:.1f} GiB needed of {host_memory_bytes / GiB:.1f} GiB per node"
+
+
+def model_states(spec: ModelSpec, w: Workload) -> dict:
+    """Bytes per device of weights, gradients, the float32 master copy, AdamW's two moments and the step's
+    full-size temporary (foreach sqrt(exp_avg_sq)), under the precision scheme (master_weights_scheme) and the
+    sharding: optimizer state (master + moments) sharded over n from ZeRO-1 on, gradients from ZeRO-2, weights
+    from ZeRO-3 / FSDP. The same scheme on one device gives the same bytes under every engine."""
+    b = DTYPE_BYTES[w.dtype]
+    n = w.world_size
     lora_n = spec.lora_params(w.lora_r, w.lora_targets) if w.use_lora else 0
     if w.use_lora:
-        trainable = lora_n
-        tb = 4                                            # peft keeps adapters in float32
+        trainable, tb = lora_n, 4                          # peft keeps adapters in float32
     elif w.projector_only:
         trainable, tb = spec.projector_params, b
     elif w.freeze_vision:
         trainable, tb = spec.total_params - spec.vision_params + spec.projector_params, b
     else:
         trainable, tb = spec.total_params, b
-    del vision_lin
+    scheme = master_weights_scheme(w)
+    state_shards = n if w.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    grad_shards = n if w.sharding in ("zero2", "zero3", "fsdp") else 1
+    full_shard = w.sharding in ("zero3", "fsdp")
+    base_w = spec.total_params * b + lora_n * 4
+    weights = 0 if (full_shard and w.offload == "optimizer+params") else base_w / (n if full_shard else 1)
+    if scheme == "fp32":
+        master = trainable * 4 / state_shards if tb < 4 else 0   # float32 trainables are their own master copy
+        moments = trainable * 8 / state_shards
+        step_tmp = trainable * 4 / state_shards
+    else:
+        master = 0
+        moments = trainable * 2 * tb / state_shards
+        step_tmp = trainable * tb / state_shards
+    grads = trainable * tb / grad_shards
+    if w.offload != "none":
+        grads = min(grads, COMM_BUCKET_BYTES * 4)          # gradients stream to the host bucket by bucket
+        step_tmp = 0                                        # the step runs on the CPU
+    return {"trainable": trainable, "trainable_bytes": tb, "lora_params": lora_n, "base_weights": base_w, "scheme": scheme,
+            "weights": weights, "gradients": grads, "master": master, "moments": moments, "step_temporary": step_tmp}
+
+
+def plan(spec: ModelSpec, w: Workload) -> Plan:
+    """The closed form. All figures are bytes on one device (the busiest rank)."""
+    _check(w)
+    b = DTYPE_BYTES[w.dtype]
+    cb = 2 if (w.autocast or b == 2) else 4             # compute (activation) dtype bytes
+    n = w.world_size
+    full_shard = w.sharding in ("zero3", "fsdp")
+    notes: list[str] = []
+
+    st = model_states(spec, w)
+    trainable, tb, lora_n = st["trainable"], st["trainable_bytes"], st["lora_params"]
+    weights, grads, master, opt_states, opt_temp = st["weights"], st["gradients"], st["master"], st["moments"], st["step_temporary"]
     vision_trains = (not w.use_lora) and (not w.freeze_vision) and (not w.projector_only)
     text_trains = not w.projector_only
-
-    # Model states. Unsharded (vlmrl today): torch AdamW, states in the parameter dtype. ZeRO/FSDP: mixed
-    # precision as DeepSpeed/FSDP do it: float32 master weights + two float32 moments (12 bytes per trainable
-    # parameter), sharded over the world size.
-    base_w = spec.total_params * b + lora_n * 4
-    weights = base_w / n if full_shard else base_w
-    if full_shard and w.offload == "optimizer+params":
-        weights = 0
-    grads = trainable * tb
-    if w.sharding in ("zero2", "zero3", "fsdp"):
-        grads = grads / n
-    if w.sharding == "fsdp":
-        opt_states = trainable * 2 * tb / n               # FSDP2 as vlmrl runs it (mixed_precision "no"): states in the weights' dtype
-    elif sharded:
-        opt_states = trainable * 12 / n
-        if w.use_lora:
-            opt_states = trainable * 8 / n                # adapters are fp32 already: no separate master copy
-    else:
-        opt_states = trainable * 2 * tb
     opt_on_device = w.offload == "none"
     if not opt_on_device:
-        notes.append(f"optimizer states ({opt_states / GiB:.2f} GiB) live in host RAM")
-        grads = min(grads, COMM_BUCKET_BYTES * 4)         # gradients stream to the host bucket by bucket
+        notes.append(f"optimizer states ({(opt_states + master) / GiB:.2f} GiB) live in host RAM")
     opt_dev = opt_states if opt_on_device else 0
-    # AdamW's foreach step: sqrt(exp_avg_sq) is a full-size temporary (per dtype group).
-    opt_temp = (trainable * tb / (n if sharded else 1)) if opt_on_device else 0
+    master_dev = master if opt_on_device else 0
     comm = COMM_BUCKET_BYTES if (n > 1 and w.sharding != "none") else 0
     gathered = 0
     if full_shard:
@@ -310,24 +472,36 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
     text_tokens = (U * P + N * C) if prefix else N * (P + C)
     per_layer = text_layer_bytes(spec, w, cb)
+    if w.attn_implementation == "flash_attention_2":   # flash reads grouped k, v as they are: no copies repeated to the query heads
+        per_layer -= (cb / 2) * 4 * (spec.heads - spec.kv_heads) * spec.head_dim
     vis_block = vision_block_bytes(spec, cb) if spec.v_layers else 0
     vis_patches = (U if w.group_vision else N) * patches
     V, h = spec.vocab, spec.hidden
+    calls = ((U, P, P), (N, C - 1, P + C - 1)) if prefix else ((N, P + C, P + C),)
+    eager = eager_attention_bytes(spec, w, cb, calls, U if w.group_vision else N, patches)
     if gc:
         text_act = spec.layers * text_tokens * cb * h
         vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden   # checkpointed blocks keep their inputs even when frozen
-        recompute = 1.35 * per_layer * text_tokens        # one layer recomputed in backward + its gradient buffers
+        # one layer recomputed in backward + its gradient buffers
+        # (+ its eager scores and, while that layer's backward runs, their gradients: the same size again)
+        recompute = 1.35 * per_layer * text_tokens + (eager["text_layer"] + eager["transient"] if text_trains else 0)
     else:
         text_act = spec.layers * text_tokens * per_layer
         vision_act = spec.v_layers * vis_patches * vis_block if vision_trains else 0
         recompute = 0
-    if prefix:  # completion rows attend to the gathered prompt cache (k, v at KV heads + repeated to query heads)
-        text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + spec.heads) * spec.head_dim
+    eager_act = 0 if gc else eager["text"] * text_trains + eager["vision"] * vision_trains
+    if prefix:  # completion rows attend to the gathered prompt cache (k, v at KV heads, + repeated to query heads unless flash)
+        repeated = 0 if w.attn_implementation == "flash_attention_2" else spec.heads
+        text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + repeated) * spec.head_dim
     # Outside the layers: embeddings, image-feature scatter, final norm, the completion slice (12h per token; 7h with
     # checkpointing, where the embedding output is the only extra copy kept), patch embedding + merger (8 hv per patch).
-    misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if vision_trains else 0)
-    if not text_trains:
-        text_act = 0
+    projector_trains = vision_trains or w.projector_only   # the merger keeps its inputs (frozen tower: measured smaller, left out)
+    misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if projector_trains else 0)
+    if not text_trains and not gc:
+        # Projector only: the decoder is frozen but the gradient still flows through it to the image features, so each
+        # layer keeps what its input gradient needs: everything but the inputs of the frozen norms and Linears.
+        h_, qd = spec.hidden, spec.heads * spec.head_dim
+        text_act = spec.layers * text_tokens * (per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate))
     chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
     lm_bwd = 12 * chunk * V * (cb / 2)                    # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
     if w.logprob_chunk_tokens <= 0:
@@ -335,33 +509,59 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     emb_grad_tmp = 0
     if text_trains and not w.use_lora and not w.projector_only:
         emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b   # fresh embedding / LM-head gradients before accumulation
-    activations = text_act + vision_act + misc_act
+    activations = text_act + vision_act + misc_act + eager_act
     # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
     # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
     head_trains = text_trains and not w.use_lora and not w.projector_only
-    head_grad_tmp = 2 * V * h * b if (head_trains and w.logprob_chunk_tokens > 0) else 0
+    # (one chunk only: its gradients come after its logits are freed; nothing to add)
+    head_grad_tmp = 2 * V * h * b if (head_trains and 0 < w.logprob_chunk_tokens < N * C) else 0
     bwd_transient = max(lm_bwd + head_grad_tmp, recompute)
+    # Shared prefix: every decoder weight is used twice (prompt pass, completion pass), so autograd holds each
+    # weight's gradient from the completion pass until the prompt pass adds its own (one summed gradient per weight).
+    # Backward through the completion pass frees its activations layer by layer while these fill up: the peak is at
+    # one end, and at the far end the prompt pass's activations and the vision tower's are still alive.
+    prefix_held = 0
+    prefix_bwd_act = 0
+    if prefix and text_trains:
+        decoder_params = lora_n if w.use_lora else spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
+        prefix_held = decoder_params * tb
+        prefix_bwd_act = spec.layers * U * P * per_layer + vision_act + misc_act + eager["vision"] * vision_trains
+        prefix_bwd_act += eager_attention_bytes(spec, w, cb, ((U, P, P),), 0, 0)["text"]   # the prompt pass's scores
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
-    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate))
+    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
     ppc = w.prompts_per_call or w.prompts_per_step
     gen_rows = ppc * G
     kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
     kv_cache = gen_rows * (P + C) * kv_per_token
     prefill_tokens = (ppc if w.shared_prefix else gen_rows) * P
     prefill_patches = (ppc if w.shared_prefix else gen_rows) * patches
+    prefill_rows = ppc if w.shared_prefix else gen_rows
     gen_transient = max(prefill_tokens * cb * (4 * h + 3 * spec.intermediate),
+                        eager_attention_bytes(spec, w, cb, ((prefill_rows, P, P),), 0, 0)["transient"],
                         prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
                         gen_rows * V * 4 * 3)
 
-    persistent = weights + opt_dev + reference + batch_inputs + rollout_buffers + comm
+    if w.mode == "sft":   # no rollout: no KV cache, no sampling; the batch is the micro-batch's prompts and targets
+        kv_cache = gen_transient = 0
+        rollout_buffers = N * C * 8 * 2
+    persistent = weights + master_dev + opt_dev + reference + batch_inputs + rollout_buffers + comm
     # memory.generation_gather=full: the whole model is all-gathered for the rollout (one copy, the own shard included).
-    gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full") else gathered
+    gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full" and w.mode != "sft") else gathered
     rollout = persistent + kv_cache + gen_transient + gen_gathered
     scoring = persistent + ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else persistent
-    fwd_bwd = persistent + grads + activations + bwd_transient + gathered
-    bwd_end = persistent + grads + emb_grad_tmp + gathered
+    # Gradients are set to None after every optimizer step. With one micro-batch per optimizer step
+    # (grad_accum 1) a backward never finds gradients already there: each fresh gradient becomes .grad (no
+    # accumulation temporaries), and the decoder gradients held on the shared-prefix path are the gradients.
+    # From the second micro-batch of a step on (grad_accum > 1, the trace's steady state) they coexist.
+    steady = w.grad_accum > 1
+    fwd_bwd = persistent + (grads if steady else 0) + activations + bwd_transient + gathered
+    bwd_end = persistent + grads + (emb_grad_tmp if steady else 0) + gathered
+    if prefix_held:
+        bwd_end = max(bwd_end, persistent + (grads if steady else 0) + emb_grad_tmp * steady + prefix_held + prefix_bwd_act + gathered)
+    if w.device == "cpu":
+        opt_temp = 0                                      # torch AdamW runs per tensor (no foreach) on CPU tensors
     opt_step = persistent + grads + opt_temp
     update = max(fwd_bwd, bwd_end, opt_step)
     phases = {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}
@@ -369,10 +569,13 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     reserved = int(peak * (1 + ALLOCATOR_RESERVE))
     total = reserved + CUDA_CONTEXT_BYTES
     terms = {
-        "weights": weights, "gradients": grads, "optimizer_states": opt_dev, "optimizer_step_temporary": opt_temp,
+        "weights": weights, "gradients": grads, "master_weights": master_dev, "optimizer_states": opt_dev,
+        "optimizer_step_temporary": opt_temp,
         "reference_model": reference, "activations_text": text_act, "activations_vision": vision_act,
-        "activations_other": misc_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
-        "embedding_grad_temporaries": emb_grad_tmp, "kv_cache": kv_cache, "generation_temporaries": gen_transient,
+        "activations_other": misc_act,
+        "eager_attention_scores": eager_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
+        "embedding_grad_temporaries": emb_grad_tmp, "prefix_held_gradients": prefix_held,
+        "kv_cache": kv_cache, "generation_temporaries": gen_transient,
         "scoring_temporaries": score_transient if (w.beta > 0 or w.num_iterations > 1) else 0,
         "reference_moved_in_for_scoring": ref_moved_in, "gathered_parameters": gathered,
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
@@ -380,17 +583,21 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES,
     }
     terms = {k: int(v) for k, v in terms.items()}
-    host = {
-        "offloaded_optimizer_states": int(opt_states * min(n, 8)) if not opt_on_device else 0,  # per node (8 ranks max)
-        "offloaded_parameters": int(base_w) if w.offload == "optimizer+params" else 0,
-        "pinned_buffers": int(4 * COMM_BUCKET_BYTES * min(n, 8)) if not opt_on_device else 0,
-        "reference_on_cpu": int(spec.total_params * b) if ref_moved_in else 0,
-        "model_loading": int(base_w),
-        "per_process_overhead": int(3 * GiB * min(n, 8)),
-        "data_loading": int(2 * GiB),
-    }
-    host["total"] = sum(host.values())
+    host = host_terms(spec, w, st, batch_inputs + rollout_buffers, int(peak), ref_moved_in > 0)
+    gpu = w.gpu_memory_bytes if w.device != "cpu" else None
+    headroom, verdict = _verdict(int(total), w, host)
+    out = Plan(terms=terms, phases=phases, peak_allocated=int(peak), reserved=reserved, total=int(total), host=host,
+               gpu_memory_bytes=gpu, verdict=verdict, headroom=headroom, notes=notes,
+               workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P})
+    out.step_time_s = step_time(spec, w, trainable)
+    return out
+
+
+def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
+    """(device headroom, the verdict line): the device's, and the host's when a host size is given (on CPU: only it)."""
     gpu = w.gpu_memory_bytes
+    if w.device == "cpu":
+        return None, "CPU run: no device memory; " + host_verdict(host, w.host_memory_bytes)
     if gpu:
         headroom = int(gpu - total)
         verdict = (f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"
@@ -399,11 +606,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
                    + (f" ({-headroom / GiB:.1f} GiB over)" if headroom < 0 else f" (within {(1 - FIT_FRACTION):.0%} margin)"))
     else:
         headroom, verdict = None, f"needs {total / GiB:.1f} GiB per device (no device size given)"
-    out = Plan(terms=terms, phases=phases, peak_allocated=int(peak), reserved=reserved, total=int(total), host=host,
-               gpu_memory_bytes=gpu, verdict=verdict, headroom=headroom, notes=notes,
-               workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P})
-    out.step_time_s = step_time(spec, w, trainable)
-    return out
+    if w.host_memory_bytes:
+        verdict += "; " + host_verdict(host, w.host_memory_bytes)
+    return headroom, verdict
 
 
 # ---------------------------------------------------------------- step-time model (ranking only)
@@ -475,11 +680,38 @@ def spec_from_hf_config(config: Any, name: str = "") -> ModelSpec:
         p = p / "config.json" if p.is_dir() else p
         if not p.is_file():
             raise PlanError(f"{config}: no such config.json (give a preset name, a model folder or a config.json path)")
-        d = json.loads(p.read_text())
-        return _spec_cached(json.dumps(d, sort_keys=True), name or p.parent.name)
+        try:
+            d = json.loads(p.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PlanError(f"{p}: not a JSON config ({e}); give a model's config.json") from None
+        return _known_architecture(d, str(p), name or p.parent.name)
     if isinstance(config, dict):
-        return _spec_cached(json.dumps(config, sort_keys=True), name or config.get("model_type", "model"))
+        return _known_architecture(config, "config", name or config.get("model_type", "model"))
     return _spec_from_config_object(config, name or getattr(config, "model_type", "model"))
+
+
+def _known_architecture(d: dict, where: str, name: str) -> ModelSpec:
+    """The spec of a config dict; one PlanError line (not transformers' traceback) when transformers cannot
+    build it as an image-text model."""
+    model_type = d.get("model_type") if isinstance(d, dict) else None
+    how = ("pass the config.json of an architecture this transformers knows as an image-text model (model_type such as "
+           "qwen2_5_vl, qwen2_vl, qwen3_vl, llava, llava_onevision, internvl, idefics3), or a preset (vlmrl plan --list-models)")
+    if not model_type:
+        raise PlanError(f"{where}: no model_type in the config; {how}")
+    try:
+        return _spec_cached(json.dumps(d, sort_keys=True), name)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        import transformers
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if first.startswith("Unrecognized model identifier"):
+            first = "an architecture it does not know"
+        elif first.startswith("Unrecognized configuration class"):
+            first = "not an image-text model"
+        elif len(first) > 120:
+            first = first[:117] + "..."
+        raise PlanError(f"{where}: model_type {model_type!r} cannot be planned with transformers {transformers.__version__} "
+                        f"({first}); {how}") from None
 
 
 def _spec_from_config_object(cfg, name: str) -> ModelSpec:
@@ -529,6 +761,9 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         kw = dict(v_hidden=vh, v_intermediate=vi, v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
                   v_heads=_dims(v, "num_heads", "num_attention_heads", default=1), patch_size=_dims(v, "patch_size", default=14),
                   merge_size=_dims(v, "spatial_merge_size", default=1), temporal_patch=_dims(v, "temporal_patch_size", default=1))
+        if getattr(v, "fullatt_block_indexes", None) is not None and getattr(v, "window_size", None):
+            kw["v_full_attn_blocks"] = len(v.fullatt_block_indexes)          # Qwen2.5-VL: windowed attention elsewhere
+            kw["v_window_patches"] = (v.window_size // kw["patch_size"]) ** 2
         if getattr(cfg, "model_type", "") not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
             size = _dims(v, "image_size", default=336)
             patch = kw["patch_size"]
@@ -567,13 +802,27 @@ def _preset_spec(name: str) -> ModelSpec:
 
 # ---------------------------------------------------------------- vlmrl configs
 
+# What torch.cuda.get_device_properties().total_memory reports (the memory a run can have), by marketing name.
+# A card sold as "80GB" is neither 80e9 nor 80 x 2^30 bytes to PyTorch. h100-80gb was measured here (benchmarks/results/
+# gpu_memory_*.json: 79.18 GiB; nvidia-smi shows 81559 MiB = 79.6 GiB, part of it the driver's); the others are the
+# "total capacity" PyTorch prints in out-of-memory messages on those cards as commonly reported (not measured here).
+GPU_MEMORY_GIB = {
+    "h100-80gb": 79.18, "h100": 79.18, "h200": 139.8, "a100-80gb": 79.15, "a100-40gb": 39.39, "l40s": 44.53, "a6000": 47.54,
+    "rtx4090": 23.65, "rtx3090": 23.69, "a10g": 22.2, "l4": 22.04, "v100-32gb": 31.75, "v100-16gb": 15.77, "t4": 14.75,
+}
+
+
 def parse_memory(text: str | float) -> int:
-    """'80GiB', '80GB', '79.2 GiB', '81920MiB', '8e10' -> bytes. GB = 10^9, GiB = 2^30."""
+    """'80GiB', '80GB', '79.2 GiB', '81920MiB', '8e10', or a GPU name ('h100-80gb', GPU_MEMORY_GIB) -> bytes.
+    GB = 10^9 (decimal, so '80GB' = 74.5 GiB), GiB = 2^30; a bare number is GiB."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return int(text)
+    if str(text).strip().lower() in GPU_MEMORY_GIB:
+        return int(GPU_MEMORY_GIB[str(text).strip().lower()] * GiB)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
-        raise PlanError(f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB")
+        raise PlanError(f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB, "
+                        f"or a GPU name ({', '.join(GPU_MEMORY_GIB)})")
     value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
     if unit == "B":
         return int(value)
@@ -593,9 +842,13 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
         max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
         logprob_chunk_tokens=mem.logprob_chunk_tokens, group_vision=mem.group_vision, shared_prefix=mem.shared_prefix,
-        generation_gather=mem.generation_gather, beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
+        generation_gather=mem.generation_gather, attn_implementation=m.attn_implementation,
+        beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
+    host_gib = getattr(t, "auto_fit_host_memory_gib", None)
+    if host_gib:
+        kw["host_memory_bytes"] = int(host_gib * GiB)
     kw.update(extra)
     return Workload(**kw)
 
@@ -661,9 +914,7 @@ def _describe(base: Workload, w: Workload) -> list[str]:
         if a == b or f == "grad_accum":
             continue
         why = _WHY.get(f, "")
-        if f == "gradient_checkpointing" and not b:
-            why = "off: no recompute (faster update), full activations kept"
-        elif f == "micro_batch":
+        if f == "micro_batch":
             why = ("smaller: " if b < a else "larger: ") + why + f"; gradient_accumulation_steps {base.grad_accum} -> {w.grad_accum}"
         out.append(f"{f}: {a} -> {b}" + (f" ({why})" if why else ""))
     return out
@@ -673,7 +924,9 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
            include_infeasible: bool = False) -> list[Candidate]:
     """Feasible configurations ranked by the step-time model (fastest first). `allow` may hold
     num_generations, max_pixels, effective_batch; the effective batch, G and pixel caps never change otherwise."""
-    if base.gpu_memory_bytes is None:
+    if base.device == "cpu" and not base.host_memory_bytes:
+        raise PlanError("search on a CPU run needs the host memory (--host-memory / training.auto_fit_host_memory_gib)")
+    if base.gpu_memory_bytes is None and base.device != "cpu":
         raise PlanError("search needs the device memory (--gpu-memory / training.auto_fit_gpu_memory_gib)")
     allow = set(allow)
     Gs = [base.num_generations]
@@ -691,7 +944,12 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
             shardings = (base.sharding, *shardings)
     offloads_for = {"none": ("none",), "ddp": ("none",), "zero1": ("none", "optimizer"), "zero2": ("none", "optimizer"),
                     "zero3": ("none", "optimizer", "optimizer+params"), "fsdp": ("none", "optimizer", "optimizer+params")}
-    refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora) else (base.ref_placement,)
+    # Memory savers the given config has stay on: a candidate that turns one off to go faster would trade the
+    # user's margin for speed (and "fixing" an OOM by switching checkpointing off is never right).
+    gcs = (True,) if base.gradient_checkpointing else (False, True)
+    refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora and base.ref_placement == "device") else (base.ref_placement,)
+    offload_rank = {o: i for i, o in enumerate(OFFLOADS)}
+    offloads_for = {k: tuple(o for o in v if offload_rank[o] >= offload_rank[base.offload]) for k, v in offloads_for.items()}
     step_rows = base.micro_batch * base.grad_accum     # rows per optimizer step (kept)
     out: list[Candidate] = []
     for G in Gs:
@@ -700,20 +958,14 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
             # keep rows per optimizer step when possible; else (G / prompts changed) keep its ratio to the rollout
             per_opt = step_rows if (G == base.num_generations and prompts == base.prompts_per_step) else \
                 max(1, step_rows * rows // max(1, base.rows_per_step))
-            for mb in _divisors(per_opt):
-                for ppc in _divisors(prompts):
-                    for gc in (False, True):
-                        for sh in shardings:
-                            for off in offloads_for.get(sh, ("none",)):
-                                for ref in refs:
-                                    for px in pixels:
-                                        w = dataclasses.replace(base, num_generations=G, prompts_per_step=prompts, micro_batch=mb,
-                                                                grad_accum=per_opt // mb, prompts_per_call=None if ppc == prompts else ppc,
-                                                                gradient_checkpointing=gc,
-                                                                sharding=sh, offload=off, ref_placement=ref, max_pixels=px)
-                                        p = plan(spec, w)
-                                        if p.fits or include_infeasible:
-                                            out.append(Candidate(w, p, _describe(base, w)))
+            engines = [(sh, off) for sh in shardings for off in offloads_for.get(sh, ("none",))]
+            for mb, ppc, gc, (sh, off), ref, px in itertools.product(_divisors(per_opt), _divisors(prompts), gcs, engines, refs, pixels):
+                w = dataclasses.replace(base, num_generations=G, prompts_per_step=prompts, micro_batch=mb, grad_accum=per_opt // mb,
+                                        prompts_per_call=None if ppc == prompts else ppc, gradient_checkpointing=gc,
+                                        sharding=sh, offload=off, ref_placement=ref, max_pixels=px)
+                p = plan(spec, w)
+                if p.fits or include_infeasible:
+                    out.append(Candidate(w, p, _describe(base, w)))
     out.sort(key=lambda c: (not c.plan.fits, c.plan.step_time_s, c.plan.total))
     return out[:top] if top else out
 
@@ -752,8 +1004,10 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
         knobs = "training.per_device_train_batch_size (with gradient_accumulation_steps), memory.generation_prompts_per_call, " \
                 "model.gradient_checkpointing" + (", memory.ref_placement" if base.beta > 0 and not base.use_lora else "")
         locked = [k for k in ("num_generations", "max_pixels", "effective_batch") if k not in allow]
+        host = (f" and {base.host_memory_bytes / GiB:.0f} GiB of host RAM (the current one needs {now.host['total'] / GiB:.1f})"
+                if base.host_memory_bytes else "")
         raise PlanError(
-            f"auto_fit: no configuration fits in {gpu_memory_bytes / GiB:.1f} GiB (the current one needs {now.total / GiB:.1f} GiB). "
+            f"auto_fit: no configuration fits in {gpu_memory_bytes / GiB:.1f} GiB{host} (the current one needs {now.total / GiB:.1f} GiB). "
             f"Searched {knobs}. Still locked: {', '.join(locked) or 'nothing'} (allow them in training.auto_fit_allow), or use "
             "LoRA (model.use_lora), bf16 weights, more GPUs with ZeRO/FSDP (vlmrl plan --search --gpus N), or a bigger device.")
     best = found[0].workload
@@ -805,35 +1059,105 @@ def apply_auto_fit(cfg, log, world_size: int = 1, sharding: str | None = None):
     return new_cfg
 
 
+def runs_on_cpu(cfg) -> bool:
+    """training.device is cpu, or auto on a machine without CUDA."""
+    dev = cfg.training.device
+    if dev == "cpu":
+        return True
+    if dev != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _run_context(cfg, world_size: int = 1) -> tuple[bool, int | None, dict]:
+    """(cpu, gpu bytes, workload extras) of the run about to start: on CPU the runtime RSS measured now."""
+    cpu = runs_on_cpu(cfg)
+    gpu = None
+    if not cpu:
+        try:
+            gpu = device_memory_bytes(cfg)
+        except PlanError:
+            gpu = None
+    extra: dict = {}
+    if cpu:
+        from .memory import host_rss
+
+        # libraries imported later in the run (the model family, tokenizer, data) count from the start
+        extra.update(device="cpu", host_runtime_bytes=max(int(host_rss() * GiB), HOST_RUNTIME_CPU_BYTES))
+    return cpu, gpu, extra
+
+
+def _log_prediction(p: Plan, log, what: str = "") -> None:
+    if p.workload.get("device") == "cpu":
+        log(f"planner: {what}CPU run, predicted host peak RSS {p.host['process_peak'] / GiB:.2f} GiB per process "
+            f"(tensors {p.peak_allocated / GiB:.2f} GiB, runtime now {p.workload['host_runtime_bytes'] / GiB:.2f} GiB)"
+            + (f"; {p.verdict}" if p.workload.get("host_memory_bytes") else ""))
+    else:
+        log(f"planner: {what}predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, "
+            f"{p.reserved / GiB:.2f} GiB reserved" + (f" ({p.verdict})" if p.gpu_memory_bytes else ""))
+
+
 def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None) -> Plan | None:
     """The planner's prediction for this run, logged once; None (with the reason) when the model cannot be
-    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3)."""
+    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3).
+    On a CPU run every tensor lives in host RAM: the prediction is this process's peak RSS, from the RSS it has
+    now (libraries loaded, measured) plus the planned tensors, loading and buffers (Plan.host["process_peak"])."""
     try:
-        gpu = device_memory_bytes(cfg)
-    except PlanError:
-        gpu = None
-    try:
-        extra = {"sharding": sharding} if sharding and world_size > 1 else {}
+        _, gpu, extra = _run_context(cfg, world_size)
+        if sharding and world_size > 1:
+            extra["sharding"] = sharding
         p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, **extra)
     except Exception as e:  # noqa: BLE001 - any model the planner cannot read must not stop training
         log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
         return None
-    log(f"planner: predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, {p.reserved / GiB:.2f} GiB reserved"
-        + (f" ({p.verdict})" if gpu else ""))
+    _log_prediction(p, log)
     return p
 
 
-def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
-    """plan/* keys for metrics.jsonl: the prediction, and on CUDA its error against the measured reserved peak
-    (mem/gpu_peak_reserved, GiB); warns when the miss is over PREDICTION_WARN_FRACTION."""
+def predict_for_sft(cfg, log, target_tokens: int | None = None) -> Plan | None:
+    """`predict_for_run` for `vlmrl sft`: each configured stage planned and logged; returns the larger one."""
+    try:
+        _, gpu, extra = _run_context(cfg)
+        plans = sft_plans_for_config(cfg, gpu, target_tokens, **extra)
+    except Exception as e:  # noqa: BLE001 - advice only
+        log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
+        return None
+    for stage, p in plans.items():
+        _log_prediction(p, log, f"SFT stage {stage}: ")
+    return max(plans.values(), key=lambda p: (p.host["process_peak"], p.peak_allocated)) if plans else None
+
+
+def measured_vs_predicted(p: Plan | None, warn) -> dict:
+    """memory_stats() now plus the plan/* comparison (for loops that do not collect memory metrics themselves)."""
     if p is None:
         return {}
-    out = {"plan/peak_allocated": p.peak_allocated / GiB, "plan/peak_reserved": p.reserved / GiB}
-    measured = metrics.get("mem/gpu_peak_reserved")
+    from .memory import memory_stats
+
+    stats = memory_stats()
+    return {**stats, **prediction_vs_measured(p, stats, warn)}
+
+
+def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
+    """plan/* keys for metrics.jsonl: the prediction and its error against what the step measured: on CUDA the
+    reserved peak (mem/gpu_peak_reserved, GiB), on a CPU run this process's peak RSS (mem/host_peak_rss, GiB);
+    warns when the miss is over PREDICTION_WARN_FRACTION."""
+    if p is None:
+        return {}
+    if p.workload.get("device") == "cpu":
+        predicted = p.host["process_peak"] / GiB
+        out = {"plan/host_peak_rss": predicted, "plan/peak_allocated": p.peak_allocated / GiB,
+               "plan/host_runtime": p.workload["host_runtime_bytes"] / GiB}
+        measured, key, what = metrics.get("mem/host_peak_rss"), "plan/error_host_rss", "GiB host peak RSS"
+    else:
+        predicted = p.reserved / GiB
+        out = {"plan/peak_allocated": p.peak_allocated / GiB, "plan/peak_reserved": predicted}
+        measured, key, what = metrics.get("mem/gpu_peak_reserved"), "plan/error_reserved", "GiB reserved"
     if measured:
-        error = (p.reserved / GiB - measured) / measured
-        out["plan/error_reserved"] = error
+        error = (predicted - measured) / measured
+        out[key] = error
         if abs(error) > PREDICTION_WARN_FRACTION:
-            warn(f"WARNING: planner predicted {p.reserved / GiB:.2f} GiB reserved, measured {measured:.2f} GiB "
+            warn(f"WARNING: planner predicted {predicted:.2f} {what}, measured {measured:.2f} GiB "
                  f"({error:+.0%}); please report the config (vlmrl plan --json) so the planner can learn from it")
     return out

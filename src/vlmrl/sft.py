@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 from .config import Config, save_config
 from .losses import masked_mean
+from .planner import measured_vs_predicted, predict_for_sft
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
 
 
@@ -29,6 +31,12 @@ def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, tor
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     return ids.to(device), mask.to(device)
+
+
+def longest_target(tokenizer, rows, sample: int = 512) -> int:
+    """Tokens of the longest target (+ EOS) among the first `sample` rows: the planner's completion length."""
+    return max((len(tokenizer(sft_target(rows[i]), add_special_tokens=False)["input_ids"]) + 1
+                for i in range(min(sample, len(rows)))), default=1)
 
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
@@ -66,6 +74,7 @@ def sft(cfg: Config, log=print) -> dict:
     data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
+    plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train))  # logged; compared each step
     sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
     reward_funcs, _ = load_reward_funcs(cfg)
     s = cfg.sft
@@ -73,7 +82,8 @@ def sft(cfg: Config, log=print) -> dict:
     total = s.projector_steps + s.steps
     logger = RunLogger(out, total_steps=total, **tracker_options(cfg), progress=cfg.logging.progress_bar, desc="SFT")
     step, final = 0, {}
-    opts = LogprobOptions.from_config(cfg, device)  # the same log-prob settings as GRPO's
+    # GRPO's log-prob settings; one target per prompt leaves nothing to share, so one forward of prompt + target.
+    opts = dataclasses.replace(LogprobOptions.from_config(cfg, device), shared_prefix=False)
     model.train()
     for stage, steps, lr in stages:
         if steps == 0:
@@ -94,7 +104,8 @@ def sft(cfg: Config, log=print) -> dict:
             if result.skipped:
                 log(f"WARNING: SFT step {step}: loss {loss.item()} / gradient norm {result.grad_norm} not finite; step skipped, nothing changed")
             final = {"loss": loss.item(), "grad_norm": result.grad_norm, "nonfinite/skipped_steps": float(result.skipped),
-                     "lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0}
+                     "lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0,
+                     **measured_vs_predicted(plan, log)}
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
