@@ -133,3 +133,18 @@ def test_shipped_example_configs_load():
         cfg = load_config(path)
         assert cfg.generation_batch_size % cfg.rollout.num_generations == 0
 
+
+
+def test_readme_demo_figures_come_from_the_result_file():
+    """The README's demo figures are rendered from benchmarks/results/demo_cpu.json (a demo run's own output), never typed."""
+    import json
+    import pathlib
+    import re
+
+    from vlmrl.demo import figures_markdown
+
+    root = pathlib.Path(__file__).parents[1]
+    result = json.loads((root / "benchmarks/results/demo_cpu.json").read_text())
+    readme = (root / "README.md").read_text()
+    block = re.search(r"<!-- demo-figures:start -->\n(.*)<!-- demo-figures:end -->", readme, re.S).group(1)
+    assert block == figures_markdown(result), "README demo figures are stale: run `make reference`"

@@ -112,4 +112,4 @@ def figures_markdown(result: dict) -> str:
             f"| after SFT (before GRPO) | {100 * result['before']:.1f}% |\n"
             f"| after GRPO | {100 * result['after']:.1f}% |\n\n"
             f"Eval accuracy at GRPO steps {'/'.join(steps)}: {trajectory}%. "
-            f"Wall time {minutes} min {seconds} s after installation (SFT {result['sft_seconds']:.0f} s, GRPO {result['grpo_seconds']:.0f} s).\n")
+            f"SFT + GRPO took {minutes} min {seconds} s (SFT {result['sft_seconds']:.0f} s, GRPO {result['grpo_seconds']:.0f} s).\n")
