@@ -65,7 +65,17 @@ def host_rss() -> float:
 
 
 def host_peak_rss() -> float:
-    """Lifetime peak resident set size of this process, GiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """Lifetime peak resident set size of this process, GiB. On Linux VmHWM of /proc/self/status: ru_maxrss
+    carries over the parent's size into a process started by fork/vfork + exec (a child of a 2 GiB process
+    reports at least 2 GiB), VmHWM belongs to this process's own address space. Elsewhere ru_maxrss (KiB on
+    Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return (peak if sys.platform == "darwin" else peak * 1024) / GiB
 
