@@ -71,7 +71,7 @@ def test_single_process_is_a_pass_through():
     from vlmrl.losses import step_normaliser
 
     d = Distributed(None)
-    assert (d.world_size, d.rank, d.is_main, d.engine, d.sharded) == (1, 0, True, "single", False)
+    assert (d.world_size, d.rank, d.is_main, d.engine.name, d.sharded) == (1, 0, True, "single", False)
     shard = d.shard(4, 2, 4)
     assert shard.prompts == [0, 1, 2, 3] and shard.rows_per_opt_step == 4
     total = [1.0, 2.0]
@@ -87,7 +87,7 @@ def test_single_process_is_a_pass_through():
     assert d.reduce_metrics(metrics) is metrics and d.broadcast("x") == "x" and d.any(True) and not d.any(False)
     assert list(d.gather_rng_states()) == [0]
     opt = object()
-    assert d.prepare(torch.nn.Linear(2, 2), opt) is opt and d.runner is None
+    assert d.prepare(torch.nn.Linear(2, 2), opt) is opt and d.engine.runner is None
 
 
 def test_prompt_seeds_differ_by_step_position_and_seed():
@@ -359,7 +359,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
 
     from vlmrl.config import load_config
     from vlmrl.data import load_dataset_split
-    from vlmrl.distributed import PolicyCall
+    from vlmrl.distributed import FSDP2Engine, PolicyCall
     from vlmrl.logprobs import group_rows
     from vlmrl.losses import aggregate, per_token_loss
     from vlmrl.prefix import LogprobOptions, completion_logps_for
@@ -383,7 +383,8 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
         if type(m).__name__ in model._no_split_modules:
             fully_shard(m)
     fully_shard(root)
-    d.model, d.runner, d.engine = model, root, "fsdp2"
+    d.engine = FSDP2Engine(d, d.accelerator)  # the engine accelerate sets up on GPUs, around this root
+    d.engine.model, d.engine.runner = model, root
     model.eval()
     same = []
     for mode in ("full", "layers"):

@@ -72,6 +72,11 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     return allocated
 
 
+def raw_optimizer(optimizer):
+    """The torch optimizer under accelerate's AcceleratedOptimizer wrapper (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 @dataclass(frozen=True)
 class StepResult:
     grad_norm: float  # global L2 norm before clipping

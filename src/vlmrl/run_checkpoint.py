@@ -1,18 +1,20 @@
 """A GRPO run's state on disk: restore it from a checkpoint, save a checkpoint, write the final model.
 
 Atomic checkpoint folders, manifests and safe loading are checkpoint.py; this module knows what a run's state is
-(weights, optimizer, scheduler, sampler, RNG per process) and how each engine's state gets there: full states on
-one process or DDP, gathered full states or per-process torch.distributed.checkpoint shards under FSDP2.
+(weights, optimizer, scheduler, sampler, RNG per process). What differs per engine (gathered full states or
+per-process torch.distributed.checkpoint shards under FSDP2) is the engine's `save_state` / `load_state` /
+`write_final` (engines.py); this module never asks which engine runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from .config import Config
-from .runtime import load_policy
 
 
 def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
@@ -39,7 +41,8 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
         log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
         return {"step": 0, "best_metric": None, "best_step": None}
     # FSDP2 loads the optimizer after sharding (restore_after_wrap): its state must follow the sharded parameters.
-    ts = load_training_state(path, None if sharded or (dist is not None and dist.engine == "fsdp2") else optimizer, scheduler)
+    after_wrap = sharded or (dist is not None and dist.engine.optimizer_loads_after_wrap)
+    ts = load_training_state(path, None if after_wrap else optimizer, scheduler)
     sampler.load_state_dict(ts["sampler_state"])
     if dist is None or dist.world_size == 1:
         restore_rng(path, warn=log)
@@ -56,55 +59,42 @@ def restore_after_wrap(path: Path, optimizer, dist) -> None:
     """What loads after the engine has wrapped the model: a SHARDED checkpoint's torch.distributed.checkpoint files
     (weights and optimizer, re-sharded for any world size), or under FSDP2 the full optimizer state (read by the
     main process) scattered into the shards. Nothing otherwise (restore loaded it all)."""
-    from .checkpoint import OPTIMIZER_FILE, SHARDED_DIR, is_sharded_checkpoint, is_weights_only, safe_torch_load
+    dist.engine.load_state(path, optimizer)
 
-    if is_sharded_checkpoint(path):
-        load_sharded_state(dist.model, path / SHARDED_DIR, None if is_weights_only(path) else optimizer)
-    elif dist.engine == "fsdp2" and not is_weights_only(path):
-        dist.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE) if dist.is_main else None)
+
+@dataclass
+class CheckpointParts:
+    """What one checkpoint holds, as save_checkpoint takes it: a function writing the weights into a folder, an
+    object whose state_dict() is the optimizer state (None: no optimizer file), extra trainer_state entries."""
+
+    save_weights: Callable[[Path], None]
+    optimizer: Any
+    trainer_state: dict = field(default_factory=dict)
 
 
 def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None) -> None:
     """One atomic checkpoint written by the main process: full model and optimizer (all processes hold the same
     ones under DDP; FSDP2 gathers them to the main process first, so the checkpoint has the single-process layout
     and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
-    import shutil
-
-    from .checkpoint import CheckpointSaveError, is_storage_error, save_checkpoint
+    from .checkpoint import CheckpointSaveError, save_checkpoint
     from .config import to_dict
 
     t = cfg.training
     trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
                      "best_metric": state["best_metric"], "best_step": state["best_step"], "sizes": state.get("sizes")}
     many = dist is not None and dist.world_size > 1
-    save_weights = lambda p: save_trainable_weights(model, p)  # noqa: E731
+    parts = CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p), optimizer=optimizer)
     if many:
-        if dist.engine == "deepspeed":
-            raise dist.unsupported("checkpoints of DeepSpeed engines")
-        trainer_state.update(world_size=dist.world_size, engine=dist.engine)
-        if dist.sharded_checkpoints:  # every process writes its shards, then they move into the checkpoint
-            staging = out / f".tmp-sharded-{step}"
-            try:
-                dist.save_sharded_state(staging, None if t.save_only_model else optimizer)
-            except BaseException as e:  # DCP raises the same CheckpointException (a BaseException) on every process
-                if not is_storage_error(e):
-                    raise
-                if dist.is_main:
-                    shutil.rmtree(staging, ignore_errors=True)
-                return on_save_error(CheckpointSaveError(f"could not write the sharded state of checkpoint {step} to {staging}: "
-                                                         f"{str(e).splitlines()[0]}; earlier checkpoints in {out} are intact"), t, log)
-            save_weights = lambda p: move_sharded_state(staging, p, model)  # noqa: E731
-            optimizer = None
-            trainer_state["state_format"] = "sharded"
-        elif dist.engine == "fsdp2":  # every process takes part in the gathers
-            model_state, optim_state = dist.full_state_dicts(None if t.save_only_model else optimizer)
-            save_weights = lambda p: save_trainable_weights(model, p, model_state)  # noqa: E731
-            optimizer = FullState(optim_state)
+        try:  # every process takes part (FSDP2 gathers the full states or writes its shards)
+            parts = dist.engine.save_state(out, step, model, optimizer, t.save_only_model) or parts
+        except CheckpointSaveError as e:  # raised on every process alike
+            return on_save_error(e, t, log)
+        trainer_state.update(world_size=dist.world_size, engine=dist.engine.name, **parts.trainer_state)
     rng_states = dist.gather_rng_states() if many else None  # every process takes part
     error = None
     if not many or dist.is_main:
         try:
-            save_checkpoint(out, step, save_model=save_weights, optimizer=optimizer, scheduler=scheduler,
+            save_checkpoint(out, step, save_model=parts.save_weights, optimizer=parts.optimizer, scheduler=scheduler,
                             trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
                             save_total_limit=t.save_total_limit, warn=log, rng_states=rng_states)
         except CheckpointSaveError as e:
@@ -147,20 +137,11 @@ def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | N
     main process, which loads them into an unsharded CPU copy of the policy (LoRA merged from there). Written
     under a temporary name and swapped in (a failure leaves no half folder); a storage error follows
     training.on_save_error on every process (stop: CheckpointSaveError; continue: a warning, no final model)."""
-    from .checkpoint import CheckpointSaveError, save_folder_atomically
+    from .checkpoint import CheckpointSaveError
 
-    if dist.engine == "deepspeed":
-        raise dist.unsupported("saving the final model of DeepSpeed engines")
     error = None
     try:
-        if dist.engine == "fsdp2":
-            state, _ = dist.full_state_dicts(None)
-            if dist.is_main:
-                plain, _ = load_policy(cfg, torch.device("cpu"))
-                plain.load_state_dict(state)
-                save_folder_atomically(folder, lambda tmp: save_model(plain, processor, tmp))
-        elif dist.is_main:
-            save_folder_atomically(folder, lambda tmp: save_model(model, processor, tmp))
+        dist.engine.write_final(model, processor, folder, save_model, cfg)
     except CheckpointSaveError as e:
         error = e
     if dist.world_size > 1:
@@ -208,7 +189,7 @@ def load_sharded_state(model: torch.nn.Module, folder, optimizer=None) -> None:
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    from .distributed import raw_optimizer
+    from .optim import raw_optimizer
     from .safe_load import dcp_load
 
     opt = raw_optimizer(optimizer) if optimizer is not None else None
