@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.distributed import (Distributed, DistributedError, cat_completions, merge_rows, prompt_seed, reduce_metric_dicts,
+from vlmrl.distributed import (Distributed, DistributedError, merge_rows, prompt_seed, reduce_metric_dicts,
                                rows_of, shard_prompts)
-from vlmrl.rollout import Completions
+from vlmrl.rollout import Completions, cat_completions
 from vlmrl.tasks import make_count_task
 
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"

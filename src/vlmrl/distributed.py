@@ -119,16 +119,3 @@ class Distributed(Collectives):
 
     def gathered_for_generation(self, mode: str = "full"):
         return self.engine.gathered_for_generation(mode)
-
-
-def cat_completions(pieces: list, pad_id: int):
-    """Concatenate per-prompt rollouts (rollout.Completions) into one, right-padding ids with pad_id."""
-    from .rollout import Completions
-
-    if len(pieces) == 1:
-        return pieces[0]
-    width = max(p.ids.shape[1] for p in pieces)
-    pad = torch.nn.functional.pad
-    return Completions(ids=torch.cat([pad(p.ids, (0, width - p.ids.shape[1]), value=pad_id) for p in pieces]),
-                       mask=torch.cat([pad(p.mask, (0, width - p.mask.shape[1]), value=0) for p in pieces]),
-                       truncated=torch.cat([p.truncated for p in pieces]))

@@ -55,6 +55,20 @@ def vision_token_ids(model: torch.nn.Module) -> list[int]:
     return sorted(ids)
 
 
+def cat_right_padded(pieces: list[torch.Tensor], value) -> torch.Tensor:
+    """[n_i, T_i] pieces -> [sum n_i, max T_i], each right-padded with `value`."""
+    width = max(p.shape[1] for p in pieces)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in pieces])
+
+
+def cat_completions(pieces: list[Completions], pad_id: int) -> Completions:
+    """Per-prompt rollouts concatenated into one, ids right-padded with pad_id (masks with 0)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return Completions(ids=cat_right_padded([p.ids for p in pieces], pad_id), mask=cat_right_padded([p.mask for p in pieces], 0),
+                       truncated=torch.cat([p.truncated for p in pieces]))
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -111,8 +125,7 @@ def generate(
             min_new_tokens=min_new_tokens or None,
         )
         pieces.append(out[:, chunk["input_ids"].shape[1] :])
-    width = max(p.shape[1] for p in pieces)
-    ids = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces])
+    ids = cat_right_padded(pieces, pad)
     mask, truncated = completion_mask(ids, eos)
     ids = ids.masked_fill(mask == 0, pad)
     return Completions(ids=ids, mask=mask, truncated=truncated)

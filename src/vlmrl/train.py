@@ -313,7 +313,8 @@ def rollout(run: Run, step: int) -> Rollout:
 
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
     """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
-    from .distributed import cat_completions, prompt_seed
+    from .collectives import prompt_seed
+    from .rollout import cat_completions
     from .oom import maybe_inject_oom
     from .processing import select_rows
 
