@@ -26,6 +26,7 @@ demo-quick: install
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 
 # The default suite: lint, then every tier but `slow` (unit, integration, multiproc).
 test: install lint

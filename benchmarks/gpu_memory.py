@@ -38,17 +38,33 @@ TINY_MODEL = "embedded:tiny-qwen2.5-vl"
 
 # ---------------------------------------------------------------- the grid
 
+
 def base_overrides(steps: int, device: str) -> list[str]:
     """Shared by every full-size configuration: bf16 weights + autocast, sdpa, 448x448 images (256
     image tokens per prompt), 64-token completions, accuracy reward only, no eval / report / save."""
     return [
-        "model.dtype=bfloat16", "training.bf16=true", "model.attn_implementation=sdpa",
-        "data.task=count", "data.task_image_size=448", f"data.min_pixels={448 * 448}", f"data.max_pixels={448 * 448}",
-        "data.task_train_size=64", "data.task_test_size=0",
-        "rollout.max_completion_length=64", "algorithm.reward_funcs=[accuracy]",
-        f"training.max_steps={steps}", f"training.device={device}", "training.seed=0", "training.resume=never",
-        "training.save_final_model=false", "training.save_steps=0", "optim.learning_rate=1e-6",
-        "logging.report=false", "logging.tensorboard=false", "logging.progress_bar=false", "logging.log_completions=1",
+        "model.dtype=bfloat16",
+        "training.bf16=true",
+        "model.attn_implementation=sdpa",
+        "data.task=count",
+        "data.task_image_size=448",
+        f"data.min_pixels={448 * 448}",
+        f"data.max_pixels={448 * 448}",
+        "data.task_train_size=64",
+        "data.task_test_size=0",
+        "rollout.max_completion_length=64",
+        "algorithm.reward_funcs=[accuracy]",
+        f"training.max_steps={steps}",
+        f"training.device={device}",
+        "training.seed=0",
+        "training.resume=never",
+        "training.save_final_model=false",
+        "training.save_steps=0",
+        "optim.learning_rate=1e-6",
+        "logging.report=false",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "logging.log_completions=1",
     ]
 
 
@@ -57,19 +73,27 @@ def batch_overrides(G: int, prompts: int = 2, accumulation: int = 4) -> list[str
     gen = prompts * G
     mb = gen // accumulation
     assert mb * accumulation == gen, (G, prompts, accumulation)
-    return [f"rollout.num_generations={G}", f"rollout.generation_batch_size={gen}",
-            f"training.per_device_train_batch_size={mb}", f"training.gradient_accumulation_steps={accumulation}"]
+    return [
+        f"rollout.num_generations={G}",
+        f"rollout.generation_batch_size={gen}",
+        f"training.per_device_train_batch_size={mb}",
+        f"training.gradient_accumulation_steps={accumulation}",
+    ]
 
 
 def grid() -> list[dict]:
     configs = []
     for G in (4, 8):
         for gc in (False, True):
-            configs.append({"name": f"full-G{G}" + ("-gc" if gc else ""),
-                            "overrides": batch_overrides(G) + [f"model.gradient_checkpointing={str(gc).lower()}"]})
-    configs.append({"name": "lora-r16-G8",
-                    "overrides": batch_overrides(8) + ["model.gradient_checkpointing=false", "model.use_lora=true",
-                                                       "model.lora_r=16", "model.lora_alpha=32"]})
+            configs.append(
+                {"name": f"full-G{G}" + ("-gc" if gc else ""), "overrides": batch_overrides(G) + [f"model.gradient_checkpointing={str(gc).lower()}"]}
+            )
+    configs.append(
+        {
+            "name": "lora-r16-G8",
+            "overrides": batch_overrides(8) + ["model.gradient_checkpointing=false", "model.use_lora=true", "model.lora_r=16", "model.lora_alpha=32"],
+        }
+    )
     return configs
 
 
@@ -77,18 +101,38 @@ def quick_config(steps: int, device: str) -> dict:
     """One tiny configuration on the embedded tiny Qwen2.5-VL (smoke test of the whole pipeline)."""
     cuda = device == "cuda"
     dtype = ["model.dtype=bfloat16", "training.bf16=true"] if cuda else ["model.dtype=float32", "training.bf16=false"]
-    return {"name": "quick-tiny-G4", "overrides": dtype + [
-        "model.attn_implementation=sdpa", "data.task=count", "data.task_image_size=56",
-        f"data.min_pixels={56 * 56}", f"data.max_pixels={56 * 56}", "data.task_train_size=16", "data.task_test_size=0",
-        "rollout.max_completion_length=8", "algorithm.reward_funcs=[accuracy]",
-        f"training.max_steps={steps}", f"training.device={device}", "training.seed=0", "training.resume=never",
-        "training.save_final_model=false", "training.save_steps=0", "optim.learning_rate=1e-6",
-        "logging.report=false", "logging.tensorboard=false", "logging.progress_bar=false", "logging.log_completions=1",
-        *batch_overrides(4, prompts=2, accumulation=2), "model.gradient_checkpointing=false",
-    ]}
+    return {
+        "name": "quick-tiny-G4",
+        "overrides": dtype
+        + [
+            "model.attn_implementation=sdpa",
+            "data.task=count",
+            "data.task_image_size=56",
+            f"data.min_pixels={56 * 56}",
+            f"data.max_pixels={56 * 56}",
+            "data.task_train_size=16",
+            "data.task_test_size=0",
+            "rollout.max_completion_length=8",
+            "algorithm.reward_funcs=[accuracy]",
+            f"training.max_steps={steps}",
+            f"training.device={device}",
+            "training.seed=0",
+            "training.resume=never",
+            "training.save_final_model=false",
+            "training.save_steps=0",
+            "optim.learning_rate=1e-6",
+            "logging.report=false",
+            "logging.tensorboard=false",
+            "logging.progress_bar=false",
+            "logging.log_completions=1",
+            *batch_overrides(4, prompts=2, accumulation=2),
+            "model.gradient_checkpointing=false",
+        ],
+    }
 
 
 # ---------------------------------------------------------------- subprocess helpers
+
 
 def _env() -> dict:
     env = dict(os.environ)
@@ -193,12 +237,15 @@ def summarize(rows: list[dict], steps: int, completions_per_step: int, max_len: 
         return round(statistics.median(v), nd) if v else None
 
     out = {
-        "steps_logged": len(rows), "steps_used": [r.get("step") for r in kept],
+        "steps_logged": len(rows),
+        "steps_used": [r.get("step") for r in kept],
         "gpu_peak_allocated_gib": peak("mem/gpu_peak_allocated"),
         "gpu_peak_reserved_gib": peak("mem/gpu_peak_reserved"),
         "host_peak_rss_gib": peak("mem/host_peak_rss"),
-        "time_step_s": median("time/step"), "time_rollout_s": median("time/rollout"),
-        "time_scoring_s": median("time/scoring"), "time_update_s": median("time/update"),
+        "time_step_s": median("time/step"),
+        "time_rollout_s": median("time/rollout"),
+        "time_scoring_s": median("time/scoring"),
+        "time_update_s": median("time/update"),
         "completion_mean_length": median("completions/mean_length", 2),
         "completions_per_step": completions_per_step,
     }
@@ -250,6 +297,7 @@ def run_config(cfg: dict, model: str, run_dir: Path, steps: int, timeout: int) -
 
 # ---------------------------------------------------------------- output
 
+
 def table(records: list[dict]) -> str:
     head = f"{'config':<16} {'alloc GiB':>9} {'resv GiB':>9} {'step s':>7} {'rollout s':>9} {'update s':>8} {'tok/s':>8}  note"
     lines = [head, "-" * len(head)]
@@ -265,9 +313,11 @@ def table(records: list[dict]) -> str:
             lines.append(f"{r['name']:<16} {'FAILED':>9}  " + ("timeout" if r.get("timed_out") else f"exit {r.get('returncode')}"))
             continue
         note = "" if r.get("full_length", True) else f"mean len {r.get('completion_mean_length')}"
-        lines.append(f"{r['name']:<16} {f(r['gpu_peak_allocated_gib']):>9} {f(r['gpu_peak_reserved_gib']):>9} "
-                     f"{f(r['time_step_s']):>7} {f(r['time_rollout_s']):>9} {f(r['time_update_s']):>8} "
-                     f"{f(r.get('tokens_per_s'), 0):>8}  {note}")
+        lines.append(
+            f"{r['name']:<16} {f(r['gpu_peak_allocated_gib']):>9} {f(r['gpu_peak_reserved_gib']):>9} "
+            f"{f(r['time_step_s']):>7} {f(r['time_rollout_s']):>9} {f(r['time_update_s']):>8} "
+            f"{f(r.get('tokens_per_s'), 0):>8}  {note}"
+        )
     return "\n".join(lines)
 
 
@@ -295,9 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         device = "cpu"
         print("[gpu_memory] no CUDA device: CPU smoke test (no GPU memory figures)")
     else:
-        print("gpu_memory: no CUDA GPU is visible to torch (torch.cuda.is_available() is False, "
-              f"torch {info['torch']}, CUDA build {info['cuda']}); this benchmark measures GPU memory and needs one. "
-              "For a pipeline smoke test on the CPU use --quick --allow-cpu.", file=sys.stderr)
+        print(
+            "gpu_memory: no CUDA GPU is visible to torch (torch.cuda.is_available() is False, "
+            f"torch {info['torch']}, CUDA build {info['cuda']}); this benchmark measures GPU memory and needs one. "
+            "For a pipeline smoke test on the CPU use --quick --allow-cpu.",
+            file=sys.stderr,
+        )
         return 2
 
     out = Path(args.out)
@@ -323,11 +376,20 @@ def main(argv: list[str] | None = None) -> int:
 
     result_path = out / f"gpu_memory_{label}.json"
     result = {
-        "preset": label, "model": model, "build": build, "device": info["device"],
-        "gpu_total_memory_gib": info["gpu_total_memory_gib"], "torch": info["torch"], "transformers": info["transformers"],
-        "peft": info.get("peft"), "cuda": info["cuda"], "python": info["python"],
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "steps": args.steps,
-        "warmup_dropped": args.steps >= 3, "records": [],
+        "preset": label,
+        "model": model,
+        "build": build,
+        "device": info["device"],
+        "gpu_total_memory_gib": info["gpu_total_memory_gib"],
+        "torch": info["torch"],
+        "transformers": info["transformers"],
+        "peft": info.get("peft"),
+        "cuda": info["cuda"],
+        "python": info["python"],
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "steps": args.steps,
+        "warmup_dropped": args.steps >= 3,
+        "records": [],
     }
     for i, cfg in enumerate(configs, 1):
         print(f"[gpu_memory] ({i}/{len(configs)}) {cfg['name']} ...", flush=True)
@@ -335,16 +397,24 @@ def main(argv: list[str] | None = None) -> int:
         result["records"].append(rec)
         result_path.write_text(json.dumps(result, indent=2))
         status = "OOM" if rec.get("oom") else ("ok" if rec["returncode"] == 0 else "FAILED")
-        print(f"[gpu_memory]   {status} in {rec['wall_s']} s"
-              + (f": peak allocated {rec['gpu_peak_allocated_gib']} GiB, step {rec['time_step_s']} s"
-                 if status == "ok" and rec.get("gpu_peak_allocated_gib") is not None else "")
-              + ("" if status == "ok" else "\n" + rec.get("error", "")[-1500:]), flush=True)
+        print(
+            f"[gpu_memory]   {status} in {rec['wall_s']} s"
+            + (
+                f": peak allocated {rec['gpu_peak_allocated_gib']} GiB, step {rec['time_step_s']} s"
+                if status == "ok" and rec.get("gpu_peak_allocated_gib") is not None
+                else ""
+            )
+            + ("" if status == "ok" else "\n" + rec.get("error", "")[-1500:]),
+            flush=True,
+        )
 
     if args.delete_model and not args.quick:
         shutil.rmtree(model, ignore_errors=True)
     print()
-    print(f"{label} on {info['device']} ({info['gpu_total_memory_gib']} GiB), {args.steps} steps, "
-          f"torch {info['torch']}, transformers {info['transformers']}")
+    print(
+        f"{label} on {info['device']} ({info['gpu_total_memory_gib']} GiB), {args.steps} steps, "
+        f"torch {info['torch']}, transformers {info['transformers']}"
+    )
     print(table(result["records"]))
     print(f"\n[gpu_memory] wrote {result_path}")
     failed = [r for r in result["records"] if r["returncode"] != 0 and not r.get("oom")]

@@ -54,9 +54,18 @@ def main() -> int:
         if not (path / "config.json").exists():
             build_preset_model(a.preset, path, device=a.device)
         dtype = "bfloat16"
-    cfg = SimpleNamespace(name_or_path=str(path), dtype=dtype, attn_implementation="sdpa", freeze_vision_tower=False,
-                          train_projector_only=False, use_lora=False, lora_vision=False, trust_remote_code=False,
-                          allow_hub_download=False, gradient_checkpointing=True)
+    cfg = SimpleNamespace(
+        name_or_path=str(path),
+        dtype=dtype,
+        attn_implementation="sdpa",
+        freeze_vision_tower=False,
+        train_projector_only=False,
+        use_lora=False,
+        lora_vision=False,
+        trust_remote_code=False,
+        allow_hub_download=False,
+        gradient_checkpointing=True,
+    )
     model = load_model(cfg).to(dev)
     proc = load_processor(path, min_pixels=a.side * a.side, max_pixels=a.side * a.side)
     rng = np.random.default_rng(0)
@@ -72,8 +81,10 @@ def main() -> int:
     mask = torch.ones_like(ids)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    paths = {"naive": lambda: completion_logps(model, select_rows(batch, row_prompt), ids, mask),
-             "grouped": lambda: completion_logps_grouped(model, batch, row_prompt, ids, mask)}
+    paths = {
+        "naive": lambda: completion_logps(model, select_rows(batch, row_prompt), ids, mask),
+        "grouped": lambda: completion_logps_grouped(model, batch, row_prompt, ids, mask),
+    }
     results, values = {}, {}
     for name, fn in paths.items():
         for mode in ("forward", "forward+backward"):
@@ -98,16 +109,29 @@ def main() -> int:
                 if dev.type == "cuda":
                     peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
             values[name] = out.detach().float()
-            results[f"{name}/{mode}"] = {"median_s": statistics.median(times), "images_encoded": counter.images,
-                                         **({"peak_allocated_gib": round(peak, 2)} if dev.type == "cuda" else {})}
+            results[f"{name}/{mode}"] = {
+                "median_s": statistics.median(times),
+                "images_encoded": counter.images,
+                **({"peak_allocated_gib": round(peak, 2)} if dev.type == "cuda" else {}),
+            }
             print(name, mode, results[f"{name}/{mode}"], flush=True)
     diff = (values["naive"] - values["grouped"]).abs().max().item()
     for mode in ("forward", "forward+backward"):
         results[f"speedup/{mode}"] = results[f"naive/{mode}"]["median_s"] / results[f"grouped/{mode}"]["median_s"]
-    record = {"model": "tiny-qwen2.5-vl" if a.tiny else a.preset, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__, "prompts": U, "generations": G,
-              "completion_tokens": T, "image_side": a.side, "dtype": dtype, "gradient_checkpointing": True,
-              "max_abs_logp_diff": diff, "results": results}
+    record = {
+        "model": "tiny-qwen2.5-vl" if a.tiny else a.preset,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "prompts": U,
+        "generations": G,
+        "completion_tokens": T,
+        "image_side": a.side,
+        "dtype": dtype,
+        "gradient_checkpointing": True,
+        "max_abs_logp_diff": diff,
+        "results": results,
+    }
     print(json.dumps(record, indent=1))
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

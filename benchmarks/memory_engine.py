@@ -64,14 +64,28 @@ def run_one(args) -> dict:
     micro = flags.pop("micro")
     total = args.warmup + args.steps
     overrides = [
-        f"model.name_or_path={args.model}", f"training.device={args.device}", f"training.output_dir={args.out_dir}",
-        f"training.max_steps={total}", "training.save_final_model=false", "training.resume=never",
-        f"training.per_device_train_batch_size={micro}", f"training.gradient_accumulation_steps={16 // micro}",
-        "rollout.generation_batch_size=16", f"rollout.num_generations={args.g}",
-        f"rollout.max_completion_length={args.completion}", f"rollout.min_completion_length={args.completion}",
-        "data.task=count", f"data.task_image_size={args.side}", "data.task_train_size=32", "data.task_test_size=0",
-        f"data.max_pixels={args.side * args.side}", "algorithm.reward_funcs=[answer_format]",
-        "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false", "logging.log_completions=0",
+        f"model.name_or_path={args.model}",
+        f"training.device={args.device}",
+        f"training.output_dir={args.out_dir}",
+        f"training.max_steps={total}",
+        "training.save_final_model=false",
+        "training.resume=never",
+        f"training.per_device_train_batch_size={micro}",
+        f"training.gradient_accumulation_steps={16 // micro}",
+        "rollout.generation_batch_size=16",
+        f"rollout.num_generations={args.g}",
+        f"rollout.max_completion_length={args.completion}",
+        f"rollout.min_completion_length={args.completion}",
+        "data.task=count",
+        f"data.task_image_size={args.side}",
+        "data.task_train_size=32",
+        "data.task_test_size=0",
+        f"data.max_pixels={args.side * args.side}",
+        "algorithm.reward_funcs=[answer_format]",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "logging.log_completions=0",
         "optim.learning_rate=1e-5",
     ] + [f"memory.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items()]
     cfg = load_config(None, overrides)
@@ -92,7 +106,7 @@ def run_one(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     train_mod.train(cfg, log=lambda *_: None)
     lines = [json.loads(x) for x in (Path(args.out_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [m for m in lines if "time/step" in m][args.warmup:]
+    steps = [m for m in lines if "time/step" in m][args.warmup :]
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
     out = {
         "step_s": statistics.median(m["time/step"] for m in steps),
@@ -140,9 +154,29 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = []
     for name, flags in ROWS:
-        cmd = [sys.executable, __file__, "--child", "--flags", json.dumps(flags), "--model", str(model),
-               "--out-dir", str(work / f"run-{len(results)}"), "--device", a.device, "--steps", str(a.steps),
-               "--warmup", str(a.warmup), "--g", str(a.g), "--completion", str(a.completion), "--side", str(a.side)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--flags",
+            json.dumps(flags),
+            "--model",
+            str(model),
+            "--out-dir",
+            str(work / f"run-{len(results)}"),
+            "--device",
+            a.device,
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.warmup),
+            "--g",
+            str(a.g),
+            "--completion",
+            str(a.completion),
+            "--side",
+            str(a.side),
+        ]
         subprocess.run(["rm", "-rf", str(work / f"run-{len(results)}")], check=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -151,8 +185,10 @@ def main() -> int:
             raise SystemExit(f"configuration {name!r} failed (exit {proc.returncode})")
         res = {"name": name, "flags": flags, **json.loads(line[0][7:])}
         results.append(res)
-        print(f"{name:45s} step {res['step_s']:7.2f} s  peak RSS {res['peak_rss_gib']:.2f} GiB  "
-              f"vision images/step {res['vision_images_per_step']:.0f}", flush=True)
+        print(
+            f"{name:45s} step {res['step_s']:7.2f} s  peak RSS {res['peak_rss_gib']:.2f} GiB  vision images/step {res['vision_images_per_step']:.0f}",
+            flush=True,
+        )
 
     tokens = {r["completion_tokens_per_step"] for r in results}
     if len(tokens) != 1:
@@ -178,10 +214,21 @@ def main() -> int:
     import transformers
 
     meta = {
-        "date": date, "device": device_name, "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "vocab": vocab, "image_side": a.side, "completion": a.completion, "G": a.g, "prompts_per_step": 2,
-        "steps": a.steps, "warmup": a.warmup, "quick": a.quick, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+        "date": date,
+        "device": device_name,
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vocab": vocab,
+        "image_side": a.side,
+        "completion": a.completion,
+        "G": a.g,
+        "prompts_per_step": 2,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "quick": a.quick,
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
         "command": "python benchmarks/memory_engine.py " + " ".join(sys.argv[1:]),
     }
     out = Path(a.out)
@@ -189,19 +236,28 @@ def main() -> int:
     stem = out / f"memory_engine_{device_name}_{date}{'_quick' if a.quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results, "summary": summary}, indent=2))
     peak_label = "GPU peak allocated (GiB)" if a.device.startswith("cuda") else "peak RSS (GiB)"
-    md = [f"# Memory engine, part by part ({device_name}, {date})", "",
-          f"`{meta['command']}` — torch {meta['torch']}, transformers {meta['transformers']}, {meta['cpu_count']} CPUs.",
-          f"Tiny Qwen2.5-VL, vocab {vocab:,}, {a.side}x{a.side} images, completion {a.completion} (forced), G={a.g}, "
-          f"2 prompts/step, fp32; median of {a.steps} steps after {a.warmup} warm-up.", "",
-          f"| configuration | step (s) | rollout (s) | update (s) | {peak_label} | peak over loaded model (GiB) | vision images / step |",
-          "|---|---|---|---|---|---|---|"]
+    md = [
+        f"# Memory engine, part by part ({device_name}, {date})",
+        "",
+        f"`{meta['command']}` — torch {meta['torch']}, transformers {meta['transformers']}, {meta['cpu_count']} CPUs.",
+        f"Tiny Qwen2.5-VL, vocab {vocab:,}, {a.side}x{a.side} images, completion {a.completion} (forced), G={a.g}, "
+        f"2 prompts/step, fp32; median of {a.steps} steps after {a.warmup} warm-up.",
+        "",
+        f"| configuration | step (s) | rollout (s) | update (s) | {peak_label} | peak over loaded model (GiB) | vision images / step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        md.append(f"| {r['name']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | "
-                  f"{r[peak_key]:.2f} | {r['peak_over_load_gib']:.2f} | {r['vision_images_per_step']:.0f} |")
-    md += ["", f"All on vs all off: peak x{summary['peak_ratio_all_on_vs_off']:.2f} (over the loaded model: "
-               f"x{summary['peak_over_load_ratio_all_on_vs_off']:.2f}), "
-               f"step time x{summary['step_time_ratio_all_on_vs_off']:.2f}; vision images per step with all on: "
-               f"{summary['vision_images_per_step_all_on']:.0f} (unique prompts: 2)."]
+        md.append(
+            f"| {r['name']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | "
+            f"{r[peak_key]:.2f} | {r['peak_over_load_gib']:.2f} | {r['vision_images_per_step']:.0f} |"
+        )
+    md += [
+        "",
+        f"All on vs all off: peak x{summary['peak_ratio_all_on_vs_off']:.2f} (over the loaded model: "
+        f"x{summary['peak_over_load_ratio_all_on_vs_off']:.2f}), "
+        f"step time x{summary['step_time_ratio_all_on_vs_off']:.2f}; vision images per step with all on: "
+        f"{summary['vision_images_per_step_all_on']:.0f} (unique prompts: 2).",
+    ]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"wrote {stem}.json and .md")

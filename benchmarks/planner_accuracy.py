@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT / "src"))
 from vlmrl.planner import (  # noqa: E402 (src/ on the path first)
     GiB,
     Workload,
-    image_patches,
     model_spec,
     plan,
     spec_from_hf_config,
@@ -39,33 +38,91 @@ from vlmrl.planner import (  # noqa: E402 (src/ on the path first)
 
 # ---------------------------------------------------------------- tiny architecture (for CI-sized checks)
 
-def tiny_qwen25_config(layers: int = 2, depth: int = 2, hidden: int = 256, inter: int = 704, heads: int = 4, kv: int = 2,
-                       vocab: int = 4096, v_hidden: int = 128, v_inter: int = 344, family: str = "qwen2_5_vl"):
+
+def tiny_qwen25_config(
+    layers: int = 2,
+    depth: int = 2,
+    hidden: int = 256,
+    inter: int = 704,
+    heads: int = 4,
+    kv: int = 2,
+    vocab: int = 4096,
+    v_hidden: int = 128,
+    v_inter: int = 344,
+    family: str = "qwen2_5_vl",
+):
     """A small Qwen2.5-VL / Qwen2-VL config (head_dim 64) with the real structure."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
-    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=True,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
-                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if family == "qwen2_vl":
-        vision = dict(depth=depth, embed_dim=v_hidden, mlp_ratio=4, num_heads=2, hidden_act="quick_gelu", in_channels=3,
-                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_size=hidden)
-        return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=3, video_token_id=4,
-                             vision_start_token_id=5, vision_end_token_id=6)
-    vision = dict(depth=depth, hidden_size=v_hidden, intermediate_size=v_inter, num_heads=2, hidden_act="silu", in_channels=3,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[depth - 1],
-                  out_hidden_size=hidden)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=3, video_token_id=4,
-                            vision_start_token_id=5, vision_end_token_id=6)
+        vision = dict(
+            depth=depth,
+            embed_dim=v_hidden,
+            mlp_ratio=4,
+            num_heads=2,
+            hidden_act="quick_gelu",
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            hidden_size=hidden,
+        )
+        return Qwen2VLConfig(
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=True,
+            image_token_id=3,
+            video_token_id=4,
+            vision_start_token_id=5,
+            vision_end_token_id=6,
+        )
+    vision = dict(
+        depth=depth,
+        hidden_size=v_hidden,
+        intermediate_size=v_inter,
+        num_heads=2,
+        hidden_act="silu",
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[depth - 1],
+        out_hidden_size=hidden,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=True,
+        image_token_id=3,
+        video_token_id=4,
+        vision_start_token_id=5,
+        vision_end_token_id=6,
+    )
 
 
 # ---------------------------------------------------------------- closed form vs trace
 
+
 @dataclasses.dataclass
 class GridPoint:
     name: str
-    model: str            # preset name or "tiny" / "tiny-qwen2"
+    model: str  # preset name or "tiny" / "tiny-qwen2"
     G: int
     micro_batch: int
     gc: bool
@@ -77,7 +134,7 @@ class GridPoint:
     chunk: int = 128
     attn: str = "sdpa"
     freeze_vision: bool = False
-    sft_stage: int = 0    # 1 / 2: a `vlmrl sft` step (each row its own prompt and image; G is ignored)
+    sft_stage: int = 0  # 1 / 2: a `vlmrl sft` step (each row its own prompt and image; G is ignored)
 
 
 def unique_prompts(N: int, G: int) -> int:
@@ -88,9 +145,17 @@ def unique_prompts(N: int, G: int) -> int:
 def _sft_workload(p: GridPoint) -> Workload:
     from vlmrl.planner import sft_workload
 
-    base = Workload(dtype="bfloat16", autocast=False, use_lora=p.lora, gradient_checkpointing=p.gc, micro_batch=p.micro_batch,
-                    prompt_text_tokens=p.prompt_text, max_pixels=p.max_pixels, completion_tokens=p.completion,
-                    attn_implementation=p.attn)
+    base = Workload(
+        dtype="bfloat16",
+        autocast=False,
+        use_lora=p.lora,
+        gradient_checkpointing=p.gc,
+        micro_batch=p.micro_batch,
+        prompt_text_tokens=p.prompt_text,
+        max_pixels=p.max_pixels,
+        completion_tokens=p.completion,
+        attn_implementation=p.attn,
+    )
     return dataclasses.replace(sft_workload(base, p.sft_stage, train_vision_tower=not p.freeze_vision), grad_accum=2)
 
 
@@ -99,11 +164,24 @@ def workload_for(p: GridPoint) -> Workload:
     trace is the steady state (gradients already there, as from an optimizer step's second micro-batch on), so the
     workload accumulates over at least two micro-batches."""
     U = unique_prompts(p.micro_batch, p.G)
-    return Workload(dtype="bfloat16", autocast=False, use_lora=p.lora, gradient_checkpointing=p.gc, num_generations=p.G,
-                    prompts_per_step=U, micro_batch=p.micro_batch, grad_accum=max(2, U * p.G // p.micro_batch),  # steady state
-                    prompt_text_tokens=p.prompt_text, max_pixels=p.max_pixels, completion_tokens=p.completion,
-                    logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix, attn_implementation=p.attn,
-                    freeze_vision=p.freeze_vision)
+    return Workload(
+        dtype="bfloat16",
+        autocast=False,
+        use_lora=p.lora,
+        gradient_checkpointing=p.gc,
+        num_generations=p.G,
+        prompts_per_step=U,
+        micro_batch=p.micro_batch,
+        grad_accum=max(2, U * p.G // p.micro_batch),  # steady state
+        prompt_text_tokens=p.prompt_text,
+        max_pixels=p.max_pixels,
+        completion_tokens=p.completion,
+        logprob_chunk_tokens=p.chunk,
+        group_vision=True,
+        shared_prefix=p.shared_prefix,
+        attn_implementation=p.attn,
+        freeze_vision=p.freeze_vision,
+    )
 
 
 def hf_config_for(model: str):
@@ -111,7 +189,7 @@ def hf_config_for(model: str):
         return tiny_qwen25_config()
     if model == "tiny-qwen2":
         return tiny_qwen25_config(family="qwen2_vl")
-    if model == "tiny-wide":   # weights large next to activations: the shared prefix's held gradients show
+    if model == "tiny-wide":  # weights large next to activations: the shared prefix's held gradients show
         return tiny_qwen25_config(layers=4, hidden=512, inter=1408, heads=8, kv=2)
     from vlmrl.presets import hf_config
 
@@ -125,32 +203,25 @@ def spec_for(model: str):
 
 
 def compare_trace(p: GridPoint) -> dict:
-    import torch
-
-    from vlmrl.plan_trace import TraceSetup, trace_update
+    from vlmrl.plan_trace import setup_for, trace_update
 
     spec = spec_for(p.model)
-    N, G = p.micro_batch, p.G
-    if p.sft_stage:
-        w = _sft_workload(p)
-        setup = TraceSetup(dtype=torch.bfloat16, gradient_checkpointing=p.gc, use_lora=p.lora, rows=N, unique_prompts=N,
-                           prompt_text_tokens=p.prompt_text, image_patches=image_patches(spec, p.max_pixels),
-                           completion_tokens=p.completion, logprob_chunk_tokens=w.logprob_chunk_tokens, group_vision=False,
-                           shared_prefix=False, attn_implementation=p.attn, freeze_vision_tower=w.freeze_vision,
-                           train_projector_only=w.projector_only, loss="sft")
-    else:
-        w = workload_for(p)
-        setup = TraceSetup(dtype=torch.bfloat16, gradient_checkpointing=p.gc, use_lora=p.lora, rows=N, unique_prompts=unique_prompts(N, G),
-                           prompt_text_tokens=p.prompt_text, image_patches=image_patches(spec, p.max_pixels),
-                           completion_tokens=p.completion, logprob_chunk_tokens=p.chunk, group_vision=True, shared_prefix=p.shared_prefix,
-                           attn_implementation=p.attn, freeze_vision_tower=p.freeze_vision)
+    w = _sft_workload(p) if p.sft_stage else workload_for(p)
+    setup = setup_for(spec, w)  # the same description as the closed form's, by one mapping
     t0 = time.perf_counter()
     r = trace_update(hf_config_for(p.model), setup)
     closed = plan(spec, w).phases["update"]
-    return {"name": p.name, **dataclasses.asdict(p), "params": spec.total_params, "image_tokens": r.image_tokens,
-            "trace_peak_gib": round(r.peak_bytes / GiB, 4), "closed_form_gib": round(closed / GiB, 4),
-            "difference_pct": round(100 * (closed / r.peak_bytes - 1), 2), "trace_seconds": round(time.perf_counter() - t0, 1),
-            "trace_breakdown_gib": {k: round(v / GiB, 4) for k, v in r.peak_breakdown.items()}}
+    return {
+        "name": p.name,
+        **dataclasses.asdict(p),
+        "params": spec.total_params,
+        "image_tokens": r.image_tokens,
+        "trace_peak_gib": round(r.peak_bytes / GiB, 4),
+        "closed_form_gib": round(closed / GiB, 4),
+        "difference_pct": round(100 * (closed / r.peak_bytes - 1), 2),
+        "trace_seconds": round(time.perf_counter() - t0, 1),
+        "trace_breakdown_gib": {k: round(v / GiB, 4) for k, v in r.peak_breakdown.items()},
+    }
 
 
 PX_LOW, PX_HIGH = 448 * 448, 896 * 896
@@ -192,30 +263,40 @@ def trace_grid() -> list[GridPoint]:
 
 
 def _md_trace(rows: list[dict], date: str) -> str:
-    intro = ("Update-step peak (weights + gradients + AdamW states + activations / temporaries) of one micro-batch in steady state; "
-             "bf16 weights, no autocast, group_vision on (SFT: each row its own prompt and image). Eager rows run transformers' own "
-             "eager attention on the meta device; the others the fused-kernel stand-in. `python benchmarks/planner_accuracy.py trace`.")
-    lines = [f"# Planner closed form vs exact trace ({date}, CPU, meta device)", "", intro, "",
-             "| config | params | mode | G | micro-batch | grad ckpt | prefix | attention | LoRA | max_pixels (image tokens) | trace GiB | "
-             "closed form GiB | diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    intro = (
+        "Update-step peak (weights + gradients + AdamW states + activations / temporaries) of one micro-batch in steady state; "
+        "bf16 weights, no autocast, group_vision on (SFT: each row its own prompt and image). Eager rows run transformers' own "
+        "eager attention on the meta device; the others the fused-kernel stand-in. `python benchmarks/planner_accuracy.py trace`."
+    )
+    lines = [
+        f"# Planner closed form vs exact trace ({date}, CPU, meta device)",
+        "",
+        intro,
+        "",
+        "| config | params | mode | G | micro-batch | grad ckpt | prefix | attention | LoRA | max_pixels (image tokens) | trace GiB | "
+        "closed form GiB | diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mode = f"SFT {r['sft_stage']}" if r.get("sft_stage") else "GRPO"
-        lines.append(f"| {r['name']} | {r['params'] / 1e9:.2f} B | {mode} | {r['G'] if mode == 'GRPO' else '-'} | {r['micro_batch']} | "
-                     f"{'on' if r['gc'] else 'off'} | {'on' if r['shared_prefix'] and mode == 'GRPO' else 'off'} | {r['attn']} | "
-                     f"{'r16' if r['lora'] else 'full'} | {r['max_pixels']} ({r['image_tokens']}) | {r['trace_peak_gib']:.3f} | "
-                     f"{r['closed_form_gib']:.3f} | {r['difference_pct']:+.1f}% |")
+        lines.append(
+            f"| {r['name']} | {r['params'] / 1e9:.2f} B | {mode} | {r['G'] if mode == 'GRPO' else '-'} | {r['micro_batch']} | "
+            f"{'on' if r['gc'] else 'off'} | {'on' if r['shared_prefix'] and mode == 'GRPO' else 'off'} | {r['attn']} | "
+            f"{'r16' if r['lora'] else 'full'} | {r['max_pixels']} ({r['image_tokens']}) | {r['trace_peak_gib']:.3f} | "
+            f"{r['closed_form_gib']:.3f} | {r['difference_pct']:+.1f}% |"
+        )
     within = sum(abs(r["difference_pct"]) <= 10 for r in rows)
     within3 = sum(abs(r["difference_pct"]) <= 3 for r in rows)
-    lines += ["", f"Within +/-10%: {within} of {len(rows)}; within +/-3%: {within3}; largest |difference| "
-                  f"{max(abs(r['difference_pct']) for r in rows):.1f}%."]
+    lines += [
+        "",
+        f"Within +/-10%: {within} of {len(rows)}; within +/-3%: {within3}; largest |difference| {max(abs(r['difference_pct']) for r in rows):.1f}%.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- closed form vs real CPU runs (host peak RSS)
 
-MID = {"hidden_size": 1024, "num_layers": 8, "intermediate_size": 2816, "num_heads": 8, "num_kv_heads": 2,
-       "vision_hidden": 256, "vision_depth": 4}
+MID = {"hidden_size": 1024, "num_layers": 8, "intermediate_size": 2816, "num_heads": 8, "num_kv_heads": 2, "vision_hidden": 256, "vision_depth": 4}
 CPU_GRID = [  # name, tiny-model dims, command, config overrides
     ("tiny-grpo-full", {}, "train", []),
     ("tiny-grpo-lora", {}, "train", ["model.use_lora=true", "model.lora_r=8"]),
@@ -224,8 +305,17 @@ CPU_GRID = [  # name, tiny-model dims, command, config overrides
     ("mid-grpo-full-eager", MID, "train", ["model.attn_implementation=eager"]),
     ("mid-grpo-lora", MID, "train", ["model.use_lora=true", "model.lora_r=16"]),
     ("mid-grpo-full-gc", MID, "train", ["model.gradient_checkpointing=true"]),
-    ("mid-grpo-G8-long", MID, "train", ["rollout.num_generations=8", "rollout.generation_batch_size=16",
-                                        "training.per_device_train_batch_size=8", "rollout.max_completion_length=48"]),
+    (
+        "mid-grpo-G8-long",
+        MID,
+        "train",
+        [
+            "rollout.num_generations=8",
+            "rollout.generation_batch_size=16",
+            "training.per_device_train_batch_size=8",
+            "rollout.max_completion_length=48",
+        ],
+    ),
     ("mid-sft-stage2", MID, "sft", ["sft.projector_steps=0", "sft.steps=2"]),
     ("mid-sft-stage2-eager", MID, "sft", ["sft.projector_steps=0", "sft.steps=2", "model.attn_implementation=eager"]),
 ]
@@ -246,11 +336,27 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
     if not (data / "train.jsonl").exists():
         make_count_task(data, n_train=32, n_test=8, seed=0, image_size=56)
     out = work / name
-    args = [f"model.name_or_path={model}", f"data.train_path={data / 'train.jsonl'}", "data.eval_path=", f"training.output_dir={out}",
-            "training.device=cpu", "training.max_steps=2", "rollout.num_generations=4", "rollout.generation_batch_size=8",
-            "training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=1", "rollout.max_completion_length=16",
-            "sft.batch_size=4", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
-            "data.min_pixels=3136", "data.max_pixels=3136", "training.resume=never", *overrides]
+    args = [
+        f"model.name_or_path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        "data.eval_path=",
+        f"training.output_dir={out}",
+        "training.device=cpu",
+        "training.max_steps=2",
+        "rollout.num_generations=4",
+        "rollout.generation_batch_size=8",
+        "training.per_device_train_batch_size=4",
+        "training.gradient_accumulation_steps=1",
+        "rollout.max_completion_length=16",
+        "sft.batch_size=4",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        "training.resume=never",
+        *overrides,
+    ]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "vlmrl", command, *args], capture_output=True, text=True, env=env, cwd=ROOT)
@@ -259,36 +365,53 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "plan/host_peak_rss" in r][-1]
     measured, predicted, runtime = last["mem/host_peak_rss"], last["plan/host_peak_rss"], last["plan/host_runtime"]
-    return {"name": name, "command": command, "dims": dims or "tiny defaults", "overrides": overrides,
-            "measured_peak_rss_gib": round(measured, 4), "predicted_peak_rss_gib": round(predicted, 4),
-            "runtime_at_prediction_gib": round(runtime, 4), "predicted_tensors_gib": round(last["plan/peak_allocated"], 4),
-            "difference_pct": round(100 * (predicted / measured - 1), 2),
-            "above_runtime_difference_pct": round(100 * ((predicted - runtime) / (measured - runtime) - 1), 2),
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "name": name,
+        "command": command,
+        "dims": dims or "tiny defaults",
+        "overrides": overrides,
+        "measured_peak_rss_gib": round(measured, 4),
+        "predicted_peak_rss_gib": round(predicted, 4),
+        "runtime_at_prediction_gib": round(runtime, 4),
+        "predicted_tensors_gib": round(last["plan/peak_allocated"], 4),
+        "difference_pct": round(100 * (predicted / measured - 1), 2),
+        "above_runtime_difference_pct": round(100 * ((predicted - runtime) / (measured - runtime) - 1), 2),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _md_cpu(rows: list[dict], date: str, machine: str) -> str:
-    lines = [f"# Planner host prediction vs real CPU runs ({date}, {machine})", "",
-             "Each row: `vlmrl train` or `vlmrl sft` for 2 steps with training.device=cpu in a fresh process "
-             "(`python benchmarks/planner_accuracy.py cpu`); the planner's prediction logged by the run itself (plan/host_peak_rss: "
-             "a runtime term = max(the RSS when it predicts, 0.38 GiB), + the planned tensors x 1.12, loading and buffers) vs that "
-             "process's lifetime peak RSS (mem/host_peak_rss). 'above runtime' compares only the part above the runtime term "
-             "(meaningless for the tiny rows, whose tensors are 0.01-0.02 GiB). The two constants (0.38 GiB, 12%) were read off "
-             "tiny-grpo-full / tiny-sft-stage1 and mid-grpo-full / mid-sft-stage2 of an earlier run of this grid: those four rows "
-             "are in-sample, the other six are not. Count task, 56 px images (16 image tokens), 16 completion tokens, fp32 weights; "
-             "mid = 8 layers x 1024 hidden (0.10 B parameters).",
-             "", "| run | command | measured peak RSS GiB | predicted GiB | diff | runtime term GiB | above runtime: diff |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Planner host prediction vs real CPU runs ({date}, {machine})",
+        "",
+        "Each row: `vlmrl train` or `vlmrl sft` for 2 steps with training.device=cpu in a fresh process "
+        "(`python benchmarks/planner_accuracy.py cpu`); the planner's prediction logged by the run itself (plan/host_peak_rss: "
+        "a runtime term = max(the RSS when it predicts, 0.38 GiB), + the planned tensors x 1.12, loading and buffers) vs that "
+        "process's lifetime peak RSS (mem/host_peak_rss). 'above runtime' compares only the part above the runtime term "
+        "(meaningless for the tiny rows, whose tensors are 0.01-0.02 GiB). The two constants (0.38 GiB, 12%) were read off "
+        "tiny-grpo-full / tiny-sft-stage1 and mid-grpo-full / mid-sft-stage2 of an earlier run of this grid: those four rows "
+        "are in-sample, the other six are not. Count task, 56 px images (16 image tokens), 16 completion tokens, fp32 weights; "
+        "mid = 8 layers x 1024 hidden (0.10 B parameters).",
+        "",
+        "| run | command | measured peak RSS GiB | predicted GiB | diff | runtime term GiB | above runtime: diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['command']} | {r['measured_peak_rss_gib']:.3f} | {r['predicted_peak_rss_gib']:.3f} | "
-                     f"{r['difference_pct']:+.1f}% | {r['runtime_at_prediction_gib']:.3f} | {r['above_runtime_difference_pct']:+.1f}% |")
+        lines.append(
+            f"| {r['name']} | {r['command']} | {r['measured_peak_rss_gib']:.3f} | {r['predicted_peak_rss_gib']:.3f} | "
+            f"{r['difference_pct']:+.1f}% | {r['runtime_at_prediction_gib']:.3f} | {r['above_runtime_difference_pct']:+.1f}% |"
+        )
     within = sum(abs(r["above_runtime_difference_pct"]) <= 10 for r in rows)
-    lines += ["", f"Above-runtime within +/-10%: {within} of {len(rows)}; whole peak within +/-10%: "
-                  f"{sum(abs(r['difference_pct']) <= 10 for r in rows)} of {len(rows)}."]
+    lines += [
+        "",
+        f"Above-runtime within +/-10%: {within} of {len(rows)}; whole peak within +/-10%: "
+        f"{sum(abs(r['difference_pct']) <= 10 for r in rows)} of {len(rows)}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- closed form vs measured GPU peaks
+
 
 def _overrides(rec: dict) -> dict:
     out = {}
@@ -307,12 +430,23 @@ def workload_from_record(rec: dict, grouped: bool, gpu_bytes: int) -> Workload:
     G = int(o["rollout.num_generations"])
     gen = int(o["rollout.generation_batch_size"])
     return Workload(
-        dtype=o.get("model.dtype", "float32"), autocast=o.get("training.bf16") == "true", use_lora=o.get("model.use_lora") == "true",
-        lora_r=int(o.get("model.lora_r", 16)), gradient_checkpointing=o.get("model.gradient_checkpointing") == "true",
-        num_generations=G, prompts_per_step=gen // G, micro_batch=int(o["training.per_device_train_batch_size"]),
-        grad_accum=int(o["training.gradient_accumulation_steps"]), prompt_text_tokens=41,  # the count task's prompt: 42 tokens, one image placeholder
-        max_pixels=int(o["data.max_pixels"]), completion_tokens=int(o["rollout.max_completion_length"]),
-        logprob_chunk_tokens=1024, group_vision=grouped, shared_prefix=False, gpu_memory_bytes=gpu_bytes)
+        dtype=o.get("model.dtype", "float32"),
+        autocast=o.get("training.bf16") == "true",
+        use_lora=o.get("model.use_lora") == "true",
+        lora_r=int(o.get("model.lora_r", 16)),
+        gradient_checkpointing=o.get("model.gradient_checkpointing") == "true",
+        num_generations=G,
+        prompts_per_step=gen // G,
+        micro_batch=int(o["training.per_device_train_batch_size"]),
+        grad_accum=int(o["training.gradient_accumulation_steps"]),
+        prompt_text_tokens=41,  # the count task's prompt: 42 tokens, one image placeholder
+        max_pixels=int(o["data.max_pixels"]),
+        completion_tokens=int(o["rollout.max_completion_length"]),
+        logprob_chunk_tokens=1024,
+        group_vision=grouped,
+        shared_prefix=False,
+        gpu_memory_bytes=gpu_bytes,
+    )
 
 
 def compare_measured(paths: list[Path]) -> tuple[list[dict], dict]:
@@ -326,48 +460,75 @@ def compare_measured(paths: list[Path]) -> tuple[list[dict], dict]:
         for rec in d["records"]:
             w = workload_from_record(rec, grouped, gpu)
             p = plan(spec, w)
-            row = {"file": path.name, "preset": d["preset"], "config": rec["name"], "log_prob_path": "grouped" if grouped else "naive",
-                   "predicted_reserved_gib": round(p.reserved / GiB, 3), "predicted_allocated_gib": round(p.peak_allocated / GiB, 3),
-                   "predicted_total_with_context_gib": round(p.total / GiB, 3), "predicted_fits": p.fits,
-                   "predicted_phase_peaks_gib": {k: round(v / GiB, 3) for k, v in p.phases.items()}}
+            row = {
+                "file": path.name,
+                "preset": d["preset"],
+                "config": rec["name"],
+                "log_prob_path": "grouped" if grouped else "naive",
+                "predicted_reserved_gib": round(p.reserved / GiB, 3),
+                "predicted_allocated_gib": round(p.peak_allocated / GiB, 3),
+                "predicted_total_with_context_gib": round(p.total / GiB, 3),
+                "predicted_fits": p.fits,
+                "predicted_phase_peaks_gib": {k: round(v / GiB, 3) for k, v in p.phases.items()},
+            }
             if rec.get("oom"):
                 partial = rec.get("partial") or {}
-                row.update(measured="OOM", measured_reserved_gib=partial.get("gpu_peak_reserved_gib"),
-                           note="out of memory on the device" + (" in step 2 after step 1 peaked at "
-                                                                 f"{partial['gpu_peak_reserved_gib']} GiB reserved" if partial else ""),
-                           verdict_correct=not p.fits)
+                row.update(
+                    measured="OOM",
+                    measured_reserved_gib=partial.get("gpu_peak_reserved_gib"),
+                    note="out of memory on the device"
+                    + (f" in step 2 after step 1 peaked at {partial['gpu_peak_reserved_gib']} GiB reserved" if partial else ""),
+                    verdict_correct=not p.fits,
+                )
             else:
                 mr, ma = rec["gpu_peak_reserved_gib"], rec["gpu_peak_allocated_gib"]
-                row.update(measured_reserved_gib=mr, measured_allocated_gib=ma,
-                           reserved_difference_pct=round(100 * (p.reserved / GiB / mr - 1), 2),
-                           allocated_difference_pct=round(100 * (p.peak_allocated / GiB / ma - 1), 2),
-                           within_10pct=abs(p.reserved / GiB / mr - 1) <= 0.10, verdict_correct=p.fits)
+                row.update(
+                    measured_reserved_gib=mr,
+                    measured_allocated_gib=ma,
+                    reserved_difference_pct=round(100 * (p.reserved / GiB / mr - 1), 2),
+                    allocated_difference_pct=round(100 * (p.peak_allocated / GiB / ma - 1), 2),
+                    within_10pct=abs(p.reserved / GiB / mr - 1) <= 0.10,
+                    verdict_correct=p.fits,
+                )
             rows.append(row)
     return rows, meta
 
 
 def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
-    intro = (f"Measured earlier with benchmarks/gpu_memory.py (torch {meta.get('torch')}, transformers {meta.get('transformers')}); "
-             f"predicted on {predicted_on} by the closed form from the configs the JSONs record. One global constant comes from "
-             "these runs: the allocator reserve (reserved / allocated - 1 = 6%, the mean over the ten successful Qwen2.5-VL-3B runs); the CUDA "
-             "context (0.6 GiB) is not part of max_memory_reserved and only enters the fits / does-not-fit verdict.")
-    lines = [f"# Planner prediction vs measured GPU peaks ({meta.get('device')}, measured {meta.get('measured_on')})", "", intro, "",
-             "| file | config | path | measured reserved GiB | predicted reserved GiB | diff | measured allocated | predicted allocated | diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    intro = (
+        f"Measured earlier with benchmarks/gpu_memory.py (torch {meta.get('torch')}, transformers {meta.get('transformers')}); "
+        f"predicted on {predicted_on} by the closed form from the configs the JSONs record. One global constant comes from "
+        "these runs: the allocator reserve (reserved / allocated - 1 = 6%, the mean over the ten successful Qwen2.5-VL-3B runs); the CUDA "
+        "context (0.6 GiB) is not part of max_memory_reserved and only enters the fits / does-not-fit verdict."
+    )
+    lines = [
+        f"# Planner prediction vs measured GPU peaks ({meta.get('device')}, measured {meta.get('measured_on')})",
+        "",
+        intro,
+        "",
+        "| file | config | path | measured reserved GiB | predicted reserved GiB | diff | measured allocated | predicted allocated | diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("measured") == "OOM":
-            lines.append(f"| {r['file']} | {r['config']} | {r['log_prob_path']} | OOM | {r['predicted_reserved_gib']:.2f} "
-                         f"(+ctx {r['predicted_total_with_context_gib']:.2f}: {'fits' if r['predicted_fits'] else 'does not fit'}) | "
-                         f"verdict {'right' if r['verdict_correct'] else 'WRONG'} | | | |")
+            lines.append(
+                f"| {r['file']} | {r['config']} | {r['log_prob_path']} | OOM | {r['predicted_reserved_gib']:.2f} "
+                f"(+ctx {r['predicted_total_with_context_gib']:.2f}: {'fits' if r['predicted_fits'] else 'does not fit'}) | "
+                f"verdict {'right' if r['verdict_correct'] else 'WRONG'} | | | |"
+            )
         else:
-            lines.append(f"| {r['file']} | {r['config']} | {r['log_prob_path']} | {r['measured_reserved_gib']:.2f} | "
-                         f"{r['predicted_reserved_gib']:.2f} | "
-                         f"{r['reserved_difference_pct']:+.1f}% | {r['measured_allocated_gib']:.2f} | {r['predicted_allocated_gib']:.2f} | "
-                         f"{r['allocated_difference_pct']:+.1f}% |")
+            lines.append(
+                f"| {r['file']} | {r['config']} | {r['log_prob_path']} | {r['measured_reserved_gib']:.2f} | "
+                f"{r['predicted_reserved_gib']:.2f} | "
+                f"{r['reserved_difference_pct']:+.1f}% | {r['measured_allocated_gib']:.2f} | {r['predicted_allocated_gib']:.2f} | "
+                f"{r['allocated_difference_pct']:+.1f}% |"
+            )
     ok = [r for r in rows if "within_10pct" in r]
     ooms = [r for r in rows if r.get("measured") == "OOM"]
-    summary = (f"Within +/-10% of max_memory_reserved: {sum(r['within_10pct'] for r in ok)} of {len(ok)} measured configs; "
-               f"OOM verdicts right: {sum(r['verdict_correct'] for r in ooms)} of {len(ooms)}.")
+    summary = (
+        f"Within +/-10% of max_memory_reserved: {sum(r['within_10pct'] for r in ok)} of {len(ok)} measured configs; "
+        f"OOM verdicts right: {sum(r['verdict_correct'] for r in ooms)} of {len(ooms)}."
+    )
     lines += ["", summary]
     return "\n".join(lines) + "\n"
 
@@ -385,8 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "field":
         rows = field_verdicts()
         for r in rows:
-            print(f"{r['id']:<18} {r['model']:<14} {r['gpus']}x{r['gpu_memory']:<7} predicted {r['predicted_total_gib']:6.1f} GiB "
-                  f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}" + (f" | {r['also']}" if "also" in r else ""))
+            print(
+                f"{r['id']:<18} {r['model']:<14} {r['gpus']}x{r['gpu_memory']:<7} predicted {r['predicted_total_gib']:6.1f} GiB "
+                f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}" + (f" | {r['also']}" if "also" in r else "")
+            )
         (out / "planner_field_reports.json").write_text(json.dumps({"date": today, "rows": rows}, indent=1))
         return 0
     if args.mode == "cpu":
@@ -401,8 +564,11 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 r = cpu_run(name, dims, command, overrides, Path(tmp))
                 rows.append(r)
-                print(f"{name:<24} measured {r['measured_peak_rss_gib']:.3f} GiB predicted {r['predicted_peak_rss_gib']:.3f} GiB "
-                      f"{r['difference_pct']:+6.1f}%  above runtime {r['above_runtime_difference_pct']:+6.1f}%  ({r['seconds']} s)", flush=True)
+                print(
+                    f"{name:<24} measured {r['measured_peak_rss_gib']:.3f} GiB predicted {r['predicted_peak_rss_gib']:.3f} GiB "
+                    f"{r['difference_pct']:+6.1f}%  above runtime {r['above_runtime_difference_pct']:+6.1f}%  ({r['seconds']} s)",
+                    flush=True,
+                )
         (out / f"planner_accuracy_cpu_runs_{today}.json").write_text(json.dumps({"date": today, "machine": machine, "rows": rows}, indent=1))
         (out / f"planner_accuracy_cpu_runs_{today}.md").write_text(_md_cpu(rows, today, machine))
         return 0
@@ -412,10 +578,18 @@ def main(argv: list[str] | None = None) -> int:
         for g in grid:
             r = compare_trace(g)
             rows.append(r)
-            print(f"{r['name']:<24} trace {r['trace_peak_gib']:8.3f} GiB  closed {r['closed_form_gib']:8.3f} GiB  {r['difference_pct']:+6.1f}%  "
-                  f"({r['trace_seconds']} s)", flush=True)
-        data = {"date": today, "machine": "CPU (meta device trace)", "rows": rows,
-                "within_10pct": sum(abs(r["difference_pct"]) <= 10 for r in rows), "configs": len(rows)}
+            print(
+                f"{r['name']:<24} trace {r['trace_peak_gib']:8.3f} GiB  closed {r['closed_form_gib']:8.3f} GiB  {r['difference_pct']:+6.1f}%  "
+                f"({r['trace_seconds']} s)",
+                flush=True,
+            )
+        data = {
+            "date": today,
+            "machine": "CPU (meta device trace)",
+            "rows": rows,
+            "within_10pct": sum(abs(r["difference_pct"]) <= 10 for r in rows),
+            "configs": len(rows),
+        }
         (out / f"planner_accuracy_cpu_trace_{today}.json").write_text(json.dumps(data, indent=1))
         (out / f"planner_accuracy_cpu_trace_{today}.md").write_text(_md_trace(rows, today))
         return 0 if data["within_10pct"] == len(rows) else 1
@@ -425,13 +599,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: r[k] for k in r if k not in ("predicted_phase_peaks_gib",)}))
     dev = "h100" if "H100" in (meta.get("device") or "") else (meta.get("device") or "gpu").split()[-1].lower()
     stem = f"planner_vs_{dev}_{meta.get('measured_on')}"
-    data = {"device": meta.get("device"), "measured_on": meta.get("measured_on"), "predicted_on": today,
-            "note": "measured earlier on the GPU; predicted now by the closed form from the recorded configs",
-            "constants": {"allocator_reserve": 0.06, "cuda_context_gib": 0.6}, "rows": rows}
+    data = {
+        "device": meta.get("device"),
+        "measured_on": meta.get("measured_on"),
+        "predicted_on": today,
+        "note": "measured earlier on the GPU; predicted now by the closed form from the recorded configs",
+        "constants": {"allocator_reserve": 0.06, "cuda_context_gib": 0.6},
+        "rows": rows,
+    }
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     (out / f"{stem}.md").write_text(_md_measured(rows, meta, today))
     return 0
-
 
 
 # ---------------------------------------------------------------- public field reports
@@ -441,63 +619,193 @@ def main(argv: list[str] | None = None) -> int:
 # ms-swift) computed full-vocabulary logits (logprob chunking off), ran the naive path (no grouped vision, no shared
 # prefix), kept a reference model (beta 0.04 by default) and ran DeepSpeed ZeRO-3 with bf16 (fp32 master + moments).
 FIELD_REPORTS = [
-    {"id": "R1-V#71", "url": "https://github.com/StarsfieldAI/R1-V/issues/71", "model": "qwen2.5-vl-7b", "gpus": 4, "gpu_memory": "a100-80gb",
-     "outcome": "OOM in step 1 (zero3.json); the thread says the ZeRO-3 offload config is needed",
-     "settings": dict(sharding="zero3", micro_batch=4, num_generations=4, prompts_per_step=1, grad_accum=2, gradient_checkpointing=False,
-                      max_pixels=401408, completion_tokens=512, prompt_text_tokens=100, beta=0.04),
-     "assumed": "100 text tokens per prompt; TRL < 0.15 semantics (1 prompt x G=4 completions per device in one forward)",
-     "also": {"label": "same with ZeRO-3 + optimizer/param offload", "settings": dict(offload="optimizer+params")}},
-    {"id": "ms-swift#4311", "url": "https://github.com/modelscope/ms-swift/issues/4311", "model": "qwen2.5-vl-3b", "gpus": 4, "gpu_memory": "90GiB",
-     "outcome": "OOM (full fine-tuning, vision tower trained)",
-     "settings": dict(sharding="zero3", micro_batch=8, num_generations=8, prompts_per_step=1, grad_accum=4, gradient_checkpointing=True,
-                      max_pixels=602112, completion_tokens=1024, prompt_text_tokens=200, beta=0.04),
-     "assumed": "gradient checkpointing on (ms-swift default), beta 0.04 (default), 200 text tokens, per_device_train_batch_size counts completions"},
-    {"id": "R1-V#107", "url": "https://github.com/StarsfieldAI/R1-V/issues/107", "model": "qwen2.5-vl-3b", "gpus": 8, "gpu_memory": "a100-80gb",
-     "outcome": "OOM with sdpa; a commenter reports it runs with ZeRO-3 + flash_attention_2",
-     "settings": dict(sharding="zero3", micro_batch=8, num_generations=8, prompts_per_step=1, grad_accum=2, gradient_checkpointing=False,
-                      max_pixels=401408, completion_tokens=256, prompt_text_tokens=100, beta=0.04, attn_implementation="sdpa"),
-     "assumed": "completion length 256 (TRL default then), 100 text tokens, sdpa as reported",
-     "also": {"label": "same with flash_attention_2 (what ran)", "settings": dict(attn_implementation="flash_attention_2")}},
-    {"id": "VLM-R1#77 (G=8)", "url": "https://github.com/om-ai-lab/VLM-R1/issues/77", "model": "qwen2.5-vl-3b", "gpus": 8, "gpu_memory": "h100-80gb",
-     "outcome": "OOM with num_generations=8",
-     "settings": dict(sharding="zero3", micro_batch=8, num_generations=8, prompts_per_step=1, grad_accum=2, gradient_checkpointing=False,
-                      max_pixels=640 * 480, completion_tokens=256, prompt_text_tokens=100, beta=0.04),
-     "assumed": "COCO-size images (640x480 px), completion length 256, 100 text tokens"},
-    {"id": "VLM-R1#77 (G=4)", "url": "https://github.com/om-ai-lab/VLM-R1/issues/77", "model": "qwen2.5-vl-3b", "gpus": 8, "gpu_memory": "h100-80gb",
-     "outcome": "runs with num_generations=4 (the posted command)",
-     "settings": dict(sharding="zero3", micro_batch=4, num_generations=4, prompts_per_step=1, grad_accum=2, gradient_checkpointing=False,
-                      max_pixels=640 * 480, completion_tokens=256, prompt_text_tokens=100, beta=0.04),
-     "assumed": "as above"},
-    {"id": "EasyR1#59 (host RAM)", "url": "https://github.com/hiyouga/EasyR1/issues/59", "model": "qwen2.5-vl-7b", "gpus": 8,
-     "gpu_memory": "a100-40gb", "host_memory": "760GB",
-     "outcome": "host OOM: Ray killed the job at 726 of 760 GB with FSDP offload_params + offload_optimizer on; the maintainer's fix "
-                "was to turn both offloads off",
-     "settings": dict(sharding="fsdp", offload="optimizer+params", master_weights="fp32", dtype="float32", micro_batch=4,
-                      num_generations=5, prompts_per_step=16, grad_accum=20, gradient_checkpointing=True, max_pixels=1003520,
-                      completion_tokens=1024, prompt_text_tokens=200, beta=0.0),
-     "assumed": "EasyR1's example of March 2025 as remembered (fp32 FSDP parameters, n=5, 1024 response tokens, max_pixels 1003520); "
-                "the reference model and the colocated vLLM engine are not planned (beta 0 here)",
-     "also": {"label": "same without offload (the fix)", "settings": dict(offload="none")}},
-    {"id": "LLaVA#655 (SFT, 4 GPUs)", "url": "https://github.com/haotian-liu/LLaVA/issues/655", "model": "llava-1.5-7b", "gpus": 4,
-     "gpu_memory": "a100-40gb", "sft_stage": 2,
-     "outcome": "OOM in LLaVA-1.5-7B visual instruction tuning with ZeRO-2 and batch 1; the reporter then found they ran 4 of the "
-                "8 A100-40G the maintainer says are enough",
-     "settings": dict(sharding="zero2", micro_batch=1, gradient_checkpointing=True, completion_tokens=1400, prompt_text_tokens=64,
-                      freeze_vision=True),
-     "assumed": "model_max_length 2048 filled (576 image tokens + 64 prompt + 1400 answer tokens), flash attention (LLaVA's train_mem), "
-                "DeepSpeed bf16 with fp32 masters",
-     "also": {"label": "same on 8 GPUs (the maintainer's setup)", "settings": dict(world_size=8)}},
-    {"id": "LLaVA#528 (SFT, 1 GPU)", "url": "https://github.com/haotian-liu/LLaVA/issues/528", "model": "llava-1.5-7b", "gpus": 1,
-     "gpu_memory": "a100-80gb", "sft_stage": 2,
-     "outcome": "OOM: visual instruction tuning of LLaVA-1.5-7B on one GPU with zero3.json, batch 16",
-     "settings": dict(sharding="zero3", micro_batch=16, gradient_checkpointing=True, completion_tokens=600, prompt_text_tokens=64,
-                      freeze_vision=True),
-     "assumed": "one A100 80G, COCO conversations (~600 answer tokens), fp32 masters (DeepSpeed)"},
-    {"id": "R1-V#61", "url": "https://github.com/StarsfieldAI/R1-V/issues/61", "model": "qwen2-vl-2b", "gpus": 8, "gpu_memory": "a100-80gb",
-     "outcome": "OOM (no --deepspeed flag in the command)",
-     "settings": dict(sharding="ddp", micro_batch=8, num_generations=8, prompts_per_step=1, grad_accum=2, gradient_checkpointing=False,
-                      max_pixels=401408, completion_tokens=256, prompt_text_tokens=100, beta=0.04),
-     "assumed": "DDP (no DeepSpeed config given), bf16 weights, completion length 256, 100 text tokens"},
+    {
+        "id": "R1-V#71",
+        "url": "https://github.com/StarsfieldAI/R1-V/issues/71",
+        "model": "qwen2.5-vl-7b",
+        "gpus": 4,
+        "gpu_memory": "a100-80gb",
+        "outcome": "OOM in step 1 (zero3.json); the thread says the ZeRO-3 offload config is needed",
+        "settings": dict(
+            sharding="zero3",
+            micro_batch=4,
+            num_generations=4,
+            prompts_per_step=1,
+            grad_accum=2,
+            gradient_checkpointing=False,
+            max_pixels=401408,
+            completion_tokens=512,
+            prompt_text_tokens=100,
+            beta=0.04,
+        ),
+        "assumed": "100 text tokens per prompt; TRL < 0.15 semantics (1 prompt x G=4 completions per device in one forward)",
+        "also": {"label": "same with ZeRO-3 + optimizer/param offload", "settings": dict(offload="optimizer+params")},
+    },
+    {
+        "id": "ms-swift#4311",
+        "url": "https://github.com/modelscope/ms-swift/issues/4311",
+        "model": "qwen2.5-vl-3b",
+        "gpus": 4,
+        "gpu_memory": "90GiB",
+        "outcome": "OOM (full fine-tuning, vision tower trained)",
+        "settings": dict(
+            sharding="zero3",
+            micro_batch=8,
+            num_generations=8,
+            prompts_per_step=1,
+            grad_accum=4,
+            gradient_checkpointing=True,
+            max_pixels=602112,
+            completion_tokens=1024,
+            prompt_text_tokens=200,
+            beta=0.04,
+        ),
+        "assumed": "gradient checkpointing on (ms-swift default), beta 0.04 (default), 200 text tokens, "
+        "per_device_train_batch_size counts completions",
+    },
+    {
+        "id": "R1-V#107",
+        "url": "https://github.com/StarsfieldAI/R1-V/issues/107",
+        "model": "qwen2.5-vl-3b",
+        "gpus": 8,
+        "gpu_memory": "a100-80gb",
+        "outcome": "OOM with sdpa; a commenter reports it runs with ZeRO-3 + flash_attention_2",
+        "settings": dict(
+            sharding="zero3",
+            micro_batch=8,
+            num_generations=8,
+            prompts_per_step=1,
+            grad_accum=2,
+            gradient_checkpointing=False,
+            max_pixels=401408,
+            completion_tokens=256,
+            prompt_text_tokens=100,
+            beta=0.04,
+            attn_implementation="sdpa",
+        ),
+        "assumed": "completion length 256 (TRL default then), 100 text tokens, sdpa as reported",
+        "also": {"label": "same with flash_attention_2 (what ran)", "settings": dict(attn_implementation="flash_attention_2")},
+    },
+    {
+        "id": "VLM-R1#77 (G=8)",
+        "url": "https://github.com/om-ai-lab/VLM-R1/issues/77",
+        "model": "qwen2.5-vl-3b",
+        "gpus": 8,
+        "gpu_memory": "h100-80gb",
+        "outcome": "OOM with num_generations=8",
+        "settings": dict(
+            sharding="zero3",
+            micro_batch=8,
+            num_generations=8,
+            prompts_per_step=1,
+            grad_accum=2,
+            gradient_checkpointing=False,
+            max_pixels=640 * 480,
+            completion_tokens=256,
+            prompt_text_tokens=100,
+            beta=0.04,
+        ),
+        "assumed": "COCO-size images (640x480 px), completion length 256, 100 text tokens",
+    },
+    {
+        "id": "VLM-R1#77 (G=4)",
+        "url": "https://github.com/om-ai-lab/VLM-R1/issues/77",
+        "model": "qwen2.5-vl-3b",
+        "gpus": 8,
+        "gpu_memory": "h100-80gb",
+        "outcome": "runs with num_generations=4 (the posted command)",
+        "settings": dict(
+            sharding="zero3",
+            micro_batch=4,
+            num_generations=4,
+            prompts_per_step=1,
+            grad_accum=2,
+            gradient_checkpointing=False,
+            max_pixels=640 * 480,
+            completion_tokens=256,
+            prompt_text_tokens=100,
+            beta=0.04,
+        ),
+        "assumed": "as above",
+    },
+    {
+        "id": "EasyR1#59 (host RAM)",
+        "url": "https://github.com/hiyouga/EasyR1/issues/59",
+        "model": "qwen2.5-vl-7b",
+        "gpus": 8,
+        "gpu_memory": "a100-40gb",
+        "host_memory": "760GB",
+        "outcome": "host OOM: Ray killed the job at 726 of 760 GB with FSDP offload_params + offload_optimizer on; the maintainer's fix "
+        "was to turn both offloads off",
+        "settings": dict(
+            sharding="fsdp",
+            offload="optimizer+params",
+            master_weights="fp32",
+            dtype="float32",
+            micro_batch=4,
+            num_generations=5,
+            prompts_per_step=16,
+            grad_accum=20,
+            gradient_checkpointing=True,
+            max_pixels=1003520,
+            completion_tokens=1024,
+            prompt_text_tokens=200,
+            beta=0.0,
+        ),
+        "assumed": "EasyR1's example of March 2025 as remembered (fp32 FSDP parameters, n=5, 1024 response tokens, max_pixels 1003520); "
+        "the reference model and the colocated vLLM engine are not planned (beta 0 here)",
+        "also": {"label": "same without offload (the fix)", "settings": dict(offload="none")},
+    },
+    {
+        "id": "LLaVA#655 (SFT, 4 GPUs)",
+        "url": "https://github.com/haotian-liu/LLaVA/issues/655",
+        "model": "llava-1.5-7b",
+        "gpus": 4,
+        "gpu_memory": "a100-40gb",
+        "sft_stage": 2,
+        "outcome": "OOM in LLaVA-1.5-7B visual instruction tuning with ZeRO-2 and batch 1; the reporter then found they ran 4 of the "
+        "8 A100-40G the maintainer says are enough",
+        "settings": dict(
+            sharding="zero2", micro_batch=1, gradient_checkpointing=True, completion_tokens=1400, prompt_text_tokens=64, freeze_vision=True
+        ),
+        "assumed": "model_max_length 2048 filled (576 image tokens + 64 prompt + 1400 answer tokens), flash attention (LLaVA's train_mem), "
+        "DeepSpeed bf16 with fp32 masters",
+        "also": {"label": "same on 8 GPUs (the maintainer's setup)", "settings": dict(world_size=8)},
+    },
+    {
+        "id": "LLaVA#528 (SFT, 1 GPU)",
+        "url": "https://github.com/haotian-liu/LLaVA/issues/528",
+        "model": "llava-1.5-7b",
+        "gpus": 1,
+        "gpu_memory": "a100-80gb",
+        "sft_stage": 2,
+        "outcome": "OOM: visual instruction tuning of LLaVA-1.5-7B on one GPU with zero3.json, batch 16",
+        "settings": dict(
+            sharding="zero3", micro_batch=16, gradient_checkpointing=True, completion_tokens=600, prompt_text_tokens=64, freeze_vision=True
+        ),
+        "assumed": "one A100 80G, COCO conversations (~600 answer tokens), fp32 masters (DeepSpeed)",
+    },
+    {
+        "id": "R1-V#61",
+        "url": "https://github.com/StarsfieldAI/R1-V/issues/61",
+        "model": "qwen2-vl-2b",
+        "gpus": 8,
+        "gpu_memory": "a100-80gb",
+        "outcome": "OOM (no --deepspeed flag in the command)",
+        "settings": dict(
+            sharding="ddp",
+            micro_batch=8,
+            num_generations=8,
+            prompts_per_step=1,
+            grad_accum=2,
+            gradient_checkpointing=False,
+            max_pixels=401408,
+            completion_tokens=256,
+            prompt_text_tokens=100,
+            beta=0.04,
+        ),
+        "assumed": "DDP (no DeepSpeed config given), bf16 weights, completion length 256, 100 text tokens",
+    },
 ]
 
 
@@ -507,25 +815,46 @@ def field_verdicts() -> list[dict]:
     rows = []
     for rep in FIELD_REPORTS:
         spec = model_spec(rep["model"])
-        kw = dict(dtype="bfloat16", autocast=True, logprob_chunk_tokens=0, group_vision=False, shared_prefix=False,
-                  world_size=rep["gpus"], gpu_memory_bytes=parse_memory(rep["gpu_memory"]),
-                  host_memory_bytes=parse_memory(rep["host_memory"]) if "host_memory" in rep else None)
+        kw = dict(
+            dtype="bfloat16",
+            autocast=True,
+            logprob_chunk_tokens=0,
+            group_vision=False,
+            shared_prefix=False,
+            world_size=rep["gpus"],
+            gpu_memory_bytes=parse_memory(rep["gpu_memory"]),
+            host_memory_bytes=parse_memory(rep["host_memory"]) if "host_memory" in rep else None,
+        )
         base = Workload(**{**kw, **rep["settings"]})
         if rep.get("sft_stage"):
             from vlmrl.planner import sft_workload
 
-            base = sft_workload(dataclasses.replace(base, logprob_chunk_tokens=1024), rep["sft_stage"],
-                                train_vision_tower=not rep["settings"].get("freeze_vision", False))
+            base = sft_workload(
+                dataclasses.replace(base, logprob_chunk_tokens=1024),
+                rep["sft_stage"],
+                train_vision_tower=not rep["settings"].get("freeze_vision", False),
+            )
             base = dataclasses.replace(base, logprob_chunk_tokens=0, attn_implementation="flash_attention_2")
         p = plan(spec, base)
         row = {k: rep[k] for k in ("id", "url", "model", "gpus", "gpu_memory", "outcome", "assumed")}
-        row.update(settings=rep["settings"], predicted_total_gib=round(p.total / GiB, 1), verdict=p.verdict, fits=p.fits,
-                   host_total_gib=round(p.host["total"] / GiB, 1), host_fits=p.host_fits,
-                   phases_gib={k: round(v / GiB, 1) for k, v in p.phases.items()})
+        row.update(
+            settings=rep["settings"],
+            predicted_total_gib=round(p.total / GiB, 1),
+            verdict=p.verdict,
+            fits=p.fits,
+            host_total_gib=round(p.host["total"] / GiB, 1),
+            host_fits=p.host_fits,
+            phases_gib={k: round(v / GiB, 1) for k, v in p.phases.items()},
+        )
         if "also" in rep:
             q = plan(spec, dataclasses.replace(base, **rep["also"]["settings"]))
-            row["also"] = {"label": rep["also"]["label"], "predicted_total_gib": round(q.total / GiB, 1), "fits": q.fits,
-                           "host_total_gib": round(q.host["total"] / GiB, 1), "host_fits": q.host_fits}
+            row["also"] = {
+                "label": rep["also"]["label"],
+                "predicted_total_gib": round(q.total / GiB, 1),
+                "fits": q.fits,
+                "host_total_gib": round(q.host["total"] / GiB, 1),
+                "host_fits": q.host_fits,
+            }
         rows.append(row)
     return rows
 

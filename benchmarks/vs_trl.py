@@ -51,23 +51,32 @@ PROBLEM = "How many red shapes are there in the image? Answer with a number."
 
 # name -> settings. image: side in pixels (patch 14, merge 2: 448 -> 256 image tokens); prompts: per step.
 CONFIGS = {
-    "a": dict(title="image-heavy (256 image tokens), completion 32, G=8", image=448, vocab=None,
-              completion=32, G=8, prompts=2),
-    "b": dict(title="Qwen vocabulary 151,936, completion 64, G=8", image=112, vocab=151_936,
-              completion=64, G=8, prompts=2),
-    "c": dict(title="G=16 (one prompt of 256 image tokens), completion 32", image=448, vocab=None,
-              completion=32, G=16, prompts=1),
+    "a": dict(title="image-heavy (256 image tokens), completion 32, G=8", image=448, vocab=None, completion=32, G=8, prompts=2),
+    "b": dict(title="Qwen vocabulary 151,936, completion 64, G=8", image=112, vocab=151_936, completion=64, G=8, prompts=2),
+    "c": dict(title="G=16 (one prompt of 256 image tokens), completion 32", image=448, vocab=None, completion=32, G=16, prompts=1),
 }
 QUICK = {
     "a": dict(title="quick a: 112px (16 image tokens), completion 8, G=4", image=112, vocab=None, completion=8, G=4, prompts=2),
     "b": dict(title="quick b: vocab 151,936, completion 8, G=4", image=56, vocab=151_936, completion=8, G=4, prompts=1),
     "c": dict(title="quick c: G=8, completion 8", image=112, vocab=None, completion=8, G=8, prompts=1),
 }
-COMMON = dict(beta=0.04, learning_rate=1e-5, seed=0, loss_type="grpo", epsilon=0.2, max_grad_norm=1.0,
-              adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, weight_decay=0.0, temperature=1.0)
+COMMON = dict(
+    beta=0.04,
+    learning_rate=1e-5,
+    seed=0,
+    loss_type="grpo",
+    epsilon=0.2,
+    max_grad_norm=1.0,
+    adam_beta1=0.9,
+    adam_beta2=0.99,
+    adam_epsilon=1e-8,
+    weight_decay=0.0,
+    temperature=1.0,
+)
 
 
 # ------------------------------------------------------------------ reward (both sides)
+
 
 def bench_reward(prompts, completions, **kwargs):
     """Deterministic reward from what each side hands a reward function: the decoded completion text
@@ -83,6 +92,7 @@ def bench_reward(prompts, completions, **kwargs):
 
 
 # ------------------------------------------------------------------ preparation (parent)
+
 
 def prepare(name: str, spec: dict, work: Path) -> dict:
     """Tiny model folder + dataset for one configuration (built once, loaded by both sides)."""
@@ -107,8 +117,15 @@ def prepare(name: str, spec: dict, work: Path) -> dict:
         rows.append({"image": f"images/{i:03d}.png", "problem": PROBLEM, "solution": str(i % 5)})
     with open(data_dir / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    return {**spec, **COMMON, "name": name, "model": str(model_dir), "data": str(data_dir / "train.jsonl"),
-            "pixels": pixels, "completions_per_step": spec["prompts"] * spec["G"]}
+    return {
+        **spec,
+        **COMMON,
+        "name": name,
+        "model": str(model_dir),
+        "data": str(data_dir / "train.jsonl"),
+        "pixels": pixels,
+        "completions_per_step": spec["prompts"] * spec["G"],
+    }
 
 
 # ------------------------------------------------------------------ instrumentation (both sides)
@@ -134,6 +151,7 @@ def count_vision(model) -> None:
 
 # ------------------------------------------------------------------ vlmrl side (child)
 
+
 def run_vlmrl(spec: dict, out: Path) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     import vlmrl.train as vlmrl_train
@@ -151,22 +169,43 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
 
     steps = spec["warmup"] + spec["steps"]
     overrides = {
-        "model.name_or_path": spec["model"], "model.dtype": spec.get("dtype", "float32"),
-        "data.train_path": spec["data"], "data.min_pixels": spec["pixels"], "data.max_pixels": spec["pixels"],
-        "rollout.num_generations": spec["G"], "rollout.max_completion_length": spec["completion"],
-        "rollout.min_completion_length": spec["completion"], "rollout.temperature": spec["temperature"],
-        "rollout.top_p": 1.0, "rollout.top_k": 0,
-        "algorithm.beta": spec["beta"], "algorithm.loss_type": spec["loss_type"], "algorithm.epsilon": spec["epsilon"],
-        "algorithm.num_iterations": 1, "algorithm.scale_rewards": "group",
+        "model.name_or_path": spec["model"],
+        "model.dtype": spec.get("dtype", "float32"),
+        "data.train_path": spec["data"],
+        "data.min_pixels": spec["pixels"],
+        "data.max_pixels": spec["pixels"],
+        "rollout.num_generations": spec["G"],
+        "rollout.max_completion_length": spec["completion"],
+        "rollout.min_completion_length": spec["completion"],
+        "rollout.temperature": spec["temperature"],
+        "rollout.top_p": 1.0,
+        "rollout.top_k": 0,
+        "algorithm.beta": spec["beta"],
+        "algorithm.loss_type": spec["loss_type"],
+        "algorithm.epsilon": spec["epsilon"],
+        "algorithm.num_iterations": 1,
+        "algorithm.scale_rewards": "group",
         "algorithm.reward_funcs": [f"{THIS}:bench_reward"],
-        "optim.learning_rate": spec["learning_rate"], "optim.lr_scheduler_type": "constant",
-        "optim.adam_beta1": spec["adam_beta1"], "optim.adam_beta2": spec["adam_beta2"],
-        "optim.adam_epsilon": spec["adam_epsilon"], "optim.weight_decay": spec["weight_decay"],
+        "optim.learning_rate": spec["learning_rate"],
+        "optim.lr_scheduler_type": "constant",
+        "optim.adam_beta1": spec["adam_beta1"],
+        "optim.adam_beta2": spec["adam_beta2"],
+        "optim.adam_epsilon": spec["adam_epsilon"],
+        "optim.weight_decay": spec["weight_decay"],
         "optim.max_grad_norm": spec["max_grad_norm"],
-        "training.per_device_train_batch_size": spec["completions_per_step"], "training.gradient_accumulation_steps": 1,
-        "training.max_steps": steps, "training.seed": spec["seed"], "training.device": spec.get("device", "cpu"), "training.bf16": False,
-        "training.output_dir": str(out / "run"), "training.resume": "never", "training.save_final_model": False,
-        "logging.tensorboard": False, "logging.progress_bar": False, "logging.log_completions": 0, "logging.report": False,
+        "training.per_device_train_batch_size": spec["completions_per_step"],
+        "training.gradient_accumulation_steps": 1,
+        "training.max_steps": steps,
+        "training.seed": spec["seed"],
+        "training.device": spec.get("device", "cpu"),
+        "training.bf16": False,
+        "training.output_dir": str(out / "run"),
+        "training.resume": "never",
+        "training.save_final_model": False,
+        "logging.tensorboard": False,
+        "logging.progress_bar": False,
+        "logging.log_completions": 0,
+        "logging.report": False,
     }
     cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(spec.get("vlmrl_overrides", [])))
     prompt_tokens = _vlmrl_prompt_tokens(spec)
@@ -174,11 +213,18 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "time/step" in r]
     n = spec["completions_per_step"]
-    per_step = [{
-        "step": r.get("step", i + 1), "step_s": r["time/step"], "rollout_s": r["time/rollout"],
-        "scoring_s": r["time/scoring"] + r.get("time/rewards", 0.0),
-        "update_s": r["time/update"], "tokens": round(r["completions/mean_length"] * n), "prompt_tokens": prompt_tokens * n,
-    } for i, r in enumerate(rows)]
+    per_step = [
+        {
+            "step": r.get("step", i + 1),
+            "step_s": r["time/step"],
+            "rollout_s": r["time/rollout"],
+            "scoring_s": r["time/scoring"] + r.get("time/rewards", 0.0),
+            "update_s": r["time/update"],
+            "tokens": round(r["completions/mean_length"] * n),
+            "prompt_tokens": prompt_tokens * n,
+        }
+        for i, r in enumerate(rows)
+    ]
     settings = {"memory": {k: v for k, v in cfg.memory.__dict__.items()}, "attn_implementation": cfg.model.attn_implementation}
     return {"per_step": per_step, "settings": settings}
 
@@ -196,6 +242,7 @@ def _vlmrl_prompt_tokens(spec: dict) -> int:
 
 
 # ------------------------------------------------------------------ TRL side (child)
+
 
 def _trl_processor(model_dir: str):
     """A real ProcessorMixin for Qwen2.5-VL without its video processor (which needs torchvision).
@@ -232,25 +279,52 @@ def run_trl(spec: dict, out: Path) -> dict:
     processor = _trl_processor(spec["model"])
     data_dir = Path(spec["data"]).parent
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
-    dataset = datasets.Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": r["problem"]}] for r in rows],
-        "image": [str(data_dir / r["image"]) for r in rows],
-        "solution": [r["solution"] for r in rows],
-    }).cast_column("image", datasets.Image())
+    dataset = datasets.Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": r["problem"]}] for r in rows],
+            "image": [str(data_dir / r["image"]) for r in rows],
+            "solution": [r["solution"] for r in rows],
+        }
+    ).cast_column("image", datasets.Image())
 
     n = spec["completions_per_step"]
     args = GRPOConfig(
-        output_dir=str(out / "run"), use_cpu=spec.get("device", "cpu") == "cpu", bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=str(out / "run"),
+        use_cpu=spec.get("device", "cpu") == "cpu",
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
         model_init_kwargs={"dtype": getattr(torch, spec.get("dtype", "float32"))},
-        per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=spec["G"], num_iterations=1,
-        max_completion_length=spec["completion"], generation_kwargs={"min_new_tokens": spec["completion"]},
-        temperature=spec["temperature"], top_p=1.0, top_k=0,
-        beta=spec["beta"], loss_type=spec["loss_type"], epsilon=spec["epsilon"], scale_rewards="group",
-        learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=spec["adam_beta1"], adam_beta2=spec["adam_beta2"], adam_epsilon=spec["adam_epsilon"],
-        weight_decay=spec["weight_decay"], max_grad_norm=spec["max_grad_norm"],
-        max_steps=spec["warmup"] + spec["steps"], seed=spec["seed"], logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        num_generations=spec["G"],
+        num_iterations=1,
+        max_completion_length=spec["completion"],
+        generation_kwargs={"min_new_tokens": spec["completion"]},
+        temperature=spec["temperature"],
+        top_p=1.0,
+        top_k=0,
+        beta=spec["beta"],
+        loss_type=spec["loss_type"],
+        epsilon=spec["epsilon"],
+        scale_rewards="group",
+        learning_rate=spec["learning_rate"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=spec["adam_beta1"],
+        adam_beta2=spec["adam_beta2"],
+        adam_epsilon=spec["adam_epsilon"],
+        weight_decay=spec["weight_decay"],
+        max_grad_norm=spec["max_grad_norm"],
+        max_steps=spec["warmup"] + spec["steps"],
+        seed=spec["seed"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
     )
 
     timers = {"rollout": 0.0, "gen_and_score": 0.0, "tokens": 0, "prompt_tokens": 0}
@@ -287,15 +361,24 @@ def run_trl(spec: dict, out: Path) -> dict:
             now = time.perf_counter()
             step = now - self.t_begin
             rollout, score = timers["rollout"], timers["gen_and_score"] - timers["rollout"]
-            per_step.append({"step": state.global_step, "step_s": step, "rollout_s": rollout, "scoring_s": score,
-                             "update_s": step - timers["gen_and_score"], "tokens": timers["tokens"],
-                             "prompt_tokens": timers["prompt_tokens"],
-                             "between_s": None if self.t_last_end is None else now - self.t_last_end})
+            per_step.append(
+                {
+                    "step": state.global_step,
+                    "step_s": step,
+                    "rollout_s": rollout,
+                    "scoring_s": score,
+                    "update_s": step - timers["gen_and_score"],
+                    "tokens": timers["tokens"],
+                    "prompt_tokens": timers["prompt_tokens"],
+                    "between_s": None if self.t_last_end is None else now - self.t_last_end,
+                }
+            )
             self.t_last_end = now
             timers.update(rollout=0.0, gen_and_score=0.0, tokens=0, prompt_tokens=0)
 
-    trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=[bench_reward], args=args, train_dataset=dataset,
-                               processing_class=processor, callbacks=[StepTimer()])
+    trainer = TimedGRPOTrainer(
+        model=spec["model"], reward_funcs=[bench_reward], args=args, train_dataset=dataset, processing_class=processor, callbacks=[StepTimer()]
+    )
     count_vision(trainer.model)
     if getattr(trainer, "ref_model", None) is not None:
         count_vision(trainer.ref_model)
@@ -306,8 +389,11 @@ def run_trl(spec: dict, out: Path) -> dict:
             logged_lengths.append(entry["completions/mean_length"])
     for row, length in zip(per_step, logged_lengths):
         row["logged_mean_length"] = length
-    settings = {"attn_implementation": trainer.model.config._attn_implementation,
-                "pad_to_multiple_of": trainer.pad_to_multiple_of, "gradient_checkpointing": args.gradient_checkpointing}
+    settings = {
+        "attn_implementation": trainer.model.config._attn_implementation,
+        "pad_to_multiple_of": trainer.pad_to_multiple_of,
+        "gradient_checkpointing": args.gradient_checkpointing,
+    }
     return {"per_step": per_step, "settings": settings}
 
 
@@ -325,7 +411,9 @@ def child(side: str, spec_path: str, out_path: str) -> int:
     t0 = time.perf_counter()
     result = run_vlmrl(spec, out) if side == "vlmrl" else run_trl(spec, out)
     result.update(
-        side=side, wall_s=time.perf_counter() - t0, rss_at_start_gib=rss_start / 2**30,
+        side=side,
+        wall_s=time.perf_counter() - t0,
+        rss_at_start_gib=rss_start / 2**30,
         peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
         torch_threads=torch.get_num_threads(),
         gpu_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
@@ -340,6 +428,7 @@ def child(side: str, spec_path: str, out_path: str) -> int:
 
 # ------------------------------------------------------------------ parent: run, check, report
 
+
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -349,11 +438,16 @@ def summarise(result: dict, warmup: int) -> dict:
     med = {k: _median([s[k] for s in steps]) for k in ("step_s", "rollout_s", "scoring_s", "update_s")}
     tokens = [s["tokens"] for s in steps]
     between = [s["between_s"] for s in steps if s.get("between_s") is not None]
-    return {**{f"median_{k}": v for k, v in med.items()},
-            **({"median_between_steps_s": _median(between)} if between else {}),
-            "tokens_per_step": tokens, "trained_tokens_per_s": _median(tokens) / med["step_s"],
-            "peak_rss_gib": result["peak_rss_gib"], "measured_steps": len(steps),
-            "gpu_peak_allocated_gib": result.get("gpu_peak_allocated_gib"), "gpu_peak_reserved_gib": result.get("gpu_peak_reserved_gib")}
+    return {
+        **{f"median_{k}": v for k, v in med.items()},
+        **({"median_between_steps_s": _median(between)} if between else {}),
+        "tokens_per_step": tokens,
+        "trained_tokens_per_s": _median(tokens) / med["step_s"],
+        "peak_rss_gib": result["peak_rss_gib"],
+        "measured_steps": len(steps),
+        "gpu_peak_allocated_gib": result.get("gpu_peak_allocated_gib"),
+        "gpu_peak_reserved_gib": result.get("gpu_peak_reserved_gib"),
+    }
 
 
 def library_versions() -> dict:
@@ -393,15 +487,19 @@ def markdown(record: dict) -> str:
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[record.get("dtype", "float32")]
     gpu_head = " GPU peak alloc / reserved GiB |" if gpu else ""
     lines = [
-        f"# vlmrl vs TRL GRPOTrainer on {where} ({record['date']})", "",
+        f"# vlmrl vs TRL GRPOTrainer on {where} ({record['date']})",
+        "",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM; torch threads {record['torch_threads']}",
         "- libraries: " + ", ".join(f"{k} {v}" for k, v in libs.items()),
         f"- allocator: GLIBC_TUNABLES={record['glibc_tunables'] or '(unset, glibc defaults)'} (same for both sides)",
         f"- command: `{record['command']}`",
-        (f"- steps: {record['warmup']} warm-up + {record['steps']} measured per side, {record['rounds']} round(s) alternating vlmrl, TRL; "
-         "medians over measured steps (over all rounds)"),
+        (
+            f"- steps: {record['warmup']} warm-up + {record['steps']} measured per side, {record['rounds']} round(s) alternating vlmrl, TRL; "
+            "medians over measured steps (over all rounds)"
+        ),
         f"- vlmrl overrides beyond its defaults: {record.get('vlmrl_overrides') or 'none'}",
-        f"- common: {dtype} weights, {'CUDA' if gpu else 'CPU'}, " + ", ".join(f"{k}={v}" for k, v in COMMON.items())
+        f"- common: {dtype} weights, {'CUDA' if gpu else 'CPU'}, "
+        + ", ".join(f"{k}={v}" for k, v in COMMON.items())
         + "; one rollout and one optimizer step per step, all completions in one micro-batch on both sides",
         "",
         f"| config | side | step s | rollout s | scoring s | update s | peak RSS GiB |{gpu_head} trained tok/s | tok/step | images encoded/step |",
@@ -411,30 +509,42 @@ def markdown(record: dict) -> str:
         for side in ("vlmrl", "trl"):
             s = c[side]
             gpu_cell = f" {s['gpu_peak_allocated_gib']:.2f} / {s['gpu_peak_reserved_gib']:.2f} |" if gpu else ""
-            lines.append(f"| {c['name']} | {side} | {s['median_step_s']:.3f} | {s['median_rollout_s']:.3f} | {s['median_scoring_s']:.3f} | "
-                         f"{s['median_update_s']:.3f} | {s['peak_rss_gib']:.2f} |{gpu_cell} {s['trained_tokens_per_s']:.0f} | "
-                         f"{_median(s['tokens_per_step']):.0f} | "
-                         f"{s.get('vision_images_encoded_per_step') if s.get('vision_images_encoded_per_step') is not None else '?'} |")
+            lines.append(
+                f"| {c['name']} | {side} | {s['median_step_s']:.3f} | {s['median_rollout_s']:.3f} | {s['median_scoring_s']:.3f} | "
+                f"{s['median_update_s']:.3f} | {s['peak_rss_gib']:.2f} |{gpu_cell} {s['trained_tokens_per_s']:.0f} | "
+                f"{_median(s['tokens_per_step']):.0f} | "
+                f"{s.get('vision_images_encoded_per_step') if s.get('vision_images_encoded_per_step') is not None else '?'} |"
+            )
         r = c["ratios_vlmrl_over_trl"]
         gpu_cell = f" **{r['gpu_peak_allocated']:.2f} / {r['gpu_peak_reserved']:.2f}** |" if gpu else ""
-        lines.append(f"| {c['name']} | **vlmrl/TRL** | **{r['step_time']:.2f}** | {r['rollout']:.2f} | {r['scoring']:.2f} | "
-                     f"{r['update']:.2f} | "
-                     f"**{r['peak_rss']:.2f}** |{gpu_cell} {r['throughput']:.2f} | equal: {c['equal_work']} | |")
-    lines += ["", "Ratios are vlmrl / TRL: below 1 means vlmrl is faster or smaller, except throughput "
-              "(above 1 = vlmrl trains more tokens per second).",
-              "", "Configurations:", ""]
+        lines.append(
+            f"| {c['name']} | **vlmrl/TRL** | **{r['step_time']:.2f}** | {r['rollout']:.2f} | {r['scoring']:.2f} | "
+            f"{r['update']:.2f} | "
+            f"**{r['peak_rss']:.2f}** |{gpu_cell} {r['throughput']:.2f} | equal: {c['equal_work']} | |"
+        )
+    lines += [
+        "",
+        "Ratios are vlmrl / TRL: below 1 means vlmrl is faster or smaller, except throughput (above 1 = vlmrl trains more tokens per second).",
+        "",
+        "Configurations:",
+        "",
+    ]
     for c in record["configs"]:
-        lines.append(f"- **{c['name']}**: {c['title']}; image {c['image']}x{c['image']} px, vocab {c['vocab'] or 'tokenizer (~600)'}, "
-                     f"{c['prompts']} prompt(s) x G={c['G']} = {c['completions_per_step']} completions of {c['completion']} tokens per step; "
-                     f"prompt tokens per step {c.get('prompt_tokens_per_step')} (same on both sides)")
+        lines.append(
+            f"- **{c['name']}**: {c['title']}; image {c['image']}x{c['image']} px, vocab {c['vocab'] or 'tokenizer (~600)'}, "
+            f"{c['prompts']} prompt(s) x G={c['G']} = {c['completions_per_step']} completions of {c['completion']} tokens per step; "
+            f"prompt tokens per step {c.get('prompt_tokens_per_step')} (same on both sides)"
+        )
     memory = "GPU peak reserved" if gpu else "peak RSS"
     lines += ["", f"Targets (issue 7): on a and b, vlmrl step time <= 0.5x TRL's and {memory} <= 0.5x TRL's.", ""]
     for c in record["configs"]:
         if c["name"] in ("a", "b"):
             r = c["ratios_vlmrl_over_trl"]
             mem = r["gpu_peak_reserved"] if gpu else r["peak_rss"]
-            lines.append(f"- {c['name']}: step time {r['step_time']:.2f}x ({'met' if r['step_time'] <= 0.5 else 'NOT met'}), "
-                         f"{memory} {mem:.2f}x ({'met' if mem <= 0.5 else 'NOT met'})")
+            lines.append(
+                f"- {c['name']}: step time {r['step_time']:.2f}x ({'met' if r['step_time'] <= 0.5 else 'NOT met'}), "
+                f"{memory} {mem:.2f}x ({'met' if mem <= 0.5 else 'NOT met'})"
+            )
     if record.get("note"):
         lines += ["", f"Note: {record['note']}"]
     return "\n".join(lines) + "\n"
@@ -447,16 +557,29 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per side, not measured")
     ap.add_argument("--rounds", type=int, default=1, help="alternations vlmrl, TRL per config")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1+2 steps: checks the harness")
-    ap.add_argument("--allocator", choices=["default", "tuned"], default="default",
-                    help=f"default: glibc defaults for both sides (what a user's process gets); tuned: GLIBC_TUNABLES={GLIBC_TUNED} "
-                         "for both (no mmap, no trim: faster big-vocabulary steps, but peak RSS becomes the heap's high-water mark)")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cuda: both sides on the GPU; also records torch.cuda.max_memory_allocated / reserved per side")
+    ap.add_argument(
+        "--allocator",
+        choices=["default", "tuned"],
+        default="default",
+        help=f"default: glibc defaults for both sides (what a user's process gets); tuned: GLIBC_TUNABLES={GLIBC_TUNED} "
+        "for both (no mmap, no trim: faster big-vocabulary steps, but peak RSS becomes the heap's high-water mark)",
+    )
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: both sides on the GPU; also records torch.cuda.max_memory_allocated / reserved per side",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype on both sides")
     ap.add_argument("--work", default="/tmp/vlmrl_vs_trl", help="scratch folder for models, data and runs")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; with --quick: <work>/results)")
-    ap.add_argument("--vlmrl-override", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra vlmrl config override (repeatable), e.g. memory.logprob_chunk_tokens=128; recorded in the results")
+    ap.add_argument(
+        "--vlmrl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vlmrl config override (repeatable), e.g. memory.logprob_chunk_tokens=128; recorded in the results",
+    )
     ap.add_argument("--note", default=None, help="free text stored with the results (e.g. 'preliminary: machine busy')")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
@@ -475,19 +598,30 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {','.join(table)}")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
     env.pop("GLIBC_TUNABLES", None)
     if a.allocator == "tuned":
         env["GLIBC_TUNABLES"] = GLIBC_TUNED
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    record = {"date": datetime.date.today().isoformat(), "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "libraries": library_versions(), "glibc_tunables": env.get("GLIBC_TUNABLES"),
-              "command": shlex.join(["python", "benchmarks/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
-              "warmup": a.warmup, "steps": a.steps, "rounds": a.rounds, "quick": a.quick, "note": a.note,
-              "vlmrl_overrides": a.vlmrl_override, "device": a.device, "dtype": a.dtype, "configs": []}
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "libraries": library_versions(),
+        "glibc_tunables": env.get("GLIBC_TUNABLES"),
+        "command": shlex.join(["python", "benchmarks/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "rounds": a.rounds,
+        "quick": a.quick,
+        "note": a.note,
+        "vlmrl_overrides": a.vlmrl_override,
+        "device": a.device,
+        "dtype": a.dtype,
+        "configs": [],
+    }
     failures = []
     for name in names:
         spec = prepare(name, table[name], work)
@@ -505,8 +639,14 @@ def main(argv=None) -> int:
                 run_dir.mkdir(parents=True)
                 result_path = run_dir / "result.json"
                 print(f"[{name}] round {rnd + 1}/{a.rounds}: {side} ...", flush=True)
-                proc = subprocess.run([sys.executable, str(THIS), "--_child", side, "--_spec", str(spec_path), "--_result", str(result_path)],
-                                      check=False, env=env, cwd=str(ROOT), capture_output=True, text=True)
+                proc = subprocess.run(
+                    [sys.executable, str(THIS), "--_child", side, "--_spec", str(spec_path), "--_result", str(result_path)],
+                    check=False,
+                    env=env,
+                    cwd=str(ROOT),
+                    capture_output=True,
+                    text=True,
+                )
                 (run_dir / "log.txt").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
                 if proc.returncode != 0 or not result_path.is_file():
                     print(proc.stderr[-4000:], file=sys.stderr)
@@ -515,11 +655,14 @@ def main(argv=None) -> int:
                 res = json.loads(result_path.read_text())
                 runs[side].append(res)
                 s = summarise(res, a.warmup)
-                print(f"[{name}] {side}: median step {s['median_step_s']:.3f}s, peak RSS {s['peak_rss_gib']:.2f} GiB, "
-                      f"tokens/step {s['tokens_per_step']}", flush=True)
+                print(
+                    f"[{name}] {side}: median step {s['median_step_s']:.3f}s, peak RSS {s['peak_rss_gib']:.2f} GiB, "
+                    f"tokens/step {s['tokens_per_step']}",
+                    flush=True,
+                )
         merged = {}
         for side, results in runs.items():
-            per_step = [st for res in results for st in res["per_step"][a.warmup:]]
+            per_step = [st for res in results for st in res["per_step"][a.warmup :]]
             gpu = {k: max(r[k] for r in results) for k in ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib") if results[0].get(k) is not None}
             merged[side] = summarise({"per_step": per_step, "peak_rss_gib": max(r["peak_rss_gib"] for r in results), **gpu}, 0)
             merged[side]["rss_at_start_gib"] = max(r["rss_at_start_gib"] for r in results)
@@ -533,35 +676,62 @@ def main(argv=None) -> int:
         expected = spec["completions_per_step"] * spec["completion"]
         v_tok = [st["tokens"] for res in runs["vlmrl"] for st in res["per_step"]]
         t_tok = [st["tokens"] for res in runs["trl"] for st in res["per_step"]]
-        t_logged = [round(st["logged_mean_length"] * spec["completions_per_step"]) for res in runs["trl"] for st in res["per_step"]
-                    if st.get("logged_mean_length") is not None]
+        t_logged = [
+            round(st["logged_mean_length"] * spec["completions_per_step"])
+            for res in runs["trl"]
+            for st in res["per_step"]
+            if st.get("logged_mean_length") is not None
+        ]
         v_prompt = {st["prompt_tokens"] for res in runs["vlmrl"] for st in res["per_step"]}
         t_prompt = {st["prompt_tokens"] for res in runs["trl"] for st in res["per_step"]}
-        equal = (len(v_tok) == len(t_tok) and set(v_tok) == set(t_tok) == {expected} and set(t_logged) <= {expected}
-                 and len(v_prompt) == 1 and v_prompt == t_prompt)
+        equal = (
+            len(v_tok) == len(t_tok)
+            and set(v_tok) == set(t_tok) == {expected}
+            and set(t_logged) <= {expected}
+            and len(v_prompt) == 1
+            and v_prompt == t_prompt
+        )
         if not equal:
-            failures.append(f"config {name}: work differs: completion tokens trained per step vlmrl {v_tok}, TRL {t_tok} "
-                            f"(TRL's own log: {t_logged}; expected {expected} = {spec['completions_per_step']} completions x "
-                            f"{spec['completion']} tokens); prompt tokens per step vlmrl {sorted(v_prompt)}, TRL {sorted(t_prompt)}")
+            failures.append(
+                f"config {name}: work differs: completion tokens trained per step vlmrl {v_tok}, TRL {t_tok} "
+                f"(TRL's own log: {t_logged}; expected {expected} = {spec['completions_per_step']} completions x "
+                f"{spec['completion']} tokens); prompt tokens per step vlmrl {sorted(v_prompt)}, TRL {sorted(t_prompt)}"
+            )
         v, t = merged["vlmrl"], merged["trl"]
-        ratios = {"step_time": v["median_step_s"] / t["median_step_s"], "rollout": v["median_rollout_s"] / t["median_rollout_s"],
-                  "scoring": v["median_scoring_s"] / t["median_scoring_s"] if t["median_scoring_s"] > 0 else float("nan"),
-                  "update": v["median_update_s"] / t["median_update_s"], "peak_rss": v["peak_rss_gib"] / t["peak_rss_gib"],
-                  "throughput": v["trained_tokens_per_s"] / t["trained_tokens_per_s"]}
+        ratios = {
+            "step_time": v["median_step_s"] / t["median_step_s"],
+            "rollout": v["median_rollout_s"] / t["median_rollout_s"],
+            "scoring": v["median_scoring_s"] / t["median_scoring_s"] if t["median_scoring_s"] > 0 else float("nan"),
+            "update": v["median_update_s"] / t["median_update_s"],
+            "peak_rss": v["peak_rss_gib"] / t["peak_rss_gib"],
+            "throughput": v["trained_tokens_per_s"] / t["trained_tokens_per_s"],
+        }
         if v.get("gpu_peak_reserved_gib") is not None:  # on a GPU the memory target is on the device's peaks
             ratios["gpu_peak_allocated"] = v["gpu_peak_allocated_gib"] / t["gpu_peak_allocated_gib"]
             ratios["gpu_peak_reserved"] = v["gpu_peak_reserved_gib"] / t["gpu_peak_reserved_gib"]
-        record["configs"].append({**{k: spec[k] for k in ("name", "title", "image", "vocab", "completion", "G", "prompts", "completions_per_step")},
-                                  "image_tokens_per_prompt": (spec["image"] // 28) ** 2, "equal_work": equal,
-                                  "tokens_per_step_expected": expected,
-                                  "prompt_tokens_per_step": sorted(v_prompt), "vlmrl": v, "trl": t, "ratios_vlmrl_over_trl": ratios})
+        record["configs"].append(
+            {
+                **{k: spec[k] for k in ("name", "title", "image", "vocab", "completion", "G", "prompts", "completions_per_step")},
+                "image_tokens_per_prompt": (spec["image"] // 28) ** 2,
+                "equal_work": equal,
+                "tokens_per_step_expected": expected,
+                "prompt_tokens_per_step": sorted(v_prompt),
+                "vlmrl": v,
+                "trl": t,
+                "ratios_vlmrl_over_trl": ratios,
+            }
+        )
         print(f"[{name}] ratios vlmrl/TRL: " + ", ".join(f"{k} {x:.2f}" for k, x in ratios.items()) + f"; equal work: {equal}", flush=True)
 
     out = Path(a.out) if a.out else (work / "results" if a.quick else ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     where = "cpu" if a.device == "cpu" else (record.get("gpu") or "cuda").replace(" ", "-")
-    stem = (f"vs_trl_{where}_{record['date']}" + ("_quick" if a.quick else "") + ("_overrides" if a.vlmrl_override else "")
-            + ("_tuned_allocator" if a.allocator == "tuned" else ""))
+    stem = (
+        f"vs_trl_{where}_{record['date']}"
+        + ("_quick" if a.quick else "")
+        + ("_overrides" if a.vlmrl_override else "")
+        + ("_tuned_allocator" if a.allocator == "tuned" else "")
+    )
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     (out / f"{stem}.md").write_text(markdown(record))
     print(markdown(record))

@@ -16,6 +16,7 @@ demo_result = root / "benchmarks/results/demo_cpu.json"
 if demo_result.exists():
     parts["demo-figures"] = figures_markdown(json.loads(demo_result.read_text()))
 for name, body in parts.items():
-    text = re.sub(rf"<!-- {name}:start -->\n.*<!-- {name}:end -->", lambda _, b=body, n=name: f"<!-- {n}:start -->\n{b}<!-- {n}:end -->",
-                  text, flags=re.S)
+    text = re.sub(
+        rf"<!-- {name}:start -->\n.*<!-- {name}:end -->", lambda _, b=body, n=name: f"<!-- {n}:start -->\n{b}<!-- {n}:end -->", text, flags=re.S
+    )
 readme.write_text(text)

@@ -147,8 +147,10 @@ def test_pure_modules_import_without_engines():
     import subprocess
     import sys
 
-    code = ("import sys; import vlmrl.config, vlmrl.advantages, vlmrl.losses, vlmrl.rewards; "
-            "bad = [m for m in ('accelerate', 'deepspeed', 'vllm', 'transformers', 'peft') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys; import vlmrl.config, vlmrl.advantages, vlmrl.losses, vlmrl.rewards; "
+        "bad = [m for m in ('accelerate', 'deepspeed', 'vllm', 'transformers', 'peft') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

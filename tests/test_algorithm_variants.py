@@ -104,8 +104,7 @@ def test_cispo_matches_naive_token_loop():
     adv = torch.randn(n)
     mask = (torch.rand(n, t) > 0.2).float()
     logps = logps0.clone().requires_grad_(True)
-    fast = aggregate(per_token_loss(logps, old, adv, 0.2, 0.28, mask=mask, policy_loss="cispo")[0], mask, "token_mean",
-                     step_normaliser([mask], t))
+    fast = aggregate(per_token_loss(logps, old, adv, 0.2, 0.28, mask=mask, policy_loss="cispo")[0], mask, "token_mean", step_normaliser([mask], t))
     fast.backward()
     ref_logps = logps0.clone().requires_grad_(True)
     total, count = 0.0, 0
@@ -136,17 +135,19 @@ def test_policy_losses_accept_per_token_advantages():
 def test_trl_names_are_aliases_of_the_explicit_ones():
     cfg = load_config(None, ["algorithm.loss_type=dapo", "algorithm.scale_rewards=none"])
     assert (cfg.loss_aggregation, cfg.advantage_estimator) == ("token_mean", "dr_grpo")
-    cfg = load_config(None, ["algorithm.advantage_estimator=reinforce_pp", "algorithm.policy_loss=cispo",
-                             "algorithm.loss_aggregation=token_mean"])
+    cfg = load_config(None, ["algorithm.advantage_estimator=reinforce_pp", "algorithm.policy_loss=cispo", "algorithm.loss_aggregation=token_mean"])
     assert (cfg.advantage_estimator, cfg.algorithm.policy_loss, cfg.loss_aggregation) == ("reinforce_pp", "cispo", "token_mean")
     assert set(AGGREGATIONS) == {"seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"}
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algorithm.policy_loss=gpso", "did you mean 'gspo'"),
-    ("algorithm.advantage_estimator=reinforce", "did you mean 'reinforce_pp'"),
-    ("algorithm.loss_aggregation=token-mean", "did you mean 'token_mean'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.policy_loss=gpso", "did you mean 'gspo'"),
+        ("algorithm.advantage_estimator=reinforce", "did you mean 'reinforce_pp'"),
+        ("algorithm.loss_aggregation=token-mean", "did you mean 'token_mean'"),
+    ],
+)
 def test_unknown_algorithm_names_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])

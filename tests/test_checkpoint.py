@@ -14,8 +14,18 @@ from safetensors.torch import load_file, save_file
 
 from vlmrl import checkpoint as ckpt
 from vlmrl.checkpoint import (
-    CheckpointError, CheckpointSaveError, GracefulStop, check_resume_compat, config_diff, find_resume_checkpoint,
-    list_checkpoints, load_training_state, restore_rng, rotate_checkpoints, save_checkpoint, verify_checkpoint,
+    CheckpointError,
+    CheckpointSaveError,
+    GracefulStop,
+    check_resume_compat,
+    config_diff,
+    find_resume_checkpoint,
+    list_checkpoints,
+    load_training_state,
+    restore_rng,
+    rotate_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
 )
 from vlmrl.config import load_config, to_dict
 
@@ -67,7 +77,14 @@ def test_round_trip_is_bit_exact(tmp_path):
     assert path == tmp_path / "checkpoint-2"
     assert verify_checkpoint(path) == (True, "ok")
     assert {p.name for p in path.iterdir()} == {
-        "model", "optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json", "config.yaml", "manifest.json"}
+        "model",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state_0.pt",
+        "trainer_state.json",
+        "config.yaml",
+        "manifest.json",
+    }
     for _ in range(3):  # the uninterrupted run
         train_step(model, opt, sched)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -195,8 +212,7 @@ def test_rotation_keeps_newest_valid_and_best(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-4"]
     assert any("checkpoint-5" in w for w in warnings)
     # Through save_checkpoint: limit 1 still keeps the best (from trainer_state) and the newest.
-    save(tmp_path, 6, model, opt, sched, save_total_limit=1,
-         trainer_state={"epoch": 0, "best_metric": 0.9, "best_step": 1})
+    save(tmp_path, 6, model, opt, sched, save_total_limit=1, trainer_state={"epoch": 0, "best_metric": 0.9, "best_step": 1})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-6"]
 
 
@@ -207,16 +223,19 @@ def test_disk_full_leaves_previous_intact(tmp_path, monkeypatch, where):
     full = OSError(errno.ENOSPC, "No space left on device")
     callback = saver(model)
     if where == "torch_save":
+
         def boom(*a, **k):
             raise full
+
         monkeypatch.setattr(torch, "save", boom)
     else:
+
         def callback(folder):
             (folder / "model.safetensors").write_bytes(b"partial")
             raise full
+
     with pytest.raises(CheckpointSaveError) as info:
-        save_checkpoint(tmp_path, 2, save_model=callback, optimizer=opt, scheduler=sched,
-                        trainer_state={}, config=CONFIG)
+        save_checkpoint(tmp_path, 2, save_model=callback, optimizer=opt, scheduler=sched, trainer_state={}, config=CONFIG)
     msg = str(info.value)
     assert str(tmp_path / "checkpoint-2") in msg and "No space left" in msg
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
@@ -266,8 +285,11 @@ def test_loader_refuses_pickled_objects(tmp_path, payload):
 
 def test_config_diff_classification():
     old = to_dict(load_config())
-    new = to_dict(load_config(overrides=["algorithm.beta=0.04", "training.max_steps=500", "logging.report=false",
-                                         "rollout.num_generations=2", "training.save_steps=10"]))
+    new = to_dict(
+        load_config(
+            overrides=["algorithm.beta=0.04", "training.max_steps=500", "logging.report=false", "rollout.num_generations=2", "training.save_steps=10"]
+        )
+    )
     breaking, harmless = config_diff(old, new)
     assert breaking == ["algorithm.beta: 0.0 -> 0.04", "rollout.num_generations: 4 -> 2"]
     assert harmless == ["logging.report: true -> false", "training.max_steps: 100 -> 500", "training.save_steps: 0 -> 10"]
@@ -300,10 +322,10 @@ def test_config_diff_settings_newer_than_the_checkpoint():
 def test_checkpoint_config_round_trips(tmp_path):
     model, opt, sched = make_run()
     cfg = to_dict(load_config())
-    path = save_checkpoint(tmp_path, 1, save_model=saver(model), optimizer=opt, scheduler=sched,
-                           trainer_state={}, config=cfg)
+    path = save_checkpoint(tmp_path, 1, save_model=saver(model), optimizer=opt, scheduler=sched, trainer_state={}, config=cfg)
     assert ckpt.read_checkpoint_config(path) == cfg
     from vlmrl.config import config_hash
+
     assert ckpt.read_trainer_state(path)["config_hash"] == config_hash(load_config())
 
 

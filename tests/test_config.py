@@ -134,7 +134,6 @@ def test_shipped_example_configs_load():
         assert cfg.generation_batch_size % cfg.rollout.num_generations == 0
 
 
-
 def test_readme_demo_figures_come_from_the_result_file():
     """The README's demo figures are rendered from benchmarks/results/demo_cpu.json (a demo run's own output), never typed."""
     import json

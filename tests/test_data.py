@@ -40,12 +40,15 @@ GOOD = {"image": "img/a.png", "problem": "How many?", "solution": "3"}
 
 def test_jsonl_loads_and_resolves_relative_paths(good_dir, tmp_path, monkeypatch):
     monkeypatch.chdir("/")  # relative paths must not depend on the working directory
-    data = _jsonl(good_dir / "train.jsonl", [
-        GOOD,
-        "",  # blank lines are ignored but still counted for line numbers
-        {"images": ["img/a.png", str(good_dir / "img" / "b.png")], "problem": "p", "solution": 2.5, "response": "r", "extra": [1]},
-        {"problem": "text only", "solution": "x"},
-    ])
+    data = _jsonl(
+        good_dir / "train.jsonl",
+        [
+            GOOD,
+            "",  # blank lines are ignored but still counted for line numbers
+            {"images": ["img/a.png", str(good_dir / "img" / "b.png")], "problem": "p", "solution": 2.5, "response": "r", "extra": [1]},
+            {"problem": "text only", "solution": "x"},
+        ],
+    )
     rows, report = load_dataset_split(data, limit_images=4, skip_bad_rows=False)
     assert [r["_source"] for r in rows] == [f"{data}:1", f"{data}:3", f"{data}:4"]
     assert rows[0]["images"] == [str(good_dir / "img" / "a.png")] and "image" not in rows[0]
@@ -91,9 +94,10 @@ def test_embedded_image_column_is_read(good_dir, tmp_path, monkeypatch):
     import datasets
 
     monkeypatch.setenv("VLMRL_CACHE", str(tmp_path / "cache"))
-    ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", (4, 4))], "problem": ["p"], "solution": ["s"]},
-                                    features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
-                                                                "solution": datasets.Value("string")}))
+    ds = datasets.Dataset.from_dict(
+        {"image": [Image.new("RGB", (4, 4))], "problem": ["p"], "solution": ["s"]},
+        features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"), "solution": datasets.Value("string")}),
+    )
     ds.save_to_disk(str(good_dir / "emb"))
     (row,), _ = load_dataset_split(good_dir / "emb", limit_images=None, skip_bad_rows=False)
     assert row["images"][0].startswith(str(tmp_path / "cache" / "images"))  # more cases: tests/test_embedded_images.py
@@ -102,7 +106,7 @@ def test_embedded_image_column_is_read(good_dir, tmp_path, monkeypatch):
 def _bad_rows_file(d):
     """One good row and one row of every bad kind; returns (path, expected problem lines by line number)."""
     _png(d / "ok.png")
-    full = (d / "trunc_src.png")
+    full = d / "trunc_src.png"
     Image.effect_noise((64, 64), 50).convert("RGB").save(full)  # noise does not compress: the cut is mid-data
     data = full.read_bytes()
     (d / "trunc.png").write_bytes(data[: len(data) // 2])
@@ -155,8 +159,7 @@ def test_skip_bad_rows_keeps_good_rows_and_counts_kinds(tmp_path):
     rows, report = load_dataset_split(path, limit_images=None, skip_bad_rows=True)
     assert [r["_source"] for r in rows] == [f"{path}:1"]
     assert (report.total_rows, report.kept_rows, report.skipped_rows) == (11, 1, 10)
-    assert report.problem_counts == {"missing_image": 1, "bad_image": 2, "missing_field": 1, "wrong_type": 4,
-                                     "malformed": 2, "empty_field": 1}
+    assert report.problem_counts == {"missing_image": 1, "bad_image": 2, "missing_field": 1, "wrong_type": 4, "malformed": 2, "empty_field": 1}
     assert report.summary() == (
         "1 of 11 rows kept, 1 images; 10 bad rows skipped (bad_image: 2, empty_field: 1, malformed: 2, "
         f"missing_field: 1, missing_image: 1, wrong_type: 4; rows {path}:2, 3, 4, 5, 6 and 5 more)"
@@ -196,8 +199,10 @@ def test_empty_inputs_are_errors(tmp_path, skip):
 
 
 def test_limit_images_truncates_and_counts(good_dir):
-    rows = [{"images": ["img/a.png", "img/b.png", "img/a.png"], "problem": "p", "solution": "1", "_source": "x:1"},
-            {"images": ["img/b.png"], "problem": "p", "solution": "1", "_source": "x:2"}]
+    rows = [
+        {"images": ["img/a.png", "img/b.png", "img/a.png"], "problem": "p", "solution": "1", "_source": "x:1"},
+        {"images": ["img/b.png"], "problem": "p", "solution": "1", "_source": "x:2"},
+    ]
     good, report = validate_rows(rows, good_dir, limit_images=2, skip_bad_rows=False)
     assert good[0]["images"] == [str(good_dir / "img" / "a.png"), str(good_dir / "img" / "b.png")]
     assert (report.truncated_rows, report.dropped_images, report.num_images) == (1, 1, 3)
@@ -230,8 +235,10 @@ def test_target_size_exact():
     assert target_size(1, 10_000, None, 100) == (1, 100)  # a 1-pixel side: the long side is cut
 
 
-@pytest.mark.parametrize("size, lo, hi", [((400, 200), 28 * 28, 100 * 100), ((7, 3), 28 * 28, 100 * 100), ((50, 50), 10, 10_000),
-                                          ((1000, 10), 1, 500), ((3, 997), 1000, 5000)])
+@pytest.mark.parametrize(
+    "size, lo, hi",
+    [((400, 200), 28 * 28, 100 * 100), ((7, 3), 28 * 28, 100 * 100), ((50, 50), 10, 10_000), ((1000, 10), 1, 500), ((3, 997), 1000, 5000)],
+)
 def test_load_images_keeps_aspect_and_respects_caps(tmp_path, size, lo, hi):
     path = _png(tmp_path / "x.png", size=size)
     (im,) = load_images([str(path)], lo, hi)

@@ -27,6 +27,7 @@ def _data(tmp_path, sizes):
 
 def _png_header_only(path, width, height):
     """A PNG whose header declares width x height but holds one byte of data: opening it allocates nothing."""
+
     def chunk(kind, body):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
 
@@ -160,6 +161,9 @@ def test_a_refusal_validation_did_not_foresee_still_names_the_rows(tmp_path, tin
     path = _data(tmp_path, [(56, 56), (30000, 1)])
     rows, _ = load_dataset_split(path, limit_images=1, skip_bad_rows=False)  # no shape check: the strip gets through
     cfg = load_config(None, [f"model.name_or_path={tiny_qwen25vl}"])
-    with pytest.raises(DataError, match=rf"refused a batch of rows: {path}:1 \(images \['56x56'\]\); {path}:2 \(images \['30000x1'\]\): "
-                                        "ValueError: absolute aspect ratio must be smaller than 200"):
+    with pytest.raises(
+        DataError,
+        match=rf"refused a batch of rows: {path}:1 \(images \['56x56'\]\); {path}:2 \(images \['30000x1'\]\): "
+        "ValueError: absolute aspect ratio must be smaller than 200",
+    ):
         encode_rows(qwen_processor, rows, cfg, torch.device("cpu"))

@@ -20,8 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.distributed import (Distributed, DistributedError, merge_rows, prompt_seed, reduce_metric_dicts,
-                               rows_of, shard_prompts)
+from vlmrl.distributed import Distributed, DistributedError, merge_rows, prompt_seed, reduce_metric_dicts, rows_of, shard_prompts
 from vlmrl.rollout import Completions, cat_completions
 from vlmrl.tasks import make_count_task
 
@@ -40,7 +39,7 @@ def test_shard_prompts_gives_whole_prompts_and_splits_every_optimizer_step(P, G,
         assert counts == [per_opt // W] * W
     rows = [rows_of(sh, G) for sh in shards]
     assert all(len(r) == P * G // W for r in rows)
-    assert all(r[i * G:(i + 1) * G] == list(range(p * G, p * G + G)) for sh, r in zip(shards, rows) for i, p in enumerate(sh))
+    assert all(r[i * G : (i + 1) * G] == list(range(p * G, p * G + G)) for sh, r in zip(shards, rows) for i, p in enumerate(sh))
 
 
 def test_shard_prompts_refuses_uneven_batches_with_the_fix():
@@ -117,14 +116,24 @@ def _collectives_worker(rank: int, world: int, port: int, queue) -> None:
     d = Distributed.from_env(cpu=True)
     shard = d.shard(4, 2, 4)  # 2 optimizer steps of 2 prompts: rank 0 gets prompts 0 and 2, rank 1 gets 1 and 3
     total = [float(i) for i in shard.rows]  # each row's value is its global index
-    comp = Completions(ids=torch.zeros(4, 2, dtype=torch.long), mask=torch.ones(4, 2, dtype=torch.long),
-                       truncated=torch.tensor([rank == 1] * 4))
+    comp = Completions(ids=torch.zeros(4, 2, dtype=torch.long), mask=torch.ones(4, 2, dtype=torch.long), truncated=torch.tensor([rank == 1] * 4))
     all_total, per_reward, lengths, truncated = d.gather_rollout(shard, total, {"acc": [rank] * 4}, comp)
     norm = d.step_normaliser([torch.ones(2, 3) * rank], 7)  # rank 0: 0 tokens, rank 1: 6 tokens
     metrics = d.reduce_metrics({"loss": 0.5 + rank, "mem/host_peak_rss": 1.0 + rank, "same": 3.0}, sum_keys=("loss",))
     rng = d.gather_rng_states()
-    queue.put((rank, shard.prompts, all_total, per_reward["acc"], truncated.tolist(), (norm.num_sequences, norm.num_tokens),
-               metrics, None if rng is None else sorted(rng), d.any(rank == 1)))
+    queue.put(
+        (
+            rank,
+            shard.prompts,
+            all_total,
+            per_reward["acc"],
+            truncated.tolist(),
+            (norm.num_sequences, norm.num_tokens),
+            metrics,
+            None if rng is None else sorted(rng),
+            d.any(rank == 1),
+        )
+    )
     import torch.distributed as dist
 
     dist.destroy_process_group()
@@ -166,12 +175,29 @@ def _args(setup, out, *extra):
     _, model, data = setup
     # 4 prompts x G=2 per step; optimizer steps of 4 completions (2 prompts): with 2 processes each holds one prompt
     # of every optimizer step. beta > 0: the reference is scored too.
-    return [f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=", f"training.output_dir={out}",
-            "training.max_steps=3", "rollout.num_generations=2", "training.per_device_train_batch_size=2",
-            "training.gradient_accumulation_steps=2", "rollout.generation_batch_size=8", "rollout.max_completion_length=5",
-            "optim.learning_rate=1e-3", "algorithm.beta=0.05", "rollout.sampling_seed=prompt", "training.device=cpu",
-            "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false", "data.min_pixels=3136",
-            "data.max_pixels=3136", f"algorithm.reward_funcs=['{LENGTH_REWARD}']", *extra]
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_path={data['train']}",
+        "data.eval_path=",
+        f"training.output_dir={out}",
+        "training.max_steps=3",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=2",
+        "training.gradient_accumulation_steps=2",
+        "rollout.generation_batch_size=8",
+        "rollout.max_completion_length=5",
+        "optim.learning_rate=1e-3",
+        "algorithm.beta=0.05",
+        "rollout.sampling_seed=prompt",
+        "training.device=cpu",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
+        *extra,
+    ]
 
 
 def _env():
@@ -232,9 +258,17 @@ def test_ddp_two_processes_match_one_process(setup, reference):
 def _two_nodes(setup, out, *extra):
     """Two torchrun launches, node ranks 0 and 1, one process each, meeting at 127.0.0.1."""
     port = str(_free_port())
-    procs = [subprocess.Popen(_torchrun("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-                                        "--master_port", port) + _args(setup, out, *extra),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for n in range(2)]
+    procs = [
+        subprocess.Popen(
+            _torchrun("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port)
+            + _args(setup, out, *extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+        )
+        for n in range(2)
+    ]
     logs = []
     for p in procs:
         text, _ = p.communicate(timeout=240)
@@ -281,8 +315,7 @@ def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
 # ---------------------------------------------------------------- FSDP2
 def _launch_fsdp2(setup, out, env: dict, *extra) -> str:
     """torchrun x2 with the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports."""
-    return _run(_torchrun("--standalone", "--nproc_per_node", "2")
-                + _args(setup, out, *extra), ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", **env)
+    return _run(_torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out, *extra), ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", **env)
 
 
 def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, reference):
@@ -366,14 +399,13 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     from vlmrl.rollout import generate
     from vlmrl.runtime import encode_rows, load_policy
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      HF_HUB_OFFLINE="1")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
     d = Distributed.from_env(cpu=True)
     model, processor = load_policy(cfg, torch.device("cpu"))
     rows, _ = load_dataset_split(data_path, limit_images=4, skip_bad_rows=False)
-    prompts = encode_rows(processor, rows[2 * rank: 2 * rank + 2], cfg, torch.device("cpu"))
+    prompts = encode_rows(processor, rows[2 * rank : 2 * rank + 2], cfg, torch.device("cpu"))
     plain = copy.deepcopy(model)
     torch.manual_seed(0)
     expected = generate(plain, processor.tokenizer, prompts, num_generations=2, max_new_tokens=5)
@@ -414,8 +446,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
         def step(self):
             pass
 
-    sharded = torch.cat([p.grad.full_tensor().reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                         for p in root.parameters()])
+    sharded = torch.cat([p.grad.full_tensor().reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in root.parameters()])
     grad_error = ((sharded - flat).abs().max() / flat.abs().max()).item()
     norm_fsdp = d.optimizer_step(opt, _Sched(), 1e9).grad_norm
     queue.put((rank, same, flat.double().norm().item(), norm_fsdp, grad_error))

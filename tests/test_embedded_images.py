@@ -41,8 +41,10 @@ def _pixel(path):
 
 
 def test_datasets_image_column_save_to_disk_and_parquet(tmp_path, cache):
-    ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", (6, 5), "red"), Image.new("RGB", (7, 3), "blue")],
-                                     "problem": ["a?", "b?"], "solution": ["1", "2"]}, features=FEATURES)
+    ds = datasets.Dataset.from_dict(
+        {"image": [Image.new("RGB", (6, 5), "red"), Image.new("RGB", (7, 3), "blue")], "problem": ["a?", "b?"], "solution": ["1", "2"]},
+        features=FEATURES,
+    )
     ds.save_to_disk(str(tmp_path / "disk"))
     ds.to_parquet(str(tmp_path / "set.parquet"))  # how hub datasets ship: {bytes, path} structs
     for source in (tmp_path / "disk", tmp_path / "set.parquet"):
@@ -56,10 +58,12 @@ def test_datasets_image_column_save_to_disk_and_parquet(tmp_path, cache):
 
 def test_list_of_images_and_path_only_structs(tmp_path, cache):
     Image.new("RGB", (5, 5), "green").save(tmp_path / "on_disk.png")
-    features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
-                                  "solution": datasets.Value("string")})
-    ds = datasets.Dataset.from_dict({"images": [[Image.new("RGB", (4, 4), "red"), Image.new("RGB", (4, 4), "blue")]],
-                                     "problem": ["p"], "solution": ["s"]}, features=features)
+    features = datasets.Features(
+        {"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"), "solution": datasets.Value("string")}
+    )
+    ds = datasets.Dataset.from_dict(
+        {"images": [[Image.new("RGB", (4, 4), "red"), Image.new("RGB", (4, 4), "blue")]], "problem": ["p"], "solution": ["s"]}, features=features
+    )
     ds.save_to_disk(str(tmp_path / "multi"))
     (row,), _ = load_dataset_split(tmp_path / "multi", limit_images=None, skip_bad_rows=False)
     assert [_pixel(p) for p in row["images"]] == [(255, 0, 0), (0, 0, 255)]
@@ -75,9 +79,11 @@ def test_raw_bytes_and_data_uris(tmp_path, cache):
     (row,), _ = load_dataset_split(tmp_path / "raw.parquet", limit_images=None, skip_bad_rows=False)
     assert row["images"][0].endswith(".jpg") and _pixel(row["images"][0])[0] > 240
     uri = "data:image/png;base64," + base64.b64encode(png_bytes("red")).decode()
-    lines = [{"image": uri, "problem": "p", "solution": "s"},
-             {"image": "data:image/png;base64,@@not-base64@@", "problem": "p", "solution": "s"},
-             {"images": ["data:image/png,rawtext"], "problem": "p", "solution": "s"}]
+    lines = [
+        {"image": uri, "problem": "p", "solution": "s"},
+        {"image": "data:image/png;base64,@@not-base64@@", "problem": "p", "solution": "s"},
+        {"images": ["data:image/png,rawtext"], "problem": "p", "solution": "s"},
+    ]
     (tmp_path / "uri.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     rows, report = load_dataset_split(tmp_path / "uri.jsonl", limit_images=None, skip_bad_rows=True)
     assert len(rows) == 1 and _pixel(rows[0]["images"][0]) == (255, 0, 0)
@@ -88,9 +94,13 @@ def test_raw_bytes_and_data_uris(tmp_path, cache):
 
 def test_corrupt_and_empty_embedded_images_are_reported_with_their_row(tmp_path, cache):
     good, bad = png_bytes("red"), png_bytes("blue")[:40]  # cut mid-data
-    table = pa.table({"image": [{"bytes": good, "path": "a.png"}, {"bytes": bad, "path": "b.png"}, {"bytes": b"", "path": None},
-                                {"bytes": None, "path": None}],
-                      "problem": ["p"] * 4, "solution": ["s"] * 4})
+    table = pa.table(
+        {
+            "image": [{"bytes": good, "path": "a.png"}, {"bytes": bad, "path": "b.png"}, {"bytes": b"", "path": None}, {"bytes": None, "path": None}],
+            "problem": ["p"] * 4,
+            "solution": ["s"] * 4,
+        }
+    )
     pq.write_table(table, tmp_path / "mixed.parquet")
     with pytest.raises(DataError) as e:
         load_dataset_split(tmp_path / "mixed.parquet", limit_images=None, skip_bad_rows=False)
@@ -126,8 +136,7 @@ def test_hub_style_parquet_shards_by_pattern(tmp_path, cache):
     shards = tmp_path / "data"
     shards.mkdir()
     for i, colour in enumerate(["red", "green", "blue"]):
-        ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", (4, 4), colour)], "problem": [f"q{i}"], "solution": ["s"]},
-                                        features=FEATURES)
+        ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", (4, 4), colour)], "problem": [f"q{i}"], "solution": ["s"]}, features=FEATURES)
         ds.to_parquet(str(shards / f"train-{i:05d}-of-00003.parquet"))
     (shards / "test-00000-of-00001.parquet").write_bytes(b"not read")
     rows, _ = load_dataset_split(f"{shards}/train-*.parquet", limit_images=None, skip_bad_rows=False)

@@ -6,15 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from vlmrl.distributed import (DDPEngine, DeepSpeedEngine, Distributed, DistributedError, FSDP2Engine, SingleProcessEngine)
+from vlmrl.distributed import DDPEngine, DeepSpeedEngine, Distributed, DistributedError, FSDP2Engine, SingleProcessEngine
 
 SRC = pathlib.Path(__file__).parent.parent / "src" / "vlmrl"
 
 
 def fake_accelerator(distributed_type: str, **state) -> SimpleNamespace:
     """What Distributed reads from accelerate's Accelerator: its state (two processes, this one rank 0)."""
-    return SimpleNamespace(state=SimpleNamespace(num_processes=2, process_index=0, local_process_index=0,
-                                                 distributed_type=distributed_type, **state))
+    return SimpleNamespace(state=SimpleNamespace(num_processes=2, process_index=0, local_process_index=0, distributed_type=distributed_type, **state))
 
 
 @pytest.fixture(autouse=True)

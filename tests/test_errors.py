@@ -14,8 +14,17 @@ from vlmrl.cli import main
 from vlmrl.models import check_model_folder
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-QUICK = ["training.max_steps=1", "rollout.num_generations=2", "training.per_device_train_batch_size=2", "rollout.max_completion_length=4",
-         "data.task_train_size=4", "data.task_test_size=0", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false"]
+QUICK = [
+    "training.max_steps=1",
+    "rollout.num_generations=2",
+    "training.per_device_train_batch_size=2",
+    "rollout.max_completion_length=4",
+    "data.task_train_size=4",
+    "data.task_test_size=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.report=false",
+]
 
 
 def _copy(folder, tmp_path, name="model"):
@@ -31,13 +40,16 @@ def test_complete_folders_have_nothing_missing(family, request):
     assert check_model_folder(request.getfixturevalue(family)) == []
 
 
-@pytest.mark.parametrize("delete, missing", [
-    ("chat_template.jinja", "a chat template"),
-    ("preprocessor_config.json", "image processor config (preprocessor_config.json)"),
-    ("tokenizer.json", "tokenizer files"),
-    ("model.safetensors", "weight files"),
-    ("config.json", "config.json"),
-])
+@pytest.mark.parametrize(
+    "delete, missing",
+    [
+        ("chat_template.jinja", "a chat template"),
+        ("preprocessor_config.json", "image processor config (preprocessor_config.json)"),
+        ("tokenizer.json", "tokenizer files"),
+        ("model.safetensors", "weight files"),
+        ("config.json", "config.json"),
+    ],
+)
 def test_each_missing_piece_is_named(tiny_qwen25vl, tmp_path, delete, missing):
     folder = _copy(tiny_qwen25vl, tmp_path)
     (folder / delete).unlink()
@@ -55,8 +67,7 @@ def test_template_in_tokenizer_config_counts_and_index_shards_are_checked(tiny_q
     index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    assert check_model_folder(folder) == [
-        "weight shards named in model.safetensors.index.json: model-00002-of-00002.safetensors"]
+    assert check_model_folder(folder) == ["weight shards named in model.safetensors.index.json: model-00002-of-00002.safetensors"]
 
 
 def _cli(args, env_extra=None):
@@ -73,8 +84,10 @@ def test_missing_chat_template_is_one_line_before_training_and_debug_shows_trace
     out, err = plain.communicate(timeout=300)
     assert plain.returncode == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines == [f"vlmrl train: model folder {folder} is incomplete: missing a chat template (chat_template.jinja, or chat_template "
-                     "in tokenizer_config.json) (vlmrl never downloads models unless model.allow_hub_download=true)"]
+    assert lines == [
+        f"vlmrl train: model folder {folder} is incomplete: missing a chat template (chat_template.jinja, or chat_template "
+        "in tokenizer_config.json) (vlmrl never downloads models unless model.allow_hub_download=true)"
+    ]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before the first step
     _, err = debug.communicate(timeout=300)
     assert debug.returncode == 2 and "Traceback (most recent call last)" in err and "require_complete_model_folder" in err
@@ -104,8 +117,7 @@ def test_out_of_memory_at_size_1_is_one_line(tiny_qwen25vl, tmp_path, capsys, mo
 
 def test_checkpoint_problems_are_one_message(tiny_qwen25vl, tmp_path, capsys):
     out = tmp_path / "out"
-    base = [f"model.name_or_path={tiny_qwen25vl}", f"training.output_dir={out}", *QUICK, "training.save_steps=1",
-            "training.save_final_model=false"]
+    base = [f"model.name_or_path={tiny_qwen25vl}", f"training.output_dir={out}", *QUICK, "training.save_steps=1", "training.save_final_model=false"]
     assert main(["train", *base]) == 0
     capsys.readouterr()
     checkpoint = out / "checkpoint-1"

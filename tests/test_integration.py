@@ -25,14 +25,29 @@ LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":
 
 
 def grpo_cfg(model_path, data, out, *extra):
-    return load_config(None, [
-        f"model.name_or_path={model_path}", f"data.train_path={data['train']}", f"data.eval_path={data['test']}",
-        f"training.output_dir={out}", "training.max_steps=2", "rollout.num_generations=4",
-        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=8", "training.gradient_accumulation_steps=1",
-        "rollout.max_completion_length=6", "optim.learning_rate=1e-3", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.report=false", "data.min_pixels=3136", "data.max_pixels=3136",
-        f"algorithm.reward_funcs=[accuracy, '{LENGTH_REWARD}']", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={model_path}",
+            f"data.train_path={data['train']}",
+            f"data.eval_path={data['test']}",
+            f"training.output_dir={out}",
+            "training.max_steps=2",
+            "rollout.num_generations=4",
+            "training.per_device_train_batch_size=4",
+            "rollout.generation_batch_size=8",
+            "training.gradient_accumulation_steps=1",
+            "rollout.max_completion_length=6",
+            "optim.learning_rate=1e-3",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            f"algorithm.reward_funcs=[accuracy, '{LENGTH_REWARD}']",
+            *extra,
+        ],
+    )
 
 
 def weights(folder):
@@ -70,8 +85,7 @@ def test_num_iterations_reuses_old_logps(tiny_qwen25vl, count_data, tmp_path):
     assert m1["ratio_dev/iter1"] == 0.0  # on-policy: ratio is exactly 1
     out2 = tmp_path / "mu2"
     # One optimizer step per pass (8 rows = 4 x 2 accumulation), so pass 1 sees the rollout policy.
-    train(grpo_cfg(tiny_qwen25vl, count_data, out2, "training.max_steps=1", "algorithm.num_iterations=2",
-                   "training.gradient_accumulation_steps=2"))
+    train(grpo_cfg(tiny_qwen25vl, count_data, out2, "training.max_steps=1", "algorithm.num_iterations=2", "training.gradient_accumulation_steps=2"))
     (m2,) = read_metrics(out2)
     assert m2["ratio_dev/iter1"] < 1e-5  # stored old log-probs == first-pass log-probs
     assert m2["ratio_dev/iter2"] > 1e-4  # second pass: the policy moved, the ratio is not 1
@@ -87,9 +101,19 @@ def test_beta_with_lora_uses_no_model_copy(tiny_qwen25vl, count_data, tmp_path, 
 
     monkeypatch.setattr(copy, "deepcopy", no_model_copy)
     out = tmp_path / "lora"
-    train(grpo_cfg(tiny_qwen25vl, count_data, out, "model.use_lora=true", "algorithm.beta=0.1", "model.lora_r=4",
-                   "optim.learning_rate=1e-2", "training.save_final_model=false",
-                   "training.gradient_accumulation_steps=2"))
+    train(
+        grpo_cfg(
+            tiny_qwen25vl,
+            count_data,
+            out,
+            "model.use_lora=true",
+            "algorithm.beta=0.1",
+            "model.lora_r=4",
+            "optim.learning_rate=1e-2",
+            "training.save_final_model=false",
+            "training.gradient_accumulation_steps=2",
+        )
+    )
     rows = read_metrics(out)
     assert rows[0]["kl"] < 1e-6  # step 1 is one optimizer step: LoRA B starts at zero, policy == reference
     assert rows[-1]["kl"] > 0  # after updates the adapter moved away from the (adapter-disabled) reference
@@ -97,11 +121,22 @@ def test_beta_with_lora_uses_no_model_copy(tiny_qwen25vl, count_data, tmp_path, 
 
 def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, tmp_path):
     out = tmp_path / "sft"
-    cfg = load_config(None, [
-        f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={count_data['train']}", "data.eval_path=",
-        f"training.output_dir={out}", "sft.projector_steps=2", "sft.steps=0", "sft.batch_size=4",
-        "logging.progress_bar=false", "logging.tensorboard=false", "data.min_pixels=3136", "data.max_pixels=3136",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_qwen25vl}",
+            f"data.train_path={count_data['train']}",
+            "data.eval_path=",
+            f"training.output_dir={out}",
+            "sft.projector_steps=2",
+            "sft.steps=0",
+            "sft.batch_size=4",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+        ],
+    )
     sft(cfg)
     before, after = weights(tiny_qwen25vl), weights(out / "final")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -135,8 +170,18 @@ def test_rollout_never_samples_vision_placeholders(family, request, count_data):
 
 def test_bf16_autocast_checkpointing_and_bf16_weights(tiny_qwen25vl, count_data, tmp_path):
     out = tmp_path / "bf16"
-    train(grpo_cfg(tiny_qwen25vl, count_data, out, "training.max_steps=1", "training.bf16=true",
-                   "model.gradient_checkpointing=true", "model.dtype=bfloat16", "data.eval_path="))
+    train(
+        grpo_cfg(
+            tiny_qwen25vl,
+            count_data,
+            out,
+            "training.max_steps=1",
+            "training.bf16=true",
+            "model.gradient_checkpointing=true",
+            "model.dtype=bfloat16",
+            "data.eval_path=",
+        )
+    )
     (row,) = read_metrics(out)
     assert torch.isfinite(torch.tensor(row["loss"]))
     assert next(iter(weights(out / "final").values())).dtype == torch.bfloat16
@@ -146,10 +191,20 @@ def test_ground_task_with_iou_reward_and_eval_cli(tiny_qwen2vl, tmp_path, capsys
     from vlmrl.cli import main
 
     out = tmp_path / "ground"
-    args = [f"model.name_or_path={tiny_qwen2vl}", "data.task=ground", "data.task_train_size=8", "data.task_test_size=4",
-            f"training.output_dir={out}", "training.max_steps=1", "rollout.num_generations=2",
-            "training.per_device_train_batch_size=4", "rollout.max_completion_length=6", "algorithm.reward_funcs=[iou, format]",
-            "logging.progress_bar=false", "logging.tensorboard=false"]
+    args = [
+        f"model.name_or_path={tiny_qwen2vl}",
+        "data.task=ground",
+        "data.task_train_size=8",
+        "data.task_test_size=4",
+        f"training.output_dir={out}",
+        "training.max_steps=1",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=4",
+        "rollout.max_completion_length=6",
+        "algorithm.reward_funcs=[iou, format]",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+    ]
     assert main(["train", *args]) == 0
     assert (out / "report.png").stat().st_size > 0 and (out / "samples.jsonl").exists()
     assert (out / "config.yaml").read_text().count("task: ground") == 1

@@ -26,8 +26,14 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
     from vlmrl.tasks import make_count_task
 
     data = make_count_task(tmp_path_factory.mktemp("count"), n_train=12, n_test=0, seed=0, image_size=56)
-    extra = ["training.max_steps=150", "training.save_steps=1", "training.save_total_limit=2",
-             "algorithm.num_iterations=2", "training.per_device_train_batch_size=2", "training.gradient_accumulation_steps=2"]
+    extra = [
+        "training.max_steps=150",
+        "training.save_steps=1",
+        "training.save_total_limit=2",
+        "algorithm.num_iterations=2",
+        "training.per_device_train_batch_size=2",
+        "training.gradient_accumulation_steps=2",
+    ]
     straight = tmp_path / "straight"
     train(load_config(None, overrides(tiny_qwen25vl, data, straight, *extra)))
 
@@ -63,8 +69,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
             log.append((round(delay, 2), done[-1] if done else None, "mid-save" if mid_save else ""))
     if not finished:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=600)
-    print(f"{kills} SIGKILLs, {during_saves} of them while a checkpoint was being written "
-          f"(delay s, newest checkpoint after kill, mid-save): {log}")
+    print(f"{kills} SIGKILLs, {during_saves} of them while a checkpoint was being written (delay s, newest checkpoint after kill, mid-save): {log}")
     assert kills >= min(KILLS, 20) or finished
 
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
@@ -76,6 +81,7 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
         by_step.setdefault(row["step"], set()).add((row["loss"], row["reward"]))
     assert sorted(by_step) == list(range(1, 151))
     assert all(len(v) == 1 for v in by_step.values()), {k: v for k, v in by_step.items() if len(v) > 1}
-    straight_rows = {json.loads(x)["step"]: (json.loads(x)["loss"], json.loads(x)["reward"])
-                     for x in (straight / "metrics.jsonl").read_text().splitlines()}
+    straight_rows = {
+        json.loads(x)["step"]: (json.loads(x)["loss"], json.loads(x)["reward"]) for x in (straight / "metrics.jsonl").read_text().splitlines()
+    }
     assert {k: next(iter(v)) for k, v in by_step.items()} == straight_rows

@@ -25,10 +25,20 @@ LENGTHS = [7, 3, 5, 1, 6, 4]
 
 def model_cfg(path, **overrides):
     base = dict(
-        name_or_path=str(path), dtype="float32", attn_implementation="sdpa", freeze_vision_tower=False,
-        train_projector_only=False, use_lora=False, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_vision=False,
-        trust_remote_code=False, allow_hub_download=False, gradient_checkpointing=False,
+        name_or_path=str(path),
+        dtype="float32",
+        attn_implementation="sdpa",
+        freeze_vision_tower=False,
+        train_projector_only=False,
+        use_lora=False,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        lora_vision=False,
+        trust_remote_code=False,
+        allow_hub_download=False,
+        gradient_checkpointing=False,
     )
     base.update(overrides)
     return types.SimpleNamespace(**base)
@@ -48,8 +58,7 @@ def prompt_batch(processor, images_per_prompt, seed=0):
 def completions(processor, lengths, seed=0):
     """Ordinary (non-special) token ids, right padded with the pad id; mask marks the real tokens."""
     tok = processor.tokenizer
-    vocab = sorted(set(tok("the answer is 42 because two cats sit on a red mat", add_special_tokens=False).input_ids)
-                   - set(tok.all_special_ids))
+    vocab = sorted(set(tok("the answer is 42 because two cats sit on a red mat", add_special_tokens=False).input_ids) - set(tok.all_special_ids))
     g = torch.Generator().manual_seed(seed)
     t = max(lengths)
     ids = torch.tensor(vocab)[torch.randint(len(vocab), (len(lengths), t), generator=g)]
@@ -112,8 +121,7 @@ def test_grouped_equals_naive_values_grads_and_vision_calls(family):
     with vision_encode_counter(model) as naive_calls:
         naive, g_naive = loss_and_grads(model, lambda: (completion_logps(model, repeated, ids, mask), mask))
     with vision_encode_counter(model) as grouped_calls:
-        grouped, g_grouped = loss_and_grads(
-            model, lambda: (completion_logps_grouped(model, prompts, row_prompt, ids, mask), mask))
+        grouped, g_grouped = loss_and_grads(model, lambda: (completion_logps_grouped(model, prompts, row_prompt, ids, mask), mask))
     assert grouped.shape == naive.shape == ids.shape
     m = mask.bool()
     torch.testing.assert_close(grouped[m], naive[m], rtol=0, atol=1e-5)
@@ -161,10 +169,8 @@ def test_grouped_lora_checkpointing_qwen(tiny_qwen25vl):
     prompts = prompt_batch(processor, [1, 2], seed=3)
     row_prompt = torch.arange(2).repeat_interleave(G)
     ids, mask = completions(processor, LENGTHS, seed=3)
-    naive, g_naive = loss_and_grads(
-        model, lambda: (completion_logps(model, select_rows(prompts, row_prompt), ids, mask, 0.7), mask))
-    grouped, g_grouped = loss_and_grads(
-        model, lambda: (completion_logps_grouped(model, prompts, row_prompt, ids, mask, 0.7), mask))
+    naive, g_naive = loss_and_grads(model, lambda: (completion_logps(model, select_rows(prompts, row_prompt), ids, mask, 0.7), mask))
+    grouped, g_grouped = loss_and_grads(model, lambda: (completion_logps_grouped(model, prompts, row_prompt, ids, mask, 0.7), mask))
     torch.testing.assert_close(grouped[mask.bool()], naive[mask.bool()], rtol=0, atol=1e-5)
     assert_grads_close(g_naive, g_grouped)
     assert any(g is not None and g.abs().sum() > 0 for n, g in g_grouped.items() if "visual" in n and "lora_B" in n)

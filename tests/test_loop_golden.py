@@ -22,8 +22,11 @@ GOLDEN = pathlib.Path(__file__).parent / "golden" / "loop_golden.json"
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 RECORD = os.environ.get("VLMRL_RECORD_GOLDEN") == "1"
 
-CASES = {f"{lt}-{sr}": [f"algorithm.loss_type={lt}", f"algorithm.scale_rewards={sr}"]
-         for lt in ("grpo", "dapo", "dr_grpo") for sr in ("group", "batch", "none")}
+CASES = {
+    f"{lt}-{sr}": [f"algorithm.loss_type={lt}", f"algorithm.scale_rewards={sr}"]
+    for lt in ("grpo", "dapo", "dr_grpo")
+    for sr in ("group", "batch", "none")
+}
 # Long enough that some completions are truncated and some are not: the mask then changes the loss.
 CASES["mask_truncated"] = ["algorithm.mask_truncated_completions=true", "rollout.max_completion_length=3"]
 CASES["iterations_kl"] = ["algorithm.num_iterations=2", "algorithm.beta=0.1", "training.per_device_train_batch_size=2"]
@@ -35,14 +38,29 @@ def data(tmp_path_factory):
 
 
 def run(model, data, out, extra):
-    cfg = load_config(None, [
-        f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=",
-        f"training.output_dir={out}", "training.max_steps=2", "rollout.num_generations=4",
-        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=8",
-        "rollout.max_completion_length=5", "optim.learning_rate=1e-2", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.report=false", "data.min_pixels=3136", "data.max_pixels=3136",
-        f"algorithm.reward_funcs=['{LENGTH_REWARD}']", "training.seed=3", *extra,
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={model}",
+            f"data.train_path={data['train']}",
+            "data.eval_path=",
+            f"training.output_dir={out}",
+            "training.max_steps=2",
+            "rollout.num_generations=4",
+            "training.per_device_train_batch_size=4",
+            "rollout.generation_batch_size=8",
+            "rollout.max_completion_length=5",
+            "optim.learning_rate=1e-2",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
+            "training.seed=3",
+            *extra,
+        ],
+    )
     train(cfg, log=lambda *_: None)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     weights = load_file(out / "final" / "model.safetensors")

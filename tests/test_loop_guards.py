@@ -25,13 +25,28 @@ def data(tmp_path_factory):
 
 
 def cfg(model, data, out, *extra, reward="text_length", eval_rows=False):
-    return load_config(None, [
-        f"model.name_or_path={model}", f"data.train_path={data['train']}", f"data.eval_path={data['test'] if eval_rows else ''}",
-        f"training.output_dir={out}", "training.max_steps=3", "rollout.num_generations=4",
-        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=8",
-        "rollout.max_completion_length=5", "optim.learning_rate=1e-2", "logging.progress_bar=false", "logging.tensorboard=false",
-        "logging.report=false", "data.min_pixels=3136", "data.max_pixels=3136", f"algorithm.reward_funcs=['{REWARDS}:{reward}']", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={model}",
+            f"data.train_path={data['train']}",
+            f"data.eval_path={data['test'] if eval_rows else ''}",
+            f"training.output_dir={out}",
+            "training.max_steps=3",
+            "rollout.num_generations=4",
+            "training.per_device_train_batch_size=4",
+            "rollout.generation_batch_size=8",
+            "rollout.max_completion_length=5",
+            "optim.learning_rate=1e-2",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            f"algorithm.reward_funcs=['{REWARDS}:{reward}']",
+            *extra,
+        ],
+    )
 
 
 def metrics(out):
@@ -114,8 +129,18 @@ def test_update_oom_with_a_reused_rollout_is_exact(tiny_qwen25vl, data, tmp_path
 
     extra = ["algorithm.num_iterations=2", "algorithm.beta=0.05", "rollout.generation_batch_size=8"]
     small = tmp_path / "small"
-    train(cfg(tiny_qwen25vl, data, small, *extra, "training.per_device_train_batch_size=2", "training.gradient_accumulation_steps=2",
-               "memory.scoring_micro_batch_size=4"), log=lambda *_: None)
+    train(
+        cfg(
+            tiny_qwen25vl,
+            data,
+            small,
+            *extra,
+            "training.per_device_train_batch_size=2",
+            "training.gradient_accumulation_steps=2",
+            "memory.scoring_micro_batch_size=4",
+        ),
+        log=lambda *_: None,
+    )
     monkeypatch.setattr(oom, "INJECT_OOM_ABOVE", {"update": 2})
     recovered = tmp_path / "recovered"
     train(cfg(tiny_qwen25vl, data, recovered, *extra), log=lambda *_: None)

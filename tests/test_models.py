@@ -9,11 +9,24 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from vlmrl.models import (
-    ModelLoadError, count_parameters, language_model, load_model, output_head, projector,
-    reference_disabled_adapter, save_model, vision_tower,
+    ModelLoadError,
+    count_parameters,
+    language_model,
+    load_model,
+    output_head,
+    projector,
+    reference_disabled_adapter,
+    save_model,
+    vision_tower,
 )
 from vlmrl.processing import (
-    QwenImageProcessor, build_prompt, decode, encode_prompts, load_processor, select_rows, vision_keys,
+    QwenImageProcessor,
+    build_prompt,
+    decode,
+    encode_prompts,
+    load_processor,
+    select_rows,
+    vision_keys,
 )
 from vlmrl.tiny import build_tiny_qwen2vl, default_model_path, train_tokenizer
 
@@ -24,10 +37,20 @@ NON_MODEL_KEYS = ("images_per_row",)
 def model_cfg(path, **overrides):
     """Stand-in for vlmrl.config.ModelConfig with its defaults."""
     base = dict(
-        name_or_path=str(path), dtype="float32", attn_implementation="sdpa", freeze_vision_tower=False,
-        train_projector_only=False, use_lora=False, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+        name_or_path=str(path),
+        dtype="float32",
+        attn_implementation="sdpa",
+        freeze_vision_tower=False,
+        train_projector_only=False,
+        use_lora=False,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
         lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        lora_vision=False, trust_remote_code=False, allow_hub_download=False, gradient_checkpointing=False,
+        lora_vision=False,
+        trust_remote_code=False,
+        allow_hub_download=False,
+        gradient_checkpointing=False,
     )
     base.update(overrides)
     return types.SimpleNamespace(**base)
@@ -64,10 +87,20 @@ def logits(model, batch):
 
 # ---------------------------------------------------------------- tiny builders
 
+
 def test_tokenizer_makes_task_words_cheap():
     tok = train_tokenizer()
-    for text, most in [(" red", 1), (" square", 1), (" triangle", 1), ("<think>", 1), ("</answer>", 1),
-                       ("How many", 2), (" 7", 1), (" 224", 2), ("Give the bounding box", 4)]:
+    for text, most in [
+        (" red", 1),
+        (" square", 1),
+        (" triangle", 1),
+        ("<think>", 1),
+        ("</answer>", 1),
+        ("How many", 2),
+        (" 7", 1),
+        (" 224", 2),
+        ("Give the bounding box", 4),
+    ]:
         assert len(tok(text)["input_ids"]) <= most, (text, tok.tokenize(text))
     assert tok.padding_side == "left"
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
@@ -97,6 +130,7 @@ def test_default_model_path_builds_once(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- processor
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_encoding_image_token_count(family, request):
@@ -140,7 +174,7 @@ def test_select_rows_matches_row_by_row_encoding(family, request):
     out = logits(model, picked)
     for j, r in enumerate(rows):
         single = logits(model, encode_prompts(processor, [texts[r]], [per_row[r]]))[0]
-        torch.testing.assert_close(out[j, -single.shape[0]:], single, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out[j, -single.shape[0] :], single, atol=1e-5, rtol=1e-4)
 
 
 def test_select_rows_without_images(tiny_qwen25vl):
@@ -154,6 +188,7 @@ def test_select_rows_without_images(tiny_qwen25vl):
 
 # ---------------------------------------------------------------- load, save, reload
 
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_reload_gives_identical_logits(family, request, tmp_path):
     path = request.getfixturevalue(family)
@@ -166,8 +201,7 @@ def test_save_reload_gives_identical_logits(family, request, tmp_path):
     again = load_processor(tmp_path / "out")
     assert type(again) is type(processor)
     text = build_prompt(again, "x", 1)
-    assert encode_prompts(again, [text], [images(1)])["input_ids"].tolist() == \
-        encode_prompts(processor, [text], [images(1)])["input_ids"].tolist()
+    assert encode_prompts(again, [text], [images(1)])["input_ids"].tolist() == encode_prompts(processor, [text], [images(1)])["input_ids"].tolist()
 
 
 def test_missing_folder_or_files_name_the_path(tiny_qwen2vl, tmp_path):
@@ -188,6 +222,7 @@ def test_missing_folder_or_files_name_the_path(tiny_qwen2vl, tmp_path):
 def test_flash_attention_missing_is_a_clear_error(tiny_qwen2vl):
     try:
         import flash_attn  # noqa: F401
+
         pytest.skip("flash-attn is installed")
     except ImportError:
         pass
@@ -196,6 +231,7 @@ def test_flash_attention_missing_is_a_clear_error(tiny_qwen2vl):
 
 
 # ---------------------------------------------------------------- freezing
+
 
 def trainable_names(model):
     return {n for n, p in model.named_parameters() if p.requires_grad}
@@ -230,6 +266,7 @@ def test_unknown_family_is_a_clear_error():
 
 
 # ---------------------------------------------------------------- LoRA
+
 
 def randomise_lora(model, seed=0):
     """LoRA B starts at zero (adapters are a no-op); make them matter for the tests."""
@@ -302,6 +339,7 @@ def test_lora_with_gradient_checkpointing_trains(tiny_qwen25vl):
 
 
 # ---------------------------------------------------------------- processor fallbacks and completions
+
 
 def test_real_autoprocessor_is_kept_and_bare_tokenizer_falls_back(tiny_qwen25vl, monkeypatch):
     import transformers

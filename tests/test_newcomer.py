@@ -9,7 +9,7 @@ from vlmrl.config import load_config
 from vlmrl.tasks import make_count_task
 from vlmrl.train import train
 
-USER_REWARDS = textwrap.dedent('''
+USER_REWARDS = textwrap.dedent("""
     import asyncio
     import json
     import re
@@ -36,7 +36,7 @@ USER_REWARDS = textwrap.dedent('''
         await asyncio.sleep(0)
         assert prompts[0][-1]["role"] == "user"
         return [0.5 for _ in completions]
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +45,26 @@ def count_data(tmp_path_factory):
 
 
 def small_cfg(model_path, train_path, eval_path, out, *extra):
-    return load_config(None, [
-        f"model.name_or_path={model_path}", f"data.train_path={train_path}", f"data.eval_path={eval_path}",
-        f"training.output_dir={out}", "training.max_steps=2", "rollout.num_generations=2",
-        "training.per_device_train_batch_size=4", "rollout.max_completion_length=5", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.report=false", "data.min_pixels=3136", "data.max_pixels=3136",
-        "training.save_final_model=false", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={model_path}",
+            f"data.train_path={train_path}",
+            f"data.eval_path={eval_path}",
+            f"training.output_dir={out}",
+            "training.max_steps=2",
+            "rollout.num_generations=2",
+            "training.per_device_train_batch_size=4",
+            "rollout.max_completion_length=5",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            "training.save_final_model=false",
+            *extra,
+        ],
+    )
 
 
 def test_trl_and_vlmr1_rewards_run_inside_train(tiny_qwen25vl, count_data, tmp_path):
@@ -60,8 +73,16 @@ def test_trl_and_vlmr1_rewards_run_inside_train(tiny_qwen25vl, count_data, tmp_p
     rewards_file.write_text(USER_REWARDS.format(calls=calls))
     specs = ",".join(f"'{rewards_file}:{name}'" for name in ("vlmr1_accuracy", "trl_length", "async_judge"))
     out = tmp_path / "run"
-    final = train(small_cfg(tiny_qwen25vl, count_data["train"], count_data["test"], out,
-                            f"algorithm.reward_funcs=[{specs}, accuracy]", "algorithm.completion_format=conversational"))
+    final = train(
+        small_cfg(
+            tiny_qwen25vl,
+            count_data["train"],
+            count_data["test"],
+            out,
+            f"algorithm.reward_funcs=[{specs}, accuracy]",
+            "algorithm.completion_format=conversational",
+        )
+    )
     logged = [json.loads(line) for line in calls.read_text().splitlines()]
     # Two training steps (4 completions each), then the final evaluation (4 rows, step 0 = not training).
     assert [c["step"] for c in logged] == [1, 2, 0]
@@ -80,10 +101,10 @@ def embed_images(jsonl, out_parquet):
 
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     images = [Image.open(jsonl.parent / r["image"]).convert("RGB") for r in rows]
-    ds = datasets.Dataset.from_dict({"image": images, "problem": [r["problem"] for r in rows],
-                                     "solution": [str(r["solution"]) for r in rows]},
-                                    features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
-                                                                "solution": datasets.Value("string")}))
+    ds = datasets.Dataset.from_dict(
+        {"image": images, "problem": [r["problem"] for r in rows], "solution": [str(r["solution"]) for r in rows]},
+        features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"), "solution": datasets.Value("string")}),
+    )
     ds.to_parquet(str(out_parquet))
     return out_parquet
 
@@ -93,7 +114,6 @@ def test_train_on_a_dataset_with_embedded_images(tiny_qwen25vl, count_data, tmp_
     train_set = embed_images(count_data["train"], tmp_path / "train.parquet")
     test_set = embed_images(count_data["test"], tmp_path / "test.parquet")
     out = tmp_path / "run"
-    final = train(small_cfg(tiny_qwen25vl, train_set, test_set, out, "algorithm.reward_funcs=[accuracy, answer_format]",
-                            "logging.log_completions=1"))
+    final = train(small_cfg(tiny_qwen25vl, train_set, test_set, out, "algorithm.reward_funcs=[accuracy, answer_format]", "logging.log_completions=1"))
     assert final["eval/num_samples"] == 4.0
     assert len(list((tmp_path / "cache" / "images").glob("*.png"))) == 20  # 16 train + 4 test images, spilled once each

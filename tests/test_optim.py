@@ -67,13 +67,16 @@ def test_nonfinite_gradient_norm_changes_nothing():
     assert sched.last_epoch == 1 and all(p.grad is None for p in params)
 
 
-@pytest.mark.parametrize("message, expected", [
-    ("CUDA out of memory. Tried to allocate 2.00 GiB", True),
-    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
-    ("CUDA error: out of memory", True),
-    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", False),
-    ("the memory layout is out of order", False),
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", True),
+        ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+        ("CUDA error: out of memory", True),
+        ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", False),
+        ("the memory layout is out of order", False),
+    ],
+)
 def test_out_of_memory_is_recognised_by_the_allocators_message(message, expected):
     assert is_out_of_memory(RuntimeError(message)) is expected
 

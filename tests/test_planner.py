@@ -32,25 +32,61 @@ from planner_accuracy import GridPoint, compare_trace, tiny_qwen25_config  # noq
 
 # A hand-made architecture: numbers chosen so every term is easy to compute by hand.
 SPEC = ModelSpec(
-    name="hand", family="qwen2_5_vl", total_params=1_000_000, vision_params=200_000, projector_params=10_000,
-    embed_params=100_000, lm_head_params=0, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, head_dim=16,
-    vocab=1000, v_hidden=32, v_intermediate=64, v_layers=2, v_heads=2, patch_size=14, merge_size=2, temporal_patch=2,
-    lora_linears=(("q_proj", 64, 64, 4), ("k_proj", 64, 32, 4), ("v_proj", 64, 32, 4), ("o_proj", 64, 64, 4),
-                  ("gate_proj", 64, 128, 4), ("up_proj", 64, 128, 4), ("down_proj", 128, 64, 4)),
+    name="hand",
+    family="qwen2_5_vl",
+    total_params=1_000_000,
+    vision_params=200_000,
+    projector_params=10_000,
+    embed_params=100_000,
+    lm_head_params=0,
+    hidden=64,
+    intermediate=128,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    vocab=1000,
+    v_hidden=32,
+    v_intermediate=64,
+    v_layers=2,
+    v_heads=2,
+    patch_size=14,
+    merge_size=2,
+    temporal_patch=2,
+    lora_linears=(
+        ("q_proj", 64, 64, 4),
+        ("k_proj", 64, 32, 4),
+        ("v_proj", 64, 32, 4),
+        ("o_proj", 64, 64, 4),
+        ("gate_proj", 64, 128, 4),
+        ("up_proj", 64, 128, 4),
+        ("down_proj", 128, 64, 4),
+    ),
 )
-FP32 = Workload(dtype="float32", autocast=False, num_generations=4, prompts_per_step=2, micro_batch=4, grad_accum=2,
-                prompt_text_tokens=20, max_pixels=56 * 56, completion_tokens=10, gpu_memory_bytes=80 * GiB)
+FP32 = Workload(
+    dtype="float32",
+    autocast=False,
+    num_generations=4,
+    prompts_per_step=2,
+    micro_batch=4,
+    grad_accum=2,
+    prompt_text_tokens=20,
+    max_pixels=56 * 56,
+    completion_tokens=10,
+    gpu_memory_bytes=80 * GiB,
+)
 
 
 # ---------------------------------------------------------------- individual terms, by hand
+
 
 def test_full_finetune_model_states_fp32():
     p = plan(SPEC, FP32)
     P = SPEC.total_params
     assert p.terms["weights"] == P * 4
     assert p.terms["gradients"] == P * 4
-    assert p.terms["optimizer_states"] == 2 * P * 4          # AdamW: exp_avg + exp_avg_sq, parameter dtype
-    assert p.terms["optimizer_step_temporary"] == P * 4      # foreach sqrt(exp_avg_sq)
+    assert p.terms["optimizer_states"] == 2 * P * 4  # AdamW: exp_avg + exp_avg_sq, parameter dtype
+    assert p.terms["optimizer_step_temporary"] == P * 4  # foreach sqrt(exp_avg_sq)
     assert p.terms["reference_model"] == 0
 
 
@@ -107,10 +143,10 @@ def test_precision_flag_changes_exactly_the_optimizer_terms():
     assert fp32.terms["master_weights"] == 4 * P and fp32.terms["optimizer_states"] == 8 * P and fp32.terms["optimizer_step_temporary"] == 4 * P
     moved = {k for k in none.terms if none.terms[k] != fp32.terms[k]}
     assert moved <= {"master_weights", "optimizer_states", "optimizer_step_temporary", "allocator_reserve"}, moved
-    assert plan(SPEC, w).terms == none.terms                              # auto without DeepSpeed: what vlmrl runs
-    assert plan(SPEC, dataclasses.replace(w, sharding="zero2")).terms["master_weights"] == 4 * P   # auto under DeepSpeed
+    assert plan(SPEC, w).terms == none.terms  # auto without DeepSpeed: what vlmrl runs
+    assert plan(SPEC, dataclasses.replace(w, sharding="zero2")).terms["master_weights"] == 4 * P  # auto under DeepSpeed
     lora = plan(SPEC, dataclasses.replace(w, use_lora=True, lora_r=8, master_weights="fp32"))
-    assert lora.terms["master_weights"] == 0                              # fp32 adapters are their own master
+    assert lora.terms["master_weights"] == 0  # fp32 adapters are their own master
     with pytest.raises(PlanError, match="master_weights"):
         plan(SPEC, dataclasses.replace(w, master_weights="fp16"))
 
@@ -133,7 +169,7 @@ def test_generation_gather_under_full_shard():
 def test_kv_cache_bytes():
     w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, shared_prefix=False, prompts_per_call=1)
     p = plan(SPEC, w)
-    tokens = 1 * 4 * (20 + image_tokens(SPEC, 56 * 56) + 10)   # one prompt per call x G rows x (prompt + completion)
+    tokens = 1 * 4 * (20 + image_tokens(SPEC, 56 * 56) + 10)  # one prompt per call x G rows x (prompt + completion)
     assert p.terms["kv_cache"] == 2 * SPEC.layers * SPEC.kv_heads * SPEC.head_dim * tokens * 2
     all_at_once = plan(SPEC, dataclasses.replace(w, prompts_per_call=None))
     assert all_at_once.terms["kv_cache"] == 2 * p.terms["kv_cache"]
@@ -143,7 +179,7 @@ def test_image_tokens_from_pixels():
     assert image_patches(SPEC, 448 * 448) == 1024 and image_tokens(SPEC, 448 * 448) == 256
     assert image_tokens(SPEC, 56 * 56) == 4
     clip = dataclasses.replace(SPEC, image_size=336, merge_size=1)
-    assert image_tokens(clip, 10**7) == 576 == image_tokens(clip, 1000)   # fixed-resolution tower ignores the cap
+    assert image_tokens(clip, 10**7) == 576 == image_tokens(clip, 1000)  # fixed-resolution tower ignores the cap
 
 
 def test_reference_placement():
@@ -153,7 +189,7 @@ def test_reference_placement():
     cpu = plan(SPEC, dataclasses.replace(w, ref_placement="cpu"))
     assert cpu.terms["reference_model"] == 0 and cpu.terms["reference_moved_in_for_scoring"] == SPEC.total_params * 4
     assert cpu.host["reference_on_cpu"] == SPEC.total_params * 4
-    assert plan(SPEC, dataclasses.replace(w, use_lora=True)).terms["reference_model"] == 0   # adapter disabled
+    assert plan(SPEC, dataclasses.replace(w, use_lora=True)).terms["reference_model"] == 0  # adapter disabled
 
 
 def test_gradient_checkpointing_lowers_activations():
@@ -165,8 +201,8 @@ def test_gradient_checkpointing_lowers_activations():
 
 def test_parse_memory():
     assert parse_memory("80GiB") == 80 * 2**30
-    assert parse_memory("80GB") == 80 * 10**9                 # decimal: 74.5 GiB
-    assert parse_memory("H100-80GB") == int(79.18 * 2**30)    # what PyTorch reports on the card (measured here)
+    assert parse_memory("80GB") == 80 * 10**9  # decimal: 74.5 GiB
+    assert parse_memory("H100-80GB") == int(79.18 * 2**30)  # what PyTorch reports on the card (measured here)
     assert parse_memory("80GB") < parse_memory("h100-80gb") < parse_memory("80GiB")
     assert parse_memory("81920MiB") == 80 * 2**30
     assert parse_memory("24") == 24 * 2**30
@@ -256,11 +292,13 @@ def test_trace_counts_model_states_exactly():
     assert r.persistent["weights"] == spec.total_params * 2
     assert r.persistent["gradients"] == spec.total_params * 2
     assert r.persistent["optimizer_states"] == 2 * spec.total_params * 2
-    assert r.stage_peaks["optimizer"] >= r.persistent["weights"] + r.persistent["gradients"] + r.persistent["optimizer_states"] \
-        + spec.total_params * 2   # + the foreach temporary
+    assert (
+        r.stage_peaks["optimizer"] >= r.persistent["weights"] + r.persistent["gradients"] + r.persistent["optimizer_states"] + spec.total_params * 2
+    )  # + the foreach temporary
 
 
 # ---------------------------------------------------------------- search / auto_fit
+
 
 def _tiny_model_dir(tmp_path) -> Path:
     d = tmp_path / "tiny-model"
@@ -270,10 +308,18 @@ def _tiny_model_dir(tmp_path) -> Path:
 
 
 def _cfg(tmp_path, *extra):
-    base = [f"model.name_or_path={_tiny_model_dir(tmp_path)}", "model.dtype=bfloat16", "training.bf16=true",
-            "rollout.num_generations=8", "rollout.generation_batch_size=32", "training.per_device_train_batch_size=32",
-            "training.gradient_accumulation_steps=1", f"data.max_pixels={896 * 896}", "rollout.max_completion_length=256",
-            "training.device=cpu"]
+    base = [
+        f"model.name_or_path={_tiny_model_dir(tmp_path)}",
+        "model.dtype=bfloat16",
+        "training.bf16=true",
+        "rollout.num_generations=8",
+        "rollout.generation_batch_size=32",
+        "training.per_device_train_batch_size=32",
+        "training.gradient_accumulation_steps=1",
+        f"data.max_pixels={896 * 896}",
+        "rollout.max_completion_length=256",
+        "training.device=cpu",
+    ]
     return load_config(None, base + list(extra))
 
 
@@ -282,14 +328,16 @@ def test_auto_fit_keeps_protected_fields(tmp_path):
     from vlmrl.planner import plan_for_config
 
     before = plan_for_config(cfg)
-    assert not before.fits                                   # the test needs a config that does not fit as given
+    assert not before.fits  # the test needs a config that does not fit as given
     new, changes = auto_fit(cfg)
     assert changes and plan_for_config(new).fits
     assert new.rollout.num_generations == cfg.rollout.num_generations
     assert new.generation_batch_size == cfg.generation_batch_size
     assert new.data.max_pixels == cfg.data.max_pixels and new.data.min_pixels == cfg.data.min_pixels
-    assert (new.training.per_device_train_batch_size * new.training.gradient_accumulation_steps
-            == cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps)
+    assert (
+        new.training.per_device_train_batch_size * new.training.gradient_accumulation_steps
+        == cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
+    )
     assert all("->" in c for c in changes[:-1])
 
 
@@ -300,7 +348,7 @@ def test_auto_fit_may_change_allowed_fields_only(tmp_path):
     spec, base = spec_for_config(probe), workload_from_config(probe, 1, 10**15)
     least = lambda allow: min(c.plan.total for c in search(spec, base, allow=allow, top=0, include_infeasible=True))
     fixed, smaller = least(()), least(("max_pixels",))
-    assert smaller < fixed                                  # only smaller images can fit in between
+    assert smaller < fixed  # only smaller images can fit in between
     gib = (fixed + smaller) / 2 / FIT_FRACTION / GiB
     with pytest.raises(PlanError):
         auto_fit(_cfg(tmp_path, f"training.auto_fit_gpu_memory_gib={gib}"))
@@ -315,15 +363,28 @@ def test_auto_fit_error_names_the_knobs(tmp_path):
     with pytest.raises(PlanError) as e:
         auto_fit(cfg)
     msg = str(e.value)
-    for knob in ("per_device_train_batch_size", "generation_prompts_per_call", "gradient_checkpointing", "auto_fit_allow",
-                 "num_generations", "max_pixels"):
+    for knob in (
+        "per_device_train_batch_size",
+        "generation_prompts_per_call",
+        "gradient_checkpointing",
+        "auto_fit_allow",
+        "num_generations",
+        "max_pixels",
+    ):
         assert knob in msg
 
 
 def test_search_ranks_fitting_configs_and_keeps_effective_batch(tmp_path):
     spec = spec_from_hf_config(_tiny_model_dir(tmp_path))
-    base = Workload(num_generations=8, prompts_per_step=4, micro_batch=32, grad_accum=1, max_pixels=896 * 896,
-                    completion_tokens=256, gpu_memory_bytes=int(2 * GiB))
+    base = Workload(
+        num_generations=8,
+        prompts_per_step=4,
+        micro_batch=32,
+        grad_accum=1,
+        max_pixels=896 * 896,
+        completion_tokens=256,
+        gpu_memory_bytes=int(2 * GiB),
+    )
     found = search(spec, base, top=0)
     assert found and all(c.plan.fits for c in found)
     assert [c.plan.step_time_s for c in found] == sorted(c.plan.step_time_s for c in found)
@@ -341,11 +402,28 @@ def test_auto_fit_config_validation():
 
 # ---------------------------------------------------------------- CLI
 
+
 def test_cli_plan_json(tmp_path, capsys):
     from vlmrl.cli import main
 
-    rc = main(["plan", "--model", str(_tiny_model_dir(tmp_path) / "config.json"), "--gpu-memory", "24GiB", "--num-generations", "8",
-               "--micro-batch", "8", "--lora", "--json", "--search", "--top", "3"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            str(_tiny_model_dir(tmp_path) / "config.json"),
+            "--gpu-memory",
+            "24GiB",
+            "--num-generations",
+            "8",
+            "--micro-batch",
+            "8",
+            "--lora",
+            "--json",
+            "--search",
+            "--top",
+            "3",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("verdict", "fits", "total_gib", "reserved_gib", "phases_gib", "terms_gib", "host_gib", "search"):
@@ -363,20 +441,28 @@ def test_cli_plan_bad_memory(tmp_path, capsys):
     assert "cannot read GPU memory '80XB'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [[], ["--gradient-checkpointing"], ["--lora"], ["--lora", "--gradient-checkpointing"],
-                                   ["--freeze-vision"], ["--freeze-vision", "--gradient-checkpointing"], ["--attn-implementation", "eager"],
-                                   ["--attn-implementation", "eager", "--gradient-checkpointing", "--lora"],
-                                   ["--attn-implementation", "flash_attention_2", "--master-weights", "fp32", "--cpu", "--host-memory", "1GiB"],
-                                   ["--mode", "sft", "--sft-stage", "1", "--gradient-checkpointing"]],
-                         ids=["full", "gc", "lora", "lora-gc", "frozen-vision", "frozen-vision-gc", "eager", "eager-gc-lora",
-                              "flash-fp32-cpu-host", "sft-stage1-gc"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--gradient-checkpointing"],
+        ["--lora"],
+        ["--lora", "--gradient-checkpointing"],
+        ["--freeze-vision"],
+        ["--freeze-vision", "--gradient-checkpointing"],
+        ["--attn-implementation", "eager"],
+        ["--attn-implementation", "eager", "--gradient-checkpointing", "--lora"],
+        ["--attn-implementation", "flash_attention_2", "--master-weights", "fp32", "--cpu", "--host-memory", "1GiB"],
+        ["--mode", "sft", "--sft-stage", "1", "--gradient-checkpointing"],
+    ],
+    ids=["full", "gc", "lora", "lora-gc", "frozen-vision", "frozen-vision-gc", "eager", "eager-gc-lora", "flash-fp32-cpu-host", "sft-stage1-gc"],
+)
 def test_cli_plan_trace(tmp_path, capsys, flags):
     """Every --trace flag combination runs with the default shared prefix (gradient checkpointing crashed: the
     scoring forward ran in training mode, where transformers drops the prompt's KV cache)."""
     from vlmrl.cli import main
 
-    rc = main(["plan", "--model", str(_tiny_model_dir(tmp_path)), "--micro-batch", "4", "--max-pixels", str(224 * 224),
-               "--trace", "--json", *flags])
+    rc = main(["plan", "--model", str(_tiny_model_dir(tmp_path)), "--micro-batch", "4", "--max-pixels", str(224 * 224), "--trace", "--json", *flags])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["workload"]["shared_prefix"] is ("sft" not in flags)
@@ -384,9 +470,11 @@ def test_cli_plan_trace(tmp_path, capsys, flags):
 
 
 def test_planner_import_is_pure():
-    code = ("import sys, vlmrl.planner, vlmrl.plan_cli; "
-            "bad = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed', 'vllm') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, vlmrl.planner, vlmrl.plan_cli; "
+        "bad = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed', 'vllm') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -395,8 +483,7 @@ def test_cli_plan_config_with_overrides(tmp_path, capsys):
 
     y = tmp_path / "run.yaml"
     y.write_text(f"model:\n  name_or_path: {_tiny_model_dir(tmp_path)}\n  dtype: bfloat16\nrollout:\n  num_generations: 4\n")
-    rc = main(["plan", "--config", str(y), "rollout.num_generations=8", "training.per_device_train_batch_size=8",
-               "--gpu-memory", "16GiB", "--json"])
+    rc = main(["plan", "--config", str(y), "rollout.num_generations=8", "training.per_device_train_batch_size=8", "--gpu-memory", "16GiB", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["workload"]["num_generations"] == 8 and out["workload"]["micro_batch"] == 8 and out["gpu_memory_gib"] == 16.0
@@ -424,7 +511,7 @@ def test_run_time_prediction_and_auto_fit_logging(tmp_path):
     cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2")
     fitted = apply_auto_fit(cfg, lines.append)
     assert fitted != cfg and lines and all(line.startswith("auto_fit") for line in lines)
-    p = predict_for_run(fitted, lines.append)                # training.device=cpu: the host prediction
+    p = predict_for_run(fitted, lines.append)  # training.device=cpu: the host prediction
     assert p is not None and "CPU run, predicted host peak RSS" in lines[-1] and "GPU" not in lines[-1]
     warnings = []
     host = prediction_vs_measured(p, {"mem/host_peak_rss": p.host["process_peak"] / GiB * 1.25}, warnings.append)
@@ -433,8 +520,9 @@ def test_run_time_prediction_and_auto_fit_logging(tmp_path):
     assert prediction_vs_measured(p, {"mem/host_peak_rss": p.host["process_peak"] / GiB * 2}, warnings.append)["plan/error_host_rss"] < 0
     assert len(warnings) == 1 and "host peak RSS" in warnings[0]
     warnings.clear()
-    fitted = load_config(None, [f"model.name_or_path={_tiny_model_dir(tmp_path)}", "training.device=cuda:0",
-                                "training.auto_fit_gpu_memory_gib=2"])      # a CUDA run (the plan does not touch CUDA)
+    fitted = load_config(
+        None, [f"model.name_or_path={_tiny_model_dir(tmp_path)}", "training.device=cuda:0", "training.auto_fit_gpu_memory_gib=2"]
+    )  # a CUDA run (the plan does not touch CUDA)
     p = predict_for_run(fitted, lines.append)
     assert p is not None and "predicted per-device GPU peak" in lines[-1]
     close = prediction_vs_measured(p, {"mem/gpu_peak_reserved": p.reserved / GiB * 1.05}, warnings.append)
@@ -462,25 +550,32 @@ def test_workload_from_config_is_per_process():
 def test_search_never_turns_a_memory_saver_off():
     """A config with checkpointing / a CPU reference / offload gets candidates that keep them, even when turning
     them off would be faster and still fit."""
-    w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, gradient_checkpointing=True, beta=0.04, ref_placement="cpu",
-                            gpu_memory_bytes=80 * GiB)
+    w = dataclasses.replace(
+        FP32, dtype="bfloat16", autocast=True, gradient_checkpointing=True, beta=0.04, ref_placement="cpu", gpu_memory_bytes=80 * GiB
+    )
     found = search(SPEC, w, top=0)
     assert found and all(c.workload.gradient_checkpointing for c in found)
     assert all(c.workload.ref_placement == "cpu" for c in found)
     assert not any("gradient_checkpointing" in line for c in found for line in c.changes)
-    off = dataclasses.replace(w, gradient_checkpointing=False, ref_placement="device")   # without them, both are tried
+    off = dataclasses.replace(w, gradient_checkpointing=False, ref_placement="device")  # without them, both are tried
     assert {c.workload.gradient_checkpointing for c in search(SPEC, off, top=0)} == {False, True}
     z = dataclasses.replace(w, world_size=4, sharding="zero2", offload="optimizer")
     assert all(c.workload.offload != "none" for c in search(SPEC, z, top=0))
 
 
-@pytest.mark.parametrize("content, says", [
-    ('{"model_type": "foo_vl", "hidden_size": 8}', "model_type 'foo_vl' cannot be planned"),
-    ('{"hidden_size": 8}', "no model_type"),
-    ("not json", "not a JSON config"),
-    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, '
-     '"vocab_size": 100}', "not an image-text model"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ('{"model_type": "foo_vl", "hidden_size": 8}', "model_type 'foo_vl' cannot be planned"),
+        ('{"hidden_size": 8}', "no model_type"),
+        ("not json", "not a JSON config"),
+        (
+            '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, '
+            '"vocab_size": 100}',
+            "not an image-text model",
+        ),
+    ],
+)
 def test_cli_plan_unknown_architecture_is_one_line(tmp_path, capsys, content, says):
     from vlmrl.cli import main
 
@@ -499,17 +594,35 @@ def test_eager_minus_sdpa_is_the_score_matrix():
 
     from vlmrl.plan_trace import TraceSetup, trace_update
 
-    cfg = tiny_qwen25_config()          # 2 layers, 4 heads
-    rows, S = 4, 32 + 64 + 32           # prompt text + 64 image tokens (256 patches) + completion
+    cfg = tiny_qwen25_config()  # 2 layers, 4 heads
+    rows, S = 4, 32 + 64 + 32  # prompt text + 64 image tokens (256 patches) + completion
     hand = 2 * 4 * (rows * S * S * (4 + 2) - 4 * rows * S)
-    kw = dict(dtype=torch.bfloat16, rows=rows, unique_prompts=1, image_patches=256, prompt_text_tokens=32, completion_tokens=32,
-              shared_prefix=False, freeze_vision_tower=True)
+    kw = dict(
+        dtype=torch.bfloat16,
+        rows=rows,
+        unique_prompts=1,
+        image_patches=256,
+        prompt_text_tokens=32,
+        completion_tokens=32,
+        shared_prefix=False,
+        freeze_vision_tower=True,
+    )
     sdpa = trace_update(cfg, TraceSetup(attn_implementation="sdpa", **kw))
     eager = trace_update(cfg, TraceSetup(attn_implementation="eager", **kw))
     assert abs((eager.peak_bytes - sdpa.peak_bytes) - hand) <= 0.001 * hand, (eager.peak_bytes - sdpa.peak_bytes, hand)
     spec = spec_from_hf_config(cfg.to_dict(), "tiny")
-    w = Workload(dtype="bfloat16", autocast=False, freeze_vision=True, num_generations=4, prompts_per_step=1, micro_batch=4,
-                 prompt_text_tokens=32, max_pixels=224 * 224, completion_tokens=32, shared_prefix=False)
+    w = Workload(
+        dtype="bfloat16",
+        autocast=False,
+        freeze_vision=True,
+        num_generations=4,
+        prompts_per_step=1,
+        micro_batch=4,
+        prompt_text_tokens=32,
+        max_pixels=224 * 224,
+        completion_tokens=32,
+        shared_prefix=False,
+    )
     assert plan(spec, dataclasses.replace(w, attn_implementation="eager")).terms["eager_attention_scores"] == hand
     assert plan(spec, w).terms["eager_attention_scores"] == 0
 
@@ -542,17 +655,17 @@ def test_eager_follows_the_run_config(tmp_path):
 
 # ---------------------------------------------------------------- host RAM
 
+
 def test_host_terms_by_hand():
     """Per node (8 processes of a 16-GPU ZeRO-3 run with optimizer+parameter offload, reference on the CPU)."""
     from vlmrl.planner import HOST_RUNTIME_CUDA_BYTES
 
     P, n = SPEC.total_params, 16
-    w = dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n, offload="optimizer+params", beta=0.04,
-                            ref_placement="cpu")
+    w = dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n, offload="optimizer+params", beta=0.04, ref_placement="cpu")
     h = plan(SPEC, w).host
     assert h["runtime_per_process"] == 8 * HOST_RUNTIME_CUDA_BYTES
-    assert h["model_loading"] == 8 * P * 2                            # each process's bf16 copy while loading
-    assert h["offloaded_optimizer_states"] == int(P * 12 / n * 8)     # fp32 master + moments of 8 shards
+    assert h["model_loading"] == 8 * P * 2  # each process's bf16 copy while loading
+    assert h["offloaded_optimizer_states"] == int(P * 12 / n * 8)  # fp32 master + moments of 8 shards
     assert h["offloaded_gradients"] == int(P * 4 / n * 8)
     assert h["offloaded_parameters"] == int(P * 2 / n * 8)
     assert h["reference_on_cpu"] == 8 * P * 2
@@ -569,18 +682,18 @@ def test_host_verdict_flips_at_the_right_size():
     edge = math.ceil(need / FIT_FRACTION)
     fits, short = plan(SPEC, dataclasses.replace(w, host_memory_bytes=edge)), plan(SPEC, dataclasses.replace(w, host_memory_bytes=edge - 2))
     assert fits.host_fits is True and "host RAM fits" in fits.verdict and fits.fits
-    assert short.host_fits is False and "host RAM does NOT fit" in short.verdict and not short.fits   # the device still fits
+    assert short.host_fits is False and "host RAM does NOT fit" in short.verdict and not short.fits  # the device still fits
     assert short.total == fits.total and short.total <= FIT_FRACTION * w.gpu_memory_bytes
-    assert plan(SPEC, w).host_fits is None                              # no size, no host verdict
+    assert plan(SPEC, w).host_fits is None  # no size, no host verdict
 
 
 def test_search_and_auto_fit_respect_host_memory(tmp_path):
     w = dataclasses.replace(FP32, dtype="bfloat16", autocast=True, beta=0.04, gpu_memory_bytes=80 * GiB)
     need_device_ref = plan(SPEC, w).host["total"]
-    limited = dataclasses.replace(w, host_memory_bytes=int(need_device_ref / 0.95) + 1)   # room for no CPU reference copy
+    limited = dataclasses.replace(w, host_memory_bytes=int(need_device_ref / 0.95) + 1)  # room for no CPU reference copy
     found = search(SPEC, limited, top=0)
     assert found and all(c.plan.host_fits for c in found) and all(c.workload.ref_placement == "device" for c in found)
-    assert any(c.workload.ref_placement == "cpu" for c in search(SPEC, w, top=0))       # without the limit it is a candidate
+    assert any(c.workload.ref_placement == "cpu" for c in search(SPEC, w, top=0))  # without the limit it is a candidate
     cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2", "training.auto_fit_host_memory_gib=0.5")
     with pytest.raises(PlanError, match="host RAM"):
         auto_fit(cfg)
@@ -598,7 +711,7 @@ def test_cli_host_memory_and_cpu(tmp_path, capsys):
     assert main(["plan", "--model", model, "--cpu", "--host-memory", "64GiB", "--json"]) == 0
     cpu = json.loads(capsys.readouterr().out)
     assert cpu["verdict"].startswith("CPU run") and cpu["fits"] is True
-    assert cpu["host_gib"]["device_tensors_on_cpu"] > cpu["peak_allocated_gib"]      # every tensor (+ the CPU heap's slack)
+    assert cpu["host_gib"]["device_tensors_on_cpu"] > cpu["peak_allocated_gib"]  # every tensor (+ the CPU heap's slack)
     assert main(["plan", "--model", model, "--cpu", "--search"]) == 2
     assert "needs the host memory" in capsys.readouterr().err
     y = tmp_path / "cpu.yaml"
@@ -615,11 +728,26 @@ def test_cpu_run_predicts_its_own_peak_rss(command, tiny_qwen25vl, tmp_path):
 
     data = make_count_task(tmp_path / "count", n_train=16, n_test=4, seed=0, image_size=56)
     out = tmp_path / "run"
-    args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data['train']}", "data.eval_path=", f"training.output_dir={out}",
-            "training.device=cpu", "training.max_steps=2", "rollout.num_generations=4", "rollout.generation_batch_size=8",
-            "training.per_device_train_batch_size=4", "rollout.max_completion_length=8", "sft.projector_steps=1", "sft.steps=1",
-            "sft.batch_size=4", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
-            "data.min_pixels=3136", "data.max_pixels=3136"]
+    args = [
+        f"model.name_or_path={tiny_qwen25vl}",
+        f"data.train_path={data['train']}",
+        "data.eval_path=",
+        f"training.output_dir={out}",
+        "training.device=cpu",
+        "training.max_steps=2",
+        "rollout.num_generations=4",
+        "rollout.generation_batch_size=8",
+        "training.per_device_train_batch_size=4",
+        "rollout.max_completion_length=8",
+        "sft.projector_steps=1",
+        "sft.steps=1",
+        "sft.batch_size=4",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+    ]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, "-m", "vlmrl", command, *args], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -632,6 +760,7 @@ def test_cpu_run_predicts_its_own_peak_rss(command, tiny_qwen25vl, tmp_path):
 
 # ---------------------------------------------------------------- SFT mode
 
+
 def test_sft_workload_by_hand():
     from vlmrl.planner import sft_workload
 
@@ -639,20 +768,24 @@ def test_sft_workload_by_hand():
     s1, s2 = sft_workload(base, 1, target_tokens=12), sft_workload(base, 2)
     p1, p2 = plan(SPEC, s1), plan(SPEC, s2)
     assert p1.terms["gradients"] == SPEC.projector_params * 4 and p1.terms["optimizer_states"] == 2 * SPEC.projector_params * 4
-    assert p2.terms["gradients"] == (SPEC.total_params - SPEC.vision_params + SPEC.projector_params) * 4   # vision frozen
+    assert p2.terms["gradients"] == (SPEC.total_params - SPEC.vision_params + SPEC.projector_params) * 4  # vision frozen
     assert plan(SPEC, sft_workload(base, 2, train_vision_tower=True)).terms["gradients"] == SPEC.total_params * 4
     for p in (p1, p2):
         assert p.terms["kv_cache"] == 0 and p.terms["generation_temporaries"] == 0 and p.terms["prefix_held_gradients"] == 0
     assert s1.completion_tokens == 12 and s2.completion_tokens == 10 and s1.num_generations == 1 and not s1.group_vision
     assert s2.micro_batch == s2.prompts_per_step == 6 and s2.grad_accum == 1 and s2.logprob_chunk_tokens == 1024
     lora = sft_workload(dataclasses.replace(base, use_lora=True), 1)
-    assert not lora.projector_only                                      # sft.py leaves LoRA's trainables as they are
+    assert not lora.projector_only  # sft.py leaves LoRA's trainables as they are
     with pytest.raises(PlanError, match="stage 3"):
         sft_workload(base, 3)
 
 
 SFT_GRID = [  # (projector_only, freeze_vision, gc)
-    (True, False, False), (True, False, True), (False, True, False), (False, True, True), (False, False, False),
+    (True, False, False),
+    (True, False, True),
+    (False, True, False),
+    (False, True, True),
+    (False, False, False),
 ]
 
 
@@ -666,14 +799,29 @@ def test_sft_closed_form_vs_trace(projector_only, freeze_vision, gc):
 
     cfg = tiny_qwen25_config()
     spec = spec_from_hf_config(cfg.to_dict(), "tiny")
-    base = Workload(dtype="bfloat16", autocast=False, micro_batch=4, prompt_text_tokens=32, max_pixels=224 * 224,
-                    completion_tokens=64, gradient_checkpointing=gc)
+    base = Workload(
+        dtype="bfloat16", autocast=False, micro_batch=4, prompt_text_tokens=32, max_pixels=224 * 224, completion_tokens=64, gradient_checkpointing=gc
+    )
     w = sft_workload(base, 1 if projector_only else 2, train_vision_tower=not freeze_vision and not projector_only)
-    w = dataclasses.replace(w, grad_accum=2)        # the trace's steady state: gradients already there
-    r = trace_update(cfg, TraceSetup(dtype=torch.bfloat16, rows=4, unique_prompts=4, image_patches=image_patches(spec, 224 * 224),
-                                     prompt_text_tokens=32, completion_tokens=64, group_vision=False, shared_prefix=False,
-                                     train_projector_only=projector_only, freeze_vision_tower=freeze_vision, gradient_checkpointing=gc,
-                                     loss="sft", logprob_chunk_tokens=1024))
+    w = dataclasses.replace(w, grad_accum=2)  # the trace's steady state: gradients already there
+    r = trace_update(
+        cfg,
+        TraceSetup(
+            dtype=torch.bfloat16,
+            rows=4,
+            unique_prompts=4,
+            image_patches=image_patches(spec, 224 * 224),
+            prompt_text_tokens=32,
+            completion_tokens=64,
+            group_vision=False,
+            shared_prefix=False,
+            train_projector_only=projector_only,
+            freeze_vision_tower=freeze_vision,
+            gradient_checkpointing=gc,
+            loss="sft",
+            logprob_chunk_tokens=1024,
+        ),
+    )
     closed = plan(spec, w).phases["update"]
     assert abs(closed / r.peak_bytes - 1) <= 0.10, (closed, r.peak_bytes)
 

@@ -131,11 +131,9 @@ def test_prefix_logps_equal_naive_values_and_grads(family):
     prompts = prompt_batch(processor, per_prompt)
     row_prompt = torch.arange(len(per_prompt)).repeat_interleave(G)
     ids, mask = completions(processor, LENGTHS)
-    naive, g_naive = loss_and_grads(
-        model, lambda: (completion_logps(model, select_rows(prompts, row_prompt), ids, mask, 0.8), mask))
+    naive, g_naive = loss_and_grads(model, lambda: (completion_logps(model, select_rows(prompts, row_prompt), ids, mask, 0.8), mask))
     with vision_encode_counter(model) as calls:
-        ours, g_ours = loss_and_grads(
-            model, lambda: (completion_logps_prefix(model, prompts, row_prompt, ids, mask, 0.8, chunk_tokens=4), mask))
+        ours, g_ours = loss_and_grads(model, lambda: (completion_logps_prefix(model, prompts, row_prompt, ids, mask, 0.8, chunk_tokens=4), mask))
     m = mask.bool()
     torch.testing.assert_close(ours[m], naive[m], rtol=0, atol=1e-5)
     assert_grads_close(g_naive, g_ours)

@@ -15,10 +15,10 @@ from vlmrl.preflight import check_eval_data, check_model_folder
 from vlmrl.signals import no_signal_message, update_no_signal_streak, warn_if_no_learning_signal
 from vlmrl.tasks import make_count_task
 
-VLMR1_REWARD = '''
+VLMR1_REWARD = """
 def vlmr1_accuracy(completions, solution, **kwargs):
     return [1.0 if c[0]["content"].strip() == f"<answer>{s}</answer>" else 0.0 for c, s in zip(completions, solution)]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,7 @@ def model_copy(tiny_qwen25vl, tmp_path):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Loading weights fails the test: every check here must come before it."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the checks failed")
 
@@ -70,8 +71,7 @@ def test_sharded_weights_with_a_missing_shard(model_copy):
     (model_copy / "model.safetensors").rename(model_copy / "model-00001-of-00002.safetensors")
     index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert model_folder_problems(model_copy) == [
-        "weight shards named in model.safetensors.index.json: model-00002-of-00002.safetensors"]
+    assert model_folder_problems(model_copy) == ["weight shards named in model.safetensors.index.json: model-00002-of-00002.safetensors"]
     (model_copy / "model.safetensors.index.json").write_text("{not json")
     assert "readable model.safetensors.index.json" in model_folder_problems(model_copy)[0]
 
@@ -79,8 +79,9 @@ def test_sharded_weights_with_a_missing_shard(model_copy):
 def test_cli_refuses_incomplete_model_before_loading(model_copy, count_data, capsys, no_model_load, tmp_path):
     (model_copy / "tokenizer.json").unlink()
     (model_copy / "vocab.json").unlink(missing_ok=True)
-    code, err, seconds = run_cli(capsys, "train", f"model.name_or_path={model_copy}", f"data.train_path={count_data['train']}",
-                                 f"training.output_dir={tmp_path / 'out'}")
+    code, err, seconds = run_cli(
+        capsys, "train", f"model.name_or_path={model_copy}", f"data.train_path={count_data['train']}", f"training.output_dir={tmp_path / 'out'}"
+    )
     assert code == 2 and err.startswith("vlmrl train: model folder") and "missing tokenizer files" in err
     assert "Traceback" not in err and seconds < 10  # generous on a shared machine; no_model_load is the real guarantee
 
@@ -91,8 +92,9 @@ def test_cli_broken_data_fails_fast_with_model_present(tiny_qwen25vl, count_data
     bad.write_text("\n".join([lines[0], '{"problem": "p"}', "{oops"]) + "\n")
     shutil.copytree(count_data["train"].parent / "images", tmp_path / "images")
     for command in ("train", "sft"):
-        code, err, seconds = run_cli(capsys, command, f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={bad}",
-                                     f"training.output_dir={tmp_path / 'out'}")
+        code, err, seconds = run_cli(
+            capsys, command, f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={bad}", f"training.output_dir={tmp_path / 'out'}"
+        )
         assert code == 2 and f"{bad}:2: solution: missing" in err and f"{bad}:3: row: invalid JSON" in err
         assert seconds < 10  # generous on a shared machine; no_model_load is the real guarantee
 
@@ -113,9 +115,16 @@ def test_cli_reward_problems_fail_before_loading(tiny_qwen25vl, count_data, caps
 def test_check_command_passes_without_loading(tiny_qwen25vl, count_data, capsys, no_model_load, tmp_path):
     rewards = tmp_path / "r.py"
     rewards.write_text(VLMR1_REWARD)
-    code, err, _ = run_cli(capsys, "check", f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={count_data['train']}",
-                           f"data.eval_path={count_data['test']}", f"training.output_dir={tmp_path / 'o'}",
-                           f"algorithm.reward_funcs=['{rewards}:vlmr1_accuracy']", "algorithm.completion_format=conversational")
+    code, err, _ = run_cli(
+        capsys,
+        "check",
+        f"model.name_or_path={tiny_qwen25vl}",
+        f"data.train_path={count_data['train']}",
+        f"data.eval_path={count_data['test']}",
+        f"training.output_dir={tmp_path / 'o'}",
+        f"algorithm.reward_funcs=['{rewards}:vlmr1_accuracy']",
+        "algorithm.completion_format=conversational",
+    )
     assert code == 0, err
     assert "8 of 8 rows kept" in err and "4 of 4 rows kept" in err and err.endswith("vlmrl check: OK (" + str(tiny_qwen25vl) + ")")
 
@@ -159,8 +168,9 @@ def test_skipped_rows_are_named_and_written(count_data, tmp_path):
     shutil.copytree(count_data["train"].parent / "images", tmp_path / "images")
     _, report = load_dataset_split(data, limit_images=None, skip_bad_rows=True)
     assert f"rows {data}:2, 3, 4, 5, 6 and 2 more" in report.summary()
-    cfg = load_config(None, [f"data.train_path={data}", f"data.eval_path={data}", "data.skip_bad_rows=true",
-                             f"training.output_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None, [f"data.train_path={data}", f"data.eval_path={data}", "data.skip_bad_rows=true", f"training.output_dir={tmp_path / 'out'}"]
+    )
     loaded = runtime.load_datasets(cfg)
     assert all(line.endswith(f"(all listed in {tmp_path / 'out' / 'bad_rows.jsonl'})") for line in loaded.reports)
     records = [json.loads(x) for x in (tmp_path / "out" / "bad_rows.jsonl").read_text().splitlines()]
@@ -198,12 +208,27 @@ def test_train_warns_when_rewards_are_constant(tiny_qwen25vl, count_data, tmp_pa
     rewards = tmp_path / "r.py"
     rewards.write_text("def constant(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
     logged = []
-    cfg = load_config(None, [
-        f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={count_data['train']}", "data.eval_path=''",
-        f"training.output_dir={tmp_path / 'run'}", "training.max_steps=2", "rollout.num_generations=2",
-        "training.per_device_train_batch_size=2", "rollout.max_completion_length=3", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.report=false", "training.save_final_model=false", "data.min_pixels=3136",
-        "data.max_pixels=3136", f"algorithm.reward_funcs=['{rewards}:constant']", "logging.no_signal_warn_steps=2"])
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_qwen25vl}",
+            f"data.train_path={count_data['train']}",
+            "data.eval_path=''",
+            f"training.output_dir={tmp_path / 'run'}",
+            "training.max_steps=2",
+            "rollout.num_generations=2",
+            "training.per_device_train_batch_size=2",
+            "rollout.max_completion_length=3",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "training.save_final_model=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            f"algorithm.reward_funcs=['{rewards}:constant']",
+            "logging.no_signal_warn_steps=2",
+        ],
+    )
     from vlmrl import tracking
 
     original = tracking.RunLogger.info
@@ -233,6 +258,5 @@ def test_a_column_named_like_a_reward_argument_is_a_data_error(tiny_qwen25vl, tm
     row = json.loads(count_data["train"].read_text().splitlines()[0])
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({**row, "image": str(count_data["train"].parent / row["image"]), "completion_ids": 3}) + "\n")
-    code, err, _ = run_cli(capsys, "check", f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data}",
-                           f"training.output_dir={tmp_path / 'o'}")
+    code, err, _ = run_cli(capsys, "check", f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data}", f"training.output_dir={tmp_path / 'o'}")
     assert code == 2 and f"{data}:1: dataset column 'completion_ids' clashes" in err and "Traceback" not in err

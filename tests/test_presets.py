@@ -37,8 +37,15 @@ def test_preset_config_is_consistent(name, tokenizer):
     assert merged_out == text.hidden_size
     # Special tokens come from our tokenizer, the vocabulary stays the real (larger) one.
     n = len(tokenizer)
-    ids = [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
-           text.eos_token_id, text.pad_token_id, text.bos_token_id]
+    ids = [
+        cfg.image_token_id,
+        cfg.video_token_id,
+        cfg.vision_start_token_id,
+        cfg.vision_end_token_id,
+        text.eos_token_id,
+        text.pad_token_id,
+        text.bos_token_id,
+    ]
     assert all(0 <= i < n for i in ids), ids
     assert cfg.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert text.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -62,10 +69,18 @@ def test_build_preset_model_small_variant_loads(tmp_path, monkeypatch):
     from vlmrl.processing import load_processor
 
     spec = dict(presets.PRESETS["qwen2.5-vl-3b"])
-    spec["text_config"] = dict(spec["text_config"], hidden_size=256, intermediate_size=128, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, vocab_size=2048)
-    spec["vision_config"] = dict(spec["vision_config"], depth=2, hidden_size=32, intermediate_size=32, num_heads=2,
-                                 out_hidden_size=256, fullatt_block_indexes=[1])
+    spec["text_config"] = dict(
+        spec["text_config"],
+        hidden_size=256,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=2048,
+    )
+    spec["vision_config"] = dict(
+        spec["vision_config"], depth=2, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=256, fullatt_block_indexes=[1]
+    )
     monkeypatch.setitem(presets.PRESETS, "tiny-test", spec)
     out = presets.build_preset_model("tiny-test", tmp_path / "m", seed=1)
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.bfloat16)
@@ -80,9 +95,10 @@ def test_build_preset_model_small_variant_loads(tmp_path, monkeypatch):
 def test_gpu_memory_quick_cpu_smoke(tmp_path):
     """The benchmark end to end on the embedded tiny model, on the CPU."""
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_memory.py"), "--quick", "--allow-cpu", "--steps", "2",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_memory.py"), "--quick", "--allow-cpu", "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_memory_quick.json").read_text())
@@ -115,9 +131,18 @@ def test_gpu_memory_refuses_full_run_without_gpu(tmp_path, monkeypatch, capsys):
 
 def test_gpu_memory_summary_drops_warmup_step():
     bench = _benchmark_module()
-    rows = [{"step": s, "mem/gpu_peak_allocated": a, "mem/gpu_peak_reserved": a + 1, "time/step": t,
-             "time/rollout": t / 2, "time/update": t / 2, "completions/mean_length": 64.0}
-            for s, a, t in [(1, 50.0, 9.0), (2, 30.0, 2.0), (3, 31.0, 4.0)]]
+    rows = [
+        {
+            "step": s,
+            "mem/gpu_peak_allocated": a,
+            "mem/gpu_peak_reserved": a + 1,
+            "time/step": t,
+            "time/rollout": t / 2,
+            "time/update": t / 2,
+            "completions/mean_length": 64.0,
+        }
+        for s, a, t in [(1, 50.0, 9.0), (2, 30.0, 2.0), (3, 31.0, 4.0)]
+    ]
     out = bench.summarize(rows, steps=3, completions_per_step=16, max_len=64)
     assert out["steps_used"] == [2, 3]
     assert out["gpu_peak_allocated_gib"] == 31.0 and out["gpu_peak_reserved_gib"] == 32.0

@@ -27,12 +27,25 @@ def data(tmp_path_factory):
 
 def overrides(model, data, out, *extra):
     return [
-        f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=",
-        f"training.output_dir={out}", "training.max_steps=4", "rollout.num_generations=4",
-        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=8",
-        "rollout.max_completion_length=5", "optim.learning_rate=1e-3", "optim.lr_scheduler_type=cosine",
-        "optim.warmup_ratio=0.2", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
-        "data.min_pixels=3136", "data.max_pixels=3136", f"algorithm.reward_funcs=['{LENGTH_REWARD}']", *extra,
+        f"model.name_or_path={model}",
+        f"data.train_path={data['train']}",
+        "data.eval_path=",
+        f"training.output_dir={out}",
+        "training.max_steps=4",
+        "rollout.num_generations=4",
+        "training.per_device_train_batch_size=4",
+        "rollout.generation_batch_size=8",
+        "rollout.max_completion_length=5",
+        "optim.learning_rate=1e-3",
+        "optim.lr_scheduler_type=cosine",
+        "optim.warmup_ratio=0.2",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
+        *extra,
     ]
 
 
@@ -47,8 +60,12 @@ def final_weights(out):
 
 VARIANTS = {
     "plain": [],
-    "iterations+accumulation+kl": ["algorithm.num_iterations=2", "training.per_device_train_batch_size=2",
-                                   "training.gradient_accumulation_steps=2", "algorithm.beta=0.05"],
+    "iterations+accumulation+kl": [
+        "algorithm.num_iterations=2",
+        "training.per_device_train_batch_size=2",
+        "training.gradient_accumulation_steps=2",
+        "algorithm.beta=0.05",
+    ],
     "lora+kl": ["model.use_lora=true", "model.lora_r=4", "algorithm.beta=0.05", "optim.learning_rate=1e-2"],
 }
 
@@ -79,8 +96,12 @@ def test_breaking_config_change_is_refused_then_forced(tiny_qwen25vl, data, tmp_
     with pytest.raises(CheckpointError, match=r"rollout.max_completion_length: 5 -> 6"):
         train(load_config(None, overrides(tiny_qwen25vl, data, out, "rollout.max_completion_length=6")))
     lines = []
-    train(load_config(None, overrides(tiny_qwen25vl, data, out, "rollout.max_completion_length=6",
-                                      "training.resume_force=true", "logging.log_completions=1")), log=lines.append)
+    train(
+        load_config(
+            None, overrides(tiny_qwen25vl, data, out, "rollout.max_completion_length=6", "training.resume_force=true", "logging.log_completions=1")
+        ),
+        log=lines.append,
+    )
     assert any("max_completion_length" in line for line in lines)
 
 
@@ -90,8 +111,9 @@ def test_weights_only_checkpoint_never_pretends_to_resume(tiny_qwen25vl, data, t
     with pytest.raises(CheckpointError, match="weights only"):
         train(load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_only_model=true")))
     lines = []
-    train(load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_only_model=true",
-                                      "training.resume_weights_only=true")), log=lines.append)
+    train(
+        load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_only_model=true", "training.resume_weights_only=true")), log=lines.append
+    )
     assert any("new schedule" in line for line in lines)
 
 
@@ -143,8 +165,9 @@ def _cli(model, data, out, *extra):
 def test_sigterm_finishes_step_saves_and_exits_zero(tiny_qwen25vl, data, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(_cli(tiny_qwen25vl, data, out, "training.max_steps=1000"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        _cli(tiny_qwen25vl, data, out, "training.max_steps=1000"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     seen = []
     for line in proc.stdout:  # ready when the first step is logged (a printed line, not a polled file)
         seen.append(line)
@@ -166,11 +189,22 @@ def test_injected_oom_halves_micro_batch_and_matches_smaller_config(tiny_qwen25v
     and no gradient is counted twice."""
     from vlmrl import oom
 
-    extra = ["training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2", "algorithm.num_iterations=2",
-             "algorithm.beta=0.05"]
+    extra = ["training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2", "algorithm.num_iterations=2", "algorithm.beta=0.05"]
     small = tmp_path / "small"
-    train(load_config(None, overrides(tiny_qwen25vl, data, small, *extra[1:], "training.per_device_train_batch_size=2",
-                                      "training.gradient_accumulation_steps=4", "memory.generation_prompts_per_call=1")))
+    train(
+        load_config(
+            None,
+            overrides(
+                tiny_qwen25vl,
+                data,
+                small,
+                *extra[1:],
+                "training.per_device_train_batch_size=2",
+                "training.gradient_accumulation_steps=4",
+                "memory.generation_prompts_per_call=1",
+            ),
+        )
+    )
 
     monkeypatch.setattr(oom, "INJECT_OOM_ABOVE", {"rollout": 1, "scoring": 2, "update": 2})
     lines = []
@@ -200,14 +234,18 @@ def test_oom_after_a_backward_discards_partial_gradients(tiny_qwen25vl, data, tm
     from vlmrl import oom
 
     small = tmp_path / "small"
-    train(load_config(None, overrides(tiny_qwen25vl, data, small, "training.per_device_train_batch_size=2",
-                                      "training.gradient_accumulation_steps=4")))
+    train(
+        load_config(None, overrides(tiny_qwen25vl, data, small, "training.per_device_train_batch_size=2", "training.gradient_accumulation_steps=4"))
+    )
     # Micro-batch 1 (4 rows) runs forward+backward, micro-batch 2 hits the OOM: its step is redone at 2 rows.
     monkeypatch.setattr(oom, "INJECT_OOM_ON_CALL", {"update": 2})
     monkeypatch.setattr(oom, "_calls", {})
     recovered = tmp_path / "recovered"
-    train(load_config(None, overrides(tiny_qwen25vl, data, recovered, "training.per_device_train_batch_size=4",
-                                      "training.gradient_accumulation_steps=2")))
+    train(
+        load_config(
+            None, overrides(tiny_qwen25vl, data, recovered, "training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2")
+        )
+    )
     assert losses(recovered) == losses(small)  # bit-identical: the partial gradient of micro-batch 1 was dropped
     wa, wb = final_weights(recovered), final_weights(small)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -215,8 +253,7 @@ def test_oom_after_a_backward_discards_partial_gradients(tiny_qwen25vl, data, tm
 
 def test_token_budget_micro_batches_give_the_same_training(tiny_qwen25vl, data, tmp_path):
     """memory.max_tokens_per_micro_batch only changes how an optimizer step is cut, not what it computes."""
-    extra = ["training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2", "algorithm.num_iterations=2",
-             "algorithm.beta=0.05"]
+    extra = ["training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2", "algorithm.num_iterations=2", "algorithm.beta=0.05"]
     rows_cut = tmp_path / "rows"
     train(load_config(None, overrides(tiny_qwen25vl, data, rows_cut, *extra)))
     packed = tmp_path / "packed"

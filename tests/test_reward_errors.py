@@ -8,7 +8,7 @@ import pytest
 from vlmrl.cli import main
 from vlmrl.rewards import FLOAT32_MAX, RewardError, compute_rewards, load_reward
 
-USER_REWARDS = '''import json
+USER_REWARDS = """import json
 
 
 def picky(prompts, completions, solution, **kwargs):
@@ -23,7 +23,7 @@ def picky(prompts, completions, solution, **kwargs):
 
 def huge(prompts, completions, **kwargs):
     return [1e39 if i == 1 else 0.5 for i in range(len(completions))]
-'''
+"""
 
 
 @pytest.fixture
@@ -37,8 +37,9 @@ def test_raise_names_step_row_solution_image_and_the_users_line(reward_file):
     fn = load_reward(f"{reward_file}:picky")
     columns = {"solution": ["3", "7"], "images": [["/data/a.png"], ["/data/b.png"]]}
     with pytest.raises(RewardError) as e:
-        compute_rewards({"picky": fn}, {"picky": 1.0}, ["p0", "p1"], ["c0", "{bad"], columns,
-                        when="step 4", sources=["data/train.jsonl:2", "data/train.jsonl:9"])
+        compute_rewards(
+            {"picky": fn}, {"picky": 1.0}, ["p0", "p1"], ["c0", "{bad"], columns, when="step 4", sources=["data/train.jsonl:2", "data/train.jsonl:9"]
+        )
     msg = str(e.value)
     assert msg.startswith("reward 'picky' raised on sample 1 at step 4 (row data/train.jsonl:9, solution '7', images ['/data/b.png'])")
     assert "JSONDecodeError" in msg and msg.endswith(f"(at {reward_file}:8 in picky)")
@@ -59,8 +60,11 @@ def test_callable_objects_are_located():
 @pytest.mark.parametrize("value", [1e39, -1e39, math.inf, -math.inf, 10**400])
 def test_values_beyond_float32_are_refused_with_name_and_sample(value):
     rewards = {"big": lambda prompts, completions, **kw: [0.0, value]}
-    with pytest.raises(RewardError, match=r"reward 'big' returned [-]?(inf|1e\+39) for sample 1 at step 2 \(row d.jsonl:5\); "
-                                          r"rewards must be finite and within float32's range"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'big' returned [-]?(inf|1e\+39) for sample 1 at step 2 \(row d.jsonl:5\); "
+        r"rewards must be finite and within float32's range",
+    ):
         compute_rewards(rewards, {"big": 1.0}, ["a", "b"], ["x", "y"], {}, when="step 2", sources=["d.jsonl:4", "d.jsonl:5"])
 
 
@@ -79,15 +83,27 @@ def test_training_reports_the_step_row_and_line(tiny_qwen25vl, reward_file, tmp_
     rows = [{"image": "a.png", "problem": "How many?", "solution": s} for s in ("3", "7")]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = [f"model.name_or_path={tiny_qwen25vl}", f"training.output_dir={tmp_path / 'out'}", f"data.train_path={data}", "data.shuffle=false",
-            f"algorithm.reward_funcs=[{reward_file}:picky]", "training.max_steps=1", "rollout.num_generations=2",
-            "training.per_device_train_batch_size=4", "rollout.max_completion_length=3", "logging.progress_bar=false",
-            "logging.tensorboard=false", "logging.report=false"]
+    args = [
+        f"model.name_or_path={tiny_qwen25vl}",
+        f"training.output_dir={tmp_path / 'out'}",
+        f"data.train_path={data}",
+        "data.shuffle=false",
+        f"algorithm.reward_funcs=[{reward_file}:picky]",
+        "training.max_steps=1",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=4",
+        "rollout.max_completion_length=3",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+    ]
     # The check before training calls the reward on the rows (their solutions as completions) and finds it first.
     assert main(["train", *args]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert line.startswith(f"vlmrl train: reward 'picky' raised on sample 1 at the check before training (the row's solution as the "
-                           f"completion) (row {data}:2, solution '7', images ['{tmp_path / 'a.png'}'])")
+    assert line.startswith(
+        f"vlmrl train: reward 'picky' raised on sample 1 at the check before training (the row's solution as the "
+        f"completion) (row {data}:2, solution '7', images ['{tmp_path / 'a.png'}'])"
+    )
     assert line.endswith(f"(at {reward_file}:8 in picky)")
     # Inside the loop (no check before it) the step is named.
     from vlmrl.config import load_config
@@ -103,10 +119,20 @@ def test_training_reports_the_step_row_and_line(tiny_qwen25vl, reward_file, tmp_
 
 def test_a_1e39_reward_stops_training_instead_of_poisoning_the_weights(tiny_qwen25vl, reward_file, tmp_path, capsys):
     out = tmp_path / "out"
-    args = [f"model.name_or_path={tiny_qwen25vl}", f"training.output_dir={out}", f"algorithm.reward_funcs=[{reward_file}:huge]",
-            "data.task_train_size=4", "data.task_test_size=0", "training.max_steps=1", "rollout.num_generations=2",
-            "training.per_device_train_batch_size=2", "rollout.max_completion_length=3", "logging.progress_bar=false",
-            "logging.tensorboard=false", "logging.report=false"]
+    args = [
+        f"model.name_or_path={tiny_qwen25vl}",
+        f"training.output_dir={out}",
+        f"algorithm.reward_funcs=[{reward_file}:huge]",
+        "data.task_train_size=4",
+        "data.task_test_size=0",
+        "training.max_steps=1",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=2",
+        "rollout.max_completion_length=3",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+    ]
     assert main(["train", *args]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     # Found by the check before training, before any weights load.

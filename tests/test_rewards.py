@@ -40,9 +40,17 @@ def test_extract_answer(text, expected):
 
 def test_accuracy_numbers_choices_text():
     completions = [
-        "<answer>3</answer>", "<answer>3.0</answer>", "<answer> 3 </answer>", "<answer>three</answer>",
-        "3", "<answer>4</answer>", "<answer>2.50</answer>", "<answer>(b)</answer>", "<answer>C</answer>",
-        "<answer>Paris.</answer>", "<answer>1</answer><answer>3</answer>",
+        "<answer>3</answer>",
+        "<answer>3.0</answer>",
+        "<answer> 3 </answer>",
+        "<answer>three</answer>",
+        "3",
+        "<answer>4</answer>",
+        "<answer>2.50</answer>",
+        "<answer>(b)</answer>",
+        "<answer>C</answer>",
+        "<answer>Paris.</answer>",
+        "<answer>1</answer><answer>3</answer>",
     ]
     solution = ["3", "3", "3", "3", "3", "3", "2.5", "B", "b", "paris", "3"]
     assert accuracy(None, completions, solution) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
@@ -55,8 +63,10 @@ def test_accuracy_solution_forms_and_none():
 
 
 def test_conversational_completions():
-    conv = [[{"role": "assistant", "content": "<answer>3</answer>"}],
-            [{"role": "assistant", "content": [{"type": "text", "text": "<answer>"}, {"type": "text", "text": "4</answer>"}]}]]
+    conv = [
+        [{"role": "assistant", "content": "<answer>3</answer>"}],
+        [{"role": "assistant", "content": [{"type": "text", "text": "<answer>"}, {"type": "text", "text": "4</answer>"}]}],
+    ]
     assert accuracy(None, conv, ["3", "3"]) == [1.0, 0.0]
     assert answer_format(None, conv) == [1.0, 1.0]
     with pytest.raises(TypeError, match="completion must be"):
@@ -69,7 +79,7 @@ def test_conversational_completions():
         ("<answer>[1, 2, 3, 4]</answer>", [1.0, 2.0, 3.0, 4.0]),
         ("<answer>[ 1.5 ,2,  30.25,40 ]</answer>", [1.5, 2.0, 30.25, 40.0]),
         ("<answer>[1 2 3 4]</answer>", [1.0, 2.0, 3.0, 4.0]),
-        ("<answer>{\"bbox_2d\": [10, 20, 30, 40], \"label\": \"x\"}</answer>", [10.0, 20.0, 30.0, 40.0]),
+        ('<answer>{"bbox_2d": [10, 20, 30, 40], "label": "x"}</answer>', [10.0, 20.0, 30.0, 40.0]),
         ("box is [5, 6, 7, 8] I think", [5.0, 6.0, 7.0, 8.0]),  # fallback: no answer tag
         ("[0, 0, 9, 9] <answer>[1, 1, 2, 2]</answer>", [1.0, 1.0, 2.0, 2.0]),  # the answer wins
         ("<answer>[3, 2, 1, 4]</answer>", None),  # x2 < x1
@@ -146,14 +156,19 @@ def test_compute_rewards_weights_and_none():
     def maybe(prompts, completions, solution, **kw):
         return [1.0 if s else None for s in solution]
 
-    total, per = compute_rewards({"half": half, "maybe": maybe}, {"half": 2.0, "maybe": 3.0}, ["a", "b", "c"],
-                                 ["x", "y", "z"], {"solution": ["s", "s", ""]})
+    total, per = compute_rewards(
+        {"half": half, "maybe": maybe}, {"half": 2.0, "maybe": 3.0}, ["a", "b", "c"], ["x", "y", "z"], {"solution": ["s", "s", ""]}
+    )
     assert per == {"half": [0.5, None, None], "maybe": [1.0, 1.0, None]}
     assert total == [4.0, 3.0, 0.0]  # None counts 0; sample 2 has no reward at all -> 0
     stats = reward_stats(per)
     assert stats == {
-        "rewards/half/mean": 0.5, "rewards/half/std": 0.0, "rewards/half/none_frac": 2 / 3,
-        "rewards/maybe/mean": 1.0, "rewards/maybe/std": 0.0, "rewards/maybe/none_frac": 1 / 3,
+        "rewards/half/mean": 0.5,
+        "rewards/half/std": 0.0,
+        "rewards/half/none_frac": 2 / 3,
+        "rewards/maybe/mean": 1.0,
+        "rewards/maybe/std": 0.0,
+        "rewards/maybe/none_frac": 1 / 3,
         "rewards/all_none_frac": 1 / 3,
     }
 
@@ -196,7 +211,8 @@ def test_bad_return_values():
 
 def test_builtins_through_compute_rewards():
     comps = ["<answer>3</answer>", "<answer>4</answer><answer>3</answer>"]
-    total, per = compute_rewards({"accuracy": accuracy, "answer_format": answer_format},
-                                 {"accuracy": 1.0, "answer_format": 0.5}, ["q", "q"], comps, {"solution": ["3", "3"]})
+    total, per = compute_rewards(
+        {"accuracy": accuracy, "answer_format": answer_format}, {"accuracy": 1.0, "answer_format": 0.5}, ["q", "q"], comps, {"solution": ["3", "3"]}
+    )
     assert per == {"accuracy": [1.0, 1.0], "answer_format": [1.0, 0.0]}
     assert total == [1.5, 1.0]

@@ -52,8 +52,10 @@ def plain_string_reward(prompts, completions, solution):  # no **kwargs: must no
     return [float(c.endswith(s)) for c, s in zip(completions, solution)]
 
 
-ROWS = [{"problem": "How many?", "solution": "<answer>3</answer>", "images": ["/a.png"], "_source": "x:1"},
-        {"problem": "Which?", "solution": "B", "images": [], "_source": "x:2"}]
+ROWS = [
+    {"problem": "How many?", "solution": "<answer>3</answer>", "images": ["/a.png"], "_source": "x:1"},
+    {"problem": "Which?", "solution": "B", "images": [], "_source": "x:2"},
+]
 TEXTS = ["<think>hm</think><answer>3</answer>", "<answer>4</answer>", "<answer>B</answer>", "B"]
 
 
@@ -61,8 +63,10 @@ def test_vlmr1_rewards_run_on_conversational_completions():
     prompts, completions = reward_inputs(ROWS, TEXTS, 2, "conversational", system_prompt="Be brief.")
     assert completions[0] == [{"role": "assistant", "content": TEXTS[0]}]
     # prompts are the chat the model saw: system, then the user turn with the image placeholder first.
-    assert prompts[0] == [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                          {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
+    assert prompts[0] == [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]},
+    ]
     assert prompts[2][-1]["content"] == [{"type": "text", "text": "Which?"}]
     funcs = {"acc": vlmr1_style_accuracy, "fmt": vlmr1_style_format, "builtin": accuracy}
     columns = {"solution": [r["solution"] for r in ROWS for _ in range(2)]}
@@ -84,8 +88,9 @@ def test_trl_keyword_arguments_are_passed_only_where_taken():
     ids = [[5, 6, 2], [7, 2], [8], [9, 9, 9, 2]]
     state = TrainerState(global_step=3, max_steps=12, epoch=0.5)
     funcs = {"len": trl_style_length_penalty, "sched": trl_style_schedule, "plain": plain_string_reward}
-    total, per = compute_rewards(funcs, dict.fromkeys(funcs, 1.0), ["p"] * 4, TEXTS, {"solution": ["3", "3", "B", "B"]},
-                                 completion_ids=ids, trainer_state=state)
+    total, per = compute_rewards(
+        funcs, dict.fromkeys(funcs, 1.0), ["p"] * 4, TEXTS, {"solution": ["3", "3", "B", "B"]}, completion_ids=ids, trainer_state=state
+    )
     assert per["len"] == [-0.3, -0.2, -0.1, -0.4]
     assert per["sched"] == [0.25] * 4
     assert per["plain"] == [0.0, 0.0, 0.0, 1.0]
@@ -99,8 +104,9 @@ def test_failing_trl_reward_is_located_with_its_sliced_ids():
         return [0.0] * len(completions)
 
     with pytest.raises(RewardError, match=r"'picky' raised on sample 2\b.*too long"):
-        compute_rewards({"picky": picky}, {"picky": 1.0}, ["p"] * 3, ["a", "b", "c"], {},
-                        completion_ids=[[1], [1, 2], [1, 2, 3, 4]], trainer_state=TrainerState())
+        compute_rewards(
+            {"picky": picky}, {"picky": 1.0}, ["p"] * 3, ["a", "b", "c"], {}, completion_ids=[[1], [1, 2], [1, 2, 3, 4]], trainer_state=TrainerState()
+        )
 
 
 def test_async_rewards_are_awaited_concurrently():
@@ -113,8 +119,13 @@ def test_async_rewards_are_awaited_concurrently():
         return [1.0] * len(completions)
 
     t0 = time.perf_counter()
-    total, per = compute_rewards({"a": slow_judge, "b": slow_judge_2, "sync": plain_string_reward}, {"a": 1.0, "b": 2.0, "sync": 1.0},
-                                 ["p", "p"], ["xy", "3"], {"solution": ["3", "3"]})
+    total, per = compute_rewards(
+        {"a": slow_judge, "b": slow_judge_2, "sync": plain_string_reward},
+        {"a": 1.0, "b": 2.0, "sync": 1.0},
+        ["p", "p"],
+        ["xy", "3"],
+        {"solution": ["3", "3"]},
+    )
     elapsed = time.perf_counter() - t0
     assert per == {"a": [2.0, 1.0], "b": [1.0, 1.0], "sync": [0.0, 1.0]}
     assert total == [4.0, 4.0]
@@ -149,8 +160,15 @@ def test_score_rollout_passes_what_trl_passes():
         seen.update(prompts=prompts, completions=completions, ids=completion_ids, state=trainer_state, solution=solution, extra=kwargs)
         return [0.0] * len(completions)
 
-    cfg = load_config(None, ["algorithm.completion_format=conversational", "training.max_steps=40",
-                             "training.per_device_train_batch_size=4", "rollout.num_generations=2"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.completion_format=conversational",
+            "training.max_steps=40",
+            "training.per_device_train_batch_size=4",
+            "rollout.num_generations=2",
+        ],
+    )
     rows = [{**ROWS[0], "difficulty": 2}, {**ROWS[1], "difficulty": 5}]
     ids = torch.tensor([[5, 2, 0], [6, 7, 8], [2, 0, 0], [9, 2, 0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
@@ -160,8 +178,7 @@ def test_score_rollout_passes_what_trl_passes():
     assert seen["state"] == TrainerState(global_step=6, max_steps=40, epoch=1.5)  # 6 steps x 2 prompts / 8 rows
     assert seen["completions"][1] == [{"role": "assistant", "content": TEXTS[1]}]
     assert seen["prompts"][3][-1]["content"][-1]["text"] == "Which?"
-    assert seen["extra"] == {"problem": ["How many?"] * 2 + ["Which?"] * 2, "images": [["/a.png"]] * 2 + [[]] * 2,
-                             "difficulty": [2, 2, 5, 5]}
+    assert seen["extra"] == {"problem": ["How many?"] * 2 + ["Which?"] * 2, "images": [["/a.png"]] * 2 + [[]] * 2, "difficulty": [2, 2, 5, 5]}
 
 
 def test_reward_spec_typos_get_did_you_mean(tmp_path):
@@ -182,7 +199,6 @@ def test_builtin_rewards_give_the_same_values_in_both_forms():
     texts = ["<think>x</think><answer>[1, 2, 5, 7]</answer>", "<answer>[0,0,1,1]</answer>", "<answer>3</answer>", "3"]
     columns = {"solution": [r["solution"] for r in rows for _ in range(2)]}
     weights = dict.fromkeys(BUILTIN_REWARDS, 1.0)
-    results = [compute_rewards(BUILTIN_REWARDS, weights, *reward_inputs(rows, texts, 2, form), columns)
-               for form in ("text", "conversational")]
+    results = [compute_rewards(BUILTIN_REWARDS, weights, *reward_inputs(rows, texts, 2, form), columns) for form in ("text", "conversational")]
     assert results[0] == results[1]
     assert results[0][1]["format"] == [1.0, 0.0, 0.0, 0.0] and results[0][1]["accuracy"][2:] == [1.0, 0.0]

@@ -165,8 +165,7 @@ def test_pt_file_payload_never_runs(tmp_path, name):
 
     model, opt = linear_run()
     sched = get_scheduler("constant", opt)
-    path = save_checkpoint(tmp_path, 1, save_model=lambda f: None, optimizer=opt, scheduler=sched,
-                           trainer_state={"epoch": 0}, config={})
+    path = save_checkpoint(tmp_path, 1, save_model=lambda f: None, optimizer=opt, scheduler=sched, trainer_state={"epoch": 0}, config={})
     marker = tmp_path / "PWNED"
     torch.save({"state": {}, "param_groups": [], "x": Payload(marker)}, path / name)
     rehash(path)
@@ -184,11 +183,22 @@ def data(tmp_path_factory):
 
 def overrides(model, data, out, *extra):
     return [
-        f"model.name_or_path={model}", f"data.train_path={data['train']}", "data.eval_path=",
-        f"training.output_dir={out}", "training.max_steps=2", "rollout.num_generations=2",
-        "training.per_device_train_batch_size=4", "rollout.generation_batch_size=4",
-        "rollout.max_completion_length=3", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false",
-        "data.min_pixels=3136", "data.max_pixels=3136", f"algorithm.reward_funcs=['{LENGTH_REWARD}']", *extra,
+        f"model.name_or_path={model}",
+        f"data.train_path={data['train']}",
+        "data.eval_path=",
+        f"training.output_dir={out}",
+        "training.max_steps=2",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=4",
+        "rollout.generation_batch_size=4",
+        "rollout.max_completion_length=3",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
+        *extra,
     ]
 
 
@@ -292,14 +302,12 @@ def test_resume_refuses_a_yaml_payload_in_config(fresh_run, tmp_path, tiny_qwen2
 
 
 # ---------------------------------------------------------------- one run per output_dir
-HOLD_LOCK = ("import sys; from vlmrl.rundir import RunLock; lock = RunLock(sys.argv[1]); lock.acquire(); "
-             "print('locked', flush=True); sys.stdin.read()")
+HOLD_LOCK = "import sys; from vlmrl.rundir import RunLock; lock = RunLock(sys.argv[1]); lock.acquire(); print('locked', flush=True); sys.stdin.read()"
 
 
 def hold_lock_in_child(folder):
 
-    child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=SRC_ENV)
+    child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SRC_ENV)
     assert child.stdout.readline().strip() == "locked"
     return child
 
@@ -313,8 +321,7 @@ def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
         with pytest.raises(RunLockError, match=rf"in use by another vlmrl run \(PID {child.pid} on host {socket.gethostname()}"):
             RunLock(out).acquire()
         # The command line: one line, exit 2, before any model is loaded.
-        cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", f"training.output_dir={out}"], capture_output=True,
-                             text=True, env=SRC_ENV)
+        cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", f"training.output_dir={out}"], capture_output=True, text=True, env=SRC_ENV)
         assert cli.returncode == 2, cli.stderr
         assert cli.stderr.strip().count("\n") == 0 and f"PID {child.pid}" in cli.stderr, cli.stderr
     finally:
@@ -355,8 +362,7 @@ def test_lock_without_flock_falls_back_to_the_pid_check(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- resume semantics
 def snapshot(folder: pathlib.Path) -> dict:
     """Every file under `folder`: its bytes and modification time."""
-    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_all_invalid_checkpoints_are_refused_not_restarted_over(fresh_run, tiny_qwen25vl, data):
@@ -406,8 +412,9 @@ def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_
     before = snapshot(fresh_run)
     with pytest.raises(RunAlreadyComplete, match=r"is complete \(2 steps, final model in"):
         train(cfg)
-    cli = subprocess.run([sys.executable, "-m", "vlmrl", "train", *overrides(tiny_qwen25vl, data, fresh_run)], capture_output=True,
-                         text=True, env=SRC_ENV)
+    cli = subprocess.run(
+        [sys.executable, "-m", "vlmrl", "train", *overrides(tiny_qwen25vl, data, fresh_run)], capture_output=True, text=True, env=SRC_ENV
+    )
     assert cli.returncode == 0 and "is complete" in cli.stderr, cli.stderr
     assert snapshot(fresh_run) == before
 
@@ -416,13 +423,21 @@ def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_
 def small_save(out, step, model, opt, **kw):
     from safetensors.torch import save_file
 
-    return save_checkpoint(out, step, save_model=lambda f: save_file(model.state_dict(), str(f / "model.safetensors")),
-                           optimizer=opt, trainer_state={"epoch": 0}, config={}, **kw)
+    return save_checkpoint(
+        out,
+        step,
+        save_model=lambda f: save_file(model.state_dict(), str(f / "model.safetensors")),
+        optimizer=opt,
+        trainer_state={"epoch": 0},
+        config={},
+        **kw,
+    )
 
 
 def _raiser(error):
     def boom(*args, **kwargs):
         raise error
+
     return boom
 
 
@@ -433,7 +448,8 @@ def storage_errors():
     return {
         "torch full disk (RuntimeError unexpected pos)": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
         "safetensors full disk": SafetensorError(
-            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'),
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
         "permission": PermissionError(errno.EACCES, "Permission denied"),
         "read-only file system": OSError(errno.EROFS, "Read-only file system"),
         "quota": OSError(errno.EDQUOT, "Disk quota exceeded"),
@@ -470,8 +486,7 @@ def small_fs(tmp_path):
 
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
         pytest.skip("mounting a small tmpfs needs root (mount -t tmpfs); the injected-error tests cover the mapping")
     try:
         yield mnt

@@ -75,7 +75,8 @@ def test_ground_task_boxes_are_correct(tmp_path):
     rows = _rows(files["train"])
     # 3 colours x 2 shapes = 6 targets, 6 each.
     assert Counter(" ".join(r["problem"].split()[2:4]) for r in rows) == {
-        f"{c} {k}": 6 for c in ("red", "green", "blue") for k in ("square", "circle")}
+        f"{c} {k}": 6 for c in ("red", "green", "blue") for k in ("square", "circle")
+    }
     assert _rows(files["test"]) == []
     for r in rows:
         colour, kind = r["problem"].split()[2:4]

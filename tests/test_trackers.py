@@ -91,7 +91,10 @@ def test_wandb_gets_config_steps_evals_and_summary(fake_wandb, tmp_path, monkeyp
     assert init["mode"] == "offline" and init["name"] == "myrun" and init["config"]["training"]["seed"] == 7
     assert init["resume"] == "allow" and init["id"] == (tmp_path / "myrun" / "wandb_run_id").read_text().strip()
     assert [(c[1][0], c[2]["step"]) for c in fake_wandb if c[0] == "log"] == [
-        ({"reward": 0.2}, 2), ({"reward": 0.4}, 4), ({"eval/accuracy": 0.5}, 4)]  # every logging_steps; NaN and text left out
+        ({"reward": 0.2}, 2),
+        ({"reward": 0.4}, 4),
+        ({"eval/accuracy": 0.5}, 4),
+    ]  # every logging_steps; NaN and text left out
     assert fake_wandb[4][1][0] == {"reward": 0.4, "eval/accuracy": 0.5}
     assert fake_wandb[5][2] == {"exit_code": 0}
     # A resumed run continues the same W&B run.
@@ -132,10 +135,25 @@ def test_sft_reports_to_wandb(fake_wandb, tiny_qwen25vl, tmp_path):
     from vlmrl.tasks import make_count_task
 
     data = make_count_task(tmp_path / "d", n_train=4, n_test=2, seed=0, image_size=56)
-    sft(load_config(None, [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data['train']}",
-                           f"data.eval_path={data['test']}", f"training.output_dir={tmp_path / 'sft'}", "sft.steps=2",
-                           "sft.batch_size=2", "logging.progress_bar=false", "logging.report_to=[wandb]",
-                           "rollout.max_completion_length=3", "data.max_pixels=3136", "data.min_pixels=3136"]), log=lambda *_: None)
+    sft(
+        load_config(
+            None,
+            [
+                f"model.name_or_path={tiny_qwen25vl}",
+                f"data.train_path={data['train']}",
+                f"data.eval_path={data['test']}",
+                f"training.output_dir={tmp_path / 'sft'}",
+                "sft.steps=2",
+                "sft.batch_size=2",
+                "logging.progress_bar=false",
+                "logging.report_to=[wandb]",
+                "rollout.max_completion_length=3",
+                "data.max_pixels=3136",
+                "data.min_pixels=3136",
+            ],
+        ),
+        log=lambda *_: None,
+    )
     logged = [c for c in fake_wandb if c[0] == "log"]
     assert [c[2]["step"] for c in logged] == [1, 2, 2]  # two steps, then the evaluation
     assert "eval/accuracy" in logged[-1][1][0] and [c[0] for c in fake_wandb][-1] == "finish"

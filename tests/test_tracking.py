@@ -13,6 +13,7 @@ from vlmrl.tracking import RunLogger, read_jsonl
 
 def _strict_lines(path):
     """Parse every line with NaN/Infinity rejected, as a non-Python JSON reader would."""
+
     def reject(token):
         raise ValueError(f"non-standard JSON constant {token}")
 
@@ -93,9 +94,19 @@ def _is_png(path):
 def _fake_run(out, steps=30, with_eval=True):
     with RunLogger(out, total_steps=steps, tensorboard=False, progress=False) as logger:
         for s in range(1, steps + 1):
-            logger.log(s, {"reward": s / steps, "rewards/accuracy/mean": s / steps / 2, "loss": 1 / s,
-                           "kl": 0.01 * s if s != 5 else float("nan"), "completions/mean_length": 10 + s,
-                           "mem/host_peak_rss": 1.2, "mem/gpu_peak_allocated": 3.0, "time/step": 0.5})
+            logger.log(
+                s,
+                {
+                    "reward": s / steps,
+                    "rewards/accuracy/mean": s / steps / 2,
+                    "loss": 1 / s,
+                    "kl": 0.01 * s if s != 5 else float("nan"),
+                    "completions/mean_length": 10 + s,
+                    "mem/host_peak_rss": 1.2,
+                    "mem/gpu_peak_allocated": 3.0,
+                    "time/step": 0.5,
+                },
+            )
             if with_eval and s % 10 == 0:
                 logger.log_eval(s, {"eval/accuracy": s / 40, "eval/iou": s / 50, "eval/num_samples": 20.0})
 

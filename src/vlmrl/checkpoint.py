@@ -162,8 +162,17 @@ def _rmtree(path: Path) -> None:
 
 # Messages of writers that report a failed write as something other than OSError: torch's zip stream writer
 # (a full disk surfaces as "unexpected pos N vs M"), and OS error texts that libraries wrap in their own types.
-_STORAGE_MESSAGES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "No space left", "Disk quota exceeded",
-                     "Read-only file system", "Permission denied", "Input/output error", "StorageFull")
+_STORAGE_MESSAGES = (
+    "unexpected pos",
+    "PytorchStreamWriter failed",
+    "file write failed",
+    "No space left",
+    "Disk quota exceeded",
+    "Read-only file system",
+    "Permission denied",
+    "Input/output error",
+    "StorageFull",
+)
 
 
 def is_storage_error(e: Optional[BaseException]) -> bool:
@@ -252,8 +261,13 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
         # numpy arrays are not loadable under weights_only=True; a tensor of the same keys is.
-        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     # Only when CUDA is already in use: initialising it just to read untouched default states is wasteful.
@@ -264,6 +278,7 @@ def rng_state() -> dict[str, Any]:
 
 def _plain_scheduler_state(state: dict) -> dict:
     """Keep only entries a weights_only load accepts; callables and custom objects are rebuilt by the caller anyway."""
+
     def plain(v: Any) -> bool:
         if v is None or isinstance(v, (bool, int, float, str, torch.Tensor)):
             return True
@@ -311,9 +326,18 @@ def save_checkpoint(
         output_dir.mkdir(parents=True, exist_ok=True)
         _rmtree(tmp)  # a stale folder from a killed save of the same step
         tmp.mkdir()
-        _write_contents(tmp, step, save_model=save_model, optimizer=optimizer, scheduler=scheduler,
-                        trainer_state=trainer_state, config=config, rank=rank, weights_only=weights_only,
-                        rng_states=rng_states)
+        _write_contents(
+            tmp,
+            step,
+            save_model=save_model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            trainer_state=trainer_state,
+            config=config,
+            rank=rank,
+            weights_only=weights_only,
+            rng_states=rng_states,
+        )
         _write_manifest(tmp, step)
         _move_into_place(tmp, final)
     except BaseException as e:
@@ -321,21 +345,32 @@ def save_checkpoint(
         reason = _storage_reason(e, output_dir) if storage else ""  # free space measured before the cleanup frees it
         _rmtree(tmp)  # never leave half a checkpoint behind, whatever went wrong (KeyboardInterrupt too)
         if storage:
-            raise CheckpointSaveError(f"could not write checkpoint {final} (step {step}): {reason}; "
-                                      f"earlier checkpoints in {output_dir} are intact") from e
+            raise CheckpointSaveError(
+                f"could not write checkpoint {final} (step {step}): {reason}; earlier checkpoints in {output_dir} are intact"
+            ) from e
         raise
     if save_total_limit is not None:
         try:
-            rotate_checkpoints(output_dir, save_total_limit, best_step=trainer_state.get("best_step"),
-                               warn=warn, check_hashes=False)
+            rotate_checkpoints(output_dir, save_total_limit, best_step=trainer_state.get("best_step"), warn=warn, check_hashes=False)
         except OSError as e:
             # The new checkpoint is safely written; failing to delete old ones must not stop the run.
             warn(f"checkpoint rotation in {output_dir} failed: {e}")
     return final
 
 
-def _write_contents(tmp: Path, step: int, *, save_model, optimizer, scheduler, trainer_state: dict,
-                    config: dict, rank: int, weights_only: bool, rng_states: Optional[dict[int, dict]] = None) -> None:
+def _write_contents(
+    tmp: Path,
+    step: int,
+    *,
+    save_model,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    config: dict,
+    rank: int,
+    weights_only: bool,
+    rng_states: Optional[dict[int, dict]] = None,
+) -> None:
     """Every file except the manifest, each fsync'ed."""
     model_dir = tmp / MODEL_DIR
     model_dir.mkdir()
@@ -350,10 +385,16 @@ def _write_contents(tmp: Path, step: int, *, save_model, optimizer, scheduler, t
         for r, state in (rng_states or {rank: rng_state()}).items():
             _torch_save(state, tmp / rng_file(r))
     state = dict(trainer_state)
-    state.update(global_step=step, weights_only=weights_only, config_hash=config_hash(config),
-                 versions=_versions(), format_version=FORMAT_VERSION, saved_at=time.time(),
-                 has_optimizer=optimizer is not None and not weights_only,
-                 has_scheduler=scheduler is not None and not weights_only)
+    state.update(
+        global_step=step,
+        weights_only=weights_only,
+        config_hash=config_hash(config),
+        versions=_versions(),
+        format_version=FORMAT_VERSION,
+        saved_at=time.time(),
+        has_optimizer=optimizer is not None and not weights_only,
+        has_scheduler=scheduler is not None and not weights_only,
+    )
     try:
         text = json.dumps(state, indent=2, sort_keys=True)
     except (TypeError, ValueError) as e:
@@ -462,7 +503,8 @@ def find_resume_checkpoint(output_dir: str | Path, resume: str, warn: Warn = pri
         raise CheckpointError(
             f"every checkpoint in {output_dir} is invalid ({'; '.join(invalid)}); refusing to start over from step 0. "
             f"Repair or restore a checkpoint, or set training.resume=never to start a new run in this folder (its "
-            f"checkpoints then replace these), or use a new training.output_dir")
+            f"checkpoints then replace these), or use a new training.output_dir"
+        )
     return None
 
 
@@ -472,15 +514,16 @@ def _recover_parked(output_dir: Path, warn: Warn) -> None:
         return
     for old in output_dir.iterdir():
         if old.is_dir() and old.name.startswith(_OLD_PREFIX):
-            final = output_dir / ("checkpoint-" + old.name[len(_OLD_PREFIX):])
+            final = output_dir / ("checkpoint-" + old.name[len(_OLD_PREFIX) :])
             if not final.exists() and verify_checkpoint(old, check_hashes=False)[0]:
                 os.rename(old, final)
                 warn(f"restored {final} from {old} (a save of the same step was interrupted)")
 
 
 # ---------------------------------------------------------------- rotation
-def rotate_checkpoints(output_dir: str | Path, save_total_limit: Optional[int], best_step: Optional[int] = None,
-                       warn: Warn = print, check_hashes: bool = True) -> list[Path]:
+def rotate_checkpoints(
+    output_dir: str | Path, save_total_limit: Optional[int], best_step: Optional[int] = None, warn: Warn = print, check_hashes: bool = True
+) -> list[Path]:
     """Delete checkpoints beyond `save_total_limit` (oldest first), invalid ones and stale temporary folders.
 
     The newest valid checkpoint and the best one (`best_step`) are never deleted, even when that keeps
@@ -538,8 +581,9 @@ def safe_torch_load(path: str | Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # UnpicklingError and friends: the file holds more than tensors
-        raise CheckpointError(f"refusing to load {path}: it is not a plain tensor file "
-                              f"(weights_only=True rejected it: {unpickling_reason(e)})") from e
+        raise CheckpointError(
+            f"refusing to load {path}: it is not a plain tensor file (weights_only=True rejected it: {unpickling_reason(e)})"
+        ) from e
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -582,13 +626,13 @@ def load_training_state(path: str | Path, optimizer: Any = None, scheduler: Any 
         raise CheckpointError(
             f"checkpoint {path} holds model weights only (saved with training.save_only_model=true): it has no "
             f"optimizer, scheduler or RNG state, so the run cannot resume exactly. Set "
-            f"training.resume_weights_only=true to start a new schedule from its weights.")
+            f"training.resume_weights_only=true to start a new schedule from its weights."
+        )
     if optimizer is not None:
         try:
             optimizer.load_state_dict(safe_torch_load(path / OPTIMIZER_FILE))
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{path / OPTIMIZER_FILE} does not fit this optimizer "
-                                  f"(different parameters or param groups?): {e}") from e
+            raise CheckpointError(f"{path / OPTIMIZER_FILE} does not fit this optimizer (different parameters or param groups?): {e}") from e
     if scheduler is not None:
         saved = safe_torch_load(path / SCHEDULER_FILE)
         # Entries dropped at save time (callables) stay as the freshly built scheduler has them.
@@ -612,8 +656,7 @@ def restore_rng(path: str | Path, rank: int = 0, warn: Warn = print) -> None:
             return
         count = torch.cuda.device_count()
         if count != len(cuda):
-            warn(f"{path / rng_file(rank)} has {len(cuda)} CUDA RNG states for {count} visible devices; "
-                 f"restoring the first {min(count, len(cuda))}")
+            warn(f"{path / rng_file(rank)} has {len(cuda)} CUDA RNG states for {count} visible devices; restoring the first {min(count, len(cuda))}")
         for i in range(min(count, len(cuda))):
             torch.cuda.set_rng_state(cuda[i], device=i)
 
@@ -684,7 +727,8 @@ def check_resume_compat(old: dict, new: dict, force: bool = False, warn: Warn = 
             raise CheckpointError(
                 f"the config changed since the checkpoint in ways that break an exact resume:{listing}\n"
                 f"restore those values, start a fresh run (training.resume=never or a new output_dir), or set "
-                f"training.resume_force=true to resume anyway")
+                f"training.resume_force=true to resume anyway"
+            )
         warn(f"resuming despite config changes (training.resume_force=true):{listing}")
     if harmless:
         warn("config changes since the checkpoint (harmless for resuming):\n  " + "\n  ".join(harmless))

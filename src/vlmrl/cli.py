@@ -13,8 +13,10 @@ from pathlib import Path
 from .config import ConfigError, load_config
 
 DEBUG_ENV = "VLMRL_DEBUG"
-CONFIG_HELP = ("optional YAML config, then any number of key=value overrides, e.g. "
-               "rollout.num_generations=8 training.max_steps=50 (TRL names without a section also work: beta=0.04)")
+CONFIG_HELP = (
+    "optional YAML config, then any number of key=value overrides, e.g. "
+    "rollout.num_generations=8 training.max_steps=50 (TRL names without a section also work: beta=0.04)"
+)
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -76,25 +78,39 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmrl", description="GRPO and SFT for vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (short, text, epilog) in COMMAND_HELP.items():
-        p = sub.add_parser(name, help=short, description=textwrap.fill(text, 100), epilog=epilog,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=short, description=textwrap.fill(text, 100), epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         p.add_argument("args", nargs="*", help=CONFIG_HELP)
-    d = sub.add_parser("demo", help="Build the tiny model, synthesize data, SFT, GRPO, evaluate, report.",
-                       description="The end-to-end demo on the embedded tiny Qwen2.5-VL (CPU, a few minutes).")
+    d = sub.add_parser(
+        "demo",
+        help="Build the tiny model, synthesize data, SFT, GRPO, evaluate, report.",
+        description="The end-to-end demo on the embedded tiny Qwen2.5-VL (CPU, a few minutes).",
+    )
     d.add_argument("--output-dir", default="outputs/demo")
     d.add_argument("--quick", action="store_true", help="A few steps only (smoke test).")
     sub.add_parser("config", help="Print the config reference (markdown) generated from the field docs.")
-    ex = sub.add_parser("export", help="Write a checkpoint (or a run folder's newest) as a plain HF model folder.",
-                        description="Checkpoint -> plain HF folder: base model + trained weights (LoRA merged) + processor.")
+    ex = sub.add_parser(
+        "export",
+        help="Write a checkpoint (or a run folder's newest) as a plain HF model folder.",
+        description="Checkpoint -> plain HF folder: base model + trained weights (LoRA merged) + processor.",
+    )
     ex.add_argument("checkpoint", help="output_dir/checkpoint-<step>, or a run folder (its newest valid checkpoint)")
     ex.add_argument("out", help="folder to write")
-    ex.add_argument("overrides", nargs="*", help="key=value settings that replace the checkpoint's config, e.g. "
-                    "model.name_or_path=<base model folder>; model.trust_remote_code / model.allow_hub_download are "
-                    "never taken from the checkpoint, only from here (with model.name_or_path)")
+    ex.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value settings that replace the checkpoint's config, e.g. "
+        "model.name_or_path=<base model folder>; model.trust_remote_code / model.allow_hub_download are "
+        "never taken from the checkpoint, only from here (with model.name_or_path)",
+    )
     from .plan_cli import add_arguments as add_plan_arguments
 
-    pl = sub.add_parser("plan", help="Predict the per-GPU memory peak of a GRPO step before launch; --search for configs that fit.",
-                        description="Memory planner: every term of the per-device peak, a verdict, --search, --trace (docs/planner.md).")
+    pl = sub.add_parser(
+        "plan",
+        help="Predict the per-GPU memory peak of a GRPO step before launch; --search for configs that fit.",
+        description="Memory planner: every term of the per-device peak, a verdict, --search, --trace (docs/planner.md).",
+    )
     add_plan_arguments(pl)
     ns = parser.parse_args(argv)
     if ns.command == "plan":

@@ -37,13 +37,15 @@ def shard_prompts(prompts_per_step: int, num_generations: int, rows_per_opt_step
     if prompts_per_step % W:
         raise DistributedError(
             f"{prompts_per_step} prompts per step (rollout.generation_batch_size / rollout.num_generations) cannot be split "
-            f"over {W} processes: make it a multiple of {W} (batch sizes in the config are global, for all processes together)")
+            f"over {W} processes: make it a multiple of {W} (batch sizes in the config are global, for all processes together)"
+        )
     if rows_per_opt_step % (G * W):
         raise DistributedError(
             f"each optimizer step holds per_device_train_batch_size x gradient_accumulation_steps = {rows_per_opt_step} completions "
             f"(global); with {W} processes it must be a multiple of num_generations x processes = {G * W} so that each "
             f"process gets whole prompts of every optimizer step: raise training.gradient_accumulation_steps or "
-            f"per_device_train_batch_size (the batch sizes in the config are global)")
+            f"per_device_train_batch_size (the batch sizes in the config are global)"
+        )
     per_opt = rows_per_opt_step // G  # prompts per optimizer step
     share = per_opt // W
     steps = prompts_per_step // per_opt
@@ -99,7 +101,6 @@ def reduce_metric_dicts(per_rank: list[dict], sum_keys: tuple[str, ...] = (), ma
     return out
 
 
-
 @dataclass
 class Shard:
     """This rank's part of one step: prompt positions, completion rows, and every rank's rows."""
@@ -132,12 +133,10 @@ class Collectives:
             return self.accelerator.device
         return configured
 
-
     # -- sharding ----------------------------------------------------------------------------------------
     def shard(self, prompts_per_step: int, num_generations: int, rows_per_opt_step: int) -> Shard:
         W = self.world_size
-        per_rank = [rows_of(shard_prompts(prompts_per_step, num_generations, rows_per_opt_step, W, r), num_generations)
-                    for r in range(W)]
+        per_rank = [rows_of(shard_prompts(prompts_per_step, num_generations, rows_per_opt_step, W, r), num_generations) for r in range(W)]
         prompts = shard_prompts(prompts_per_step, num_generations, rows_per_opt_step, W, self.rank)
         return Shard(prompts=prompts, rows=per_rank[self.rank], rows_per_rank=per_rank, rows_per_opt_step=rows_per_opt_step // W)
 
@@ -252,6 +251,7 @@ class Collectives:
             restore_rng(path, rank=self.rank, warn=warn)
             return
         seed_everything(seed * 1_000_003 + self.rank)
-        warn(f"{path} was saved by {saved_world_size} process(es) and has no RNG state for rank {self.rank}; "
-             f"rank {self.rank} starts a fresh stream (rollouts with rollout.sampling_seed=prompt do not use it)")
-
+        warn(
+            f"{path} was saved by {saved_world_size} process(es) and has no RNG state for rank {self.rank}; "
+            f"rank {self.rank} starts a fresh stream (rollouts with rollout.sampling_seed=prompt do not use it)"
+        )

@@ -46,7 +46,9 @@ def _f(default: Any, doc: str, resume_harmless: bool = False, **kw: Any) -> Any:
 class ModelConfig:
     name_or_path: str = _f(EMBEDDED_MODEL, "Local Hugging Face model folder, or `embedded:tiny-qwen2.5-vl` for the built-in tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "Dtype the weights are loaded in.")
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = _f("sdpa", "Attention kernel; flash_attention_2 needs the flash-attn package.")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = _f(
+        "sdpa", "Attention kernel; flash_attention_2 needs the flash-attn package."
+    )
     freeze_vision_tower: bool = _f(False, "Freeze the vision encoder (the projector stays trainable).")
     train_projector_only: bool = _f(False, "Train only the vision-language projector (LLaVA-style stage 1).")
     use_lora: bool = _f(False, "Train LoRA adapters through peft instead of full weights.")
@@ -77,7 +79,9 @@ class DataConfig:
     max_pixels: int = _f(448 * 448, "Images larger than this many pixels are downscaled (aspect kept).")
     limit_images: int = _f(4, "Most images kept per row; extra images are dropped and counted.")
     max_image_pixels: int = _f(89_478_485, "Images with more pixels (read from the header, before decoding) are bad rows; default PIL's bomb guard.")
-    image_cache_mb: float = _f(1024.0, "MiB of decoded, resized images kept between steps instead of decoded again; 0 = no cache.", resume_harmless=True)
+    image_cache_mb: float = _f(
+        1024.0, "MiB of decoded, resized images kept between steps instead of decoded again; 0 = no cache.", resume_harmless=True
+    )
     skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
     system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
@@ -86,32 +90,52 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     num_generations: int = _f(4, "Completions sampled per prompt (G).")
-    generation_batch_size: Optional[int] = _f(None, "Completions per rollout step; default per_device_train_batch_size x gradient_accumulation_steps.")
+    generation_batch_size: Optional[int] = _f(
+        None, "Completions per rollout step; default per_device_train_batch_size x gradient_accumulation_steps."
+    )
     max_completion_length: int = _f(32, "Most tokens generated per completion.")
     temperature: float = _f(1.0, "Sampling temperature (also used when scoring log-probs).")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
     top_k: int = _f(0, "Top-k sampling; 0 disables it.")
-    min_completion_length: int = _f(0, "EOS is not sampled before this many tokens (= max_completion_length forces equal-length completions, e.g. for benchmarks).")
-    sampling_seed: Literal["auto", "step", "prompt"] = _f("auto", "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several.")
+    min_completion_length: int = _f(
+        0, "EOS is not sampled before this many tokens (= max_completion_length forces equal-length completions, e.g. for benchmarks)."
+    )
+    sampling_seed: Literal["auto", "step", "prompt"] = _f(
+        "auto",
+        "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several.",
+    )
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = _f("grpo", "TRL's name for the token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length); see loss_aggregation.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = _f(
+        "grpo",
+        "TRL's name for the token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length); see loss_aggregation.",
+    )
     beta: float = _f(0.0, "Weight of the k3 KL to the reference policy; 0 loads no reference.")
     epsilon: float = _f(0.2, "Lower clip range of the importance ratio.")
     epsilon_high: Optional[float] = _f(None, "Upper clip range (DAPO clip-higher); default epsilon.")
     num_iterations: int = _f(1, "Updates per rollout (mu); >1 reuses the rollout against stored old log-probs.")
-    scale_rewards: Literal["group", "batch", "none"] = _f("group", "TRL's name for the advantage scaling: divide by the group std, the batch std, or nothing (Dr.GRPO); see advantage_estimator.")
-    advantage_estimator: Optional[str] = _f(None, "advantages.ADVANTAGE_ESTIMATORS key: grpo, grpo_batch_std, dr_grpo, reinforce_pp (batch baseline); default follows scale_rewards.")
-    policy_loss: str = _f("ppo_clip", "losses.POLICY_LOSSES key: ppo_clip (GRPO/DAPO), gspo (sequence-level ratio and clip), cispo (clipped IS-weight REINFORCE).")
-    loss_aggregation: Optional[str] = _f(None, "losses.AGGREGATIONS key: seq_mean_token_mean, token_mean, seq_mean_token_sum_norm; default follows loss_type.")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "TRL's name for the advantage scaling: divide by the group std, the batch std, or nothing (Dr.GRPO); see advantage_estimator."
+    )
+    advantage_estimator: Optional[str] = _f(
+        None, "advantages.ADVANTAGE_ESTIMATORS key: grpo, grpo_batch_std, dr_grpo, reinforce_pp (batch baseline); default follows scale_rewards."
+    )
+    policy_loss: str = _f(
+        "ppo_clip", "losses.POLICY_LOSSES key: ppo_clip (GRPO/DAPO), gspo (sequence-level ratio and clip), cispo (clipped IS-weight REINFORCE)."
+    )
+    loss_aggregation: Optional[str] = _f(
+        None, "losses.AGGREGATIONS key: seq_mean_token_mean, token_mean, seq_mean_token_sum_norm; default follows loss_type."
+    )
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
     completion_format: Literal["text", "conversational"] = _f(
-        "text", "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
-        "read them: completion[0]['content']); built-in rewards take both.")
+        "text",
+        "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
+        "read them: completion[0]['content']); built-in rewards take both.",
+    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +164,11 @@ class TrainingConfig:
     eval_batch_size: int = _f(16, "Prompts per greedy-decoding batch in evaluation.", resume_harmless=True)
     eval_max_samples: Optional[int] = _f(None, "Cap on held-out rows evaluated; default all.", resume_harmless=True)
     save_final_model: bool = _f(True, "Save the trained model as a plain HF folder in output_dir/final.", resume_harmless=True)
-    max_nonfinite_steps: int = _f(5, "Stop (with a checkpoint of the last good state) after this many optimizer steps in a row skipped for a non-finite reward, loss or gradient; 0 = never stop.", resume_harmless=True)
+    max_nonfinite_steps: int = _f(
+        5,
+        "Stop (with a checkpoint of the last good state) after this many optimizer steps in a row skipped for a non-finite reward, loss or gradient; 0 = never stop.",
+        resume_harmless=True,
+    )
     save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.", resume_harmless=True)
     save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).", resume_harmless=True)
     save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.", resume_harmless=True)
@@ -149,10 +177,22 @@ class TrainingConfig:
     resume_weights_only: bool = _f(False, "Start a new schedule from a weights-only checkpoint's weights.", resume_harmless=True)
     on_save_error: Literal["stop", "continue"] = _f("stop", "After a failed checkpoint write: stop the run, or warn and go on.", resume_harmless=True)
     metric_for_best: str = _f("eval/accuracy", "Eval metric (higher is better) that marks the best checkpoint.", resume_harmless=True)
-    auto_fit: bool = _f(False, "Before the run, let the memory planner pick the fastest config predicted to fit (every change is logged; see docs/planner.md).", resume_harmless=True)
-    auto_fit_allow: list[str] = _f([], "What auto_fit may change beyond memory switches: any of num_generations, max_pixels, effective_batch (default none).", resume_harmless=True)
-    auto_fit_gpu_memory_gib: Optional[float] = _f(None, "Device memory auto_fit plans for, GiB; null = the CUDA device's capacity (required on CPU).", resume_harmless=True)
-    auto_fit_host_memory_gib: Optional[float] = _f(None, "Host RAM per node, GiB: auto_fit keeps configs that fit it; null = no host check.", resume_harmless=True)
+    auto_fit: bool = _f(
+        False,
+        "Before the run, let the memory planner pick the fastest config predicted to fit (every change is logged; see docs/planner.md).",
+        resume_harmless=True,
+    )
+    auto_fit_allow: list[str] = _f(
+        [],
+        "What auto_fit may change beyond memory switches: any of num_generations, max_pixels, effective_batch (default none).",
+        resume_harmless=True,
+    )
+    auto_fit_gpu_memory_gib: Optional[float] = _f(
+        None, "Device memory auto_fit plans for, GiB; null = the CUDA device's capacity (required on CPU).", resume_harmless=True
+    )
+    auto_fit_host_memory_gib: Optional[float] = _f(
+        None, "Host RAM per node, GiB: auto_fit keeps configs that fit it; null = no host check.", resume_harmless=True
+    )
 
 
 @dataclass(frozen=True)
@@ -167,23 +207,51 @@ class SFTConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    ref_placement: Literal["device", "cpu"] = _f("device", "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).", resume_harmless=True)
+    ref_placement: Literal["device", "cpu"] = _f(
+        "device",
+        "Full fine-tuning with beta > 0: keep the reference copy on the device, or on the CPU and move it in only for scoring (LoRA always uses the adapter-disabled model).",
+        resume_harmless=True,
+    )
     oom_recovery: bool = _f(True, "On out-of-memory, halve the micro-batch (or generation batch) and redo the same work.", resume_harmless=True)
-    generation_prompts_per_call: Optional[int] = _f(None, "Prompts per generate() call in rollout; default all prompts of the step.", resume_harmless=True)
-    scoring_micro_batch_size: Optional[int] = _f(None, "Rows (or tokens with max_tokens_per_micro_batch) per no-grad scoring micro-batch (old / reference log-probs); default the update's size.", resume_harmless=True)
-    max_tokens_per_micro_batch: Optional[int] = _f(None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows.")
-    logprob_chunk_tokens: int = _f(LOGPROB_CHUNK_TOKENS, "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).", resume_harmless=True)
-    group_vision: bool = _f(True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).", resume_harmless=True)
-    shared_prefix: bool = _f(True, "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).", resume_harmless=True)
+    generation_prompts_per_call: Optional[int] = _f(
+        None, "Prompts per generate() call in rollout; default all prompts of the step.", resume_harmless=True
+    )
+    scoring_micro_batch_size: Optional[int] = _f(
+        None,
+        "Rows (or tokens with max_tokens_per_micro_batch) per no-grad scoring micro-batch (old / reference log-probs); default the update's size.",
+        resume_harmless=True,
+    )
+    max_tokens_per_micro_batch: Optional[int] = _f(
+        None, "Pack scoring/update micro-batches by tokens (rows x padded length) instead of per_device_train_batch_size rows."
+    )
+    logprob_chunk_tokens: int = _f(
+        LOGPROB_CHUNK_TOKENS,
+        "Tokens per LM-head chunk when computing log-probs (bounds the logits block); 0 = one full block kept for backward (off).",
+        resume_harmless=True,
+    )
+    group_vision: bool = _f(
+        True, "Scoring and update encode each unique prompt's images once per forward (off: once per completion row).", resume_harmless=True
+    )
+    shared_prefix: bool = _f(
+        True,
+        "Process each prompt once per group: prefill once and share its KV cache across the G samples in rollout and scoring (and in the update when gradient checkpointing is off).",
+        resume_harmless=True,
+    )
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.", resume_harmless=True)
-    generation_gather: Literal["full", "layers"] = _f("full", "FSDP2 full shard / ZeRO-3 rollout: full = gather all parameters once for the rollout (holds the whole model per process, fast); layers = one layer per forward (holds one layer, an all-gather per layer per token).", resume_harmless=True)
+    generation_gather: Literal["full", "layers"] = _f(
+        "full",
+        "FSDP2 full shard / ZeRO-3 rollout: full = gather all parameters once for the rollout (holds the whole model per process, fast); layers = one layer per forward (holds one layer, an all-gather per layer per token).",
+        resume_harmless=True,
+    )
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     logging_steps: int = _f(1, "Write TensorBoard scalars every this many steps (metrics.jsonl gets every step).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under output_dir/tb.")
-    report_to: Union[list[str], str] = _f(["tensorboard"], "Trackers (TRL's report_to): tensorboard, wandb (WANDB_MODE=offline honoured), mlflow, all, none.")
+    report_to: Union[list[str], str] = _f(
+        ["tensorboard"], "Trackers (TRL's report_to): tensorboard, wandb (WANDB_MODE=offline honoured), mlflow, all, none."
+    )
     progress_bar: bool = _f(True, "Show a live progress bar.")
     log_completions: int = _f(4, "Completions per step written to samples.jsonl.")
     report: bool = _f(True, "Draw output_dir/report.png at the end.")
@@ -233,8 +301,15 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "algorithm": AlgorithmConfig,
-    "optim": OptimConfig, "training": TrainingConfig, "sft": SFTConfig, "memory": MemoryConfig, "logging": LoggingConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "optim": OptimConfig,
+    "training": TrainingConfig,
+    "sft": SFTConfig,
+    "memory": MemoryConfig,
+    "logging": LoggingConfig,
 }
 
 
@@ -402,27 +477,38 @@ def validate(cfg: Config) -> None:
     """Cross-field rules; each message names the field and how to fix it."""
     r, a, t, d, o, m, s = cfg.rollout, cfg.algorithm, cfg.training, cfg.data, cfg.optim, cfg.model, cfg.sft
     rules: list[tuple[bool, str]] = [
-        (r.num_generations >= 2, f"rollout.num_generations={r.num_generations}: GRPO needs at least 2 completions per prompt to compare; set it to 2 or more"),
+        (
+            r.num_generations >= 2,
+            f"rollout.num_generations={r.num_generations}: GRPO needs at least 2 completions per prompt to compare; set it to 2 or more",
+        ),
         (r.generation_batch_size is None or r.generation_batch_size >= 1, "rollout.generation_batch_size must be >= 1 (or null for the default)"),
-        (cfg.generation_batch_size % r.num_generations == 0,
-         f"generation batch {cfg.generation_batch_size} (rollout.generation_batch_size, default per_device_train_batch_size x gradient_accumulation_steps) "
-         f"is not divisible by rollout.num_generations={r.num_generations}; make it a multiple"),
-        (cfg.generation_batch_size % (t.per_device_train_batch_size * t.gradient_accumulation_steps) == 0,
-         f"generation batch {cfg.generation_batch_size} is not divisible by per_device_train_batch_size x gradient_accumulation_steps = "
-         f"{t.per_device_train_batch_size * t.gradient_accumulation_steps}; every optimizer step must see full micro-batches"),
+        (
+            cfg.generation_batch_size % r.num_generations == 0,
+            f"generation batch {cfg.generation_batch_size} (rollout.generation_batch_size, default per_device_train_batch_size x gradient_accumulation_steps) "
+            f"is not divisible by rollout.num_generations={r.num_generations}; make it a multiple",
+        ),
+        (
+            cfg.generation_batch_size % (t.per_device_train_batch_size * t.gradient_accumulation_steps) == 0,
+            f"generation batch {cfg.generation_batch_size} is not divisible by per_device_train_batch_size x gradient_accumulation_steps = "
+            f"{t.per_device_train_batch_size * t.gradient_accumulation_steps}; every optimizer step must see full micro-batches",
+        ),
         (r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1"),
         (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0"),
         (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
         (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)"),
-        (0 <= r.min_completion_length <= r.max_completion_length,
-         f"rollout.min_completion_length={r.min_completion_length} must be in [0, max_completion_length={r.max_completion_length}]"),
+        (
+            0 <= r.min_completion_length <= r.max_completion_length,
+            f"rollout.min_completion_length={r.min_completion_length} must be in [0, max_completion_length={r.max_completion_length}]",
+        ),
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
         (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
         (a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations} must be >= 1"),
         (len(a.reward_funcs) >= 1, "algorithm.reward_funcs is empty; name at least one reward, e.g. [accuracy]"),
-        (a.reward_weights is None or len(a.reward_weights) == len(a.reward_funcs),
-         f"algorithm.reward_weights has {len(a.reward_weights or [])} entries but reward_funcs has {len(a.reward_funcs)}; give one weight per reward"),
+        (
+            a.reward_weights is None or len(a.reward_weights) == len(a.reward_funcs),
+            f"algorithm.reward_weights has {len(a.reward_weights or [])} entries but reward_funcs has {len(a.reward_funcs)}; give one weight per reward",
+        ),
         (o.learning_rate >= 0, "optim.learning_rate must be >= 0"),
         (0 <= o.warmup_ratio < 1, f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1)"),
         (o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 disables clipping)"),
@@ -433,39 +519,59 @@ def validate(cfg: Config) -> None:
         (t.eval_batch_size >= 1, "training.eval_batch_size must be >= 1"),
         (t.save_steps >= 0, "training.save_steps must be >= 0"),
         (t.max_nonfinite_steps >= 0, "training.max_nonfinite_steps must be >= 0 (0 = never stop)"),
-        (cfg.memory.scoring_micro_batch_size is None or cfg.memory.scoring_micro_batch_size >= 1,
-         "memory.scoring_micro_batch_size must be >= 1 (or null for the update's size)"),
+        (
+            cfg.memory.scoring_micro_batch_size is None or cfg.memory.scoring_micro_batch_size >= 1,
+            "memory.scoring_micro_batch_size must be >= 1 (or null for the update's size)",
+        ),
         (t.save_total_limit is None or t.save_total_limit >= 1, "training.save_total_limit must be >= 1 (or null for no limit)"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), f"training.device={t.device!r}: use auto, cpu, cuda or cuda:N"),
         (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
-        (d.min_pixels <= d.max_pixels, f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels"),
+        (
+            d.min_pixels <= d.max_pixels,
+            f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels",
+        ),
         (d.limit_images >= 1, "data.limit_images must be >= 1"),
         (d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels} must be >= 1 (pixels; default {89_478_485:,})"),
         (d.image_cache_mb >= 0, f"data.image_cache_mb={d.image_cache_mb} must be >= 0 (MiB; 0 = no cache)"),
         (d.task_train_size >= 1 and d.task_test_size >= 0, "data.task_train_size must be >= 1 and data.task_test_size >= 0"),
         (d.task_image_size >= 28, "data.task_image_size must be >= 28"),
         (m.lora_r >= 1, "model.lora_r must be >= 1"),
-        (not (m.use_lora and m.train_projector_only), "model.use_lora and model.train_projector_only exclude each other; the projector is trained in full"),
+        (
+            not (m.use_lora and m.train_projector_only),
+            "model.use_lora and model.train_projector_only exclude each other; the projector is trained in full",
+        ),
         (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
         (s.batch_size >= 1, "sft.batch_size must be >= 1"),
         (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
-        (cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,
-         "memory.generation_prompts_per_call must be >= 1 (or null for all prompts at once)"),
+        (
+            cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,
+            "memory.generation_prompts_per_call must be >= 1 (or null for all prompts at once)",
+        ),
         (cfg.memory.logprob_chunk_tokens >= 0, "memory.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
-        (cfg.memory.max_tokens_per_micro_batch is None or cfg.memory.max_tokens_per_micro_batch >= 1,
-         "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)"),
+        (
+            cfg.memory.max_tokens_per_micro_batch is None or cfg.memory.max_tokens_per_micro_batch >= 1,
+            "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)",
+        ),
         (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
         (_report_to_problem(cfg.logging.report_to) is None, f"{_report_to_problem(cfg.logging.report_to)}"),
         (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
-        (all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
-         f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}"),
-        (t.auto_fit_gpu_memory_gib is None or t.auto_fit_gpu_memory_gib > 0,
-         f"training.auto_fit_gpu_memory_gib={t.auto_fit_gpu_memory_gib} must be > 0 (GiB), or null for the CUDA device's capacity"),
-        (t.auto_fit_host_memory_gib is None or t.auto_fit_host_memory_gib > 0,
-         f"training.auto_fit_host_memory_gib={t.auto_fit_host_memory_gib} must be > 0 (GiB), or null for no host check"),
-        (not (t.auto_fit and t.auto_fit_gpu_memory_gib is None and t.device == "cpu"),
-         "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)"),
+        (
+            all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
+            f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}",
+        ),
+        (
+            t.auto_fit_gpu_memory_gib is None or t.auto_fit_gpu_memory_gib > 0,
+            f"training.auto_fit_gpu_memory_gib={t.auto_fit_gpu_memory_gib} must be > 0 (GiB), or null for the CUDA device's capacity",
+        ),
+        (
+            t.auto_fit_host_memory_gib is None or t.auto_fit_host_memory_gib > 0,
+            f"training.auto_fit_host_memory_gib={t.auto_fit_host_memory_gib} must be > 0 (GiB), or null for no host check",
+        ),
+        (
+            not (t.auto_fit and t.auto_fit_gpu_memory_gib is None and t.device == "cpu"),
+            "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)",
+        ),
     ]
     problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a)
     if problems:
@@ -478,18 +584,25 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     from .losses import AGGREGATIONS, POLICY_LOSSES
 
     problems = []
-    for name, value, table in (("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS),
-                               ("policy_loss", a.policy_loss, POLICY_LOSSES), ("loss_aggregation", a.loss_aggregation, AGGREGATIONS)):
+    for name, value, table in (
+        ("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS),
+        ("policy_loss", a.policy_loss, POLICY_LOSSES),
+        ("loss_aggregation", a.loss_aggregation, AGGREGATIONS),
+    ):
         if value is not None and value not in table:
             close = difflib.get_close_matches(value, list(table), n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(f"algorithm.{name}={value!r} is not one of {', '.join(table)}{hint}")
     if a.advantage_estimator is not None and a.scale_rewards != "group":
-        problems.append(f"algorithm.advantage_estimator={a.advantage_estimator!r} and algorithm.scale_rewards={a.scale_rewards!r} both "
-                        "choose the advantages; set only one (scale_rewards is TRL's name for the first three estimators)")
+        problems.append(
+            f"algorithm.advantage_estimator={a.advantage_estimator!r} and algorithm.scale_rewards={a.scale_rewards!r} both "
+            "choose the advantages; set only one (scale_rewards is TRL's name for the first three estimators)"
+        )
     if a.loss_aggregation is not None and a.loss_type != "grpo":
-        problems.append(f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
-                        "aggregation; set only one (loss_type is TRL's name for it)")
+        problems.append(
+            f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
+            "aggregation; set only one (loss_type is TRL's name for it)"
+        )
     return problems
 
 

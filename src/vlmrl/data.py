@@ -69,8 +69,9 @@ def split_path(path: str | os.PathLike) -> tuple[Path, str | None]:
     return Path(text), None
 
 
-def load_rows(path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False,
-              image_cache: str | os.PathLike | None = None) -> list[dict]:
+def load_rows(
+    path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False, image_cache: str | os.PathLike | None = None
+) -> list[dict]:
     """All rows of a data file as dicts, each with ``_source`` for messages.
 
     Formats: ``.jsonl`` (one object per line; blank lines are ignored), ``.json`` (a list of objects, or
@@ -170,7 +171,7 @@ def _load_json(path: Path) -> list[dict]:
     if isinstance(value, dict) and isinstance(value.get("data"), list):
         value = value["data"]
     if not isinstance(value, list):
-        raise DataError(f"{path}: expected a list of rows or {{\"data\": [...]}}, got {type(value).__name__}")
+        raise DataError(f'{path}: expected a list of rows or {{"data": [...]}}, got {type(value).__name__}')
     return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value)]
 
 
@@ -260,7 +261,7 @@ def _spill_one(value: Any, cache: Path, source: str) -> Any:
         data = value.get("bytes")
         if data is None:  # a datasets.Image that points to a file instead of holding it
             return value["path"] if isinstance(value.get("path"), str) and value["path"] else value
-    elif isinstance(value, str) and value[:len(DATA_URI_PREFIX)].lower() == DATA_URI_PREFIX:
+    elif isinstance(value, str) and value[: len(DATA_URI_PREFIX)].lower() == DATA_URI_PREFIX:
         data = _decode_data_uri(value)
     else:
         data = value
@@ -296,8 +297,10 @@ def _write_cached(data: bytes, cache: Path, source: str) -> str:
         finally:
             tmp.unlink(missing_ok=True)
     except OSError as e:
-        raise DataError(f"{source}: cannot write its embedded image to the cache {cache} ({e.strerror or e}); "
-                        "free space there or set VLMRL_CACHE to another folder") from None
+        raise DataError(
+            f"{source}: cannot write its embedded image to the cache {cache} ({e.strerror or e}); "
+            "free space there or set VLMRL_CACHE to another folder"
+        ) from None
     return str(target)
 
 
@@ -598,8 +601,10 @@ def _check_image(path: str, decode: bool, max_image_pixels: int = DEFAULT_MAX_IM
 def _pixel_limit_problem(width: int, height: int, max_image_pixels: int) -> str | None:
     if width * height <= max_image_pixels:
         return None
-    return (f"image is {width}x{height} = {width * height:,} pixels, over data.max_image_pixels={max_image_pixels:,} "
-            "(the decompression-bomb guard); shrink the image or raise data.max_image_pixels")
+    return (
+        f"image is {width}x{height} = {width * height:,} pixels, over data.max_image_pixels={max_image_pixels:,} "
+        "(the decompression-bomb guard); shrink the image or raise data.max_image_pixels"
+    )
 
 
 def _apply_shape_check(results: dict, shape_check: ShapeCheck | None) -> dict[str, tuple[str, str] | None]:
@@ -649,8 +654,14 @@ def own_pixel_limit() -> Iterator[None]:
 # Images
 
 
-def load_images(paths: list[str], min_pixels: int | None, max_pixels: int | None, *,
-                max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, cache: ImageCache | None = None) -> list[Image.Image]:
+def load_images(
+    paths: list[str],
+    min_pixels: int | None,
+    max_pixels: int | None,
+    *,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    cache: ImageCache | None = None,
+) -> list[Image.Image]:
     """RGB images, resized (aspect ratio kept) so that min_pixels <= width * height <= max_pixels.
 
     Transparent images are composited onto white (as Qwen-VL's loader does) instead of turning black.
@@ -816,8 +827,14 @@ def load_dataset_split(
         rows = rows[:max_rows]
     base = file_path.resolve().parent
     return validate_rows(
-        rows, base, limit_images=limit_images, skip_bad_rows=skip_bad_rows, check_images=check_images, name=os.fspath(path),
-        max_image_pixels=max_image_pixels, shape_check=shape_check,
+        rows,
+        base,
+        limit_images=limit_images,
+        skip_bad_rows=skip_bad_rows,
+        check_images=check_images,
+        name=os.fspath(path),
+        max_image_pixels=max_image_pixels,
+        shape_check=shape_check,
     )
 
 
@@ -874,8 +891,10 @@ class PromptSampler:
         """Continue from a saved state; refuses (DataError, a user error) a state saved for different data or a different seed."""
         for key in ("num_rows", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise DataError(f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
-                                "the data or seed changed since the checkpoint")
+                raise DataError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}; "
+                    "the data or seed changed since the checkpoint"
+                )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_rows:
             raise ValueError(f"invalid sampler state epoch={epoch} position={position} for {self.num_rows} rows")

@@ -17,19 +17,41 @@ from .config import load_config
 
 # The demo's settings, as overrides of the default config.
 COMMON = [
-    "data.task=count", "data.task_train_size=2000", "data.task_test_size=200", "data.task_image_size=56",
-    "data.min_pixels=3136", "data.max_pixels=3136", "data.task_distractors=false", "data.task_colours=[red]",
-    "training.seed=0", "training.eval_batch_size=50",
+    "data.task=count",
+    "data.task_train_size=2000",
+    "data.task_test_size=200",
+    "data.task_image_size=56",
+    "data.min_pixels=3136",
+    "data.max_pixels=3136",
+    "data.task_distractors=false",
+    "data.task_colours=[red]",
+    "training.seed=0",
+    "training.eval_batch_size=50",
     "rollout.max_completion_length=8",
     "algorithm.reward_funcs=[accuracy, answer_format]",
     "logging.progress_bar=true",
 ]
-SFT = ["sft.projector_steps=20", "sft.projector_learning_rate=3e-3", "sft.steps=25", "sft.learning_rate=1e-3",
-       "sft.train_vision_tower=true", "sft.batch_size=32"]
-GRPO = ["rollout.num_generations=8", "training.per_device_train_batch_size=32", "rollout.generation_batch_size=64",
-        "training.gradient_accumulation_steps=2", "training.max_steps=200", "optim.learning_rate=3e-4",
-        "algorithm.loss_type=grpo", "algorithm.beta=0.0", "training.val_before_train=true", "rollout.temperature=1.0",
-        "training.eval_steps=25"]
+SFT = [
+    "sft.projector_steps=20",
+    "sft.projector_learning_rate=3e-3",
+    "sft.steps=25",
+    "sft.learning_rate=1e-3",
+    "sft.train_vision_tower=true",
+    "sft.batch_size=32",
+]
+GRPO = [
+    "rollout.num_generations=8",
+    "training.per_device_train_batch_size=32",
+    "rollout.generation_batch_size=64",
+    "training.gradient_accumulation_steps=2",
+    "training.max_steps=200",
+    "optim.learning_rate=3e-4",
+    "algorithm.loss_type=grpo",
+    "algorithm.beta=0.0",
+    "training.val_before_train=true",
+    "rollout.temperature=1.0",
+    "training.eval_steps=25",
+]
 QUICK = ["sft.projector_steps=2", "sft.steps=2", "training.max_steps=2", "data.task_test_size=20"]
 
 
@@ -49,12 +71,19 @@ def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
     sft_metrics = sft(sft_cfg)
     t_sft = time.perf_counter()
 
-    grpo_cfg = load_config(None, COMMON + GRPO + extra + [
-        f"training.output_dir={out / 'grpo'}", f"model.name_or_path={out / 'sft' / 'final'}",
-        f"data.train_path={out / 'sft' / 'data' / 'count' / 'train.jsonl'}",
-        f"data.eval_path={out / 'sft' / 'data' / 'count' / 'test.jsonl'}",
-        "training.resume=never",  # SFT just trained a new start model: a demo run again starts GRPO over
-    ])
+    grpo_cfg = load_config(
+        None,
+        COMMON
+        + GRPO
+        + extra
+        + [
+            f"training.output_dir={out / 'grpo'}",
+            f"model.name_or_path={out / 'sft' / 'final'}",
+            f"data.train_path={out / 'sft' / 'data' / 'count' / 'train.jsonl'}",
+            f"data.eval_path={out / 'sft' / 'data' / 'count' / 'test.jsonl'}",
+            "training.resume=never",  # SFT just trained a new start model: a demo run again starts GRPO over
+        ],
+    )
     print("[demo] GRPO from the SFT model")
     grpo_metrics = train(grpo_cfg)
     t_end = time.perf_counter()
@@ -71,8 +100,14 @@ def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
         ("report", str(out / "grpo" / "report.png")),
     ]
     summary_table(rows, title="vlmrl demo: counting shapes, tiny Qwen2.5-VL, CPU")
-    result = {"before": before, "after": after, "sft_seconds": t_sft - t0, "grpo_seconds": t_end - t_sft,
-              "eval_accuracy_by_step": eval_trajectory(out / "grpo"), **machine()}
+    result = {
+        "before": before,
+        "after": after,
+        "sft_seconds": t_sft - t0,
+        "grpo_seconds": t_end - t_sft,
+        "eval_accuracy_by_step": eval_trajectory(out / "grpo"),
+        **machine(),
+    }
     (out / "demo_result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[demo] figures in {out / 'demo_result.json'} (the README's come from benchmarks/results/demo_cpu.json)")
     return result
@@ -96,9 +131,14 @@ def machine() -> dict:
     import torch
     import transformers
 
-    return {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
 
 
 def figures_markdown(result: dict) -> str:
@@ -106,10 +146,12 @@ def figures_markdown(result: dict) -> str:
     steps = sorted(result["eval_accuracy_by_step"], key=int)
     trajectory = ", ".join(f"{100 * result['eval_accuracy_by_step'][s]:.1f}" for s in steps)
     minutes, seconds = divmod(round(result["sft_seconds"] + result["grpo_seconds"]), 60)
-    return (f"Measured on a {result['cpus']}-core {result['device'].upper()} machine ({result['date']}, seeded, `make demo`; "
-            f"torch {result['torch']}, transformers {result['transformers']}):\n\n"
-            "| | held-out accuracy |\n|---|---|\n"
-            f"| after SFT (before GRPO) | {100 * result['before']:.1f}% |\n"
-            f"| after GRPO | {100 * result['after']:.1f}% |\n\n"
-            f"Eval accuracy at GRPO steps {'/'.join(steps)}: {trajectory}%. "
-            f"SFT + GRPO took {minutes} min {seconds} s (SFT {result['sft_seconds']:.0f} s, GRPO {result['grpo_seconds']:.0f} s).\n")
+    return (
+        f"Measured on a {result['cpus']}-core {result['device'].upper()} machine ({result['date']}, seeded, `make demo`; "
+        f"torch {result['torch']}, transformers {result['transformers']}):\n\n"
+        "| | held-out accuracy |\n|---|---|\n"
+        f"| after SFT (before GRPO) | {100 * result['before']:.1f}% |\n"
+        f"| after GRPO | {100 * result['after']:.1f}% |\n\n"
+        f"Eval accuracy at GRPO steps {'/'.join(steps)}: {trajectory}%. "
+        f"SFT + GRPO took {minutes} min {seconds} s (SFT {result['sft_seconds']:.0f} s, GRPO {result['grpo_seconds']:.0f} s).\n"
+    )

@@ -50,12 +50,59 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import (PER_RANK_MEMORY, Collectives, DistributedError, Shard, merge_rows, prompt_seed,  # noqa: F401 - interface
-                          reduce_metric_dicts, rows_of, shard_prompts)
-from .engines import (ENGINES, DDPEngine, DeepSpeedEngine, Engine, FSDP2Engine, PolicyCall, SingleProcessEngine,  # noqa: F401
-                      engine_for, optimizer_state_by_index, optimizer_state_by_name, shard_fsdp2)
-from .optim import raw_optimizer  # noqa: F401 - also part of this module's interface
-from .runtime import env_world  # noqa: F401 - also part of this module's interface
+from .collectives import (
+    PER_RANK_MEMORY,
+    Collectives,
+    DistributedError,
+    Shard,
+    merge_rows,
+    prompt_seed,
+    reduce_metric_dicts,
+    rows_of,
+    shard_prompts,
+)
+from .engines import (
+    ENGINES,
+    DDPEngine,
+    DeepSpeedEngine,
+    Engine,
+    FSDP2Engine,
+    PolicyCall,
+    SingleProcessEngine,
+    engine_for,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    shard_fsdp2,
+)
+from .optim import raw_optimizer
+from .runtime import env_world
+
+# Re-exported: the collectives, the engines and their helpers are imported from here by callers and tests.
+__all__ = [
+    "PER_RANK_MEMORY",
+    "Collectives",
+    "DistributedError",
+    "Shard",
+    "merge_rows",
+    "prompt_seed",
+    "reduce_metric_dicts",
+    "rows_of",
+    "shard_prompts",
+    "ENGINES",
+    "DDPEngine",
+    "DeepSpeedEngine",
+    "Engine",
+    "FSDP2Engine",
+    "PolicyCall",
+    "SingleProcessEngine",
+    "engine_for",
+    "optimizer_state_by_index",
+    "optimizer_state_by_name",
+    "shard_fsdp2",
+    "raw_optimizer",
+    "env_world",
+    "Distributed",
+]
 
 
 class Distributed(Collectives):

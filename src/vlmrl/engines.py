@@ -50,8 +50,9 @@ def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
     if "fsdp" in dt:
         plugin = getattr(state, "fsdp_plugin", None)
         if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
-            raise DistributedError("the accelerate config asks for FSDP version 1; vlmrl supports FSDP2 only: set "
-                                   "fsdp_version: 2 (configs/accelerate/fsdp2.yaml)")
+            raise DistributedError(
+                "the accelerate config asks for FSDP version 1; vlmrl supports FSDP2 only: set fsdp_version: 2 (configs/accelerate/fsdp2.yaml)"
+            )
         return FSDP2Engine(collectives, accelerator)
     if fsdp2_asked_on_cpu(dt):
         # accelerate enables FSDP on accelerators only (never for MULTI_CPU); torch's fully_shard works on CPU
@@ -61,8 +62,11 @@ def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
         # accelerate enables FSDP / DeepSpeed only on accelerators (MULTI_GPU, ...), never for MULTI_CPU.
         import warnings
 
-        warnings.warn(f"the accelerate config asks for FSDP version 1 / DeepSpeed but accelerate set up {dt or 'no engine'} "
-                      "(it enables them on GPUs only): this run uses DDP, every process holds the whole model", stacklevel=3)
+        warnings.warn(
+            f"the accelerate config asks for FSDP version 1 / DeepSpeed but accelerate set up {dt or 'no engine'} "
+            "(it enables them on GPUs only): this run uses DDP, every process holds the whole model",
+            stacklevel=3,
+        )
     return DDPEngine(collectives, accelerator)
 
 
@@ -112,8 +116,10 @@ class Engine:
         return f"{c.world_size} processes ({self.name}), rank {c.rank}, local rank {c.local_rank}"
 
     def unsupported(self, what: str) -> DistributedError:
-        return DistributedError(f"{what} is not supported yet with {self.name} ({self.collectives.world_size} processes); "
-                                "see docs/scaling_out.md for what runs on which engine")
+        return DistributedError(
+            f"{what} is not supported yet with {self.name} ({self.collectives.world_size} processes); "
+            "see docs/scaling_out.md for what runs on which engine"
+        )
 
     def check_supported(self, save_steps: int, save_final_model: bool) -> None:
         """Refuse, before any model is loaded, what this engine cannot do."""
@@ -326,8 +332,7 @@ class FSDP2Engine(Engine):
 
         opt = raw_optimizer(optimizer)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        by_name = (optimizer_state_by_name(state, [[names[id(p)] for p in g["params"]] for g in opt.param_groups])
-                   if self.collectives.is_main else {})
+        by_name = optimizer_state_by_name(state, [[names[id(p)] for p in g["params"]] for g in opt.param_groups]) if self.collectives.is_main else {}
         set_optimizer_state_dict(self.model, opt, by_name, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts:
@@ -347,10 +352,13 @@ class FSDP2Engine(Engine):
                     raise
                 if self.collectives.is_main:
                     shutil.rmtree(staging, ignore_errors=True)
-                raise CheckpointSaveError(f"could not write the sharded state of checkpoint {step} to {staging}: "
-                                          f"{str(e).splitlines()[0]}; earlier checkpoints in {out} are intact") from e
-            return CheckpointParts(save_weights=lambda p: move_sharded_state(staging, p, model), optimizer=None,
-                                   trainer_state={"state_format": "sharded"})
+                raise CheckpointSaveError(
+                    f"could not write the sharded state of checkpoint {step} to {staging}: "
+                    f"{str(e).splitlines()[0]}; earlier checkpoints in {out} are intact"
+                ) from e
+            return CheckpointParts(
+                save_weights=lambda p: move_sharded_state(staging, p, model), optimizer=None, trainer_state={"state_format": "sharded"}
+            )
         model_state, optim_state = self.full_state_dicts(None if weights_only else optimizer)
         return CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p, model_state), optimizer=FullState(optim_state))
 
@@ -394,8 +402,10 @@ class DeepSpeedEngine(Engine):
 
     def check_supported(self, save_steps: int, save_final_model: bool) -> None:
         if save_steps or save_final_model:
-            raise self.unsupported("writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
-                                   "training.save_final_model=false, or use FSDP2 / DDP)")
+            raise self.unsupported(
+                "writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
+                "training.save_final_model=false, or use FSDP2 / DDP)"
+            )
 
     def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
@@ -482,9 +492,11 @@ def optimizer_state_by_index(state: dict) -> dict:
 def optimizer_state_by_name(state: dict, names_per_group: list[list[str]]) -> dict:
     """Inverse of optimizer_state_by_index for an optimizer whose param groups hold the parameters `names_per_group`."""
     if len(names_per_group) != len(state["param_groups"]) or any(
-            len(names) != len(g["params"]) for names, g in zip(names_per_group, state["param_groups"])):
-        raise DistributedError("the checkpoint's optimizer state has other param groups than this run's optimizer "
-                               "(different trainable parameters?)")
+        len(names) != len(g["params"]) for names, g in zip(names_per_group, state["param_groups"])
+    ):
+        raise DistributedError("the checkpoint's optimizer state has other param groups than this run's optimizer (different trainable parameters?)")
     name_of = {i: n for names, g in zip(names_per_group, state["param_groups"]) for i, n in zip(g["params"], names)}
-    return {"state": {name_of[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": names} for names, g in zip(names_per_group, state["param_groups"])]}
+    return {
+        "state": {name_of[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": names} for names, g in zip(names_per_group, state["param_groups"])],
+    }

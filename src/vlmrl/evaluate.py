@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import Config
@@ -27,13 +29,22 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
     def greedy(chunk: list[dict]):
         maybe_inject_oom("eval", len(chunk))
         with opts.autocast():
-            return generate(model, processor.tokenizer, encode_rows(processor, chunk, cfg, device), num_generations=1, do_sample=False,
-                            max_new_tokens=cfg.rollout.max_completion_length, shared_prefix=opts.shared_prefix)
+            return generate(
+                model,
+                processor.tokenizer,
+                encode_rows(processor, chunk, cfg, device),
+                num_generations=1,
+                do_sample=False,
+                max_new_tokens=cfg.rollout.max_completion_length,
+                shared_prefix=opts.shared_prefix,
+            )
+
+    def greedy_from(first: int, size: int):
+        return greedy(rows[first : first + size])
 
     bs, start = cfg.training.eval_batch_size, 0
     while start < len(rows):
-        comp, bs = retry_on_oom(lambda size: greedy(rows[start : start + size]), bs, "evaluation", log,  # noqa: B023
-                                enabled=cfg.memory.oom_recovery)
+        comp, bs = retry_on_oom(functools.partial(greedy_from, start), bs, "evaluation", log, enabled=cfg.memory.oom_recovery)
         chunk = rows[start : start + bs]
         start += bs
         texts = decode(processor, comp.ids)

@@ -21,8 +21,10 @@ def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=p
     model = tree.setdefault("model", {})
     ignored = [f"model.{k}" for k in CODE_LOADING_KEYS if model.pop(k, False)]
     if ignored:
-        log(f"ignoring {', '.join(ignored)}=true from the checkpoint's config.yaml: code-loading settings come only from "
-            f"the command line (add them there, with model.name_or_path, if you trust that code)")
+        log(
+            f"ignoring {', '.join(ignored)}=true from the checkpoint's config.yaml: code-loading settings come only from "
+            f"the command line (add them there, with model.name_or_path, if you trust that code)"
+        )
     given: dict = {}
     for text in overrides:
         key, value = parse_override(text)
@@ -32,9 +34,11 @@ def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=p
     tree.setdefault("training", {})["device"] = "cpu"
     user_model = given.get("model", {})
     if any(user_model.get(k) for k in CODE_LOADING_KEYS) and "name_or_path" not in user_model:
-        raise ConfigError("model.trust_remote_code / model.allow_hub_download load code from model.name_or_path: give "
-                          "model.name_or_path=<folder you trust> on the command line too (vlmrl export never takes it from "
-                          "the checkpoint folder when code loading is on)")
+        raise ConfigError(
+            "model.trust_remote_code / model.allow_hub_download load code from model.name_or_path: give "
+            "model.name_or_path=<folder you trust> on the command line too (vlmrl export never takes it from "
+            "the checkpoint folder when code loading is on)"
+        )
     return build_config(tree)
 
 
@@ -49,8 +53,15 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
 
     from safetensors.torch import load_file
 
-    from .checkpoint import (SHARDED_DIR, CheckpointError, find_resume_checkpoint, is_sharded_checkpoint, read_checkpoint_config,
-                             read_trainer_state, verify_checkpoint)
+    from .checkpoint import (
+        SHARDED_DIR,
+        CheckpointError,
+        find_resume_checkpoint,
+        is_sharded_checkpoint,
+        read_checkpoint_config,
+        read_trainer_state,
+        verify_checkpoint,
+    )
     from .models import save_model
     from .runtime import load_policy
     from .run_checkpoint import consolidated_model_state, load_trainable_weights

@@ -23,8 +23,6 @@ from .models import unwrap
 NON_MODEL_KEYS = ("images_per_row",)
 
 
-
-
 def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
 
@@ -193,8 +191,7 @@ def completion_logps_grouped(
         raise IndexError(f"row_prompt {row_prompt.tolist()} out of range for {n_prompts} prompts")
     family = grouped_family(model)
     if family is None or prompt_batch.get("pixel_values") is None or prompt_batch.get("pixel_values_videos") is not None:
-        return completion_logps(model, select_rows(prompt_batch, row_prompt), completion_ids, completion_mask,
-                                temperature, chunk_tokens)
+        return completion_logps(model, select_rows(prompt_batch, row_prompt), completion_ids, completion_mask, temperature, chunk_tokens)
 
     core = unwrap(model)
     inner = core.model
@@ -202,23 +199,24 @@ def completion_logps_grouped(
     rows = row_prompt.to(device)
     per_prompt = prompt_batch.get("images_per_row")
     if per_prompt is None:
-        raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; "
-                       "build it with encode_prompts")
+        raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; build it with encode_prompts")
     per_prompt = per_prompt.to("cpu").long()
     n_images = int(per_prompt.sum())
 
     # 1. Vision: all images of the U prompts, once.
     if family == "qwen":
         grid = prompt_batch["image_grid_thw"]
-        merge = inner.visual.spatial_merge_size ** 2
+        merge = inner.visual.spatial_merge_size**2
         sizes = (grid.prod(-1) // merge).tolist()
-        out = inner.get_image_features(**_accepted(inner.get_image_features, {
-            "pixel_values": prompt_batch["pixel_values"], "image_grid_thw": grid, "return_dict": True}))
+        out = inner.get_image_features(
+            **_accepted(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], "image_grid_thw": grid, "return_dict": True})
+        )
     else:
         extra = {k: prompt_batch[k] for k in ("image_sizes",) if k in prompt_batch}
         sizes = None
-        out = inner.get_image_features(**_accepted(inner.get_image_features, {
-            "pixel_values": prompt_batch["pixel_values"], **extra, "return_dict": True}))
+        out = inner.get_image_features(
+            **_accepted(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], **extra, "return_dict": True})
+        )
     feats = _image_features(out, n_images, sizes)
     if sizes is None:
         per_image = feats.shape[0] // max(n_images, 1)
@@ -236,8 +234,9 @@ def completion_logps_grouped(
         token_idx = torch.zeros(0, dtype=torch.long)
 
     # 3. Text of the N rows (prompt gathered + completion) and its embeddings with image features scattered in.
-    text = {k: v.index_select(0, rows) for k, v in prompt_batch.items()
-            if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")}
+    text = {
+        k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    }
     text = append_tokens(text, completion_ids, completion_mask)
     input_ids, attention_mask = text["input_ids"], text["attention_mask"]
     embeds = inner.get_input_embeddings()(input_ids)
@@ -256,13 +255,18 @@ def completion_logps_grouped(
         mm_types = text.get("mm_token_type_ids")
         if mm_types is None:
             mm_types = image_mask.long()
-        rope_kwargs = _accepted(inner.get_rope_index, {
-            "input_ids": input_ids, "mm_token_type_ids": mm_types, "image_grid_thw": grid_rows,
-            "video_grid_thw": None, "attention_mask": attention_mask,
-        })
+        rope_kwargs = _accepted(
+            inner.get_rope_index,
+            {
+                "input_ids": input_ids,
+                "mm_token_type_ids": mm_types,
+                "image_grid_thw": grid_rows,
+                "video_grid_thw": None,
+                "attention_mask": attention_mask,
+            },
+        )
         position_ids, _ = inner.get_rope_index(**rope_kwargs)
-    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).last_hidden_state
+    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
     prompt_len = prompt_batch["input_ids"].shape[1]
     t = completion_ids.shape[1]
     predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]

@@ -28,6 +28,7 @@ class ModelLoadError(Exception):
 
 # ---------------------------------------------------------------- loading
 
+
 def _check_folder(path: str) -> None:
     """Fail early, naming the path and what is missing, before transformers tries the hub."""
     folder = Path(path).expanduser()
@@ -38,9 +39,7 @@ def _check_folder(path: str) -> None:
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"model folder {folder} has no config.json ({NO_DOWNLOAD})")
     if not any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS):
-        raise ModelLoadError(
-            f"model folder {folder} has no weight files (*.safetensors or *.bin) ({NO_DOWNLOAD})"
-        )
+        raise ModelLoadError(f"model folder {folder} has no weight files (*.safetensors or *.bin) ({NO_DOWNLOAD})")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
@@ -69,8 +68,12 @@ def check_model_folder(path: str | Path) -> list[str]:
         missing.append("tokenizer files (tokenizer.json, or tokenizer.model / vocab.json)")
     elif (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file() and not (folder / "merges.txt").is_file():
         missing.append("merges.txt (vocab.json without tokenizer.json needs it)")
-    has_template = ((folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
-                    or _read_json(folder / "tokenizer_config.json").get("chat_template") or processor_cfg.get("chat_template"))
+    has_template = (
+        (folder / "chat_template.jinja").is_file()
+        or (folder / "chat_template.json").is_file()
+        or _read_json(folder / "tokenizer_config.json").get("chat_template")
+        or processor_cfg.get("chat_template")
+    )
     if not has_template:
         missing.append("a chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
     return missing
@@ -130,8 +133,11 @@ def load_model(cfg):
         raise ModelLoadError(f"model.dtype={cfg.dtype!r} is not one of float32, bfloat16, float16")
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-            local_files_only=local_only, trust_remote_code=cfg.trust_remote_code,
+            path,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            local_files_only=local_only,
+            trust_remote_code=cfg.trust_remote_code,
         )
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelLoadError(f"could not load {path} with AutoModelForImageTextToText: {type(e).__name__}: {e}") from e
@@ -171,6 +177,7 @@ def apply_freezing(model: nn.Module, cfg) -> None:
 
 
 # ---------------------------------------------------------------- part finders
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The HF *ForConditionalGeneration under a peft wrapper (LoRA layers stay injected)."""
@@ -243,6 +250,7 @@ def output_head(model: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------- LoRA
 
+
 def lora_target_names(model: nn.Module, targets: list[str], lora_vision: bool) -> list[str]:
     """Full names of the Linear layers that get LoRA.
 
@@ -272,8 +280,7 @@ def apply_lora(model: nn.Module, cfg) -> nn.Module:
     names = lora_target_names(model, list(cfg.lora_target_modules), cfg.lora_vision)
     if not names:
         raise ModelLoadError(
-            f"model.lora_target_modules={list(cfg.lora_target_modules)} matched no Linear layer of the language model "
-            f"of {type(model).__name__}"
+            f"model.lora_target_modules={list(cfg.lora_target_modules)} matched no Linear layer of the language model of {type(model).__name__}"
         )
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=names, bias="none")
     return get_peft_model(model, lora)
@@ -293,6 +300,7 @@ def reference_disabled_adapter(model: nn.Module) -> Iterator[nn.Module]:
 
 
 # ---------------------------------------------------------------- saving and counting
+
 
 def save_model(model: nn.Module, processor, out_dir: str | Path, merge_lora: bool = True) -> Path:
     """Save a folder plain transformers loads: safetensors weights, config, processor/tokenizer.

@@ -25,9 +25,15 @@ INJECT_OOM_ABOVE: dict[str, int] = {}
 INJECT_OOM_ON_CALL: dict[str, int] = {}
 _calls: dict[str, int] = {}
 
-KNOBS = ("model.gradient_checkpointing=true", "training.bf16=true (and model.dtype=bfloat16)", "model.use_lora=true",
-         "rollout.max_completion_length", "data.max_pixels", "memory.ref_placement=cpu (with beta > 0)",
-         "rollout.num_generations")
+KNOBS = (
+    "model.gradient_checkpointing=true",
+    "training.bf16=true (and model.dtype=bfloat16)",
+    "model.use_lora=true",
+    "rollout.max_completion_length",
+    "data.max_pixels",
+    "memory.ref_placement=cpu (with beta > 0)",
+    "rollout.num_generations",
+)
 
 
 class OutOfMemoryGaveUp(RuntimeError):
@@ -36,8 +42,10 @@ class OutOfMemoryGaveUp(RuntimeError):
 
 # What CUDA / ROCm allocators and libraries say when memory runs out but raise as a plain RuntimeError (cuBLAS handle
 # creation, some kernels' workspaces): matched exactly, so other RuntimeErrors still surface.
-_OOM_MESSAGE = re.compile(r"(CUDA|HIP|XPU) (error: )?out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
-                          r"CUSOLVER_STATUS_ALLOC_FAILED|MPS backend out of memory")
+_OOM_MESSAGE = re.compile(
+    r"(CUDA|HIP|XPU) (error: )?out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
+    r"CUSOLVER_STATUS_ALLOC_FAILED|MPS backend out of memory"
+)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -61,8 +69,9 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def retry_on_oom(fn: Callable[[int], T], size: int, what: str, warn: Callable[[str], None],
-                 on_oom: Callable[[], None] | None = None, enabled: bool = True) -> tuple[T, int]:
+def retry_on_oom(
+    fn: Callable[[int], T], size: int, what: str, warn: Callable[[str], None], on_oom: Callable[[], None] | None = None, enabled: bool = True
+) -> tuple[T, int]:
     """Run fn(size); on OOM halve size and run it again on the same data. Returns (result, size that worked)."""
     while True:
         try:
@@ -74,10 +83,10 @@ def retry_on_oom(fn: Callable[[int], T], size: int, what: str, warn: Callable[[s
                 on_oom()
             free_memory()
             if size <= 1:
-                raise OutOfMemoryGaveUp(
-                    f"out of memory in {what} even at size 1 ({e}). Settings that lower memory: " + "; ".join(KNOBS)
-                ) from e
+                raise OutOfMemoryGaveUp(f"out of memory in {what} even at size 1 ({e}). Settings that lower memory: " + "; ".join(KNOBS)) from e
             new = max(1, size // 2)
-            warn(f"WARNING: out of memory in {what} at size {size}; redoing the same work at size {new} "
-                 "(effective batch unchanged). The smaller size is kept for the rest of the run.")
+            warn(
+                f"WARNING: out of memory in {what} at size {size}; redoing the same work at size {new} "
+                "(effective batch unchanged). The smaller size is kept for the rest of the run."
+            )
             size = new

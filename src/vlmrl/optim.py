@@ -43,8 +43,13 @@ def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | No
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")
-    optimizer = torch.optim.AdamW(params, lr=o.learning_rate if learning_rate is None else learning_rate,
-                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=o.learning_rate if learning_rate is None else learning_rate,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_epsilon,
+        weight_decay=o.weight_decay,
+    )
     schedule = WarmupSchedule(o.lr_scheduler_type, math.ceil(o.warmup_ratio * num_steps), num_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
@@ -83,8 +88,9 @@ class StepResult:
     skipped: bool  # True: the norm was not finite; no parameter, optimizer state or schedule changed
 
 
-def clip_and_step(params: list, optimizer, scheduler, max_grad_norm: float,
-                  clip_grad_norm: Callable[[list, float], float] | None = None) -> StepResult:
+def clip_and_step(
+    params: list, optimizer, scheduler, max_grad_norm: float, clip_grad_norm: Callable[[list, float], float] | None = None
+) -> StepResult:
     """Clip (or only measure, max_grad_norm=0) the global gradient norm, then step, schedule and zero the gradients.
     A non-finite norm (a NaN/inf loss or gradient anywhere) skips the step: gradients are dropped, nothing else
     changes. `clip_grad_norm(params, max_norm) -> norm`: the engine's (global over processes); default torch's."""

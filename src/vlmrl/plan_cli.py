@@ -1,9 +1,9 @@
 """`vlmrl plan`: predict the per-device GPU peak of a GRPO step before launch (and search configs that fit).
 
-    vlmrl plan --model qwen2.5-vl-7b --gpus 8 --gpu-memory 80GiB --num-generations 8 --max-pixels 1003520
-    vlmrl plan --config run.yaml training.per_device_train_batch_size=8 --gpu-memory 80GiB --search
-    vlmrl plan --model path/to/config.json --gpu-memory 24GiB --lora --json
-    vlmrl plan --model qwen2.5-vl-3b --trace            # exact mode: one traced update step on the meta device
+vlmrl plan --model qwen2.5-vl-7b --gpus 8 --gpu-memory 80GiB --num-generations 8 --max-pixels 1003520
+vlmrl plan --config run.yaml training.per_device_train_batch_size=8 --gpu-memory 80GiB --search
+vlmrl plan --model path/to/config.json --gpu-memory 24GiB --lora --json
+vlmrl plan --model qwen2.5-vl-3b --trace            # exact mode: one traced update step on the meta device
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a preset name (see --list-models) or a path to a model folder / config.json")
     p.add_argument("--list-models", action="store_true", help="print the bundled presets and exit")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (world size); default 1")
-    p.add_argument("--gpu-memory", "--gpu", dest="gpu_memory", default=None,
-                   help="memory per GPU as PyTorch sees it: a GPU name (" + ", ".join(GPU_MEMORY_GIB) + ") or a size. "
-                        "Sizes: 80GiB = 80 x 2^30 bytes; 80GB = 80 x 10^9 bytes (74.5 GiB); a bare number is GiB. A card sold "
-                        "as '80GB' is neither: an H100 80GB gives PyTorch 79.18 GiB (nvidia-smi: 81559 MiB = 79.6 GiB), so "
-                        "prefer the name (--gpu h100-80gb). Default with --model: h100-80gb")
+    p.add_argument(
+        "--gpu-memory",
+        "--gpu",
+        dest="gpu_memory",
+        default=None,
+        help="memory per GPU as PyTorch sees it: a GPU name (" + ", ".join(GPU_MEMORY_GIB) + ") or a size. "
+        "Sizes: 80GiB = 80 x 2^30 bytes; 80GB = 80 x 10^9 bytes (74.5 GiB); a bare number is GiB. A card sold "
+        "as '80GB' is neither: an H100 80GB gives PyTorch 79.18 GiB (nvidia-smi: 81559 MiB = 79.6 GiB), so "
+        "prefer the name (--gpu h100-80gb). Default with --model: h100-80gb",
+    )
     p.add_argument("--num-generations", type=int, help="completions per prompt (G)")
     p.add_argument("--prompts", type=int, help="prompts per rollout step per GPU")
     p.add_argument("--micro-batch", type=int, help="rows per forward/backward (per_device_train_batch_size)")
@@ -44,27 +49,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beta", type=float, help="KL weight (> 0 adds a reference model for full fine-tuning)")
     p.add_argument("--ref-placement", choices=("device", "cpu"))
     p.add_argument("--sharding", choices=SHARDINGS, help="engine of the accelerate config: ddp, zero1/2/3 (DeepSpeed), fsdp (FSDP2)")
-    p.add_argument("--generation-gather", choices=("full", "layers"),
-                   help="memory.generation_gather under zero3/fsdp: full = whole model gathered for the rollout, layers = one block")
-    p.add_argument("--attn-implementation", choices=ATTENTIONS,
-                   help="model.attn_implementation: sdpa (default) and flash_attention_2 keep no score matrix; eager keeps "
-                        "[rows, heads, S, S] float32 softmax + cast probabilities per layer (--trace runs the family's eager code)")
-    p.add_argument("--master-weights", choices=MASTER_WEIGHTS,
-                   help="precision scheme of the optimizer: none = AdamW on the weights, moments in their dtype (bf16 weights: "
-                        "4 bytes/parameter of states); fp32 = a float32 master copy + float32 moments (12 bytes/parameter; "
-                        "DeepSpeed, verl/EasyR1 FSDP). Sharded by the same rule under every engine. auto (default) = what vlmrl "
-                        "runs: none without DeepSpeed and under fsdp, fp32 under zero1/2/3")
+    p.add_argument(
+        "--generation-gather",
+        choices=("full", "layers"),
+        help="memory.generation_gather under zero3/fsdp: full = whole model gathered for the rollout, layers = one block",
+    )
+    p.add_argument(
+        "--attn-implementation",
+        choices=ATTENTIONS,
+        help="model.attn_implementation: sdpa (default) and flash_attention_2 keep no score matrix; eager keeps "
+        "[rows, heads, S, S] float32 softmax + cast probabilities per layer (--trace runs the family's eager code)",
+    )
+    p.add_argument(
+        "--master-weights",
+        choices=MASTER_WEIGHTS,
+        help="precision scheme of the optimizer: none = AdamW on the weights, moments in their dtype (bf16 weights: "
+        "4 bytes/parameter of states); fp32 = a float32 master copy + float32 moments (12 bytes/parameter; "
+        "DeepSpeed, verl/EasyR1 FSDP). Sharded by the same rule under every engine. auto (default) = what vlmrl "
+        "runs: none without DeepSpeed and under fsdp, fp32 under zero1/2/3",
+    )
     p.add_argument("--offload", choices=OFFLOADS, help="CPU offload with a ZeRO/FSDP stage (planning only)")
     p.add_argument("--logprob-chunk", type=int, help="memory.logprob_chunk_tokens (0 = off)")
-    p.add_argument("--mode", choices=("grpo", "sft"), default="grpo",
-                   help="sft: plan `vlmrl sft` (rows = --micro-batch or sft.batch_size, each with its own prompt and image; "
-                        "--completion-length = target tokens; no rollout). With --config every stage the config runs is planned")
+    p.add_argument(
+        "--mode",
+        choices=("grpo", "sft"),
+        default="grpo",
+        help="sft: plan `vlmrl sft` (rows = --micro-batch or sft.batch_size, each with its own prompt and image; "
+        "--completion-length = target tokens; no rollout). With --config every stage the config runs is planned",
+    )
     p.add_argument("--sft-stage", type=int, choices=(1, 2), help="with --mode sft and --model: 1 = projector only, 2 = language model (default)")
     p.add_argument("--train-vision-tower", action="store_true", help="with --mode sft: stage 2 also trains the vision tower")
-    p.add_argument("--host-memory", help="host RAM per node (same forms as --gpu-memory, e.g. 256GB): adds a host verdict; "
-                                         "--search keeps only configurations that fit it")
-    p.add_argument("--cpu", action="store_true",
-                   help="plan a CPU run (training.device=cpu): every tensor in host RAM, the host verdict is the verdict")
+    p.add_argument(
+        "--host-memory",
+        help="host RAM per node (same forms as --gpu-memory, e.g. 256GB): adds a host verdict; --search keeps only configurations that fit it",
+    )
+    p.add_argument(
+        "--cpu", action="store_true", help="plan a CPU run (training.device=cpu): every tensor in host RAM, the host verdict is the verdict"
+    )
     p.add_argument("--search", action="store_true", help="print the fastest few configurations predicted to fit")
     p.add_argument("--allow", default="", help="with --search: comma list of num_generations,max_pixels,effective_batch that may change")
     p.add_argument("--top", type=int, default=5, help="with --search: how many to print")
@@ -84,20 +105,34 @@ def _workload(ns, spec):
         if gpu is None and cfg.training.auto_fit_gpu_memory_gib:
             gpu = int(cfg.training.auto_fit_gpu_memory_gib * GiB)
         base = workload_from_config(cfg, world, gpu)
-        if cfg.training.device == "cpu":   # a config that trains on the CPU is planned as a CPU run
+        if cfg.training.device == "cpu":  # a config that trains on the CPU is planned as a CPU run
             base = dataclasses.replace(base, device="cpu")
     else:
         if ns.overrides:
             raise PlanError(f"key=value overrides {ns.overrides} need --config (with --model use the flags)")
         base = Workload(world_size=world, gpu_memory_bytes=gpu if gpu is not None else parse_memory("h100-80gb"))
     mapping = {
-        "num_generations": ns.num_generations, "prompts_per_step": ns.prompts, "micro_batch": ns.micro_batch,
-        "grad_accum": ns.grad_accum, "prompts_per_call": ns.prompts_per_call, "max_pixels": ns.max_pixels,
-        "images_per_prompt": ns.images_per_prompt, "prompt_text_tokens": ns.prompt_tokens,
-        "completion_tokens": ns.completion_length, "dtype": ns.dtype, "use_lora": ns.lora, "lora_r": ns.lora_r,
-        "gradient_checkpointing": ns.gradient_checkpointing, "freeze_vision": ns.freeze_vision, "beta": ns.beta,
-        "ref_placement": ns.ref_placement, "sharding": ns.sharding, "offload": ns.offload, "logprob_chunk_tokens": ns.logprob_chunk,
-        "generation_gather": ns.generation_gather, "master_weights": ns.master_weights,
+        "num_generations": ns.num_generations,
+        "prompts_per_step": ns.prompts,
+        "micro_batch": ns.micro_batch,
+        "grad_accum": ns.grad_accum,
+        "prompts_per_call": ns.prompts_per_call,
+        "max_pixels": ns.max_pixels,
+        "images_per_prompt": ns.images_per_prompt,
+        "prompt_text_tokens": ns.prompt_tokens,
+        "completion_tokens": ns.completion_length,
+        "dtype": ns.dtype,
+        "use_lora": ns.lora,
+        "lora_r": ns.lora_r,
+        "gradient_checkpointing": ns.gradient_checkpointing,
+        "freeze_vision": ns.freeze_vision,
+        "beta": ns.beta,
+        "ref_placement": ns.ref_placement,
+        "sharding": ns.sharding,
+        "offload": ns.offload,
+        "logprob_chunk_tokens": ns.logprob_chunk,
+        "generation_gather": ns.generation_gather,
+        "master_weights": ns.master_weights,
         "attn_implementation": ns.attn_implementation,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
@@ -130,9 +165,11 @@ def _sft_stages(ns, w) -> dict:
 
 def _table(spec, p) -> str:
     d = p.to_dict()
-    head = (f"model {spec.name} ({spec.family}): {spec.total_params / 1e9:.2f} B parameters "
-            f"(vision {spec.vision_params / 1e9:.2f} B), {d['workload']['image_tokens_per_prompt']} image tokens per prompt, "
-            f"{d['workload']['prompt_tokens']} prompt tokens")
+    head = (
+        f"model {spec.name} ({spec.family}): {spec.total_params / 1e9:.2f} B parameters "
+        f"(vision {spec.vision_params / 1e9:.2f} B), {d['workload']['image_tokens_per_prompt']} image tokens per prompt, "
+        f"{d['workload']['prompt_tokens']} prompt tokens"
+    )
     lines = [head, "", f"{'term':<34} {'GiB':>9}", "-" * 44]
     for k, v in d["terms_gib"].items():
         if v:
@@ -140,13 +177,22 @@ def _table(spec, p) -> str:
     lines += ["-" * 44, f"{'peak per phase (allocated)':<34}"]
     for k, v in d["phases_gib"].items():
         lines.append(f"  {k:<32} {v:>9.3f}")
-    lines += [f"{'peak allocated':<34} {d['peak_allocated_gib']:>9.3f}", f"{'reserved (allocator)':<34} {d['reserved_gib']:>9.3f}",
-              f"{'total on the device':<34} {d['total_gib']:>9.3f}", "", f"{'host RAM per node':<34}"]
+    lines += [
+        f"{'peak allocated':<34} {d['peak_allocated_gib']:>9.3f}",
+        f"{'reserved (allocator)':<34} {d['reserved_gib']:>9.3f}",
+        f"{'total on the device':<34} {d['total_gib']:>9.3f}",
+        "",
+        f"{'host RAM per node':<34}",
+    ]
     for k, v in d["host_gib"].items():
         if v and not k.startswith("peak_") and k not in ("total", "process_peak"):
             lines.append(f"  {k:<32} {v:>9.3f}")
-    lines += [f"  {'peak (loading / training / saving)':<32} {d['host_gib']['total']:>9.3f}", "",
-              f"verdict: {p.verdict}", f"step-time model: {p.step_time_s:.2f} s per step"]
+    lines += [
+        f"  {'peak (loading / training / saving)':<32} {d['host_gib']['total']:>9.3f}",
+        "",
+        f"verdict: {p.verdict}",
+        f"step-time model: {p.step_time_s:.2f} s per step",
+    ]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 
@@ -176,8 +222,10 @@ def run(ns) -> int:
     w = _workload(ns, spec)
     stages: dict = {}
     if ns.mode == "sft" and ns.search:
-        raise PlanError("--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
-                        "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself")
+        raise PlanError(
+            "--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
+            "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself"
+        )
     if ns.mode == "sft":
         stages = _sft_stages(ns, w)
         w = max(stages.values(), key=lambda x: plan(spec, x).total)
@@ -206,14 +254,19 @@ def _print(spec, p, out: dict, ns) -> None:
     for stage, d in out.get("sft_stages", {}).items():
         print(f"SFT {stage}: {d['total_gib']:.1f} GiB on the device, {d['host_total_gib']:.1f} GiB host RAM: {d['verdict']}")
     if ns.search:
-        print(f"\nfastest configurations predicted to fit ({len(out['search'])} shown):" if out["search"] else
-              "\nno configuration fits: allow num_generations / max_pixels / effective_batch (--allow), add GPUs (--gpus) or use --lora")
+        print(
+            f"\nfastest configurations predicted to fit ({len(out['search'])} shown):"
+            if out["search"]
+            else "\nno configuration fits: allow num_generations / max_pixels / effective_batch (--allow), add GPUs (--gpus) or use --lora"
+        )
         for i, c in enumerate(out["search"], 1):
             print(f"{i}. {c['total_gib']:.1f} GiB, ~{c['step_time_s']:.2f} s/step: " + ("; ".join(c["changes"]) or "as given"))
     if ns.trace:
         t = out["trace"]
-        print(f"\ntrace (meta device, {t['seconds']} s): update peak {t['peak_gib']:.3f} GiB; closed form {t['closed_form_gib']:.3f} GiB "
-              f"({t['difference_pct']:+.1f}%)")
+        print(
+            f"\ntrace (meta device, {t['seconds']} s): update peak {t['peak_gib']:.3f} GiB; closed form {t['closed_form_gib']:.3f} GiB "
+            f"({t['difference_pct']:+.1f}%)"
+        )
         for k, v in t["peak_breakdown_gib"].items():
             print(f"  {k:<30} {v:>9.3f}")
 
@@ -221,35 +274,41 @@ def _print(spec, p, out: dict, ns) -> None:
 def _trace(spec, w, source: str) -> dict:
     """Trace the update micro-batch of `w` (unsharded, one device) and compare with the closed form's update
     peak under the trace's semantics (no autocast; weights dtype)."""
-    import torch
 
-    from .plan_trace import TraceSetup, trace_update
-    from .planner import image_patches, plan
+    from .plan_trace import setup_for, trace_update
+    from .planner import plan
     from .presets import PLANNER_PRESETS, PRESETS, hf_config
 
     if w.sharding not in ("none", "ddp") or w.offload != "none":
         raise PlanError("--trace traces one unsharded device; drop --sharding/--offload")
     config = hf_config(source) if (source in PRESETS or source in PLANNER_PRESETS) else _config_from_path(source)
-    G, N = w.num_generations, w.micro_batch
-    U = (-(-N // G) if (N % G == 0 or G % N == 0) else min(N, -(-N // G) + 1)) if w.group_vision else N
-    setup = TraceSetup(dtype={"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[w.dtype],
-                       gradient_checkpointing=w.gradient_checkpointing, use_lora=w.use_lora, lora_r=w.lora_r,
-                       lora_target_modules=list(w.lora_targets), freeze_vision_tower=w.freeze_vision,
-                       train_projector_only=w.projector_only, loss="sft" if w.mode == "sft" else "grpo",
-                       rows=N, unique_prompts=U, prompt_text_tokens=w.prompt_text_tokens,
-                       image_patches=image_patches(spec, w.max_pixels), completion_tokens=w.completion_tokens,
-                       logprob_chunk_tokens=w.logprob_chunk_tokens, group_vision=w.group_vision, shared_prefix=w.shared_prefix,
-                       attn_implementation=w.attn_implementation)
+    setup = setup_for(spec, w)
     r = trace_update(config, setup)
     # The trace is the steady state of an accumulating optimizer step (gradients already there): compare like with like.
     # The trace runs torch AdamW on the weights (no master copy) and, for flash_attention_2, the sdpa-like stand-in.
     attn = "eager" if w.attn_implementation == "eager" else "sdpa"
-    cf = plan(spec, dataclasses.replace(w, autocast=False, beta=0.0, num_iterations=1, grad_accum=max(2, w.grad_accum),
-                                        device="cuda", master_weights="none", attn_implementation=attn)).phases["update"]
-    return {"peak_gib": r.peak_bytes / GiB, "closed_form_gib": cf / GiB, "difference_pct": 100 * (cf / r.peak_bytes - 1),
-            "compared_as": {"attn_implementation": attn, "master_weights": "none", "steady_state": True},
-            "peak_breakdown_gib": {k: round(v / GiB, 3) for k, v in r.peak_breakdown.items()},
-            "stage_peaks_gib": {k: round(v / GiB, 3) for k, v in r.stage_peaks.items()}, "seconds": r.seconds}
+    cf = plan(
+        spec,
+        dataclasses.replace(
+            w,
+            autocast=False,
+            beta=0.0,
+            num_iterations=1,
+            grad_accum=max(2, w.grad_accum),
+            device="cuda",
+            master_weights="none",
+            attn_implementation=attn,
+        ),
+    ).phases["update"]
+    return {
+        "peak_gib": r.peak_bytes / GiB,
+        "closed_form_gib": cf / GiB,
+        "difference_pct": 100 * (cf / r.peak_bytes - 1),
+        "compared_as": {"attn_implementation": attn, "master_weights": "none", "steady_state": True},
+        "peak_breakdown_gib": {k: round(v / GiB, 3) for k, v in r.peak_breakdown.items()},
+        "stage_peaks_gib": {k: round(v / GiB, 3) for k, v in r.stage_peaks.items()},
+        "seconds": r.seconds,
+    }
 
 
 def _config_from_path(path: str):

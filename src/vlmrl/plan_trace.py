@@ -91,6 +91,7 @@ class MemoryTracker(TorchDispatchMode):
 
 # ---------------------------------------------------------------- attention stand-in
 
+
 def _trace_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """Memory of the fused CUDA attention kernels: grouped KV heads are expanded as views (no copy)."""
     groups = query.shape[1] // key.shape[1]
@@ -98,11 +99,11 @@ def _trace_attention(module, query, key, value, attention_mask=None, dropout=0.0
         b, h, t, d = key.shape
         key = key.unsqueeze(2).expand(b, h, groups, t, d).flatten(1, 2)
         value = value.unsqueeze(2).expand(b, h, groups, t, value.shape[-1]).flatten(1, 2)
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] == key.shape[2] \
-        and query.shape[2] > 1
+    causal = (
+        bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] == key.shape[2] and query.shape[2] > 1
+    )
     need_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, None, need_lse, 0.0, causal, scale=scaling)[0]
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, need_lse, 0.0, causal, scale=scaling)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -126,6 +127,7 @@ def _set_attention(model: torch.nn.Module, name: str) -> None:
 
 # ---------------------------------------------------------------- the model on the meta device
 
+
 @dataclass
 class TraceSetup:
     """What one traced micro-batch looks like (all sizes per device)."""
@@ -139,18 +141,46 @@ class TraceSetup:
     lora_vision: bool = False
     freeze_vision_tower: bool = False
     train_projector_only: bool = False
-    rows: int = 4                  # completions in the micro-batch (N)
-    unique_prompts: int = 1        # distinct prompts among them (U); group_vision encodes each once
-    prompt_text_tokens: int = 32   # prompt tokens that are not image tokens
-    image_patches: int = 1024      # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
+    rows: int = 4  # completions in the micro-batch (N)
+    unique_prompts: int = 1  # distinct prompts among them (U); group_vision encodes each once
+    prompt_text_tokens: int = 32  # prompt tokens that are not image tokens
+    image_patches: int = 1024  # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
     completion_tokens: int = 64
     logprob_chunk_tokens: int = 128
     group_vision: bool = True
     shared_prefix: bool = True
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    attn_implementation: str = "sdpa"   # eager: transformers' own eager attention runs (its [B, heads, S, S] scores are traced)
-    loss: str = "grpo"                  # grpo: ratio x advantage; sft: mean negative log-likelihood
+    attn_implementation: str = "sdpa"  # eager: transformers' own eager attention runs (its [B, heads, S, S] scores are traced)
+    loss: str = "grpo"  # grpo: ratio x advantage; sft: mean negative log-likelihood
+
+
+def setup_for(spec, w) -> TraceSetup:
+    """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
+    description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
+    from .planner import image_patches
+
+    G, N = w.num_generations, w.micro_batch
+    unique = (-(-N // G) if (N % G == 0 or G % N == 0) else min(N, -(-N // G) + 1)) if w.group_vision else N
+    return TraceSetup(
+        dtype={"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[w.dtype],
+        gradient_checkpointing=w.gradient_checkpointing,
+        use_lora=w.use_lora,
+        lora_r=w.lora_r,
+        lora_target_modules=list(w.lora_targets),
+        freeze_vision_tower=w.freeze_vision,
+        train_projector_only=w.projector_only,
+        loss="sft" if w.mode == "sft" else "grpo",
+        rows=N,
+        unique_prompts=unique,
+        prompt_text_tokens=w.prompt_text_tokens,
+        image_patches=image_patches(spec, w.max_pixels),
+        completion_tokens=w.completion_tokens,
+        logprob_chunk_tokens=w.logprob_chunk_tokens,
+        group_vision=w.group_vision,
+        shared_prefix=w.shared_prefix,
+        attn_implementation=w.attn_implementation,
+    )
 
 
 def build_meta_model(hf_config, setup: TraceSetup):
@@ -162,9 +192,16 @@ def build_meta_model(hf_config, setup: TraceSetup):
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(hf_config, dtype=setup.dtype)
     mcfg = types.SimpleNamespace(
-        freeze_vision_tower=setup.freeze_vision_tower, train_projector_only=setup.train_projector_only,
-        lora_r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=0.0, lora_target_modules=list(setup.lora_target_modules),
-        lora_vision=setup.lora_vision, use_lora=setup.use_lora, gradient_checkpointing=setup.gradient_checkpointing)
+        freeze_vision_tower=setup.freeze_vision_tower,
+        train_projector_only=setup.train_projector_only,
+        lora_r=setup.lora_r,
+        lora_alpha=setup.lora_alpha,
+        lora_dropout=0.0,
+        lora_target_modules=list(setup.lora_target_modules),
+        lora_vision=setup.lora_vision,
+        use_lora=setup.use_lora,
+        gradient_checkpointing=setup.gradient_checkpointing,
+    )
     model = prepare_trainable(model, mcfg)
     # The fused kernels (sdpa, flash_attention_2) have no meta implementation: a stand-in with their memory runs instead.
     # Eager attention is plain tensor ops, so the family's own eager_attention_forward runs as the run would run it.
@@ -233,8 +270,7 @@ class _Inputs:
             from transformers.utils.generic import get_max_seqlen
             from transformers.vision_utils import get_vision_window_index
 
-            wi, cw = get_vision_window_index(grid, spatial_merge_size=vis.spatial_merge_size, window_size=vis.window_size,
-                                             patch_size=vis.patch_size)
+            wi, cw = get_vision_window_index(grid, spatial_merge_size=vis.spatial_merge_size, window_size=vis.window_size, patch_size=vis.patch_size)
             kw["window_index"], kw["cu_window_seqlens"] = wi, cw
             kw["max_window_seqlen"] = get_max_seqlen(cw, v)
         return kw
@@ -290,8 +326,13 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
         cache = out.past_key_values
         cache.batch_select_indices(row_idx)
         rest_emb = embed(torch.empty(N, C - 1, dtype=torch.long, device="meta"))
-        rest = lm(inputs_embeds=rest_emb, position_ids=_positions(inp, N, C - 1), past_key_values=cache,
-                  cache_position=torch.arange(P, P + C - 1, device="meta"), use_cache=True).last_hidden_state
+        rest = lm(
+            inputs_embeds=rest_emb,
+            position_ids=_positions(inp, N, C - 1),
+            past_key_values=cache,
+            cache_position=torch.arange(P, P + C - 1, device="meta"),
+            use_cache=True,
+        ).last_hidden_state
         predicting = torch.cat([first.to(rest.dtype), rest], dim=1)
         del out, cache
     else:
@@ -303,7 +344,7 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
             mask = torch.empty(N, P + C, 1, dtype=torch.bool, device="meta").expand_as(emb)
             emb = emb.masked_scatter(mask, row_feats.to(emb.dtype))
         hidden = lm(inputs_embeds=emb, position_ids=_positions(inp, N, P + C), use_cache=False).last_hidden_state
-        predicting = hidden[:, P - 1: P - 1 + C]
+        predicting = hidden[:, P - 1 : P - 1 + C]
     return selective_logps(predicting, core.get_output_embeddings(), targets, 1.0, setup.logprob_chunk_tokens)
 
 
@@ -383,6 +424,12 @@ def trace_update(hf_config, setup: TraceSetup) -> TraceResult:
         if setup.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, setup.max_grad_norm, foreach=False)  # scalar norms only
         opt.step()
-    return TraceResult(peak_bytes=tracker.peak, peak_breakdown=tracker.peak_breakdown, stage_peaks=dict(tracker.stage_peaks),
-                       persistent=persistent, seconds=round(time.perf_counter() - t0, 2), image_tokens=inp.image_tokens,
-                       prompt_tokens=inp.P)
+    return TraceResult(
+        peak_bytes=tracker.peak,
+        peak_breakdown=tracker.peak_breakdown,
+        stage_peaks=dict(tracker.stage_peaks),
+        persistent=persistent,
+        seconds=round(time.perf_counter() - t0, 2),
+        image_tokens=inp.image_tokens,
+        prompt_tokens=inp.P,
+    )

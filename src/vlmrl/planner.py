@@ -40,13 +40,13 @@ MASTER_WEIGHTS = ("auto", "none", "fp32")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 
 # Device constants (global, documented in docs/planner.md).
-CUDA_CONTEXT_BYTES = int(0.6 * GiB)   # CUDA context + cuBLAS/cuDNN workspaces outside torch's allocator (typical, not measured)
-ALLOCATOR_RESERVE = 0.06              # reserved / allocated - 1: mean of the ten Qwen2.5-VL-3B H100 runs in benchmarks/results (0.046 .. 0.089)
-COMM_BUCKET_BYTES = 2 * 25 * 2**20    # DDP / ZeRO gradient buckets (2 x 25 MiB)
-FIT_FRACTION = 0.95                   # a config "fits" when its predicted device total is <= this fraction of the memory
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces outside torch's allocator (typical, not measured)
+ALLOCATOR_RESERVE = 0.06  # reserved / allocated - 1: mean of the ten Qwen2.5-VL-3B H100 runs in benchmarks/results (0.046 .. 0.089)
+COMM_BUCKET_BYTES = 2 * 25 * 2**20  # DDP / ZeRO gradient buckets (2 x 25 MiB)
+FIT_FRACTION = 0.95  # a config "fits" when its predicted device total is <= this fraction of the memory
 
 # Step-time model constants (H100-class; only the ranking of candidates uses them).
-PEAK_FLOPS = 989e12 * 0.40            # bf16 dense x an assumed 40% utilisation
+PEAK_FLOPS = 989e12 * 0.40  # bf16 dense x an assumed 40% utilisation
 HBM_BYTES_PER_S = 3.35e12
 PCIE_BYTES_PER_S = 25e9
 INTERCONNECT_BYTES_PER_S = 300e9
@@ -59,6 +59,7 @@ class PlanError(ValueError):
 
 # ---------------------------------------------------------------- inputs
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     """An architecture as numbers. Parameter counts come from meta-device instantiation (spec_from_hf_config)."""
@@ -66,10 +67,10 @@ class ModelSpec:
     name: str
     family: str
     total_params: int
-    vision_params: int          # vision encoder including the projector / merger
+    vision_params: int  # vision encoder including the projector / merger
     projector_params: int
-    embed_params: int           # input token embedding
-    lm_head_params: int         # 0 when tied to the input embedding
+    embed_params: int  # input token embedding
+    lm_head_params: int  # 0 when tied to the input embedding
     hidden: int
     intermediate: int
     layers: int
@@ -82,12 +83,12 @@ class ModelSpec:
     v_layers: int = 0
     v_heads: int = 1
     patch_size: int = 14
-    merge_size: int = 1         # spatial merge (Qwen-VL 2): image tokens = patches / merge^2
+    merge_size: int = 1  # spatial merge (Qwen-VL 2): image tokens = patches / merge^2
     temporal_patch: int = 1
-    image_size: int = 0         # fixed-resolution towers (CLIP/SigLIP): side in pixels; 0 = dynamic resolution
+    image_size: int = 0  # fixed-resolution towers (CLIP/SigLIP): side in pixels; 0 = dynamic resolution
     v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
-    v_window_patches: int = 0     # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
-    lora_linears: tuple = ()    # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+    v_window_patches: int = 0  # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
+    lora_linears: tuple = ()  # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -108,7 +109,7 @@ class Workload:
     rows are completions."""
 
     dtype: str = "bfloat16"
-    autocast: bool = True               # bf16 autocast on the device (training.bf16)
+    autocast: bool = True  # bf16 autocast on the device (training.bf16)
     use_lora: bool = False
     lora_r: int = 16
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -116,8 +117,8 @@ class Workload:
     projector_only: bool = False
     gradient_checkpointing: bool = False
     num_generations: int = 4
-    prompts_per_step: int = 2           # prompts per rollout step on this device
-    micro_batch: int = 4                # rows per forward/backward
+    prompts_per_step: int = 2  # prompts per rollout step on this device
+    micro_batch: int = 4  # rows per forward/backward
     grad_accum: int = 1
     prompts_per_call: int | None = None
     prompt_text_tokens: int = 64
@@ -131,15 +132,15 @@ class Workload:
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"
-    master_weights: str = "auto"       # auto | none | fp32: see master_weights_scheme
+    master_weights: str = "auto"  # auto | none | fp32: see master_weights_scheme
     attn_implementation: str = "sdpa"  # model.attn_implementation: sdpa / flash_attention_2 (fused) or eager ([B, heads, S, S] kept)
-    generation_gather: str = "full"    # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
+    generation_gather: str = "full"  # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
     world_size: int = 1
     gpu_memory_bytes: int | None = None
-    host_memory_bytes: int | None = None   # host RAM per node; None = no host verdict
-    device: str = "cuda"                   # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
-    mode: str = "grpo"                     # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
+    host_memory_bytes: int | None = None  # host RAM per node; None = no host verdict
+    device: str = "cuda"  # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
+    mode: str = "grpo"  # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
     host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
 
     @property
@@ -159,10 +160,11 @@ def image_patches(spec: ModelSpec, max_pixels: int) -> int:
 
 
 def image_tokens(spec: ModelSpec, max_pixels: int) -> int:
-    return image_patches(spec, max_pixels) // (spec.merge_size ** 2)
+    return image_patches(spec, max_pixels) // (spec.merge_size**2)
 
 
 # ---------------------------------------------------------------- per-token activation coefficients (bytes)
+
 
 def text_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> float:
     """Bytes one decoder layer keeps for backward per token (no checkpointing).
@@ -194,14 +196,15 @@ def vision_block_bytes(spec: ModelSpec, cbytes: int) -> float:
 
 # ---------------------------------------------------------------- the plan
 
+
 @dataclass
 class Plan:
-    terms: dict                 # name -> bytes (per device)
-    phases: dict                # rollout / scoring / update -> peak bytes allocated
+    terms: dict  # name -> bytes (per device)
+    phases: dict  # rollout / scoring / update -> peak bytes allocated
     peak_allocated: int
-    reserved: int               # peak_allocated x (1 + ALLOCATOR_RESERVE): compare with torch.cuda.max_memory_reserved
-    total: int                  # reserved + CUDA context: what must fit on the device
-    host: dict                  # host RAM terms per node (bytes)
+    reserved: int  # peak_allocated x (1 + ALLOCATOR_RESERVE): compare with torch.cuda.max_memory_reserved
+    total: int  # reserved + CUDA context: what must fit on the device
+    host: dict  # host RAM terms per node (bytes)
     gpu_memory_bytes: int | None
     verdict: str
     headroom: int | None
@@ -225,15 +228,21 @@ class Plan:
     def to_dict(self) -> dict:
         gib = lambda b: round(b / GiB, 3)
         return {
-            "verdict": self.verdict, "fits": self.fits if (self.gpu_memory_bytes or self.host_fits is not None) else None,
-            "host_fits": self.host_fits, "host_total_gib": gib(self.host["total"]),
-            "total_gib": gib(self.total), "reserved_gib": gib(self.reserved), "peak_allocated_gib": gib(self.peak_allocated),
+            "verdict": self.verdict,
+            "fits": self.fits if (self.gpu_memory_bytes or self.host_fits is not None) else None,
+            "host_fits": self.host_fits,
+            "host_total_gib": gib(self.host["total"]),
+            "total_gib": gib(self.total),
+            "reserved_gib": gib(self.reserved),
+            "peak_allocated_gib": gib(self.peak_allocated),
             "gpu_memory_gib": gib(self.gpu_memory_bytes) if self.gpu_memory_bytes else None,
             "headroom_gib": gib(self.headroom) if self.headroom is not None else None,
             "phases_gib": {k: gib(v) for k, v in self.phases.items()},
             "terms_gib": {k: gib(v) for k, v in self.terms.items()},
             "host_gib": {k: gib(v) for k, v in self.host.items()},
-            "step_time_s": round(self.step_time_s, 3), "notes": list(self.notes), "workload": self.workload,
+            "step_time_s": round(self.step_time_s, 3),
+            "notes": list(self.notes),
+            "workload": self.workload,
         }
 
 
@@ -272,9 +281,21 @@ def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, t
     n = base.micro_batch
     stage_kw = {} if base.use_lora else {"projector_only": stage == 1, "freeze_vision": stage == 2 and not train_vision_tower}
     return dataclasses.replace(
-        base, mode="sft", num_generations=1, prompts_per_step=n, micro_batch=n, grad_accum=1, prompts_per_call=None,
-        group_vision=False, shared_prefix=False, logprob_chunk_tokens=1024, beta=0.0, num_iterations=1,
-        completion_tokens=target_tokens or base.completion_tokens, **stage_kw)
+        base,
+        mode="sft",
+        num_generations=1,
+        prompts_per_step=n,
+        micro_batch=n,
+        grad_accum=1,
+        prompts_per_call=None,
+        group_vision=False,
+        shared_prefix=False,
+        logprob_chunk_tokens=1024,
+        beta=0.0,
+        num_iterations=1,
+        completion_tokens=target_tokens or base.completion_tokens,
+        **stage_kw,
+    )
 
 
 def sft_plans_for_config(cfg, gpu_memory_bytes: int | None = None, target_tokens: int | None = None, **extra) -> dict:
@@ -319,10 +340,15 @@ def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vi
     if spec.v_layers and patches_per_image:
         full = spec.v_layers if spec.v_full_attn_blocks < 0 else spec.v_full_attn_blocks
         window = min(spec.v_window_patches or patches_per_image, patches_per_image)
-        elems = full * patches_per_image ** 2 + (spec.v_layers - full) * patches_per_image * window
+        elems = full * patches_per_image**2 + (spec.v_layers - full) * patches_per_image * window
         vision_block = spec.v_heads * vis_images * (elems * per - 4 * spec.v_layers * patches_per_image) / spec.v_layers
-    return {"text": spec.layers * text_layer, "vision": spec.v_layers * vision_block, "text_layer": text_layer,
-            "vision_block": vision_block, "transient": spec.heads * max(r * q * k for r, q, k in rows) * (2 * cb + 4)}
+    return {
+        "text": spec.layers * text_layer,
+        "vision": spec.v_layers * vision_block,
+        "text_layer": text_layer,
+        "vision_block": vision_block,
+        "transient": spec.heads * max(r * q * k for r, q, k in rows) * (2 * cb + 4),
+    }
 
 
 # Host RAM constants (per process). CUDA: the CUDA/cuBLAS/NCCL libraries and context mapped into the process (typical,
@@ -333,11 +359,12 @@ def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vi
 HOST_RUNTIME_CUDA_BYTES = 3 * GiB
 HOST_RUNTIME_CPU_BYTES = int(0.38 * GiB)
 CPU_ALLOCATOR_RESERVE = 0.12
-HOST_DATA_BYTES = 2 * GiB              # dataset, decoded images, tokenizer caches on a real run (typical, not measured)
+HOST_DATA_BYTES = 2 * GiB  # dataset, decoded images, tokenizer caches on a real run (typical, not measured)
 
 
-def host_terms(spec: ModelSpec, w: Workload, states: dict, step_buffers: float, device_peak: int, ref_on_cpu: bool,
-               processes: int | None = None) -> dict:
+def host_terms(
+    spec: ModelSpec, w: Workload, states: dict, step_buffers: float, device_peak: int, ref_on_cpu: bool, processes: int | None = None
+) -> dict:
     """Host RAM of one node (min(world size, 8) processes), bytes, term by term, and its peak over three moments:
     loading (each process builds its copy on the CPU before moving it),
     training (runtime per process, CPU-offloaded optimizer / gradients / parameters, pinned transfer buffers, the
@@ -352,9 +379,9 @@ def host_terms(spec: ModelSpec, w: Workload, states: dict, step_buffers: float, 
     runtime = w.host_runtime_bytes or (HOST_RUNTIME_CPU_BYTES if cpu else HOST_RUNTIME_CUDA_BYTES)
     terms = {
         "runtime_per_process": runtime * r,
-        "model_loading": r * base_w,     # each process's copy (the checkpoint's mapped pages are shared page cache)
+        "model_loading": r * base_w,  # each process's copy (the checkpoint's mapped pages are shared page cache)
         "offloaded_optimizer_states": (states["master"] + states["moments"]) * r if offloaded else 0,
-        "offloaded_gradients": states["trainable"] * 4 / shards * r if offloaded else 0,    # float32 gradient partitions for CPU Adam
+        "offloaded_gradients": states["trainable"] * 4 / shards * r if offloaded else 0,  # float32 gradient partitions for CPU Adam
         "offloaded_parameters": base_w / n * r if w.offload == "optimizer+params" else 0,
         "pinned_buffers": 4 * COMM_BUCKET_BYTES * r if offloaded else 0,
         "reference_on_cpu": spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0,
@@ -365,15 +392,23 @@ def host_terms(spec: ModelSpec, w: Workload, states: dict, step_buffers: float, 
         "gathered_state_dict_at_save": base_w if (not cpu or w.sharding in ("zero3", "fsdp")) else 0,
     }
     runtime = terms["runtime_per_process"] + terms["data"]
-    training = runtime + sum(terms[k] for k in ("offloaded_optimizer_states", "offloaded_gradients", "offloaded_parameters",
-                                                "pinned_buffers", "reference_on_cpu", "images_and_rollout_buffers",
-                                                "device_tensors_on_cpu"))
-    phases = {"loading": runtime + terms["model_loading"], "training": training,
-              "saving": training + terms["gathered_state_dict_at_save"]}
+    training = runtime + sum(
+        terms[k]
+        for k in (
+            "offloaded_optimizer_states",
+            "offloaded_gradients",
+            "offloaded_parameters",
+            "pinned_buffers",
+            "reference_on_cpu",
+            "images_and_rollout_buffers",
+            "device_tensors_on_cpu",
+        )
+    )
+    phases = {"loading": runtime + terms["model_loading"], "training": training, "saving": training + terms["gathered_state_dict_at_save"]}
     out = {k: int(v) for k, v in terms.items()}
     out.update({f"peak_{k}": int(v) for k, v in phases.items()})
     out["total"] = int(max(phases.values()))
-    if processes is None:   # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
+    if processes is None:  # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
         out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, processes=1)["total"]
     return out
 
@@ -396,7 +431,7 @@ def model_states(spec: ModelSpec, w: Workload) -> dict:
     n = w.world_size
     lora_n = spec.lora_params(w.lora_r, w.lora_targets) if w.use_lora else 0
     if w.use_lora:
-        trainable, tb = lora_n, 4                          # peft keeps adapters in float32
+        trainable, tb = lora_n, 4  # peft keeps adapters in float32
     elif w.projector_only:
         trainable, tb = spec.projector_params, b
     elif w.freeze_vision:
@@ -410,7 +445,7 @@ def model_states(spec: ModelSpec, w: Workload) -> dict:
     base_w = spec.total_params * b + lora_n * 4
     weights = 0 if (full_shard and w.offload == "optimizer+params") else base_w / (n if full_shard else 1)
     if scheme == "fp32":
-        master = trainable * 4 / state_shards if tb < 4 else 0   # float32 trainables are their own master copy
+        master = trainable * 4 / state_shards if tb < 4 else 0  # float32 trainables are their own master copy
         moments = trainable * 8 / state_shards
         step_tmp = trainable * 4 / state_shards
     else:
@@ -419,17 +454,27 @@ def model_states(spec: ModelSpec, w: Workload) -> dict:
         step_tmp = trainable * tb / state_shards
     grads = trainable * tb / grad_shards
     if w.offload != "none":
-        grads = min(grads, COMM_BUCKET_BYTES * 4)          # gradients stream to the host bucket by bucket
-        step_tmp = 0                                        # the step runs on the CPU
-    return {"trainable": trainable, "trainable_bytes": tb, "lora_params": lora_n, "base_weights": base_w, "scheme": scheme,
-            "weights": weights, "gradients": grads, "master": master, "moments": moments, "step_temporary": step_tmp}
+        grads = min(grads, COMM_BUCKET_BYTES * 4)  # gradients stream to the host bucket by bucket
+        step_tmp = 0  # the step runs on the CPU
+    return {
+        "trainable": trainable,
+        "trainable_bytes": tb,
+        "lora_params": lora_n,
+        "base_weights": base_w,
+        "scheme": scheme,
+        "weights": weights,
+        "gradients": grads,
+        "master": master,
+        "moments": moments,
+        "step_temporary": step_tmp,
+    }
 
 
 def plan(spec: ModelSpec, w: Workload) -> Plan:
     """The closed form. All figures are bytes on one device (the busiest rank)."""
     _check(w)
     b = DTYPE_BYTES[w.dtype]
-    cb = 2 if (w.autocast or b == 2) else 4             # compute (activation) dtype bytes
+    cb = 2 if (w.autocast or b == 2) else 4  # compute (activation) dtype bytes
     n = w.world_size
     full_shard = w.sharding in ("zero3", "fsdp")
     notes: list[str] = []
@@ -464,7 +509,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # Unique prompts in a micro-batch of N consecutive rows (rows are prompt-major, G per prompt).
     U = (math.ceil(N / G) if (N % G == 0 or G % N == 0) else min(N, math.ceil(N / G) + 1)) if w.group_vision else N
     rows_step = w.rows_per_step
-    batch_inputs = w.prompts_per_step * patches * 3 * spec.temporal_patch * spec.patch_size ** 2 * 4  # fp32 pixel values
+    batch_inputs = w.prompts_per_step * patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values
     rollout_buffers = rows_step * (P + C) * 8 + rows_step * C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
 
     # Update: activations of one micro-batch.
@@ -472,7 +517,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
     text_tokens = (U * P + N * C) if prefix else N * (P + C)
     per_layer = text_layer_bytes(spec, w, cb)
-    if w.attn_implementation == "flash_attention_2":   # flash reads grouped k, v as they are: no copies repeated to the query heads
+    if w.attn_implementation == "flash_attention_2":  # flash reads grouped k, v as they are: no copies repeated to the query heads
         per_layer -= (cb / 2) * 4 * (spec.heads - spec.kv_heads) * spec.head_dim
     vis_block = vision_block_bytes(spec, cb) if spec.v_layers else 0
     vis_patches = (U if w.group_vision else N) * patches
@@ -481,7 +526,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     eager = eager_attention_bytes(spec, w, cb, calls, U if w.group_vision else N, patches)
     if gc:
         text_act = spec.layers * text_tokens * cb * h
-        vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden   # checkpointed blocks keep their inputs even when frozen
+        vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden  # checkpointed blocks keep their inputs even when frozen
         # one layer recomputed in backward + its gradient buffers
         # (+ its eager scores and, while that layer's backward runs, their gradients: the same size again)
         recompute = 1.35 * per_layer * text_tokens + (eager["text_layer"] + eager["transient"] if text_trains else 0)
@@ -495,7 +540,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + repeated) * spec.head_dim
     # Outside the layers: embeddings, image-feature scatter, final norm, the completion slice (12h per token; 7h with
     # checkpointing, where the embedding output is the only extra copy kept), patch embedding + merger (8 hv per patch).
-    projector_trains = vision_trains or w.projector_only   # the merger keeps its inputs (frozen tower: measured smaller, left out)
+    projector_trains = vision_trains or w.projector_only  # the merger keeps its inputs (frozen tower: measured smaller, left out)
     misc_act = (7 if gc else 12) * h * text_tokens * (cb / 2) + (8 * spec.v_hidden * vis_patches * (cb / 2) if projector_trains else 0)
     if not text_trains and not gc:
         # Projector only: the decoder is frozen but the gradient still flows through it to the image features, so each
@@ -503,12 +548,12 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         h_, qd = spec.hidden, spec.heads * spec.head_dim
         text_act = spec.layers * text_tokens * (per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate))
     chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
-    lm_bwd = 12 * chunk * V * (cb / 2)                    # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
+    lm_bwd = 12 * chunk * V * (cb / 2)  # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
     if w.logprob_chunk_tokens <= 0:
-        misc_act += 4 * N * C * V                         # the whole float32 log-softmax kept for backward
+        misc_act += 4 * N * C * V  # the whole float32 log-softmax kept for backward
     emb_grad_tmp = 0
     if text_trains and not w.use_lora and not w.projector_only:
-        emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b   # fresh embedding / LM-head gradients before accumulation
+        emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b  # fresh embedding / LM-head gradients before accumulation
     activations = text_act + vision_act + misc_act + eager_act
     # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
     # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
@@ -526,7 +571,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         decoder_params = lora_n if w.use_lora else spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
         prefix_held = decoder_params * tb
         prefix_bwd_act = spec.layers * U * P * per_layer + vision_act + misc_act + eager["vision"] * vision_trains
-        prefix_bwd_act += eager_attention_bytes(spec, w, cb, ((U, P, P),), 0, 0)["text"]   # the prompt pass's scores
+        prefix_bwd_act += eager_attention_bytes(spec, w, cb, ((U, P, P),), 0, 0)["text"]  # the prompt pass's scores
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
@@ -538,12 +583,14 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     prefill_tokens = (ppc if w.shared_prefix else gen_rows) * P
     prefill_patches = (ppc if w.shared_prefix else gen_rows) * patches
     prefill_rows = ppc if w.shared_prefix else gen_rows
-    gen_transient = max(prefill_tokens * cb * (4 * h + 3 * spec.intermediate),
-                        eager_attention_bytes(spec, w, cb, ((prefill_rows, P, P),), 0, 0)["transient"],
-                        prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
-                        gen_rows * V * 4 * 3)
+    gen_transient = max(
+        prefill_tokens * cb * (4 * h + 3 * spec.intermediate),
+        eager_attention_bytes(spec, w, cb, ((prefill_rows, P, P),), 0, 0)["transient"],
+        prefill_patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
+        gen_rows * V * 4 * 3,
+    )
 
-    if w.mode == "sft":   # no rollout: no KV cache, no sampling; the batch is the micro-batch's prompts and targets
+    if w.mode == "sft":  # no rollout: no KV cache, no sampling; the batch is the micro-batch's prompts and targets
         kv_cache = gen_transient = 0
         rollout_buffers = N * C * 8 * 2
     persistent = weights + master_dev + opt_dev + reference + batch_inputs + rollout_buffers + comm
@@ -561,7 +608,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     if prefix_held:
         bwd_end = max(bwd_end, persistent + (grads if steady else 0) + emb_grad_tmp * steady + prefix_held + prefix_bwd_act + gathered)
     if w.device == "cpu":
-        opt_temp = 0                                      # torch AdamW runs per tensor (no foreach) on CPU tensors
+        opt_temp = 0  # torch AdamW runs per tensor (no foreach) on CPU tensors
     opt_step = persistent + grads + opt_temp
     update = max(fwd_bwd, bwd_end, opt_step)
     phases = {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}
@@ -569,26 +616,48 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     reserved = int(peak * (1 + ALLOCATOR_RESERVE))
     total = reserved + CUDA_CONTEXT_BYTES
     terms = {
-        "weights": weights, "gradients": grads, "master_weights": master_dev, "optimizer_states": opt_dev,
+        "weights": weights,
+        "gradients": grads,
+        "master_weights": master_dev,
+        "optimizer_states": opt_dev,
         "optimizer_step_temporary": opt_temp,
-        "reference_model": reference, "activations_text": text_act, "activations_vision": vision_act,
+        "reference_model": reference,
+        "activations_text": text_act,
+        "activations_vision": vision_act,
         "activations_other": misc_act,
-        "eager_attention_scores": eager_act, "logprob_buffers": lm_bwd, "checkpoint_recompute": recompute,
-        "embedding_grad_temporaries": emb_grad_tmp, "prefix_held_gradients": prefix_held,
-        "kv_cache": kv_cache, "generation_temporaries": gen_transient,
+        "eager_attention_scores": eager_act,
+        "logprob_buffers": lm_bwd,
+        "checkpoint_recompute": recompute,
+        "embedding_grad_temporaries": emb_grad_tmp,
+        "prefix_held_gradients": prefix_held,
+        "kv_cache": kv_cache,
+        "generation_temporaries": gen_transient,
         "scoring_temporaries": score_transient if (w.beta > 0 or w.num_iterations > 1) else 0,
-        "reference_moved_in_for_scoring": ref_moved_in, "gathered_parameters": gathered,
+        "reference_moved_in_for_scoring": ref_moved_in,
+        "gathered_parameters": gathered,
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
-        "batch_inputs": batch_inputs + rollout_buffers, "comm_buffers": comm,
-        "allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES,
+        "batch_inputs": batch_inputs + rollout_buffers,
+        "comm_buffers": comm,
+        "allocator_reserve": reserved - peak,
+        "cuda_context": CUDA_CONTEXT_BYTES,
     }
     terms = {k: int(v) for k, v in terms.items()}
     host = host_terms(spec, w, st, batch_inputs + rollout_buffers, int(peak), ref_moved_in > 0)
     gpu = w.gpu_memory_bytes if w.device != "cpu" else None
     headroom, verdict = _verdict(int(total), w, host)
-    out = Plan(terms=terms, phases=phases, peak_allocated=int(peak), reserved=reserved, total=int(total), host=host,
-               gpu_memory_bytes=gpu, verdict=verdict, headroom=headroom, notes=notes,
-               workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P})
+    out = Plan(
+        terms=terms,
+        phases=phases,
+        peak_allocated=int(peak),
+        reserved=reserved,
+        total=int(total),
+        host=host,
+        gpu_memory_bytes=gpu,
+        verdict=verdict,
+        headroom=headroom,
+        notes=notes,
+        workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P},
+    )
     out.step_time_s = step_time(spec, w, trainable)
     return out
 
@@ -600,10 +669,12 @@ def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
         return None, "CPU run: no device memory; " + host_verdict(host, w.host_memory_bytes)
     if gpu:
         headroom = int(gpu - total)
-        verdict = (f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"
-                   if total <= FIT_FRACTION * gpu else
-                   f"does NOT fit: {total / GiB:.1f} GiB needed on a {gpu / GiB:.1f} GiB device"
-                   + (f" ({-headroom / GiB:.1f} GiB over)" if headroom < 0 else f" (within {(1 - FIT_FRACTION):.0%} margin)"))
+        verdict = (
+            f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"
+            if total <= FIT_FRACTION * gpu
+            else f"does NOT fit: {total / GiB:.1f} GiB needed on a {gpu / GiB:.1f} GiB device"
+            + (f" ({-headroom / GiB:.1f} GiB over)" if headroom < 0 else f" (within {(1 - FIT_FRACTION):.0%} margin)")
+        )
     else:
         headroom, verdict = None, f"needs {total / GiB:.1f} GiB per device (no device size given)"
     if w.host_memory_bytes:
@@ -612,6 +683,7 @@ def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
 
 
 # ---------------------------------------------------------------- step-time model (ranking only)
+
 
 def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> float:
     """Seconds per GRPO step, rough: compute at PEAK_FLOPS, decode bound by HBM bandwidth, offload by PCIe."""
@@ -630,12 +702,12 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     tokens = rows * (P + C)
     fwd = 2 * params * tokens / PEAK_FLOPS
     t_score = fwd * ((w.beta > 0) + (w.num_iterations > 1))
-    mult = 2.0 if w.use_lora else 3.0                    # forward + backward(activations) [+ backward(weights)]
+    mult = 2.0 if w.use_lora else 3.0  # forward + backward(activations) [+ backward(weights)]
     if w.gradient_checkpointing:
-        mult += 1.0                                       # recompute the forward: +33% of 6 x params x tokens
+        mult += 1.0  # recompute the forward: +33% of 6 x params x tokens
     t_update = w.num_iterations * mult * fwd
     micro_batches = math.ceil(rows / w.micro_batch) * w.num_iterations
-    t_update += micro_batches * 2 * params * b / HBM_BYTES_PER_S * 0.05   # per-call overhead of small micro-batches
+    t_update += micro_batches * 2 * params * b / HBM_BYTES_PER_S * 0.05  # per-call overhead of small micro-batches
     trainable = trainable if trainable is not None else params
     opt_steps = max(1, rows // max(1, w.micro_batch * w.grad_accum)) * w.num_iterations
     t_comm = 0.0
@@ -654,6 +726,7 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
 
 
 # ---------------------------------------------------------------- model specs
+
 
 def _dims(obj, *names, default=None):
     for n in names:
@@ -694,8 +767,10 @@ def _known_architecture(d: dict, where: str, name: str) -> ModelSpec:
     """The spec of a config dict; one PlanError line (not transformers' traceback) when transformers cannot
     build it as an image-text model."""
     model_type = d.get("model_type") if isinstance(d, dict) else None
-    how = ("pass the config.json of an architecture this transformers knows as an image-text model (model_type such as "
-           "qwen2_5_vl, qwen2_vl, qwen3_vl, llava, llava_onevision, internvl, idefics3), or a preset (vlmrl plan --list-models)")
+    how = (
+        "pass the config.json of an architecture this transformers knows as an image-text model (model_type such as "
+        "qwen2_5_vl, qwen2_vl, qwen3_vl, llava, llava_onevision, internvl, idefics3), or a preset (vlmrl plan --list-models)"
+    )
     if not model_type:
         raise PlanError(f"{where}: no model_type in the config; {how}")
     try:
@@ -710,8 +785,9 @@ def _known_architecture(d: dict, where: str, name: str) -> ModelSpec:
             first = "not an image-text model"
         elif len(first) > 120:
             first = first[:117] + "..."
-        raise PlanError(f"{where}: model_type {model_type!r} cannot be planned with transformers {transformers.__version__} "
-                        f"({first}); {how}") from None
+        raise PlanError(
+            f"{where}: model_type {model_type!r} cannot be planned with transformers {transformers.__version__} ({first}); {how}"
+        ) from None
 
 
 def _spec_from_config_object(cfg, name: str) -> ModelSpec:
@@ -736,7 +812,7 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         proj_n = sum(p.numel() for p in proj.parameters())
         inside = {id(p) for p in vt.parameters()} if vt is not None else set()
         if not all(id(p) in inside for p in proj.parameters()):
-            vision += proj_n                              # LLaVA-style projector outside the tower: count it with vision
+            vision += proj_n  # LLaVA-style projector outside the tower: count it with vision
     except ModelLoadError:
         proj_n = 0
     emb = core.get_input_embeddings()
@@ -758,11 +834,17 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         if getattr(cfg, "model_type", "") == "qwen2_vl":
             vh = v.embed_dim
         vi = _dims(v, "intermediate_size", default=None) or int(vh * _dims(v, "mlp_ratio", default=4))
-        kw = dict(v_hidden=vh, v_intermediate=vi, v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
-                  v_heads=_dims(v, "num_heads", "num_attention_heads", default=1), patch_size=_dims(v, "patch_size", default=14),
-                  merge_size=_dims(v, "spatial_merge_size", default=1), temporal_patch=_dims(v, "temporal_patch_size", default=1))
+        kw = dict(
+            v_hidden=vh,
+            v_intermediate=vi,
+            v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
+            v_heads=_dims(v, "num_heads", "num_attention_heads", default=1),
+            patch_size=_dims(v, "patch_size", default=14),
+            merge_size=_dims(v, "spatial_merge_size", default=1),
+            temporal_patch=_dims(v, "temporal_patch_size", default=1),
+        )
         if getattr(v, "fullatt_block_indexes", None) is not None and getattr(v, "window_size", None):
-            kw["v_full_attn_blocks"] = len(v.fullatt_block_indexes)          # Qwen2.5-VL: windowed attention elsewhere
+            kw["v_full_attn_blocks"] = len(v.fullatt_block_indexes)  # Qwen2.5-VL: windowed attention elsewhere
             kw["v_window_patches"] = (v.window_size // kw["patch_size"]) ** 2
         if getattr(cfg, "model_type", "") not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
             size = _dims(v, "image_size", default=336)
@@ -774,11 +856,23 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
             ratio = getattr(cfg, "downsample_ratio", None)
             kw["merge_size"] = round(1 / ratio) if ratio else int(getattr(cfg, "scale_factor", 1) or 1)
     return ModelSpec(
-        name=name, family=getattr(cfg, "model_type", ""), total_params=total, vision_params=vision, projector_params=proj_n,
-        embed_params=emb.weight.numel(), lm_head_params=0 if tied else head.weight.numel(),
-        hidden=t.hidden_size, intermediate=t.intermediate_size, layers=t.num_hidden_layers, heads=heads,
-        kv_heads=_dims(t, "num_key_value_heads", default=heads), head_dim=head_dim, vocab=t.vocab_size,
-        lora_linears=tuple((s, i, o, c) for (s, i, o), c in sorted(linears.items())), **kw)
+        name=name,
+        family=getattr(cfg, "model_type", ""),
+        total_params=total,
+        vision_params=vision,
+        projector_params=proj_n,
+        embed_params=emb.weight.numel(),
+        lm_head_params=0 if tied else head.weight.numel(),
+        hidden=t.hidden_size,
+        intermediate=t.intermediate_size,
+        layers=t.num_hidden_layers,
+        heads=heads,
+        kv_heads=_dims(t, "num_key_value_heads", default=heads),
+        head_dim=head_dim,
+        vocab=t.vocab_size,
+        lora_linears=tuple((s, i, o, c) for (s, i, o), c in sorted(linears.items())),
+        **kw,
+    )
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -807,8 +901,20 @@ def _preset_spec(name: str) -> ModelSpec:
 # gpu_memory_*.json: 79.18 GiB; nvidia-smi shows 81559 MiB = 79.6 GiB, part of it the driver's); the others are the
 # "total capacity" PyTorch prints in out-of-memory messages on those cards as commonly reported (not measured here).
 GPU_MEMORY_GIB = {
-    "h100-80gb": 79.18, "h100": 79.18, "h200": 139.8, "a100-80gb": 79.15, "a100-40gb": 39.39, "l40s": 44.53, "a6000": 47.54,
-    "rtx4090": 23.65, "rtx3090": 23.69, "a10g": 22.2, "l4": 22.04, "v100-32gb": 31.75, "v100-16gb": 15.77, "t4": 14.75,
+    "h100-80gb": 79.18,
+    "h100": 79.18,
+    "h200": 139.8,
+    "a100-80gb": 79.15,
+    "a100-40gb": 39.39,
+    "l40s": 44.53,
+    "a6000": 47.54,
+    "rtx4090": 23.65,
+    "rtx3090": 23.69,
+    "a10g": 22.2,
+    "l4": 22.04,
+    "v100-32gb": 31.75,
+    "v100-16gb": 15.77,
+    "t4": 14.75,
 }
 
 
@@ -821,29 +927,46 @@ def parse_memory(text: str | float) -> int:
         return int(GPU_MEMORY_GIB[str(text).strip().lower()] * GiB)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
-        raise PlanError(f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB, "
-                        f"or a GPU name ({', '.join(GPU_MEMORY_GIB)})")
+        raise PlanError(
+            f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB, or a GPU name ({', '.join(GPU_MEMORY_GIB)})"
+        )
     value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
     if unit == "B":
         return int(value)
     scale = {"K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
     base = 1024 if "I" in unit else 1000
-    return int(value * base ** scale)
+    return int(value * base**scale)
 
 
 def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Workload:
     m, t, r, a, d, mem = cfg.model, cfg.training, cfg.rollout, cfg.algorithm, cfg.data, cfg.memory
     kw = dict(
-        dtype=m.dtype, autocast=t.bf16, use_lora=m.use_lora, lora_r=m.lora_r, lora_targets=tuple(m.lora_target_modules),
-        freeze_vision=m.freeze_vision_tower, projector_only=m.train_projector_only, gradient_checkpointing=m.gradient_checkpointing,
+        dtype=m.dtype,
+        autocast=t.bf16,
+        use_lora=m.use_lora,
+        lora_r=m.lora_r,
+        lora_targets=tuple(m.lora_target_modules),
+        freeze_vision=m.freeze_vision_tower,
+        projector_only=m.train_projector_only,
+        gradient_checkpointing=m.gradient_checkpointing,
         # The config's batch sizes are global (docs/scaling_out.md): each of W processes rolls out 1/W of the prompts.
-        num_generations=r.num_generations, prompts_per_step=max(1, cfg.prompts_per_step // max(1, world_size)),
+        num_generations=r.num_generations,
+        prompts_per_step=max(1, cfg.prompts_per_step // max(1, world_size)),
         micro_batch=mem.max_tokens_per_micro_batch and max(1, mem.max_tokens_per_micro_batch // 512) or t.per_device_train_batch_size,
-        grad_accum=t.gradient_accumulation_steps, prompts_per_call=mem.generation_prompts_per_call,
-        max_pixels=d.max_pixels, images_per_prompt=1, completion_tokens=r.max_completion_length,
-        logprob_chunk_tokens=mem.logprob_chunk_tokens, group_vision=mem.group_vision, shared_prefix=mem.shared_prefix,
-        generation_gather=mem.generation_gather, attn_implementation=m.attn_implementation,
-        beta=a.beta, num_iterations=a.num_iterations, ref_placement=mem.ref_placement, world_size=world_size,
+        grad_accum=t.gradient_accumulation_steps,
+        prompts_per_call=mem.generation_prompts_per_call,
+        max_pixels=d.max_pixels,
+        images_per_prompt=1,
+        completion_tokens=r.max_completion_length,
+        logprob_chunk_tokens=mem.logprob_chunk_tokens,
+        group_vision=mem.group_vision,
+        shared_prefix=mem.shared_prefix,
+        generation_gather=mem.generation_gather,
+        attn_implementation=m.attn_implementation,
+        beta=a.beta,
+        num_iterations=a.num_iterations,
+        ref_placement=mem.ref_placement,
+        world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
     host_gib = getattr(t, "auto_fit_host_memory_gib", None)
@@ -875,6 +998,7 @@ def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = Non
 
 # ---------------------------------------------------------------- search
 
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -886,8 +1010,13 @@ class Candidate:
     changes: list
 
     def to_dict(self) -> dict:
-        return {"changes": self.changes, "total_gib": round(self.plan.total / GiB, 2), "step_time_s": round(self.plan.step_time_s, 3),
-                "fits": self.plan.fits, "verdict": self.plan.verdict}
+        return {
+            "changes": self.changes,
+            "total_gib": round(self.plan.total / GiB, 2),
+            "step_time_s": round(self.plan.step_time_s, 3),
+            "fits": self.plan.fits,
+            "verdict": self.plan.verdict,
+        }
 
 
 _WHY = {
@@ -906,8 +1035,18 @@ _WHY = {
 def _describe(base: Workload, w: Workload) -> list[str]:
     """What a candidate changes relative to the given config, each with why it matters."""
     out = []
-    for f in ("micro_batch", "grad_accum", "prompts_per_call", "gradient_checkpointing", "sharding", "offload", "ref_placement",
-              "num_generations", "max_pixels", "prompts_per_step"):
+    for f in (
+        "micro_batch",
+        "grad_accum",
+        "prompts_per_call",
+        "gradient_checkpointing",
+        "sharding",
+        "offload",
+        "ref_placement",
+        "num_generations",
+        "max_pixels",
+        "prompts_per_step",
+    ):
         a, b = getattr(base, f), getattr(w, f)
         if f == "prompts_per_call":
             a, b = a or base.prompts_per_step, b or w.prompts_per_step
@@ -920,8 +1059,9 @@ def _describe(base: Workload, w: Workload) -> list[str]:
     return out
 
 
-def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int = 5, shardings: tuple | None = None,
-           include_infeasible: bool = False) -> list[Candidate]:
+def search(
+    spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int = 5, shardings: tuple | None = None, include_infeasible: bool = False
+) -> list[Candidate]:
     """Feasible configurations ranked by the step-time model (fastest first). `allow` may hold
     num_generations, max_pixels, effective_batch; the effective batch, G and pixel caps never change otherwise."""
     if base.device == "cpu" and not base.host_memory_bytes:
@@ -942,27 +1082,46 @@ def search(spec: ModelSpec, base: Workload, allow: tuple | list = (), top: int =
         shardings = ("none",) if base.world_size == 1 else ("ddp", "zero1", "zero2", "zero3")
         if base.sharding not in shardings:
             shardings = (base.sharding, *shardings)
-    offloads_for = {"none": ("none",), "ddp": ("none",), "zero1": ("none", "optimizer"), "zero2": ("none", "optimizer"),
-                    "zero3": ("none", "optimizer", "optimizer+params"), "fsdp": ("none", "optimizer", "optimizer+params")}
+    offloads_for = {
+        "none": ("none",),
+        "ddp": ("none",),
+        "zero1": ("none", "optimizer"),
+        "zero2": ("none", "optimizer"),
+        "zero3": ("none", "optimizer", "optimizer+params"),
+        "fsdp": ("none", "optimizer", "optimizer+params"),
+    }
     # Memory savers the given config has stay on: a candidate that turns one off to go faster would trade the
     # user's margin for speed (and "fixing" an OOM by switching checkpointing off is never right).
     gcs = (True,) if base.gradient_checkpointing else (False, True)
     refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora and base.ref_placement == "device") else (base.ref_placement,)
     offload_rank = {o: i for i, o in enumerate(OFFLOADS)}
     offloads_for = {k: tuple(o for o in v if offload_rank[o] >= offload_rank[base.offload]) for k, v in offloads_for.items()}
-    step_rows = base.micro_batch * base.grad_accum     # rows per optimizer step (kept)
+    step_rows = base.micro_batch * base.grad_accum  # rows per optimizer step (kept)
     out: list[Candidate] = []
     for G in Gs:
         for prompts in prompt_counts:
             rows = prompts * G
             # keep rows per optimizer step when possible; else (G / prompts changed) keep its ratio to the rollout
-            per_opt = step_rows if (G == base.num_generations and prompts == base.prompts_per_step) else \
-                max(1, step_rows * rows // max(1, base.rows_per_step))
+            per_opt = (
+                step_rows
+                if (G == base.num_generations and prompts == base.prompts_per_step)
+                else max(1, step_rows * rows // max(1, base.rows_per_step))
+            )
             engines = [(sh, off) for sh in shardings for off in offloads_for.get(sh, ("none",))]
             for mb, ppc, gc, (sh, off), ref, px in itertools.product(_divisors(per_opt), _divisors(prompts), gcs, engines, refs, pixels):
-                w = dataclasses.replace(base, num_generations=G, prompts_per_step=prompts, micro_batch=mb, grad_accum=per_opt // mb,
-                                        prompts_per_call=None if ppc == prompts else ppc, gradient_checkpointing=gc,
-                                        sharding=sh, offload=off, ref_placement=ref, max_pixels=px)
+                w = dataclasses.replace(
+                    base,
+                    num_generations=G,
+                    prompts_per_step=prompts,
+                    micro_batch=mb,
+                    grad_accum=per_opt // mb,
+                    prompts_per_call=None if ppc == prompts else ppc,
+                    gradient_checkpointing=gc,
+                    sharding=sh,
+                    offload=off,
+                    ref_placement=ref,
+                    max_pixels=px,
+                )
                 p = plan(spec, w)
                 if p.fits or include_infeasible:
                     out.append(Candidate(w, p, _describe(base, w)))
@@ -997,19 +1156,25 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
     spec = spec_for_config(cfg)
     extra = {"sharding": sharding} if sharding and world_size > 1 else {}
     base = workload_from_config(cfg, world_size, gpu_memory_bytes, **extra)
-    shardings = (base.sharding,)                        # the engine is the launcher's choice: auto_fit keeps it
+    shardings = (base.sharding,)  # the engine is the launcher's choice: auto_fit keeps it
     found = search(spec, base, allow=allow, top=1, shardings=shardings)
     if not found:
         now = plan(spec, base)
-        knobs = "training.per_device_train_batch_size (with gradient_accumulation_steps), memory.generation_prompts_per_call, " \
-                "model.gradient_checkpointing" + (", memory.ref_placement" if base.beta > 0 and not base.use_lora else "")
+        knobs = (
+            "training.per_device_train_batch_size (with gradient_accumulation_steps), memory.generation_prompts_per_call, "
+            "model.gradient_checkpointing" + (", memory.ref_placement" if base.beta > 0 and not base.use_lora else "")
+        )
         locked = [k for k in ("num_generations", "max_pixels", "effective_batch") if k not in allow]
-        host = (f" and {base.host_memory_bytes / GiB:.0f} GiB of host RAM (the current one needs {now.host['total'] / GiB:.1f})"
-                if base.host_memory_bytes else "")
+        host = (
+            f" and {base.host_memory_bytes / GiB:.0f} GiB of host RAM (the current one needs {now.host['total'] / GiB:.1f})"
+            if base.host_memory_bytes
+            else ""
+        )
         raise PlanError(
             f"auto_fit: no configuration fits in {gpu_memory_bytes / GiB:.1f} GiB{host} (the current one needs {now.total / GiB:.1f} GiB). "
             f"Searched {knobs}. Still locked: {', '.join(locked) or 'nothing'} (allow them in training.auto_fit_allow), or use "
-            "LoRA (model.use_lora), bf16 weights, more GPUs with ZeRO/FSDP (vlmrl plan --search --gpus N), or a bigger device.")
+            "LoRA (model.use_lora), bf16 weights, more GPUs with ZeRO/FSDP (vlmrl plan --search --gpus N), or a bigger device."
+        )
     best = found[0].workload
     changes: dict[str, Any] = {}
     t = cfg.training
@@ -1091,12 +1256,16 @@ def _run_context(cfg, world_size: int = 1) -> tuple[bool, int | None, dict]:
 
 def _log_prediction(p: Plan, log, what: str = "") -> None:
     if p.workload.get("device") == "cpu":
-        log(f"planner: {what}CPU run, predicted host peak RSS {p.host['process_peak'] / GiB:.2f} GiB per process "
+        log(
+            f"planner: {what}CPU run, predicted host peak RSS {p.host['process_peak'] / GiB:.2f} GiB per process "
             f"(tensors {p.peak_allocated / GiB:.2f} GiB, runtime now {p.workload['host_runtime_bytes'] / GiB:.2f} GiB)"
-            + (f"; {p.verdict}" if p.workload.get("host_memory_bytes") else ""))
+            + (f"; {p.verdict}" if p.workload.get("host_memory_bytes") else "")
+        )
     else:
-        log(f"planner: {what}predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, "
-            f"{p.reserved / GiB:.2f} GiB reserved" + (f" ({p.verdict})" if p.gpu_memory_bytes else ""))
+        log(
+            f"planner: {what}predicted per-device GPU peak {p.peak_allocated / GiB:.2f} GiB allocated, "
+            f"{p.reserved / GiB:.2f} GiB reserved" + (f" ({p.verdict})" if p.gpu_memory_bytes else "")
+        )
 
 
 def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None) -> Plan | None:
@@ -1147,8 +1316,11 @@ def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
         return {}
     if p.workload.get("device") == "cpu":
         predicted = p.host["process_peak"] / GiB
-        out = {"plan/host_peak_rss": predicted, "plan/peak_allocated": p.peak_allocated / GiB,
-               "plan/host_runtime": p.workload["host_runtime_bytes"] / GiB}
+        out = {
+            "plan/host_peak_rss": predicted,
+            "plan/peak_allocated": p.peak_allocated / GiB,
+            "plan/host_runtime": p.workload["host_runtime_bytes"] / GiB,
+        }
         measured, key, what = metrics.get("mem/host_peak_rss"), "plan/error_host_rss", "GiB host peak RSS"
     else:
         predicted = p.reserved / GiB
@@ -1158,6 +1330,8 @@ def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
         error = (predicted - measured) / measured
         out[key] = error
         if abs(error) > PREDICTION_WARN_FRACTION:
-            warn(f"WARNING: planner predicted {predicted:.2f} {what}, measured {measured:.2f} GiB "
-                 f"({error:+.0%}); please report the config (vlmrl plan --json) so the planner can learn from it")
+            warn(
+                f"WARNING: planner predicted {predicted:.2f} {what}, measured {measured:.2f} GiB "
+                f"({error:+.0%}); please report the config (vlmrl plan --json) so the planner can learn from it"
+            )
     return out

@@ -60,8 +60,14 @@ class LogprobOptions:
     @classmethod
     def from_config(cls, cfg, device: torch.device) -> "LogprobOptions":
         m = cfg.memory
-        return cls(temperature=cfg.rollout.temperature, chunk_tokens=m.logprob_chunk_tokens, shared_prefix=m.shared_prefix,
-                   group_vision=m.group_vision, bf16_autocast=cfg.training.bf16, device_type=torch.device(device).type)
+        return cls(
+            temperature=cfg.rollout.temperature,
+            chunk_tokens=m.logprob_chunk_tokens,
+            shared_prefix=m.shared_prefix,
+            group_vision=m.group_vision,
+            bf16_autocast=cfg.training.bf16,
+            device_type=torch.device(device).type,
+        )
 
     def autocast(self):
         if not self.bf16_autocast:
@@ -108,9 +114,18 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     mm_types = prompt_batch.get("mm_token_type_ids")
     if mm_types is None:
         mm_types = (input_ids == core.config.image_token_id).long()
-    position_ids, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, {
-        "input_ids": input_ids, "mm_token_type_ids": mm_types, "image_grid_thw": prompt_batch.get("image_grid_thw"),
-        "video_grid_thw": None, "attention_mask": prompt_batch["attention_mask"]}))
+    position_ids, _ = inner.get_rope_index(
+        **_accepted(
+            inner.get_rope_index,
+            {
+                "input_ids": input_ids,
+                "mm_token_type_ids": mm_types,
+                "image_grid_thw": prompt_batch.get("image_grid_thw"),
+                "video_grid_thw": None,
+                "attention_mask": prompt_batch["attention_mask"],
+            },
+        )
+    )
     masked = position_ids.masked_fill(prompt_batch["attention_mask"].unsqueeze(0) == 0, -1)
     return position_ids, masked.amax(dim=(0, 2)) + 1
 
@@ -214,8 +229,14 @@ def sample_with_shared_prefix(
         if not bool(unfinished.any()) or t == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        step = {"input_ids": chosen.unsqueeze(1), "attention_mask": attention_mask, "past_key_values": cache,
-                "cache_position": torch.tensor([P + t], device=device), "use_cache": True, "logits_to_keep": 1}
+        step = {
+            "input_ids": chosen.unsqueeze(1),
+            "attention_mask": attention_mask,
+            "past_key_values": cache,
+            "cache_position": torch.tensor([P + t], device=device),
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
         positions = _continuation_positions(model, next_pos, t, 1)
         if positions is not None:
             step["position_ids"] = positions
@@ -250,10 +271,16 @@ def completion_logps_prefix(
     if T > 1:
         cache = out.past_key_values
         cache.batch_select_indices(rows)
-        mask = torch.cat([prompt_batch["attention_mask"].index_select(0, rows),
-                          completion_mask[:, : T - 1].to(prompt_batch["attention_mask"])], dim=1)
-        step = {"input_ids": completion_ids[:, : T - 1], "attention_mask": mask, "past_key_values": cache,
-                "cache_position": torch.arange(P, P + T - 1, device=rows.device), "use_cache": True}
+        mask = torch.cat(
+            [prompt_batch["attention_mask"].index_select(0, rows), completion_mask[:, : T - 1].to(prompt_batch["attention_mask"])], dim=1
+        )
+        step = {
+            "input_ids": completion_ids[:, : T - 1],
+            "attention_mask": mask,
+            "past_key_values": cache,
+            "cache_position": torch.arange(P, P + T - 1, device=rows.device),
+            "use_cache": True,
+        }
         positions = _continuation_positions(model, next_pos.index_select(0, rows), 0, T - 1)
         if positions is not None:
             step["position_ids"] = positions

@@ -66,8 +66,10 @@ def check_model_folder(cfg: Config) -> None:
     if name == EMBEDDED_MODEL or (cfg.model.allow_hub_download and not folder.exists()):
         return
     if not folder.is_dir():
-        raise ModelLoadError(f"model.name_or_path: {folder} {'does not exist' if not folder.exists() else 'is not a folder'} (vlmrl "
-                             "loads local folders; model.allow_hub_download=true lets transformers download a hub id)")
+        raise ModelLoadError(
+            f"model.name_or_path: {folder} {'does not exist' if not folder.exists() else 'is not a folder'} (vlmrl "
+            "loads local folders; model.allow_hub_download=true lets transformers download a hub id)"
+        )
     require_complete_model_folder(folder)
 
 
@@ -87,9 +89,17 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
     try:
-        compute_rewards(funcs, weights, prompts, completions, reward_columns(rows, 1), completion_ids=[[0] for _ in rows],
-                        trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
-                        when="the check before training (the row's solution as the completion)", sources=row_sources(rows, 1))
+        compute_rewards(
+            funcs,
+            weights,
+            prompts,
+            completions,
+            reward_columns(rows, 1),
+            completion_ids=[[0] for _ in rows],
+            trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
+            when="the check before training (the row's solution as the completion)",
+            sources=row_sources(rows, 1),
+        )
     except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
         from .data import DataError
 
@@ -107,13 +117,17 @@ def check_eval_data(cfg: Config) -> None:
     if cfg.data.eval_path:
         return
     if cfg.data.train_path:
-        raise ConfigError(f"data.eval_path is empty (data.train_path={cfg.data.train_path} is your data); set "
-                          "data.eval_path=<held-out file> so eval scores your data, not the built-in task")
+        raise ConfigError(
+            f"data.eval_path is empty (data.train_path={cfg.data.train_path} is your data); set "
+            "data.eval_path=<held-out file> so eval scores your data, not the built-in task"
+        )
     if cfg.model.name_or_path == EMBEDDED_MODEL or trained_on_builtin_task(Path(cfg.model.name_or_path).expanduser()):
         return
-    raise ConfigError(f"data.eval_path is empty; set data.eval_path=<held-out file> to score "
-                      f"{cfg.model.name_or_path} (only the embedded model or a run on the built-in task falls back to the "
-                      f"built-in {cfg.data.task!r} task)")
+    raise ConfigError(
+        f"data.eval_path is empty; set data.eval_path=<held-out file> to score "
+        f"{cfg.model.name_or_path} (only the embedded model or a run on the built-in task falls back to the "
+        f"built-in {cfg.data.task!r} task)"
+    )
 
 
 def trained_on_builtin_task(model_folder: Path) -> bool:

@@ -44,23 +44,48 @@ QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 28 * 28 * 16384
 
 _QWEN25_VISION = dict(
-    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, hidden_act="silu", in_channels=3,
-    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-    fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    hidden_act="silu",
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
 )
 _QWEN2_VISION = dict(
-    depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, hidden_act="quick_gelu", in_channels=3,
-    patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    depth=32,
+    embed_dim=1280,
+    mlp_ratio=4,
+    num_heads=16,
+    hidden_act="quick_gelu",
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
 )
 _MROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]}
 
 
 def _text(hidden, intermediate, layers, heads, kv_heads, vocab, tie, max_pos, max_window_layers) -> dict:
     return dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_act="silu", rms_norm_eps=1e-6,
-        max_position_embeddings=max_pos, max_window_layers=max_window_layers, use_sliding_window=False,
-        rope_parameters=dict(_MROPE), tie_word_embeddings=tie,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=max_pos,
+        max_window_layers=max_window_layers,
+        use_sliding_window=False,
+        rope_parameters=dict(_MROPE),
+        tie_word_embeddings=tie,
     )
 
 
@@ -71,25 +96,29 @@ PRESETS: dict[str, dict] = {
         family="qwen2_5_vl",
         text_config=_text(2048, 11008, 36, 16, 2, 151936, True, 128000, 70),
         vision_config=dict(_QWEN25_VISION, out_hidden_size=2048),
-        tie_word_embeddings=True, params=3.75e9,
+        tie_word_embeddings=True,
+        params=3.75e9,
     ),
     "qwen2.5-vl-7b": dict(
         family="qwen2_5_vl",
         text_config=_text(3584, 18944, 28, 28, 4, 152064, False, 128000, 28),
         vision_config=dict(_QWEN25_VISION, out_hidden_size=3584),
-        tie_word_embeddings=False, params=8.29e9,
+        tie_word_embeddings=False,
+        params=8.29e9,
     ),
     "qwen2-vl-2b": dict(
         family="qwen2_vl",
         text_config=_text(1536, 8960, 28, 12, 2, 151936, True, 32768, 28),
         vision_config=dict(_QWEN2_VISION, hidden_size=1536),  # hidden_size = merger output = text hidden
-        tie_word_embeddings=True, params=2.21e9,
+        tie_word_embeddings=True,
+        params=2.21e9,
     ),
     "qwen2-vl-7b": dict(
         family="qwen2_vl",
         text_config=_text(3584, 18944, 28, 28, 4, 152064, False, 32768, 28),
         vision_config=dict(_QWEN2_VISION, hidden_size=3584),
-        tie_word_embeddings=False, params=8.29e9,
+        tie_word_embeddings=False,
+        params=8.29e9,
     ),
 }
 
@@ -97,77 +126,236 @@ PRESETS: dict[str, dict] = {
 # Planner-only presets (`vlmrl plan --model NAME`): config-only, never built into a model folder. Values typed from
 # the published config.json files as remembered (no hub access here, so UNVERIFIED); parameter counts always come
 # from meta-device instantiation, `params` is the published total for comparison (tests/test_planner.py).
-_LLAVA_CLIP_336 = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                       num_attention_heads=16, image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
-_INTERNVIT_300M = dict(model_type="internvl_vision", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                       num_attention_heads=16, image_size=[448, 448], patch_size=[14, 14], use_qk_norm=False, norm_type="layer_norm",
-                       layer_scale_init_value=0.1, hidden_act="gelu")
-_SIGLIP_SO400M = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
-                      num_attention_heads=16, image_size=384, patch_size=14, hidden_act="gelu_pytorch_tanh")
+_LLAVA_CLIP_336 = dict(
+    model_type="clip_vision_model",
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+)
+_INTERNVIT_300M = dict(
+    model_type="internvl_vision",
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=[448, 448],
+    patch_size=[14, 14],
+    use_qk_norm=False,
+    norm_type="layer_norm",
+    layer_scale_init_value=0.1,
+    hidden_act="gelu",
+)
+_SIGLIP_SO400M = dict(
+    model_type="siglip_vision_model",
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_hidden_layers=26,
+    num_attention_heads=16,
+    image_size=384,
+    patch_size=14,
+    hidden_act="gelu_pytorch_tanh",
+)
 
 
 def _qwen2_text(hidden, intermediate, layers, heads, kv, vocab, tie) -> dict:
-    return dict(model_type="qwen2", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tie, hidden_act="silu")
+    return dict(
+        model_type="qwen2",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+        hidden_act="silu",
+    )
 
 
 def _internvl(text: dict) -> dict:
-    return {"config": dict(model_type="internvl", vision_config=dict(_INTERNVIT_300M), text_config=text, downsample_ratio=0.5,
-                           projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="default",
-                           image_seq_length=256, tie_word_embeddings=text["tie_word_embeddings"])}
+    return {
+        "config": dict(
+            model_type="internvl",
+            vision_config=dict(_INTERNVIT_300M),
+            text_config=text,
+            downsample_ratio=0.5,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+            image_seq_length=256,
+            tie_word_embeddings=text["tie_word_embeddings"],
+        )
+    }
 
 
 def _llava(text: dict) -> dict:
-    return {"config": dict(model_type="llava", vision_config=dict(_LLAVA_CLIP_336), text_config=text, vision_feature_layer=-2,
-                           vision_feature_select_strategy="default", projector_hidden_act="gelu", image_seq_length=576,
-                           tie_word_embeddings=False)}
+    return {
+        "config": dict(
+            model_type="llava",
+            vision_config=dict(_LLAVA_CLIP_336),
+            text_config=text,
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+            projector_hidden_act="gelu",
+            image_seq_length=576,
+            tie_word_embeddings=False,
+        )
+    }
 
 
 def _qwen3_vl(text: dict, vision: dict, tie: bool) -> dict:
-    v = dict(patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_heads=16, in_channels=3, hidden_act="gelu_pytorch_tanh",
-             num_position_embeddings=2304, **vision)
-    t = dict(head_dim=128, vocab_size=151936, hidden_act="silu", rope_theta=5_000_000.0, tie_word_embeddings=tie,
-             rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}, **text)
+    v = dict(
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_heads=16,
+        in_channels=3,
+        hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=2304,
+        **vision,
+    )
+    t = dict(
+        head_dim=128,
+        vocab_size=151936,
+        hidden_act="silu",
+        rope_theta=5_000_000.0,
+        tie_word_embeddings=tie,
+        rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        **text,
+    )
     return {"config": dict(model_type="qwen3_vl", text_config=t, vision_config=v, tie_word_embeddings=tie)}
 
 
 PLANNER_PRESETS: dict[str, dict] = {
-    "qwen2-vl-72b": dict(family="qwen2_vl", text_config=_text(8192, 29568, 80, 64, 8, 152064, False, 32768, 80),
-                         vision_config=dict(_QWEN2_VISION, hidden_size=8192), tie_word_embeddings=False, params=73.4e9),
-    "qwen2.5-vl-32b": dict(family="qwen2_5_vl", text_config=_text(5120, 27648, 64, 40, 8, 152064, False, 128000, 64),
-                           vision_config=dict(_QWEN25_VISION, out_hidden_size=5120), tie_word_embeddings=False, params=33.5e9),
-    "qwen2.5-vl-72b": dict(family="qwen2_5_vl", text_config=_text(8192, 29568, 80, 64, 8, 152064, False, 128000, 80),
-                           vision_config=dict(_QWEN25_VISION, out_hidden_size=8192), tie_word_embeddings=False, params=73.4e9),
-    "qwen3-vl-4b": dict(_qwen3_vl(dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                                       num_key_value_heads=8),
-                                  dict(depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2560,
-                                       deepstack_visual_indexes=[5, 11, 17]), True), params=4.44e9),
-    "qwen3-vl-8b": dict(_qwen3_vl(dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                                       num_key_value_heads=8),
-                                  dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096,
-                                       deepstack_visual_indexes=[8, 16, 24]), False), params=8.77e9),
+    "qwen2-vl-72b": dict(
+        family="qwen2_vl",
+        text_config=_text(8192, 29568, 80, 64, 8, 152064, False, 32768, 80),
+        vision_config=dict(_QWEN2_VISION, hidden_size=8192),
+        tie_word_embeddings=False,
+        params=73.4e9,
+    ),
+    "qwen2.5-vl-32b": dict(
+        family="qwen2_5_vl",
+        text_config=_text(5120, 27648, 64, 40, 8, 152064, False, 128000, 64),
+        vision_config=dict(_QWEN25_VISION, out_hidden_size=5120),
+        tie_word_embeddings=False,
+        params=33.5e9,
+    ),
+    "qwen2.5-vl-72b": dict(
+        family="qwen2_5_vl",
+        text_config=_text(8192, 29568, 80, 64, 8, 152064, False, 128000, 80),
+        vision_config=dict(_QWEN25_VISION, out_hidden_size=8192),
+        tie_word_embeddings=False,
+        params=73.4e9,
+    ),
+    "qwen3-vl-4b": dict(
+        _qwen3_vl(
+            dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8),
+            dict(depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2560, deepstack_visual_indexes=[5, 11, 17]),
+            True,
+        ),
+        params=4.44e9,
+    ),
+    "qwen3-vl-8b": dict(
+        _qwen3_vl(
+            dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8),
+            dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24]),
+            False,
+        ),
+        params=8.77e9,
+    ),
     "internvl3-1b": dict(_internvl(_qwen2_text(896, 4864, 24, 14, 2, 151674, False)), params=0.94e9),
     "internvl3-2b": dict(_internvl(_qwen2_text(1536, 8960, 28, 12, 2, 151674, False)), params=2.09e9),
     "internvl3-8b": dict(_internvl(_qwen2_text(3584, 18944, 28, 28, 4, 151674, False)), params=7.94e9),
-    "llava-1.5-7b": dict(_llava(dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32064)), params=7.06e9),
-    "llava-1.5-13b": dict(_llava(dict(model_type="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                      num_attention_heads=40, num_key_value_heads=40, vocab_size=32064)), params=13.35e9),
-    "llava-phi2-clip336": dict(_llava(dict(model_type="phi", hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
-                                           num_attention_heads=32, num_key_value_heads=32, vocab_size=51200,
-                                           partial_rotary_factor=0.4)), params=3.09e9),
-    "llava-onevision-qwen2-7b": dict({"config": dict(model_type="llava_onevision", vision_config=dict(_SIGLIP_SO400M),
-                                                     text_config=_qwen2_text(3584, 18944, 28, 28, 4, 152128, False),
-                                                     vision_feature_layer=-1, vision_feature_select_strategy="full",
-                                                     tie_word_embeddings=False)}, params=8.03e9),
-    "smolvlm-instruct": dict({"config": dict(model_type="idefics3", scale_factor=3,
-                                             vision_config=dict(model_type="idefics3_vision", hidden_size=1152, intermediate_size=4304,
-                                                                num_hidden_layers=27, num_attention_heads=16, image_size=384,
-                                                                patch_size=14),
-                                             text_config=dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
-                                                              num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-                                                              vocab_size=49155, tie_word_embeddings=False),
-                                             tie_word_embeddings=False)}, params=2.25e9),
+    "llava-1.5-7b": dict(
+        _llava(
+            dict(
+                model_type="llama",
+                hidden_size=4096,
+                intermediate_size=11008,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=32,
+                vocab_size=32064,
+            )
+        ),
+        params=7.06e9,
+    ),
+    "llava-1.5-13b": dict(
+        _llava(
+            dict(
+                model_type="llama",
+                hidden_size=5120,
+                intermediate_size=13824,
+                num_hidden_layers=40,
+                num_attention_heads=40,
+                num_key_value_heads=40,
+                vocab_size=32064,
+            )
+        ),
+        params=13.35e9,
+    ),
+    "llava-phi2-clip336": dict(
+        _llava(
+            dict(
+                model_type="phi",
+                hidden_size=2560,
+                intermediate_size=10240,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=32,
+                vocab_size=51200,
+                partial_rotary_factor=0.4,
+            )
+        ),
+        params=3.09e9,
+    ),
+    "llava-onevision-qwen2-7b": dict(
+        {
+            "config": dict(
+                model_type="llava_onevision",
+                vision_config=dict(_SIGLIP_SO400M),
+                text_config=_qwen2_text(3584, 18944, 28, 28, 4, 152128, False),
+                vision_feature_layer=-1,
+                vision_feature_select_strategy="full",
+                tie_word_embeddings=False,
+            )
+        },
+        params=8.03e9,
+    ),
+    "smolvlm-instruct": dict(
+        {
+            "config": dict(
+                model_type="idefics3",
+                scale_factor=3,
+                vision_config=dict(
+                    model_type="idefics3_vision",
+                    hidden_size=1152,
+                    intermediate_size=4304,
+                    num_hidden_layers=27,
+                    num_attention_heads=16,
+                    image_size=384,
+                    patch_size=14,
+                ),
+                text_config=dict(
+                    model_type="llama",
+                    hidden_size=2048,
+                    intermediate_size=8192,
+                    num_hidden_layers=24,
+                    num_attention_heads=32,
+                    num_key_value_heads=32,
+                    vocab_size=49155,
+                    tie_word_embeddings=False,
+                ),
+                tie_word_embeddings=False,
+            )
+        },
+        params=2.25e9,
+    ),
 }
 
 
@@ -219,8 +407,10 @@ def preset_config(name: str, tokenizer=None):
     text.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     mm_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     return config_cls(
-        text_config=text, vision_config=copy.deepcopy(spec["vision_config"]),
-        tie_word_embeddings=spec["tie_word_embeddings"], **mm_ids,
+        text_config=text,
+        vision_config=copy.deepcopy(spec["vision_config"]),
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        **mm_ids,
     )
 
 
@@ -234,8 +424,11 @@ def hf_config(name: str):
         d = copy.deepcopy(spec["config"])
         return AutoConfig.for_model(d.pop("model_type"), **d)
     config_cls, _ = _classes(spec["family"])
-    return config_cls(text_config=copy.deepcopy(spec["text_config"]), vision_config=copy.deepcopy(spec["vision_config"]),
-                      tie_word_embeddings=spec["tie_word_embeddings"])
+    return config_cls(
+        text_config=copy.deepcopy(spec["text_config"]),
+        vision_config=copy.deepcopy(spec["vision_config"]),
+        tie_word_embeddings=spec["tie_word_embeddings"],
+    )
 
 
 def count_parameters_meta(name: str) -> int:
@@ -262,8 +455,13 @@ def _fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
 
 
 def build_preset_model(
-    name: str, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-    seed: int = 0, min_pixels: int = QWEN_MIN_PIXELS, max_pixels: int = QWEN_MAX_PIXELS,
+    name: str,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    min_pixels: int = QWEN_MIN_PIXELS,
+    max_pixels: int = QWEN_MAX_PIXELS,
 ) -> Path:
     """Random-weight preset model in out_dir (hub layout: config, safetensors, tokenizer, image processor,
     chat template). The model is created directly in `dtype` on `device` with transformers' weight
@@ -283,9 +481,7 @@ def build_preset_model(
         model.tie_weights()
     model.eval()
     ids = _qwen_ids(tokenizer)
-    model.generation_config.update(
-        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"]
-    )
+    model.generation_config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     image_processor = _qwen_image_processor(min_pixels, max_pixels)
     out = _finish(out_dir, model, tokenizer, image_processor, QWEN_CHAT_TEMPLATE)
     del model

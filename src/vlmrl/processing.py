@@ -38,6 +38,7 @@ class ProcessorLoadError(ModelLoadError):
 
 # ---------------------------------------------------------------- image-only Qwen-VL processor
 
+
 class QwenImageProcessor:
     """Image-only stand-in for Qwen2VLProcessor / Qwen2_5_VLProcessor (no video, no torchvision).
 
@@ -80,7 +81,7 @@ class QwenImageProcessor:
 
     def _expand_image_tokens(self, texts: list[str], grid_thw: torch.Tensor) -> list[str]:
         """Replace the i-th `<|image_pad|>` (counting over the whole batch) by its token count."""
-        merge = self.image_processor.merge_size ** 2
+        merge = self.image_processor.merge_size**2
         counts = [int(g.prod()) // merge for g in grid_thw]
         n_placeholders = sum(t.count(self.image_token) for t in texts)
         if n_placeholders != len(counts):
@@ -132,6 +133,7 @@ def _flatten_images(images) -> list:
 
 # ---------------------------------------------------------------- loading
 
+
 def _tokenizer_of(processor):
     return getattr(processor, "tokenizer", processor)
 
@@ -157,13 +159,9 @@ def _qwen_fallback(path: str, trust_remote_code: bool, local_files_only: bool) -
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
-    image_processor = AutoImageProcessor.from_pretrained(
-        path, local_files_only=local_files_only, trust_remote_code=trust_remote_code
-    )
+    image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
     if not hasattr(image_processor, "merge_size"):
-        raise ProcessorLoadError(
-            f"{path}: image processor {type(image_processor).__name__} has no merge_size; not a Qwen-VL image processor"
-        )
+        raise ProcessorLoadError(f"{path}: image processor {type(image_processor).__name__} has no merge_size; not a Qwen-VL image processor")
     return QwenImageProcessor(tokenizer, image_processor, _read_chat_template(path) or tokenizer.chat_template)
 
 
@@ -209,9 +207,7 @@ def load_processor(
     path = str(path)
     error: Exception | None = None
     try:
-        processor = AutoProcessor.from_pretrained(
-            path, local_files_only=local_files_only, trust_remote_code=trust_remote_code
-        )
+        processor = AutoProcessor.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
     except Exception as e:  # ImportError (torchvision), OSError (missing files), ValueError (mapping)
         processor, error = None, e
     if processor is None or not _is_full_processor(processor):
@@ -233,6 +229,7 @@ def load_processor(
 
 
 # ---------------------------------------------------------------- prompts and batches
+
 
 def build_prompt(processor, problem: str, num_images: int, system_prompt: str | None = None) -> str:
     """Chat-template text: optional system message, one user turn (images first), generation prompt."""
@@ -368,14 +365,15 @@ class ImageShapeCheck:
         ratio = max(w, h) / min(w, h)
         resized = f" (after resizing to {w}x{h} for data.min_pixels/max_pixels)" if (w, h) != (width, height) else ""
         if hasattr(self.image_processor, "merge_size") and ratio > SMART_RESIZE_MAX_RATIO:
-            return (f"side ratio {ratio:.0f}:1{resized} is over the {SMART_RESIZE_MAX_RATIO}:1 that {self.name} accepts; "
-                    "crop or pad the image")
+            return f"side ratio {ratio:.0f}:1{resized} is over the {SMART_RESIZE_MAX_RATIO}:1 that {self.name} accepts; crop or pad the image"
         shortest = _size_field(self.image_processor, "shortest_edge")
         if not hasattr(self.image_processor, "merge_size") and shortest:
             intermediate = shortest * math.ceil(shortest * ratio)
             if intermediate > self.max_image_pixels:
-                return (f"side ratio {ratio:.0f}:1{resized}: {self.name} would first scale it to {intermediate:,} pixels, over "
-                        f"data.max_image_pixels={self.max_image_pixels:,}; crop or pad the image")
+                return (
+                    f"side ratio {ratio:.0f}:1{resized}: {self.name} would first scale it to {intermediate:,} pixels, over "
+                    f"data.max_image_pixels={self.max_image_pixels:,}; crop or pad the image"
+                )
         if ratio <= USUAL_MAX_RATIO and min(w, h) >= USUAL_MIN_SIDE:
             return None
         from PIL import Image

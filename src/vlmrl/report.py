@@ -29,8 +29,7 @@ def _by_step(rows: list[dict]) -> list[dict]:
 
 def _series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(steps, values) for `key`, skipping rows where it is absent or null; None when nothing is left."""
-    pts = [(r["step"], r[key]) for r in rows
-           if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool) and math.isfinite(r[key])]
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool) and math.isfinite(r[key])]
     if not pts:
         return None
     xs, ys = zip(*pts)
@@ -48,8 +47,9 @@ def _smooth(ys: np.ndarray) -> np.ndarray:
     return out
 
 
-def _panel(ax, title: str, curves: list[tuple[str, tuple[np.ndarray, np.ndarray] | None]], ylabel: str = "",
-           markers: bool = False, legend: bool = False) -> None:
+def _panel(
+    ax, title: str, curves: list[tuple[str, tuple[np.ndarray, np.ndarray] | None]], ylabel: str = "", markers: bool = False, legend: bool = False
+) -> None:
     """Draw labelled curves into `ax`; an axis with no data says "not logged" instead of failing."""
     ax.set_title(title, fontsize=10)
     curves = [(label, s) for label, s in curves if s is not None]
@@ -91,8 +91,9 @@ def no_signal_spans(rows: list[dict]) -> list[tuple[float, float]]:
 
 def _shade_no_signal(ax, spans: list[tuple[float, float]]) -> None:
     for i, (first, last) in enumerate(spans):
-        ax.axvspan(first - 0.5, last + 0.5, color="red", alpha=0.12, linewidth=0,
-                   label="no signal (all rewards in each group equal)" if i == 0 else None)
+        ax.axvspan(
+            first - 0.5, last + 0.5, color="red", alpha=0.12, linewidth=0, label="no signal (all rewards in each group equal)" if i == 0 else None
+        )
     if spans:
         ax.legend(fontsize=7)
 
@@ -123,8 +124,12 @@ def make_report(output_dir: str | Path, title: str | None = None) -> Path:
     _panel(axes[1], "eval", curves(eval_keys, evals, "eval/"), markers=True)
     _panel(axes[2], "loss", curves(["loss"]))
     _panel(axes[3], "KL to reference", curves(["kl"]))
-    _panel(axes[4], "completion length", [("train", _series(train, "completions/mean_length")),
-                                          ("eval", _series(evals, "eval/mean_length"))], ylabel="tokens")
+    _panel(
+        axes[4],
+        "completion length",
+        [("train", _series(train, "completions/mean_length")), ("eval", _series(evals, "eval/mean_length"))],
+        ylabel="tokens",
+    )
     _panel(axes[5], "peak memory", curves(peak_keys, strip="mem/"), ylabel="GiB", legend=True)
     _panel(axes[6], "step time", curves(["time/step"]), ylabel="s")
     _panel(axes[7], "grad norm", curves(["grad_norm"]))

@@ -244,9 +244,7 @@ def load_reward(spec: str) -> RewardFn:
     if ":" not in spec:
         close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? Otherwise " if close else ""
-        raise RewardError(
-            f"unknown reward {spec!r}: {hint}use one of {', '.join(BUILTIN_REWARDS)} or path/to/file.py:function"
-        )
+        raise RewardError(f"unknown reward {spec!r}: {hint}use one of {', '.join(BUILTIN_REWARDS)} or path/to/file.py:function")
     target, name = spec.rsplit(":", 1)  # rsplit keeps Windows drive letters in the path
     if not name.isidentifier():
         raise RewardError(f"reward {spec!r}: {name!r} is not a function name")
@@ -328,8 +326,14 @@ def prompt_messages(problem: str, num_images: int, system_prompt: str | None = N
     return messages
 
 
-def reward_inputs(rows: list[dict], texts: list[str], repeats: int, completion_format: str = "text",
-                  system_prompt: str | None = None, limit_images: int | None = None) -> tuple[list, list]:
+def reward_inputs(
+    rows: list[dict],
+    texts: list[str],
+    repeats: int,
+    completion_format: str = "text",
+    system_prompt: str | None = None,
+    limit_images: int | None = None,
+) -> tuple[list, list]:
     """(prompts, completions) for reward functions: ``rows`` repeated ``repeats`` times (one per completion,
     TRL's order) and the decoded ``texts``, in the configured format (see COMPLETION_FORMATS)."""
     if completion_format not in COMPLETION_FORMATS:
@@ -360,6 +364,7 @@ def _accepted(fn: RewardFn, names: tuple[str, ...]) -> set[str]:
 def _run_coroutines(coros: list) -> list:
     """Results of the coroutines, run concurrently on a private event loop (exceptions returned, not raised).
     Inside a running loop (a notebook) they run on a loop in a helper thread, since a loop cannot be nested."""
+
     async def gather():
         return await asyncio.gather(*coros, return_exceptions=True)
 
@@ -443,8 +448,10 @@ def compute_rewards(
         total.append(float(sum(w * v for w, v in values if v is not None)))
         if not abs(total[-1]) <= FLOAT32_MAX:
             parts = ", ".join(f"{name}={per_reward[name][i]} x {weights[name]}" for name in funcs)
-            raise RewardError(f"the weighted total reward {total[-1]} of {where(i)} is outside float32's range ({parts}); "
-                              "lower algorithm.reward_weights or the rewards' scale")
+            raise RewardError(
+                f"the weighted total reward {total[-1]} of {where(i)} is outside float32's range ({parts}); "
+                "lower algorithm.reward_weights or the rewards' scale"
+            )
     return total, per_reward
 
 
@@ -503,13 +510,16 @@ def _check_value(name: str, index: int, value: Any, where: Callable[[int], str] 
     if math.isnan(value):
         return None
     if not abs(value) <= FLOAT32_MAX:
-        raise RewardError(f"reward {name!r} returned {value} for {sample}; rewards must be finite and within float32's range "
-                          f"(|r| <= {FLOAT32_MAX:.4g}), because they are trained on as float32")
+        raise RewardError(
+            f"reward {name!r} returned {value} for {sample}; rewards must be finite and within float32's range "
+            f"(|r| <= {FLOAT32_MAX:.4g}), because they are trained on as float32"
+        )
     return value
 
 
-def _locate_failure(name: str, fn: RewardFn, arguments: Callable[..., dict], n: int, error: Exception,
-                    where: Callable[[int], str] | None = None) -> RewardError:
+def _locate_failure(
+    name: str, fn: RewardFn, arguments: Callable[..., dict], n: int, error: Exception, where: Callable[[int], str] | None = None
+) -> RewardError:
     """Re-run a failing reward one sample at a time to say which sample makes it raise, and where in its code."""
     where = where or (lambda i: f"sample {i}")
     for i in range(n):
@@ -523,8 +533,7 @@ def _locate_failure(name: str, fn: RewardFn, arguments: Callable[..., dict], n: 
                 f"{_format_hint(e, kwargs['completions'][0])}"
             )
     return RewardError(
-        f"reward {name!r} raised on the batch of {n} but on no single sample: {type(error).__name__}: "
-        f"{_one_line(error)}{raised_at(fn, error)}"
+        f"reward {name!r} raised on the batch of {n} but on no single sample: {type(error).__name__}: {_one_line(error)}{raised_at(fn, error)}"
     )
 
 
@@ -532,8 +541,10 @@ def _format_hint(error: Exception, completion: Any) -> str:
     """A pointer to algorithm.completion_format when the error is the one indexing the other form gives
     (``completion[0]["content"]`` on a string, or string methods on a list of messages)."""
     if isinstance(completion, str) and isinstance(error, TypeError) and "indices must be integers" in str(error):
-        return ("; a reward written for TRL's conversational completions (completion[0]['content'], as VLM-R1's) "
-                "needs algorithm.completion_format=conversational")
+        return (
+            "; a reward written for TRL's conversational completions (completion[0]['content'], as VLM-R1's) "
+            "needs algorithm.completion_format=conversational"
+        )
     if isinstance(completion, list) and isinstance(error, (AttributeError, TypeError)):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
     return ""

@@ -46,8 +46,7 @@ def vision_token_ids(model: torch.nn.Module) -> list[int]:
     model would read them as slots for image features when the completion is scored."""
     cfg = model.config
     ids = set()
-    for name in ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-                 "vision_token_id"):
+    for name in ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id"):
         for holder in (cfg, getattr(cfg, "text_config", None)):
             value = getattr(holder, name, None) if holder is not None else None
             if isinstance(value, int) and value >= 0:
@@ -65,8 +64,11 @@ def cat_completions(pieces: list[Completions], pad_id: int) -> Completions:
     """Per-prompt rollouts concatenated into one, ids right-padded with pad_id (masks with 0)."""
     if len(pieces) == 1:
         return pieces[0]
-    return Completions(ids=cat_right_padded([p.ids for p in pieces], pad_id), mask=cat_right_padded([p.mask for p in pieces], 0),
-                       truncated=torch.cat([p.truncated for p in pieces]))
+    return Completions(
+        ids=cat_right_padded([p.ids for p in pieces], pad_id),
+        mask=cat_right_padded([p.mask for p in pieces], 0),
+        truncated=torch.cat([p.truncated for p in pieces]),
+    )
 
 
 @torch.no_grad()
@@ -105,10 +107,22 @@ def generate(
         rows = list(range(start, min(start + step, n_prompts)))
         chunk = select_rows(prompt_batch, rows) if step < n_prompts else prompt_batch
         if shared_prefix and prefix_supported(model, chunk):
-            pieces.append(sample_with_shared_prefix(
-                model, chunk, num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad,
-                suppress_ids=vision_token_ids(model), do_sample=do_sample, temperature=temperature, top_p=top_p,
-                top_k=top_k, min_new_tokens=min_new_tokens))
+            pieces.append(
+                sample_with_shared_prefix(
+                    model,
+                    chunk,
+                    num_generations=num_generations,
+                    max_new_tokens=max_new_tokens,
+                    eos_ids=eos,
+                    pad_id=pad,
+                    suppress_ids=vision_token_ids(model),
+                    do_sample=do_sample,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    min_new_tokens=min_new_tokens,
+                )
+            )
             continue
         chunk = model_inputs(chunk)
         out = model.generate(

@@ -29,15 +29,19 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     if dist is not None and saved_world != dist.world_size:
         # Checkpoints hold full (consolidated) states and the sampler is global, so a new world size continues the
         # same run; batch sizes are global, so the math does not change either.
-        log(f"resuming {path} (saved by {saved_world} process(es)) on {dist.world_size}: model, optimizer, scheduler "
-            f"and sampler are full copies; RNG streams of processes the checkpoint has no file for start fresh")
+        log(
+            f"resuming {path} (saved by {saved_world} process(es)) on {dist.world_size}: model, optimizer, scheduler "
+            f"and sampler are full copies; RNG streams of processes the checkpoint has no file for start fresh"
+        )
     sharded = is_sharded_checkpoint(path)  # weights and optimizer load after the engine wraps the model (restore_after_wrap)
     if not sharded:
         load_trainable_weights(model, path / "model", load_file)
     if is_weights_only(path):
         if not cfg.training.resume_weights_only:
-            raise CheckpointError(f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
-                                  "Set training.resume_weights_only=true to start a NEW schedule from its weights.")
+            raise CheckpointError(
+                f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
+                "Set training.resume_weights_only=true to start a NEW schedule from its weights."
+            )
         log(f"WARNING: starting a new schedule (step 0, fresh optimizer) from the weights of {path}")
         return {"step": 0, "best_metric": None, "best_step": None}
     # FSDP2 loads the optimizer after sharding (restore_after_wrap): its state must follow the sharded parameters.
@@ -80,8 +84,14 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
     from .config import to_dict
 
     t = cfg.training
-    trainer_state = {"epoch": sampler.epoch, "samples_consumed": step * cfg.prompts_per_step, "sampler_state": sampler.state_dict(),
-                     "best_metric": state["best_metric"], "best_step": state["best_step"], "sizes": state.get("sizes")}
+    trainer_state = {
+        "epoch": sampler.epoch,
+        "samples_consumed": step * cfg.prompts_per_step,
+        "sampler_state": sampler.state_dict(),
+        "best_metric": state["best_metric"],
+        "best_step": state["best_step"],
+        "sizes": state.get("sizes"),
+    }
     many = dist is not None and dist.world_size > 1
     parts = CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p), optimizer=optimizer)
     if many:
@@ -94,9 +104,19 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
     error = None
     if not many or dist.is_main:
         try:
-            save_checkpoint(out, step, save_model=parts.save_weights, optimizer=parts.optimizer, scheduler=scheduler,
-                            trainer_state=trainer_state, config=to_dict(cfg), weights_only=t.save_only_model,
-                            save_total_limit=t.save_total_limit, warn=log, rng_states=rng_states)
+            save_checkpoint(
+                out,
+                step,
+                save_model=parts.save_weights,
+                optimizer=parts.optimizer,
+                scheduler=scheduler,
+                trainer_state=trainer_state,
+                config=to_dict(cfg),
+                weights_only=t.save_only_model,
+                save_total_limit=t.save_total_limit,
+                warn=log,
+                rng_states=rng_states,
+            )
         except CheckpointSaveError as e:
             error = e
     if many:
@@ -151,8 +171,9 @@ def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | N
     if error is not None:
         if cfg is None:
             raise error
-        on_save_error(error, cfg.training, log if dist.is_main else (lambda *_: None),
-                      "the run has no final model (the last checkpoint, if any, is intact)")
+        on_save_error(
+            error, cfg.training, log if dist.is_main else (lambda *_: None), "the run has no final model (the last checkpoint, if any, is intact)"
+        )
 
 
 def save_trainable_weights(model, folder: Path, state_dict: dict | None = None) -> None:
@@ -186,8 +207,7 @@ def load_sharded_state(model: torch.nn.Module, folder, optimizer=None) -> None:
     """A torch.distributed.checkpoint folder (save_sharded_state) into `model` (and `optimizer`): sharded (FSDP2,
     any world size: the files are re-sharded on load), replicated (DDP) or plain (one process)."""
     import torch.distributed as tdist
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
     from .optim import raw_optimizer
     from .safe_load import dcp_load

@@ -88,7 +88,8 @@ class RunLock:
                 os.close(fd)
                 raise RunLockError(
                     f"{self.output_dir} is in use by another vlmrl run ({_describe(holder)}); wait for it to end or stop it, "
-                    f"or set training.output_dir to another folder") from None
+                    f"or set training.output_dir to another folder"
+                ) from None
             except OSError as e:
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     os.close(fd)
@@ -121,8 +122,10 @@ class RunLock:
         if not mine or (isinstance(pid, int) and _pid_alive(pid)):
             os.close(fd)
             where = "" if mine else f" (another host: if that run has ended, delete {self.path})"
-            raise RunLockError(f"{self.output_dir} is in use by another vlmrl run ({_describe(holder)}){where}; wait for it "
-                               f"to end or stop it, or set training.output_dir to another folder")
+            raise RunLockError(
+                f"{self.output_dir} is in use by another vlmrl run ({_describe(holder)}){where}; wait for it "
+                f"to end or stop it, or set training.output_dir to another folder"
+            )
 
     def release(self) -> None:
         if self.fd is None:
@@ -163,13 +166,13 @@ def mark_complete_if_finished(cfg) -> None:
     out = Path(cfg.training.output_dir)
     steps = [r.get("step") for r in read_jsonl(out / "metrics.jsonl") if isinstance(r.get("step"), int)]
     if steps and steps[-1] == cfg.training.max_steps:
-        _write_text(out / COMPLETE_FILE, json.dumps({"step": cfg.training.max_steps, "finished": time.time(),
-                                                     "final": (out / "final").is_dir()}))
+        _write_text(out / COMPLETE_FILE, json.dumps({"step": cfg.training.max_steps, "finished": time.time(), "final": (out / "final").is_dir()}))
 
 
 def guard_run_folder(fn: Callable) -> Callable:
     """Decorator for train(cfg, log=..., ...): the main process holds output_dir's lock for the call and marks the
     run complete when it reached training.max_steps."""
+
     @functools.wraps(fn)
     def wrapper(cfg, *args: Any, **kwargs: Any) -> Any:
         from .runtime import env_world
@@ -210,8 +213,7 @@ def prepare_run(cfg, log: Callable[[str], Any] = print, dist=None) -> Optional[P
 
 
 def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
-    from .checkpoint import (check_resume_compat, checkpoint_step, find_resume_checkpoint, is_weights_only,
-                             read_checkpoint_config, read_trainer_state)
+    from .checkpoint import check_resume_compat, checkpoint_step, find_resume_checkpoint, is_weights_only, read_checkpoint_config, read_trainer_state
     from .config import Config, save_config, to_dict
     from .tracking import cut_logs
 
@@ -225,14 +227,17 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
         raise RunAlreadyComplete(
             f"the run in {out} is complete ({done['step']} steps{final}); nothing to do. To train again use a new "
             f"training.output_dir, or training.resume=never to start over in this folder; to train longer raise "
-            f"training.max_steps (continues from the last checkpoint, so it needs one: training.save_steps)")
+            f"training.max_steps (continues from the last checkpoint, so it needs one: training.save_steps)"
+        )
     start = 0
     if path is not None:
         check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
         if is_weights_only(path):
             if not t.resume_weights_only:
-                raise CheckpointError(f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
-                                      "Set training.resume_weights_only=true to start a NEW schedule from its weights.")
+                raise CheckpointError(
+                    f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
+                    "Set training.resume_weights_only=true to start a NEW schedule from its weights."
+                )
         else:
             start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
     # Nothing refused: from here on the folder is this run's.

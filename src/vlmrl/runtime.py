@@ -16,6 +16,7 @@ from .config import EMBEDDED_MODEL, Config, ConfigError
 
 def env_world() -> tuple[int, int, int]:
     """(world_size, rank, local_rank) from the launcher's environment (torchrun / accelerate launch / MPI)."""
+
     def first(names: tuple[str, ...], default: int) -> int:
         for name in names:
             if os.environ.get(name, "") != "":
@@ -63,9 +64,7 @@ def load_policy(cfg: Config, device: torch.device, model_path: str | None = None
     model_cfg = dataclasses.replace(cfg.model, name_or_path=path)
     with hf_progress_bars(cfg.logging.progress_bar):
         model = load_model(model_cfg).to(device)
-    processor = load_processor(
-        path, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
-    )
+    processor = load_processor(path, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     return model, processor
 
 
@@ -101,8 +100,9 @@ def _datasets_key(cfg: Config, need_train: bool) -> str:
 
     from .config import to_dict
 
-    return json.dumps([to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train],
-                      sort_keys=True, default=str)
+    return json.dumps(
+        [to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train], sort_keys=True, default=str
+    )
 
 
 def load_datasets(cfg: Config, need_train: bool = True, keep_for_run: bool = False, processor=None) -> Datasets:
@@ -131,8 +131,9 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
         task_dir = Path(cfg.training.output_dir) / "data" / d.task
         options = {"distractors": d.task_distractors} if d.task == "count" else {}
         options["colours"] = tuple(d.task_colours)
-        files = TASKS[d.task](task_dir, n_train=d.task_train_size, n_test=d.task_test_size, seed=cfg.training.seed,
-                              image_size=d.task_image_size, **options)
+        files = TASKS[d.task](
+            task_dir, n_train=d.task_train_size, n_test=d.task_test_size, seed=cfg.training.seed, image_size=d.task_image_size, **options
+        )
         train_path = train_path or str(files["train"])
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []
@@ -155,9 +156,13 @@ def image_shape_check(cfg: Config, processor=None):
     from .processing import ImageShapeCheck, load_processor
 
     if processor is None:
-        processor = load_processor(resolve_model_path(cfg.model.name_or_path), trust_remote_code=cfg.model.trust_remote_code,
-                                   min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
-                                   local_files_only=not cfg.model.allow_hub_download)
+        processor = load_processor(
+            resolve_model_path(cfg.model.name_or_path),
+            trust_remote_code=cfg.model.trust_remote_code,
+            min_pixels=cfg.data.min_pixels,
+            max_pixels=cfg.data.max_pixels,
+            local_files_only=not cfg.model.allow_hub_download,
+        )
     return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
 
 
@@ -168,6 +173,7 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
     import json
 
     from .data import bad_rows_records
+
     path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
     if env_world()[1] == 0:
         from .tracking import read_jsonl
@@ -190,8 +196,7 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
-    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
-              for r in rows]
+    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
     texts = [build_prompt(processor, r["problem"], len(imgs), cfg.data.system_prompt) for r, imgs in zip(rows, images)]
     try:
         batch = encode_prompts(processor, texts, images)
@@ -219,23 +224,41 @@ def row_sources(rows: list[dict], repeats: int) -> list[str]:
     return [str(r.get("_source", "")) for r in rows for _ in range(repeats)]
 
 
-def score_rollout(cfg: Config, funcs: dict, weights: dict, rows: list[dict], repeats: int, texts: list[str], comp=None,
-                  step: int = 0, num_rows: int | None = None, when: str | None = None) -> tuple[list[float], dict]:
+def score_rollout(
+    cfg: Config,
+    funcs: dict,
+    weights: dict,
+    rows: list[dict],
+    repeats: int,
+    texts: list[str],
+    comp=None,
+    step: int = 0,
+    num_rows: int | None = None,
+    when: str | None = None,
+) -> tuple[list[float], dict]:
     """Rewards of `texts` (``repeats`` completions per row, in order), called the way TRL calls them: prompts and
     completions in algorithm.completion_format, the dataset columns, ``completion_ids`` (each completion's ids up
     to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
     ``num_rows`` training rows). Returns `compute_rewards`' (total, per_reward)."""
     from .rewards import TrainerState, compute_rewards, reward_inputs
 
-    prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt,
-                                         cfg.data.limit_images)
+    prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
     completion_ids = None
     if comp is not None:
         completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
     epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
     state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
-    return compute_rewards(funcs, weights, prompts, completions, reward_columns(rows, repeats),
-                           completion_ids=completion_ids, trainer_state=state, when=when, sources=row_sources(rows, repeats))
+    return compute_rewards(
+        funcs,
+        weights,
+        prompts,
+        completions,
+        reward_columns(rows, repeats),
+        completion_ids=completion_ids,
+        trainer_state=state,
+        when=when,
+        sources=row_sources(rows, repeats),
+    )
 
 
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:

@@ -32,9 +32,18 @@ METADATA_FILE = ".metadata"
 # Module -> names the unpickler resolves. Everything DCP's Metadata pickles to (checked with pickletools on
 # single-process and FSDP2 saves of torch 2.13); torch dtypes are added below.
 _ALLOWED: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.serialization": frozenset({"_get_layout"}),  # layout from its name ("torch.strided")
     "torch._utils": frozenset({"_get_layout"}),
@@ -70,8 +79,9 @@ def read_dcp_metadata(folder: str | Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing (not a torch.distributed.checkpoint folder)") from None
     except Exception as e:  # UnpicklingError, and whatever an allowed class raises on odd arguments
-        raise UnsafeCheckpointError(f"refusing to load {path}: {unpickling_reason(e)} "
-                                    f"(only torch.distributed.checkpoint metadata classes are unpickled)") from e
+        raise UnsafeCheckpointError(
+            f"refusing to load {path}: {unpickling_reason(e)} (only torch.distributed.checkpoint metadata classes are unpickled)"
+        ) from e
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"refusing to load {path}: it holds a {type(metadata).__name__}, not DCP Metadata")
     for info in (metadata.storage_data or {}).values():
@@ -81,8 +91,7 @@ def read_dcp_metadata(folder: str | Path) -> Any:
 
 def _check_relative(rel: Any, metadata_path: Path) -> None:
     """A storage entry must name a plain file inside the checkpoint folder."""
-    ok = isinstance(rel, str) and rel and not PurePosixPath(rel).is_absolute() and ".." not in PurePosixPath(rel).parts \
-        and "\\" not in rel
+    ok = isinstance(rel, str) and rel and not PurePosixPath(rel).is_absolute() and ".." not in PurePosixPath(rel).parts and "\\" not in rel
     if not ok:
         raise UnsafeCheckpointError(f"refusing to load {metadata_path}: it points at {rel!r}, outside the checkpoint folder")
 
@@ -119,7 +128,8 @@ def _safe_planner_class(base):
             except Exception as e:
                 raise UnsafeCheckpointError(
                     f"refusing to load entry {fqn!r} of a sharded checkpoint: it is not plain data "
-                    f"(weights_only=True rejected it: {unpickling_reason(e)})") from e
+                    f"(weights_only=True rejected it: {unpickling_reason(e)})"
+                ) from e
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], loaded)
             else:
@@ -133,6 +143,7 @@ def dcp_load(state: dict, folder: str | Path, no_dist: bool) -> None:
     the metadata and bytes entries read code-free. Refusals raise UnsafeCheckpointError on every process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     reader = _safe_reader(folder)
     planner = _safe_planner_class(DefaultLoadPlanner)()
     _checkpoint_errors_unwrapped(lambda: dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist))

@@ -35,8 +35,7 @@ def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, tor
 
 def longest_target(tokenizer, rows, sample: int = 512) -> int:
     """Tokens of the longest target (+ EOS) among the first `sample` rows: the planner's completion length."""
-    return max((len(tokenizer(sft_target(rows[i]), add_special_tokens=False)["input_ids"]) + 1
-                for i in range(min(sample, len(rows)))), default=1)
+    return max((len(tokenizer(sft_target(rows[i]), add_special_tokens=False)["input_ids"]) + 1 for i in range(min(sample, len(rows)))), default=1)
 
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
@@ -64,8 +63,10 @@ def sft(cfg: Config, log=print) -> dict:
     from .runtime import env_world
 
     if env_world()[0] > 1:
-        raise DistributedError(f"vlmrl sft runs on one process; this launch has {env_world()[0]} (WORLD_SIZE). Run it without "
-                               "accelerate launch / torchrun (only vlmrl train runs on several processes, docs/scaling_out.md)")
+        raise DistributedError(
+            f"vlmrl sft runs on one process; this launch has {env_world()[0]} (WORLD_SIZE). Run it without "
+            "accelerate launch / torchrun (only vlmrl train runs on several processes, docs/scaling_out.md)"
+        )
     out = Path(cfg.training.output_dir)
     save_config(cfg, out / "config.yaml")
     device = resolve_device(cfg.training.device)
@@ -103,9 +104,15 @@ def sft(cfg: Config, log=print) -> dict:
             result = clip_and_step([p for p in model.parameters() if p.requires_grad], optimizer, scheduler, cfg.optim.max_grad_norm)
             if result.skipped:
                 log(f"WARNING: SFT step {step}: loss {loss.item()} / gradient norm {result.grad_norm} not finite; step skipped, nothing changed")
-            final = {"loss": loss.item(), "grad_norm": result.grad_norm, "nonfinite/skipped_steps": float(result.skipped),
-                     "lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t0, "stage": 1.0 if stage == "projector" else 2.0,
-                     **measured_vs_predicted(plan, log)}
+            final = {
+                "loss": loss.item(),
+                "grad_norm": result.grad_norm,
+                "nonfinite/skipped_steps": float(result.skipped),
+                "lr": scheduler.get_last_lr()[0],
+                "time/step": time.perf_counter() - t0,
+                "stage": 1.0 if stage == "projector" else 2.0,
+                **measured_vs_predicted(plan, log),
+            }
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))

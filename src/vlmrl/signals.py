@@ -23,18 +23,22 @@ def no_signal_message(streak: int, metrics: dict, cfg: Config) -> str:
     reward = metrics.get("reward")
     r, o = cfg.rollout, cfg.optim
     if reward is not None and reward <= 0:
-        cause = ("no completion earns any reward: check the model writes what the rewards look for "
-                 f"({', '.join(cfg.algorithm.reward_funcs)}; samples.jsonl shows completions), or SFT it on the format first")
+        cause = (
+            "no completion earns any reward: check the model writes what the rewards look for "
+            f"({', '.join(cfg.algorithm.reward_funcs)}; samples.jsonl shows completions), or SFT it on the format first"
+        )
     else:
         cause = f"every completion of a prompt earns the same reward ({reward:.3g}): the task may be too easy or the reward too coarse"
     truncated = metrics.get("completions/truncated_frac")
     if truncated is not None and truncated >= 0.5:
         cause += f"; {truncated:.0%} of completions hit rollout.max_completion_length={r.max_completion_length} (raise it)"
-    return (f"WARNING: no learning signal for {streak} steps: every group's rewards are equal (frac_reward_zero_std = 1), so "
-            f"advantages and the policy gradient are zero. Likely: {cause}. Settings to check: optim.learning_rate={o.learning_rate:g} "
-            f"(small or untrained models need larger rates; the demo's GRPO uses 3e-4 after SFT), rollout.temperature={r.temperature:g} "
-            f"(low temperatures make a group's samples alike), rollout.num_generations={r.num_generations} (more samples per "
-            "prompt find more reward differences). (logging.no_signal_warn_steps sets when this warns.)")
+    return (
+        f"WARNING: no learning signal for {streak} steps: every group's rewards are equal (frac_reward_zero_std = 1), so "
+        f"advantages and the policy gradient are zero. Likely: {cause}. Settings to check: optim.learning_rate={o.learning_rate:g} "
+        f"(small or untrained models need larger rates; the demo's GRPO uses 3e-4 after SFT), rollout.temperature={r.temperature:g} "
+        f"(low temperatures make a group's samples alike), rollout.num_generations={r.num_generations} (more samples per "
+        "prompt find more reward differences). (logging.no_signal_warn_steps sets when this warns.)"
+    )
 
 
 def warn_if_no_learning_signal(metrics: dict, cfg: Config, state: dict, warn) -> None:

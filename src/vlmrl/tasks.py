@@ -103,8 +103,9 @@ def _balanced(rng: random.Random, values: list, n: int) -> list:
     return out
 
 
-def _write_splits(out_dir, task: str, splits: dict[str, int], make_row: Callable[[random.Random, object, str], dict],
-                  targets: Callable[[random.Random, int], list]) -> dict[str, Path]:
+def _write_splits(
+    out_dir, task: str, splits: dict[str, int], make_row: Callable[[random.Random, object, str], dict], targets: Callable[[random.Random, int], list]
+) -> dict[str, Path]:
     """Generate each split with its own seeded stream and write images and JSONL."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -168,8 +169,7 @@ def make_count_task(
         }
 
     counts = list(range(1, max_count + 1))
-    return _write_splits(out_dir, f"count:{seed}", {"train": n_train, "test": n_test}, make_row,
-                         lambda rng, n: _balanced(rng, counts, n))
+    return _write_splits(out_dir, f"count:{seed}", {"train": n_train, "test": n_test}, make_row, lambda rng, n: _balanced(rng, counts, n))
 
 
 def make_ground_task(
@@ -193,8 +193,7 @@ def make_ground_task(
     _check_colours(colours, 1)
     combos = [(c, k) for c in colours for k in SHAPES]
     if not 1 <= min_shapes <= max_shapes or max_shapes > len(combos):
-        raise ValueError(f"need 1 <= min_shapes <= max_shapes <= {len(combos)} (distinct colour/shape pairs), "
-                         f"got {min_shapes}..{max_shapes}")
+        raise ValueError(f"need 1 <= min_shapes <= max_shapes <= {len(combos)} (distinct colour/shape pairs), got {min_shapes}..{max_shapes}")
     grid = _grid(image_size, max_shapes)
     cell = grid[1]
     small, large = max(3, int(cell * 0.45)), cell - 2
@@ -214,8 +213,7 @@ def make_ground_task(
             "_png": png,
         }
 
-    return _write_splits(out_dir, f"ground:{seed}", {"train": n_train, "test": n_test}, make_row,
-                         lambda rng, n: _balanced(rng, combos, n))
+    return _write_splits(out_dir, f"ground:{seed}", {"train": n_train, "test": n_test}, make_row, lambda rng, n: _balanced(rng, combos, n))
 
 
 TASKS: dict[str, Callable[..., dict[str, Path]]] = {"count": make_count_task, "ground": make_ground_task}

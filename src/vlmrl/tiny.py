@@ -20,10 +20,20 @@ import torch
 
 # Qwen2-VL's special tokens, in Qwen's own order (ids differ: ours come from the tiny tokenizer).
 QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
-    "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 LLAVA_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 
@@ -90,8 +100,22 @@ def _corpus() -> list[str]:
     lines += [" ".join(str(d) for d in range(10))] * 20
     # Chat-template words, and every key word also at the start of a line (no leading space).
     lines += ["system\nYou are a helpful assistant.\nuser\nassistant\nUSER: ASSISTANT:"] * 40
-    words = ["How", "shapes", "Answer", "Locate", "the", "Give", "Output", "<think>", "</think>", "<answer>",
-             "</answer>", *COLOURS, *SHAPES, *(f"{s}s" for s in SHAPES)]
+    words = [
+        "How",
+        "shapes",
+        "Answer",
+        "Locate",
+        "the",
+        "Give",
+        "Output",
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+        *COLOURS,
+        *SHAPES,
+        *(f"{s}s" for s in SHAPES),
+    ]
     lines += [w for w in words for _ in range(30)]
     return lines * 4
 
@@ -124,16 +148,22 @@ def train_tokenizer(extra_corpus: list[str] | None = None, vocab_size: int = 600
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TAGS])
 
     if family == "qwen":
-        kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None,
-                  chat_template=QWEN_CHAT_TEMPLATE)
+        kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=QWEN_CHAT_TEMPLATE)
     else:
-        kw = dict(eos_token="</s>", pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
-                  chat_template=LLAVA_CHAT_TEMPLATE, extra_special_tokens={"image_token": "<image>"})
+        kw = dict(
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            bos_token="<s>",
+            chat_template=LLAVA_CHAT_TEMPLATE,
+            extra_special_tokens={"image_token": "<image>"},
+        )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left", model_max_length=4096, **kw)
     return tokenizer
 
 
 # ---------------------------------------------------------------- shared helpers
+
 
 def _vocab_size(tokenizer) -> int:
     """Exactly len(tokenizer): every id the model can sample decodes (no dead rows to learn away)."""
@@ -169,12 +199,17 @@ def _finish(out_dir: str | Path, model, tokenizer, image_processor, chat_templat
 
 # ---------------------------------------------------------------- Qwen2-VL / Qwen2.5-VL
 
+
 def _qwen_ids(tokenizer) -> dict:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     return dict(
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
     )
 
 
@@ -186,18 +221,23 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
-def _qwen_text_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-                      vocab_size: int | None = None) -> dict:
+def _qwen_text_config(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size: int | None = None) -> dict:
     if hidden_size % num_heads:
         raise ValueError(f"tiny Qwen: hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     ids = _qwen_ids(tokenizer)
     return dict(
-        vocab_size=vocab_size or _vocab_size(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096, max_window_layers=num_layers,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                         "mrope_section": _mrope_section(hidden_size // num_heads)},
-        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"],
+        vocab_size=vocab_size or _vocab_size(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        max_window_layers=num_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": _mrope_section(hidden_size // num_heads)},
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
         tie_word_embeddings=False,
     )
 
@@ -206,13 +246,25 @@ def _qwen_image_processor(min_pixels: int, max_pixels: int, patch_size: int = 14
     """Qwen2-VL image processor, PIL backend (needs no torchvision; configs name the same class)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size
-    )
+    return Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size)
 
 
-def _build_qwen(kind: str, out_dir, seed, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-                vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels, vocab_size=None) -> Path:
+def _build_qwen(
+    kind: str,
+    out_dir,
+    seed,
+    hidden_size,
+    num_layers,
+    num_heads,
+    num_kv_heads,
+    intermediate_size,
+    vision_depth,
+    vision_hidden,
+    vision_heads,
+    min_pixels,
+    max_pixels,
+    vocab_size=None,
+) -> Path:
     """Shared builder: kind is 'qwen2_vl' or 'qwen2_5_vl'. vocab_size > len(tokenizer) pads the
     vocabulary (e.g. Qwen's 151,936 for memory benchmarks: ids past the tokenizer decode to nothing)."""
     tokenizer = train_tokenizer(family="qwen")
@@ -225,9 +277,14 @@ def _build_qwen(kind: str, out_dir, seed, hidden_size, num_layers, num_heads, nu
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration as cls
 
         vision = dict(
-            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_heads=vision_heads,
+            depth=vision_depth,
+            hidden_size=vision_hidden,
+            intermediate_size=vision_hidden * 2,
+            num_heads=vision_heads,
             out_hidden_size=hidden_size,  # the merger projects into the text hidden size
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
             window_size=56,  # 2x2 merged tokens per window: small images still exercise windowing
             fullatt_block_indexes=[vision_depth - 1],
         )
@@ -236,14 +293,18 @@ def _build_qwen(kind: str, out_dir, seed, hidden_size, num_layers, num_heads, nu
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration as cls
 
         vision = dict(
-            depth=vision_depth, embed_dim=vision_hidden, hidden_size=hidden_size,  # hidden_size = merger output
-            num_heads=vision_heads, mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            depth=vision_depth,
+            embed_dim=vision_hidden,
+            hidden_size=hidden_size,  # hidden_size = merger output
+            num_heads=vision_heads,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
         )
         config = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
     model = _seeded_model(cls, config, seed)
-    model.generation_config.update(
-        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"]
-    )
+    model.generation_config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     image_processor = _qwen_image_processor(min_pixels, max_pixels)
     # No processor object: Qwen2VLProcessor needs torchvision (video); AutoProcessor finds it from
     # config.json's model_type, exactly as for the hub checkpoints, which ship no processor_config.json.
@@ -251,31 +312,87 @@ def _build_qwen(kind: str, out_dir, seed, hidden_size, num_layers, num_heads, nu
 
 
 def build_tiny_qwen25vl(
-    out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-    num_kv_heads: int = 2, intermediate_size: int = 256, vision_depth: int = 2, vision_hidden: int = 64,
-    vision_heads: int = 2, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64, vocab_size: int | None = None,
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    min_pixels: int = 28 * 28 * 4,
+    max_pixels: int = 28 * 28 * 64,
+    vocab_size: int | None = None,
 ) -> Path:
     """Tiny Qwen2.5-VL (window-attention ViT + 2x2 merger + Qwen2 decoder with M-RoPE) in out_dir."""
-    return _build_qwen("qwen2_5_vl", out_dir, seed, hidden_size, num_layers, num_heads, num_kv_heads,
-                       intermediate_size, vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels, vocab_size)
+    return _build_qwen(
+        "qwen2_5_vl",
+        out_dir,
+        seed,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        intermediate_size,
+        vision_depth,
+        vision_hidden,
+        vision_heads,
+        min_pixels,
+        max_pixels,
+        vocab_size,
+    )
 
 
 def build_tiny_qwen2vl(
-    out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-    num_kv_heads: int = 2, intermediate_size: int = 256, vision_depth: int = 2, vision_hidden: int = 64,
-    vision_heads: int = 2, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64,
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    min_pixels: int = 28 * 28 * 4,
+    max_pixels: int = 28 * 28 * 64,
 ) -> Path:
     """Tiny Qwen2-VL (ViT + 2x2 merger + Qwen2 decoder with M-RoPE) in out_dir."""
-    return _build_qwen("qwen2_vl", out_dir, seed, hidden_size, num_layers, num_heads, num_kv_heads,
-                       intermediate_size, vision_depth, vision_hidden, vision_heads, min_pixels, max_pixels)
+    return _build_qwen(
+        "qwen2_vl",
+        out_dir,
+        seed,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        intermediate_size,
+        vision_depth,
+        vision_hidden,
+        vision_heads,
+        min_pixels,
+        max_pixels,
+    )
 
 
 # ---------------------------------------------------------------- LLaVA
 
+
 def build_tiny_llava(
-    out_dir: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-    num_kv_heads: int = 2, intermediate_size: int = 256, vision_depth: int = 2, vision_hidden: int = 64,
-    vision_heads: int = 2, image_size: int = 56, patch_size: int = 8,
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    image_size: int = 56,
+    patch_size: int = 8,
 ) -> Path:
     """Tiny LLaVA-1.5 (CLIP ViT + 2-layer MLP projector + Llama decoder) in out_dir.
 
@@ -288,27 +405,49 @@ def build_tiny_llava(
     tokenizer = train_tokenizer(family="llava")
     tid = tokenizer.convert_tokens_to_ids
     text = LlamaConfig(
-        vocab_size=_vocab_size(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096, bos_token_id=tid("<s>"), eos_token_id=tid("</s>"), pad_token_id=tid("<pad>"),
+        vocab_size=_vocab_size(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tid("<s>"),
+        eos_token_id=tid("</s>"),
+        pad_token_id=tid("<pad>"),
         tie_word_embeddings=False,
     )
     vision = CLIPVisionConfig(
-        hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=vision_depth,
-        num_attention_heads=vision_heads, image_size=image_size, patch_size=patch_size, projection_dim=vision_hidden,
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_hidden_layers=vision_depth,
+        num_attention_heads=vision_heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=vision_hidden,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=tid("<image>"), projector_hidden_act="gelu",
-        vision_feature_select_strategy="default", vision_feature_layer=-2, tie_word_embeddings=False,
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tid("<image>"),
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
     )
     model = _seeded_model(LlavaForConditionalGeneration, config, seed)
     model.generation_config.update(bos_token_id=tid("<s>"), eos_token_id=tid("</s>"), pad_token_id=tid("<pad>"))
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
     )
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size, image_token="<image>",
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,  # CLIP's CLS token
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        image_token="<image>",
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS token
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
     return _finish(out_dir, model, tokenizer, image_processor, LLAVA_CHAT_TEMPLATE, processor)

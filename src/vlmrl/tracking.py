@@ -135,8 +135,11 @@ def resolve_report_to(report_to: str | list[str] | tuple[str, ...]) -> list[str]
 
 def missing_tracker_packages(trackers: list[str]) -> list[str]:
     """One line per chosen tracker whose package is not installed (checked without importing it)."""
-    return [f"logging.report_to includes {t} but the {pkg} package is not installed: pip install {pkg}, or remove {t} from "
-            "logging.report_to" for t, pkg in OPTIONAL_TRACKERS.items() if t in trackers and not _installed(pkg)]
+    return [
+        f"logging.report_to includes {t} but the {pkg} package is not installed: pip install {pkg}, or remove {t} from logging.report_to"
+        for t, pkg in OPTIONAL_TRACKERS.items()
+        if t in trackers and not _installed(pkg)
+    ]
 
 
 def _installed(package: str) -> bool:
@@ -152,8 +155,11 @@ def _import_tracker(name: str):
     try:
         return importlib.import_module(package)
     except ImportError as e:
-        raise TrackerError(missing_tracker_packages([name])[0] if not _installed(package)
-                           else f"logging.report_to includes {name} but importing {package} failed: {e}") from e
+        raise TrackerError(
+            missing_tracker_packages([name])[0]
+            if not _installed(package)
+            else f"logging.report_to includes {name} but importing {package} failed: {e}"
+        ) from e
 
 
 def _flat_config(config: dict | None, prefix: str = "") -> dict[str, Any]:
@@ -190,9 +196,15 @@ class WandbTracker:
 
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "vlmrl"), name=run_name, config=config, id=run_id,
-                              resume="allow", dir=os.environ.get("WANDB_DIR", str(output_dir)),
-                              mode=os.environ.get("WANDB_MODE") or None)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "vlmrl"),
+            name=run_name,
+            config=config,
+            id=run_id,
+            resume="allow",
+            dir=os.environ.get("WANDB_DIR", str(output_dir)),
+            mode=os.environ.get("WANDB_MODE") or None,
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(_numbers(metrics), step=step)
@@ -233,9 +245,12 @@ def tracker_options(cfg, run_name: str | None = None) -> dict:
     import dataclasses
 
     trackers = resolve_report_to(cfg.logging.report_to)
-    return {"tensorboard": cfg.logging.tensorboard and "tensorboard" in trackers,
-            "report_to": [t for t in trackers if t != "tensorboard"],
-            "run_name": run_name or Path(cfg.training.output_dir).name, "run_config": dataclasses.asdict(cfg)}  # config.to_dict's tree
+    return {
+        "tensorboard": cfg.logging.tensorboard and "tensorboard" in trackers,
+        "report_to": [t for t in trackers if t != "tensorboard"],
+        "run_name": run_name or Path(cfg.training.output_dir).name,
+        "run_config": dataclasses.asdict(cfg),
+    }  # config.to_dict's tree
 
 
 LOG_FILES = ("metrics.jsonl", "eval.jsonl", "samples.jsonl")
@@ -273,8 +288,7 @@ def cut_logs(output_dir: str | Path, step: int, log=print) -> dict[str, int]:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             removed[name] = dropped
-            log(f"{path}: removed {dropped} row(s) logged after step {step} (the run continues from step {step}, "
-                f"so they are logged again)")
+            log(f"{path}: removed {dropped} row(s) logged after step {step} (the run continues from step {step}, so they are logged again)")
     return removed
 
 
@@ -296,9 +310,21 @@ class RunLogger:
         run_name, run_config: what those trackers show the run as (default name: output_dir's folder name).
     """
 
-    def __init__(self, output_dir: str | Path, *, total_steps: int, initial_step: int = 0, logging_steps: int = 1,
-                 tensorboard: bool = True, progress: bool = True, is_main_process: bool = True, desc: str = "GRPO",
-                 report_to: Iterable[str] = (), run_name: str | None = None, run_config: dict | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        total_steps: int,
+        initial_step: int = 0,
+        logging_steps: int = 1,
+        tensorboard: bool = True,
+        progress: bool = True,
+        is_main_process: bool = True,
+        desc: str = "GRPO",
+        report_to: Iterable[str] = (),
+        run_name: str | None = None,
+        run_config: dict | None = None,
+    ):
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
         self.logging_steps = max(1, int(logging_steps))
@@ -396,8 +422,7 @@ class RunLogger:
             tracker.log(shown, step)
         if self._writer is not None:
             self._writer.flush()  # evals are rare and the numbers people look for first
-        shown = " ".join(f"{k.removeprefix('eval/')}={_short(_scalar(v))}" for k, v in metrics.items()
-                         if _scalar(v) is not None)
+        shown = " ".join(f"{k.removeprefix('eval/')}={_short(_scalar(v))}" for k, v in metrics.items() if _scalar(v) is not None)
         tqdm.write(f"[eval @ step {step}] {shown}")
 
     def log_samples(self, step: int, samples: list[dict]) -> None:

@@ -247,14 +247,41 @@ def start_run(cfg: Config, log) -> Run:
     allocate_optimizer_state(optimizer)  # an OOM for AdamW's moments happens now, not inside optimizer.step
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
-    logger = RunLogger(out, total_steps=t.max_steps, initial_step=state["step"], logging_steps=cfg.logging.logging_steps,
-                       **tracker_options(cfg), progress=cfg.logging.progress_bar, desc="GRPO", is_main_process=dist.is_main)
+    logger = RunLogger(
+        out,
+        total_steps=t.max_steps,
+        initial_step=state["step"],
+        logging_steps=cfg.logging.logging_steps,
+        **tracker_options(cfg),
+        progress=cfg.logging.progress_bar,
+        desc="GRPO",
+        is_main_process=dist.is_main,
+    )
     r = cfg.rollout
-    return Run(cfg=cfg, out=out, dist=dist, shard=shard, device=device, model=model, processor=processor, reference=reference,
-               data=data, reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, scheduler=scheduler,
-               sampler=sampler, logger=logger, log=log, opts=LogprobOptions.from_config(cfg, device),
-               sizes=Sizes.initial(cfg, state.pop("sizes", None)), state=state, plan=plan, pad_id=pad_id,
-               per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1))
+    return Run(
+        cfg=cfg,
+        out=out,
+        dist=dist,
+        shard=shard,
+        device=device,
+        model=model,
+        processor=processor,
+        reference=reference,
+        data=data,
+        reward_funcs=reward_funcs,
+        reward_weights=reward_weights,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        logger=logger,
+        log=log,
+        opts=LogprobOptions.from_config(cfg, device),
+        sizes=Sizes.initial(cfg, state.pop("sizes", None)),
+        state=state,
+        plan=plan,
+        pad_id=pad_id,
+        per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1),
+    )
 
 
 def finish_run(run: Run, final: dict) -> dict:
@@ -272,8 +299,10 @@ def finish_run(run: Run, final: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
         if isinstance(e, KeyboardInterrupt):
             raise
-        run.logger.info(f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); training finished and is saved in "
-                        f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause.")
+        run.logger.info(
+            f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); training finished and is saved in "
+            f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause."
+        )
         final["eval/failed"] = 1.0
     if not dist.is_main:
         return final
@@ -304,11 +333,21 @@ def rollout(run: Run, step: int) -> Rollout:
     rows = [run.data.train[batch_indices[p]] for p in run.shard.prompts]
     prompts = encode_rows(run.processor, rows, cfg, run.device)
     run.model.eval()
-    completions, run.sizes.generation = retry_on_oom(lambda per_call: sample(run, step, prompts, per_call), run.sizes.generation or len(rows),
-                                                     "rollout", run.logger.info, enabled=cfg.memory.oom_recovery)
+    completions, run.sizes.generation = retry_on_oom(
+        lambda per_call: sample(run, step, prompts, per_call),
+        run.sizes.generation or len(rows),
+        "rollout",
+        run.logger.info,
+        enabled=cfg.memory.oom_recovery,
+    )
     G = cfg.rollout.num_generations
-    return Rollout(rows=rows, prompts=prompts, completions=completions, texts=decode(run.processor, completions.ids),
-                   prompt_texts=[row["problem"] for row in rows for _ in range(G)])
+    return Rollout(
+        rows=rows,
+        prompts=prompts,
+        completions=completions,
+        texts=decode(run.processor, completions.ids),
+        prompt_texts=[row["problem"] for row in rows for _ in range(G)],
+    )
 
 
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
@@ -322,9 +361,19 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
     cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
 
     def generate_for(batch: dict, per_call: int) -> Completions:
-        return dist.call(generate, run.processor.tokenizer, batch, num_generations=r.num_generations, max_new_tokens=r.max_completion_length,
-                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, prompts_per_call=per_call,
-                         min_new_tokens=r.min_completion_length, shared_prefix=run.opts.shared_prefix)
+        return dist.call(
+            generate,
+            run.processor.tokenizer,
+            batch,
+            num_generations=r.num_generations,
+            max_new_tokens=r.max_completion_length,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            prompts_per_call=per_call,
+            min_new_tokens=r.min_completion_length,
+            shared_prefix=run.opts.shared_prefix,
+        )
 
     with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
         if not run.per_prompt_seed:  # one stream per step and process (one process: rank 0, W 1)
@@ -344,20 +393,29 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
     batch (algorithm.advantage_estimator), then this process's rows of the advantages."""
     cfg, dist = run.cfg, run.dist
     G = cfg.rollout.num_generations
-    local, per_reward = score_rollout(cfg, run.reward_funcs, run.reward_weights, samples.rows, G, samples.texts, samples.completions,
-                                      step, len(run.data.train), when=f"step {step}")
+    local, per_reward = score_rollout(
+        cfg, run.reward_funcs, run.reward_weights, samples.rows, G, samples.texts, samples.completions, step, len(run.data.train), when=f"step {step}"
+    )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
     advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G)
     nonfinite = None
     if not torch.isfinite(rewards).all():
         bad = int((~torch.isfinite(rewards)).nonzero()[0])
-        nonfinite = f"reward of row {bad} is {all_total[bad]!r} (not finite in float32); per reward: " + \
-                    ", ".join(f"{name}={values[bad]!r}" for name, values in all_per_reward.items())
+        nonfinite = f"reward of row {bad} is {all_total[bad]!r} (not finite in float32); per reward: " + ", ".join(
+            f"{name}={values[bad]!r}" for name, values in all_per_reward.items()
+        )
     elif not torch.isfinite(advantages).all():
         nonfinite = f"advantages are not finite (rewards from {float(rewards.min()):.3g} to {float(rewards.max()):.3g} overflow float32)"
-    return Rewards(local=local, rewards=rewards, per_reward=all_per_reward, advantages=dist.local(run.shard, advantages).to(run.device),
-                   lengths=lengths, truncated=truncated, nonfinite=nonfinite)
+    return Rewards(
+        local=local,
+        rewards=rewards,
+        per_reward=all_per_reward,
+        advantages=dist.local(run.shard, advantages).to(run.device),
+        lengths=lengths,
+        truncated=truncated,
+        nonfinite=nonfinite,
+    )
 
 
 # ---------------------------------------------------------------- 3. scoring
@@ -418,9 +476,13 @@ def micro_batch(run: Run, samples: Rollout, loss_mask: torch.Tensor, idx: list[i
     comp = samples.completions
     width = max(1, int(comp.lengths[idx].max()))
     unique, row_prompt = group_rows(samples.prompt_of_row[idx])
-    return MicroBatch(prompts=select_rows(samples.prompts, unique.tolist()), row_prompt=row_prompt.to(run.device),
-                      ids=comp.ids[idx, :width].to(run.device), loss_mask=loss_mask[idx, :width].to(run.device),
-                      completion_mask=comp.mask[idx, :width].to(run.device))
+    return MicroBatch(
+        prompts=select_rows(samples.prompts, unique.tolist()),
+        row_prompt=row_prompt.to(run.device),
+        ids=comp.ids[idx, :width].to(run.device),
+        loss_mask=loss_mask[idx, :width].to(run.device),
+        completion_mask=comp.mask[idx, :width].to(run.device),
+    )
 
 
 # ---------------------------------------------------------------- 4. update
@@ -443,14 +505,21 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
         for start in range(0, n_rows, per_step):
             step_rows = list(range(start, start + per_step))
             step_stats, run.sizes.update = retry_on_oom(
-                functools.partial(accumulate, run, samples, rewards, scores, step_rows), run.sizes.update, "update", run.logger.info,
-                on_oom=functools.partial(run.optimizer.zero_grad, set_to_none=True), enabled=cfg.memory.oom_recovery)
+                functools.partial(accumulate, run, samples, rewards, scores, step_rows),
+                run.sizes.update,
+                "update",
+                run.logger.info,
+                on_oom=functools.partial(run.optimizer.zero_grad, set_to_none=True),
+                enabled=cfg.memory.oom_recovery,
+            )
             result = run.dist.optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm)
             stats.grad_norm.append(result.grad_norm)
             run.nonfinite_streak = run.nonfinite_streak + 1 if result.skipped else 0
             if result.skipped:
-                stats.skipped.append(f"gradient norm {result.grad_norm} (iteration {iteration + 1}, rows {start}-{start + per_step - 1}); "
-                                     + (step_stats.nonfinite_where or "every micro-batch loss was finite"))
+                stats.skipped.append(
+                    f"gradient norm {result.grad_norm} (iteration {iteration + 1}, rows {start}-{start + per_step - 1}); "
+                    + (step_stats.nonfinite_where or "every micro-batch loss was finite")
+                )
                 continue
             stats.loss.append(step_stats.loss)
             stats.kl += step_stats.kl
@@ -488,8 +557,9 @@ def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, ste
             logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
             old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
             ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
-            tok_loss, parts = per_token_loss(logps, old, rewards.advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta,
-                                             mask=mb.loss_mask, policy_loss=a.policy_loss)
+            tok_loss, parts = per_token_loss(
+                logps, old, rewards.advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta, mask=mb.loss_mask, policy_loss=a.policy_loss
+            )
             loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm)
             dist.backward(loss)
         value = loss.item()
@@ -510,9 +580,11 @@ def stop_if_nonfinite(run: Run, step: int) -> None:
     if not limit or run.nonfinite_streak < limit:
         return
     checkpoint(run, step)
-    raise NonFiniteStop(f"{run.nonfinite_streak} optimizer steps in a row were skipped because a reward, advantage, loss or gradient "
-                        f"was not finite (last at step {step}; metrics.jsonl: nonfinite/*). The checkpoint of step {step} holds the "
-                        "last good weights. Check the reward functions' ranges, lower optim.learning_rate, or raise training.max_nonfinite_steps.")
+    raise NonFiniteStop(
+        f"{run.nonfinite_streak} optimizer steps in a row were skipped because a reward, advantage, loss or gradient "
+        f"was not finite (last at step {step}; metrics.jsonl: nonfinite/*). The checkpoint of step {step} holds the "
+        "last good weights. Check the reward functions' ranges, lower optim.learning_rate, or raise training.max_nonfinite_steps."
+    )
 
 
 # ---------------------------------------------------------------- 5. log, 6. evaluate, 7. save
@@ -551,11 +623,19 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     warn_if_no_learning_signal(metrics, cfg, run.state, run.logger.info)
     run.logger.log(step, metrics)
     if cfg.logging.log_completions:
-        run.logger.log_samples(step, [
-            {"prompt": samples.prompt_texts[i], "completion": samples.texts[i], "reward": rewards.local[i],
-             "advantage": rewards.advantages[i].mean().item(), "solution": samples.rows[i // G].get("solution")}
-            for i in range(min(cfg.logging.log_completions, len(samples.texts)))
-        ])
+        run.logger.log_samples(
+            step,
+            [
+                {
+                    "prompt": samples.prompt_texts[i],
+                    "completion": samples.texts[i],
+                    "reward": rewards.local[i],
+                    "advantage": rewards.advantages[i].mean().item(),
+                    "solution": samples.rows[i // G].get("solution"),
+                }
+                for i in range(min(cfg.logging.log_completions, len(samples.texts)))
+            ],
+        )
     return metrics
 
 
@@ -581,8 +661,9 @@ def evaluate_run(run: Run) -> dict:
     if dist.sharded:
         with dist.gathered_for_generation(run.cfg.memory.generation_gather):
             return dist.call(evaluate, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
-    return dist.broadcast(evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
-                          if dist.is_main else None)
+    return dist.broadcast(
+        evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info) if dist.is_main else None
+    )
 
 
 def checkpoint(run: Run, step: int) -> None:
@@ -593,8 +674,10 @@ def checkpoint(run: Run, step: int) -> None:
 def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
     peak, capacity = metrics.get("mem/gpu_peak_reserved"), metrics.get("mem/gpu_capacity")
     if peak is not None and capacity and peak > fraction * capacity:
-        warn(f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
-             "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch")
+        warn(
+            f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
+            "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch"
+        )
 
 
 class _Reference:
