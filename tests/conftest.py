@@ -36,13 +36,19 @@ TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"}
 TIERS = {"integration", "multiproc", "slow"}
 
 
+def _traces(item) -> bool:
+    """Planner tests that build a real architecture on the meta device and trace it (about a second each)."""
+    return item.path.name == "test_planner.py" and ("trace" in item.name or "cli_plan" in item.name)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         marks = {m.name for m in item.iter_markers()}
-        if item.path.name == "test_distributed.py" and ("setup" in fixtures or "gloo" in item.name):
+        several_processes = "two_process" in item.name or "dead_holder" in item.name or "gloo" in item.name
+        if several_processes or (item.path.name == "test_distributed.py" and "setup" in fixtures):
             item.add_marker(pytest.mark.multiproc)
-        elif not marks & TIERS and fixtures & TINY_MODEL_FIXTURES:
+        elif not marks & TIERS and (fixtures & TINY_MODEL_FIXTURES or item.path.name == "test_integration.py" or _traces(item)):
             item.add_marker(pytest.mark.integration)
         if not {m.name for m in item.iter_markers()} & TIERS:
             item.add_marker(pytest.mark.unit)
