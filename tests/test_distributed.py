@@ -104,15 +104,32 @@ def test_cat_completions_pads_to_the_longest():
 
 # ---------------------------------------------------------------- two processes, no model: the collectives
 def _free_port() -> int:
-    """A port that was free a moment ago (bind, read, close): only where several launchers must share one port;
-    a single torchrun uses --standalone, which binds its own, so no other process can take it in between."""
+    """A port that was free a moment ago (bind, read, close): only for the two-node test, whose two launchers must
+    agree on one port in advance. A single torchrun uses --standalone and spawned workers use `_rendezvous_store`,
+    which hold their port from the moment it is chosen."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _rendezvous_store():
+    """A TCPStore this test process hosts on a port the OS picks (bound at once: no other process can take it in
+    between). Workers join it as clients (TORCHELASTIC_USE_AGENT_STORE=True, as under torchrun's agent); keep the
+    returned store alive until they are done."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def _collectives_worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     d = Distributed.from_env(cpu=True)
     shard = d.shard(4, 2, 4)  # 2 optimizer steps of 2 prompts: rank 0 gets prompts 0 and 2, rank 1 gets 1 and 3
     total = [float(i) for i in shard.rows]  # each row's value is its global index
@@ -143,7 +160,8 @@ def test_collectives_on_two_gloo_processes():
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    store = _rendezvous_store()
+    queue, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_collectives_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -399,7 +417,15 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     from vlmrl.rollout import generate
     from vlmrl.runtime import encode_rows, load_policy
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     torch.set_num_threads(1)
     cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
     d = Distributed.from_env(cpu=True)
@@ -458,7 +484,8 @@ def test_fsdp2_fully_shard_rollout_and_gradients_on_two_gloo_processes(setup):
 
     _, model, data = setup
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    store = _rendezvous_store()
+    queue, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_fsdp2_worker, args=(r, 2, port, str(model), str(data["train"]), queue)) for r in range(2)]
     for p in procs:
         p.start()

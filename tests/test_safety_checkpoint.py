@@ -104,7 +104,8 @@ def test_sharded_bytes_entry_payload_never_runs(tmp_path, loader):
 def _load_planted_worker(rank: int, port: int, folder: str, queue) -> None:
     import torch.distributed as tdist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The test process hosts the rendezvous store (bound to its port at once): the workers join as clients.
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     tdist.init_process_group("gloo")
     model = torch.nn.Linear(3, 2)
     try:
@@ -129,9 +130,10 @@ def test_sharded_payload_is_refused_on_every_process_of_a_two_process_resume(tmp
     folder = dcp_folder(tmp_path / "s", state)
     if where == "metadata":
         (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_load_planted_worker, args=(r, port, str(folder), queue)) for r in range(2)]
