@@ -773,7 +773,7 @@ def test_sft_workload_by_hand():
     for p in (p1, p2):
         assert p.terms["kv_cache"] == 0 and p.terms["generation_temporaries"] == 0 and p.terms["prefix_held_gradients"] == 0
     assert s1.completion_tokens == 12 and s2.completion_tokens == 10 and s1.num_generations == 1 and not s1.group_vision
-    assert s2.micro_batch == s2.prompts_per_step == 6 and s2.grad_accum == 1 and s2.logprob_chunk_tokens == 1024
+    assert s2.micro_batch == s2.prompts_per_step == 6 and s2.grad_accum == 1 and s2.logprob_chunk_tokens == base.logprob_chunk_tokens
     lora = sft_workload(dataclasses.replace(base, use_lora=True), 1)
     assert not lora.projector_only  # sft.py leaves LoRA's trainables as they are
     with pytest.raises(PlanError, match="stage 3"):
@@ -792,9 +792,7 @@ SFT_GRID = [  # (projector_only, freeze_vision, gc)
 @pytest.mark.parametrize("projector_only, freeze_vision, gc", SFT_GRID)
 def test_sft_closed_form_vs_trace(projector_only, freeze_vision, gc):
     """SFT terms vs the trace of the same step (rows with their own prompt and image, negative log-likelihood loss)."""
-    import torch
-
-    from vlmrl.plan_trace import TraceSetup, trace_update
+    from vlmrl.plan_trace import setup_for, trace_update
     from vlmrl.planner import sft_workload
 
     cfg = tiny_qwen25_config()
@@ -804,24 +802,7 @@ def test_sft_closed_form_vs_trace(projector_only, freeze_vision, gc):
     )
     w = sft_workload(base, 1 if projector_only else 2, train_vision_tower=not freeze_vision and not projector_only)
     w = dataclasses.replace(w, grad_accum=2)  # the trace's steady state: gradients already there
-    r = trace_update(
-        cfg,
-        TraceSetup(
-            dtype=torch.bfloat16,
-            rows=4,
-            unique_prompts=4,
-            image_patches=image_patches(spec, 224 * 224),
-            prompt_text_tokens=32,
-            completion_tokens=64,
-            group_vision=False,
-            shared_prefix=False,
-            train_projector_only=projector_only,
-            freeze_vision_tower=freeze_vision,
-            gradient_checkpointing=gc,
-            loss="sft",
-            logprob_chunk_tokens=1024,
-        ),
-    )
+    r = trace_update(cfg, setup_for(spec, w))  # the same description of the step for both (plan_trace.setup_for)
     closed = plan(spec, w).phases["update"]
     assert abs(closed / r.peak_bytes - 1) <= 0.10, (closed, r.peak_bytes)
 

@@ -273,7 +273,7 @@ def _check(w: Workload) -> None:
 def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, target_tokens: int | None = None) -> Workload:
     """What one `vlmrl sft` step of `stage` does (src/vlmrl/sft.py): base.micro_batch rows (sft.batch_size), each with
     its own prompt and image (one vision pass per row, no shared prefix), the target's tokens as the completion,
-    log-probs in chunks of 1024 tokens (completion_logps' default), one micro-batch per optimizer step, no rollout,
+    log-probs in base.logprob_chunk_tokens chunks (memory.logprob_chunk_tokens, as GRPO), one micro-batch per optimizer step, no rollout,
     no reference. Stage 1 trains the projector only; stage 2 the language model + projector (+ the vision tower with
     sft.train_vision_tower). With LoRA the stages train the same adapters (sft.py leaves them as they are)."""
     if stage not in (1, 2):
@@ -290,7 +290,6 @@ def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, t
         prompts_per_call=None,
         group_vision=False,
         shared_prefix=False,
-        logprob_chunk_tokens=1024,
         beta=0.0,
         num_iterations=1,
         completion_tokens=target_tokens or base.completion_tokens,

@@ -297,8 +297,6 @@ def finish_run(run: Run, final: dict) -> dict:
     try:
         final.update(maybe_evaluate(run, run.state["step"]))
     except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
-        if isinstance(e, KeyboardInterrupt):
-            raise
         run.logger.info(
             f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); training finished and is saved in "
             f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause."
@@ -601,7 +599,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "reward_std": wide.std().item(),
         "frac_reward_zero_std": (group_std(rewards.rewards, G) == 0).float().mean().item(),
         **reward_stats(rewards.per_reward),
-        "loss": sum(stats.loss) / max(1, len(stats.loss)),
+        "loss": _mean(stats.loss),
         "kl": _mean(stats.kl),
         "clip_ratio": _mean(stats.clip_ratio),
         **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(stats.ratio_dev)},
