@@ -1,0 +1,133 @@
+"""The README's benchmark figures, rendered from the result files under benchmarks/results/.
+
+Each function returns the markdown that sits between `<!-- NAME:start -->` and `<!-- NAME:end -->` in README.md;
+`scripts/update_reference.py` writes them and tests/test_readme_figures.py fails when README and results disagree.
+A block whose result file is absent is left as it is (the function returns None).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
+
+
+def _newest(pattern: str) -> Path | None:
+    """The result file matching pattern with the latest date in its name (names end in _YYYY-MM-DD[...].json)."""
+    found = sorted(RESULTS.glob(pattern))
+    return found[-1] if found else None
+
+
+def _load(path: Path | None) -> dict | None:
+    return json.loads(path.read_text()) if path is not None else None
+
+
+def memory_engine() -> str | None:
+    path = _newest("memory_engine_cpu_*.json")
+    result = _load(path)
+    if result is None:
+        return None
+    meta, summary = result["meta"], result["summary"]
+    lines = [
+        f"`{meta['command']}` on the {meta['cpu_count']}-core CPU ({meta['date']}; `benchmarks/results/{path.with_suffix('.md').name}`).",
+        f"Tiny Qwen2.5-VL with a {meta['vocab']:,}-token vocabulary, {meta['image_side']}x{meta['image_side']} images, "
+        f"completions forced to {meta['completion']} tokens, G = {meta['G']}, {meta['prompts_per_step']} prompts per step, fp32; "
+        "each row switches one more part on:",
+        "",
+        "| configuration | step (s) | rollout (s) | update (s) | peak RSS (GiB) | peak over loaded model (GiB) | vision images / step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['name']} | {row['step_s']:.2f} | {row['rollout_s']:.2f} | {row['update_s']:.2f} | {row['peak_rss_gib']:.2f} "
+            f"| {row['peak_over_load_gib']:.2f} | {row['vision_images_per_step']:.0f} |"
+        )
+    lines += [
+        "",
+        f"All on vs all off: step time x{summary['step_time_ratio_all_on_vs_off']:.2f}, peak RSS x{summary['peak_ratio_all_on_vs_off']:.2f} "
+        f"(x{summary['peak_over_load_ratio_all_on_vs_off']:.2f} over the loaded model).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def vs_trl() -> str | None:
+    path = _newest("vs_trl_cpu_*[0-9].json")
+    result = _load(path)
+    if result is None:
+        return None
+    machine = result["machine"]
+    lines = [
+        f"`{result['command']}` ({result['date']}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM; "
+        f"glibc tunables: {result['glibc_tunables'] or 'unset'} on both sides; "
+        f"{result['warmup']} warm-up + {result['steps']} measured steps per side and round, {result['rounds']} rounds; "
+        f"`benchmarks/results/{path.with_suffix('.md').name}`):",
+        "",
+        "| config | step time vlmrl / TRL | peak RSS vlmrl / TRL | images encoded per step vlmrl / TRL | completion tokens per step |",
+        "|---|---|---|---|---|",
+    ]
+    for config in result["configs"]:
+        ours, trl = config["vlmrl"], config["trl"]
+        lines.append(
+            f"| ({config['name']}) {config['title']} "
+            f"| {ours['median_step_s']:.3f} / {trl['median_step_s']:.3f} s = **{ours['median_step_s'] / trl['median_step_s']:.2f}** "
+            f"| {ours['peak_rss_gib']:.2f} / {trl['peak_rss_gib']:.2f} GiB = **{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}** "
+            f"| {ours['vision_images_encoded_per_step']:.0f} / {trl['vision_images_encoded_per_step']:.0f} "
+            f"| {config['tokens_per_step_expected']} (equal: {config['equal_work']}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_row(preset: str, record: dict) -> str:
+    if record.get("oom"):
+        return f"| {preset} | {record['name']} | out of memory | | |"
+    return (
+        f"| {preset} | {record['name']} | {record['gpu_peak_allocated_gib']:.1f} / {record['gpu_peak_reserved_gib']:.1f} "
+        f"| {record['time_step_s']:.2f} | {record['tokens_per_s']:.0f} |"
+    )
+
+
+def gpu_memory() -> str | None:
+    paths = sorted(p for p in RESULTS.glob("gpu_memory_*.json") if not p.stem.endswith("_grouped"))
+    if not paths:
+        return None
+    runs = [_load(p) for p in paths]
+    first = runs[0]
+    lines = [
+        f"Measured on one **{first['device']}** ({first['date'][:10]}, torch {first['torch']}, transformers {first['transformers']}), "
+        "random-weight real-size architectures, bf16, sdpa, 2 prompts x G, 256 image tokens per prompt, 64-token completions "
+        f"(`benchmarks/gpu_memory.py`; {', '.join(f'`{p.name}`' for p in paths)}):",
+        "",
+        "| model | config | peak allocated / reserved GiB | s/step | completion tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for run in runs:
+        lines += [_gpu_row(run["preset"], record) for record in run["records"]]
+    return "\n".join(lines) + "\n"
+
+
+def _largest(rows: list[dict], key: str) -> float:
+    return max(abs(row[key]) for row in rows if row.get(key) is not None)
+
+
+def planner_accuracy() -> str | None:
+    trace, runs, gpu = (_newest(p) for p in ("planner_accuracy_cpu_trace_*.json", "planner_accuracy_cpu_runs_*.json", "planner_vs_h100_*.json"))
+    if trace is None or runs is None or gpu is None:
+        return None
+    trace_rows, run_rows = _load(trace)["rows"], _load(runs)["rows"]
+    gpu_rows = [row for row in _load(gpu)["rows"] if row.get("reserved_difference_pct") is not None]
+    within = sum(abs(row["difference_pct"]) <= 10 for row in run_rows)
+    return (
+        f"Accuracy: closed form vs `--trace` on {len(trace_rows)} configs (full, LoRA, shared prefix, eager, SFT): largest difference "
+        f"{_largest(trace_rows, 'difference_pct'):.1f}% (`{trace.name}`); vs {len(gpu_rows)} H100 runs: within "
+        f"{_largest(gpu_rows, 'reserved_difference_pct'):.1f}% of `max_memory_reserved` (`{gpu.name}`); vs {len(run_rows)} real CPU runs: "
+        f"peak RSS within 10% on {within} of {len(run_rows)}, largest {_largest(run_rows, 'difference_pct'):.1f}% (`{runs.name}`).\n"
+    )
+
+
+BLOCKS = {"memory-engine": memory_engine, "vs-trl": vs_trl, "gpu-memory": gpu_memory, "planner-accuracy": planner_accuracy}
+
+
+def rendered() -> dict[str, str]:
+    """Block name -> markdown, for every block whose result files exist."""
+    return {name: text for name, render in BLOCKS.items() if (text := render()) is not None}
