@@ -125,7 +125,26 @@ def planner_accuracy() -> str | None:
     )
 
 
-BLOCKS = {"memory-engine": memory_engine, "vs-trl": vs_trl, "gpu-memory": gpu_memory, "planner-accuracy": planner_accuracy}
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def make_times() -> str | None:
+    result = _load(RESULTS / "make_times_cpu.json" if (RESULTS / "make_times_cpu.json").exists() else None)
+    if result is None:
+        return None
+    test = result["make_test"]
+    line = (
+        f"On a {result['cpu_count']}-core CPU machine ({result['date']}, fresh clone of {result['commit']}, "
+        f"`python scripts/measure_make_times.py`): `make test` {_minutes(test['seconds'])} in all (install, ruff lint and format check, "
+        f"then {test['pytest_summary']} in {_minutes(test['pytest_seconds'])})"
+    )
+    if "make_demo" in result:
+        line += f"; `make demo` {_minutes(result['make_demo']['seconds'])} after that"
+    return line + ".\n"
+
+
+BLOCKS = {"make-times": make_times, "memory-engine": memory_engine, "vs-trl": vs_trl, "gpu-memory": gpu_memory, "planner-accuracy": planner_accuracy}
 
 
 def rendered() -> dict[str, str]:
