@@ -35,14 +35,14 @@ def _store():
     return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
 
 
-def abort_everyone(message: str, rank: int, world_size: int, error_type: type[BaseException]) -> NoReturn:
-    """Tell every other process to stop with `message`, wait (at most ACK_WAIT_S) until they have seen it, then raise
+def abort_everyone(message: str, world_size: int, error_type: type[BaseException]) -> NoReturn:
+    """Tell every other process to stop with `message` (which names the process), wait (at most ACK_WAIT_S) until they have seen it, then raise
     error_type(message) here."""
     _aborting.set()
     key, seen = _keys()
     try:
         store = _store()
-        store.set(key, f"process {rank}: {message}")
+        store.set(key, message)
         deadline = time.monotonic() + ACK_WAIT_S
         while store.add(seen, 0) < world_size - 1 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -172,7 +172,7 @@ class Distributed(Collectives):
         from .abort import abort_everyone
 
         def abort(message: str):
-            abort_everyone(message, self.rank, self.world_size, OutOfMemoryAbort)
+            abort_everyone(message, self.world_size, OutOfMemoryAbort)
 
         def note(message: str) -> None:
             print(f"[process {self.rank}] {message}", file=sys.stderr, flush=True)

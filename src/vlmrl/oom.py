@@ -47,6 +47,14 @@ KNOBS = (
     "rollout.num_generations",
 )
 
+# The setting behind each phase's starting size: what to lower when a multi-process run stops instead of halving.
+SIZE_SETTINGS = {
+    "rollout": "memory.generation_prompts_per_call",
+    "scoring": "memory.scoring_micro_batch_size",
+    "update": "training.per_device_train_batch_size (with gradient_accumulation_steps raised to keep the batch) or memory.max_tokens_per_micro_batch",
+    "evaluation": "training.eval_batch_size",
+}
+
 
 class OutOfMemoryGaveUp(RuntimeError):
     """Out of memory even at a piece size of 1."""
@@ -160,7 +168,8 @@ def retry_on_oom(
                 peers.abort(
                     f"out of memory in {what} at size {size}{_where([peers.rank], peers)}: the engine's forward "
                     "and backward hold collectives, so one process cannot redo its work alone; every process stops. "
-                    f"Restart with a smaller size, or lower memory: {'; '.join(KNOBS)} ({e})"
+                    f"Restart with {SIZE_SETTINGS.get(what, 'a smaller size')} at most {max(1, size // 2)}, or lower memory: "
+                    f"{'; '.join(KNOBS)} ({e})"
                 )
             error = e
         failed = peers.who(error is not None)  # every process gets here, whether its attempt ran out of memory or not
