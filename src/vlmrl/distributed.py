@@ -24,7 +24,12 @@ What the loop gets from here
 - **Loss normalisation** (`step_normaliser`): sequence and token counts of an optimizer step are summed
   over processes, and the loss is multiplied by W before backward because DDP / FSDP / DeepSpeed average
   gradients: the gradient equals the one-process gradient of the same global batch.
-- **Gradient sync once per optimizer step**: `no_sync` on every micro-batch but the last one.
+- **Gradient sync once per optimizer step**: `no_sync` on every micro-batch but the last one; with OOM recovery
+  (memory.oom_recovery, the default) DDP runs every micro-batch under `no_sync` and averages the gradients
+  (`sync_gradients`, bit-identical to DDP's reducer) only after all processes agreed that none ran out of memory.
+- **Out of memory on some processes** (`oom_peers`, oom.py): each attempt is settled by one all-reduce, so every
+  process halves to the same size and redoes (one process, DDP); FSDP2 / DeepSpeed, whose forward and backward hold
+  collectives, stop every process with one message instead (abort.py: the rendezvous store, exit code 2).
 - **Metrics** (`reduce_metrics`): reduced across processes (sums for the loss, max for memory peaks and
   times, mean otherwise) plus per-process memory peaks (`mem/<key>/rank<r>`); only the main process
   writes files and shows the progress bar.

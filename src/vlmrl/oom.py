@@ -156,13 +156,16 @@ def retry_on_oom(
 
     With several processes every one of them calls this with the same size: each attempts, then all agree (`peers.who`)
     whether any ran out of memory; if one did, all discard their attempt (`on_oom`), halve and redo, so the sizes stay
-    equal everywhere. `fn` must hold no collective (peers.can_redo), otherwise an OOM ends every process."""
+    equal everywhere. `fn` must hold no collective (peers.can_redo), otherwise an OOM ends every process. Without
+    recovery (`enabled` false) fn runs once and nothing is agreed: an OOM ends this process (the launcher the others)."""
+    if not enabled:
+        return fn(size), size
     while True:
         result, error = None, None
         try:
             result = fn(size)
         except RuntimeError as e:  # torch.OutOfMemoryError is one
-            if not enabled or not is_out_of_memory(e):
+            if not is_out_of_memory(e):
                 raise
             if not peers.can_redo:
                 peers.abort(
