@@ -379,3 +379,18 @@ def test_two_process_fsdp2_oom_on_one_rank_stops_every_process_with_one_message(
     assert code1 == 2 and f"vlmrl train: {message}" in log1 and "Traceback" not in log1, log1[-3000:]
     assert code0 == 2 and f"vlmrl train: {message}" in log0 and "(process 0 stops too)" in log0, log0[-3000:]
     assert "Traceback" not in log0
+
+
+def test_a_resume_can_start_below_the_checkpoints_sizes():
+    """After every process stopped on an OOM (FSDP2), the restart resumes from the last checkpoint: a generation /
+    scoring size configured smaller then wins over the checkpoint's; otherwise the checkpoint's (shrunk) sizes stay."""
+    from vlmrl.config import load_config
+    from vlmrl.train import Sizes
+
+    saved = {"generation": None, "scoring": 4, "update": 2}
+    assert Sizes.initial(load_config(None, []), saved) == Sizes(None, 4, 2)
+    smaller = load_config(None, ["memory.generation_prompts_per_call=2", "memory.scoring_micro_batch_size=2"])
+    assert Sizes.initial(smaller, saved) == Sizes(2, 2, 2)
+    larger = load_config(None, ["memory.generation_prompts_per_call=8", "memory.scoring_micro_batch_size=8"])
+    assert Sizes.initial(larger, {"generation": 3, "scoring": 1, "update": 2}) == Sizes(3, 1, 2)
+    assert Sizes.initial(load_config(None, []), {"train": 3}) == Sizes(None, 3, 3)  # old checkpoints: one shared size

@@ -51,7 +51,8 @@ KNOBS = (
 SIZE_SETTINGS = {
     "rollout": "memory.generation_prompts_per_call",
     "scoring": "memory.scoring_micro_batch_size",
-    "update": "training.per_device_train_batch_size (with gradient_accumulation_steps raised to keep the batch) or memory.max_tokens_per_micro_batch",
+    # Not resume-harmless: a smaller update micro-batch needs a new output_dir (a resume keeps the checkpoint's).
+    "update": "training.per_device_train_batch_size (gradient_accumulation_steps raised to keep the batch; in a new output_dir)",
     "evaluation": "training.eval_batch_size",
 }
 

@@ -54,10 +54,19 @@ class Sizes:
 
     @classmethod
     def initial(cls, cfg: Config, saved: dict | None = None) -> "Sizes":
-        if saved:  # checkpoints before the scoring / update split stored one shared "train" size
-            return cls(saved.get("generation"), saved.get("scoring", saved.get("train")), saved.get("update", saved.get("train")))
+        """The configured sizes; when resuming, the checkpoint's (shrunk by OOMs), except that a generation / scoring size
+        configured smaller on resume (both resume-harmless) wins, so a run stopped by an OOM can restart below it."""
         update = cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size
-        return cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
+        configured = cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
+        if not saved:
+            return configured
+        # checkpoints before the scoring / update split stored one shared "train" size
+        generation, scoring = saved.get("generation"), saved.get("scoring", saved.get("train"))
+        if cfg.memory.generation_prompts_per_call is not None:
+            generation = min(generation or configured.generation, configured.generation)
+        if cfg.memory.scoring_micro_batch_size is not None:
+            scoring = min(scoring, configured.scoring)
+        return cls(generation, scoring, saved.get("update", saved.get("train")))
 
 
 @dataclass
