@@ -684,8 +684,6 @@ def evaluate_run(run: Run) -> dict:
         try:
             metrics = evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
         except Exception as e:  # noqa: BLE001 - the others wait in the broadcast below: tell them, then raise on every process
-            if dist.world_size == 1:
-                raise
             error = e
     metrics, failed = dist.broadcast((metrics, None if error is None else f"{type(error).__name__}: {error}"))
     if error is not None:
