@@ -101,6 +101,45 @@ def reduce_metric_dicts(per_rank: list[dict], sum_keys: tuple[str, ...] = (), ma
     return out
 
 
+def average_gradients(params: list[torch.Tensor], world_size: int, bucket_bytes: int = 25 * 2**20) -> None:
+    """Each process's locally accumulated `.grad`s replaced by their mean over the processes, as DDP's reducer makes
+    them (every gradient times 1/W, then summed across processes; buckets of ~25 MiB, DDP's default, so there are few
+    collectives). A parameter without a gradient on some process counts as zeros there; one without a gradient on
+    every process keeps none (DDP leaves globally unused parameters alone, and AdamW then skips them)."""
+    import torch.distributed as dist
+
+    if not params:
+        return
+    has = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(has)
+    used = [p for p, n in zip(params, has.tolist()) if n > 0]
+    for p in used:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in _buckets([p.grad for p in used], bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat.mul_(1.0 / world_size)
+        dist.all_reduce(flat)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype and device, up to `bucket_bytes` each (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not out or size + nbytes > bucket_bytes or (out[-1][0].dtype, out[-1][0].device) != (t.dtype, t.device):
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
 @dataclass
 class Shard:
     """This rank's part of one step: prompt positions, completion rows, and every rank's rows."""
@@ -206,6 +245,14 @@ class Collectives:
     def any(self, flag: bool) -> bool:
         """True on every process when `flag` is true on at least one."""
         return bool(flag) if self.world_size == 1 else self.all_sum([float(bool(flag))])[0] > 0
+
+    def ranks_where(self, flag: bool) -> list[int]:
+        """The ranks whose `flag` is true, the same list on every process (one all-reduce); one process: [0] or []."""
+        if self.world_size == 1:
+            return [0] if flag else []
+        mine = [0.0] * self.world_size
+        mine[self.rank] = float(bool(flag))
+        return [r for r, v in enumerate(self.all_sum(mine)) if v > 0]
 
     @contextlib.contextmanager
     def main_first(self):

@@ -24,7 +24,12 @@ What the loop gets from here
 - **Loss normalisation** (`step_normaliser`): sequence and token counts of an optimizer step are summed
   over processes, and the loss is multiplied by W before backward because DDP / FSDP / DeepSpeed average
   gradients: the gradient equals the one-process gradient of the same global batch.
-- **Gradient sync once per optimizer step**: `no_sync` on every micro-batch but the last one.
+- **Gradient sync once per optimizer step**: `no_sync` on every micro-batch but the last one; with OOM recovery
+  (memory.oom_recovery, the default) DDP runs every micro-batch under `no_sync` and averages the gradients
+  (`sync_gradients`, bit-identical to DDP's reducer) only after all processes agreed that none ran out of memory.
+- **Out of memory on some processes** (`oom_peers`, oom.py): each attempt is settled by one all-reduce, so every
+  process halves to the same size and redoes (one process, DDP); FSDP2 / DeepSpeed, whose forward and backward hold
+  collectives, stop every process with one message instead (abort.py: the rendezvous store, exit code 2).
 - **Metrics** (`reduce_metrics`): reduced across processes (sums for the loss, max for memory peaks and
   times, mean otherwise) plus per-process memory peaks (`mem/<key>/rank<r>`); only the main process
   writes files and shows the progress bar.
@@ -47,6 +52,8 @@ checkpoint, resume (2 processes and 1) and export. Not run: accelerate's GPU FSD
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -113,6 +120,10 @@ class Distributed(Collectives):
     def __init__(self, accelerator=None):
         super().__init__(accelerator)
         self.engine: Engine = engine_for(self, accelerator)
+        if self.world_size > 1 and not self.engine.can_redo_oom:
+            from .abort import watch_for_abort
+
+            watch_for_abort(self.rank)  # another process's abort_everyone ends this one (oom_peers)
 
     @classmethod
     def from_env(cls, cpu: bool = False) -> "Distributed":
@@ -146,8 +157,39 @@ class Distributed(Collectives):
     def check_supported(self, save_steps: int, save_final_model: bool) -> None:
         self.engine.check_supported(save_steps, save_final_model)
 
-    def prepare(self, model, optimizer, micro_batch_size: int = 1):
+    def prepare(self, model, optimizer, micro_batch_size: int = 1, oom_recovery: bool = False):
+        """The engine's wrap. Several processes with OOM recovery on an engine that can redo (DDP): gradients synced
+        after every process's accumulation (Engine.defer_gradient_sync), so that the processes can agree on an OOM first."""
+        self.engine.defer_gradient_sync = oom_recovery and self.world_size > 1 and self.engine.can_redo_oom
         return self.engine.prepare(model, optimizer, micro_batch_size)
+
+    def sync_gradients(self) -> None:
+        self.engine.sync_gradients()
+
+    @property
+    def oom_peers(self):
+        """How an out-of-memory is settled with the other processes (oom.Peers): agreed by one all-reduce and redone
+        by all (one process, DDP), or every process stopped with one message (FSDP2, DeepSpeed)."""
+        from .oom import ALONE, OutOfMemoryAbort, Peers
+
+        if self.world_size == 1:
+            return ALONE
+        from .abort import abort_everyone
+
+        def abort(message: str):
+            abort_everyone(message, self.world_size, OutOfMemoryAbort)
+
+        def note(message: str) -> None:
+            print(f"[process {self.rank}] {message}", file=sys.stderr, flush=True)
+
+        return Peers(
+            who=self.ranks_where,
+            can_redo=self.engine.can_redo_oom,
+            abort=abort,
+            note=None if self.is_main else note,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     def prepared_report(self) -> list[str]:
         return self.engine.prepared_report()

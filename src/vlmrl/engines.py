@@ -99,6 +99,15 @@ class Engine:
     name = "?"
     sharded = False  # parameters / optimizer states split across processes
     optimizer_loads_after_wrap = False  # the checkpoint's optimizer state goes in after prepare (load_state)
+    # Every micro-batch's backward under no_sync and the gradients averaged by `sync_gradients` only once every process
+    # has finished its accumulation (OOM agreement, oom.retry_on_oom): set by Distributed.prepare for DDP with OOM recovery.
+    defer_gradient_sync = False
+
+    @property
+    def can_redo_oom(self) -> bool:
+        """Whether one process's out-of-memory can be settled by every process redoing its piece (oom.Peers): only
+        when no forward or backward holds a collective (one process, DDP with deferred gradient sync)."""
+        return not self.sharded
 
     def __init__(self, collectives: Collectives, accelerator=None):
         self.collectives, self.accelerator = collectives, accelerator
@@ -148,10 +157,19 @@ class Engine:
         return self.runner(fn, *args, **kwargs)
 
     def no_sync(self, last: bool):
-        """Context for one micro-batch's backward: gradient sync only on the last micro-batch of an optimizer step."""
-        if self.runner is None:
+        """Context for one micro-batch's backward: gradient sync only on the last micro-batch of an optimizer step
+        (never, with defer_gradient_sync: `sync_gradients` does it after the OOM agreement)."""
+        if self.runner is None or (last and not self.defer_gradient_sync):
             return contextlib.nullcontext()
-        return contextlib.nullcontext() if last else self.accelerator.no_sync(self.runner)
+        return self.accelerator.no_sync(self.runner)
+
+    def sync_gradients(self) -> None:
+        """With defer_gradient_sync: the locally accumulated gradients averaged over processes, as DDP's reducer would
+        (collectives.average_gradients). Otherwise nothing: the engine synced them in the last backward."""
+        if self.defer_gradient_sync and self.runner is not None:
+            from .collectives import average_gradients
+
+            average_gradients([p for p in self.runner.parameters() if p.requires_grad], self.collectives.world_size)
 
     def backward(self, loss: torch.Tensor) -> None:
         """The loss scaled by W first, because every engine averages gradients over processes while the loss already

@@ -11,11 +11,12 @@ from .rollout import generate
 from .runtime import encode_rows, score_rollout
 
 
-def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device, log=print) -> dict[str, float]:
+def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device, log=print, peers=None) -> dict[str, float]:
     """Greedy completions for `rows`; returns `eval/<reward>` means (e.g. eval/accuracy, eval/iou) and
     eval/reward (the unweighted mean of all rewards per sample, then over samples). Batches of
-    training.eval_batch_size prompts, halved on out-of-memory (greedy decoding gives the same tokens)."""
-    from .oom import maybe_inject_oom, retry_on_oom
+    training.eval_batch_size prompts, halved on out-of-memory (greedy decoding gives the same tokens). `peers`: the
+    processes that evaluate together (oom.Peers; None: this one alone)."""
+    from .oom import ALONE, maybe_inject_oom, retry_on_oom
     from .prefix import LogprobOptions
     from .processing import decode
 
@@ -44,7 +45,7 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
 
     bs, start = cfg.training.eval_batch_size, 0
     while start < len(rows):
-        comp, bs = retry_on_oom(functools.partial(greedy_from, start), bs, "evaluation", log, enabled=cfg.memory.oom_recovery)
+        comp, bs = retry_on_oom(functools.partial(greedy_from, start), bs, "evaluation", log, enabled=cfg.memory.oom_recovery, peers=peers or ALONE)
         chunk = rows[start : start + bs]
         start += bs
         texts = decode(processor, comp.ids)

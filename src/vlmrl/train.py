@@ -35,6 +35,10 @@ from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs,
 from .signals import warn_if_no_learning_signal
 
 
+class EvaluationFailed(RuntimeError):
+    """Raised on the other processes when the main process's evaluation (DDP: the main process evaluates alone) failed."""
+
+
 class NonFiniteStop(RuntimeError):
     """training.max_nonfinite_steps optimizer steps in a row were skipped as non-finite; a checkpoint holds the last good state."""
 
@@ -50,10 +54,19 @@ class Sizes:
 
     @classmethod
     def initial(cls, cfg: Config, saved: dict | None = None) -> "Sizes":
-        if saved:  # checkpoints before the scoring / update split stored one shared "train" size
-            return cls(saved.get("generation"), saved.get("scoring", saved.get("train")), saved.get("update", saved.get("train")))
+        """The configured sizes; when resuming, the checkpoint's (shrunk by OOMs), except that a generation / scoring size
+        configured smaller on resume (both resume-harmless) wins, so a run stopped by an OOM can restart below it."""
         update = cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size
-        return cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
+        configured = cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
+        if not saved:
+            return configured
+        # checkpoints before the scoring / update split stored one shared "train" size
+        generation, scoring = saved.get("generation"), saved.get("scoring", saved.get("train"))
+        if cfg.memory.generation_prompts_per_call is not None:
+            generation = min(generation or configured.generation, configured.generation)
+        if cfg.memory.scoring_micro_batch_size is not None:
+            scoring = min(scoring, configured.scoring)
+        return cls(generation, scoring, saved.get("update", saved.get("train")))
 
 
 @dataclass
@@ -239,7 +252,8 @@ def start_run(cfg: Config, log) -> Run:
     state = {"step": 0, "best_metric": None, "best_step": None}
     if resume_from is not None:
         state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
-    optimizer = dist.prepare(model, optimizer, t.per_device_train_batch_size)  # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged
+    # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged. With OOM recovery DDP syncs gradients after the processes agree.
+    optimizer = dist.prepare(model, optimizer, t.per_device_train_batch_size, oom_recovery=cfg.memory.oom_recovery)
     for line in dist.prepared_report():
         log(line)
     if resume_from is not None:
@@ -337,6 +351,7 @@ def rollout(run: Run, step: int) -> Rollout:
         "rollout",
         run.logger.info,
         enabled=cfg.memory.oom_recovery,
+        peers=run.dist.oom_peers,  # every process halves together (or, FSDP2 / DeepSpeed, all stop)
     )
     G = cfg.rollout.num_generations
     return Rollout(
@@ -457,7 +472,9 @@ def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: tor
                 out[idx, : mb.ids.shape[1]] = logps.to(out.device)
         return out
 
-    logps, run.sizes.scoring = retry_on_oom(attempt, run.sizes.scoring, "scoring", run.logger.info, enabled=run.cfg.memory.oom_recovery)
+    logps, run.sizes.scoring = retry_on_oom(
+        attempt, run.sizes.scoring, "scoring", run.logger.info, enabled=run.cfg.memory.oom_recovery, peers=run.dist.oom_peers
+    )
     return logps
 
 
@@ -502,14 +519,18 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
     for iteration in range(cfg.algorithm.num_iterations):
         for start in range(0, n_rows, per_step):
             step_rows = list(range(start, start + per_step))
+            # Counts of the optimizer step over every process (a collective: outside the attempts an OOM may redo).
+            norm = run.dist.step_normaliser([scores.loss_mask[step_rows]], cfg.rollout.max_completion_length)
             step_stats, run.sizes.update = retry_on_oom(
-                functools.partial(accumulate, run, samples, rewards, scores, step_rows),
+                functools.partial(accumulate, run, samples, rewards, scores, step_rows, norm),
                 run.sizes.update,
                 "update",
                 run.logger.info,
                 on_oom=functools.partial(run.optimizer.zero_grad, set_to_none=True),
                 enabled=cfg.memory.oom_recovery,
+                peers=run.dist.oom_peers,
             )
+            run.dist.sync_gradients()  # DDP with OOM recovery: only now, once every process has its gradients
             result = run.dist.optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm)
             stats.grad_norm.append(result.grad_norm)
             run.nonfinite_streak = run.nonfinite_streak + 1 if result.skipped else 0
@@ -537,21 +558,20 @@ class StepGradients:
     nonfinite_where: str | None = None  # the first micro-batch whose loss or log-probs were not finite
 
 
-def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, step_rows: list[int], size: int) -> StepGradients:
-    """Forward/backward of one optimizer step's rows in micro-batches of `size`; gradients accumulate in the model."""
+def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, step_rows: list[int], norm, size: int) -> StepGradients:
+    """Forward/backward of one optimizer step's rows in micro-batches of `size`; gradients accumulate in the model.
+    `norm`: the step's loss normaliser over every process (losses.Normaliser), so the gradient is the global batch's."""
     from .oom import maybe_inject_oom
 
     cfg, dist = run.cfg, run.dist
     a = cfg.algorithm
     micro = micro_batches(run, samples, step_rows, size)
-    # Counts of the optimizer step over every process, so the gradient is the one of the global batch.
-    norm = dist.step_normaliser([scores.loss_mask[m] for m in micro], cfg.rollout.max_completion_length)
     out = StepGradients()
     for k, idx in enumerate(micro):
         maybe_inject_oom("update", len(idx))
         mb = micro_batch(run, samples, scores.loss_mask, idx)
         width = mb.ids.shape[1]
-        with dist.no_sync(last=k == len(micro) - 1):  # gradients are synced once, after the last micro-batch
+        with dist.no_sync(last=k == len(micro) - 1):  # gradients synced once: in the last backward, or by sync_gradients
             logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
             old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
             ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
@@ -656,12 +676,21 @@ def evaluate_run(run: Run) -> dict:
     from .evaluate import evaluate
 
     dist = run.dist
-    if dist.sharded:
+    if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
         with dist.gathered_for_generation(run.cfg.memory.generation_gather):
-            return dist.call(evaluate, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
-    return dist.broadcast(
-        evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info) if dist.is_main else None
-    )
+            return dist.call(evaluate, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, dist.oom_peers)
+    error, metrics = None, None
+    if dist.is_main:  # alone: its OOM redo involves no other process
+        try:
+            metrics = evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
+        except Exception as e:  # noqa: BLE001 - the others wait in the broadcast below: tell them, then raise on every process
+            error = e
+    metrics, failed = dist.broadcast((metrics, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise EvaluationFailed(f"the evaluation on the main process failed: {failed}")
+    return metrics
 
 
 def checkpoint(run: Run, step: int) -> None:
