@@ -26,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -214,8 +215,18 @@ class WandbTracker:
         self.run.finish(exit_code=1 if failed else 0)
 
 
+def mlflow_key(key: str) -> str:
+    """`key` as a name MLflow accepts: characters other than letters, digits, ``_ - . /`` and space become ``_`` (a
+    reward named by its file path, ``rewards//data/r.py:f/mean``, would be refused mid-run), and empty, ``.`` or
+    ``..`` path segments go (MLflow refuses names that normalise to another one)."""
+    parts = [part if part not in (".", "..") else "_" for part in re.sub(r"[^\w./\- ]", "_", key).split("/") if part]
+    return "/".join(parts) or "_"
+
+
 class MlflowTracker:
-    """MLflow: one run in MLFLOW_EXPERIMENT_NAME (default vlmrl) at MLFLOW_TRACKING_URI (default ./mlruns)."""
+    """MLflow: one run in MLFLOW_EXPERIMENT_NAME (default vlmrl) at MLFLOW_TRACKING_URI (unset: MLflow's own default,
+    ``sqlite:///mlflow.db`` in the current directory for MLflow 3; a ``file:`` store needs MLFLOW_ALLOW_FILE_STORE=true
+    there)."""
 
     PARAMS_PER_CALL = 100  # MLflow's batch limit for parameters
 
@@ -223,16 +234,20 @@ class MlflowTracker:
         self.mlflow = _import_tracker("mlflow")
         self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "vlmrl"))
         self.mlflow.start_run(run_name=run_name)
-        params = {k: str(v)[:500] for k, v in _flat_config(config).items()}
+        params = {mlflow_key(k): str(v)[:500] for k, v in _flat_config(config).items()}
         items = list(params.items())
-        for start in range(0, len(items), self.PARAMS_PER_CALL):
-            self.mlflow.log_params(dict(items[start : start + self.PARAMS_PER_CALL]))
+        try:
+            for start in range(0, len(items), self.PARAMS_PER_CALL):
+                self.mlflow.log_params(dict(items[start : start + self.PARAMS_PER_CALL]))
+        except Exception:
+            self.mlflow.end_run(status="FAILED")  # not left active for the next run in this process
+            raise
 
     def log(self, metrics: dict, step: int) -> None:
-        self.mlflow.log_metrics(_numbers(metrics), step=step)
+        self.mlflow.log_metrics({mlflow_key(k): v for k, v in _numbers(metrics).items()}, step=step)
 
     def finish(self, summary: dict, failed: bool = False) -> None:
-        self.mlflow.log_metrics({f"final/{k}": v for k, v in _numbers(summary).items()})
+        self.mlflow.log_metrics({mlflow_key(f"final/{k}"): v for k, v in _numbers(summary).items()})
         self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
@@ -341,10 +356,7 @@ class RunLogger:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         name = run_name or self.output_dir.name
-        for tracker in report_to:
-            if tracker not in EXTERNAL_TRACKERS:
-                raise ValueError(f"report_to: unknown tracker {tracker!r} (RunLogger takes {', '.join(EXTERNAL_TRACKERS)})")
-            self._trackers.append(EXTERNAL_TRACKERS[tracker](self.output_dir, name, run_config))
+        self._start_trackers(list(report_to), name, run_config)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -353,6 +365,26 @@ class RunLogger:
             self._writer = SummaryWriter(str(self.output_dir / "tb"), purge_step=initial_step or None, flush_secs=30)
         if progress:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True, unit="step")
+
+    def _start_trackers(self, names: list[str], run_name: str, run_config: dict | None) -> None:
+        """Start each tracker; one that fails to start (a refused tracking URI, a bad W&B setting) ends the ones
+        already started and raises TrackerError, one line naming the tracker and the cause."""
+        for tracker in names:
+            if tracker not in EXTERNAL_TRACKERS:
+                raise ValueError(f"report_to: unknown tracker {tracker!r} (RunLogger takes {', '.join(EXTERNAL_TRACKERS)})")
+            try:
+                self._trackers.append(EXTERNAL_TRACKERS[tracker](self.output_dir, run_name, run_config))
+            except Exception as e:
+                for started in self._trackers:
+                    started.finish({}, failed=True)
+                self._trackers.clear()
+                if isinstance(e, TrackerError):
+                    raise
+                detail = " ".join(str(e).split())
+                raise TrackerError(
+                    f"logging.report_to includes {tracker} but it failed to start: {type(e).__name__}: {detail[:600]}"
+                    " (fix the tracker's settings, or remove it from logging.report_to)"
+                ) from e
 
     # -- files ------------------------------------------------------------------------------------------
     def _append(self, name: str, rows: Iterable[dict]) -> None:
