@@ -307,6 +307,19 @@ def cut_logs(output_dir: str | Path, step: int, log=print) -> dict[str, int]:
     return removed
 
 
+def _memory_summary(metrics: dict) -> list[str]:
+    """["gpu=3.1G/plan 3.0G"] on a GPU run (mem/gpu_* logged), ["host=0.43G/plan 0.40G"] on a CPU run; the
+    prediction only when the planner made one for that device."""
+    gpu = metrics.get("mem/gpu_peak_reserved", metrics.get("mem/gpu_peak_allocated"))
+    if gpu is not None:
+        label, measured, predicted = "gpu", gpu, metrics.get("plan/peak_reserved")
+    elif metrics.get("mem/host_peak_rss") is not None:
+        label, measured, predicted = "host", metrics["mem/host_peak_rss"], metrics.get("plan/host_peak_rss")
+    else:
+        return []
+    return [f"{label}={_short(measured)}G" + (f"/plan {_short(predicted)}G" if predicted is not None else "")]
+
+
 class RunLogger:
     """Logs a training run to JSONL, TensorBoard and a progress bar.
 
@@ -431,13 +444,12 @@ class RunLogger:
 
     @staticmethod
     def _summary(metrics: dict) -> str:
-        """The short postfix: reward, loss, kl, step time and peak memory, when present."""
+        """The short postfix: reward, loss, kl, step time, and the peak memory of the device in use with the planner's
+        prediction for that device: ``gpu=`` reserved GiB on a GPU run, ``host=`` peak RSS GiB on a CPU run."""
         parts = [f"{k}={_short(metrics[k])}" for k in ("reward", "loss", "kl") if k in metrics]
         if "time/step" in metrics:
             parts.append(f"step={_short(metrics['time/step'])}s")
-        mem = metrics.get("mem/gpu_peak_allocated", metrics.get("mem/host_peak_rss"))
-        if mem is not None:
-            parts.append(f"mem={_short(mem)}G")
+        parts += _memory_summary(metrics)
         if metrics.get("no_signal_steps"):  # steps in a row with zero advantages (signals.py)
             parts.append(f"no-signal={metrics['no_signal_steps']}")
         return " ".join(parts)
