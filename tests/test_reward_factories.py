@@ -93,3 +93,10 @@ def test_grpo_run_logs_what_rewards_log(tiny_qwen25vl, tmp_path):
     assert [s["chars"] for s in samples] == [len(s["completion"]) for s in samples]
     # completion_ids reached the factory's reward: -0.25 x tokens, so its mean follows the mean length.
     assert metrics["rewards/length_penalty/mean"] == pytest.approx(-0.25 * metrics["completions/mean_length"])
+
+
+def test_factory_spec_cut_at_a_comma_says_to_quote_it():
+    cfg = load_config(None, [f"algorithm.reward_funcs=[{TEST_REWARDS}:length_penalty(scale=1, extra=2)]"])  # YAML cuts it in two
+    assert cfg.algorithm.reward_funcs[0].endswith("length_penalty(scale=1")
+    with pytest.raises(RewardError, match=r"unbalanced parentheses; an unquoted list item is cut at each comma, so quote"):
+        load_reward_funcs(cfg)

@@ -250,6 +250,11 @@ def load_reward(spec: str) -> RewardFn:
     factory = FACTORY_SPEC_RE.fullmatch(spec)
     if factory is not None:
         return _call_factory(spec, load_reward(f"{factory['target']}:{factory['name']}"), factory["args"])
+    if spec.count("(") != spec.count(")"):
+        raise RewardError(
+            f"reward {spec!r}: unbalanced parentheses; an unquoted list item is cut at each comma, so quote a spec whose "
+            """factory takes several arguments: algorithm.reward_funcs='["module:factory(a=1, b=2)", accuracy]'"""
+        )
     if ":" not in spec:
         close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? Otherwise " if close else ""
