@@ -71,7 +71,7 @@ def eval_sample(row: dict, completion: str, rewards: dict) -> dict:
     """One samples.jsonl record of an evaluation: the prompt, the model's greedy answer, the target (the row's
     response or <answer>solution</answer>, what SFT trains towards), each reward, and `correct` when an
     accuracy reward scored it (None where it does not apply)."""
-    from .sft import sft_target
+    from .data import sft_target
 
     target = sft_target(row) if row.get("response") or row.get("solution") is not None else None
     record = {"prompt": row["problem"], "completion": completion, "target": target, "solution": row.get("solution"), "rewards": rewards}

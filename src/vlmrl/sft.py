@@ -9,14 +9,10 @@ from pathlib import Path
 import torch
 
 from .config import Config, save_config
+from .data import sft_target
 from .losses import masked_mean
 from .planner import measured_vs_predicted, predict_for_sft
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
-
-
-def sft_target(row: dict) -> str:
-    """The text the model learns to produce: the row's `response`, else `<answer>solution</answer>`."""
-    return row.get("response") or f"<answer>{row['solution']}</answer>"
 
 
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
