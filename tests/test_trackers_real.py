@@ -163,6 +163,29 @@ def test_mlflow_failed_run_is_marked_failed(mlflow_store, tmp_path):
 
 
 @needs_mlflow
+def test_mlflow_resumed_run_continues_the_same_run(mlflow_store, tmp_path):
+    out = tmp_path / "r"
+    first = load_config(None, [f"training.output_dir={out}", "logging.logging_steps=1"])
+    with RunLogger(out, total_steps=3, progress=False, tensorboard=False, report_to=["mlflow"], run_config=dataclasses.asdict(first)) as logger:
+        logger.log(1, {"reward": 0.1})
+    # Resumed with a logging field changed (allowed on resume): MLflow cannot change a parameter, so it keeps the first value.
+    resumed = load_config(None, [f"training.output_dir={out}", "logging.logging_steps=5"])
+    with RunLogger(
+        out, total_steps=3, initial_step=1, progress=False, tensorboard=False, report_to=["mlflow"], run_config=dataclasses.asdict(resumed)
+    ) as logger:
+        logger.log(2, {"reward": 0.2})
+        logger.log(3, {"reward": 0.3})
+    client, (run,) = mlflow_runs()  # one run, not two
+    assert run.info.run_id == (out / "mlflow_run_id").read_text().strip() and run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert run.data.params["logging.logging_steps"] == "1"
+    (out / "mlflow_run_id").write_text("0123456789abcdef\n")  # a run this store does not have: a new run, not an error
+    with RunLogger(out, total_steps=1, progress=False, tensorboard=False, report_to=["mlflow"]) as logger:
+        logger.log(1, {"reward": 1.0})
+    assert len(mlflow_runs()[1]) == 2
+
+
+@needs_mlflow
 def test_mlflow_refused_store_is_one_line(mlflow_store, tmp_path, monkeypatch):
     from mlflow import environment_variables
 

@@ -233,8 +233,20 @@ class MlflowTracker:
     def __init__(self, output_dir: Path, run_name: str, config: dict | None):
         self.mlflow = _import_tracker("mlflow")
         self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "vlmrl"))
-        self.mlflow.start_run(run_name=run_name)
-        params = {mlflow_key(k): str(v)[:500] for k, v in _flat_config(config).items()}
+        # The run id is kept in output_dir, so a resumed run continues the same MLflow run (as with W&B).
+        id_file = output_dir / "mlflow_run_id"
+        previous = id_file.read_text().strip() if id_file.is_file() else ""
+        logged = self._params_of(previous)
+        if logged is None:  # a new run (or the saved one is not in this tracking store)
+            active = self.mlflow.start_run(run_name=run_name)
+            run_id = getattr(getattr(active, "info", None), "run_id", None)
+            if run_id:
+                id_file.write_text(run_id + "\n")
+            logged = {}
+        else:
+            self.mlflow.start_run(run_id=previous)
+        # MLflow parameters cannot change once logged: a resume logs only the new ones (a changed logging.* field keeps its first value).
+        params = {mlflow_key(k): str(v)[:500] for k, v in _flat_config(config).items() if mlflow_key(k) not in logged}
         items = list(params.items())
         try:
             for start in range(0, len(items), self.PARAMS_PER_CALL):
@@ -242,6 +254,15 @@ class MlflowTracker:
         except Exception:
             self.mlflow.end_run(status="FAILED")  # not left active for the next run in this process
             raise
+
+    def _params_of(self, run_id: str) -> dict | None:
+        """The parameters already logged to MLflow run `run_id`; None when there is no such run in this store."""
+        if not run_id:
+            return None
+        try:
+            return dict(self.mlflow.tracking.MlflowClient().get_run(run_id).data.params)
+        except Exception:  # noqa: BLE001 - another store, a deleted run: start a new one
+            return None
 
     def log(self, metrics: dict, step: int) -> None:
         self.mlflow.log_metrics({mlflow_key(k): v for k, v in _numbers(metrics).items()}, step=step)
