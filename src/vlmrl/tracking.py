@@ -21,6 +21,7 @@ Non-finite floats are written as ``null`` so every line is strict JSON (``json.l
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -515,6 +516,16 @@ class RunLogger:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    @contextlib.contextmanager
+    def closed_on_error(self):
+        """Closes the logger (trackers told the run failed) if the block raises; leaves it open otherwise, for what
+        the caller logs after the block (GRPO's final evaluation)."""
+        try:
+            yield self
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def __enter__(self) -> "RunLogger":
         return self

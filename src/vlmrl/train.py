@@ -161,37 +161,37 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     run = start_run(cfg, log)
     final: dict = {}
-    # The logger stays open through the final evaluation (trackers get it); an exception closes it as failed.
+    if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
+        final.update(evaluate_run(run))
+        run.logger.log_eval(0, final)
+    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. The logger stays
+    # open for the final evaluation (trackers get it) unless the loop raised.
+    with GracefulStop() as stop, run.logger.closed_on_error():
+        for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
+            reset_peaks()
+            phases: dict[str, float] = {}
+            with phase("rollout", phases):
+                samples = rollout(run, step)
+            with phase("rewards", phases):
+                rewards = reward_and_advantages(run, samples, step)
+            with phase("scoring", phases):
+                scores = score(run, samples, rewards)
+            with phase("update", phases):
+                stats = update(run, samples, rewards, scores)
+            final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
+            run.state["step"] = step
+            last = step == cfg.training.max_steps
+            if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
+                final.update(maybe_evaluate(run, step))
+            preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
+            if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
+                checkpoint(run, step)
+            stop_if_nonfinite(run, step)
+            if preempted and not last:
+                why = stop.signal_name or f"stop_after={stop_after}"
+                run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
+                break
     with run.logger:
-        if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
-            final.update(evaluate_run(run))
-            run.logger.log_eval(0, final)
-        # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
-        with GracefulStop() as stop:
-            for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
-                reset_peaks()
-                phases: dict[str, float] = {}
-                with phase("rollout", phases):
-                    samples = rollout(run, step)
-                with phase("rewards", phases):
-                    rewards = reward_and_advantages(run, samples, step)
-                with phase("scoring", phases):
-                    scores = score(run, samples, rewards)
-                with phase("update", phases):
-                    stats = update(run, samples, rewards, scores)
-                final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
-                run.state["step"] = step
-                last = step == cfg.training.max_steps
-                if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
-                    final.update(maybe_evaluate(run, step))
-                preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
-                if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
-                    checkpoint(run, step)
-                stop_if_nonfinite(run, step)
-                if preempted and not last:
-                    why = stop.signal_name or f"stop_after={stop_after}"
-                    run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
-                    break
         return finish_run(run, final)
 
 
