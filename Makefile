@@ -8,7 +8,7 @@ TORCH_CPU ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-quick lint test test-unit test-integration test-multiproc test-slow reference clean
+.PHONY: install demo demo-quick lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards reference clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,16 @@ test-multiproc: install
 
 test-slow: install
 	$(PY) -m pytest -m slow
+
+# Against the real optional packages (installed into the venv; needs the network once): W&B offline and MLflow with a
+# local store (tests/test_trackers_real.py), and TRL's own reward functions inside `vlmrl train` (test_trl_rewards_real.py).
+test-trackers: install
+	$(PY) -m pip install -q -e ".[trackers]"
+	$(PY) -m pytest tests/test_trackers_real.py -q -rs
+
+test-trl-rewards: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pytest tests/test_trl_rewards_real.py -q -rs
 
 reference: install
 	$(PY) scripts/update_reference.py

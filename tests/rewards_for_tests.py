@@ -16,3 +16,20 @@ def fails_on_three(prompts, completions, **columns):
     if len(completions) == 3:
         raise ValueError("this reward cannot score a batch of three")
     return [len(c) / 10 for c in completions]
+
+
+def length_penalty(scale):
+    """A factory, as TRL's get_* rewards: the spec `rewards_for_tests.py:length_penalty(scale=0.5)` calls it once."""
+
+    def reward(completion_ids, **kwargs):
+        return [-scale * len(ids) for ids in completion_ids]
+
+    return reward
+
+
+def logs_like_trl(completions, log_extra=None, log_metric=None, **kwargs):
+    """Uses TRL's logging hooks as TRL's own accuracy_reward does: a column per completion and a scalar."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    log_extra("chars", [len(t) for t in texts])
+    log_metric("custom/mean_chars", sum(len(t) for t in texts) / len(texts))
+    return [len(t) / 10 for t in texts]

@@ -178,6 +178,8 @@ def test_score_rollout_passes_what_trl_passes():
     assert seen["state"] == TrainerState(global_step=6, max_steps=40, epoch=1.5)  # 6 steps x 2 prompts / 8 rows
     assert seen["completions"][1] == [{"role": "assistant", "content": TEXTS[1]}]
     assert seen["prompts"][3][-1]["content"][-1]["text"] == "Which?"
+    hooks = {k: seen["extra"].pop(k) for k in ("log_extra", "log_metric")}  # TRL's logging hooks, as TRL passes them
+    assert all(callable(h) for h in hooks.values())
     assert seen["extra"] == {"problem": ["How many?"] * 2 + ["Which?"] * 2, "images": [["/a.png"]] * 2 + [[]] * 2, "difficulty": [2, 2, 5, 5]}
 
 

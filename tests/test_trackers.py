@@ -158,3 +158,40 @@ def test_sft_reports_to_wandb(fake_wandb, tiny_qwen25vl, tmp_path):
     assert [c[2]["step"] for c in logged] == [1, 2, 2]  # two steps, then the evaluation
     assert "eval/accuracy" in logged[-1][1][0] and [c[0] for c in fake_wandb][-1] == "finish"
     assert not (tmp_path / "sft" / "tb").exists()
+
+
+def test_closed_on_error_closes_only_when_the_block_raises(fake_wandb, tmp_path):
+    logger = RunLogger(tmp_path, total_steps=2, progress=False, tensorboard=False, report_to=["wandb"])
+    with logger.closed_on_error():
+        logger.log(1, {"reward": 1.0})
+    assert [c[0] for c in fake_wandb] == ["init", "log"]  # still open: the caller logs more
+    with pytest.raises(RuntimeError), logger.closed_on_error():
+        raise RuntimeError("boom")
+    assert fake_wandb[-1] == ("finish", (), {"exit_code": 1})
+
+
+def test_grpo_final_evaluation_reaches_the_tracker_before_it_finishes(fake_wandb, tiny_qwen25vl, tmp_path):
+    from vlmrl.tasks import make_count_task
+    from vlmrl.train import train
+
+    data = make_count_task(tmp_path / "d", n_train=4, n_test=2, seed=0, image_size=56)
+    overrides = [
+        f"model.name_or_path={tiny_qwen25vl}",
+        f"data.train_path={data['train']}",
+        f"data.eval_path={data['test']}",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.max_steps=1",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=4",
+        "rollout.generation_batch_size=4",
+        "rollout.max_completion_length=3",
+        "logging.progress_bar=false",
+        "logging.report=false",
+        "logging.report_to=[wandb]",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+    ]
+    train(load_config(None, overrides), log=lambda *_: None)
+    names = [c[0] for c in fake_wandb]
+    assert names == ["init", "log", "log", "summary.update", "finish"]  # the step, then the final evaluation
+    assert "eval/accuracy" in fake_wandb[2][1][0] and "eval/accuracy" in fake_wandb[3][1][0]

@@ -136,10 +136,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from .models import ModelLoadError
     from .oom import OutOfMemoryGaveUp
     from .rewards import RewardError
+    from .tracking import TrackerError
     from .train import NonFiniteStop
 
     extra = tuple(getattr(checkpoint, name) for name in ("ResumeError",) if hasattr(checkpoint, name))
-    return (ConfigError, DataError, ModelLoadError, RewardError, checkpoint.CheckpointError, OutOfMemoryGaveUp, NonFiniteStop, *extra)
+    return (ConfigError, DataError, ModelLoadError, RewardError, TrackerError, checkpoint.CheckpointError, OutOfMemoryGaveUp, NonFiniteStop, *extra)
 
 
 def report_user_error(command: str, error: BaseException) -> int:

@@ -899,3 +899,9 @@ class PromptSampler:
         if epoch < 0 or not 0 <= position < self.num_rows:
             raise ValueError(f"invalid sampler state epoch={epoch} position={position} for {self.num_rows} rows")
         self._epoch, self._position, self._order = epoch, position, None
+
+
+def sft_target(row: dict) -> str:
+    """The text the model learns to produce (SFT's target, the answer evaluation samples show next to the model's):
+    the row's `response`, else `<answer>solution</answer>`."""
+    return row.get("response") or f"<answer>{row['solution']}</answer>"

@@ -11,11 +11,22 @@ from .rollout import generate
 from .runtime import encode_rows, score_rollout
 
 
-def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device: torch.device, log=print, peers=None) -> dict[str, float]:
+def evaluate(
+    model,
+    processor,
+    rows: list[dict],
+    cfg: Config,
+    reward_funcs: dict,
+    device: torch.device,
+    log=print,
+    peers=None,
+    samples: list | None = None,
+) -> dict[str, float]:
     """Greedy completions for `rows`; returns `eval/<reward>` means (e.g. eval/accuracy, eval/iou) and
     eval/reward (the unweighted mean of all rewards per sample, then over samples). Batches of
     training.eval_batch_size prompts, halved on out-of-memory (greedy decoding gives the same tokens). `peers`: the
-    processes that evaluate together (oom.Peers; None: this one alone)."""
+    processes that evaluate together (oom.Peers; None: this one alone).
+    `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`)."""
     from .oom import ALONE, maybe_inject_oom, retry_on_oom
     from .prefix import LogprobOptions
     from .processing import decode
@@ -50,6 +61,9 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
         start += bs
         texts = decode(processor, comp.ids)
         _, per_reward = score_rollout(cfg, reward_funcs, {k: 1.0 for k in reward_funcs}, chunk, 1, texts, comp, when="evaluation")
+        if samples is not None:
+            wanted = max(0, cfg.logging.log_completions - len(samples))
+            samples += [eval_sample(chunk[i], texts[i], {k: v[i] for k, v in per_reward.items()}) for i in range(min(wanted, len(chunk)))]
         for name, values in per_reward.items():
             valid = [v for v in values if v is not None]
             sums[name] = sums.get(name, 0.0) + sum(valid)
@@ -60,3 +74,16 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
     out["eval/mean_length"] = sum(lengths) / max(1, len(lengths))
     out["eval/num_samples"] = float(len(rows))
     return out
+
+
+def eval_sample(row: dict, completion: str, rewards: dict) -> dict:
+    """One samples.jsonl record of an evaluation: the prompt, the model's greedy answer, the target (the row's
+    response or <answer>solution</answer>, what SFT trains towards), each reward, and `correct` when an
+    accuracy reward scored it (None where it does not apply)."""
+    from .data import sft_target
+
+    target = sft_target(row) if row.get("response") or row.get("solution") is not None else None
+    record = {"prompt": row["problem"], "completion": completion, "target": target, "solution": row.get("solution"), "rewards": rewards}
+    if rewards.get("accuracy") is not None:
+        record["correct"] = rewards["accuracy"] == 1.0
+    return record

@@ -98,43 +98,138 @@ def _shade_no_signal(ax, spans: list[tuple[float, float]]) -> None:
         ax.legend(fontsize=7)
 
 
-def make_report(output_dir: str | Path, title: str | None = None) -> Path:
-    """Draw ``output_dir/report.png`` from the run's logs and return its path.
+# Under GRPO's loss panel: why the number most people read first says little about learning.
+GRPO_LOSS_CAPTION = "near 0 by design: advantages are zero-mean in each group"
 
-    Panels: reward (total and per-reward means), eval metrics (every ``eval/*`` key), loss, KL,
-    completion length, peak memory (``mem/*peak*``), step time and grad norm. Missing logs or keys give
-    "not logged" panels, never an error.
-    """
+
+def run_settings(output_dir: str | Path) -> tuple[float | None, dict[str, float]]:
+    """(algorithm.beta, {eval metric: chance level}) of the run in `output_dir`, from its saved config.yaml and the
+    task.json beside its eval data (tasks.chance_levels); (None, {}) when there is no readable config."""
+    import yaml
+
+    from .tasks import chance_levels
+
+    out = Path(output_dir)
+    try:
+        cfg = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return None, {}
+    if not isinstance(cfg, dict):
+        return None, {}
+    beta = (cfg.get("algorithm") or {}).get("beta")
+    data = cfg.get("data") or {}
+    eval_path = data.get("eval_path") or ("" if data.get("train_path") else str(out / "data" / str(data.get("task", "count")) / "test.jsonl"))
+    return (float(beta) if isinstance(beta, (int, float)) else None), (chance_levels(eval_path) if eval_path else {})
+
+
+def _chance_lines(ax, chance: dict[str, float], eval_keys: list[str]) -> None:
+    """A dashed line at each plotted eval metric's chance level, in that metric's colour."""
+    for i, key in enumerate(eval_keys):
+        level = chance.get(key.removeprefix("eval/"))
+        if level is not None:
+            ax.axhline(level, color=f"C{i}", linestyle="--", linewidth=1, label=f"chance ({key.removeprefix('eval/')} {level:.3g})")
+    if any(key.removeprefix("eval/") in chance for key in eval_keys):
+        ax.legend(fontsize=7)
+
+
+def _caption(ax, text: str) -> None:
+    ax.text(0.5, 0.98, text, transform=ax.transAxes, ha="center", va="top", fontsize=7, color="dimgray")
+
+
+def _memory_curves(train: list[dict], train_keys: list[str]) -> list:
+    """Measured peaks, and the planner's prediction for the device the run used only (GPU reserved, or host RSS on CPU)."""
+    curves = [(k.removeprefix("mem/"), _series(train, k)) for k in train_keys if k.startswith("mem/") and "peak" in k]
+    predicted = "plan/peak_reserved" if "mem/gpu_peak_reserved" in train_keys else "plan/host_peak_rss"
+    return curves + [(f"{predicted.removeprefix('plan/')} (predicted)", _series(train, predicted))]
+
+
+def build_report(output_dir: str | Path, title: str | None = None) -> Figure:
+    """The report's figure (see `make_report`), for saving or inspecting."""
     out = Path(output_dir)
     train = _by_step(read_jsonl(out / "metrics.jsonl"))
     evals = _by_step(read_jsonl(out / "eval.jsonl"))
     train_keys = sorted({k for r in train for k in r})
     eval_keys = sorted({k for r in evals for k in r if k.startswith("eval/") and k not in _EVAL_SKIP})
+    beta, chance = run_settings(out)
+    grpo = "reward" in train_keys  # SFT logs no reward: its panels for rewards, signal and KL would stay empty
 
     def curves(keys, rows=train, strip=""):
         return [(k.removeprefix(strip), _series(rows, k)) for k in keys]
 
-    reward_keys = ["reward"] + [k for k in train_keys if k.startswith("rewards/") and k.endswith("/mean")]
-    peak_keys = [k for k in train_keys if k.startswith("mem/") and "peak" in k]
+    panels = []  # (title, draw(ax))
+    if grpo:
+        reward_keys = ["reward"] + [k for k in train_keys if k.startswith("rewards/") and k.endswith("/mean")]
 
-    fig = Figure(figsize=(16, 7.5), layout="constrained")
-    axes = fig.subplots(2, 4).ravel()
-    _panel(axes[0], "reward", [(k.removeprefix("rewards/").removesuffix("/mean"), _series(train, k)) for k in reward_keys])
-    _shade_no_signal(axes[0], no_signal_spans(train))
-    _panel(axes[1], "eval", curves(eval_keys, evals, "eval/"), markers=True)
-    _panel(axes[2], "loss", curves(["loss"]))
-    _panel(axes[3], "KL to reference", curves(["kl"]))
-    _panel(
-        axes[4],
-        "completion length",
-        [("train", _series(train, "completions/mean_length")), ("eval", _series(evals, "eval/mean_length"))],
-        ylabel="tokens",
-    )
-    _panel(axes[5], "peak memory", curves(peak_keys, strip="mem/"), ylabel="GiB", legend=True)
-    _panel(axes[6], "step time", curves(["time/step"]), ylabel="s")
-    _panel(axes[7], "grad norm", curves(["grad_norm"]))
+        def reward_panel(ax):
+            _panel(ax, "reward", [(k.removeprefix("rewards/").removesuffix("/mean"), _series(train, k)) for k in reward_keys])
+            _shade_no_signal(ax, no_signal_spans(train))
+
+        panels.append(reward_panel)
+
+    def eval_panel(ax):
+        _panel(ax, "eval", curves(eval_keys, evals, "eval/"), markers=True)
+        _chance_lines(ax, chance, eval_keys)
+
+    def loss_panel(ax):
+        _panel(ax, "loss (policy gradient)" if grpo else "loss (target negative log-likelihood)", curves(["loss"]))
+        if grpo and any(r.get("loss") is not None for r in train):
+            _caption(ax, GRPO_LOSS_CAPTION)
+
+    panels += [eval_panel, loss_panel]
+    if grpo:  # what moves when GRPO learns: spread of rewards, groups with no signal, clipped tokens
+        panels.append(
+            lambda ax: _panel(
+                ax,
+                "learning signal",
+                [
+                    ("reward std", _series(train, "reward_std")),
+                    ("groups with equal rewards", _series(train, "frac_reward_zero_std")),
+                    ("clipped token fraction", _series(train, "clip_ratio")),
+                ],
+                legend=True,
+            )
+        )
+        if beta != 0:  # beta 0 trains without a reference: no KL is computed, the panel would be a flat 0
+            panels.append(lambda ax: _panel(ax, "KL to reference", curves(["kl"])))
+        panels.append(
+            lambda ax: _panel(
+                ax,
+                "completion length",
+                [("train", _series(train, "completions/mean_length")), ("eval", _series(evals, "eval/mean_length"))],
+                ylabel="tokens",
+            )
+        )
+    else:
+        panels.append(lambda ax: _panel(ax, "eval answer length", [("eval", _series(evals, "eval/mean_length"))], ylabel="tokens"))
+    panels += [
+        lambda ax: _panel(ax, "peak memory", _memory_curves(train, train_keys), ylabel="GiB", legend=True),
+        lambda ax: _panel(ax, "step time", curves(["time/step"]), ylabel="s"),
+        lambda ax: _panel(ax, "grad norm", curves(["grad_norm"])),
+    ]
+    cols = 4
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(16, 3.75 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, draw in zip(axes, panels):
+        draw(ax)
+    for ax in axes[len(panels) :]:
+        ax.set_axis_off()
     fig.suptitle(title or out.resolve().name)
+    return fig
 
+
+def make_report(output_dir: str | Path, title: str | None = None) -> Path:
+    """Draw ``output_dir/report.png`` from the run's logs and return its path.
+
+    Panels: reward (total and per-reward means, steps without learning signal shaded), eval metrics (every
+    ``eval/*`` key, with a dashed chance line where the task defines one: tasks.chance_levels), loss (GRPO's with a
+    caption saying why it sits near 0), learning signal (reward std, fraction of groups with equal rewards, clipped
+    token fraction), KL (left out when the run's algorithm.beta is 0), completion length, peak memory (with the
+    planner's prediction for the device used), step time and grad norm. SFT runs get the panels that apply to
+    them. Missing logs or keys give "not logged" panels, never an error.
+    """
+    out = Path(output_dir)
+    fig = build_report(out, title)
     path = out / "report.png"
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

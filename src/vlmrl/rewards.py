@@ -37,7 +37,7 @@ import re
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -236,11 +236,25 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 # Loading user rewards
 
 
+# ``target:factory(arg=value, ...)``: a function that returns the reward (TRL's get_soft_overlong_punishment).
+FACTORY_SPEC_RE = re.compile(r"(?P<target>.+):(?P<name>[A-Za-z_]\w*)\((?P<args>.*)\)\s*", re.DOTALL)
+
+
 def load_reward(spec: str) -> RewardFn:
     """A reward function from a spec: a built-in name (see BUILTIN_REWARDS), ``path/to/file.py:function``
-    (the file is imported by path, relative to the current directory), or ``package.module:function``."""
+    (the file is imported by path, relative to the current directory), or ``package.module:function``.
+    ``...:factory(max_len=512)`` calls a factory once with those literal arguments and uses what it returns
+    (TRL's ``get_soft_overlong_punishment``, ``get_repetition_penalty_reward``, ``get_cosine_scaled_reward``)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    factory = FACTORY_SPEC_RE.fullmatch(spec)
+    if factory is not None:
+        return _call_factory(spec, load_reward(f"{factory['target']}:{factory['name']}"), factory["args"])
+    if spec.count("(") != spec.count(")"):
+        raise RewardError(
+            f"reward {spec!r}: unbalanced parentheses; an unquoted list item is cut at each comma, so quote a spec whose "
+            """factory takes several arguments: algorithm.reward_funcs='["module:factory(a=1, b=2)", accuracy]'"""
+        )
     if ":" not in spec:
         close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? Otherwise " if close else ""
@@ -257,6 +271,33 @@ def load_reward(spec: str) -> RewardFn:
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(f"reward {spec!r}: {target}:{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def factory_arguments(spec: str, args: str) -> tuple[list, dict]:
+    """(positional, keyword) arguments of ``factory(args)`` in a reward spec; only Python literals (numbers,
+    strings, lists, dicts, True/False/None), so a config file cannot run code through a spec."""
+    import ast
+
+    try:
+        call = ast.parse(f"f({args})", mode="eval").body
+        if not isinstance(call, ast.Call) or any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
+            raise ValueError("only plain arguments")
+        return [ast.literal_eval(a) for a in call.args], {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError) as e:
+        raise RewardError(
+            f"reward {spec!r}: the factory's arguments must be Python literals, e.g. name(max_len=512, scale=0.5) ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _call_factory(spec: str, factory: Callable, args: str) -> RewardFn:
+    positional, keyword = factory_arguments(spec, args)
+    try:
+        fn = factory(*positional, **keyword)
+    except Exception as e:
+        raise RewardError(f"reward {spec!r}: calling the factory failed: {type(e).__name__}: {_one_line(e)}") from e
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r}: the factory returned a {type(fn).__name__}, not a reward function")
     return fn
 
 
@@ -297,7 +338,7 @@ def _import_module(target: str, spec: str):
 
 COMPLETION_FORMATS = ("text", "conversational")
 # Arguments TRL passes besides the dataset columns; a column with one of these names would be shadowed.
-RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 @dataclass(frozen=True)
@@ -308,6 +349,29 @@ class TrainerState:
     global_step: int = 0
     max_steps: int = 0
     epoch: float = 0.0
+
+
+@dataclass
+class RewardLog:
+    """What reward functions log through TRL's ``log_extra(column, values)`` (one value per completion: extra
+    fields of samples.jsonl) and ``log_metric(name, value)`` (a scalar: averaged into the step's metrics)."""
+
+    columns: dict[str, list] = field(default_factory=dict)
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns[str(column)] = list(values)  # the latest call wins: two rewards logging one column do not double it
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.values.setdefault(str(name), []).append(float(value))
+
+    def metrics(self) -> dict[str, float]:
+        """{name: mean of the values logged this step}."""
+        return {name: sum(v) / len(v) for name, v in self.values.items() if v}
+
+    def sample_columns(self, index: int, n: int) -> dict:
+        """The logged columns' values for completion `index` of `n` (columns of another length are left out)."""
+        return {key: values[index] for key, values in self.columns.items() if len(values) == n}
 
 
 def conversational_completions(texts: list[str]) -> list[list[dict]]:
@@ -401,11 +465,13 @@ def compute_rewards(
     trainer_state: TrainerState | None = None,
     when: str | None = None,
     sources: list[str] | None = None,
+    reward_log: RewardLog | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted total reward per completion, and each reward's raw values.
 
     Each function is called once on the whole batch, with ``completion_ids`` and ``trainer_state`` when
-    given and the function takes them; async functions are awaited, all of them concurrently.
+    given, and TRL's ``log_extra`` / ``log_metric`` (recorded in ``reward_log``; a throwaway one when None), to
+    the functions that take them; async functions are awaited, all of them concurrently.
     total[i] = sum of weight * value over the rewards whose value for sample i is not None (None counts as
     0, like TRL's nansum); when every reward is None for a sample its total is 0 (`reward_stats` reports
     how often as ``rewards/all_none_frac``). NaN returns are treated as None. A function that raises is
@@ -429,13 +495,15 @@ def compute_rewards(
     if missing:
         raise ValueError(f"no weight for reward(s) {', '.join(missing)}")
     extras = {k: v for k, v in (("completion_ids", completion_ids), ("trainer_state", trainer_state)) if v is not None}
+    reward_log = reward_log if reward_log is not None else RewardLog()
+    extras.update(log_extra=reward_log.log_extra, log_metric=reward_log.log_metric)
 
     def arguments(fn: RewardFn, index: int | None = None) -> dict:
         """The keyword arguments of one call: the whole batch, or sample `index` alone."""
         pick = (lambda values: values) if index is None else (lambda values: [values[index]])
         kwargs = {"prompts": pick(prompts), "completions": pick(completions), **{k: pick(v) for k, v in columns.items()}}
         for key in _accepted(fn, tuple(extras)):
-            kwargs[key] = extras[key] if key == "trainer_state" else pick(extras[key])
+            kwargs[key] = pick(extras[key]) if key == "completion_ids" else extras[key]
         return kwargs
 
     where = functools.partial(describe_sample, when=when, sources=sources, columns=columns)
@@ -544,6 +612,11 @@ def _format_hint(error: Exception, completion: Any) -> str:
         return (
             "; a reward written for TRL's conversational completions (completion[0]['content'], as VLM-R1's) "
             "needs algorithm.completion_format=conversational"
+        )
+    if isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", str(error)):
+        return (
+            "; if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), "
+            "call it in the spec with its arguments: module:factory(arg=value, ...)"
         )
     if isinstance(completion, list) and isinstance(error, (AttributeError, TypeError)):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"

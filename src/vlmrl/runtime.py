@@ -235,11 +235,13 @@ def score_rollout(
     step: int = 0,
     num_rows: int | None = None,
     when: str | None = None,
+    reward_log=None,
 ) -> tuple[list[float], dict]:
     """Rewards of `texts` (``repeats`` completions per row, in order), called the way TRL calls them: prompts and
     completions in algorithm.completion_format, the dataset columns, ``completion_ids`` (each completion's ids up
     to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
-    ``num_rows`` training rows). Returns `compute_rewards`' (total, per_reward)."""
+    ``num_rows`` training rows), and TRL's ``log_extra`` / ``log_metric`` into ``reward_log`` (rewards.RewardLog).
+    Returns `compute_rewards`' (total, per_reward)."""
     from .rewards import TrainerState, compute_rewards, reward_inputs
 
     prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
@@ -258,15 +260,17 @@ def score_rollout(
         trainer_state=state,
         when=when,
         sources=row_sources(rows, repeats),
+        reward_log=reward_log,
     )
 
 
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
-    from .rewards import load_reward
+    from .rewards import FACTORY_SPEC_RE, load_reward
 
     names = cfg.algorithm.reward_funcs
     weights = cfg.algorithm.reward_weights or [1.0] * len(names)
-    short = [n.rsplit(":", 1)[-1] for n in names]
+    # "file.py:name" and "module:factory(max_len=8)" are logged as name / factory.
+    short = [m["name"] if (m := FACTORY_SPEC_RE.fullmatch(n)) else n.rsplit(":", 1)[-1] for n in names]
     # A file reward is logged under its function's name unless two rewards share it.
     keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
     if len(set(keys)) != len(keys):

@@ -9,14 +9,10 @@ from pathlib import Path
 import torch
 
 from .config import Config, save_config
+from .data import sft_target
 from .losses import masked_mean
 from .planner import measured_vs_predicted, predict_for_sft
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
-
-
-def sft_target(row: dict) -> str:
-    """The text the model learns to produce: the row's `response`, else `<answer>solution</answer>`."""
-    return row.get("response") or f"<answer>{row['solution']}</answer>"
 
 
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +50,6 @@ def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
 def sft(cfg: Config, log=print) -> dict:
     """Run the configured SFT stages; saves output_dir/final and returns the last metrics."""
     from .data import PromptSampler
-    from .evaluate import evaluate
     from .models import save_model
     from .optim import clip_and_step, make_optimizer
     from .prefix import LogprobOptions, completion_logps_for
@@ -115,7 +110,7 @@ def sft(cfg: Config, log=print) -> dict:
             }
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
-                logger.log_eval(step, evaluate(model, processor, data.eval, cfg, reward_funcs, device))
+                evaluate_and_log(logger, step, model, processor, data.eval, cfg, reward_funcs, device)
     from .checkpoint import save_folder_atomically
 
     # Before the last evaluation (its failure must not lose the training); under a temporary name, then renamed: a
@@ -123,9 +118,7 @@ def sft(cfg: Config, log=print) -> dict:
     save_folder_atomically(out / "final", lambda tmp: save_model(model, processor, tmp))
     if data.eval:
         try:
-            metrics = evaluate(model, processor, data.eval, cfg, reward_funcs, device, log)
-            logger.log_eval(step, metrics)
-            final.update(metrics)
+            final.update(evaluate_and_log(logger, step, model, processor, data.eval, cfg, reward_funcs, device, log))
         except Exception as e:  # noqa: BLE001 - the model is saved; report and keep it
             log(f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); the trained model is saved in {out / 'final'}")
             final["eval/failed"] = 1.0
@@ -134,4 +127,24 @@ def sft(cfg: Config, log=print) -> dict:
         from .report import make_report
 
         make_report(out, title=f"SFT: {out.name} ({cfg.model.name_or_path})")
+    if cfg.logging.progress_bar:
+        from .report import summary_table
+
+        shown = {k: v for k, v in final.items() if k in SFT_SUMMARY_KEYS or k.startswith("eval/")}
+        summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"SFT finished: {out}")
     return final
+
+
+SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+
+
+def evaluate_and_log(logger, step: int, model, processor, rows, cfg: Config, reward_funcs: dict, device, log=print) -> dict:
+    """Greedy evaluation logged to eval.jsonl, with the first logging.log_completions answers (prompt, greedy answer,
+    target, rewards, correct) in samples.jsonl, as GRPO logs its completions."""
+    from .evaluate import evaluate
+
+    samples: list[dict] = []
+    metrics = evaluate(model, processor, rows, cfg, reward_funcs, device, log, samples=samples)
+    logger.log_eval(step, metrics)
+    logger.log_samples(step, [{"kind": "eval", **sample} for sample in samples])
+    return metrics

@@ -126,6 +126,32 @@ def _write_splits(
 
 
 # ---------------------------------------------------------------------------------------------------
+# Chance levels: ``task.json`` next to a split's file
+
+TASK_INFO = "task.json"
+
+
+def write_task_info(out_dir: str | os.PathLike, info: dict) -> None:
+    """``out_dir/task.json``: what the task is and the eval metrics' chance levels (``{"chance": {"accuracy": 0.25}}``),
+    which report.png draws as a baseline. User data can hold one too, next to its eval file."""
+    _write(Path(out_dir) / TASK_INFO, (json.dumps(info, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def chance_levels(eval_path: str | os.PathLike) -> dict[str, float]:
+    """{metric: chance level} from the ``task.json`` beside `eval_path` (a file) or inside it (a datasets folder);
+    {} when there is none or it is unreadable: a baseline is drawn only where the task defines one."""
+    path = Path(eval_path)
+    info_file = path / TASK_INFO if path.is_dir() else path.parent / TASK_INFO
+    try:
+        chance = json.loads(info_file.read_text(encoding="utf-8")).get("chance", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(chance, dict):
+        return {}
+    return {str(k): float(v) for k, v in chance.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+# ---------------------------------------------------------------------------------------------------
 # Tasks
 
 
@@ -169,7 +195,10 @@ def make_count_task(
         }
 
     counts = list(range(1, max_count + 1))
-    return _write_splits(out_dir, f"count:{seed}", {"train": n_train, "test": n_test}, make_row, lambda rng, n: _balanced(rng, counts, n))
+    files = _write_splits(out_dir, f"count:{seed}", {"train": n_train, "test": n_test}, make_row, lambda rng, n: _balanced(rng, counts, n))
+    # Answers are balanced over 1..max_count: guessing (or always one answer) scores 1 / max_count.
+    write_task_info(out_dir, {"task": "count", "chance": {"accuracy": 1 / max_count}})
+    return files
 
 
 def make_ground_task(

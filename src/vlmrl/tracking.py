@@ -21,11 +21,13 @@ Non-finite floats are written as ``null`` so every line is strict JSON (``json.l
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -214,25 +216,60 @@ class WandbTracker:
         self.run.finish(exit_code=1 if failed else 0)
 
 
+def mlflow_key(key: str) -> str:
+    """`key` as a name MLflow accepts: characters other than letters, digits, ``_ - . /`` and space become ``_`` (a
+    reward named by its file path, ``rewards//data/r.py:f/mean``, would be refused mid-run), and empty, ``.`` or
+    ``..`` path segments go (MLflow refuses names that normalise to another one)."""
+    parts = [part if part not in (".", "..") else "_" for part in re.sub(r"[^\w./\- ]", "_", key).split("/") if part]
+    return "/".join(parts) or "_"
+
+
 class MlflowTracker:
-    """MLflow: one run in MLFLOW_EXPERIMENT_NAME (default vlmrl) at MLFLOW_TRACKING_URI (default ./mlruns)."""
+    """MLflow: one run in MLFLOW_EXPERIMENT_NAME (default vlmrl) at MLFLOW_TRACKING_URI (unset: MLflow's own default,
+    ``sqlite:///mlflow.db`` in the current directory for MLflow 3; a ``file:`` store needs MLFLOW_ALLOW_FILE_STORE=true
+    there)."""
 
     PARAMS_PER_CALL = 100  # MLflow's batch limit for parameters
 
     def __init__(self, output_dir: Path, run_name: str, config: dict | None):
         self.mlflow = _import_tracker("mlflow")
         self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "vlmrl"))
-        self.mlflow.start_run(run_name=run_name)
-        params = {k: str(v)[:500] for k, v in _flat_config(config).items()}
+        # The run id is kept in output_dir, so a resumed run continues the same MLflow run (as with W&B).
+        id_file = output_dir / "mlflow_run_id"
+        previous = id_file.read_text().strip() if id_file.is_file() else ""
+        logged = self._params_of(previous)
+        if logged is None:  # a new run (or the saved one is not in this tracking store)
+            active = self.mlflow.start_run(run_name=run_name)
+            run_id = getattr(getattr(active, "info", None), "run_id", None)
+            if run_id:
+                id_file.write_text(run_id + "\n")
+            logged = {}
+        else:
+            self.mlflow.start_run(run_id=previous)
+        # MLflow parameters cannot change once logged: a resume logs only the new ones (a changed logging.* field keeps its first value).
+        params = {mlflow_key(k): str(v)[:500] for k, v in _flat_config(config).items() if mlflow_key(k) not in logged}
         items = list(params.items())
-        for start in range(0, len(items), self.PARAMS_PER_CALL):
-            self.mlflow.log_params(dict(items[start : start + self.PARAMS_PER_CALL]))
+        try:
+            for start in range(0, len(items), self.PARAMS_PER_CALL):
+                self.mlflow.log_params(dict(items[start : start + self.PARAMS_PER_CALL]))
+        except Exception:
+            self.mlflow.end_run(status="FAILED")  # not left active for the next run in this process
+            raise
+
+    def _params_of(self, run_id: str) -> dict | None:
+        """The parameters already logged to MLflow run `run_id`; None when there is no such run in this store."""
+        if not run_id:
+            return None
+        try:
+            return dict(self.mlflow.tracking.MlflowClient().get_run(run_id).data.params)
+        except Exception:  # noqa: BLE001 - another store, a deleted run: start a new one
+            return None
 
     def log(self, metrics: dict, step: int) -> None:
-        self.mlflow.log_metrics(_numbers(metrics), step=step)
+        self.mlflow.log_metrics({mlflow_key(k): v for k, v in _numbers(metrics).items()}, step=step)
 
     def finish(self, summary: dict, failed: bool = False) -> None:
-        self.mlflow.log_metrics({f"final/{k}": v for k, v in _numbers(summary).items()})
+        self.mlflow.log_metrics({mlflow_key(f"final/{k}"): v for k, v in _numbers(summary).items()})
         self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
@@ -292,6 +329,19 @@ def cut_logs(output_dir: str | Path, step: int, log=print) -> dict[str, int]:
     return removed
 
 
+def _memory_summary(metrics: dict) -> list[str]:
+    """["gpu=3.1G/plan 3.0G"] on a GPU run (mem/gpu_* logged), ["host=0.43G/plan 0.40G"] on a CPU run; the
+    prediction only when the planner made one for that device."""
+    gpu = metrics.get("mem/gpu_peak_reserved", metrics.get("mem/gpu_peak_allocated"))
+    if gpu is not None:
+        label, measured, predicted = "gpu", gpu, metrics.get("plan/peak_reserved")
+    elif metrics.get("mem/host_peak_rss") is not None:
+        label, measured, predicted = "host", metrics["mem/host_peak_rss"], metrics.get("plan/host_peak_rss")
+    else:
+        return []
+    return [f"{label}={_short(measured)}G" + (f"/plan {_short(predicted)}G" if predicted is not None else "")]
+
+
 class RunLogger:
     """Logs a training run to JSONL, TensorBoard and a progress bar.
 
@@ -341,10 +391,7 @@ class RunLogger:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         name = run_name or self.output_dir.name
-        for tracker in report_to:
-            if tracker not in EXTERNAL_TRACKERS:
-                raise ValueError(f"report_to: unknown tracker {tracker!r} (RunLogger takes {', '.join(EXTERNAL_TRACKERS)})")
-            self._trackers.append(EXTERNAL_TRACKERS[tracker](self.output_dir, name, run_config))
+        self._start_trackers(list(report_to), name, run_config)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -353,6 +400,26 @@ class RunLogger:
             self._writer = SummaryWriter(str(self.output_dir / "tb"), purge_step=initial_step or None, flush_secs=30)
         if progress:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True, unit="step")
+
+    def _start_trackers(self, names: list[str], run_name: str, run_config: dict | None) -> None:
+        """Start each tracker; one that fails to start (a refused tracking URI, a bad W&B setting) ends the ones
+        already started and raises TrackerError, one line naming the tracker and the cause."""
+        for tracker in names:
+            if tracker not in EXTERNAL_TRACKERS:
+                raise ValueError(f"report_to: unknown tracker {tracker!r} (RunLogger takes {', '.join(EXTERNAL_TRACKERS)})")
+            try:
+                self._trackers.append(EXTERNAL_TRACKERS[tracker](self.output_dir, run_name, run_config))
+            except Exception as e:
+                for started in self._trackers:
+                    started.finish({}, failed=True)
+                self._trackers.clear()
+                if isinstance(e, TrackerError):
+                    raise
+                detail = " ".join(str(e).split())
+                raise TrackerError(
+                    f"logging.report_to includes {tracker} but it failed to start: {type(e).__name__}: {detail[:600]}"
+                    " (fix the tracker's settings, or remove it from logging.report_to)"
+                ) from e
 
     # -- files ------------------------------------------------------------------------------------------
     def _append(self, name: str, rows: Iterable[dict]) -> None:
@@ -399,13 +466,12 @@ class RunLogger:
 
     @staticmethod
     def _summary(metrics: dict) -> str:
-        """The short postfix: reward, loss, kl, step time and peak memory, when present."""
+        """The short postfix: reward, loss, kl, step time, and the peak memory of the device in use with the planner's
+        prediction for that device: ``gpu=`` reserved GiB on a GPU run, ``host=`` peak RSS GiB on a CPU run."""
         parts = [f"{k}={_short(metrics[k])}" for k in ("reward", "loss", "kl") if k in metrics]
         if "time/step" in metrics:
             parts.append(f"step={_short(metrics['time/step'])}s")
-        mem = metrics.get("mem/gpu_peak_allocated", metrics.get("mem/host_peak_rss"))
-        if mem is not None:
-            parts.append(f"mem={_short(mem)}G")
+        parts += _memory_summary(metrics)
         if metrics.get("no_signal_steps"):  # steps in a row with zero advantages (signals.py)
             parts.append(f"no-signal={metrics['no_signal_steps']}")
         return " ".join(parts)
@@ -450,6 +516,16 @@ class RunLogger:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    @contextlib.contextmanager
+    def closed_on_error(self):
+        """Closes the logger (trackers told the run failed) if the block raises; leaves it open otherwise, for what
+        the caller logs after the block (GRPO's final evaluation)."""
+        try:
+            yield self
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def __enter__(self) -> "RunLogger":
         return self

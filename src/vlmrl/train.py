@@ -27,7 +27,7 @@ from .losses import aggregate, masked_mean, per_token_loss
 from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
-from .rewards import reward_stats
+from .rewards import RewardLog, reward_stats
 from .rollout import Completions, generate
 from .run_checkpoint import restore, restore_after_wrap, save, save_final
 from .rundir import guard_run_folder, prepare_run
@@ -125,6 +125,7 @@ class Rewards:
     lengths: torch.Tensor  # [B*G] completion lengths
     truncated: torch.Tensor  # [B*G] bool
     nonfinite: str | None = None  # what was not finite (the step's update is skipped), or None
+    reward_log: RewardLog = field(default_factory=RewardLog)  # what rewards logged via TRL's log_extra / log_metric
 
 
 @dataclass
@@ -176,8 +177,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
         run.logger.log_eval(0, final)
-    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written.
-    with GracefulStop() as stop, run.logger:
+    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. The logger stays
+    # open for the final evaluation (trackers get it) unless the loop raised.
+    with GracefulStop() as stop, run.logger.closed_on_error():
         for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
             reset_peaks()
             phases: dict[str, float] = {}
@@ -202,7 +204,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 why = stop.signal_name or f"stop_after={stop_after}"
                 run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
                 break
-    return finish_run(run, final)
+    with run.logger:
+        return finish_run(run, final)
 
 
 @contextlib.contextmanager
@@ -316,6 +319,7 @@ def finish_run(run: Run, final: dict) -> dict:
             f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause."
         )
         final["eval/failed"] = 1.0
+    run.logger.close()  # trackers get the final summary; the bar ends before the report and the summary table
     if not dist.is_main:
         return final
     if cfg.logging.report:
@@ -406,8 +410,19 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
     batch (algorithm.advantage_estimator), then this process's rows of the advantages."""
     cfg, dist = run.cfg, run.dist
     G = cfg.rollout.num_generations
+    reward_log = RewardLog()
     local, per_reward = score_rollout(
-        cfg, run.reward_funcs, run.reward_weights, samples.rows, G, samples.texts, samples.completions, step, len(run.data.train), when=f"step {step}"
+        cfg,
+        run.reward_funcs,
+        run.reward_weights,
+        samples.rows,
+        G,
+        samples.texts,
+        samples.completions,
+        step,
+        len(run.data.train),
+        when=f"step {step}",
+        reward_log=reward_log,
     )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
@@ -428,6 +443,7 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
         lengths=lengths,
         truncated=truncated,
         nonfinite=nonfinite,
+        reward_log=reward_log,
     )
 
 
@@ -615,6 +631,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         run.logger.info(f"WARNING: step {step}: skipped a non-finite optimizer step, nothing changed: {why}")
     wide = rewards.rewards.double()  # float32 rewards near its limit overflow a float32 mean
     metrics = {
+        **rewards.reward_log.metrics(),  # first: a name vlmrl logs itself keeps vlmrl's value
         "reward": wide.mean().item(),
         "reward_std": wide.std().item(),
         "frac_reward_zero_std": (group_std(rewards.rewards, G) == 0).float().mean().item(),
@@ -645,6 +662,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
             step,
             [
                 {
+                    **rewards.reward_log.sample_columns(i, len(samples.texts)),  # first: vlmrl's own fields win
                     "prompt": samples.prompt_texts[i],
                     "completion": samples.texts[i],
                     "reward": rewards.local[i],
