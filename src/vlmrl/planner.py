@@ -32,6 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .plan_profiles import PROFILES, logprob_head_bytes, pixel_copies_bytes, profile_workload
+
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -142,6 +144,7 @@ class Workload:
     device: str = "cuda"  # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
     mode: str = "grpo"  # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
     host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
+    profile: str = "vlmrl"  # vlmrl | naive | trl: whose step is planned (plan_profiles: a plain / TRL-style trainer's data path)
 
     @property
     def rows_per_step(self) -> int:
@@ -260,6 +263,10 @@ def _check(w: Workload) -> None:
         problems.append(f"mode={w.mode!r}: use grpo or sft")
     if w.attn_implementation not in ATTENTIONS:
         problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
+    if w.profile not in PROFILES:
+        problems.append(f"profile={w.profile!r}: use one of {', '.join(PROFILES)}")
+    if w.profile != "vlmrl" and w.mode == "sft":
+        problems.append(f"profile={w.profile} plans another trainer's GRPO step: use mode grpo (SFT is planned for vlmrl sft only)")
     if w.master_weights not in MASTER_WEIGHTS:
         problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
@@ -470,8 +477,10 @@ def model_states(spec: ModelSpec, w: Workload) -> dict:
 
 
 def plan(spec: ModelSpec, w: Workload) -> Plan:
-    """The closed form. All figures are bytes on one device (the busiest rank)."""
+    """The closed form. All figures are bytes on one device (the busiest rank). w.profile naive / trl: another
+    trainer's data path for the same work (plan_profiles)."""
     _check(w)
+    w = profile_workload(w)
     b = DTYPE_BYTES[w.dtype]
     cb = 2 if (w.autocast or b == 2) else 4  # compute (activation) dtype bytes
     n = w.world_size
@@ -508,7 +517,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # Unique prompts in a micro-batch of N consecutive rows (rows are prompt-major, G per prompt).
     U = (math.ceil(N / G) if (N % G == 0 or G % N == 0) else min(N, math.ceil(N / G) + 1)) if w.group_vision else N
     rows_step = w.rows_per_step
-    batch_inputs = w.prompts_per_step * patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values
+    pixel_bytes = patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values of one prompt
+    pixel_copies = pixel_copies_bytes(w, pixel_bytes)  # plain trainers hold each prompt's pixels G times
+    batch_inputs = w.prompts_per_step * pixel_bytes + pixel_copies
     rollout_buffers = rows_step * (P + C) * 8 + rows_step * C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
 
     # Update: activations of one micro-batch.
@@ -548,17 +559,22 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         text_act = spec.layers * text_tokens * (per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate))
     chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
     lm_bwd = 12 * chunk * V * (cb / 2)  # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
-    if w.logprob_chunk_tokens <= 0:
+    lm_no_grad = 8 * chunk * V * (cb / 2)
+    full_logits = 0
+    head_trains = text_trains and not w.use_lora and not w.projector_only
+    if w.profile != "vlmrl":  # a plain trainer's head: whole logits (naive) or TRL's fused tiles (trl)
+        head = logprob_head_bytes(w, N, P, C, V, h, cb, head_trains)
+        full_logits, lm_bwd, lm_no_grad = head["kept"], head["backward"], head["no_grad"]
+    elif w.logprob_chunk_tokens <= 0:
         misc_act += 4 * N * C * V  # the whole float32 log-softmax kept for backward
     emb_grad_tmp = 0
     if text_trains and not w.use_lora and not w.projector_only:
         emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b  # fresh embedding / LM-head gradients before accumulation
-    activations = text_act + vision_act + misc_act + eager_act
+    activations = text_act + vision_act + misc_act + eager_act + full_logits
     # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
     # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
-    head_trains = text_trains and not w.use_lora and not w.projector_only
     # (one chunk only: its gradients come after its logits are freed; nothing to add)
-    head_grad_tmp = 2 * V * h * b if (head_trains and 0 < w.logprob_chunk_tokens < N * C) else 0
+    head_grad_tmp = 2 * V * h * b if (head_trains and 0 < w.logprob_chunk_tokens < N * C and w.profile == "vlmrl") else 0
     bwd_transient = max(lm_bwd + head_grad_tmp, recompute)
     # Shared prefix: every decoder weight is used twice (prompt pass, completion pass), so autograd holds each
     # weight's gradient from the completion pass until the prompt pass adds its own (one summed gradient per weight).
@@ -574,7 +590,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
-    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
+    score_transient = max(lm_no_grad, score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
     ppc = w.prompts_per_call or w.prompts_per_step
     gen_rows = ppc * G
     kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
@@ -624,6 +640,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "activations_text": text_act,
         "activations_vision": vision_act,
         "activations_other": misc_act,
+        "full_vocab_logits": full_logits,
         "eager_attention_scores": eager_act,
         "logprob_buffers": lm_bwd,
         "checkpoint_recompute": recompute,
@@ -635,7 +652,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "reference_moved_in_for_scoring": ref_moved_in,
         "gathered_parameters": gathered,
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
-        "batch_inputs": batch_inputs + rollout_buffers,
+        "batch_inputs": batch_inputs - pixel_copies + rollout_buffers,
+        "pixel_value_copies": pixel_copies,
         "comm_buffers": comm,
         "allocator_reserve": reserved - peak,
         "cuda_context": CUDA_CONTEXT_BYTES,
