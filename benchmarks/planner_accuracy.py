@@ -535,11 +535,19 @@ def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu"))
+    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu", "trl", "_trl_child"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="trace: comma-separated grid names")
     ap.add_argument("--inputs", nargs="*", default=None, help="measured: gpu_memory_*.json files (default: all in benchmarks/results)")
+    ap.add_argument("--python", default=None, help="trl: a Python with TRL installed (default /work/venv-extras/bin/python)")
+    ap.add_argument("--note", default=None, help="cpu / trl: a paragraph added to the results file (machine state, context)")
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.mode == "_trl_child":
+        from planner_vs_trl import child
+
+        return child(args.spec, args.result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     today = _dt.date.today().isoformat()
@@ -552,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         (out / "planner_field_reports.json").write_text(json.dumps({"date": today, "rows": rows}, indent=1))
         return 0
+    if args.mode == "trl":
+        return _trl_mode(args, out, today)
     if args.mode == "cpu":
         import platform
         import tempfile
@@ -570,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         (out / f"planner_accuracy_cpu_runs_{today}.json").write_text(json.dumps({"date": today, "machine": machine, "rows": rows}, indent=1))
-        (out / f"planner_accuracy_cpu_runs_{today}.md").write_text(_md_cpu(rows, today, machine))
+        (out / f"planner_accuracy_cpu_runs_{today}.md").write_text(_md_cpu(rows, today, machine) + (f"\n{args.note}\n" if args.note else ""))
         return 0
     if args.mode == "trace":
         grid = [g for g in trace_grid() if not args.only or g.name in args.only.split(",")]
@@ -609,6 +619,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     (out / f"{stem}.md").write_text(_md_measured(rows, meta, today))
+    return 0
+
+
+def _trl_mode(args, out: Path, today: str) -> int:
+    """Profiles naive / trl vs TRL GRPOTrainer's measured peak RSS (benchmarks/planner_vs_trl.py)."""
+    import os
+    import platform
+    import shlex
+    import tempfile
+
+    from planner_vs_trl import DEFAULT_PYTHON, markdown, run
+
+    names = [n for n in (args.only or "a,b,c,d").split(",") if n]
+    machine = f"CPU {platform.machine()}, {os.cpu_count()} cores (shared)"
+    command = shlex.join(["python", "benchmarks/planner_accuracy.py", *sys.argv[1:]])
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run(names, args.python or DEFAULT_PYTHON, Path(tmp))
+    for r in rows:
+        print(
+            f"{r['config']}: measured {r['measured_peak_rss_gib']:.3f} GiB; naive {r['naive']['predicted_peak_rss_gib']:.3f} "
+            f"({r['naive']['difference_pct']:+.1f}%), trl {r['trl']['predicted_peak_rss_gib']:.3f} ({r['trl']['difference_pct']:+.1f}%)"
+        )
+    record = {"date": today, "machine": machine, "command": command, "note": args.note, "rows": rows}
+    (out / f"planner_accuracy_trl_cpu_{today}.json").write_text(json.dumps(record, indent=1))
+    (out / f"planner_accuracy_trl_cpu_{today}.md").write_text(markdown(rows, today, machine, command, args.note))
     return 0
 
 

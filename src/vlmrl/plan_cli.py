@@ -210,6 +210,25 @@ def _table(spec, p) -> str:
     return "\n".join(lines)
 
 
+def _check_flags(ns) -> None:
+    """Flag combinations that cannot be planned: one PlanError line each, before any model is read."""
+    if not ns.config and not ns.model:
+        raise PlanError("give --model <preset or config.json> or --config <file.yaml> (see vlmrl plan --help)")
+    if ns.config and ns.model:
+        raise PlanError("give either --model or --config, not both (the config names its model)")
+    if ns.gpu_memory:
+        parse_memory(ns.gpu_memory)  # fail early on a bad size
+    if ns.mode == "sft" and ns.search:
+        raise PlanError(
+            "--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
+            "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself"
+        )
+    if ns.trace and ns.profile != "vlmrl":
+        raise PlanError(f"--trace runs vlmrl's own step; --profile {ns.profile} is closed form only (drop --trace, or plan --profile vlmrl)")
+    if ns.mode == "sft" and ns.profile != "vlmrl":
+        raise PlanError(f"--profile {ns.profile} plans another trainer's GRPO step; --mode sft plans vlmrl sft only (drop one)")
+
+
 def run(ns) -> int:
     from .planner import model_spec, plan, search, spec_for_config
 
@@ -218,12 +237,7 @@ def run(ns) -> int:
 
         print("\n".join(sorted(PRESETS) + sorted(PLANNER_PRESETS)))
         return 0
-    if not ns.config and not ns.model:
-        raise PlanError("give --model <preset or config.json> or --config <file.yaml> (see vlmrl plan --help)")
-    if ns.config and ns.model:
-        raise PlanError("give either --model or --config, not both (the config names its model)")
-    if ns.gpu_memory:
-        parse_memory(ns.gpu_memory)  # fail early on a bad size
+    _check_flags(ns)
     if ns.config:
         from .config import load_config
 
@@ -234,13 +248,6 @@ def run(ns) -> int:
         spec = model_spec(ns.model)
     w = _workload(ns, spec)
     stages: dict = {}
-    if ns.mode == "sft" and ns.search:
-        raise PlanError(
-            "--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
-            "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself"
-        )
-    if ns.mode == "sft" and ns.profile != "vlmrl":
-        raise PlanError(f"--profile {ns.profile} plans another trainer's GRPO step; --mode sft plans vlmrl sft only (drop one)")
     if ns.mode == "sft":
         stages = _sft_stages(ns, w)
         w = max(stages.values(), key=lambda x: plan(spec, x).total)
