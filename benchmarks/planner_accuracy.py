@@ -539,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="trace: comma-separated grid names")
     ap.add_argument("--inputs", nargs="*", default=None, help="measured: gpu_memory_*.json files (default: all in benchmarks/results)")
+    ap.add_argument("--rounds", type=int, default=1, help="trl: fresh TRL processes per config (peak RSS varies between them)")
     ap.add_argument("--python", default=None, help="trl: a Python with TRL installed (default /work/venv-extras/bin/python)")
     ap.add_argument("--note", default=None, help="cpu / trl: a paragraph added to the results file (machine state, context)")
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -629,21 +630,26 @@ def _trl_mode(args, out: Path, today: str) -> int:
     import shlex
     import tempfile
 
-    from planner_vs_trl import DEFAULT_PYTHON, markdown, run
+    from planner_vs_trl import DEFAULT_PYTHON, markdown, merge, run
 
     names = [n for n in (args.only or "a,b,c,d").split(",") if n]
     machine = f"CPU {platform.machine()}, {os.cpu_count()} cores (shared)"
     command = shlex.join(["python", "benchmarks/planner_accuracy.py", *sys.argv[1:]])
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(names, args.python or DEFAULT_PYTHON, Path(tmp))
+        rows = [{**r, "command": command} for r in run(names, args.python or DEFAULT_PYTHON, Path(tmp), args.rounds)]
     for r in rows:
         print(
             f"{r['config']}: measured {r['measured_peak_rss_gib']:.3f} GiB; naive {r['naive']['predicted_peak_rss_gib']:.3f} "
             f"({r['naive']['difference_pct']:+.1f}%), trl {r['trl']['predicted_peak_rss_gib']:.3f} ({r['trl']['difference_pct']:+.1f}%)"
         )
-    record = {"date": today, "machine": machine, "command": command, "note": args.note, "rows": rows}
-    (out / f"planner_accuracy_trl_cpu_{today}.json").write_text(json.dumps(record, indent=1))
-    (out / f"planner_accuracy_trl_cpu_{today}.md").write_text(markdown(rows, today, machine, command, args.note))
+    path = out / f"planner_accuracy_trl_cpu_{today}.json"
+    if path.is_file():  # a later run of some configs (more rounds) replaces those configs' rows only
+        rows = merge(json.loads(path.read_text())["rows"], rows)
+    notes = [n for n in (json.loads(path.read_text()).get("note") if path.is_file() else None, args.note) if n]
+    note = "\n\n".join(dict.fromkeys(notes)) or None
+    record = {"date": today, "machine": machine, "command": command, "note": note, "rows": rows}
+    path.write_text(json.dumps(record, indent=1))
+    (out / f"planner_accuracy_trl_cpu_{today}.md").write_text(markdown(rows, today, machine, command, note))
     return 0
 
 

@@ -111,17 +111,18 @@ def child(spec_path: str, result_path: str) -> int:
     return 0
 
 
-def run(names: list[str], python: str, work: Path) -> list[dict]:
+def run(names: list[str], python: str, work: Path, rounds: int = 1) -> list[dict]:
+    """One fresh TRL process per config and round (peak RSS of identical work varies between processes)."""
     vs_trl = _vs_trl()
     table = {**vs_trl.CONFIGS, **EXTRA}
     rows = []
-    for name in names:
+    for name, rnd in ((n, r) for n in names for r in range(rounds)):
         spec = vs_trl.prepare(name, table[name], work)
         spec.update(**STEPS, device="cpu", dtype="float32", vlmrl_overrides=[])
         spec["prompt_tokens"] = vs_trl._vlmrl_prompt_tokens(spec)
         spec_path = work / f"config_{name}" / "planner_spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
-        result = work / f"config_{name}" / "planner_trl" / "result.json"
+        result = work / f"config_{name}" / f"planner_trl_r{rnd}" / "result.json"
         result.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("GLIBC_TUNABLES", None)  # glibc defaults, as vs_trl's headline runs
@@ -131,8 +132,14 @@ def run(names: list[str], python: str, work: Path) -> list[dict]:
         (result.parent / "log.txt").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
         if proc.returncode != 0 or not result.is_file():
             raise RuntimeError(f"config {name}: TRL run failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-        rows.append(json.loads(result.read_text()))
+        rows.append({**json.loads(result.read_text()), "round": rnd})
     return rows
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """Rows of an earlier run of the same day for configs this run did not measure, then this run's."""
+    done = {r["config"] for r in new}
+    return sorted([r for r in old if r["config"] not in done] + new, key=lambda r: (r["config"], r.get("round", 0)))
 
 
 def markdown(rows: list[dict], date: str, machine: str, command: str, note: str | None) -> str:
@@ -145,18 +152,22 @@ def markdown(rows: list[dict], date: str, machine: str, command: str, note: str 
         "from its RSS after the imports (the runtime term) plus the planned host terms, like `vlmrl train` predicts itself "
         "on CPU. Measured: the process's lifetime peak RSS (VmHWM). Target (issue 13): +/-15%.",
         "",
-        "| config | measured peak RSS GiB | runtime term GiB | naive GiB | naive diff | trl GiB | trl diff | trl above runtime | vlmrl profile GiB |",
+        "| config (round) | measured peak RSS GiB | runtime term GiB | naive GiB | naive diff | trl GiB | trl diff | "
+        "trl above runtime | vlmrl profile GiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         n, t, v = r["naive"], r["trl"], r["vlmrl"]
         lines.append(
-            f"| {r['config']}: {r['title']} | {r['measured_peak_rss_gib']:.3f} | {r['runtime_at_prediction_gib']:.3f} | "
+            f"| {r['config']} ({r.get('round', 0) + 1}): {r['title']} | {r['measured_peak_rss_gib']:.3f} | {r['runtime_at_prediction_gib']:.3f} | "
             f"{n['predicted_peak_rss_gib']:.3f} | {n['difference_pct']:+.1f}% | {t['predicted_peak_rss_gib']:.3f} | "
             f"{t['difference_pct']:+.1f}% | {t['above_runtime_difference_pct']:+.1f}% | {v['predicted_peak_rss_gib']:.3f} |"
         )
     ok = lambda k: sum(abs(r[k]["difference_pct"]) <= 15 for r in rows)  # noqa: E731
-    lines += ["", f"Within +/-15%: naive {ok('naive')} of {len(rows)}, trl {ok('trl')} of {len(rows)}."]
+    lines += ["", f"Within +/-15% (runs): naive {ok('naive')} of {len(rows)}, trl {ok('trl')} of {len(rows)}."]
+    commands = sorted({r.get("command") for r in rows if r.get("command")})
+    if len(commands) > 1:
+        lines += ["", "Rows come from these commands (same day, merged by config): " + "; ".join(f"`{c}`" for c in commands)]
     if note:
         lines += ["", note]
     return "\n".join(lines) + "\n"

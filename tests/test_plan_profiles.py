@@ -89,6 +89,20 @@ def test_naive_reference_scores_the_same_way():
     assert p.terms["reference_model"] == SPEC.total_params * 4
 
 
+def test_naive_sequence_logits_by_hand():
+    """logits_positions=sequence: the LM head projects all 4 x 33 prompt + completion positions (4 bytes each in fp32)
+    before the completion slice; that tensor sits beside the slice's copies at the end of forward and in scoring."""
+    w = dataclasses.replace(W, profile="naive", logits_positions="sequence", beta=0.04)
+    p = plan(SPEC, w)
+    whole = N * (24 + C - 1) * V * 4  # 528,000
+    e = N * C * V
+    assert p.terms["full_vocab_logits"] == 4 * e
+    assert p.terms["logprob_buffers"] == whole + (4 + 8) * e - 4 * e == 848_000
+    assert p.terms["scoring_temporaries"] == (4 + 8) * e + whole
+    with pytest.raises(PlanError, match="logits_positions='all': use one of completion, sequence"):
+        plan(SPEC, dataclasses.replace(w, logits_positions="all"))
+
+
 def test_trl_profile_fused_tiles_by_hand():
     """TRL 1.x's fused LM head: one tile of min(tokens, 4096) x min(V, 32768) entries. On CPU every position of the
     prompt + completion rows is projected and folded with torch ops (+29 bytes per entry in backward); on CUDA only

@@ -88,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fused LM head (tiles of 4096 tokens x 32768 vocabulary). Also prints vlmrl's plan of the same work, and a vlmrl "
         "config that fits when that does not",
     )
+    p.add_argument(
+        "--logits-positions",
+        choices=("completion", "sequence"),
+        help="with --profile naive: completion (default: logits_to_keep, TRL >= 0.15) or sequence (the LM head projects "
+        "every prompt + completion position before the completion slice: VLM trainers that call the model without logits_to_keep)",
+    )
     p.add_argument("--sft-stage", type=int, choices=(1, 2), help="with --mode sft and --model: 1 = projector only, 2 = language model (default)")
     p.add_argument("--train-vision-tower", action="store_true", help="with --mode sft: stage 2 also trains the vision tower")
     p.add_argument(
@@ -145,6 +151,7 @@ def _workload(ns, spec):
         "generation_gather": ns.generation_gather,
         "master_weights": ns.master_weights,
         "attn_implementation": ns.attn_implementation,
+        "logits_positions": ns.logits_positions,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
     if ns.host_memory:

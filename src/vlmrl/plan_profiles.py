@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 PROFILES = ("vlmrl", "naive", "trl")
+LOGITS_POSITIONS = ("completion", "sequence")
 
 # TRL 1.x fused LM head (trl/kernels/chunked_logprob.py, trl/trainer/utils.py): tile = TOKENS x VOCAB entries.
 TRL_TILE_TOKENS = 4096
@@ -45,15 +46,20 @@ def profile_workload(w):
     return dataclasses.replace(w, group_vision=False, shared_prefix=False, logprob_chunk_tokens=0)
 
 
-def full_logits_bytes(rows: int, completion: int, vocab: int, cbytes: int) -> dict:
+def full_logits_bytes(rows: int, completion: int, vocab: int, cbytes: int, sequence_positions: int = 0) -> dict:
     """A plain trainer's log-prob head over E = rows x completion x vocab logits (bytes).
 
     kept: the float32 log-softmax output, saved for backward (4 E). backward: beside it, the gradient of the
     log-softmax output and of its input, both float32 (8 E; the cast back to the compute dtype comes after the
     first is freed). no_grad (reference / old log-probs): the logits in the compute dtype, a float32 (or scaled)
-    copy and the log-softmax (c + 8) E. Traced: 12.0 E at the backward peak in fp32 and bf16."""
+    copy and the log-softmax (c + 8) E. Traced: 12.0 E at the backward peak in fp32 and bf16.
+    sequence_positions > 0 (trainers that call a VLM without logits_to_keep, e.g. the early-2025 VLM GRPO forks):
+    the LM head first projects every position, rows x sequence_positions x vocab in the compute dtype, and the
+    completion slice is taken from it; that tensor is alive while the slice's copies are made (forward and no_grad)."""
     e = rows * completion * vocab
-    return {"kept": 4 * e, "backward": 8 * e, "no_grad": (cbytes + 8) * e}
+    whole = rows * sequence_positions * vocab * cbytes
+    forward = whole + (cbytes + 8) * e if sequence_positions else 0
+    return {"kept": 4 * e, "backward": max(8 * e, forward - 4 * e), "no_grad": (cbytes + 8) * e + whole}
 
 
 def fused_tile_bytes(tokens: int, vocab: int, hidden: int, cbytes: int, triton: bool, head_trains: bool) -> dict:
@@ -73,7 +79,8 @@ def logprob_head_bytes(w, rows: int, prompt: int, completion: int, vocab: int, h
     """{kept, backward, no_grad} of the profile's log-prob head for `rows` rows of prompt + completion tokens.
     vlmrl's own (chunked) head stays in planner.plan; this is the naive and trl heads."""
     if w.profile == "naive":
-        return full_logits_bytes(rows, completion, vocab, cbytes)
+        sequence = prompt + completion - 1 if w.logits_positions == "sequence" else 0
+        return full_logits_bytes(rows, completion, vocab, cbytes, sequence)
     triton = w.device != "cpu"  # TRL projects only completion positions where Triton runs (CUDA / XPU)
     tokens = rows * completion if triton else rows * (prompt + completion - 1)
     return fused_tile_bytes(tokens, vocab, hidden, cbytes, triton, head_trains)

@@ -32,7 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .plan_profiles import PROFILES, logprob_head_bytes, pixel_copies_bytes, profile_workload
+from .plan_profiles import LOGITS_POSITIONS, PROFILES, logprob_head_bytes, pixel_copies_bytes, profile_workload
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -145,6 +145,7 @@ class Workload:
     mode: str = "grpo"  # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
     host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
     profile: str = "vlmrl"  # vlmrl | naive | trl: whose step is planned (plan_profiles: a plain / TRL-style trainer's data path)
+    logits_positions: str = "completion"  # profile naive: completion (logits_to_keep) | sequence (the LM head projects every position)
 
     @property
     def rows_per_step(self) -> int:
@@ -265,6 +266,8 @@ def _check(w: Workload) -> None:
         problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
     if w.profile not in PROFILES:
         problems.append(f"profile={w.profile!r}: use one of {', '.join(PROFILES)}")
+    if w.logits_positions not in LOGITS_POSITIONS:
+        problems.append(f"logits_positions={w.logits_positions!r}: use one of {', '.join(LOGITS_POSITIONS)}")
     if w.profile != "vlmrl" and w.mode == "sft":
         problems.append(f"profile={w.profile} plans another trainer's GRPO step: use mode grpo (SFT is planned for vlmrl sft only)")
     if w.master_weights not in MASTER_WEIGHTS:
