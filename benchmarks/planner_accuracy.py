@@ -557,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(
                 f"{r['id']:<18} {r['model']:<14} {r['gpus']}x{r['gpu_memory']:<7} predicted {r['predicted_total_gib']:6.1f} GiB "
-                f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}" + (f" | {r['also']}" if "also" in r else "")
+                f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}"
+                + (f" | {r['also']}" if "also" in r else "")
+                + (f" | profile: {r['profile']}" if "profile" in r else "")
             )
         (out / "planner_field_reports.json").write_text(json.dumps({"date": today, "rows": rows}, indent=1))
         return 0
@@ -662,6 +664,7 @@ def _trl_mode(args, out: Path, today: str) -> int:
 FIELD_REPORTS = [
     {
         "id": "R1-V#71",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # R1-V's trainer: model(...).logits over the whole sequence
         "url": "https://github.com/StarsfieldAI/R1-V/issues/71",
         "model": "qwen2.5-vl-7b",
         "gpus": 4,
@@ -684,6 +687,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "ms-swift#4311",
+        "profile": {"profile": "naive"},  # ms-swift GRPO (a TRL GRPOTrainer subclass); logits_to_keep assumed
         "url": "https://github.com/modelscope/ms-swift/issues/4311",
         "model": "qwen2.5-vl-3b",
         "gpus": 4,
@@ -706,6 +710,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "R1-V#107",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # R1-V's trainer: model(...).logits over the whole sequence
         "url": "https://github.com/StarsfieldAI/R1-V/issues/107",
         "model": "qwen2.5-vl-3b",
         "gpus": 8,
@@ -729,6 +734,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "VLM-R1#77 (G=8)",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # VLM-R1's trainer: no logits_to_keep for VLMs
         "url": "https://github.com/om-ai-lab/VLM-R1/issues/77",
         "model": "qwen2.5-vl-3b",
         "gpus": 8,
@@ -750,6 +756,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "VLM-R1#77 (G=4)",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # VLM-R1's trainer: no logits_to_keep for VLMs
         "url": "https://github.com/om-ai-lab/VLM-R1/issues/77",
         "model": "qwen2.5-vl-3b",
         "gpus": 8,
@@ -828,6 +835,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "R1-V#61",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # R1-V's trainer: model(...).logits over the whole sequence
         "url": "https://github.com/StarsfieldAI/R1-V/issues/61",
         "model": "qwen2-vl-2b",
         "gpus": 8,
@@ -848,6 +856,15 @@ FIELD_REPORTS = [
         "assumed": "DDP (no DeepSpeed config given), bf16 weights, completion length 256, 100 text tokens",
     },
 ]
+
+
+def _profile_verdict(spec, w: Workload, rep: dict) -> dict:
+    p = plan(spec, w)
+    out = {"settings": rep["profile"], "predicted_total_gib": round(p.total / GiB, 1), "fits": p.fits, "verdict": p.verdict}
+    if "also" in rep:
+        q = plan(spec, dataclasses.replace(w, **rep["also"]["settings"]))
+        out["also"] = {"label": rep["also"]["label"], "predicted_total_gib": round(q.total / GiB, 1), "fits": q.fits}
+    return out
 
 
 def field_verdicts() -> list[dict]:
@@ -887,6 +904,8 @@ def field_verdicts() -> list[dict]:
             host_fits=p.host_fits,
             phases_gib={k: round(v / GiB, 1) for k, v in p.phases.items()},
         )
+        if "profile" in rep:  # the same report planned with the trainer profile (vlmrl plan --profile naive ...)
+            row["profile"] = _profile_verdict(spec, dataclasses.replace(base, **rep["profile"]), rep)
         if "also" in rep:
             q = plan(spec, dataclasses.replace(base, **rep["also"]["settings"]))
             row["also"] = {
