@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 DEFAULT_PYTHON = "/work/venv-extras/bin/python"
 
-# vs_trl.py's a, b, c plus a larger-vocabulary, longer one.
+# vs_trl.py's a, b, c plus a larger-vocabulary, longer one (d) and a near-empty one (t: tensors of a few MB, so its
+# peak RSS is the TRL process's libraries and buffers: what the runtime term must cover).
 EXTRA = {
+    "t": dict(title="near-empty: 4 image tokens, completion 4, G=2, one prompt", image=56, vocab=None, completion=4, G=2, prompts=1),
     "d": dict(title="vocabulary 151,936, completion 128, G=4, 64 image tokens", image=224, vocab=151_936, completion=128, G=4, prompts=2),
 }
 STEPS = {"warmup": 1, "steps": 2}
