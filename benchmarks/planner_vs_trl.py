@@ -73,12 +73,15 @@ def child(spec_path: str, result_path: str) -> int:
     from trl import GRPOConfig, GRPOTrainer  # noqa: F401
 
     from vlmrl.memory import host_peak_rss, host_rss
+    from vlmrl.plan_profiles import TRAINER_CPU_RUNTIME_BYTES
     from vlmrl.planner import GiB, image_tokens, plan, spec_from_hf_config
 
     vs_trl = _vs_trl()
     spec = json.loads(Path(spec_path).read_text())
     torch.manual_seed(spec["seed"])
-    runtime = int(host_rss() * GiB)
+    # As `vlmrl train` does on CPU: the RSS now, at least the runtime floor (libraries the run imports later).
+    measured_runtime = int(host_rss() * GiB)
+    runtime = max(measured_runtime, TRAINER_CPU_RUNTIME_BYTES)
     mspec = spec_from_hf_config(spec["model"])
     prompt_tokens = spec["prompt_tokens"]  # counted by the parent (vlmrl's processor; vs_trl checks TRL's are equal)
     text = prompt_tokens - image_tokens(mspec, spec["pixels"])
@@ -92,6 +95,7 @@ def child(spec_path: str, result_path: str) -> int:
         "title": spec["title"],
         "measured_peak_rss_gib": round(measured, 4),
         "runtime_at_prediction_gib": round(runtime / GiB, 4),
+        "rss_at_prediction_gib": round(measured_runtime / GiB, 4),
         "prompt_tokens": prompt_tokens,
         "prompt_text_tokens": text,
         "tokens_per_step": [s["tokens"] for s in result["per_step"]],
@@ -152,7 +156,9 @@ def markdown(rows: list[dict], date: str, machine: str, command: str, note: str 
         f"tiny Qwen2.5-VL, fp32, CPU, all completions in one micro-batch, beta 0.04 with a reference model, glibc defaults) "
         f"for {STEPS['warmup']} + {STEPS['steps']} steps; the prediction is made in that process before the model loads, "
         "from its RSS after the imports (the runtime term) plus the planned host terms, like `vlmrl train` predicts itself "
-        "on CPU. Measured: the process's lifetime peak RSS (VmHWM). Target (issue 13): +/-15%.",
+        "on CPU (the runtime term: that RSS, at least the TRL runtime floor `plan_profiles.TRAINER_CPU_RUNTIME_BYTES`, 0.56 GiB). "
+        "Measured: the process's lifetime peak RSS (VmHWM). Target (issue 13): +/-15%. The vlmrl column is vlmrl's plan of the "
+        "same work with this process's runtime term (not a measurement; vlmrl's own runs are in vs_trl_cpu_*.md).",
         "",
         "| config (round) | measured peak RSS GiB | runtime term GiB | naive GiB | naive diff | trl GiB | trl diff | "
         "trl above runtime | vlmrl profile GiB |",

@@ -160,3 +160,30 @@ def test_cli_profile_conflicts_are_one_line(tmp_path, capsys, extra, says):
     assert main(["plan", "--model", str(_tiny_model_dir(tmp_path)), "--profile", "naive", *extra]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_cpu_heap_slack_spares_mmapped_blocks():
+    """On a CPU run the planned tensors get CPU_ALLOCATOR_RESERVE of heap slack, except the log-prob head's blocks
+    when each is above glibc's 32 MiB mmap ceiling (mmapped, unmapped on free): TRL's tile of 528 x 32,768 fp32
+    entries (69 MB) at the update peak. A 4-row micro-batch (132 x 32,768 x 4 = 17 MB tiles) keeps the slack on all."""
+    from vlmrl.planner import CPU_ALLOCATOR_RESERVE
+
+    big = dataclasses.replace(SPEC, vocab=151_936)
+    w = dataclasses.replace(W, profile="trl", device="cpu", micro_batch=16, prompts_per_step=4)
+    p = plan(big, w)
+    assert max(p.phases, key=p.phases.get) == "update"
+    head = p.terms["logprob_buffers"]
+    assert 528 * 32768 * 4 >= 32 * 2**20 and head == 528 * 32768 * 33 + 4 * 528 * 64 + 4 * 151_936 * 64
+    assert p.host["device_tensors_on_cpu"] == int((p.peak_allocated - head) * (1 + CPU_ALLOCATOR_RESERVE) + head)
+    small = plan(big, dataclasses.replace(w, micro_batch=4, prompts_per_step=1))
+    assert small.host["device_tensors_on_cpu"] == int(small.peak_allocated * (1 + CPU_ALLOCATOR_RESERVE))
+
+
+def test_trainer_profiles_use_the_trainer_runtime_floor_on_cpu():
+    from vlmrl.plan_profiles import TRAINER_CPU_RUNTIME_BYTES
+    from vlmrl.planner import HOST_RUNTIME_CPU_BYTES
+
+    cpu = dataclasses.replace(W, device="cpu")
+    assert plan(SPEC, cpu).host["runtime_per_process"] == HOST_RUNTIME_CPU_BYTES
+    assert plan(SPEC, dataclasses.replace(cpu, profile="naive")).host["runtime_per_process"] == TRAINER_CPU_RUNTIME_BYTES
+    assert plan(SPEC, dataclasses.replace(cpu, profile="trl", host_runtime_bytes=10**9)).host["runtime_per_process"] == 10**9

@@ -36,6 +36,10 @@ TRL_TILE_VOCAB = 32768
 # gradient, the target mask and its float copy and two products: ~29 bytes). Traced on CPU tensors, fp32 and bf16.
 TRL_FOLD_BYTES = 12
 TRL_BACKWARD_BYTES = 29
+# CPU runtime of a TRL trainer process (python, torch, transformers, trl, datasets, accelerate's Trainer, the model
+# family's code, tokenizer and processor): the peak RSS of a near-empty TRL 1.16 GRPO run (config t of
+# `benchmarks/planner_accuracy.py trl`, tensors 0.02 GiB) less its planned tensors. vlmrl's own is planner.HOST_RUNTIME_CPU_BYTES.
+TRAINER_CPU_RUNTIME_BYTES = int(0.56 * 2**30)
 
 
 def profile_workload(w):
@@ -59,7 +63,8 @@ def full_logits_bytes(rows: int, completion: int, vocab: int, cbytes: int, seque
     e = rows * completion * vocab
     whole = rows * sequence_positions * vocab * cbytes
     forward = whole + (cbytes + 8) * e if sequence_positions else 0
-    return {"kept": 4 * e, "backward": max(8 * e, forward - 4 * e), "no_grad": (cbytes + 8) * e + whole}
+    unit = rows * completion * vocab * cbytes  # the logits slice; every other head tensor is as large or larger
+    return {"kept": 4 * e, "backward": max(8 * e, forward - 4 * e), "no_grad": (cbytes + 8) * e + whole, "unit": unit}
 
 
 def fused_tile_bytes(tokens: int, vocab: int, hidden: int, cbytes: int, triton: bool, head_trains: bool) -> dict:
@@ -72,7 +77,7 @@ def fused_tile_bytes(tokens: int, vocab: int, hidden: int, cbytes: int, triton: 
     fold = 0 if triton else TRL_FOLD_BYTES
     bwd = 0 if triton else TRL_BACKWARD_BYTES
     accumulators = 4 * tokens * hidden + (4 * vocab * hidden if head_trains else 0)
-    return {"kept": 0, "backward": tile * (cbytes + bwd) + accumulators, "no_grad": tile * (cbytes + fold)}
+    return {"kept": 0, "backward": tile * (cbytes + bwd) + accumulators, "no_grad": tile * (cbytes + fold), "unit": tile * cbytes}
 
 
 def logprob_head_bytes(w, rows: int, prompt: int, completion: int, vocab: int, hidden: int, cbytes: int, head_trains: bool) -> dict:
