@@ -148,11 +148,18 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
     return sorted([r for r in old if r["config"] not in done] + new, key=lambda r: (r["config"], r.get("round", 0)))
 
 
+def _short(command: str) -> str:
+    """The command without its --note text (the note is printed once, below the table)."""
+    import re
+
+    return re.sub(r" --note ('[^']*'(\"'\"'[^']*')*'?|\S+)", " --note ...", command)
+
+
 def markdown(rows: list[dict], date: str, machine: str, command: str, note: str | None) -> str:
     lines = [
         f"# Planner profiles vs TRL GRPOTrainer's measured peak RSS on CPU ({date}, {machine})",
         "",
-        f"Command: `{command}`. Each row: one fresh process of TRL 1.16's GRPOTrainer (`benchmarks/vs_trl.py`'s TRL side: "
+        f"Command: `{_short(command)}`. Each row: one fresh process of TRL 1.16's GRPOTrainer (`benchmarks/vs_trl.py`'s TRL side: "
         f"tiny Qwen2.5-VL, fp32, CPU, all completions in one micro-batch, beta 0.04 with a reference model, glibc defaults) "
         f"for {STEPS['warmup']} + {STEPS['steps']} steps; the prediction is made in that process before the model loads, "
         "from its RSS after the imports (the runtime term) plus the planned host terms, like `vlmrl train` predicts itself "
@@ -173,7 +180,7 @@ def markdown(rows: list[dict], date: str, machine: str, command: str, note: str 
         )
     ok = lambda k: sum(abs(r[k]["difference_pct"]) <= 15 for r in rows)  # noqa: E731
     lines += ["", f"Within +/-15% (runs): naive {ok('naive')} of {len(rows)}, trl {ok('trl')} of {len(rows)}."]
-    commands = sorted({r.get("command") for r in rows if r.get("command")})
+    commands = sorted({_short(r.get("command")) for r in rows if r.get("command")})
     if len(commands) > 1:
         lines += ["", "Rows come from these commands (same day, merged by config): " + "; ".join(f"`{c}`" for c in commands)]
     if note:
