@@ -3,6 +3,9 @@
 
     python benchmarks/planner_accuracy.py trace        # closed form vs exact meta-device trace, tiny .. 7B (CPU, ~3 min)
     python benchmarks/planner_accuracy.py measured     # closed form vs the GPU peaks in benchmarks/results/gpu_memory_*.json
+    python benchmarks/planner_accuracy.py cpu          # prediction each real CPU run logs vs its peak RSS (10 runs, ~5 min)
+    python benchmarks/planner_accuracy.py field        # public OOM reports: the planner's verdicts (planner_field_reports.json)
+    python benchmarks/planner_accuracy.py trl          # --profile naive / trl vs TRL GRPOTrainer's peak RSS (planner_vs_trl.py)
 
 `trace` writes benchmarks/results/planner_accuracy_cpu_trace_<date>.json/.md: for each configuration the traced
 update-step peak (plan_trace.trace_update: real modules on the meta device, bytes counted per storage) and the
