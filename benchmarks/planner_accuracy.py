@@ -3,6 +3,9 @@
 
     python benchmarks/planner_accuracy.py trace        # closed form vs exact meta-device trace, tiny .. 7B (CPU, ~3 min)
     python benchmarks/planner_accuracy.py measured     # closed form vs the GPU peaks in benchmarks/results/gpu_memory_*.json
+    python benchmarks/planner_accuracy.py cpu          # prediction each real CPU run logs vs its peak RSS (10 runs, ~5 min)
+    python benchmarks/planner_accuracy.py field        # public OOM reports: the planner's verdicts (planner_field_reports.json)
+    python benchmarks/planner_accuracy.py trl          # --profile naive / trl vs TRL GRPOTrainer's peak RSS (planner_vs_trl.py)
 
 `trace` writes benchmarks/results/planner_accuracy_cpu_trace_<date>.json/.md: for each configuration the traced
 update-step peak (plan_trace.trace_update: real modules on the meta device, bytes counted per storage) and the
@@ -535,11 +538,20 @@ def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu"))
+    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu", "trl", "_trl_child"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="trace: comma-separated grid names")
     ap.add_argument("--inputs", nargs="*", default=None, help="measured: gpu_memory_*.json files (default: all in benchmarks/results)")
+    ap.add_argument("--rounds", type=int, default=1, help="trl: fresh TRL processes per config (peak RSS varies between them)")
+    ap.add_argument("--python", default=None, help="trl: a Python with TRL installed (default /work/venv-extras/bin/python)")
+    ap.add_argument("--note", default=None, help="cpu / trl: a paragraph added to the results file (machine state, context)")
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.mode == "_trl_child":
+        from planner_vs_trl import child
+
+        return child(args.spec, args.result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     today = _dt.date.today().isoformat()
@@ -548,10 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(
                 f"{r['id']:<18} {r['model']:<14} {r['gpus']}x{r['gpu_memory']:<7} predicted {r['predicted_total_gib']:6.1f} GiB "
-                f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}" + (f" | {r['also']}" if "also" in r else "")
+                f"{'fits' if r['fits'] else 'DOES NOT FIT':<13} | reported: {r['outcome']}"
+                + (f" | {r['also']}" if "also" in r else "")
+                + (f" | profile: {r['profile']}" if "profile" in r else "")
             )
         (out / "planner_field_reports.json").write_text(json.dumps({"date": today, "rows": rows}, indent=1))
         return 0
+    if args.mode == "trl":
+        return _trl_mode(args, out, today)
     if args.mode == "cpu":
         import platform
         import tempfile
@@ -570,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         (out / f"planner_accuracy_cpu_runs_{today}.json").write_text(json.dumps({"date": today, "machine": machine, "rows": rows}, indent=1))
-        (out / f"planner_accuracy_cpu_runs_{today}.md").write_text(_md_cpu(rows, today, machine))
+        (out / f"planner_accuracy_cpu_runs_{today}.md").write_text(_md_cpu(rows, today, machine) + (f"\n{args.note}\n" if args.note else ""))
         return 0
     if args.mode == "trace":
         grid = [g for g in trace_grid() if not args.only or g.name in args.only.split(",")]
@@ -612,6 +628,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _trl_mode(args, out: Path, today: str) -> int:
+    """Profiles naive / trl vs TRL GRPOTrainer's measured peak RSS (benchmarks/planner_vs_trl.py)."""
+    import os
+    import platform
+    import shlex
+    import tempfile
+
+    from planner_vs_trl import DEFAULT_PYTHON, markdown, merge, run
+
+    names = [n for n in (args.only or "a,b,c,d").split(",") if n]
+    machine = f"CPU {platform.machine()}, {os.cpu_count()} cores (shared)"
+    command = shlex.join(["python", "benchmarks/planner_accuracy.py", *sys.argv[1:]])
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [{**r, "command": command} for r in run(names, args.python or DEFAULT_PYTHON, Path(tmp), args.rounds)]
+    for r in rows:
+        print(
+            f"{r['config']}: measured {r['measured_peak_rss_gib']:.3f} GiB; naive {r['naive']['predicted_peak_rss_gib']:.3f} "
+            f"({r['naive']['difference_pct']:+.1f}%), trl {r['trl']['predicted_peak_rss_gib']:.3f} ({r['trl']['difference_pct']:+.1f}%)"
+        )
+    path = out / f"planner_accuracy_trl_cpu_{today}.json"
+    if path.is_file():  # a later run of some configs (more rounds) replaces those configs' rows only
+        rows = merge(json.loads(path.read_text())["rows"], rows)
+    notes = [n for n in (json.loads(path.read_text()).get("note") if path.is_file() else None, args.note) if n]
+    note = "\n\n".join(dict.fromkeys(notes)) or None
+    record = {"date": today, "machine": machine, "command": command, "note": note, "rows": rows}
+    path.write_text(json.dumps(record, indent=1))
+    (out / f"planner_accuracy_trl_cpu_{today}.md").write_text(markdown(rows, today, machine, command, note))
+    return 0
+
+
 # ---------------------------------------------------------------- public field reports
 
 # Public reports with enough configuration to evaluate (docs/planner.md lists them with the verdicts). Settings the
@@ -621,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
 FIELD_REPORTS = [
     {
         "id": "R1-V#71",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # R1-V's trainer: model(...).logits over the whole sequence
         "url": "https://github.com/StarsfieldAI/R1-V/issues/71",
         "model": "qwen2.5-vl-7b",
         "gpus": 4,
@@ -643,6 +690,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "ms-swift#4311",
+        "profile": {"profile": "naive"},  # ms-swift GRPO (a TRL GRPOTrainer subclass); logits_to_keep assumed
         "url": "https://github.com/modelscope/ms-swift/issues/4311",
         "model": "qwen2.5-vl-3b",
         "gpus": 4,
@@ -665,6 +713,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "R1-V#107",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # R1-V's trainer: model(...).logits over the whole sequence
         "url": "https://github.com/StarsfieldAI/R1-V/issues/107",
         "model": "qwen2.5-vl-3b",
         "gpus": 8,
@@ -688,6 +737,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "VLM-R1#77 (G=8)",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # VLM-R1's trainer: no logits_to_keep for VLMs
         "url": "https://github.com/om-ai-lab/VLM-R1/issues/77",
         "model": "qwen2.5-vl-3b",
         "gpus": 8,
@@ -709,6 +759,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "VLM-R1#77 (G=4)",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # VLM-R1's trainer: no logits_to_keep for VLMs
         "url": "https://github.com/om-ai-lab/VLM-R1/issues/77",
         "model": "qwen2.5-vl-3b",
         "gpus": 8,
@@ -787,6 +838,7 @@ FIELD_REPORTS = [
     },
     {
         "id": "R1-V#61",
+        "profile": {"profile": "naive", "logits_positions": "sequence"},  # R1-V's trainer: model(...).logits over the whole sequence
         "url": "https://github.com/StarsfieldAI/R1-V/issues/61",
         "model": "qwen2-vl-2b",
         "gpus": 8,
@@ -807,6 +859,15 @@ FIELD_REPORTS = [
         "assumed": "DDP (no DeepSpeed config given), bf16 weights, completion length 256, 100 text tokens",
     },
 ]
+
+
+def _profile_verdict(spec, w: Workload, rep: dict) -> dict:
+    p = plan(spec, w)
+    out = {"settings": rep["profile"], "predicted_total_gib": round(p.total / GiB, 1), "fits": p.fits, "verdict": p.verdict}
+    if "also" in rep:
+        q = plan(spec, dataclasses.replace(w, **rep["also"]["settings"]))
+        out["also"] = {"label": rep["also"]["label"], "predicted_total_gib": round(q.total / GiB, 1), "fits": q.fits}
+    return out
 
 
 def field_verdicts() -> list[dict]:
@@ -846,6 +907,8 @@ def field_verdicts() -> list[dict]:
             host_fits=p.host_fits,
             phases_gib={k: round(v / GiB, 1) for k, v in p.phases.items()},
         )
+        if "profile" in rep:  # the same report planned with the trainer profile (vlmrl plan --profile naive ...)
+            row["profile"] = _profile_verdict(spec, dataclasses.replace(base, **rep["profile"]), rep)
         if "also" in rep:
             q = plan(spec, dataclasses.replace(base, **rep["also"]["settings"]))
             row["also"] = {

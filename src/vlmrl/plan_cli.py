@@ -4,6 +4,7 @@ vlmrl plan --model qwen2.5-vl-7b --gpus 8 --gpu-memory 80GiB --num-generations 8
 vlmrl plan --config run.yaml training.per_device_train_batch_size=8 --gpu-memory 80GiB --search
 vlmrl plan --model path/to/config.json --gpu-memory 24GiB --lora --json
 vlmrl plan --model qwen2.5-vl-3b --trace            # exact mode: one traced update step on the meta device
+vlmrl plan --model qwen2.5-vl-7b --profile naive     # a TRL-style trainer's step: does it fit, and which vlmrl config does
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import sys
 
+from .plan_profiles import PROFILES
 from .planner import ATTENTIONS, GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
 
 
@@ -77,6 +79,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sft: plan `vlmrl sft` (rows = --micro-batch or sft.batch_size, each with its own prompt and image; "
         "--completion-length = target tokens; no rollout). With --config every stage the config runs is planned",
     )
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="vlmrl",
+        help="whose step: vlmrl (default); naive = a plain TRL-style trainer (G copies of each prompt and image, HF generate "
+        "prefill of the copies, full-vocabulary float32 logits, reference scored the same way); trl = naive with TRL 1.x's "
+        "fused LM head (tiles of 4096 tokens x 32768 vocabulary). Also prints vlmrl's plan of the same work, and a vlmrl "
+        "config that fits when that does not",
+    )
+    p.add_argument(
+        "--logits-positions",
+        choices=("completion", "sequence"),
+        help="with --profile naive: completion (default: logits_to_keep, TRL >= 0.15) or sequence (the LM head projects "
+        "every prompt + completion position before the completion slice: VLM trainers that call the model without logits_to_keep)",
+    )
     p.add_argument("--sft-stage", type=int, choices=(1, 2), help="with --mode sft and --model: 1 = projector only, 2 = language model (default)")
     p.add_argument("--train-vision-tower", action="store_true", help="with --mode sft: stage 2 also trains the vision tower")
     p.add_argument(
@@ -134,12 +151,15 @@ def _workload(ns, spec):
         "generation_gather": ns.generation_gather,
         "master_weights": ns.master_weights,
         "attn_implementation": ns.attn_implementation,
+        "logits_positions": ns.logits_positions,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
     if ns.host_memory:
         changes["host_memory_bytes"] = parse_memory(ns.host_memory)
     if ns.cpu:
         changes["device"] = "cpu"
+    if ns.profile != "vlmrl":
+        changes["profile"] = ns.profile
     w = dataclasses.replace(base, **changes)
     if w.sharding == "none" and world > 1 and ns.sharding is None:
         w = dataclasses.replace(w, sharding="ddp")
@@ -197,6 +217,25 @@ def _table(spec, p) -> str:
     return "\n".join(lines)
 
 
+def _check_flags(ns) -> None:
+    """Flag combinations that cannot be planned: one PlanError line each, before any model is read."""
+    if not ns.config and not ns.model:
+        raise PlanError("give --model <preset or config.json> or --config <file.yaml> (see vlmrl plan --help)")
+    if ns.config and ns.model:
+        raise PlanError("give either --model or --config, not both (the config names its model)")
+    if ns.gpu_memory:
+        parse_memory(ns.gpu_memory)  # fail early on a bad size
+    if ns.mode == "sft" and ns.search:
+        raise PlanError(
+            "--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
+            "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself"
+        )
+    if ns.trace and ns.profile != "vlmrl":
+        raise PlanError(f"--trace runs vlmrl's own step; --profile {ns.profile} is closed form only (drop --trace, or plan --profile vlmrl)")
+    if ns.mode == "sft" and ns.profile != "vlmrl":
+        raise PlanError(f"--profile {ns.profile} plans another trainer's GRPO step; --mode sft plans vlmrl sft only (drop one)")
+
+
 def run(ns) -> int:
     from .planner import model_spec, plan, search, spec_for_config
 
@@ -205,12 +244,7 @@ def run(ns) -> int:
 
         print("\n".join(sorted(PRESETS) + sorted(PLANNER_PRESETS)))
         return 0
-    if not ns.config and not ns.model:
-        raise PlanError("give --model <preset or config.json> or --config <file.yaml> (see vlmrl plan --help)")
-    if ns.config and ns.model:
-        raise PlanError("give either --model or --config, not both (the config names its model)")
-    if ns.gpu_memory:
-        parse_memory(ns.gpu_memory)  # fail early on a bad size
+    _check_flags(ns)
     if ns.config:
         from .config import load_config
 
@@ -221,11 +255,6 @@ def run(ns) -> int:
         spec = model_spec(ns.model)
     w = _workload(ns, spec)
     stages: dict = {}
-    if ns.mode == "sft" and ns.search:
-        raise PlanError(
-            "--search tunes GRPO's knobs (micro-batch with accumulation, generation calls); vlmrl sft has one micro-batch "
-            "per step: compare sft.batch_size values (--micro-batch) or add --gradient-checkpointing / --lora yourself"
-        )
     if ns.mode == "sft":
         stages = _sft_stages(ns, w)
         w = max(stages.values(), key=lambda x: plan(spec, x).total)
@@ -240,6 +269,8 @@ def run(ns) -> int:
             raise PlanError(f"--allow {','.join(bad)}: use num_generations, max_pixels, effective_batch")
         found = search(spec, w, allow=allow, top=ns.top)
         out["search"] = [c.to_dict() for c in found]
+    if ns.profile != "vlmrl":
+        out["vlmrl_profile"] = _vlmrl_alternative(spec, w)
     if ns.trace:
         out["trace"] = _trace(spec, w, source)
     if ns.json:
@@ -249,8 +280,42 @@ def run(ns) -> int:
     return 0
 
 
+def _vlmrl_alternative(spec, w) -> dict:
+    """vlmrl's plan of the same work as a plain trainer's workload `w`, and (when that does not fit either) the
+    fastest vlmrl configuration predicted to fit, G / pixels / effective batch kept."""
+    from .planner import plan, search
+
+    v = dataclasses.replace(w, profile="vlmrl")  # the profile is applied inside plan(): w keeps vlmrl's own memory settings
+    p = plan(spec, v)
+    out = {"plan": p.to_dict(), "fits": p.fits, "verdict": p.verdict}
+    if not p.fits and (v.gpu_memory_bytes or v.host_memory_bytes):
+        try:
+            found = search(spec, v, top=1)
+        except PlanError:
+            found = []
+        out["fitting_config"] = found[0].to_dict() if found else None
+    return out
+
+
+def _print_profile(out: dict, ns) -> None:
+    alt = out["vlmrl_profile"]
+    print(f"\n--profile {ns.profile}: {out['verdict']}")
+    m = alt["plan"]["workload"]
+    how = f"group_vision {m['group_vision']}, shared_prefix {m['shared_prefix']}, log-prob chunks {m['logprob_chunk_tokens']}"
+    print(f"vlmrl, same work ({how}): {alt['verdict']}")
+    if "fitting_config" in alt:
+        c = alt["fitting_config"]
+        print(
+            f"vlmrl config that fits: {c['total_gib']:.1f} GiB: " + ("; ".join(c["changes"]) or "as given")
+            if c
+            else "no vlmrl config fits with G, pixels and the effective batch kept (vlmrl plan --search --allow ...)"
+        )
+
+
 def _print(spec, p, out: dict, ns) -> None:
     print(_table(spec, p))
+    if "vlmrl_profile" in out:
+        _print_profile(out, ns)
     for stage, d in out.get("sft_stages", {}).items():
         print(f"SFT {stage}: {d['total_gib']:.1f} GiB on the device, {d['host_total_gib']:.1f} GiB host RAM: {d['verdict']}")
     if ns.search:

@@ -32,6 +32,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .plan_profiles import (
+    LOGITS_POSITIONS,
+    PROFILES,
+    TRAINER_CPU_RUNTIME_BYTES,
+    logprob_head_bytes,
+    pixel_copies_bytes,
+    profile_workload,
+)
+
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -142,6 +151,8 @@ class Workload:
     device: str = "cuda"  # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
     mode: str = "grpo"  # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
     host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
+    profile: str = "vlmrl"  # vlmrl | naive | trl: whose step is planned (plan_profiles: a plain / TRL-style trainer's data path)
+    logits_positions: str = "completion"  # profile naive: completion (logits_to_keep) | sequence (the LM head projects every position)
 
     @property
     def rows_per_step(self) -> int:
@@ -260,6 +271,12 @@ def _check(w: Workload) -> None:
         problems.append(f"mode={w.mode!r}: use grpo or sft")
     if w.attn_implementation not in ATTENTIONS:
         problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
+    if w.profile not in PROFILES:
+        problems.append(f"profile={w.profile!r}: use one of {', '.join(PROFILES)}")
+    if w.logits_positions not in LOGITS_POSITIONS:
+        problems.append(f"logits_positions={w.logits_positions!r}: use one of {', '.join(LOGITS_POSITIONS)}")
+    if w.profile != "vlmrl" and w.mode == "sft":
+        problems.append(f"profile={w.profile} plans another trainer's GRPO step: use mode grpo (SFT is planned for vlmrl sft only)")
     if w.master_weights not in MASTER_WEIGHTS:
         problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
@@ -359,23 +376,35 @@ HOST_RUNTIME_CUDA_BYTES = 3 * GiB
 HOST_RUNTIME_CPU_BYTES = int(0.38 * GiB)
 CPU_ALLOCATOR_RESERVE = 0.12
 HOST_DATA_BYTES = 2 * GiB  # dataset, decoded images, tokenizer caches on a real run (typical, not measured)
+# glibc malloc serves a block from its heap below a dynamic mmap threshold that grows up to 32 MiB on 64-bit Linux
+# (DEFAULT_MMAP_THRESHOLD_MAX); larger blocks are mmapped and unmapped when freed, so they leave no heap slack behind.
+GLIBC_MMAP_MAX_BYTES = 32 * 2**20
 
 
 def host_terms(
-    spec: ModelSpec, w: Workload, states: dict, step_buffers: float, device_peak: int, ref_on_cpu: bool, processes: int | None = None
+    spec: ModelSpec,
+    w: Workload,
+    states: dict,
+    step_buffers: float,
+    device_peak: int,
+    ref_on_cpu: bool,
+    processes: int | None = None,
+    mmapped: int = 0,
 ) -> dict:
     """Host RAM of one node (min(world size, 8) processes), bytes, term by term, and its peak over three moments:
     loading (each process builds its copy on the CPU before moving it),
     training (runtime per process, CPU-offloaded optimizer / gradients / parameters, pinned transfer buffers, the
     reference model on the CPU, each process's images and rollout buffers, and on a CPU run every tensor the
-    device plan counts), and saving (rank 0 gathers the full weights on the CPU for save_pretrained / export)."""
+    device plan counts), and saving (rank 0 gathers the full weights on the CPU for save_pretrained / export).
+    mmapped: bytes of the device peak in blocks above GLIBC_MMAP_MAX_BYTES (CPU runs: no heap slack on them)."""
     n = w.world_size
     r = processes or min(n, 8)
     base_w = states["base_weights"]
     shards = n if w.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
     offloaded = w.offload != "none"
     cpu = w.device == "cpu"
-    runtime = w.host_runtime_bytes or (HOST_RUNTIME_CPU_BYTES if cpu else HOST_RUNTIME_CUDA_BYTES)
+    cpu_runtime = HOST_RUNTIME_CPU_BYTES if w.profile == "vlmrl" else TRAINER_CPU_RUNTIME_BYTES
+    runtime = w.host_runtime_bytes or (cpu_runtime if cpu else HOST_RUNTIME_CUDA_BYTES)
     terms = {
         "runtime_per_process": runtime * r,
         "model_loading": r * base_w,  # each process's copy (the checkpoint's mapped pages are shared page cache)
@@ -386,7 +415,7 @@ def host_terms(
         "reference_on_cpu": spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0,
         "images_and_rollout_buffers": step_buffers * r,
         "data": HOST_DATA_BYTES if not cpu else 0,
-        "device_tensors_on_cpu": device_peak * (1 + CPU_ALLOCATOR_RESERVE) * r if cpu else 0,
+        "device_tensors_on_cpu": ((device_peak - mmapped) * (1 + CPU_ALLOCATOR_RESERVE) + mmapped) * r if cpu else 0,
         # save_pretrained copies device tensors to the CPU; CPU tensors of an unsharded run are written as they are
         "gathered_state_dict_at_save": base_w if (not cpu or w.sharding in ("zero3", "fsdp")) else 0,
     }
@@ -408,7 +437,7 @@ def host_terms(
     out.update({f"peak_{k}": int(v) for k, v in phases.items()})
     out["total"] = int(max(phases.values()))
     if processes is None:  # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
-        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, processes=1)["total"]
+        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, 1, mmapped)["total"]
     return out
 
 
@@ -470,8 +499,10 @@ def model_states(spec: ModelSpec, w: Workload) -> dict:
 
 
 def plan(spec: ModelSpec, w: Workload) -> Plan:
-    """The closed form. All figures are bytes on one device (the busiest rank)."""
+    """The closed form. All figures are bytes on one device (the busiest rank). w.profile naive / trl: another
+    trainer's data path for the same work (plan_profiles)."""
     _check(w)
+    w = profile_workload(w)
     b = DTYPE_BYTES[w.dtype]
     cb = 2 if (w.autocast or b == 2) else 4  # compute (activation) dtype bytes
     n = w.world_size
@@ -508,7 +539,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # Unique prompts in a micro-batch of N consecutive rows (rows are prompt-major, G per prompt).
     U = (math.ceil(N / G) if (N % G == 0 or G % N == 0) else min(N, math.ceil(N / G) + 1)) if w.group_vision else N
     rows_step = w.rows_per_step
-    batch_inputs = w.prompts_per_step * patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values
+    pixel_bytes = patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values of one prompt
+    pixel_copies = pixel_copies_bytes(w, pixel_bytes)  # plain trainers hold each prompt's pixels G times
+    batch_inputs = w.prompts_per_step * pixel_bytes + pixel_copies
     rollout_buffers = rows_step * (P + C) * 8 + rows_step * C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
 
     # Update: activations of one micro-batch.
@@ -548,17 +581,24 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         text_act = spec.layers * text_tokens * (per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate))
     chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
     lm_bwd = 12 * chunk * V * (cb / 2)  # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
-    if w.logprob_chunk_tokens <= 0:
-        misc_act += 4 * N * C * V  # the whole float32 log-softmax kept for backward
+    lm_no_grad = 8 * chunk * V * (cb / 2)
+    full_logits = 0
+    head_unit = chunk * V * cb  # the smallest vocabulary-sized tensor of the head (host: mmapped when large)
+    head_trains = text_trains and not w.use_lora and not w.projector_only
+    if w.profile != "vlmrl":  # a plain trainer's head: whole logits (naive) or TRL's fused tiles (trl)
+        head = logprob_head_bytes(w, N, P, C, V, h, cb, head_trains)
+        full_logits, lm_bwd, lm_no_grad, head_unit = head["kept"], head["backward"], head["no_grad"], head["unit"]
+    elif w.logprob_chunk_tokens <= 0:
+        full_logits = 4 * N * C * V  # the whole float32 log-softmax kept for backward
     emb_grad_tmp = 0
     if text_trains and not w.use_lora and not w.projector_only:
         emb_grad_tmp = (3 if spec.lm_head_params == 0 else 2) * V * h * b  # fresh embedding / LM-head gradients before accumulation
-    activations = text_act + vision_act + misc_act + eager_act
+    misc_act += full_logits if w.profile == "vlmrl" else 0  # vlmrl with chunking off: counted with the other activations
+    activations = text_act + vision_act + misc_act + eager_act + (full_logits if w.profile != "vlmrl" else 0)
     # The chunked log-prob backward runs first, with every activation still alive; when the LM head trains, its
     # weight gradient (fresh per chunk + the running sum) sits beside the chunk's logits.
-    head_trains = text_trains and not w.use_lora and not w.projector_only
     # (one chunk only: its gradients come after its logits are freed; nothing to add)
-    head_grad_tmp = 2 * V * h * b if (head_trains and 0 < w.logprob_chunk_tokens < N * C) else 0
+    head_grad_tmp = 2 * V * h * b if (head_trains and 0 < w.logprob_chunk_tokens < N * C and w.profile == "vlmrl") else 0
     bwd_transient = max(lm_bwd + head_grad_tmp, recompute)
     # Shared prefix: every decoder weight is used twice (prompt pass, completion pass), so autograd holds each
     # weight's gradient from the completion pass until the prompt pass adds its own (one summed gradient per weight).
@@ -574,7 +614,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
-    score_transient = max(8 * chunk * V * (cb / 2), score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
+    score_transient = max(lm_no_grad, score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
     ppc = w.prompts_per_call or w.prompts_per_step
     gen_rows = ppc * G
     kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
@@ -624,6 +664,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "activations_text": text_act,
         "activations_vision": vision_act,
         "activations_other": misc_act,
+        "full_vocab_logits": full_logits if w.profile != "vlmrl" else 0,
         "eager_attention_scores": eager_act,
         "logprob_buffers": lm_bwd,
         "checkpoint_recompute": recompute,
@@ -635,13 +676,15 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "reference_moved_in_for_scoring": ref_moved_in,
         "gathered_parameters": gathered,
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
-        "batch_inputs": batch_inputs + rollout_buffers,
+        "batch_inputs": batch_inputs - pixel_copies + rollout_buffers,
+        "pixel_value_copies": pixel_copies,
         "comm_buffers": comm,
         "allocator_reserve": reserved - peak,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
     terms = {k: int(v) for k, v in terms.items()}
-    host = host_terms(spec, w, st, batch_inputs + rollout_buffers, int(peak), ref_moved_in > 0)
+    mmapped = _mmapped_at_peak(phases, head_unit, full_logits, lm_bwd + head_grad_tmp, fwd_bwd, recompute, lm_no_grad, score_transient)
+    host = host_terms(spec, w, st, batch_inputs + rollout_buffers, int(peak), ref_moved_in > 0, None, mmapped)
     gpu = w.gpu_memory_bytes if w.device != "cpu" else None
     headroom, verdict = _verdict(int(total), w, host)
     out = Plan(
@@ -659,6 +702,21 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     )
     out.step_time_s = step_time(spec, w, trainable)
     return out
+
+
+def _mmapped_at_peak(
+    phases: dict, unit: float, kept: float, head_bwd: float, fwd_bwd: float, recompute: float, head_no_grad: float, score_transient: float
+) -> int:
+    """Bytes of the peak phase in the log-prob head's vocabulary-sized tensors when each is above glibc's mmap
+    threshold ceiling (CPU runs: mmapped blocks leave no heap slack); 0 when they are smaller or not at the peak."""
+    if unit < GLIBC_MMAP_MAX_BYTES:
+        return 0
+    top = max(phases, key=phases.get)
+    if top == "update" and phases["update"] == int(fwd_bwd):
+        return int(kept + (head_bwd if head_bwd >= recompute else 0))
+    if top == "scoring" and head_no_grad >= score_transient:
+        return int(head_no_grad)
+    return 0
 
 
 def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
