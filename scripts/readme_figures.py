@@ -121,8 +121,25 @@ def planner_accuracy() -> str | None:
         f"Accuracy: closed form vs `--trace` on {len(trace_rows)} configs (full, LoRA, shared prefix, eager, SFT): largest difference "
         f"{_largest(trace_rows, 'difference_pct'):.1f}% (`{trace.name}`); vs {len(gpu_rows)} H100 runs: within "
         f"{_largest(gpu_rows, 'reserved_difference_pct'):.1f}% of `max_memory_reserved` (`{gpu.name}`); vs {len(run_rows)} real CPU runs: "
-        f"peak RSS within 10% on {within} of {len(run_rows)}, largest {_largest(run_rows, 'difference_pct'):.1f}% (`{runs.name}`).\n"
+        f"peak RSS within 10% on {within} of {len(run_rows)}, largest {_largest(run_rows, 'difference_pct'):.1f}% (`{runs.name}`)."
+        + _trainer_profiles()
+        + "\n"
     )
+
+
+def _trainer_profiles() -> str:
+    """The --profile naive / trl predictions against TRL GRPOTrainer's measured peak RSS on CPU."""
+    path = _newest("planner_accuracy_trl_cpu_*[0-9].json")
+    if path is None:
+        return ""
+    rows = _load(path)["rows"]
+    parts = []
+    for profile in ("trl", "naive"):
+        errors = [row[profile]["difference_pct"] for row in rows if profile in row]
+        within = sum(abs(e) <= 15 for e in errors)
+        parts.append(f"`--profile {profile}` within 15% on {within} of {len(errors)} (largest {max(abs(e) for e in errors):.1f}%)")
+
+    return f" Against TRL 1.16 GRPOTrainer's measured peak RSS on CPU: {', '.join(parts)} (`{path.name}`)."
 
 
 def _minutes(seconds: float) -> str:
