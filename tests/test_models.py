@@ -122,11 +122,11 @@ def test_build_is_seeded_and_uses_tokenizer_ids(tmp_path):
 def test_default_model_path_builds_once(tmp_path, monkeypatch):
     monkeypatch.setenv("VLMRL_CACHE", str(tmp_path))
     path = default_model_path()
-    assert path == tmp_path / "tiny-qwen2.5-vl-v1" and (path / "config.json").is_file()
+    assert path == tmp_path / "tiny-qwen2.5-vl-v2" and (path / "config.json").is_file()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen2.5-vl-v1"]  # no temp folder left
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen2.5-vl-v2"]  # no temp folder left
 
 
 # ---------------------------------------------------------------- processor

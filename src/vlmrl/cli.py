@@ -176,8 +176,9 @@ def _run(command: str, cfg) -> int:
     # Errors raised here are the user's (config, data, model folder, rewards): main() prints them in one line, exit 2.
     preflight(cfg, command, log=lambda line: print(line, file=sys.stderr))  # before any weights load
     if command == "check":
-        print(f"vlmrl check: OK ({cfg.model.name_or_path})", file=sys.stderr)
-        return 0
+        from .plan_check import finish_check
+
+        return finish_check(cfg, log=lambda line: print(line, file=sys.stderr))  # output_dir, planner verdict
     with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":
             from .train import train
