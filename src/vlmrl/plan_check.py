@@ -93,8 +93,10 @@ def planner_verdict(cfg) -> Verdict:
 def finish_check(cfg, log) -> int:
     """The end of `vlmrl check`, after every other check passed: what the run would do with output_dir, the
     planner's verdict and plan, and the last line. Exit status 0, or 1 when the planner predicts it does not fit."""
+    from .model_defaults import describe
     from .rundir import describe_output_dir
 
+    log(describe(cfg))
     log(describe_output_dir(cfg))
     verdict = planner_verdict(cfg)
     log(verdict.line)

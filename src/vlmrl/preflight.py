@@ -19,9 +19,6 @@ REWARD_PROBE_ROWS = 2
 
 def preflight(cfg: Config, command: str, log=print) -> None:
     """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind."""
-    from .model_defaults import describe
-
-    log(describe(cfg))  # which defaults the unset fields got (model.defaults, resolved by load_config)
     if command == "eval":
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):

@@ -231,6 +231,7 @@ def complete_message(out: Path, done: dict) -> str:
 def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
     from .checkpoint import check_resume_compat, checkpoint_step, find_resume_checkpoint, is_weights_only, read_checkpoint_config, read_trainer_state
     from .config import Config, save_config, to_dict
+    from .model_defaults import describe
     from .overwrite import plan_overwrite, remove_entries
     from .tracking import cut_logs
 
@@ -257,6 +258,7 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
             start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
             log(f"resuming from {path} at step {start} of {t.max_steps} (training.overwrite_output_dir=true starts over instead)")
     # Nothing refused: from here on the folder is this run's.
+    log(describe(cfg))  # which defaults the fields left unset got (model.defaults), and why
     remove_entries(out, doomed, log)
     if done is not None:
         (out / COMPLETE_FILE).unlink(missing_ok=True)
@@ -293,6 +295,7 @@ def guard_sft_folder(fn: Callable) -> Callable:
 def prepare_sft_run(cfg, log: Callable[[str], Any] = print) -> None:
     """Refusals first (a complete run, an overwrite vlmrl will not do), then the folder is this run's."""
     from .config import save_config
+    from .model_defaults import describe
     from .overwrite import plan_overwrite, remove_entries
     from .tracking import cut_logs
 
@@ -301,6 +304,7 @@ def prepare_sft_run(cfg, log: Callable[[str], Any] = print) -> None:
     done = None if cfg.training.overwrite_output_dir else read_complete(out)
     if done is not None:
         raise RunAlreadyComplete(complete_message(out, done))
+    log(describe(cfg))
     remove_entries(out, doomed, log)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
