@@ -83,7 +83,7 @@ def planner_verdict(cfg) -> Verdict:
         return Verdict(None, f"planner: {what} needs {need / GiB:.2f} GiB per device; no verdict (no device size known)", _summary(worst, cpu))
     fits = need <= FIT_FRACTION * size
     state = "fits" if fits else "does NOT fit"
-    line = f"planner: {state} on this {'CPU' if cpu else 'GPU'}: {needed} ({what}) of {size / GiB:.1f} GiB {where}"
+    line = f"planner: {state} on this {'CPU' if cpu else 'GPU'}: {needed} ({what}) of {size / GiB:.2f} GiB {where}"
     line += f"; {others}" if others else ""
     if not fits:
         line += ". Lower rollout.max_completion_length, the batch sizes or data.max_pixels, or let training.auto_fit=true pick a config"
