@@ -109,7 +109,8 @@ def test_saved_config_records_the_choice_and_reloads_equal(tmp_path):
 
 def test_a_validation_error_names_the_fields_the_profile_filled():
     # 64 completions per step (32 x 2, from the profile) are not divisible by G=3: the user never wrote 32 or 2.
-    with pytest.raises(ConfigError, match=r"not divisible by rollout.num_generations=3[\s\S]*model.defaults=tiny filled .*per_device_train_batch_size"):
+    filled = r"[\s\S]*model.defaults=tiny filled .*per_device_train_batch_size"
+    with pytest.raises(ConfigError, match=r"not divisible by rollout.num_generations=3" + filled):
         load_config(None, ["rollout.num_generations=3"])
 
 

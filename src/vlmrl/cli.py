@@ -68,7 +68,9 @@ COMMAND_HELP = {
     "check": (
         "Check config, data, rewards and model folder without loading weights.",
         "Run train's checks in seconds, without loading any weights: the config, every data row, the reward "
-        "functions called on a few real rows, the model folder's files.",
+        "functions called on a few real rows, the model folder's files; then say which defaults apply, what a run "
+        "would do with output_dir (new, resume from step N, complete) and the memory planner's verdict for the "
+        "device (exit 1 when the run is predicted not to fit, 2 on any other problem).",
         "example:\n  vlmrl check my.yaml data.train_path=data/train.parquet\n\nEvery setting: vlmrl config",
     ),
 }
