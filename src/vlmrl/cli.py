@@ -212,7 +212,9 @@ def run_eval(cfg) -> dict:
     funcs, _ = load_reward_funcs(cfg)
     from .preflight import eval_data_name
 
-    print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows", file=sys.stderr)
+    from .model_defaults import describe
+
+    print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows; {describe(cfg)}", file=sys.stderr)
     metrics = evaluate(model, processor, data.eval, cfg, funcs, device)
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
