@@ -35,7 +35,7 @@ def test_embedded_model_gets_every_tiny_default():
     assert cfg.optim.learning_rate == 3e-4 and cfg.sft.learning_rate == 1e-3 and cfg.rollout.max_completion_length == 8
     assert cfg.generation_batch_size == 64 and cfg.prompts_per_step == 8  # 8 prompts x G=8, as in the demo
     # Not in the profile: still the field defaults.
-    assert cfg.training.max_steps == Config().training.max_steps and cfg.rollout.temperature == Config().rollout.temperature
+    assert cfg.rollout.temperature == Config().rollout.temperature and cfg.algorithm.beta == Config().algorithm.beta
 
 
 def test_what_the_user_writes_wins(tmp_path):
