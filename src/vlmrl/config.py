@@ -19,7 +19,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
-EMBEDDED_MODEL = "embedded:tiny-qwen2.5-vl"
+from .model_defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
+
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 SCHEDULERS = ("constant", "linear", "cosine")

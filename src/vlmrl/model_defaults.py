@@ -23,8 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import EMBEDDED_MODEL
-
+EMBEDDED_MODEL = "embedded:tiny-qwen2.5-vl"  # config.py imports it from here (this module imports nothing of vlmrl)
 TINY_MARKER = "vlmrl_tiny"  # config.json key written by tiny.default_model_path (its value: the build's name)
 
 # The settings `make demo` runs with (src/vlmrl/demo.py), measured there: after SFT 25% (format learnt, counting at
