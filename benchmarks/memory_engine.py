@@ -70,6 +70,7 @@ def run_one(args) -> dict:
         f"training.max_steps={total}",
         "training.save_final_model=false",
         "training.resume=never",
+        "training.overwrite_output_dir=true",
         f"training.per_device_train_batch_size={micro}",
         f"training.gradient_accumulation_steps={16 // micro}",
         "rollout.generation_batch_size=16",

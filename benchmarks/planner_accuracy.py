@@ -358,6 +358,7 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
         "data.min_pixels=3136",
         "data.max_pixels=3136",
         "training.resume=never",
+        "training.overwrite_output_dir=true",
         *overrides,
     ]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}

@@ -284,10 +284,17 @@ def test_loader_refuses_pickled_objects(tmp_path, payload):
 
 
 def test_config_diff_classification():
-    old = to_dict(load_config())
+    old = to_dict(load_config(overrides=["model.defaults=pretrained"]))
     new = to_dict(
         load_config(
-            overrides=["algorithm.beta=0.04", "training.max_steps=500", "logging.report=false", "rollout.num_generations=2", "training.save_steps=10"]
+            overrides=[
+                "model.defaults=pretrained",
+                "algorithm.beta=0.04",
+                "training.max_steps=500",
+                "logging.report=false",
+                "rollout.num_generations=2",
+                "training.save_steps=10",
+            ]
         )
     )
     breaking, harmless = config_diff(old, new)
@@ -300,7 +307,7 @@ def test_config_diff_classification():
     check_resume_compat(old, new, force=True, warn=warnings.append)
     assert any("algorithm.beta" in w for w in warnings) and any("training.max_steps" in w for w in warnings)
     warnings.clear()
-    check_resume_compat(old, to_dict(load_config(overrides=["training.device=cpu"])), warn=warnings.append)
+    check_resume_compat(old, to_dict(load_config(overrides=["model.defaults=pretrained", "training.device=cpu"])), warn=warnings.append)
     assert warnings == ["config changes since the checkpoint (harmless for resuming):\n  training.device: 'auto' -> 'cpu'"]
 
 

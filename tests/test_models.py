@@ -1,5 +1,6 @@
 """Tiny VLM builders, the processor interface, model loading/freezing/LoRA and saving."""
 
+import json
 import types
 
 import pytest
@@ -122,11 +123,12 @@ def test_build_is_seeded_and_uses_tokenizer_ids(tmp_path):
 def test_default_model_path_builds_once(tmp_path, monkeypatch):
     monkeypatch.setenv("VLMRL_CACHE", str(tmp_path))
     path = default_model_path()
-    assert path == tmp_path / "tiny-qwen2.5-vl-v1" and (path / "config.json").is_file()
+    assert path == tmp_path / "tiny-qwen2.5-vl-v2" and (path / "config.json").is_file()
+    assert json.loads((path / "config.json").read_text())["vlmrl_tiny"] == "tiny-qwen2.5-vl-v2"  # model_defaults' marker
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen2.5-vl-v1"]  # no temp folder left
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen2.5-vl-v2"]  # no temp folder left
 
 
 # ---------------------------------------------------------------- processor

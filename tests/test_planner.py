@@ -541,7 +541,7 @@ def test_workload_from_config_is_per_process():
     engine reaches the plan as its sharding."""
     from vlmrl.planner import workload_from_config
 
-    cfg = load_config(None, ["rollout.num_generations=4", "rollout.generation_batch_size=16"])
+    cfg = load_config(None, ["model.defaults=pretrained", "rollout.num_generations=4", "rollout.generation_batch_size=16"])
     assert workload_from_config(cfg).prompts_per_step == 4
     assert workload_from_config(cfg, world_size=2).prompts_per_step == 2
     assert workload_from_config(cfg, world_size=2, sharding="fsdp").sharding == "fsdp"

@@ -185,7 +185,7 @@ def test_skipped_rows_are_named_and_written(count_data, tmp_path):
 
 # -- no learning signal ----------------------------------------------------------------------------------------------
 def test_no_signal_streak_and_warning():
-    cfg = load_config(None, ["logging.no_signal_warn_steps=3", "optim.learning_rate=1e-6"])
+    cfg = load_config(None, ["model.defaults=pretrained", "logging.no_signal_warn_steps=3", "optim.learning_rate=1e-6"])
     state, warnings = {}, []
     flat = {"frac_reward_zero_std": 1.0, "reward": 0.0, "completions/truncated_frac": 0.75}
     for frac in [1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0] + [1.0] * 26:

@@ -163,6 +163,7 @@ def test_score_rollout_passes_what_trl_passes():
     cfg = load_config(
         None,
         [
+            "model.defaults=pretrained",  # the field defaults (G=4), not the embedded model's
             "algorithm.completion_format=conversational",
             "training.max_steps=40",
             "training.per_device_train_batch_size=4",

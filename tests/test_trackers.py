@@ -115,7 +115,7 @@ def test_mlflow_gets_params_metrics_and_failure(fake_mlflow, tmp_path, monkeypat
     names = [c[0] for c in fake_mlflow]
     assert names[:2] == ["set_experiment", "start_run"] and fake_mlflow[0][1] == ("exp",)
     params = {k: v for c in fake_mlflow if c[0] == "log_params" for k, v in c[1][0].items()}
-    assert params["training.output_dir"] == str(tmp_path / "r") and params["rollout.num_generations"] == "4"
+    assert params["training.output_dir"] == str(tmp_path / "r") and params["rollout.num_generations"] == str(cfg.rollout.num_generations)
     assert max(len(c[1][0]) for c in fake_mlflow if c[0] == "log_params") <= 100  # MLflow's batch limit
     metrics = [c for c in fake_mlflow if c[0] == "log_metrics"]
     assert metrics[0][1][0] == {"reward": 1.0, "mem/host_peak_rss": 2.0} and metrics[0][2] == {"step": 1}

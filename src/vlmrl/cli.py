@@ -68,7 +68,9 @@ COMMAND_HELP = {
     "check": (
         "Check config, data, rewards and model folder without loading weights.",
         "Run train's checks in seconds, without loading any weights: the config, every data row, the reward "
-        "functions called on a few real rows, the model folder's files.",
+        "functions called on a few real rows, the model folder's files; then say which defaults apply, what a run "
+        "would do with output_dir (new, resume from step N, complete) and the memory planner's verdict for the "
+        "device (exit 1 when the run is predicted not to fit, 2 on any other problem).",
         "example:\n  vlmrl check my.yaml data.train_path=data/train.parquet\n\nEvery setting: vlmrl config",
     ),
 }
@@ -177,8 +179,9 @@ def _run(command: str, cfg) -> int:
     # Errors raised here are the user's (config, data, model folder, rewards): main() prints them in one line, exit 2.
     preflight(cfg, command, log=lambda line: print(line, file=sys.stderr))  # before any weights load
     if command == "check":
-        print(f"vlmrl check: OK ({cfg.model.name_or_path})", file=sys.stderr)
-        return 0
+        from .plan_check import finish_check
+
+        return finish_check(cfg, log=lambda line: print(line, file=sys.stderr))  # output_dir, planner verdict
     with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":
             from .train import train
@@ -210,7 +213,9 @@ def run_eval(cfg) -> dict:
     funcs, _ = load_reward_funcs(cfg)
     from .preflight import eval_data_name
 
-    print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows", file=sys.stderr)
+    from .model_defaults import describe
+
+    print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows; {describe(cfg)}", file=sys.stderr)
     metrics = evaluate(model, processor, data.eval, cfg, funcs, device)
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)

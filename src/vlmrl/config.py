@@ -19,7 +19,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
-EMBEDDED_MODEL = "embedded:tiny-qwen2.5-vl"
+from .model_defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
+
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 SCHEDULERS = ("constant", "linear", "cosine")
@@ -63,6 +64,13 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder.")
     allow_hub_download: bool = _f(False, "Let transformers download from the hub; off means local files only.")
+    defaults: Literal["auto", "tiny", "pretrained"] = _f(
+        "auto",
+        "Values for the fields you leave unset: tiny = the embedded model's demo-proven learning rates, lengths, batch and "
+        "SFT stages (model_defaults.py); pretrained = each field's own default; auto = tiny for the embedded model "
+        "(and models trained from it), else pretrained. config.yaml records the choice made.",
+        resume_harmless=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,12 @@ class TrainingConfig:
     save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).", resume_harmless=True)
     save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.", resume_harmless=True)
     resume: str = _f("auto", "auto (newest valid checkpoint in output_dir), never, or a checkpoint path.", resume_harmless=True)
+    overwrite_output_dir: bool = _f(
+        False,
+        "Delete an earlier vlmrl run in output_dir and start over (refused when the folder holds files vlmrl did not "
+        "write); off: a complete run is reported complete (exit 0), an unfinished one resumes.",
+        resume_harmless=True,
+    )
     resume_force: bool = _f(False, "Resume even when the config changed in ways that break equivalence.", resume_harmless=True)
     resume_weights_only: bool = _f(False, "Start a new schedule from a weights-only checkpoint's weights.", resume_harmless=True)
     on_save_error: Literal["stop", "continue"] = _f("stop", "After a failed checkpoint write: stop the run, or warn and go on.", resume_harmless=True)
@@ -455,7 +469,8 @@ def build_config(tree: dict[str, dict[str, Any]]) -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load YAML (optional) then apply `a.b=value` overrides; validate once; return the frozen tree."""
+    """Load YAML (optional) then apply `a.b=value` overrides; resolve model.defaults (the embedded model's values for
+    the fields left unset, model_defaults.py); validate once; return the frozen tree."""
     tree: dict[str, dict[str, Any]] = {}
     if path is not None:
         path = Path(path)
@@ -470,7 +485,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         key, value = parse_override(text)
         _merge_key(tree, key, value, f"override {text!r}")
-    return build_config(tree)
+    from .model_defaults import apply_model_defaults
+
+    filled = apply_model_defaults(tree)  # model.defaults resolved once, here: unset fields of the embedded model
+    try:
+        return build_config(tree)
+    except ConfigError as e:
+        if not filled:
+            raise
+        raise ConfigError(f"{e}\n  (model.defaults=tiny filled {', '.join(filled)}; set them yourself, or model.defaults=pretrained)") from None
 
 
 def validate(cfg: Config) -> None:
@@ -624,7 +647,9 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def save_config(cfg: Config, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    from .model_defaults import config_header
+
+    path.write_text(config_header(cfg) + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return path
 
 

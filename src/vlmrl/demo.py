@@ -66,7 +66,8 @@ def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
     t0 = time.perf_counter()
     print(f"[demo] embedded tiny Qwen2.5-VL at {default_model_path()}")
 
-    sft_cfg = load_config(None, COMMON + SFT + extra + [f"training.output_dir={out / 'sft'}"])
+    # A demo run again starts over: overwrite_output_dir deletes the earlier demo's runs (and only vlmrl run folders).
+    sft_cfg = load_config(None, COMMON + SFT + extra + [f"training.output_dir={out / 'sft'}", "training.overwrite_output_dir=true"])
     print("[demo] SFT warm start (stage 1: projector only, stage 2: language model + vision tower)")
     sft_metrics = sft(sft_cfg)
     t_sft = time.perf_counter()
@@ -81,7 +82,7 @@ def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
             f"model.name_or_path={out / 'sft' / 'final'}",
             f"data.train_path={out / 'sft' / 'data' / 'count' / 'train.jsonl'}",
             f"data.eval_path={out / 'sft' / 'data' / 'count' / 'test.jsonl'}",
-            "training.resume=never",  # SFT just trained a new start model: a demo run again starts GRPO over
+            "training.overwrite_output_dir=true",  # SFT just trained a new start model: GRPO starts over too
         ],
     )
     print("[demo] GRPO from the SFT model")

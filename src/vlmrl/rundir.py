@@ -160,13 +160,19 @@ def read_complete(output_dir: str | Path) -> Optional[dict]:
 def mark_complete_if_finished(cfg) -> None:
     """After train() returned: when metrics.jsonl ends at training.max_steps every step is done (a preempted run
     stops earlier, and the log is cut back to the resumed step at each start), so write the completion marker."""
-    from .checkpoint import _write_text
     from .tracking import read_jsonl
 
     out = Path(cfg.training.output_dir)
     steps = [r.get("step") for r in read_jsonl(out / "metrics.jsonl") if isinstance(r.get("step"), int)]
     if steps and steps[-1] == cfg.training.max_steps:
-        _write_text(out / COMPLETE_FILE, json.dumps({"step": cfg.training.max_steps, "finished": time.time(), "final": (out / "final").is_dir()}))
+        write_complete(out, cfg.training.max_steps, "train")
+
+
+def write_complete(out: Path, step: int, kind: str) -> None:
+    """The completion marker: the run (`kind` train or sft) did all its `step` steps."""
+    from .checkpoint import _write_text
+
+    _write_text(out / COMPLETE_FILE, json.dumps({"step": step, "kind": kind, "finished": time.time(), "final": (out / "final").is_dir()}))
 
 
 def guard_run_folder(fn: Callable) -> Callable:
@@ -202,33 +208,43 @@ def prepare_run(cfg, log: Callable[[str], Any] = print, dist=None) -> Optional[P
         try:
             path = _prepare(cfg, log)
             outcome = ("ok", None if path is None else str(path))
-        except (CheckpointError, RunAlreadyComplete) as e:
-            outcome = ("complete" if isinstance(e, RunAlreadyComplete) else "error", str(e))
+        except (CheckpointError, RunAlreadyComplete, ConfigError) as e:
+            kinds = {RunAlreadyComplete: "complete", CheckpointError: "error", ConfigError: "config"}
+            outcome = (next(k for cls, k in kinds.items() if isinstance(e, cls)), str(e))
     kind, value = dist.broadcast(outcome)
-    if kind == "complete":
-        raise RunAlreadyComplete(value)
-    if kind == "error":
-        raise CheckpointError(value)
+    if kind in ("complete", "error", "config"):
+        raise {"complete": RunAlreadyComplete, "error": CheckpointError, "config": ConfigError}[kind](value)
     return None if value is None else Path(value)
+
+
+def complete_message(out: Path, done: dict) -> str:
+    """What a command says when output_dir holds a finished run."""
+    final = f", final model in {out / 'final'}" if (out / "final").is_dir() else ""
+    kind = f"vlmrl {done['kind']} " if done.get("kind") in ("sft", "train") else ""
+    return (
+        f"the {kind}run in {out} is complete ({done['step']} steps{final}); nothing to do. To train again use a new "
+        f"training.output_dir, or training.overwrite_output_dir=true to delete that run and start over; to train "
+        f"longer raise training.max_steps (continues from the last checkpoint, so it needs one: training.save_steps)"
+    )
 
 
 def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
     from .checkpoint import check_resume_compat, checkpoint_step, find_resume_checkpoint, is_weights_only, read_checkpoint_config, read_trainer_state
     from .config import Config, save_config, to_dict
+    from .model_defaults import describe
+    from .overwrite import plan_overwrite, remove_entries
     from .tracking import cut_logs
 
     t = cfg.training
     out = Path(t.output_dir)
-    path = find_resume_checkpoint(out, t.resume, warn=log)  # refuses when every checkpoint is invalid
-    done = read_complete(out)
+    doomed = plan_overwrite(cfg) if t.overwrite_output_dir else []  # refuses (nothing touched) on foreign files
+    # With overwrite_output_dir the earlier run's checkpoints and completion marker do not count.
+    resume = "never" if t.overwrite_output_dir and t.resume == "auto" else t.resume
+    path = find_resume_checkpoint(out, resume, warn=log)  # refuses when every checkpoint is invalid
+    done = None if t.overwrite_output_dir else read_complete(out)
     # A finished run continues only to train longer, from a checkpoint; anything else would silently train it again.
-    if done is not None and t.resume != "never" and not (path is not None and t.max_steps > done["step"]):
-        final = f", final model in {out / 'final'}" if (out / "final").is_dir() else ""
-        raise RunAlreadyComplete(
-            f"the run in {out} is complete ({done['step']} steps{final}); nothing to do. To train again use a new "
-            f"training.output_dir, or training.resume=never to start over in this folder; to train longer raise "
-            f"training.max_steps (continues from the last checkpoint, so it needs one: training.save_steps)"
-        )
+    if done is not None and not (t.resume != "never" and path is not None and t.max_steps > done["step"]):
+        raise RunAlreadyComplete(complete_message(out, done))
     start = 0
     if path is not None:
         check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
@@ -240,10 +256,85 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
                 )
         else:
             start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
+            log(f"resuming from {path} at step {start} of {t.max_steps} (training.overwrite_output_dir=true starts over instead)")
     # Nothing refused: from here on the folder is this run's.
+    log(describe(cfg))  # which defaults the fields left unset got (model.defaults), and why
+    remove_entries(out, doomed, log)
     if done is not None:
         (out / COMPLETE_FILE).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     cut_logs(out, start, log)
     return path
+
+
+# ---------------------------------------------------------------- vlmrl sft
+def guard_sft_folder(fn: Callable) -> Callable:
+    """Decorator for sft(cfg, log=...): the rules of `vlmrl train` for output_dir, without resume (SFT has no
+    checkpoints): a complete SFT run is reported complete (RunAlreadyComplete) unless
+    training.overwrite_output_dir=true deletes it first; an unfinished one starts over with its logs cut back;
+    the lock is held for the call, and the completion marker written when it returns."""
+
+    @functools.wraps(fn)
+    def wrapper(cfg, *args: Any, **kwargs: Any) -> Any:
+        from .runtime import env_world
+
+        if env_world()[0] > 1:
+            return fn(cfg, *args, **kwargs)  # sft refuses several processes itself, before touching the folder
+        log = kwargs.get("log") or (args[0] if args else print)
+        out = Path(cfg.training.output_dir)
+        with RunLock(out, log):
+            prepare_sft_run(cfg, log)
+            result = fn(cfg, *args, **kwargs)
+            write_complete(out, cfg.sft.projector_steps + cfg.sft.steps, "sft")
+            return result
+
+    return wrapper
+
+
+def prepare_sft_run(cfg, log: Callable[[str], Any] = print) -> None:
+    """Refusals first (a complete run, an overwrite vlmrl will not do), then the folder is this run's."""
+    from .config import save_config
+    from .model_defaults import describe
+    from .overwrite import plan_overwrite, remove_entries
+    from .tracking import cut_logs
+
+    out = Path(cfg.training.output_dir)
+    doomed = plan_overwrite(cfg) if cfg.training.overwrite_output_dir else []
+    done = None if cfg.training.overwrite_output_dir else read_complete(out)
+    if done is not None:
+        raise RunAlreadyComplete(complete_message(out, done))
+    log(describe(cfg))
+    remove_entries(out, doomed, log)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    cut_logs(out, 0, log)  # an unfinished earlier SFT run: SFT does not resume, its logged steps are replaced
+
+
+# ---------------------------------------------------------------- vlmrl check
+def describe_output_dir(cfg) -> str:
+    """What `vlmrl train` / `sft` would do with training.output_dir, read-only (checkpoints are verified when the run
+    starts, not here: hashing a large one takes minutes)."""
+    from .checkpoint import checkpoint_step, list_checkpoints
+    from .overwrite import OverwriteRefused, plan_overwrite
+
+    t = cfg.training
+    out = Path(t.output_dir)
+    head = f"output_dir {out}:"
+    if t.overwrite_output_dir:
+        try:
+            doomed = plan_overwrite(cfg)
+        except OverwriteRefused as e:
+            return f"{head} {e}"
+        return f"{head} new run" + (f" (training.overwrite_output_dir=true deletes the earlier run first: {len(doomed)} entries)" if doomed else "")
+    done = read_complete(out)
+    if done is not None:
+        return f"{head} {complete_message(out, done)}"
+    if t.resume not in ("auto", "never"):
+        return f"{head} vlmrl train resumes from {t.resume} (training.resume)"
+    found = list_checkpoints(out) if t.resume == "auto" else []
+    if found:
+        return f"{head} vlmrl train resumes from {found[-1].name} (step {checkpoint_step(found[-1])} of {t.max_steps}); vlmrl sft would start over"
+    if (out / "metrics.jsonl").is_file():
+        return f"{head} an unfinished run without a checkpoint: it starts over at step 0 (its logged steps are replaced)"
+    return f"{head} new run"

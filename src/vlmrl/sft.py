@@ -12,6 +12,7 @@ from .config import Config, save_config
 from .data import sft_target
 from .losses import masked_mean
 from .planner import measured_vs_predicted, predict_for_sft
+from .rundir import guard_sft_folder
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
 
 
@@ -47,6 +48,7 @@ def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
             vision_tower(model).requires_grad_(True)
 
 
+@guard_sft_folder  # output_dir rules: lock, a complete run reported complete, overwrite_output_dir (rundir.py)
 def sft(cfg: Config, log=print) -> dict:
     """Run the configured SFT stages; saves output_dir/final and returns the last metrics."""
     from .data import PromptSampler

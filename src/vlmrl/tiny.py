@@ -455,7 +455,20 @@ def build_tiny_llava(
 
 # ---------------------------------------------------------------- embedded default
 
-DEFAULT_NAME = "tiny-qwen2.5-vl-v1"
+DEFAULT_NAME = "tiny-qwen2.5-vl-v2"  # v2: config.json carries the vlmrl_tiny marker (weights identical to v1)
+
+
+def mark_embedded(folder: str | Path, name: str = DEFAULT_NAME) -> None:
+    """Write the `vlmrl_tiny` key into folder/config.json: the embedded model's defaults (model_defaults.py) then
+    apply to it and, because transformers keeps the key through save_pretrained, to every model trained from it."""
+    import json
+
+    from .model_defaults import TINY_MARKER
+
+    path = Path(folder) / "config.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data[TINY_MARKER] = name
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
@@ -472,6 +485,7 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=root))
     try:
         build_tiny_qwen25vl(tmp)
+        mark_embedded(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
