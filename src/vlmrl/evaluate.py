@@ -37,6 +37,8 @@ def evaluate(model, processor, rows: list[dict], cfg: Config, reward_funcs: dict
                 do_sample=False,
                 max_new_tokens=cfg.rollout.max_completion_length,
                 shared_prefix=opts.shared_prefix,
+                engine=cfg.rollout.engine,
+                decode_batch_size=cfg.rollout.decode_batch_size,
             )
 
     def greedy_from(first: int, size: int):
