@@ -145,6 +145,6 @@ def test_min_new_tokens_bans_eos_per_row(biased):
     seeds = [7, 8, 9]
     kw = dict(num_generations=3, max_new_tokens=MAX_NEW, temperature=0.9, top_k=50, top_p=0.95, prompt_seeds=seeds, min_new_tokens=5)
     loop = generate(model, processor.tokenizer, prompts, **kw)
-    ours = generate(model, processor.tokenizer, prompts, engine="continuous", decode_batch_size=3, **kw)
+    ours = generate(model, processor.tokenizer, prompts, engine="continuous", decode_batch_size=5, **kw)
     assert loop.lengths.min() >= 5 and len(set(loop.lengths.tolist())) > 1
     assert torch.equal(ours.ids, loop.ids)
