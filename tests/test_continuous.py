@@ -64,8 +64,8 @@ def biased(request):
 def _engine(model, processor, prompts, **kw):
     eos = eos_token_ids(model, processor.tokenizer)
     fixed = dict(num_generations=3, max_new_tokens=MAX_NEW, eos_ids=eos, pad_id=processor.tokenizer.pad_token_id)
-    sampling = dict(temperature=0.9, top_k=50, top_p=0.95)
-    return sample_continuous(model, prompts, suppress_ids=vision_token_ids(model), **fixed, **sampling, **kw)
+    sampling = dict(temperature=0.9, top_k=50, top_p=0.95) | kw
+    return sample_continuous(model, prompts, suppress_ids=vision_token_ids(model), **fixed, **sampling)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -148,3 +148,48 @@ def test_min_new_tokens_bans_eos_per_row(biased):
     ours = generate(model, processor.tokenizer, prompts, engine="continuous", decode_batch_size=5, **kw)
     assert loop.lengths.min() >= 5 and len(set(loop.lengths.tolist())) > 1
     assert torch.equal(ours.ids, loop.ids)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_engine_logits_equal_a_full_forward(biased, name):
+    """Logits-level check (tokens can agree by luck on a tiny model): the log-prob the engine's logits give each
+    sampled token equals the full forward over prompt + completion (naive path), rows decoded 4 at a time while
+    prompts join (positions, masks and cache columns of every row at its own step)."""
+    from vlmrl.logprobs import completion_logps
+    from vlmrl.processing import select_rows
+
+    model, processor, prompts = biased[name]
+    recorded = {}
+
+    class Recording(ContinuousDecoder):
+        def run(self):
+            choose = self.sampler.choose
+
+            def spy(logits, t, gens):
+                chosen = choose(logits, t, gens)
+                logps = torch.log_softmax(logits, dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
+                for row, step, lp in zip(self.rows.row[: len(t)].tolist(), t.tolist(), logps.tolist()):
+                    recorded[(row, step)] = lp
+                return chosen
+
+            self.sampler.choose = spy
+            return super().run()
+
+    import vlmrl.continuous as cont
+
+    original = cont.ContinuousDecoder
+    cont.ContinuousDecoder = Recording
+    try:
+        ids = _engine(model, processor, prompts, decode_batch_size=4, prompt_seeds=[5, 6, 7], temperature=1.0, top_k=0, top_p=1.0)
+    finally:
+        cont.ContinuousDecoder = original
+    eos = eos_token_ids(model, processor.tokenizer)
+    from vlmrl.rollout import completion_mask
+
+    mask, _ = completion_mask(ids, eos)
+    full = completion_logps(model, select_rows(prompts, torch.arange(3).repeat_interleave(3)), ids, mask)
+    ours = torch.zeros_like(full)
+    for (row, step), lp in recorded.items():
+        ours[row, step] = lp
+    assert len(recorded) == int(mask.sum()) and len(set(mask.sum(1).tolist())) > 1
+    torch.testing.assert_close(ours[mask == 1], full[mask == 1], rtol=0, atol=2e-5)
