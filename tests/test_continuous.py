@@ -193,3 +193,19 @@ def test_engine_logits_equal_a_full_forward(biased, name):
         ours[row, step] = lp
     assert len(recorded) == int(mask.sum()) and len(set(mask.sum(1).tolist())) > 1
     torch.testing.assert_close(ours[mask == 1], full[mask == 1], rtol=0, atol=2e-5)
+
+
+def test_planner_rollout_term_follows_the_engine():
+    """The continuous engine holds decode_batch_size rows of KV cache (preallocated), the loop every row of the call."""
+    from dataclasses import replace
+
+    from vlmrl.planner import Workload, generation_rows, model_spec, plan
+
+    spec = model_spec("qwen2.5-vl-3b")
+    loop = Workload(num_generations=8, prompts_per_step=8, completion_tokens=1024, gpu_memory_bytes=80 * 2**30)
+    engine = replace(loop, rollout_engine="continuous", decode_batch_size=16)
+    assert generation_rows(loop) == (64, 8) and generation_rows(engine) == (16, 2)
+    assert generation_rows(replace(engine, shared_prefix=False)) == (64, 8)  # HF generate path: no engine
+    kv_loop, kv_engine = plan(spec, loop).terms["kv_cache"], plan(spec, engine).terms["kv_cache"]
+    assert kv_engine * 4 == kv_loop
+    assert plan(spec, engine).phases["rollout"] < plan(spec, loop).phases["rollout"]
