@@ -209,3 +209,22 @@ def test_planner_rollout_term_follows_the_engine():
     kv_loop, kv_engine = plan(spec, loop).terms["kv_cache"], plan(spec, engine).terms["kv_cache"]
     assert kv_engine * 4 == kv_loop
     assert plan(spec, engine).phases["rollout"] < plan(spec, loop).phases["rollout"]
+
+
+def test_grpo_step_with_the_engine_does_not_depend_on_decode_batch_size(tiny_qwen25vl, tmp_path):
+    """A training step through train(): rollout.engine=continuous with 4 rows in flight and with all 8 samples the
+    same completions (per-row streams), hence the same rewards and loss."""
+    from test_integration import grpo_cfg, read_metrics
+
+    from vlmrl.tasks import make_count_task
+    from vlmrl.train import train
+
+    data = make_count_task(tmp_path / "count", n_train=16, n_test=4, seed=0, image_size=56)
+    rows = []
+    for batch in (4, 0):
+        out = tmp_path / f"run{batch}"
+        train(grpo_cfg(tiny_qwen25vl, data, out, "training.max_steps=1", "rollout.engine=continuous", f"rollout.decode_batch_size={batch}"))
+        rows.append(read_metrics(out)[0])
+    keys = ("loss", "reward", "rewards/text_length/std", "completions/mean_length")
+    assert [rows[0][k] for k in keys] == [rows[1][k] for k in keys]
+    assert rows[0]["rewards/text_length/std"] > 0  # the 8 samples differ: really sampled
