@@ -132,7 +132,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--work", default="/tmp/vlmrl-bench-rollout")
+    ap.add_argument("--render", help="only write the .md of an existing results .json (with --notes)")
+    ap.add_argument("--notes", help="a markdown file appended to the .md (machine load, observations)")
     args = ap.parse_args()
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        write_md(Path(args.render).with_suffix(".md"), data["meta"], data["results"], args.notes)
+        return 0
 
     import torch
     import transformers
@@ -190,9 +196,25 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"rollout_{args.device}{'_quick' if args.quick else ''}_{date}"
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=2))
+    write_md(stem.with_suffix(".md"), meta, results, args.notes)
     print(table(meta, results))
     print(f"wrote {stem}.json")
     return 0
+
+
+def write_md(path: Path, meta: dict, results: list[dict], notes: str | None) -> None:
+    head = [
+        f"# Rollout throughput, {meta['device']}, {meta['date']}",
+        "",
+        f"Machine: {meta['machine']}, {meta['cpu_count']} CPUs; torch {meta['torch']}, transformers {meta['transformers']}.",
+        "Methods: **hf** = HF generate with num_return_sequences (rollout with memory.shared_prefix=false); **loop** = today's",
+        "shared-prefix loop (rollout.engine=loop); **engine** = the continuous-batching engine (rollout.engine=continuous,",
+        f"rollout.decode_batch_size={meta['decode_batch']}). Workload and definitions: the docstring of benchmarks/rollout.py.",
+        "",
+    ]
+    body = table(meta, results)
+    tail = ["", Path(notes).read_text()] if notes else []
+    path.write_text("\n".join(head) + "\n" + body + "\n" + "\n".join(tail))
 
 
 def table(meta: dict, results: list[dict]) -> str:
