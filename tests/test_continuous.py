@@ -228,3 +228,17 @@ def test_grpo_step_with_the_engine_does_not_depend_on_decode_batch_size(tiny_qwe
     keys = ("loss", "reward", "rewards/text_length/std", "completions/mean_length")
     assert [rows[0][k] for k in keys] == [rows[1][k] for k in keys]
     assert rows[0]["rewards/text_length/std"] > 0  # the 8 samples differ: really sampled
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bf16_autocast_and_eager_attention(tiny_qwen25vl, attn):
+    """Under bf16 autocast the prefill's keys leave RoPE in float32 and its values stay bf16: the slot cache keeps
+    each in its own dtype. Eager attention takes an additive mask instead of a boolean one."""
+    model = load_model(model_cfg(tiny_qwen25vl, attn_implementation=attn)).eval()
+    processor = load_processor(tiny_qwen25vl)
+    prompts = prompt_batch(processor, [1, 2], seed=5)
+    kw = dict(num_generations=1, max_new_tokens=MAX_NEW, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=attn == "sdpa"):
+        loop = generate(model, processor.tokenizer, prompts, **kw)
+        ours = generate(model, processor.tokenizer, prompts, engine="continuous", decode_batch_size=1, **kw)
+    assert torch.equal(ours.ids, loop.ids)

@@ -63,17 +63,18 @@ class SlotCache:
         self.length = 0  # columns visible this step
         self.write_col: torch.Tensor | None = None  # [n] column of this step's token
 
-    def allocate_like(self, k: torch.Tensor) -> None:
+    def allocate_like(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Storage in the prefill's dtypes (under bf16 autocast keys leave RoPE in float32, values stay bf16)."""
         if self.keys:
             return
         shape = (self.slots, k.shape[1], self.columns, k.shape[3])
         self.keys = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device) for _ in range(self.num_layers)]
 
     def write_prefix(self, slots: torch.Tensor, prefill_cache, rows: torch.Tensor) -> None:
         """Copy prefix K/V rows `rows` of an HF prefill cache ([k, kv, P, d] per layer) into `slots`."""
         for i, layer in enumerate(prefill_cache.layers):
-            self.allocate_like(layer.keys)
+            self.allocate_like(layer.keys, layer.values)
             width = layer.keys.shape[2]
             self.keys[i][slots, :, :width] = layer.keys.index_select(0, rows)
             self.values[i][slots, :, :width] = layer.values.index_select(0, rows)
@@ -86,8 +87,8 @@ class SlotCache:
         n = key_states.shape[0]
         slots = torch.arange(n, device=key_states.device)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[slots, :, self.write_col] = key_states[:, :, 0]
-        values[slots, :, self.write_col] = value_states[:, :, 0]
+        keys[slots, :, self.write_col] = key_states[:, :, 0].to(keys.dtype)
+        values[slots, :, self.write_col] = value_states[:, :, 0].to(values.dtype)
         return keys[:n, :, : self.length], values[:n, :, : self.length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
