@@ -8,9 +8,10 @@ Workload (issue 17, part 5): tiny Qwen2.5-VL (2 layers, hidden 128) with a Qwen-
 56x56 image per prompt, fp32, sampling at temperature 1. Completion lengths come from a distribution, not forced:
 the LM head gets a bias on the EOS logit so that, on this random model, EOS has a near-constant probability
 per token (hazard `--eos-rate`), i.e. lengths roughly geometric (mean ~ 1/rate) capped at --max-new-tokens. The bias
-is part of the model, so HF generate, the loop and the engine all sample from the same distribution (their
-random streams differ: generate uses torch.multinomial, the loop the global stream, the engine one stream per
-row), and the realised lengths are reported per method.
+is part of the model, so HF generate, the loop and the engine all sample from the same distribution. The loop and
+the engine get the same per-row sampling streams (generate(prompt_seeds=...)), so they produce the same
+completions token for token and do the same useful work; HF generate draws with torch.multinomial from its own
+stream, so its lengths differ run to run (reported per method; tokens/s divides them out).
 
 Per configuration (prompts x G) the three methods run in turn, `--repeats` times (alternating: hf, loop, engine,
 hf, ...; the same seed per repeat), and the median wall time is reported. decode tokens/s = completion tokens
@@ -85,11 +86,13 @@ def run_once(method: str, model, tokenizer, prompts, G: int, max_new: int, decod
     from vlmrl.rollout import generate
 
     kw = dict(num_generations=G, max_new_tokens=max_new, temperature=1.0, do_sample=True)
+    torch.manual_seed(seed)
     if method == "hf":
         kw["shared_prefix"] = False
-    elif method == "engine":
+    else:  # loop and engine: the same per-row streams, hence the same completions (the same work, token for token)
+        kw["prompt_seeds"] = torch.randint(0, 2**62, (prompts["input_ids"].shape[0],)).tolist()
+    if method == "engine":
         kw.update(engine="continuous", decode_batch_size=decode_batch)
-    torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -132,6 +135,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--work", default="/tmp/vlmrl-bench-rollout")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--render", help="only write the .md of an existing results .json (with --notes)")
     ap.add_argument("--notes", help="a markdown file appended to the .md (machine load, observations)")
     args = ap.parse_args()
@@ -161,20 +165,6 @@ def main() -> int:
     bias = add_eos_bias(model, eos_token_ids(model, processor.tokenizer), args.eos_rate)
     methods = args.methods.split(",")
     results = []
-    specs = QUICK_CONFIGS if args.quick else CONFIGS
-    if args.configs:
-        specs = [dict(prompts=int(p), G=int(g)) for p, g in (c.split("x") for c in args.configs.split(","))]
-    for spec in specs:
-        prompts = prompts_for(processor, spec["prompts"], args.device)
-        for m in methods:  # warm-up (allocator, first-call costs), not measured
-            run_once(m, model, processor.tokenizer, prompts, spec["G"], 8, args.decode_batch, seed=0)
-        runs = {m: [] for m in methods}
-        for rep in range(args.repeats):
-            for m in methods:
-                runs[m].append(run_once(m, model, processor.tokenizer, prompts, spec["G"], max_new, args.decode_batch, seed=1000 + rep))
-                print(spec, m, rep, f"{runs[m][-1]['wall_s']:.2f}s {runs[m][-1]['tokens']} tokens", flush=True)
-        row = dict(**spec, rows=spec["prompts"] * spec["G"], methods={m: summarise(r) for m, r in runs.items()})
-        results.append(row)
     date = datetime.date.today().isoformat()
     meta = dict(
         date=date,
@@ -191,22 +181,51 @@ def main() -> int:
         eos_bias=bias,
         decode_batch=args.decode_batch,
         repeats=args.repeats,
+        commit=_git_commit(),
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"rollout_{args.device}{'_quick' if args.quick else ''}_{date}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=2))
-    write_md(stem.with_suffix(".md"), meta, results, args.notes)
+    stem = out / f"rollout_{args.device}{'_quick' if args.quick else ''}_{date}{args.tag}"
+
+    def save() -> None:
+        stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=2))
+        write_md(stem.with_suffix(".md"), meta, results, args.notes)
+
+    specs = QUICK_CONFIGS if args.quick else CONFIGS
+    if args.configs:
+        specs = [dict(prompts=int(p), G=int(g)) for p, g in (c.split("x") for c in args.configs.split(","))]
+    for spec in specs:
+        prompts = prompts_for(processor, spec["prompts"], args.device)
+        for m in methods:  # warm-up (allocator, first-call costs), not measured
+            run_once(m, model, processor.tokenizer, prompts, spec["G"], 8, args.decode_batch, seed=0)
+        runs = {m: [] for m in methods}
+        for rep in range(args.repeats):
+            for m in methods:
+                runs[m].append(run_once(m, model, processor.tokenizer, prompts, spec["G"], max_new, args.decode_batch, seed=1000 + rep))
+                print(spec, m, rep, f"{runs[m][-1]['wall_s']:.2f}s {runs[m][-1]['tokens']} tokens", flush=True)
+        row = dict(**spec, rows=spec["prompts"] * spec["G"], methods={m: summarise(r) for m, r in runs.items()})
+        results.append(row)
+        save()  # after every configuration: an interrupted run keeps what it measured
     print(table(meta, results))
     print(f"wrote {stem}.json")
     return 0
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def write_md(path: Path, meta: dict, results: list[dict], notes: str | None) -> None:
     head = [
         f"# Rollout throughput, {meta['device']}, {meta['date']}",
         "",
-        f"Machine: {meta['machine']}, {meta['cpu_count']} CPUs; torch {meta['torch']}, transformers {meta['transformers']}.",
+        f"Machine: {meta['machine']}, {meta['cpu_count']} CPUs; torch {meta['torch']}, transformers {meta['transformers']}; "
+        f"vlmrl commit {meta.get('commit', 'unknown')}.",
         "Methods: **hf** = HF generate with num_return_sequences (rollout with memory.shared_prefix=false); **loop** = today's",
         "shared-prefix loop (rollout.engine=loop); **engine** = the continuous-batching engine (rollout.engine=continuous,",
         f"rollout.decode_batch_size={meta['decode_batch']}). Workload and definitions: the docstring of benchmarks/rollout.py.",

@@ -79,7 +79,7 @@ def test_seeded_rows_do_not_depend_on_batch_size_or_arrival_order(biased, name):
     )
     lengths = loop.lengths.tolist()
     assert len(set(lengths)) > 2 and min(lengths) < MAX_NEW  # rows really leave at different steps
-    for batch, order in [(3, None), (5, [2, 0, 1]), (9, [1, 2, 0]), (4, None)]:
+    for batch, order in [(3, None), (5, [2, 0, 1]), (9, [1, 2, 0]), (4, None), (1, None), (2, [1, 0, 2])]:
         ids = _engine(model, processor, prompts, decode_batch_size=batch, prompt_seeds=seeds, prompt_order=order)
         ids = ids[:, : loop.ids.shape[1]]
         assert torch.equal(ids.masked_fill(loop.mask == 0, 0), loop.ids.masked_fill(loop.mask == 0, 0)), (batch, order)
@@ -88,7 +88,7 @@ def test_seeded_rows_do_not_depend_on_batch_size_or_arrival_order(biased, name):
 
 
 def test_batch_stays_full_and_cache_is_never_reallocated(biased):
-    """While prompts wait, fewer than G slots are ever free after a join; the K/V storage is the same tensor from
+    """While prompts wait, no slot is free after a join; the K/V storage is the same tensor from
     the first join to the end (decode writes in place, no concatenation)."""
     model, processor, _ = biased["tiny_qwen25vl"]
     prompts = prompt_batch(processor, [1, 1, 1, 1, 1], seed=9)
@@ -98,7 +98,8 @@ def test_batch_stays_full_and_cache_is_never_reallocated(biased):
         def join(self):
             super().join()
             if self.cache.keys:
-                seen.append((self.cache.n, len(self.queue), self.cache.keys[0].data_ptr(), self.cache.values[-1].data_ptr()))
+                rows_waiting = len(self.queue) * self.G + (len(self.pending["rows"]) if self.pending else 0)
+                seen.append((self.cache.n, rows_waiting, self.cache.keys[0].data_ptr(), self.cache.values[-1].data_ptr()))
 
     import vlmrl.continuous as cont
 
@@ -109,10 +110,10 @@ def test_batch_stays_full_and_cache_is_never_reallocated(biased):
     finally:
         cont.ContinuousDecoder = original
     queued = [q for _, q, _, _ in seen]  # one record per step
-    assert queued[0] == 3 and queued[-1] == 0 and len(set(queued)) > 2  # prompts joined at several later steps
+    assert queued[0] == 5 * 3 - 7 and queued[-1] == 0 and len(set(queued)) > 2  # rows joined at several later steps
     assert len({(k, v) for _, _, k, v in seen}) == 1
     waiting = [n for n, queued, _, _ in seen if queued]
-    assert waiting and all(n > 7 - 3 for n in waiting)
+    assert waiting and all(n == 7 for n in waiting)  # full while prompts wait (rows join one at a time)
     assert seen[-1][0] == 0 or seen[-1][1] == 0
 
 
@@ -132,10 +133,10 @@ def test_sample_rows_with_given_uniforms_inverts_the_cdf():
     assert sample_rows(scores, u).tolist() == [0, 0, 2, 2, 3]
 
 
-def test_decode_batch_size_smaller_than_group_is_refused():
-    with pytest.raises(ConfigError, match="rollout.decode_batch_size=3 is smaller than rollout.num_generations=4"):
-        load_config(None, ["rollout.engine=continuous", "rollout.decode_batch_size=3", "rollout.num_generations=4"])
-    assert load_config(None, ["rollout.engine=continuous", "rollout.decode_batch_size=4"]).rollout.decode_batch_size == 4
+def test_negative_decode_batch_size_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.decode_batch_size=-1 must be >= 0 \(0 = all rows"):
+        load_config(None, ["rollout.engine=continuous", "rollout.decode_batch_size=-1"])
+    assert load_config(None, ["rollout.engine=continuous", "rollout.decode_batch_size=2"]).rollout.decode_batch_size == 2
 
 
 def test_min_new_tokens_bans_eos_per_row(biased):

@@ -3,8 +3,9 @@
 `prefix.sample_with_shared_prefix` (rollout.engine=loop) decodes all U*G rows of a call together until the
 longest one ends: a row that stops after 20 tokens of 256 keeps paying its share of every forward, LM head
 and vocabulary-wide sampling for the remaining 236. This engine keeps at most `decode_batch_size` rows in
-flight; a row that emits EOS leaves at once, and as soon as G slots are free the next queued prompt is
-prefilled (once, all of its images encoded once) and its G rows join.
+flight; a row that emits EOS leaves at once and a waiting row takes its slot. The next queued prompts are
+prefilled together (once: each image encoded once) when slots are free, and their G rows each join as soon as a
+slot is (the prefill is kept until the group's last row has joined).
 
 - KV cache: `SlotCache`, per layer one preallocated [S, kv_heads, P + max_new_tokens, head_dim] tensor
   (S = decode batch size, P = the padded prompt width). A token's K/V is written in place at its row's
@@ -132,39 +133,55 @@ class ContinuousDecoder:
         self.cache = SlotCache(len(self.text_model.layers), self.S, self.P + max_new_tokens)
         self.rows = _Rows(self.S, self.P + max_new_tokens, self.device)
         self.logits: torch.Tensor | None = None  # [S, V] float32, rows 0..n-1 pending a draw
+        self.pending: dict | None = None  # the last prefilled prompts while some of their rows wait for a slot
         self.out = torch.full((n_prompts * num_generations, max_new_tokens), -1, dtype=torch.long)
         eager = getattr(core.config, "_attn_implementation", "sdpa") == "eager"
         self.mask_value = torch.finfo(self.head.weight.dtype).min if eager else None
 
     # ------------------------------------------------------------ joining
     def join(self) -> None:
-        """Prefill as many queued prompts as there are free groups of G slots; their rows take slots n.."""
-        fit = (self.S - self.cache.n) // self.G
-        if not self.queue or fit == 0:
-            return
-        prompts, self.queue = self.queue[:fit], self.queue[fit:]
+        """Fill the free slots n.. with waiting rows: first the rows left of the last prefilled prompts, then rows of
+        queued prompts, prefilled together (enough prompts for the free slots). A prompt's rows may join over several
+        steps (its prefill is kept until the last one has joined), so the batch stays full whatever G."""
+        while self.cache.n < self.S and (self.pending is not None or self.queue):
+            if self.pending is None:
+                self.pending = self._prefill_next(-(-(self.S - self.cache.n) // self.G))
+            self._take(self.pending, self.S - self.cache.n)
+            if not self.pending["rows"]:
+                self.pending = None
+
+    def _prefill_next(self, k: int) -> dict:
+        """Prefill the next k queued prompts once: their cache, first-token logits, positions and rows to join."""
+        prompts, self.queue = self.queue[:k], self.queue[k:]
         chunk = select_rows(self.batch, prompts)
         position_ids, next_pos = prefix_positions(self.model, chunk)
         out = _prefill(self.model, chunk, position_ids, lm_logits=True)
-        k = len(prompts)
-        start, count = self.cache.n, k * self.G
+        return dict(
+            cache=out.past_key_values,
+            logits=out.logits[:, -1].to(torch.float32),
+            next_pos=next_pos.cpu(),
+            mask=chunk["attention_mask"].bool(),
+            rows=[(j, p * self.G + g) for j, p in enumerate(prompts) for g in range(self.G)],  # (prefill row, output row)
+        )
+
+    def _take(self, pending: dict, free: int) -> None:
+        """Move up to `free` rows of `pending` into slots n..: prefix K/V copied once, first logits, bookkeeping."""
+        taken, pending["rows"] = pending["rows"][:free], pending["rows"][free:]
+        start, count = self.cache.n, len(taken)
         slots = torch.arange(start, start + count, device=self.device)
-        owner = torch.arange(k, device=self.device).repeat_interleave(self.G)
-        self.cache.write_prefix(slots, out.past_key_values, owner)
-        logits = out.logits[:, -1].to(torch.float32).index_select(0, owner)
-        del out
+        owner_host = torch.tensor([j for j, _ in taken])
+        owner = owner_host.to(self.device)
+        self.cache.write_prefix(slots, pending["cache"], owner)
         if self.logits is None:
-            self.logits = logits.new_zeros(self.S, logits.shape[1])
-        self.logits[start : start + count] = logits
-        r = self.rows
-        new_rows = torch.tensor([p * self.G + g for p in prompts for g in range(self.G)])
-        host = slice(start, start + count)
-        r.row[host] = new_rows
+            self.logits = pending["logits"].new_zeros(self.S, pending["logits"].shape[1])
+        self.logits[start : start + count] = pending["logits"].index_select(0, owner)
+        r, host = self.rows, slice(start, start + count)
+        r.row[host] = torch.tensor([row for _, row in taken])
         r.t[host] = 0
-        r.next_pos[host] = next_pos.cpu().repeat_interleave(self.G)
+        r.next_pos[host] = pending["next_pos"].index_select(0, owner_host)
         r.valid[host] = False
-        r.valid[host, : self.P] = chunk["attention_mask"].bool().repeat_interleave(self.G, dim=0)
-        for i, row in enumerate(new_rows.tolist()):
+        r.valid[host, : self.P] = pending["mask"].index_select(0, owner)
+        for i, (_, row) in enumerate(taken):
             r.gens[start + i] = self.sampler.generator(row)
         self.cache.n += count
 
@@ -295,7 +312,7 @@ def sample_continuous(
     """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T] padded with pad_id after
     EOS, rows of prompt u at u*G .. u*G+G-1: the layout of `prefix.sample_with_shared_prefix`.
 
-    decode_batch_size: rows decoded together (>= G). prompt_seeds: [U] seeds of the prompts' sampling streams
+    decode_batch_size: rows decoded together (>= 1). prompt_seeds: [U] seeds of the prompts' sampling streams
     (row g of prompt u draws from row_seed(prompt_seeds[u], g)); required when do_sample. prompt_order: the
     order in which prompts join (default 0..U-1; tokens do not depend on it)."""
     G = num_generations if do_sample else 1
@@ -319,7 +336,7 @@ def sample_continuous(
         prompt_batch,
         num_generations=G,
         max_new_tokens=max_new_tokens,
-        decode_batch_size=max(decode_batch_size, G),
+        decode_batch_size=max(decode_batch_size, 1),
         sampler=sampler,
         prompt_order=prompt_order,
     )
