@@ -6,9 +6,9 @@ import torch
 from test_logprobs import FAMILIES, model_cfg, prompt_batch
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.continuous import ContinuousDecoder, row_seed, sample_continuous
+from vlmrl.continuous import ContinuousDecoder, sample_continuous
 from vlmrl.models import load_model, unwrap
-from vlmrl.prefix import sample_rows
+from vlmrl.prefix import row_seed, sample_rows
 from vlmrl.processing import load_processor
 from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
 

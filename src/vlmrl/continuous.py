@@ -28,25 +28,8 @@ from __future__ import annotations
 import torch
 
 from .models import unwrap
-from .prefix import _prefill, prefix_positions, sample_rows
+from .prefix import _prefill, draw_uniforms, prefix_positions, row_seed, sample_rows
 from .processing import select_rows
-
-_MASK64 = (1 << 64) - 1
-
-
-def row_seed(prompt_seed: int, generation: int) -> int:
-    """Seed of one row's sampling stream from its prompt's seed and its index in the group (splitmix64 of both:
-    nearby prompt seeds and generation indices give unrelated streams)."""
-    z = (int(prompt_seed) * 0x9E3779B97F4A7C15 + int(generation) + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1  # torch.Generator seeds must fit in int64
-
-
-def draw_uniforms(generators: list[torch.Generator], device) -> torch.Tensor:
-    """[N, 1] float64 uniforms, one from each row's stream (drawn on the CPU: one copy per step on a GPU)."""
-    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
-    return u.unsqueeze(1).to(device)
 
 
 class SlotCache:

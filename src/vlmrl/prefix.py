@@ -150,6 +150,24 @@ def _prefill(model, prompt_batch: dict, position_ids, lm_logits: bool):
     return core.model(**inputs, use_cache=True)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def row_seed(prompt_seed: int, generation: int) -> int:
+    """Seed of one row's sampling stream from its prompt's seed and its index in the group (splitmix64 of both:
+    nearby prompt seeds and generation indices give unrelated streams)."""
+    z = (int(prompt_seed) * 0x9E3779B97F4A7C15 + int(generation) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch.Generator seeds must fit in int64
+
+
+def draw_uniforms(generators: list[torch.Generator], device) -> torch.Tensor:
+    """[N, 1] float64 uniforms, one from each row's stream (drawn on the CPU: one copy per step on a GPU)."""
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    return u.unsqueeze(1).to(device)
+
+
 def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of scores [N, V] (logits, -inf = banned) drawn from softmax(scores) -> [N].
     uniforms: [N, 1] float64 in [0, 1), one per row (default: torch.rand from the global stream).
@@ -188,8 +206,6 @@ def sample_with_shared_prefix(
     then all U*G rows decode one token per forward. row_seeds: [U*G] seeds of per-row sampling streams
     (`continuous.row_seed`; the continuous engine's streams); default one global stream (torch.rand)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    from .continuous import draw_uniforms
 
     core = unwrap(model)
     G = num_generations if do_sample else 1

@@ -71,6 +71,12 @@ def cat_completions(pieces: list[Completions], pad_id: int) -> Completions:
     )
 
 
+def row_streams(rollout_cfg) -> bool:
+    """True when rollout.engine samples every row from its own stream (continuous): the caller passes one seed per
+    prompt (generate's prompt_seeds) and needs no per-prompt generate calls for rollout.sampling_seed=prompt."""
+    return rollout_cfg.engine == "continuous"
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -141,7 +147,7 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
     if shared_prefix and prefix_supported(model, chunk):
         row_seeds = None
         if prompt_seeds is not None and sampling["do_sample"]:
-            from .continuous import row_seed
+            from .prefix import row_seed
 
             row_seeds = [row_seed(prompt_seeds[p], g) for p in rows for g in range(fixed["num_generations"])]
         return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds)
