@@ -239,7 +239,8 @@ def write_md(path: Path, meta: dict, results: list[dict], notes: str | None) -> 
 def table(meta: dict, results: list[dict]) -> str:
     lines = [
         f"`{meta['command']}`: vocab {meta['vocab']:,}, max {meta['max_new_tokens']} new tokens, EOS rate {meta['eos_rate']:.4f}/token, "
-        f"engine decode batch {meta['decode_batch']}, {meta['repeats']} repeats (median), {meta['torch_threads']} torch thread(s).",
+        f"engine decode batch {meta['decode_batch']}, {meta['repeats']} repeats (median), {meta['torch_threads']} torch thread(s). "
+        "x loop, x HF: ratios of the median tokens/s (unpaired: under changing load prefer ratios within one repeat).",
         "",
         "| prompts x G | rows | method | time per step (s) | decode tokens/s | tokens | length mean / p50 / p90 / max | x loop | x HF |",
         "|---|---|---|---|---|---|---|---|---|",
