@@ -11,8 +11,10 @@ slot is (the prefill is kept until the group's last row has joined).
   (S = decode batch size, P = the padded prompt width). A token's K/V is written in place at its row's
   column; decode never concatenates or reallocates. Active rows sit in slots 0..n-1: when rows leave, the
   last active rows move into the holes (one row of KV per move), so every step works on views.
-  A prompt's prefix K/V is copied into each of its G slots once at join (not referenced: a shared block
-  would need a gather per step or a two-part attention, see the report), then never touched again.
+  A prompt's prefix K/V is copied into each of its G slots once at join, then never touched again. It is not
+  referenced: SDPA wants each row's keys as one dense [kv, L, d] slice, so a shared block would need a gather per
+  step (a copy every token) or a two-part attention (prefix per prompt + completion per row, merged by
+  log-sum-exp), or a paged-attention kernel with block tables (GPU).
 - Sampling: one stream per row, seeded from (the prompt's seed, generation index), one float64 uniform per
   token fed to `prefix.sample_rows` (inverse CDF). A row's tokens therefore do not depend on which rows
   share its batch, on the decode batch size or on the arrival order; greedy rows take the argmax.
