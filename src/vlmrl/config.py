@@ -112,6 +112,11 @@ class RolloutConfig:
         "auto",
         "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several.",
     )
+    engine: Literal["loop", "continuous"] = _f(
+        "loop",
+        "Decode loop (with memory.shared_prefix on a Qwen2-VL / Qwen2.5-VL / LLaVA model): loop = all rows of a call decode until the longest ends; continuous = at most decode_batch_size rows in flight in a preallocated KV cache, a row leaves at EOS and a queued prompt's row takes its slot, each row sampled from its own stream (seeded by step, prompt position, generation), so samples do not depend on batch size, order or the number of processes (sampling_seed is not used).",
+    )
+    decode_batch_size: int = _f(0, "Rows decoded together by rollout.engine=continuous (0 = all of a call's rows).")
 
 
 @dataclass(frozen=True)
@@ -516,6 +521,7 @@ def validate(cfg: Config) -> None:
             f"{t.per_device_train_batch_size * t.gradient_accumulation_steps}; every optimizer step must see full micro-batches",
         ),
         (r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1"),
+        (r.decode_batch_size >= 0, f"rollout.decode_batch_size={r.decode_batch_size} must be >= 0 (0 = all rows of a generate call)"),
         (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0"),
         (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
         (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)"),

@@ -49,6 +49,8 @@ def evaluate(
                 do_sample=False,
                 max_new_tokens=cfg.rollout.max_completion_length,
                 shared_prefix=opts.shared_prefix,
+                engine=cfg.rollout.engine,
+                decode_batch_size=cfg.rollout.decode_batch_size,
             )
 
     def greedy_from(first: int, size: int):

@@ -130,6 +130,8 @@ class Workload:
     micro_batch: int = 4  # rows per forward/backward
     grad_accum: int = 1
     prompts_per_call: int | None = None
+    rollout_engine: str = "loop"  # rollout.engine: continuous holds the KV cache of decode_batch_size rows, not of every row
+    decode_batch_size: int = 0  # rollout.decode_batch_size (0 = every row of a generate call)
     prompt_text_tokens: int = 64
     max_pixels: int = 448 * 448
     images_per_prompt: int = 1
@@ -498,6 +500,18 @@ def model_states(spec: ModelSpec, w: Workload) -> dict:
     }
 
 
+def generation_rows(w: Workload) -> tuple[int, int]:
+    """(rows whose KV cache the rollout holds at once, prompts prefilled together). The loop holds every row of a
+    generate call (prompts_per_call x G); the continuous engine (shared prefix) a preallocated cache of
+    decode_batch_size slots and prefills at most slots / G prompts at a time."""
+    ppc = w.prompts_per_call or w.prompts_per_step
+    rows = ppc * w.num_generations
+    if w.rollout_engine != "continuous" or not w.shared_prefix:
+        return rows, ppc
+    slots = min(w.decode_batch_size or rows, rows)
+    return slots, max(1, slots // w.num_generations)
+
+
 def plan(spec: ModelSpec, w: Workload) -> Plan:
     """The closed form. All figures are bytes on one device (the busiest rank). w.profile naive / trl: another
     trainer's data path for the same work (plan_profiles)."""
@@ -615,8 +629,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
     score_transient = max(lm_no_grad, score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
-    ppc = w.prompts_per_call or w.prompts_per_step
-    gen_rows = ppc * G
+    gen_rows, ppc = generation_rows(w)
     kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
     kv_cache = gen_rows * (P + C) * kv_per_token
     prefill_tokens = (ppc if w.shared_prefix else gen_rows) * P
@@ -1012,6 +1025,8 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         micro_batch=mem.max_tokens_per_micro_batch and max(1, mem.max_tokens_per_micro_batch // 512) or t.per_device_train_batch_size,
         grad_accum=t.gradient_accumulation_steps,
         prompts_per_call=mem.generation_prompts_per_call,
+        rollout_engine=r.engine,
+        decode_batch_size=r.decode_batch_size,
         max_pixels=d.max_pixels,
         images_per_prompt=1,
         completion_tokens=r.max_completion_length,

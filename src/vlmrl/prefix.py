@@ -150,14 +150,35 @@ def _prefill(model, prompt_batch: dict, position_ids, lm_logits: bool):
     return core.model(**inputs, use_cache=True)
 
 
-def sample_rows(scores: torch.Tensor) -> torch.Tensor:
+_MASK64 = (1 << 64) - 1
+
+
+def row_seed(prompt_seed: int, generation: int) -> int:
+    """Seed of one row's sampling stream from its prompt's seed and its index in the group (splitmix64 of both:
+    nearby prompt seeds and generation indices give unrelated streams)."""
+    z = (int(prompt_seed) * 0x9E3779B97F4A7C15 + int(generation) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch.Generator seeds must fit in int64
+
+
+def draw_uniforms(generators: list[torch.Generator], device) -> torch.Tensor:
+    """[N, 1] float64 uniforms, one from each row's stream (drawn on the CPU: one copy per step on a GPU)."""
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    return u.unsqueeze(1).to(device)
+
+
+def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of scores [N, V] (logits, -inf = banned) drawn from softmax(scores) -> [N].
+    uniforms: [N, 1] float64 in [0, 1), one per row (default: torch.rand from the global stream).
 
     Inverse CDF: the float32 probabilities are summed in float64 (no drift over a 151,936-token
     vocabulary), one uniform number per row is searched in them. A token of probability 0 is never drawn
     (searchsorted(right=True) skips flat stretches of the CDF)."""
     cdf = torch.softmax(scores, dim=-1).to(torch.float64).cumsum_(dim=-1)
-    u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device)
+    u = uniforms * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 
 
@@ -176,12 +197,14 @@ def sample_with_shared_prefix(
     top_p: float = 1.0,
     top_k: int = 0,
     min_new_tokens: int = 0,
+    row_seeds: list[int] | None = None,
 ) -> torch.Tensor:
     """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T], rows of prompt u
     at u*G .. u*G+G-1, padded with pad_id after EOS (the layout HF generate returns after the prompt).
 
     The prompts are prefilled once ([U, P]: one vision pass per prompt), the cache is repeated G times,
-    then all U*G rows decode one token per forward."""
+    then all U*G rows decode one token per forward. row_seeds: [U*G] seeds of per-row sampling streams
+    (`continuous.row_seed`; the continuous engine's streams); default one global stream (torch.rand)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     core = unwrap(model)
@@ -210,6 +233,7 @@ def sample_with_shared_prefix(
     eos = torch.tensor(eos_ids, device=device)
     suppress = torch.tensor(suppress_ids, dtype=torch.long, device=device)
     n = logits.shape[0]
+    generators = [torch.Generator().manual_seed(s) for s in row_seeds] if do_sample and row_seeds is not None else None
     unfinished = torch.ones(n, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
     for t in range(max_new_tokens):
@@ -220,7 +244,7 @@ def sample_with_shared_prefix(
             scores = scores.index_fill(1, eos, float("-inf"))
         if do_sample:
             scores = warpers(None, scores)
-            chosen = sample_rows(scores)
+            chosen = sample_rows(scores, None if generators is None else draw_uniforms(generators, device))
         else:
             chosen = scores.argmax(dim=-1)
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))

@@ -370,14 +370,14 @@ def rollout(run: Run, step: int) -> Rollout:
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
     """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
     from .collectives import prompt_seed
-    from .rollout import cat_completions
+    from .rollout import cat_completions, row_streams
     from .oom import maybe_inject_oom
     from .processing import select_rows
 
     maybe_inject_oom("rollout", prompts_per_call)
     cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
 
-    def generate_for(batch: dict, per_call: int) -> Completions:
+    def generate_for(batch: dict, per_call: int, **engine) -> Completions:
         return dist.call(
             generate,
             run.processor.tokenizer,
@@ -390,9 +390,13 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
             prompts_per_call=per_call,
             min_new_tokens=r.min_completion_length,
             shared_prefix=run.opts.shared_prefix,
+            **engine,
         )
 
     with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
+        if row_streams(r):  # one stream per row from (seed, step, global prompt position, generation): one call
+            seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
+            return generate_for(prompts, prompts_per_call, engine=r.engine, decode_batch_size=r.decode_batch_size, prompt_seeds=seeds)
         if not run.per_prompt_seed:  # one stream per step and process (one process: rank 0, W 1)
             torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
             return generate_for(prompts, prompts_per_call)
