@@ -1,0 +1,161 @@
+"""Tiny offline builds of the newer VLM families, and the registry behind `vlmrl tiny --family NAME OUT_DIR`.
+
+Same recipe as `tiny.py` (real transformers architecture, toy dimensions, seeded random weights, the
+offline BPE tokenizer with the family's own special tokens and a chat template in the family's format,
+image processor on the PIL backend: no torchvision). Each builder writes a folder that
+`models.load_model` and `processing.load_processor` load like a user's checkpoint.
+
+| family name   | model_type  | processor when loaded here                                        |
+|---------------|-------------|-------------------------------------------------------------------|
+| qwen2-vl      | qwen2_vl    | QwenImageProcessor (Qwen2VLProcessor needs torchvision for video) |
+| qwen2.5-vl    | qwen2_5_vl  | QwenImageProcessor                                                |
+| qwen3-vl      | qwen3_vl    | QwenImageProcessor, patch 16 (Qwen3VLProcessor needs torchvision) |
+| llava         | llava       | LlavaProcessor                                                    |
+| gemma3        | gemma3      | Gemma3Processor (Gemma3ImageProcessorPil)                         |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from .tiny import (
+    QWEN_SPECIAL_TOKENS,
+    _finish,
+    _mrope_section,
+    _qwen_ids,
+    _qwen_image_processor,
+    _seeded_model,
+    _vocab_size,
+    build_tiny_llava,
+    build_tiny_qwen2vl,
+    build_tiny_qwen25vl,
+    train_tokenizer,
+)
+
+# ---------------------------------------------------------------- Qwen3-VL
+
+# Qwen3-VL instruct format: no default system turn; images as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen3_tokenizer():
+    kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=QWEN3_CHAT_TEMPLATE)
+    return train_tokenizer(family="custom", specials=list(QWEN_SPECIAL_TOKENS), token_kwargs=kw)
+
+
+def build_tiny_qwen3vl(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    min_pixels: int = 32 * 32 * 4,
+    max_pixels: int = 32 * 32 * 64,
+) -> Path:
+    """Tiny Qwen3-VL: ViT (patch 16, learned + rotary positions) with DeepStack mergers after every vision
+    layer, 2x2 merger, Qwen3 decoder (q/k norm, interleaved M-RoPE). DeepStack features are added to the
+    image-token hidden states of the first `vision_depth` decoder layers."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = _qwen3_tokenizer()
+    ids = _qwen_ids(tokenizer)
+    head_dim = hidden_size // num_heads
+    text = dict(
+        vocab_size=_vocab_size(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": _mrope_section(head_dim), "mrope_interleaved": True},
+        pad_token_id=ids["pad_token_id"],
+    )
+    vision = dict(
+        depth=vision_depth,
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_heads=vision_heads,
+        out_hidden_size=hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,  # an 8x8 learned grid, interpolated to each image's grid
+        deepstack_visual_indexes=list(range(min(vision_depth, num_layers))),
+    )
+    mm_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
+    model = _seeded_model(Qwen3VLForConditionalGeneration, config, seed)
+    model.generation_config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+    image_processor = _qwen_image_processor(min_pixels, max_pixels, patch_size=16)
+    return _finish(out_dir, model, tokenizer, image_processor, QWEN3_CHAT_TEMPLATE)
+
+
+# ---------------------------------------------------------------- registry
+
+BUILDERS: dict[str, Callable[..., Path]] = {
+    "qwen2-vl": build_tiny_qwen2vl,
+    "qwen2.5-vl": build_tiny_qwen25vl,
+    "qwen3-vl": build_tiny_qwen3vl,
+    "llava": build_tiny_llava,
+}
+
+
+def build_family(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Build the tiny model of family `name` (a key of BUILDERS) into out_dir."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown family {name!r}; choose one of {', '.join(BUILDERS)}")
+    return BUILDERS[name](out_dir, seed=seed)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_tiny_arguments(sub) -> None:
+    """The `vlmrl tiny` sub-command on an argparse subparsers object."""
+    t = sub.add_parser(
+        "tiny",
+        help="Build a tiny random-weight model of a family (offline), to smoke-test a pipeline.",
+        description="Write a tiny random-weight model folder of a VLM family (real architecture, toy sizes, offline "
+        "tokenizer and processor). Point model.name_or_path at it to smoke-test a config in seconds.",
+        epilog="example:\n  vlmrl tiny --family qwen3-vl outputs/tiny-qwen3-vl\n"
+        "  vlmrl train model.name_or_path=outputs/tiny-qwen3-vl data.task=count",
+    )
+    t.add_argument("--family", required=True, help=f"one of: {', '.join(BUILDERS)}")
+    t.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    t.add_argument("out_dir", help="folder to write (created; must not hold a model already)")
+
+
+def run_tiny(ns) -> int:
+    """`vlmrl tiny`: exit 2 with one line for an unknown family or a folder that already holds a model."""
+    import sys
+
+    out = Path(ns.out_dir).expanduser()
+    if ns.family not in BUILDERS:
+        print(f"vlmrl tiny: unknown --family {ns.family!r}; choose one of {', '.join(BUILDERS)}", file=sys.stderr)
+        return 2
+    if (out / "config.json").exists() or (out.exists() and not out.is_dir()):
+        print(f"vlmrl tiny: {out} already holds a model or is a file; choose a new folder", file=sys.stderr)
+        return 2
+    path = build_family(ns.family, out, seed=ns.seed)
+    print(f"vlmrl tiny: wrote a tiny {ns.family} model to {path}", file=sys.stderr)
+    return 0
