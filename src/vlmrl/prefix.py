@@ -16,7 +16,9 @@ completion tokens run per row: each completion attends to one shared copy of its
 
 | family (config.model_type) | shared prefix | positions of completion tokens                  |
 |----------------------------|---------------|-------------------------------------------------|
-| qwen2_vl, qwen2_5_vl       | yes           | M-RoPE: prompt's max position + 1 + t (all axes) |
+| qwen2_vl, qwen2_5_vl,      | yes           | M-RoPE: prompt's max position + 1 + t (all axes) |
+| qwen3_vl (DeepStack: the   |               |   (interleaved M-RoPE in Qwen3-VL: same ids)     |
+|  prefill carries it)       |               |                                                  |
 | llava                      | yes           | cache position P + t (the model's default)       |
 | anything else              | no (grouped / naive path) |                                    |
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LOGPROB_CHUNK_TOKENS
-from .logprobs import _accepted, grouped_family, model_inputs, selective_logps
+from .logprobs import MROPE_FAMILIES, _accepted, grouped_family, model_inputs, selective_logps
 from .models import unwrap
 
 
@@ -108,7 +110,7 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     model's default positions 0..P-1, so the next one is P."""
     core = unwrap(model)
     input_ids = prompt_batch["input_ids"]
-    if grouped_family(model) != "qwen":
+    if grouped_family(model) not in MROPE_FAMILIES:
         return None, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
     inner = core.model
     mm_types = prompt_batch.get("mm_token_type_ids")
@@ -132,7 +134,7 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
 
 def _continuation_positions(model, next_pos: torch.Tensor, offset: int, length: int) -> torch.Tensor | None:
     """Position ids of `length` tokens starting `offset` after the prompt, per row ([3, N, length] for Qwen)."""
-    if grouped_family(model) != "qwen":
+    if grouped_family(model) not in MROPE_FAMILIES:
         return None  # default: cache_position
     pos = next_pos.unsqueeze(1) + offset + torch.arange(length, device=next_pos.device)
     return pos.unsqueeze(0).expand(3, -1, -1)
