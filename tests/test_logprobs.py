@@ -96,7 +96,7 @@ def loss_and_grads(model, fn):
     return logps.detach(), grads(model)
 
 
-FAMILIES = {"tiny_qwen25vl": [1, 2], "tiny_qwen2vl": [1, 2], "tiny_llava": [1, 1], "tiny_qwen3vl": [1, 2]}
+FAMILIES = {"tiny_qwen25vl": [1, 2], "tiny_qwen2vl": [1, 2], "tiny_llava": [1, 1], "tiny_qwen3vl": [1, 2], "tiny_gemma3": [1, 2]}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -109,7 +109,7 @@ def family(request):
 
 def test_grouped_equals_naive_values_grads_and_vision_calls(family):
     name, model, processor = family
-    assert grouped_family(model) in ("qwen", "qwen3", "llava")
+    assert grouped_family(model) in ("qwen", "qwen3", "gemma3", "llava")
     per_prompt = FAMILIES[name]
     prompts = prompt_batch(processor, per_prompt)
     row_prompt = torch.arange(len(per_prompt)).repeat_interleave(G)

@@ -15,7 +15,6 @@ logger = logging.getLogger("vlmrl.families")
 # model_type -> why it takes the naive path (families not listed: "no fast path implemented for it").
 FALLBACK_REASONS = {
     "qwen3_vl_moe": "Qwen3-VL-MoE's grouped/prefix paths are not equivalence-tested yet",
-    "gemma3": "Gemma 3 images attend bidirectionally (token_type_ids mask); the grouped/prefix paths do not build that mask",
     "llava_onevision": "LLaVA-OneVision anyres tiling (variable tokens per image) is not handled by the grouped path",
     "internvl": "InternVL's pixel-shuffle projector path is not equivalence-tested yet",
     "smolvlm": "SmolVLM's image splitting is not equivalence-tested yet",

@@ -87,13 +87,16 @@ def completion_logps(
 
 QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
 QWEN3_GROUPED_TYPES = ("qwen3_vl",)
+GEMMA3_GROUPED_TYPES = ("gemma3",)
 LLAVA_GROUPED_TYPES = ("llava",)
 # Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
 MROPE_FAMILIES = ("qwen", "qwen3")
+# Families whose grouped path hands the shared image features to the model's own forward (mm_encoder_outputs).
+ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3")
 
 
 def grouped_family(model: torch.nn.Module) -> str | None:
-    """'qwen', 'qwen3' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
+    """'qwen', 'qwen3', 'gemma3' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
 
     Decided by config.model_type (the families whose forward this module re-implements and tests)
     and checked against the structure it needs (model.model.get_image_features, get_rope_index).
@@ -112,6 +115,8 @@ def grouped_family(model: torch.nn.Module) -> str | None:
         return "qwen"
     if model_type in QWEN3_GROUPED_TYPES and mrope:
         return "qwen3"
+    if model_type in GEMMA3_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+        return "gemma3"
     if model_type in LLAVA_GROUPED_TYPES and hasattr(inner, "vision_tower"):
         return "llava"
     log_fallback(model_type)
@@ -189,8 +194,10 @@ def completion_logps_grouped(
     | qwen3_vl                            | yes: shared features + DeepStack features handed to   |
     |                                     |  the model as mm_encoder_outputs (it builds           |
     |                                     |  visual_pos_masks and its own M-RoPE positions)       |
+    | gemma3                              | yes: shared features as mm_encoder_outputs (the model |
+    |                                     |  builds its bidirectional image-block mask)           |
     | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
-    | anything else (qwen3_vl_moe, gemma3,| no: falls back to the naive path on                   |
+    | anything else (qwen3_vl_moe,        | no: falls back to the naive path on                   |
     |  llava_onevision anyres, idefics)   |  select_rows(prompt_batch, row_prompt) (same values), |
     |                                     |  reason logged once (families.FALLBACK_REASONS)       |
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
@@ -216,8 +223,8 @@ def completion_logps_grouped(
     if per_prompt is None:
         raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; build it with encode_prompts")
     per_prompt = per_prompt.to("cpu").long()
-    if family == "qwen3":
-        hidden = _qwen3_grouped_hidden(inner, prompt_batch, row_prompt, per_prompt, completion_ids, completion_mask)
+    if family in ENCODER_OUTPUT_FAMILIES:
+        hidden = _encoder_outputs_grouped_hidden(inner, prompt_batch, row_prompt, per_prompt, completion_ids, completion_mask)
         prompt_len, t = prompt_batch["input_ids"].shape[1], completion_ids.shape[1]
         predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
         return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
@@ -299,7 +306,14 @@ def _row_images(row_prompt: torch.Tensor, per_prompt: torch.Tensor) -> list[int]
     return [i for p in row_prompt.tolist() for i in range(int(image_start[p]), int(image_start[p + 1]))]
 
 
-def _qwen3_grouped_hidden(
+def _gather_images(features, row_images: list[int]):
+    """Per-image features (a tensor [n_images, ...] or a tuple with one tensor per image) -> the same kind, for row_images."""
+    if torch.is_tensor(features):
+        return features.index_select(0, torch.tensor(row_images, dtype=torch.long, device=features.device))
+    return tuple(features[i] for i in row_images)
+
+
+def _encoder_outputs_grouped_hidden(
     inner: torch.nn.Module,
     prompt_batch: dict,
     row_prompt: torch.Tensor,
@@ -307,26 +321,32 @@ def _qwen3_grouped_hidden(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Qwen3-VL decoder hidden states [N, P+T, H] of the N rows, with each prompt's images encoded once.
+    """Decoder hidden states [N, P+T, H] of the N rows, with each prompt's images encoded once (Qwen3-VL, Gemma 3).
 
-    The U prompts' images go through the vision tower once; every row gets its prompt's per-image
-    features and DeepStack features (tuples of views of one pass: backward sums the rows' gradients into it)
-    as the model's own `mm_encoder_outputs`, so the model itself scatters them, builds visual_pos_masks
-    and derives the M-RoPE positions from input_ids (get_rope_index): the naive forward's code path."""
+    The U prompts' images go through `get_image_features` once; every row gets its prompt's per-image
+    features (and Qwen3-VL's DeepStack features) as the model's own `mm_encoder_outputs`: gathered views of
+    one pass, so backward sums the rows' gradients into it. The model's forward then does the rest as on
+    the naive path: scatters them, builds Qwen3-VL's visual_pos_masks and M-RoPE positions (get_rope_index)
+    or Gemma 3's bidirectional image-block mask (token_type_ids)."""
     from .processing import append_tokens
 
-    grid = prompt_batch["image_grid_thw"]
-    out = inner.get_image_features(pixel_values=prompt_batch["pixel_values"], image_grid_thw=grid, return_dict=True)
+    grid = prompt_batch.get("image_grid_thw")
+    vision_in = {"pixel_values": prompt_batch["pixel_values"], "return_dict": True}
+    if grid is not None:
+        vision_in["image_grid_thw"] = grid
+    out = inner.get_image_features(**vision_in)
     row_images = _row_images(row_prompt, per_prompt)
-    out.pooler_output = tuple(out.pooler_output[i] for i in row_images)
-    out.deepstack_features = [tuple(layer[i] for i in row_images) for layer in out.deepstack_features]
+    out.pooler_output = _gather_images(out.pooler_output, row_images)
+    if getattr(out, "deepstack_features", None) is not None:
+        out.deepstack_features = [_gather_images(layer, row_images) for layer in out.deepstack_features]
     rows = row_prompt.to(prompt_batch["input_ids"].device)
-    text = {k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    text = append_tokens(text, completion_ids, completion_mask)
-    if "mm_token_type_ids" not in text:
-        text["mm_token_type_ids"] = (text["input_ids"] == inner.config.image_token_id).long()
-    grid_rows = grid.index_select(0, torch.tensor(row_images, dtype=torch.long, device=grid.device))
-    return inner(**text, image_grid_thw=grid_rows, mm_encoder_outputs={"image": out}, use_cache=False).last_hidden_state
+    text_keys = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    text = append_tokens({k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in text_keys}, completion_ids, completion_mask)
+    if grid is not None:
+        if "mm_token_type_ids" not in text:
+            text["mm_token_type_ids"] = (text["input_ids"] == inner.config.image_token_id).long()
+        text["image_grid_thw"] = grid.index_select(0, torch.tensor(row_images, dtype=torch.long, device=grid.device))
+    return inner(**text, mm_encoder_outputs={"image": out}, use_cache=False).last_hidden_state
 
 
 class VisionCounter:

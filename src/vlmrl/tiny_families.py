@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from .tiny import (
     QWEN_SPECIAL_TOKENS,
     _finish,
@@ -110,6 +112,117 @@ def build_tiny_qwen3vl(
     return _finish(out_dir, model, tokenizer, image_processor, QWEN3_CHAT_TEMPLATE)
 
 
+# ---------------------------------------------------------------- Gemma 3
+
+GEMMA3_SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+# Gemma 3 instruct format: <bos>, turns "<start_of_turn>user|model\n...<end_of_turn>\n", the system text
+# folded into the first user turn, one <start_of_image> per image (the processor expands it).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% set ns.system = (message['content'] if message['content'] is string else message['content'][0]['text']) + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<start_of_image>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def build_tiny_gemma3(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    image_size: int = 64,
+    patch_size: int = 8,
+    tokens_per_image: int = 16,
+) -> Path:
+    """Tiny Gemma 3: SigLIP ViT, average-pooled to `tokens_per_image` tokens + RMS-normed projector, Gemma 3
+    decoder (sliding-window and global layers, q/k norm, bidirectional attention inside each image)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    kw = dict(
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        extra_special_tokens={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"},
+    )
+    tokenizer = train_tokenizer(family="custom", specials=list(GEMMA3_SPECIAL_TOKENS), token_kwargs=kw)
+    tid = tokenizer.convert_tokens_to_ids
+    head_dim = hidden_size // num_heads
+    text = dict(
+        vocab_size=_vocab_size(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=16,  # shorter than a prompt: the sliding layer's mask really differs from the global one
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"] * (num_layers % 2),
+        max_position_embeddings=4096,
+        pad_token_id=tid("<pad>"),
+        bos_token_id=tid("<bos>"),
+        eos_token_id=tid("<eos>"),
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_hidden_layers=vision_depth,
+        num_attention_heads=vision_heads,
+        image_size=image_size,
+        patch_size=patch_size,
+        vision_use_head=False,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=tid("<start_of_image>"),
+        eoi_token_index=tid("<end_of_image>"),
+        image_token_index=tid("<image_soft_token>"),
+        tie_word_embeddings=True,
+    )
+    model = _seeded_model(Gemma3ForConditionalGeneration, config, seed)
+    # transformers initialises the projection matrix to zeros (checkpoints overwrite it): random values
+    # instead, or every image feature is 0 and no gradient reaches the vision tower.
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed + 1)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, config.initializer_range)
+    eos = [tid("<eos>"), tid("<end_of_turn>")]
+    model.generation_config.update(bos_token_id=tid("<bos>"), eos_token_id=eos, pad_token_id=tid("<pad>"))
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    processor = Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=tokens_per_image
+    )
+    return _finish(out_dir, model, tokenizer, image_processor, GEMMA3_CHAT_TEMPLATE, processor)
+
+
 # ---------------------------------------------------------------- registry
 
 BUILDERS: dict[str, Callable[..., Path]] = {
@@ -117,6 +230,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen2.5-vl": build_tiny_qwen25vl,
     "qwen3-vl": build_tiny_qwen3vl,
     "llava": build_tiny_llava,
+    "gemma3": build_tiny_gemma3,
 }
 
 
