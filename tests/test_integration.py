@@ -61,7 +61,7 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
 def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, tmp_path):
     model_path = request.getfixturevalue(family)
     out = tmp_path / "run"
@@ -144,7 +144,7 @@ def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, t
     assert (out / "report.png").stat().st_size > 10_000  # SFT runs draw the same report as GRPO runs
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
 def test_rollout_never_samples_vision_placeholders(family, request, count_data):
     """A sampled <|image_pad|> would make scoring fail ('image features and image tokens do not match')."""
     from vlmrl.rollout import generate, vision_token_ids

@@ -716,7 +716,9 @@ def make_reference(model, cfg: Config, device, fresh: bool = False):
         return None
     if cfg.model.use_lora:
         return _Reference(model)
-    initial = load_policy(cfg, device)[0] if fresh else copy.deepcopy(model)
+    # A fresh load is deep-copied too: loaded weights can sit at unaligned addresses (safetensors), where CPU
+    # matmul kernels round differently than on the deep copy's fresh allocations; resume must be bit-exact.
+    initial = copy.deepcopy(load_policy(cfg, device)[0] if fresh else model)
     return _Reference(model, initial.eval().requires_grad_(False), device, offload=cfg.memory.ref_placement == "cpu")
 
 
