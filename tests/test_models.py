@@ -314,7 +314,7 @@ def test_reference_disabled_adapter_gives_base_logits(tiny_qwen25vl):
             pass
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe"])
 def test_save_lora_model_reloads_in_plain_transformers(family, request, tmp_path):
     path = request.getfixturevalue(family)
     processor = load_processor(path)

@@ -77,6 +77,7 @@ RESUME_CASES = [(v, "tiny_qwen25vl") for v in VARIANTS] + [
     ("lora+kl", "tiny_qwen3vl"),
     pytest.param("iterations+accumulation+kl", "tiny_gemma3", marks=pytest.mark.slow),
     ("lora+kl", "tiny_gemma3"),
+    ("lora+kl", "tiny_qwen3vl_moe"),
 ]
 
 

@@ -17,9 +17,12 @@ completion tokens run per row: each completion attends to one shared copy of its
 | family (config.model_type) | shared prefix | positions of completion tokens                  |
 |----------------------------|---------------|-------------------------------------------------|
 | qwen2_vl, qwen2_5_vl,      | yes           | M-RoPE: prompt's max position + 1 + t (all axes) |
-| qwen3_vl (DeepStack: the   |               |   (interleaved M-RoPE in Qwen3-VL: same ids)     |
-|  prefill carries it)       |               |                                                  |
-| llava                      | yes           | cache position P + t (the model's default)       |
+| qwen3_vl, qwen3_vl_moe     |               |   (interleaved M-RoPE in Qwen3-VL: same ids)     |
+|  (DeepStack: the prefill   |               |                                                  |
+|  carries it)               |               |                                                  |
+| llava, gemma3 (the prefill | yes           | cache position P + t (the model's default)       |
+|  carries Gemma 3's         |               |                                                  |
+|  bidirectional image mask) |               |                                                  |
 | anything else              | no (grouped / naive path) |                                    |
 """
 

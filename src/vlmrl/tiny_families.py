@@ -71,11 +71,16 @@ def build_tiny_qwen3vl(
     vision_heads: int = 2,
     min_pixels: int = 32 * 32 * 4,
     max_pixels: int = 32 * 32 * 64,
+    num_experts: int = 0,
 ) -> Path:
     """Tiny Qwen3-VL: ViT (patch 16, learned + rotary positions) with DeepStack mergers after every vision
     layer, 2x2 merger, Qwen3 decoder (q/k norm, interleaved M-RoPE). DeepStack features are added to the
-    image-token hidden states of the first `vision_depth` decoder layers."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    image-token hidden states of the first `vision_depth` decoder layers. num_experts > 0: Qwen3-VL-MoE
+    (every decoder MLP a sparse MoE block: num_experts experts, 2 active per token)."""
+    if num_experts:
+        from transformers import Qwen3VLMoeConfig as config_cls, Qwen3VLMoeForConditionalGeneration as model_cls
+    else:
+        from transformers import Qwen3VLConfig as config_cls, Qwen3VLForConditionalGeneration as model_cls
 
     tokenizer = _qwen3_tokenizer()
     ids = _qwen_ids(tokenizer)
@@ -92,6 +97,8 @@ def build_tiny_qwen3vl(
         rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": _mrope_section(head_dim), "mrope_interleaved": True},
         pad_token_id=ids["pad_token_id"],
     )
+    if num_experts:
+        text.update(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1)
     vision = dict(
         depth=vision_depth,
         hidden_size=vision_hidden,
@@ -105,11 +112,16 @@ def build_tiny_qwen3vl(
         deepstack_visual_indexes=list(range(min(vision_depth, num_layers))),
     )
     mm_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
-    model = _seeded_model(Qwen3VLForConditionalGeneration, config, seed)
+    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
+    model = _seeded_model(model_cls, config, seed)
     model.generation_config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     image_processor = _qwen_image_processor(min_pixels, max_pixels, patch_size=16)
     return _finish(out_dir, model, tokenizer, image_processor, QWEN3_CHAT_TEMPLATE)
+
+
+def build_tiny_qwen3vl_moe(out_dir: str | Path, seed: int = 0, num_experts: int = 4, **kwargs) -> Path:
+    """Tiny Qwen3-VL-MoE: `build_tiny_qwen3vl` with sparse MoE decoder MLPs (num_experts experts, top-2)."""
+    return build_tiny_qwen3vl(out_dir, seed=seed, num_experts=num_experts, **kwargs)
 
 
 # ---------------------------------------------------------------- Gemma 3
@@ -229,6 +241,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen2-vl": build_tiny_qwen2vl,
     "qwen2.5-vl": build_tiny_qwen25vl,
     "qwen3-vl": build_tiny_qwen3vl,
+    "qwen3-vl-moe": build_tiny_qwen3vl_moe,
     "llava": build_tiny_llava,
     "gemma3": build_tiny_gemma3,
 }
