@@ -96,7 +96,14 @@ def loss_and_grads(model, fn):
     return logps.detach(), grads(model)
 
 
-FAMILIES = {"tiny_qwen25vl": [1, 2], "tiny_qwen2vl": [1, 2], "tiny_llava": [1, 1], "tiny_qwen3vl": [1, 2], "tiny_gemma3": [1, 2], "tiny_qwen3vl_moe": [1, 2]}
+FAMILIES = {
+    "tiny_qwen25vl": [1, 2],
+    "tiny_qwen2vl": [1, 2],
+    "tiny_llava": [1, 1],
+    "tiny_qwen3vl": [1, 2],
+    "tiny_gemma3": [1, 2],
+    "tiny_qwen3vl_moe": [1, 2],
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
