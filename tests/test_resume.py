@@ -78,6 +78,7 @@ RESUME_CASES = [(v, "tiny_qwen25vl") for v in VARIANTS] + [
     pytest.param("iterations+accumulation+kl", "tiny_gemma3", marks=pytest.mark.slow),
     ("lora+kl", "tiny_gemma3"),
     ("lora+kl", "tiny_qwen3vl_moe"),
+    ("lora+kl", "tiny_qwen35"),
 ]
 
 

@@ -86,7 +86,7 @@ def completion_logps(
 # ---------------------------------------------------------------- grouped path: one vision pass per prompt
 
 QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
-QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 GEMMA3_GROUPED_TYPES = ("gemma3",)
 LLAVA_GROUPED_TYPES = ("llava",)
 # Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
@@ -191,13 +191,13 @@ def completion_logps_grouped(
     | family (config.model_type)          | grouped path                                          |
     |-------------------------------------|-------------------------------------------------------|
     | qwen2_vl, qwen2_5_vl                | yes: shared features + get_rope_index position ids    |
-    | qwen3_vl, qwen3_vl_moe              | yes: shared features + DeepStack features handed to   |
+    | qwen3_vl, qwen3_vl_moe, qwen3_5     | yes: shared features (+ Qwen3-VL's DeepStack) handed to|
     |                                     |  the model as mm_encoder_outputs (it builds           |
     |                                     |  visual_pos_masks and its own M-RoPE positions)       |
     | gemma3                              | yes: shared features as mm_encoder_outputs (the model |
     |                                     |  builds its bidirectional image-block mask)           |
     | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
-    | anything else (qwen3_5, internvl,   | no: falls back to the naive path on                   |
+    | anything else (qwen3_5_moe,internvl,| no: falls back to the naive path on                   |
     |  llava_onevision anyres, idefics)   |  select_rows(prompt_batch, row_prompt) (same values), |
     |                                     |  reason logged once (families.FALLBACK_REASONS)       |
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |

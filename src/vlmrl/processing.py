@@ -25,7 +25,7 @@ import torch
 
 from .models import ModelLoadError
 
-QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).

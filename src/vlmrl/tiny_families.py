@@ -124,6 +124,69 @@ def build_tiny_qwen3vl_moe(out_dir: str | Path, seed: int = 0, num_experts: int 
     return build_tiny_qwen3vl(out_dir, seed=seed, num_experts=num_experts, **kwargs)
 
 
+def build_tiny_qwen35(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    min_pixels: int = 32 * 32 * 4,
+    max_pixels: int = 32 * 32 * 64,
+) -> Path:
+    """Tiny Qwen3.5: Qwen3-VL-style ViT (patch 16) + hybrid decoder, three Gated DeltaNet (linear attention,
+    recurrent state + causal conv) layers per full-attention layer, interleaved M-RoPE in the attention layers."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tokenizer = _qwen3_tokenizer()
+    ids = _qwen_ids(tokenizer)
+    head_dim = hidden_size // num_heads
+    text = dict(
+        vocab_size=_vocab_size(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=num_kv_heads,
+        linear_num_value_heads=num_heads,
+        layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(num_layers)],
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "mrope_section": _mrope_section(head_dim // 4),  # partial rotary: a quarter of each head rotates
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+        pad_token_id=ids["pad_token_id"],
+    )
+    vision = dict(
+        depth=vision_depth,
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_heads=vision_heads,
+        out_hidden_size=hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+    )
+    mm_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
+    model = _seeded_model(Qwen3_5ForConditionalGeneration, config, seed)
+    model.generation_config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
+    image_processor = _qwen_image_processor(min_pixels, max_pixels, patch_size=16)
+    return _finish(out_dir, model, tokenizer, image_processor, QWEN3_CHAT_TEMPLATE)
+
+
 # ---------------------------------------------------------------- Gemma 3
 
 GEMMA3_SPECIAL_TOKENS = [
@@ -242,6 +305,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen2.5-vl": build_tiny_qwen25vl,
     "qwen3-vl": build_tiny_qwen3vl,
     "qwen3-vl-moe": build_tiny_qwen3vl_moe,
+    "qwen3.5": build_tiny_qwen35,
     "llava": build_tiny_llava,
     "gemma3": build_tiny_gemma3,
 }
