@@ -72,11 +72,13 @@ def build_tiny_qwen3vl(
     min_pixels: int = 32 * 32 * 4,
     max_pixels: int = 32 * 32 * 64,
     num_experts: int = 0,
+    vocab_size: int | None = None,
 ) -> Path:
     """Tiny Qwen3-VL: ViT (patch 16, learned + rotary positions) with DeepStack mergers after every vision
     layer, 2x2 merger, Qwen3 decoder (q/k norm, interleaved M-RoPE). DeepStack features are added to the
     image-token hidden states of the first `vision_depth` decoder layers. num_experts > 0: Qwen3-VL-MoE
-    (every decoder MLP a sparse MoE block: num_experts experts, 2 active per token)."""
+    (every decoder MLP a sparse MoE block: num_experts experts, 2 active per token). vocab_size > len(tokenizer)
+    pads the vocabulary (memory benchmarks with Qwen's 151,936)."""
     if num_experts:
         from transformers import Qwen3VLMoeConfig as config_cls, Qwen3VLMoeForConditionalGeneration as model_cls
     else:
@@ -85,8 +87,10 @@ def build_tiny_qwen3vl(
     tokenizer = _qwen3_tokenizer()
     ids = _qwen_ids(tokenizer)
     head_dim = hidden_size // num_heads
+    if vocab_size is not None and vocab_size < _vocab_size(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {_vocab_size(tokenizer)} tokens")
     text = dict(
-        vocab_size=_vocab_size(tokenizer),
+        vocab_size=vocab_size or _vocab_size(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
