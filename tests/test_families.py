@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 
+import pytest
+
 from vlmrl.cli import main
 from vlmrl.families import log_fallback
 from vlmrl.tiny_families import BUILDERS
@@ -110,3 +112,19 @@ def _model_cfg(path) -> dict:
     from test_logprobs import model_cfg
 
     return vars(model_cfg(path))
+
+
+@pytest.mark.parametrize("side", [224, 448, 500, 1000])
+def test_planner_qwen3_vl_image_tokens_follow_the_processor(side):
+    """The planner's Qwen3-VL image-token count (patch 16, 2x2 merge) equals what the image processor itself
+    produces for a square image at the pixel cap."""
+    from PIL import Image
+
+    from vlmrl.planner import image_tokens, model_spec
+    from vlmrl.tiny import _qwen_image_processor
+
+    processor = _qwen_image_processor(min_pixels=32 * 32, max_pixels=side * side, patch_size=16)
+    grid = processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")["image_grid_thw"][0]
+    expected = int(grid.prod()) // 4
+    for preset in ("qwen3-vl-4b", "qwen3-vl-8b"):
+        assert image_tokens(model_spec(preset), side * side) == expected

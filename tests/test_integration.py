@@ -120,10 +120,16 @@ def test_beta_with_lora_uses_no_model_copy(tiny_qwen25vl, count_data, tmp_path, 
 
 
 # Name part that every projector weight of a family has in the saved safetensors (Qwen-VL: merger and DeepStack mergers).
-PROJECTOR_KEY = {"tiny_qwen25vl": "merger", "tiny_qwen3vl": "merger", "tiny_gemma3": "multi_modal_projector"}
+PROJECTOR_KEY = {
+    "tiny_qwen25vl": "merger",
+    "tiny_qwen3vl": "merger",
+    "tiny_gemma3": "multi_modal_projector",
+    "tiny_qwen3vl_moe": "merger",
+    "tiny_qwen35": "merger",
+}
 
 
-@pytest.mark.parametrize("family", list(PROJECTOR_KEY))
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen3vl", "tiny_gemma3"])
 def test_sft_projector_stage_changes_only_projector(family, request, count_data, tmp_path):
     model_path = request.getfixturevalue(family)
     out = tmp_path / "sft"
@@ -150,7 +156,7 @@ def test_sft_projector_stage_changes_only_projector(family, request, count_data,
     assert (out / "report.png").stat().st_size > 10_000  # SFT runs draw the same report as GRPO runs
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3vl", "tiny_gemma3"])
+@pytest.mark.parametrize("family", ["tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"])
 def test_cli_sft_both_stages_then_eval(family, request, count_data, tmp_path):
     """`vlmrl sft` stage 1 (projector) then stage 2 (language model), then `vlmrl eval` on its final folder."""
     from vlmrl.cli import main
