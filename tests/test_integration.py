@@ -256,7 +256,7 @@ def test_cli_errors_are_readable(tmp_path, capsys):
     assert str(tmp_path / "missing") in err
 
 
-@pytest.mark.parametrize("command", ["train", "sft", "eval", "demo", "config"])
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "demo", "config", "tiny"])
 def test_every_command_has_help(command, capsys):
     from vlmrl.cli import main
 

@@ -3,13 +3,16 @@
 Same recipe as `tiny.py` (real transformers architecture, toy dimensions, seeded random weights, the
 offline BPE tokenizer with the family's own special tokens and a chat template in the family's format,
 image processor on the PIL backend: no torchvision). Each builder writes a folder that
-`models.load_model` and `processing.load_processor` load like a user's checkpoint.
+`models.load_model` and `processing.load_processor` load like a user's checkpoint. InternVL, LLaVA-OneVision
+and SmolVLM are not here: their processors require a torchvision video processor (docs/families.md).
 
 | family name   | model_type  | processor when loaded here                                        |
 |---------------|-------------|-------------------------------------------------------------------|
 | qwen2-vl      | qwen2_vl    | QwenImageProcessor (Qwen2VLProcessor needs torchvision for video) |
 | qwen2.5-vl    | qwen2_5_vl  | QwenImageProcessor                                                |
 | qwen3-vl      | qwen3_vl    | QwenImageProcessor, patch 16 (Qwen3VLProcessor needs torchvision) |
+| qwen3-vl-moe  | qwen3_vl_moe| QwenImageProcessor, patch 16                                      |
+| qwen3.5       | qwen3_5     | QwenImageProcessor, patch 16                                      |
 | llava         | llava       | LlavaProcessor                                                    |
 | gemma3        | gemma3      | Gemma3Processor (Gemma3ImageProcessorPil)                         |
 """
