@@ -3,6 +3,7 @@
     python benchmarks/memory_engine.py                       # CPU, writes benchmarks/results/memory_engine_<device>_<date>.*
     python benchmarks/memory_engine.py --device cuda         # on a GPU (peak = torch.cuda.max_memory_allocated)
     python benchmarks/memory_engine.py --quick               # small sizes, checks the harness in a minute
+    python benchmarks/memory_engine.py --family qwen3-vl     # tiny Qwen3-VL (DeepStack, patch 16: 196 tokens per 448px image)
 
 Workload (issue 4, part 8): tiny Qwen2.5-VL with a Qwen-size vocabulary (151,936), image-heavy prompts
 (448x448 images -> 256 image tokens each), completions forced to 64 tokens (rollout.min_completion_length),
@@ -44,11 +45,16 @@ ROWS = [
 ]
 
 
-def build_model(folder: Path, vocab: int, quick: bool) -> Path:
-    from vlmrl.tiny import build_tiny_qwen25vl
+FAMILIES = {"qwen2.5-vl": "Qwen2.5-VL", "qwen3-vl": "Qwen3-VL", "qwen3-vl-moe": "Qwen3-VL-MoE (4 experts, top-2)"}
 
+
+def build_model(folder: Path, vocab: int, quick: bool, family: str = "qwen2.5-vl") -> Path:
+    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_families import build_tiny_qwen3vl, build_tiny_qwen3vl_moe
+
+    builder = {"qwen2.5-vl": build_tiny_qwen25vl, "qwen3-vl": build_tiny_qwen3vl, "qwen3-vl-moe": build_tiny_qwen3vl_moe}[family]
     if not (folder / "config.json").exists():
-        build_tiny_qwen25vl(folder, vocab_size=vocab, max_pixels=448 * 448 if not quick else 224 * 224)
+        builder(folder, vocab_size=vocab, max_pixels=448 * 448 if not quick else 224 * 224)
     return folder
 
 
@@ -142,6 +148,7 @@ def main() -> int:
     ap.add_argument("--g", type=int, default=8)
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--side", type=int, default=448)
+    ap.add_argument("--family", default="qwen2.5-vl", choices=list(FAMILIES), help="tiny model family (vlmrl tiny names)")
     a = ap.parse_args()
     if a.child:
         run_one(a)
@@ -151,7 +158,7 @@ def main() -> int:
     if a.quick:
         a.completion, a.side = 16, 224
     work = Path(a.work)
-    model = build_model(work / f"model-v{vocab}", vocab, a.quick)
+    model = build_model(work / f"model-{a.family}-v{vocab}", vocab, a.quick, a.family)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     results = []
     for name, flags in ROWS:
@@ -221,6 +228,7 @@ def main() -> int:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "family": a.family,
         "vocab": vocab,
         "image_side": a.side,
         "completion": a.completion,
@@ -234,14 +242,15 @@ def main() -> int:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"memory_engine_{device_name}_{date}{'_quick' if a.quick else ''}"
+    family_tag = "" if a.family == "qwen2.5-vl" else f"_{a.family}"
+    stem = out / f"memory_engine_{device_name}_{date}{family_tag}{'_quick' if a.quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results, "summary": summary}, indent=2))
     peak_label = "GPU peak allocated (GiB)" if a.device.startswith("cuda") else "peak RSS (GiB)"
     md = [
         f"# Memory engine, part by part ({device_name}, {date})",
         "",
         f"`{meta['command']}` — torch {meta['torch']}, transformers {meta['transformers']}, {meta['cpu_count']} CPUs.",
-        f"Tiny Qwen2.5-VL, vocab {vocab:,}, {a.side}x{a.side} images, completion {a.completion} (forced), G={a.g}, "
+        f"Tiny {FAMILIES[a.family]}, vocab {vocab:,}, {a.side}x{a.side} images, completion {a.completion} (forced), G={a.g}, "
         f"2 prompts/step, fp32; median of {a.steps} steps after {a.warmup} warm-up.",
         "",
         f"| configuration | step (s) | rollout (s) | update (s) | {peak_label} | peak over loaded model (GiB) | vision images / step |",

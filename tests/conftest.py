@@ -30,9 +30,37 @@ def tiny_llava(tmp_path_factory):
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3vl(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_qwen3vl
+
+    return build_tiny_qwen3vl(tmp_path_factory.mktemp("tiny-qwen3vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_gemma3
+
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3vl_moe(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_qwen3vl_moe
+
+    return build_tiny_qwen3vl_moe(tmp_path_factory.mktemp("tiny-qwen3vl-moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_qwen35
+
+    return build_tiny_qwen35(tmp_path_factory.mktemp("tiny-qwen35"))
+
+
 # Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
 # `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
-TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"}
+TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"}
 TIERS = {"integration", "multiproc", "slow"}
 
 

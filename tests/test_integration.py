@@ -61,7 +61,7 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"])
 def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, tmp_path):
     model_path = request.getfixturevalue(family)
     out = tmp_path / "run"
@@ -119,12 +119,24 @@ def test_beta_with_lora_uses_no_model_copy(tiny_qwen25vl, count_data, tmp_path, 
     assert rows[-1]["kl"] > 0  # after updates the adapter moved away from the (adapter-disabled) reference
 
 
-def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, tmp_path):
+# Name part that every projector weight of a family has in the saved safetensors (Qwen-VL: merger and DeepStack mergers).
+PROJECTOR_KEY = {
+    "tiny_qwen25vl": "merger",
+    "tiny_qwen3vl": "merger",
+    "tiny_gemma3": "multi_modal_projector",
+    "tiny_qwen3vl_moe": "merger",
+    "tiny_qwen35": "merger",
+}
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen3vl", "tiny_gemma3"])
+def test_sft_projector_stage_changes_only_projector(family, request, count_data, tmp_path):
+    model_path = request.getfixturevalue(family)
     out = tmp_path / "sft"
     cfg = load_config(
         None,
         [
-            f"model.name_or_path={tiny_qwen25vl}",
+            f"model.name_or_path={model_path}",
             f"data.train_path={count_data['train']}",
             "data.eval_path=",
             f"training.output_dir={out}",
@@ -138,13 +150,34 @@ def test_sft_projector_stage_changes_only_projector(tiny_qwen25vl, count_data, t
         ],
     )
     sft(cfg)
-    before, after = weights(tiny_qwen25vl), weights(out / "final")
+    before, after = weights(model_path), weights(out / "final")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
-    assert changed and all("merger" in k for k in changed), sorted(changed)[:5]
+    assert changed and all(PROJECTOR_KEY[family] in k for k in changed), sorted(changed)[:5]
     assert (out / "report.png").stat().st_size > 10_000  # SFT runs draw the same report as GRPO runs
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"])
+def test_cli_sft_both_stages_then_eval(family, request, count_data, tmp_path):
+    """`vlmrl sft` stage 1 (projector) then stage 2 (language model), then `vlmrl eval` on its final folder."""
+    from vlmrl.cli import main
+
+    model_path = request.getfixturevalue(family)
+    out = tmp_path / "sft"
+    common = [f"data.eval_path={count_data['test']}", "logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false"]
+    common += ["data.min_pixels=3136", "data.max_pixels=3136"]
+    args = [f"model.name_or_path={model_path}", f"data.train_path={count_data['train']}", f"training.output_dir={out}", *common]
+    assert main(["sft", *args, "sft.projector_steps=1", "sft.steps=1", "sft.batch_size=4", "sft.learning_rate=1e-3"]) == 0
+    before, after = weights(model_path), weights(out / "final")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(PROJECTOR_KEY[family] in k for k in changed)  # stage 1
+    assert any("layers" in k and "self_attn" in k and "vision" not in k and "visual" not in k for k in changed)  # stage 2
+    ev = tmp_path / "eval"
+    assert main(["eval", f"model.name_or_path={out / 'final'}", f"training.output_dir={ev}", "algorithm.reward_funcs=[accuracy]", *common]) == 0
+    result = json.loads((ev / "eval.json").read_text())
+    assert 0.0 <= result["eval/accuracy"] <= 1.0 and result["eval/num_samples"] == 8
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
 def test_rollout_never_samples_vision_placeholders(family, request, count_data):
     """A sampled <|image_pad|> would make scoring fail ('image features and image tokens do not match')."""
     from vlmrl.rollout import generate, vision_token_ids
@@ -223,7 +256,7 @@ def test_cli_errors_are_readable(tmp_path, capsys):
     assert str(tmp_path / "missing") in err
 
 
-@pytest.mark.parametrize("command", ["train", "sft", "eval", "demo", "config"])
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "demo", "config", "tiny"])
 def test_every_command_has_help(command, capsys):
     from vlmrl.cli import main
 

@@ -73,10 +73,16 @@ def grads(model):
     return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def assert_grads_close(ga, gb, rtol=1e-5):
-    """Every gradient within rtol of its own scale. Gradients that are mathematically zero (attention
-    key biases: softmax ignores them) are pure rounding noise, so the floor is rtol * 1e-3 of the
-    largest gradient of the model."""
+# Qwen3.5's Gated DeltaNet decay parameters: their gradients are small sums of large cancelling terms from the
+# chunked delta rule, which runs in float32 whatever the model dtype. The naive path against itself with 3 more
+# left-pad columns (same math, other chunk boundaries) already differs by 9e-4 of their scale; allowed: 1e-2.
+LOOSE_GRADS = {"linear_attn.A_log": 1e-2, "linear_attn.dt_bias": 1e-2}
+
+
+def assert_grads_close(ga, gb, rtol=1e-5, loose: dict | None = None):
+    """Every gradient within rtol of its own scale (or loose[part] for names containing part). Gradients that
+    are mathematically zero (attention key biases: softmax ignores them) are pure rounding noise, so the floor
+    is rtol * 1e-3 of the largest gradient of the model."""
     assert ga.keys() == gb.keys()
     floor = rtol * 1e-3 * max(g.abs().max().item() for g in ga.values() if g is not None)
     for name in ga:
@@ -86,7 +92,8 @@ def assert_grads_close(ga, gb, rtol=1e-5):
             continue
         scale = a.abs().max().item()
         err = (a - b).abs().max().item()
-        assert err <= rtol * scale + floor, f"{name}: max error {err} vs scale {scale}"
+        tol = next((t for part, t in (loose or {}).items() if part in name), rtol)
+        assert err <= tol * scale + floor, f"{name}: max error {err} vs scale {scale}"
 
 
 def loss_and_grads(model, fn):
@@ -96,7 +103,15 @@ def loss_and_grads(model, fn):
     return logps.detach(), grads(model)
 
 
-FAMILIES = {"tiny_qwen25vl": [1, 2], "tiny_qwen2vl": [1, 2], "tiny_llava": [1, 1]}
+FAMILIES = {
+    "tiny_qwen25vl": [1, 2],
+    "tiny_qwen2vl": [1, 2],
+    "tiny_llava": [1, 1],
+    "tiny_qwen3vl": [1, 2],
+    "tiny_gemma3": [1, 2],
+    "tiny_qwen3vl_moe": [1, 2],
+    "tiny_qwen35": [1, 2],
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -109,7 +124,7 @@ def family(request):
 
 def test_grouped_equals_naive_values_grads_and_vision_calls(family):
     name, model, processor = family
-    assert grouped_family(model) in ("qwen", "llava")
+    assert grouped_family(model) in ("qwen", "qwen3", "gemma3", "llava")
     per_prompt = FAMILIES[name]
     prompts = prompt_batch(processor, per_prompt)
     row_prompt = torch.arange(len(per_prompt)).repeat_interleave(G)

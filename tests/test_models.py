@@ -31,7 +31,9 @@ from vlmrl.processing import (
 )
 from vlmrl.tiny import build_tiny_qwen2vl, default_model_path, train_tokenizer
 
-FAMILIES = ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava"]
+FAMILIES = ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"]
+# Image placeholder that the chat template writes once per image, per family (the processor expands it).
+PLACEHOLDER = {"tiny_llava": "<image>", "tiny_gemma3": "<start_of_image>"}
 NON_MODEL_KEYS = ("images_per_row",)
 
 
@@ -158,10 +160,14 @@ def test_prompt_encoding_image_token_count(family, request):
         assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(dim=1).sum())
         assert (batch["mm_token_type_ids"] == 1).sum(dim=1).tolist() == n_tokens.tolist()
         assert sorted(vision_keys(batch)) == ["image_grid_thw", "pixel_values"]
+    elif family == "tiny_gemma3":  # Gemma 3: 8x8 patches average-pooled to 4x4 tokens per image
+        assert n_tokens.tolist() == [16, 32, 0]
+        assert tuple(batch["pixel_values"].shape) == (3, 3, 64, 64)
+        assert (batch["token_type_ids"] == 1).sum(dim=1).tolist() == n_tokens.tolist()
     else:  # LLaVA: (56/8)^2 patches per image, CLS dropped
         assert n_tokens.tolist() == [49, 98, 0]
         assert tuple(batch["pixel_values"].shape) == (3, 3, 56, 56)
-    assert texts[1].count("<image>" if family == "tiny_llava" else "<|vision_start|>") == 2
+    assert texts[1].count(PLACEHOLDER.get(family, "<|vision_start|>")) == 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -244,7 +250,7 @@ def names_of(model, part):
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
 def test_freezing_options(family, request):
     path = request.getfixturevalue(family)
     full = load_model(model_cfg(path))
@@ -279,7 +285,7 @@ def randomise_lora(model, seed=0):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
 def test_lora_targets_language_model_only_unless_lora_vision(family, request):
     path = request.getfixturevalue(family)
     model = load_model(model_cfg(path, use_lora=True))
@@ -310,7 +316,7 @@ def test_reference_disabled_adapter_gives_base_logits(tiny_qwen25vl):
             pass
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe"])
 def test_save_lora_model_reloads_in_plain_transformers(family, request, tmp_path):
     path = request.getfixturevalue(family)
     processor = load_processor(path)

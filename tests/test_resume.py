@@ -70,14 +70,27 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_stop_and_resume_is_bit_exact(variant, tiny_qwen25vl, data, tmp_path):
+# (variant, family): every variant on Qwen2.5-VL; full-weight + KL and LoRA + KL on the newer families.
+# The full-weight ones on the newer families take 10-20 s each here: slow tier.
+RESUME_CASES = [(v, "tiny_qwen25vl") for v in VARIANTS] + [
+    pytest.param("iterations+accumulation+kl", "tiny_qwen3vl", marks=pytest.mark.slow),
+    ("lora+kl", "tiny_qwen3vl"),
+    pytest.param("iterations+accumulation+kl", "tiny_gemma3", marks=pytest.mark.slow),
+    ("lora+kl", "tiny_gemma3"),
+    ("lora+kl", "tiny_qwen3vl_moe"),
+    ("lora+kl", "tiny_qwen35"),
+]
+
+
+@pytest.mark.parametrize("variant,family", RESUME_CASES)
+def test_stop_and_resume_is_bit_exact(variant, family, request, data, tmp_path):
     extra = VARIANTS[variant]
+    model_path = request.getfixturevalue(family)
     straight = tmp_path / "straight"
-    train(load_config(None, overrides(tiny_qwen25vl, data, straight, *extra)))
+    train(load_config(None, overrides(model_path, data, straight, *extra)))
 
     resumed = tmp_path / "resumed"
-    cfg = load_config(None, overrides(tiny_qwen25vl, data, resumed, *extra))
+    cfg = load_config(None, overrides(model_path, data, resumed, *extra))
     train(cfg, stop_after=2)  # a preemption after step 2: checkpoint-2, no final model
     assert [p.name for p in list_checkpoints(resumed)] == ["checkpoint-2"]
     assert not (resumed / "final").exists()

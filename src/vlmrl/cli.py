@@ -1,4 +1,4 @@
-"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export`."""
+"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export|tiny`."""
 
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--output-dir", default="outputs/demo")
     d.add_argument("--quick", action="store_true", help="A few steps only (smoke test).")
     sub.add_parser("config", help="Print the config reference (markdown) generated from the field docs.")
+    from .tiny_families import add_tiny_arguments
+
+    add_tiny_arguments(sub)
     ex = sub.add_parser(
         "export",
         help="Write a checkpoint (or a run folder's newest) as a plain HF model folder.",
@@ -164,6 +167,10 @@ def _dispatch(ns) -> int:
 
         export_checkpoint(ns.checkpoint, ns.out, overrides=ns.overrides)
         return 0
+    if ns.command == "tiny":
+        from .tiny_families import run_tiny
+
+        return run_tiny(ns)
     if ns.command == "demo":
         from .demo import run_demo
 

@@ -86,24 +86,40 @@ def completion_logps(
 # ---------------------------------------------------------------- grouped path: one vision pass per prompt
 
 QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+GEMMA3_GROUPED_TYPES = ("gemma3",)
 LLAVA_GROUPED_TYPES = ("llava",)
+# Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
+MROPE_FAMILIES = ("qwen", "qwen3")
+# Families whose grouped path hands the shared image features to the model's own forward (mm_encoder_outputs).
+ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3")
 
 
 def grouped_family(model: torch.nn.Module) -> str | None:
-    """'qwen' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
+    """'qwen', 'qwen3', 'gemma3' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
 
     Decided by config.model_type (the families whose forward this module re-implements and tests)
     and checked against the structure it needs (model.model.get_image_features, get_rope_index).
+    None is logged once per model type with the reason (`families.log_fallback`).
     """
+    from .families import log_fallback
+
     core = unwrap(model)
     inner = getattr(core, "model", None)
     model_type = getattr(getattr(core, "config", None), "model_type", None)
     if inner is None or not hasattr(inner, "get_image_features") or not hasattr(inner, "get_input_embeddings"):
+        log_fallback(model_type, "the model has no model.get_image_features / get_input_embeddings")
         return None
-    if model_type in QWEN_GROUPED_TYPES and hasattr(inner, "get_rope_index") and hasattr(inner, "visual"):
+    mrope = hasattr(inner, "get_rope_index") and hasattr(inner, "visual")
+    if model_type in QWEN_GROUPED_TYPES and mrope:
         return "qwen"
+    if model_type in QWEN3_GROUPED_TYPES and mrope:
+        return "qwen3"
+    if model_type in GEMMA3_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+        return "gemma3"
     if model_type in LLAVA_GROUPED_TYPES and hasattr(inner, "vision_tower"):
         return "llava"
+    log_fallback(model_type)
     return None
 
 
@@ -175,9 +191,15 @@ def completion_logps_grouped(
     | family (config.model_type)          | grouped path                                          |
     |-------------------------------------|-------------------------------------------------------|
     | qwen2_vl, qwen2_5_vl                | yes: shared features + get_rope_index position ids    |
+    | qwen3_vl, qwen3_vl_moe, qwen3_5     | yes: shared features (+ Qwen3-VL's DeepStack) handed to|
+    |                                     |  the model as mm_encoder_outputs (it builds           |
+    |                                     |  visual_pos_masks and its own M-RoPE positions)       |
+    | gemma3                              | yes: shared features as mm_encoder_outputs (the model |
+    |                                     |  builds its bidirectional image-block mask)           |
     | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
-    | anything else (qwen3_vl deepstack,  | no: falls back to the naive path on                   |
-    |  llava_next anyres, gemma3, idefics)|  select_rows(prompt_batch, row_prompt) (same values)  |
+    | anything else (qwen3_5_moe,internvl,| no: falls back to the naive path on                   |
+    |  llava_onevision anyres, idefics)   |  select_rows(prompt_batch, row_prompt) (same values), |
+    |                                     |  reason logged once (families.FALLBACK_REASONS)       |
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
     |  with videos (pixel_values_videos)  |                                                       |
     """
@@ -201,6 +223,11 @@ def completion_logps_grouped(
     if per_prompt is None:
         raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; build it with encode_prompts")
     per_prompt = per_prompt.to("cpu").long()
+    if family in ENCODER_OUTPUT_FAMILIES:
+        hidden = _encoder_outputs_grouped_hidden(inner, prompt_batch, row_prompt, per_prompt, completion_ids, completion_mask)
+        prompt_len, t = prompt_batch["input_ids"].shape[1], completion_ids.shape[1]
+        predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
+        return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
     n_images = int(per_prompt.sum())
 
     # 1. Vision: all images of the U prompts, once.
@@ -271,6 +298,55 @@ def completion_logps_grouped(
     t = completion_ids.shape[1]
     predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
     return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+
+
+def _row_images(row_prompt: torch.Tensor, per_prompt: torch.Tensor) -> list[int]:
+    """Image indices (into the prompt batch's images) of every row, row after row: [sum of the rows' images]."""
+    image_start = torch.cat([torch.zeros(1, dtype=torch.long), per_prompt.cumsum(0)])
+    return [i for p in row_prompt.tolist() for i in range(int(image_start[p]), int(image_start[p + 1]))]
+
+
+def _gather_images(features, row_images: list[int]):
+    """Per-image features (a tensor [n_images, ...] or a tuple with one tensor per image) -> the same kind, for row_images."""
+    if torch.is_tensor(features):
+        return features.index_select(0, torch.tensor(row_images, dtype=torch.long, device=features.device))
+    return tuple(features[i] for i in row_images)
+
+
+def _encoder_outputs_grouped_hidden(
+    inner: torch.nn.Module,
+    prompt_batch: dict,
+    row_prompt: torch.Tensor,
+    per_prompt: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Decoder hidden states [N, P+T, H] of the N rows, with each prompt's images encoded once (Qwen3-VL, Gemma 3).
+
+    The U prompts' images go through `get_image_features` once; every row gets its prompt's per-image
+    features (and Qwen3-VL's DeepStack features) as the model's own `mm_encoder_outputs`: gathered views of
+    one pass, so backward sums the rows' gradients into it. The model's forward then does the rest as on
+    the naive path: scatters them, builds Qwen3-VL's visual_pos_masks and M-RoPE positions (get_rope_index)
+    or Gemma 3's bidirectional image-block mask (token_type_ids)."""
+    from .processing import append_tokens
+
+    grid = prompt_batch.get("image_grid_thw")
+    vision_in = {"pixel_values": prompt_batch["pixel_values"], "return_dict": True}
+    if grid is not None:
+        vision_in["image_grid_thw"] = grid
+    out = inner.get_image_features(**vision_in)
+    row_images = _row_images(row_prompt, per_prompt)
+    out.pooler_output = _gather_images(out.pooler_output, row_images)
+    if getattr(out, "deepstack_features", None) is not None:
+        out.deepstack_features = [_gather_images(layer, row_images) for layer in out.deepstack_features]
+    rows = row_prompt.to(prompt_batch["input_ids"].device)
+    text_keys = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    text = append_tokens({k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in text_keys}, completion_ids, completion_mask)
+    if grid is not None:
+        if "mm_token_type_ids" not in text:
+            text["mm_token_type_ids"] = (text["input_ids"] == inner.config.image_token_id).long()
+        text["image_grid_thw"] = grid.index_select(0, torch.tensor(row_images, dtype=torch.long, device=grid.device))
+    return inner(**text, mm_encoder_outputs={"image": out}, use_cache=False).last_hidden_state
 
 
 class VisionCounter:

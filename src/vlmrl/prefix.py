@@ -16,8 +16,16 @@ completion tokens run per row: each completion attends to one shared copy of its
 
 | family (config.model_type) | shared prefix | positions of completion tokens                  |
 |----------------------------|---------------|-------------------------------------------------|
-| qwen2_vl, qwen2_5_vl       | yes           | M-RoPE: prompt's max position + 1 + t (all axes) |
-| llava                      | yes           | cache position P + t (the model's default)       |
+| qwen2_vl, qwen2_5_vl,      | yes           | M-RoPE: prompt's max position + 1 + t (all axes) |
+| qwen3_vl, qwen3_vl_moe,    |               |   (interleaved M-RoPE in Qwen3-VL: same ids)     |
+| qwen3_5 (linear-attention  |               |                                                  |
+|  conv + recurrent states   |               |                                                  |
+|  gathered per row too)     |               |                                                  |
+|  (DeepStack: the prefill   |               |                                                  |
+|  carries it)               |               |                                                  |
+| llava, gemma3 (the prefill | yes           | cache position P + t (the model's default)       |
+|  carries Gemma 3's         |               |                                                  |
+|  bidirectional image mask) |               |                                                  |
 | anything else              | no (grouped / naive path) |                                    |
 """
 
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LOGPROB_CHUNK_TOKENS
-from .logprobs import _accepted, grouped_family, model_inputs, selective_logps
+from .logprobs import MROPE_FAMILIES, _accepted, grouped_family, model_inputs, selective_logps
 from .models import unwrap
 
 
@@ -108,7 +116,7 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     model's default positions 0..P-1, so the next one is P."""
     core = unwrap(model)
     input_ids = prompt_batch["input_ids"]
-    if grouped_family(model) != "qwen":
+    if grouped_family(model) not in MROPE_FAMILIES:
         return None, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
     inner = core.model
     mm_types = prompt_batch.get("mm_token_type_ids")
@@ -132,10 +140,44 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
 
 def _continuation_positions(model, next_pos: torch.Tensor, offset: int, length: int) -> torch.Tensor | None:
     """Position ids of `length` tokens starting `offset` after the prompt, per row ([3, N, length] for Qwen)."""
-    if grouped_family(model) != "qwen":
+    if grouped_family(model) not in MROPE_FAMILIES:
         return None  # default: cache_position
     pos = next_pos.unsqueeze(1) + offset + torch.arange(length, device=next_pos.device)
     return pos.unsqueeze(0).expand(3, -1, -1)
+
+
+def _cache_rows(cache, rows: torch.Tensor | None = None, repeats: int | None = None) -> None:
+    """Gather (rows) or repeat_interleave (repeats) the batch dimension of a prefill cache, in place.
+
+    KV layers have their own batch_select_indices / batch_repeat_interleave; linear-attention layers
+    (Qwen3.5's Gated DeltaNet: causal-conv and recurrent states, no sequence axis) get the same done to
+    each state tensor, so every row continues from its own prompt's state. Such layers then store new
+    recurrent states by assignment, not in place: the continuation's backward still needs the gathered
+    state it started from (the prompt pass's gradient flows through it)."""
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(repeats, dim=0) if repeats else t.index_select(0, rows.to(t.device))
+
+    for layer in cache.layers:
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)  # {state index: tensor [B, ...] or None}
+            if isinstance(states, dict):
+                states.update({k: pick(t) for k, t in states.items() if torch.is_tensor(t) and t.ndim})
+        if isinstance(getattr(layer, "recurrent_states", None), dict):
+            layer.update_recurrent_state = _assigning_update(layer)
+        if torch.is_tensor(getattr(layer, "keys", None)):
+            if repeats:
+                layer.batch_repeat_interleave(repeats)
+            else:
+                layer.batch_select_indices(rows)
+
+
+def _assigning_update(layer):
+    def update_recurrent_state(recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        layer.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    return update_recurrent_state
 
 
 def _prefill(model, prompt_batch: dict, position_ids, lm_logits: bool):
@@ -214,7 +256,7 @@ def sample_with_shared_prefix(
     position_ids, next_pos = prefix_positions(model, prompt_batch)
     out = _prefill(model, prompt_batch, position_ids, lm_logits=True)
     cache = out.past_key_values
-    cache.batch_repeat_interleave(G)
+    _cache_rows(cache, repeats=G)
     next_pos = next_pos.repeat_interleave(G)
     attention_mask = prompt_mask.repeat_interleave(G, dim=0)
     logits = out.logits[:, -1].to(torch.float32).repeat_interleave(G, dim=0)
@@ -294,7 +336,7 @@ def completion_logps_prefix(
     first = out.last_hidden_state[:, -1].index_select(0, rows).unsqueeze(1)  # [N, 1, H]
     if T > 1:
         cache = out.past_key_values
-        cache.batch_select_indices(rows)
+        _cache_rows(cache, rows=rows)
         mask = torch.cat(
             [prompt_batch["attention_mask"].index_select(0, rows), completion_mask[:, : T - 1].to(prompt_batch["attention_mask"])], dim=1
         )

@@ -25,9 +25,11 @@ import torch
 
 from .models import ModelLoadError
 
-QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+# Processors that take images as one list per prompt row (they check each row's placeholder count).
+NESTED_IMAGE_PROCESSORS = ("Gemma3Processor",)
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row",)
 
@@ -249,7 +251,8 @@ def encode_prompts(processor, texts: list[str], images: list[list]) -> dict[str,
     flat = [img for row in images for img in row]
     kwargs = {"text": list(texts), "padding": True, "return_tensors": "pt"}
     if flat:
-        kwargs["images"] = flat
+        # Some processors (Gemma 3) count images per prompt and need them nested per row; the others take them flat.
+        kwargs["images"] = [list(row) for row in images] if type(processor).__name__ in NESTED_IMAGE_PROCESSORS else flat
     batch = dict(processor(**kwargs))
     batch["images_per_row"] = torch.tensor([len(row) for row in images], dtype=torch.long)
     return batch

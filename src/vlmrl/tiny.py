@@ -120,18 +120,29 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-def train_tokenizer(extra_corpus: list[str] | None = None, vocab_size: int = 600, family: str = "qwen"):
+def train_tokenizer(
+    extra_corpus: list[str] | None = None,
+    vocab_size: int = 600,
+    family: str = "qwen",
+    specials: list[str] | None = None,
+    token_kwargs: dict | None = None,
+):
     """Byte-level BPE trained on the built-in corpus (+ extra_corpus), wrapped for transformers.
 
     family "qwen" adds Qwen2-VL's special tokens and chat template (eos <|im_end|>, pad <|endoftext|>);
     family "llava" adds <s>/</s>/<pad>/<unk>/<image> and a LLaVA-1.5 style template. Left padding.
+    family "custom" takes the special tokens from `specials` and the tokenizer's eos/pad/bos/unk, chat
+    template and extra special tokens from `token_kwargs` (the other families of `tiny_families`).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if family not in ("qwen", "llava"):
-        raise ValueError(f"train_tokenizer: unknown family {family!r}; expected 'qwen' or 'llava'")
-    specials = QWEN_SPECIAL_TOKENS if family == "qwen" else LLAVA_SPECIAL_TOKENS
+    if family not in ("qwen", "llava", "custom"):
+        raise ValueError(f"train_tokenizer: unknown family {family!r}; expected 'qwen', 'llava' or 'custom'")
+    if (family == "custom") != (specials is not None and token_kwargs is not None):
+        raise ValueError("train_tokenizer: family 'custom' needs specials and token_kwargs (and only it takes them)")
+    if family != "custom":
+        specials = QWEN_SPECIAL_TOKENS if family == "qwen" else LLAVA_SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -147,7 +158,9 @@ def train_tokenizer(extra_corpus: list[str] | None = None, vocab_size: int = 600
     # the reasoning tags cost one token each and still survive skip_special_tokens decoding.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TAGS])
 
-    if family == "qwen":
+    if family == "custom":
+        kw = dict(token_kwargs)
+    elif family == "qwen":
         kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=QWEN_CHAT_TEMPLATE)
     else:
         kw = dict(

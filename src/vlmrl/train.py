@@ -767,7 +767,14 @@ def make_reference(model, cfg: Config, device, fresh: bool = False):
         return None
     if cfg.model.use_lora:
         return _Reference(model)
-    initial = load_policy(cfg, device)[0] if fresh else copy.deepcopy(model)
+    if fresh:
+        initial = load_policy(cfg, device)[0]
+        # Loaded weights can sit at unaligned addresses (safetensors), where CPU matmul kernels round differently
+        # than on a deep copy's fresh allocations; copied one tensor at a time, resume stays bit-exact.
+        for tensor in [*initial.parameters(), *initial.buffers()]:
+            tensor.data = tensor.data.clone()
+    else:
+        initial = copy.deepcopy(model)
     return _Reference(model, initial.eval().requires_grad_(False), device, offload=cfg.memory.ref_placement == "cpu")
 
 
