@@ -8,6 +8,7 @@ A block whose result file is absent is left as it is (the function returns None)
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
@@ -15,8 +16,8 @@ RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
 
 def _newest(pattern: str) -> Path | None:
     """The result file matching pattern with the latest date in its name (names end in _YYYY-MM-DD[...].json)."""
-    found = sorted(RESULTS.glob(pattern))
-    return found[-1] if found else None
+    dated = [p for p in RESULTS.glob(pattern) if re.search(r"_\d{4}-\d{2}-\d{2}\.json$", p.name)]  # not _run1, _first_pass...
+    return max(dated, key=lambda p: p.name[-15:]) if dated else None
 
 
 def _load(path: Path | None) -> dict | None:
@@ -52,7 +53,7 @@ def memory_engine() -> str | None:
 
 
 def vs_trl() -> str | None:
-    path = _newest("vs_trl_cpu_*[0-9].json")
+    path = _newest("vs_trl_cpu_*.json")
     result = _load(path)
     if result is None:
         return None
@@ -129,7 +130,7 @@ def planner_accuracy() -> str | None:
 
 def _trainer_profiles() -> str:
     """The --profile naive / trl predictions against TRL GRPOTrainer's measured peak RSS on CPU."""
-    path = _newest("planner_accuracy_trl_cpu_*[0-9].json")
+    path = _newest("planner_accuracy_trl_cpu_*.json")
     if path is None:
         return ""
     rows = _load(path)["rows"]
@@ -161,7 +162,55 @@ def make_times() -> str | None:
     return line + ".\n"
 
 
-BLOCKS = {"make-times": make_times, "memory-engine": memory_engine, "vs-trl": vs_trl, "gpu-memory": gpu_memory, "planner-accuracy": planner_accuracy}
+def _paired(ours: dict, other: dict) -> float:
+    """Median over repeats of the tokens/s ratio within one repeat (the methods ran alternately, so a repeat's
+    ratio compares them under the same machine load)."""
+    ratios = sorted((ours["median_tokens"] / a) / (other["median_tokens"] / b) for a, b in zip(ours["walls"], other["walls"]))
+    return ratios[len(ratios) // 2]
+
+
+def rollout() -> str | None:
+    path = _newest("rollout_cpu_*.json")
+    result = _load(path)
+    if result is None:
+        return None
+    meta = result["meta"]
+    lines = [
+        f"`{meta['command']}` ({meta['date']}, {meta['cpu_count']} CPU cores, {meta['torch_threads']} torch thread(s), commit {meta['commit']}; "
+        f"`benchmarks/results/{path.with_suffix('.md').name}`): tiny Qwen2.5-VL, vocabulary {meta['vocab']:,}, at most "
+        f"{meta['max_new_tokens']} new tokens, variable lengths (EOS rate {meta['eos_rate']} per token), engine decode batch "
+        f"{meta['decode_batch']}; loop and engine sample the same streams (same tokens). Ratios are medians of per-repeat ratios.",
+        "",
+        "| prompts x G | decode tokens/s HF generate / loop / engine | engine / loop | engine / HF generate |",
+        "|---|---|---|---|",
+    ]
+    for row in result["results"]:
+        hf, loop, engine = (row["methods"][k] for k in ("hf", "loop", "engine"))
+        lines.append(
+            f"| {row['prompts']} x {row['G']} | {hf['median_tokens_per_s']:.0f} / {loop['median_tokens_per_s']:.0f} / "
+            f"{engine['median_tokens_per_s']:.0f} | {_paired(engine, loop):.2f} | {_paired(engine, hf):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def families_table() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("families_table", Path(__file__).parent / "families_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.render(json.loads(module.MATRIX.read_text())) if module.MATRIX.exists() else None
+
+
+BLOCKS = {
+    "rollout": rollout,
+    "families-table": families_table,
+    "make-times": make_times,
+    "memory-engine": memory_engine,
+    "vs-trl": vs_trl,
+    "gpu-memory": gpu_memory,
+    "planner-accuracy": planner_accuracy,
+}
 
 
 def rendered() -> dict[str, str]:

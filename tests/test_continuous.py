@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from test_logprobs import FAMILIES, model_cfg, prompt_batch
+from test_logprobs import FAMILIES as ALL_FAMILIES
+from test_logprobs import model_cfg, prompt_batch
 
 from vlmrl.config import ConfigError, load_config
 from vlmrl.continuous import ContinuousDecoder, sample_continuous
@@ -12,6 +13,9 @@ from vlmrl.prefix import row_seed, sample_rows
 from vlmrl.processing import load_processor
 from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
 
+# The engine's families (continuous.ENGINE_MODEL_TYPES); the others fall back to the loop (test below).
+FAMILIES = {name: ALL_FAMILIES[name] for name in ("tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava")}
+FALLBACK_FAMILIES = [name for name in ALL_FAMILIES if name not in FAMILIES]
 MAX_NEW = 12
 
 
@@ -241,5 +245,20 @@ def test_bf16_autocast_and_eager_attention(tiny_qwen25vl, attn):
     kw = dict(num_generations=1, max_new_tokens=MAX_NEW, do_sample=False)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=attn == "sdpa"):
         loop = generate(model, processor.tokenizer, prompts, **kw)
+        ours = generate(model, processor.tokenizer, prompts, engine="continuous", decode_batch_size=1, **kw)
+    assert torch.equal(ours.ids, loop.ids)
+
+
+@pytest.mark.parametrize("name", FALLBACK_FAMILIES)
+def test_families_without_the_engine_fall_back_to_the_loop_with_the_same_tokens(name, request, caplog):
+    """Asking for the engine on a family it does not reproduce gives the loop's tokens (same per-row streams), with a
+    logged reason, never silently different tokens."""
+    path = request.getfixturevalue(name)
+    model = load_model(model_cfg(path)).eval()
+    processor = load_processor(path)
+    prompts = prompt_batch(processor, ALL_FAMILIES[name], seed=5)
+    kw = dict(num_generations=2, max_new_tokens=MAX_NEW, do_sample=True, prompt_seeds=[11, 12])
+    loop = generate(model, processor.tokenizer, prompts, **kw)
+    with caplog.at_level("WARNING", logger="vlmrl"):
         ours = generate(model, processor.tokenizer, prompts, engine="continuous", decode_batch_size=1, **kw)
     assert torch.equal(ours.ids, loop.ids)

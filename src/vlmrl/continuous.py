@@ -33,6 +33,26 @@ from .models import unwrap
 from .prefix import _prefill, draw_uniforms, prefix_positions, row_seed, sample_rows
 from .processing import select_rows
 
+# Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py). Others
+# (Qwen3-VL's interleaved M-RoPE, Gemma 3's sliding window, Qwen3.5's linear-attention state) use the loop instead.
+ENGINE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava")
+_fallback_logged: set[str] = set()
+
+
+def engine_supported(model) -> bool:
+    """True when rollout.engine=continuous can decode this model; otherwise log once why the loop is used."""
+    import logging
+
+    model_type = getattr(unwrap(model).config, "model_type", None)
+    if model_type in ENGINE_MODEL_TYPES:
+        return True
+    if model_type not in _fallback_logged:
+        _fallback_logged.add(model_type)
+        logging.getLogger("vlmrl").warning(
+            "model_type %s: rollout.engine=continuous is not equivalence-tested for it; using the loop (same per-row streams)", model_type
+        )
+    return False
+
 
 class SlotCache:
     """Preallocated per-layer K/V for S decode slots of `columns` positions each; rows 0..n-1 active.

@@ -116,7 +116,7 @@ def generate(
     step = prompts_per_call or n_prompts
     sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)
     fixed = dict(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad, suppress_ids=vision_token_ids(model))
-    if engine == "continuous" and shared_prefix and prefix_supported(model, prompt_batch):
+    if engine == "continuous" and shared_prefix and prefix_supported(model, prompt_batch) and _engine_supported(model):
         from .continuous import sample_continuous
 
         if do_sample and prompt_seeds is None:
@@ -167,3 +167,9 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
         min_new_tokens=sampling["min_new_tokens"] or None,
     )
     return out[:, chunk["input_ids"].shape[1] :]
+
+
+def _engine_supported(model) -> bool:
+    from .continuous import engine_supported
+
+    return engine_supported(model)
