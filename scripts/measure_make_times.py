@@ -38,7 +38,8 @@ def main() -> None:
     env = {**os.environ, "VLMRL_CACHE": str(work / ".cache")}
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "cpu_count": os.cpu_count(), "machine": platform.machine()}
     seconds, output, code = timed(["make", "test"], work, env)
-    summary = re.findall(r"=+ (\d+ passed.*?) in ([\d.]+)s", output)
+    (work / "make_test.log").write_text(output)  # kept for reading failures
+    summary = re.findall(r"=+ ((?:\d+ failed, )?\d+ passed.*?) in ([\d.]+)s", output)
     result["make_test"] = {"seconds": round(seconds, 1), "returncode": code, "pytest_summary": summary[-1][0] if summary else None}
     result["make_test"]["pytest_seconds"] = float(summary[-1][1]) if summary else None
     if not args.skip_demo:

@@ -53,14 +53,21 @@ def abort_everyone(message: str, world_size: int, error_type: type[BaseException
 
 def watch_for_abort(rank: int) -> threading.Thread:
     """A daemon thread that ends this process (exit code 2, the message on stderr) once another process has called
-    `abort_everyone`; it stops watching quietly when the store goes away (the run is ending)."""
+    `abort_everyone`; it stops watching quietly when the store goes away (the run is ending), and at interpreter exit
+    (atexit): a thread left inside the store's C++ client while Python shuts down aborts the process
+    ("terminate called without an active exception", exit -6) after a run that finished."""
+    import atexit
+
+    stop = threading.Event()
 
     def watch() -> None:
         key, seen = _keys()
         try:
             store = _store()
             while not store.check([key]):
-                time.sleep(POLL_S)
+                if stop.wait(POLL_S):
+                    del store  # closed here, in this thread, while the interpreter is still whole
+                    return
             if _aborting.is_set():
                 return
             message = store.get(key).decode()
@@ -73,4 +80,10 @@ def watch_for_abort(rank: int) -> threading.Thread:
 
     thread = threading.Thread(target=watch, name="vlmrl-abort-watch", daemon=True)
     thread.start()
+
+    def stop_watching() -> None:
+        stop.set()
+        thread.join(timeout=5 * POLL_S)
+
+    atexit.register(stop_watching)
     return thread
