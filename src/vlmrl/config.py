@@ -257,6 +257,11 @@ class MemoryConfig:
         resume_harmless=True,
     )
     warn_fraction: float = _f(0.9, "Warn when a step's GPU peak passes this fraction of the device memory.", resume_harmless=True)
+    offload_optimizer_during_rollout: bool = _f(
+        False,
+        "Park the optimizer states in host memory during rollout and scoring (back before the update; bit-exact): more room for generation, two copies per step.",
+        resume_harmless=True,
+    )
     generation_gather: Literal["full", "layers"] = _f(
         "full",
         "FSDP2 full shard / ZeRO-3 rollout: full = gather all parameters once for the rollout (holds the whole model per process, fast); layers = one layer per forward (holds one layer, an all-gather per layer per token).",

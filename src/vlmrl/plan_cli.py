@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "runs: none without DeepSpeed and under fsdp, fp32 under zero1/2/3",
     )
     p.add_argument("--offload", choices=OFFLOADS, help="CPU offload with a ZeRO/FSDP stage (planning only)")
+    p.add_argument(
+        "--offload-during-rollout",
+        action="store_true",
+        default=None,
+        help="memory.offload_optimizer_during_rollout: optimizer states in host RAM for rollout and scoring",
+    )
     p.add_argument("--logprob-chunk", type=int, help="memory.logprob_chunk_tokens (0 = off)")
     p.add_argument(
         "--mode",
@@ -147,6 +153,7 @@ def _workload(ns, spec):
         "ref_placement": ns.ref_placement,
         "sharding": ns.sharding,
         "offload": ns.offload,
+        "offload_during_rollout": ns.offload_during_rollout,
         "logprob_chunk_tokens": ns.logprob_chunk,
         "generation_gather": ns.generation_gather,
         "master_weights": ns.master_weights,

@@ -147,6 +147,7 @@ class Workload:
     attn_implementation: str = "sdpa"  # model.attn_implementation: sdpa / flash_attention_2 (fused) or eager ([B, heads, S, S] kept)
     generation_gather: str = "full"  # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
+    offload_during_rollout: bool = False  # memory.offload_optimizer_during_rollout: states in host RAM for rollout + scoring
     world_size: int = 1
     gpu_memory_bytes: int | None = None
     host_memory_bytes: int | None = None  # host RAM per node; None = no host verdict
@@ -413,6 +414,8 @@ def host_terms(
         "offloaded_optimizer_states": (states["master"] + states["moments"]) * r if offloaded else 0,
         "offloaded_gradients": states["trainable"] * 4 / shards * r if offloaded else 0,  # float32 gradient partitions for CPU Adam
         "offloaded_parameters": base_w / n * r if w.offload == "optimizer+params" else 0,
+        # memory.offload_optimizer_during_rollout: host buffers the states are parked in (kept from step to step)
+        "parked_optimizer_states": (states["master"] + states["moments"]) * r if parks(w) else 0,
         "pinned_buffers": 4 * COMM_BUCKET_BYTES * r if offloaded else 0,
         "reference_on_cpu": spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0,
         "images_and_rollout_buffers": step_buffers * r,
@@ -428,6 +431,7 @@ def host_terms(
             "offloaded_optimizer_states",
             "offloaded_gradients",
             "offloaded_parameters",
+            "parked_optimizer_states",
             "pinned_buffers",
             "reference_on_cpu",
             "images_and_rollout_buffers",
@@ -450,6 +454,11 @@ def host_verdict(host: dict, host_memory_bytes: int | None) -> str:
     if total <= FIT_FRACTION * host_memory_bytes:
         return f"host RAM fits: {total / GiB:.1f} of {host_memory_bytes / GiB:.1f} GiB per node"
     return f"host RAM does NOT fit: {total / GiB:.1f} GiB needed of {host_memory_bytes / GiB:.1f} GiB per node"
+
+
+def parks(w: Workload) -> bool:
+    """The optimizer states leave the device for rollout and scoring (they are not already offloaded; no SFT rollout)."""
+    return w.offload_during_rollout and w.offload == "none" and w.mode != "sft"
 
 
 def model_states(spec: ModelSpec, w: Workload) -> dict:
@@ -648,8 +657,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     persistent = weights + master_dev + opt_dev + reference + batch_inputs + rollout_buffers + comm
     # memory.generation_gather=full: the whole model is all-gathered for the rollout (one copy, the own shard included).
     gen_gathered = spec.total_params * b if (full_shard and w.generation_gather == "full" and w.mode != "sft") else gathered
-    rollout = persistent + kv_cache + gen_transient + gen_gathered
-    scoring = persistent + ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else persistent
+    parked = master_dev + opt_dev if parks(w) else 0  # not on the device between updates
+    rollout = persistent - parked + kv_cache + gen_transient + gen_gathered
+    scoring = persistent - parked + (ref_moved_in + score_transient + gathered if (w.beta > 0 or w.num_iterations > 1) else 0)
     # Gradients are set to None after every optimizer step. With one micro-batch per optimizer step
     # (grad_accum 1) a backward never finds gradients already there: each fresh gradient becomes .grad (no
     # accumulation temporaries), and the decoder gradients held on the shared-prefix path are the gradients.
@@ -1038,6 +1048,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         beta=a.beta,
         num_iterations=a.num_iterations,
         ref_placement=mem.ref_placement,
+        offload_during_rollout=mem.offload_optimizer_during_rollout,
         world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )

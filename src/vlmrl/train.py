@@ -24,6 +24,7 @@ from .batching import pack_by_tokens, split_by_rows
 from .config import Config
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
+from .offload import OptimizerParking, parking_enabled
 from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
@@ -95,6 +96,7 @@ class Run:
     plan: object  # the planner's prediction, logged next to the measured peak
     pad_id: int
     per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
+    parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
 
 
@@ -183,12 +185,13 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
         for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
             reset_peaks()
             phases: dict[str, float] = {}
-            with phase("rollout", phases):
-                samples = rollout(run, step)
-            with phase("rewards", phases):
-                rewards = reward_and_advantages(run, samples, step)
-            with phase("scoring", phases):
-                scores = score(run, samples, rewards)
+            with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
+                with phase("rollout", phases):
+                    samples = rollout(run, step)
+                with phase("rewards", phases):
+                    rewards = reward_and_advantages(run, samples, step)
+                with phase("scoring", phases):
+                    scores = score(run, samples, rewards)
             with phase("update", phases):
                 stats = update(run, samples, rewards, scores)
             final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
@@ -298,6 +301,7 @@ def start_run(cfg: Config, log) -> Run:
         plan=plan,
         pad_id=pad_id,
         per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1),
+        parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
     )
 
 
