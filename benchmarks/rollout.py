@@ -128,7 +128,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--eos-rate", type=float, default=1 / 40, help="P(EOS) per token: lengths ~ geometric, mean ~ 1/rate")
-    ap.add_argument("--decode-batch", type=int, default=16, help="the engine's rollout.decode_batch_size")
+    ap.add_argument("--decode-batch", type=int, default=0, help="the engine's rollout.decode_batch_size (0 = all rows: the config default)")
     ap.add_argument("--methods", default="hf,loop,engine")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--configs", help="prompts x G list, e.g. 4x8,8x4 (default: 4x8,8x4,2x16)")

@@ -58,9 +58,16 @@ def tiny_qwen35(tmp_path_factory):
     return build_tiny_qwen35(tmp_path_factory.mktemp("tiny-qwen35"))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen35_moe(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_qwen35_moe
+
+    return build_tiny_qwen35_moe(tmp_path_factory.mktemp("tiny-qwen35-moe"))
+
+
 # Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
 # `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
-TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"}
+TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe"}
 TIERS = {"integration", "multiproc", "slow"}
 
 

@@ -61,7 +61,7 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe"])
 def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, tmp_path):
     model_path = request.getfixturevalue(family)
     out = tmp_path / "run"
@@ -126,6 +126,7 @@ PROJECTOR_KEY = {
     "tiny_gemma3": "multi_modal_projector",
     "tiny_qwen3vl_moe": "merger",
     "tiny_qwen35": "merger",
+    "tiny_qwen35_moe": "merger",
 }
 
 
@@ -156,7 +157,7 @@ def test_sft_projector_stage_changes_only_projector(family, request, count_data,
     assert (out / "report.png").stat().st_size > 10_000  # SFT runs draw the same report as GRPO runs
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35"])
+@pytest.mark.parametrize("family", ["tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe"])
 def test_cli_sft_both_stages_then_eval(family, request, count_data, tmp_path):
     """`vlmrl sft` stage 1 (projector) then stage 2 (language model), then `vlmrl eval` on its final folder."""
     from vlmrl.cli import main

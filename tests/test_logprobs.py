@@ -111,6 +111,7 @@ FAMILIES = {
     "tiny_gemma3": [1, 2],
     "tiny_qwen3vl_moe": [1, 2],
     "tiny_qwen35": [1, 2],
+    "tiny_qwen35_moe": [1, 2],
 }
 
 

@@ -136,7 +136,7 @@ def test_prefix_logps_equal_naive_values_and_grads(family):
         ours, g_ours = loss_and_grads(model, lambda: (completion_logps_prefix(model, prompts, row_prompt, ids, mask, 0.8, chunk_tokens=4), mask))
     m = mask.bool()
     torch.testing.assert_close(ours[m], naive[m], rtol=0, atol=1e-5)
-    assert_grads_close(g_naive, g_ours, loose=LOOSE_GRADS if name == "tiny_qwen35" else None)
+    assert_grads_close(g_naive, g_ours, loose=LOOSE_GRADS if name.startswith("tiny_qwen35") else None)
     assert calls.images == sum(per_prompt)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision_tower(model).parameters())
 

@@ -79,6 +79,7 @@ RESUME_CASES = [(v, "tiny_qwen25vl") for v in VARIANTS] + [
     ("lora+kl", "tiny_gemma3"),
     ("lora+kl", "tiny_qwen3vl_moe"),
     ("lora+kl", "tiny_qwen35"),
+    ("lora+kl", "tiny_qwen35_moe"),
 ]
 
 

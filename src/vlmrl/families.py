@@ -18,7 +18,6 @@ FALLBACK_REASONS = {
     "internvl": "InternVL's pixel-shuffle projector path is not equivalence-tested yet",
     "smolvlm": "SmolVLM's image splitting is not equivalence-tested yet",
     "idefics3": "Idefics3's image splitting is not equivalence-tested yet",
-    "qwen3_5_moe": "Qwen3.5-MoE has no tiny build and no equivalence test yet",
 }
 _logged: set[str] = set()
 

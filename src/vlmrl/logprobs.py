@@ -86,7 +86,7 @@ def completion_logps(
 # ---------------------------------------------------------------- grouped path: one vision pass per prompt
 
 QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
-QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GEMMA3_GROUPED_TYPES = ("gemma3",)
 LLAVA_GROUPED_TYPES = ("llava",)
 # Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.

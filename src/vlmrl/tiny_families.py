@@ -13,6 +13,7 @@ and SmolVLM are not here: their processors require a torchvision video processor
 | qwen3-vl      | qwen3_vl    | QwenImageProcessor, patch 16 (Qwen3VLProcessor needs torchvision) |
 | qwen3-vl-moe  | qwen3_vl_moe| QwenImageProcessor, patch 16                                      |
 | qwen3.5       | qwen3_5     | QwenImageProcessor, patch 16                                      |
+| qwen3.5-moe   | qwen3_5_moe | QwenImageProcessor, patch 16                                      |
 | llava         | llava       | LlavaProcessor                                                    |
 | gemma3        | gemma3      | Gemma3Processor (Gemma3ImageProcessorPil)                         |
 """
@@ -144,10 +145,12 @@ def build_tiny_qwen35(
     vision_heads: int = 2,
     min_pixels: int = 32 * 32 * 4,
     max_pixels: int = 32 * 32 * 64,
+    num_experts: int = 0,
 ) -> Path:
     """Tiny Qwen3.5: Qwen3-VL-style ViT (patch 16) + hybrid decoder, three Gated DeltaNet (linear attention,
-    recurrent state + causal conv) layers per full-attention layer, interleaved M-RoPE in the attention layers."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    recurrent state + causal conv) layers per full-attention layer, interleaved M-RoPE in the attention layers.
+    num_experts > 0: Qwen3.5-MoE (top-2 routed experts plus a gated shared expert in every layer)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     tokenizer = _qwen3_tokenizer()
     ids = _qwen_ids(tokenizer)
@@ -186,12 +189,22 @@ def build_tiny_qwen35(
         temporal_patch_size=2,
         num_position_embeddings=64,
     )
+    config_class, model_class = Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    if num_experts:
+        config_class, model_class = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+        moe_width = text.pop("intermediate_size") // 2
+        text.update(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=moe_width, shared_expert_intermediate_size=moe_width)
     mm_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
-    model = _seeded_model(Qwen3_5ForConditionalGeneration, config, seed)
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **mm_ids)
+    model = _seeded_model(model_class, config, seed)
     model.generation_config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"])
     image_processor = _qwen_image_processor(min_pixels, max_pixels, patch_size=16)
     return _finish(out_dir, model, tokenizer, image_processor, QWEN3_CHAT_TEMPLATE)
+
+
+def build_tiny_qwen35_moe(out_dir: str | Path, seed: int = 0, num_experts: int = 4, **kwargs) -> Path:
+    """Tiny Qwen3.5-MoE: the tiny Qwen3.5 with 4 routed experts (top 2) and a shared expert per layer."""
+    return build_tiny_qwen35(out_dir, seed=seed, num_experts=num_experts, **kwargs)
 
 
 # ---------------------------------------------------------------- Gemma 3
@@ -313,6 +326,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen3-vl": build_tiny_qwen3vl,
     "qwen3-vl-moe": build_tiny_qwen3vl_moe,
     "qwen3.5": build_tiny_qwen35,
+    "qwen3.5-moe": build_tiny_qwen35_moe,
     "llava": build_tiny_llava,
     "gemma3": build_tiny_gemma3,
 }
