@@ -80,12 +80,12 @@ def test_tiny_cli_builds_a_folder_the_normal_model_path_loads(tmp_path):
 
 def test_fallback_is_logged_once_with_its_reason(caplog):
     with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
-        log_fallback("qwen3_5_moe")
-        log_fallback("qwen3_5_moe")
+        log_fallback("internvl")
+        log_fallback("internvl")
         log_fallback("some_new_vlm")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert "qwen3_5_moe" in lines[0] and "no tiny build" in lines[0]
+    assert "internvl" in lines[0] and "pixel-shuffle" in lines[0]
     assert "some_new_vlm" in lines[1] and "no fast path is implemented" in lines[1]
 
 
