@@ -179,7 +179,8 @@ def rollout() -> str | None:
         f"`{meta['command']}` ({meta['date']}, {meta['cpu_count']} CPU cores, {meta['torch_threads']} torch thread(s), commit {meta['commit']}; "
         f"`benchmarks/results/{path.with_suffix('.md').name}`): tiny Qwen2.5-VL, vocabulary {meta['vocab']:,}, at most "
         f"{meta['max_new_tokens']} new tokens, variable lengths (EOS rate {meta['eos_rate']} per token), engine decode batch "
-        f"{meta['decode_batch'] or 'all rows of a call (rollout.decode_batch_size=0, the default)'}; loop and engine sample the same streams (same tokens). Ratios are medians of per-repeat ratios.",
+        f"{meta['decode_batch'] or 'all rows of a call (rollout.decode_batch_size=0, the default)'}; loop and engine sample the same "
+        "streams (same tokens). Ratios are medians of per-repeat ratios.",
         "",
         "| prompts x G | decode tokens/s HF generate / loop / engine | engine / loop | engine / HF generate |",
         "|---|---|---|---|",

@@ -67,7 +67,16 @@ def tiny_qwen35_moe(tmp_path_factory):
 
 # Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
 # `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
-TINY_MODEL_FIXTURES = {"tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe"}
+TINY_MODEL_FIXTURES = {
+    "tiny_qwen25vl",
+    "tiny_qwen2vl",
+    "tiny_llava",
+    "tiny_qwen3vl",
+    "tiny_gemma3",
+    "tiny_qwen3vl_moe",
+    "tiny_qwen35",
+    "tiny_qwen35_moe",
+}
 TIERS = {"integration", "multiproc", "slow"}
 
 

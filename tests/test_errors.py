@@ -35,7 +35,9 @@ def _err_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe"])
+@pytest.mark.parametrize(
+    "family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe"]
+)
 def test_complete_folders_have_nothing_missing(family, request):
     assert check_model_folder(request.getfixturevalue(family)) == []
 
