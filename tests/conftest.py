@@ -65,6 +65,13 @@ def tiny_qwen35_moe(tmp_path_factory):
     return build_tiny_qwen35_moe(tmp_path_factory.mktemp("tiny-qwen35-moe"))
 
 
+@pytest.fixture(scope="session")
+def tiny_llava_onevision(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_llava_onevision
+
+    return build_tiny_llava_onevision(tmp_path_factory.mktemp("tiny-llava-onevision"))
+
+
 # Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
 # `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
 TINY_MODEL_FIXTURES = {
@@ -76,6 +83,7 @@ TINY_MODEL_FIXTURES = {
     "tiny_qwen3vl_moe",
     "tiny_qwen35",
     "tiny_qwen35_moe",
+    "tiny_llava_onevision",
 }
 TIERS = {"integration", "multiproc", "slow"}
 

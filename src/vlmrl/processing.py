@@ -29,7 +29,7 @@ QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qw
 # Keys whose first dimension indexes images (or image patches), not batch rows.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
-NESTED_IMAGE_PROCESSORS = ("Gemma3Processor",)
+NESTED_IMAGE_PROCESSORS = ("Gemma3Processor", "OnevisionImageProcessor", "LlavaOnevisionProcessor")
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row",)
 
@@ -215,6 +215,13 @@ def load_processor(
     if processor is None or not _is_full_processor(processor):
         if _model_type(path) in QWEN_VL_MODEL_TYPES:
             processor = _qwen_fallback(path, trust_remote_code, local_files_only)
+        elif _model_type(path) == "llava_onevision":  # its video processor needs torchvision: the image-only stand-in
+            from transformers import AutoTokenizer
+
+            from .standin_processors import load_onevision_image_processor
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
+            processor = load_onevision_image_processor(path, tokenizer, _read_chat_template(path) or tokenizer.chat_template)
         else:
             got = f"AutoProcessor raised {type(error).__name__}: {error}" if error else f"AutoProcessor returned {type(processor).__name__}"
             raise ProcessorLoadError(

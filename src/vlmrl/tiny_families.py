@@ -318,6 +318,92 @@ def build_tiny_gemma3(
     return _finish(out_dir, model, tokenizer, image_processor, GEMMA3_CHAT_TEMPLATE, processor)
 
 
+# ---------------------------------------------------------------- LLaVA-OneVision
+
+# LLaVA-OneVision (Qwen2 decoder) chat format: ChatML turns, "<image>\n" before the text of a user turn.
+ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<image>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_llava_onevision(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    tile: int = 28,
+    patch_size: int = 14,
+) -> Path:
+    """Tiny LLaVA-OneVision: SigLIP ViT on `tile` px tiles (a base tile plus the anyres grid of the best pinpoint,
+    up to 3x3 tiles), 2-layer projector, image_newline tokens, Qwen2 decoder. Image tokens per image vary with its
+    size and aspect ratio (anyres_max_9 unpadding), as in the real model."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from .standin_processors import OnevisionImageProcessor
+
+    kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=ONEVISION_CHAT_TEMPLATE)
+    tokenizer = train_tokenizer(family="custom", specials=[*QWEN_SPECIAL_TOKENS, "<image>", "<video>"], token_kwargs=kw)
+    tid = tokenizer.convert_tokens_to_ids
+    pinpoints = [[tile * a, tile * b] for a in (1, 2, 3) for b in (1, 2, 3)]
+    text = dict(
+        model_type="qwen2",
+        vocab_size=_vocab_size(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        pad_token_id=tid("<|endoftext|>"),
+        eos_token_id=tid("<|im_end|>"),
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_hidden_layers=vision_depth,
+        num_attention_heads=vision_heads,
+        image_size=tile,
+        patch_size=patch_size,
+    )
+    config = LlavaOnevisionConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tid("<image>"),
+        video_token_index=tid("<video>"),
+        image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        vision_aspect_ratio="anyres_max_9",
+        tie_word_embeddings=False,
+    )
+    model = _seeded_model(LlavaOnevisionForConditionalGeneration, config, seed)
+    model.generation_config.update(eos_token_id=tid("<|im_end|>"), pad_token_id=tid("<|endoftext|>"))
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints)
+    processor = OnevisionImageProcessor(
+        image_processor,
+        tokenizer,
+        num_image_tokens=(tile // patch_size) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=ONEVISION_CHAT_TEMPLATE,
+        vision_aspect_ratio="anyres_max_9",
+    )
+    return _finish(out_dir, model, tokenizer, image_processor, ONEVISION_CHAT_TEMPLATE, processor)
+
+
 # ---------------------------------------------------------------- registry
 
 BUILDERS: dict[str, Callable[..., Path]] = {
@@ -329,6 +415,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen3.5-moe": build_tiny_qwen35_moe,
     "llava": build_tiny_llava,
     "gemma3": build_tiny_gemma3,
+    "llava-onevision": build_tiny_llava_onevision,
 }
 
 
