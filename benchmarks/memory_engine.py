@@ -45,14 +45,24 @@ ROWS = [
 ]
 
 
-FAMILIES = {"qwen2.5-vl": "Qwen2.5-VL", "qwen3-vl": "Qwen3-VL", "qwen3-vl-moe": "Qwen3-VL-MoE (4 experts, top-2)"}
+FAMILIES = {
+    "qwen2.5-vl": "Qwen2.5-VL",
+    "qwen3-vl": "Qwen3-VL",
+    "qwen3-vl-moe": "Qwen3-VL-MoE (4 experts, top-2)",
+    "llava-onevision": "LLaVA-OneVision (anyres: 28 px SigLIP tiles, up to 3x3 + base; fast paths fall back to the naive path)",
+}
 
 
 def build_model(folder: Path, vocab: int, quick: bool, family: str = "qwen2.5-vl") -> Path:
     from vlmrl.tiny import build_tiny_qwen25vl
-    from vlmrl.tiny_families import build_tiny_qwen3vl, build_tiny_qwen3vl_moe
+    from vlmrl.tiny_families import build_tiny_llava_onevision, build_tiny_qwen3vl, build_tiny_qwen3vl_moe
 
-    builder = {"qwen2.5-vl": build_tiny_qwen25vl, "qwen3-vl": build_tiny_qwen3vl, "qwen3-vl-moe": build_tiny_qwen3vl_moe}[family]
+    builder = {
+        "qwen2.5-vl": build_tiny_qwen25vl,
+        "qwen3-vl": build_tiny_qwen3vl,
+        "qwen3-vl-moe": build_tiny_qwen3vl_moe,
+        "llava-onevision": build_tiny_llava_onevision,
+    }[family]
     if not (folder / "config.json").exists():
         builder(folder, vocab_size=vocab, max_pixels=448 * 448 if not quick else 224 * 224)
     return folder

@@ -72,6 +72,13 @@ def tiny_llava_onevision(tmp_path_factory):
     return build_tiny_llava_onevision(tmp_path_factory.mktemp("tiny-llava-onevision"))
 
 
+@pytest.fixture(scope="session")
+def tiny_internvl(tmp_path_factory):
+    from vlmrl.tiny_families import build_tiny_internvl
+
+    return build_tiny_internvl(tmp_path_factory.mktemp("tiny-internvl"))
+
+
 # Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
 # `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
 TINY_MODEL_FIXTURES = {
@@ -84,6 +91,7 @@ TINY_MODEL_FIXTURES = {
     "tiny_qwen35",
     "tiny_qwen35_moe",
     "tiny_llava_onevision",
+    "tiny_internvl",
 }
 TIERS = {"integration", "multiproc", "slow"}
 

@@ -37,7 +37,17 @@ def _err_lines(capsys) -> list[str]:
 
 @pytest.mark.parametrize(
     "family",
-    ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe", "tiny_llava_onevision"],
+    [
+        "tiny_qwen25vl",
+        "tiny_llava",
+        "tiny_qwen3vl",
+        "tiny_gemma3",
+        "tiny_qwen3vl_moe",
+        "tiny_qwen35",
+        "tiny_qwen35_moe",
+        "tiny_llava_onevision",
+        "tiny_internvl",
+    ],
 )
 def test_complete_folders_have_nothing_missing(family, request):
     assert check_model_folder(request.getfixturevalue(family)) == []

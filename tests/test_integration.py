@@ -73,6 +73,7 @@ def read_metrics(out):
         "tiny_qwen35",
         "tiny_qwen35_moe",
         "tiny_llava_onevision",
+        "tiny_internvl",
     ],
 )
 def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, tmp_path):
@@ -141,6 +142,7 @@ PROJECTOR_KEY = {
     "tiny_qwen35": "merger",
     "tiny_qwen35_moe": "merger",
     "tiny_llava_onevision": "multi_modal_projector",
+    "tiny_internvl": "multi_modal_projector",
 }
 
 
@@ -171,7 +173,9 @@ def test_sft_projector_stage_changes_only_projector(family, request, count_data,
     assert (out / "report.png").stat().st_size > 10_000  # SFT runs draw the same report as GRPO runs
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe", "tiny_llava_onevision"])
+@pytest.mark.parametrize(
+    "family", ["tiny_qwen3vl", "tiny_gemma3", "tiny_qwen3vl_moe", "tiny_qwen35", "tiny_qwen35_moe", "tiny_llava_onevision", "tiny_internvl"]
+)
 def test_cli_sft_both_stages_then_eval(family, request, count_data, tmp_path):
     """`vlmrl sft` stage 1 (projector) then stage 2 (language model), then `vlmrl eval` on its final folder."""
     from vlmrl.cli import main

@@ -81,6 +81,7 @@ RESUME_CASES = [(v, "tiny_qwen25vl") for v in VARIANTS] + [
     ("lora+kl", "tiny_qwen35"),
     ("lora+kl", "tiny_qwen35_moe"),
     ("lora+kl", "tiny_llava_onevision"),
+    ("lora+kl", "tiny_internvl"),
 ]
 
 

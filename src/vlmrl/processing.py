@@ -11,6 +11,7 @@ Encoded prompt batches are plain dicts of tensors:
   pixel_values                  Qwen-VL: [total_patches, D]; LLaVA: [n_images, 3, H, W]
   image_grid_thw                Qwen-VL only: [n_images, 3]
   images_per_row                [B], bookkeeping (not a model input)
+  image_num_patches             InternVL only: [n_images] tiles per image, bookkeeping (not a model input)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .models import ModelLoadError
 
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
 NESTED_IMAGE_PROCESSORS = ("Gemma3Processor", "OnevisionImageProcessor", "LlavaOnevisionProcessor")
 # Keys that are bookkeeping for vlmrl, never passed to the model.
@@ -215,13 +216,13 @@ def load_processor(
     if processor is None or not _is_full_processor(processor):
         if _model_type(path) in QWEN_VL_MODEL_TYPES:
             processor = _qwen_fallback(path, trust_remote_code, local_files_only)
-        elif _model_type(path) == "llava_onevision":  # its video processor needs torchvision: the image-only stand-in
+        elif _model_type(path) in ("llava_onevision", "internvl"):  # video processors need torchvision: image-only stand-ins
             from transformers import AutoTokenizer
 
-            from .standin_processors import load_onevision_image_processor
+            from .standin_processors import STANDIN_LOADERS
 
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
-            processor = load_onevision_image_processor(path, tokenizer, _read_chat_template(path) or tokenizer.chat_template)
+            processor = STANDIN_LOADERS[_model_type(path)](path, tokenizer, _read_chat_template(path) or tokenizer.chat_template)
         else:
             got = f"AutoProcessor raised {type(error).__name__}: {error}" if error else f"AutoProcessor returned {type(processor).__name__}"
             raise ProcessorLoadError(
@@ -276,6 +277,8 @@ def _per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     if key == "pixel_values" and "image_grid_thw" in batch:
         sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
         return list(torch.split(value, sizes, dim=0))
+    if key == "pixel_values" and "image_num_patches" in batch:  # InternVL: every image's tiles, concatenated
+        return list(torch.split(value, batch["image_num_patches"].tolist(), dim=0))
     return list(value.unbind(0)) if value.shape[0] else []
 
 
@@ -303,7 +306,8 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
             chunks = _per_image_chunks(batch, key)
             picked = [chunks[i] for i in image_order]
             if picked:
-                out[key] = torch.cat(picked) if key == "pixel_values" and "image_grid_thw" in batch else torch.stack(picked)
+                flat = key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
+                out[key] = torch.cat(picked) if flat else torch.stack(picked)
         elif torch.is_tensor(value) and value.ndim and value.shape[0] == n_rows:
             out[key] = value.index_select(0, idx.to(value.device))
         else:

@@ -1,11 +1,15 @@
 """Image-only stand-ins for processors that transformers builds with a video processor (which needs torchvision).
 
-LLaVA-OneVision's processor takes an image processor, a tokenizer and a video processor; the video processor
-imports torchvision, which is not usable beside this project's CPU torch, so `AutoProcessor` fails on any
-LLaVA-OneVision folder here. The stand-in below is transformers' own `LlavaOnevisionProcessor` with the video
-processor left out of its attributes (ProcessorMixin reads them from `__init__`'s signature), so every image rule
-(anyres grid pinpoints, unpadding, image_newline tokens, `anyres_max_9`) is transformers' code, not a copy. It saves
-under the real class name: with torchvision installed the same folder loads the real processor.
+LLaVA-OneVision's and InternVL's processors take an image processor, a tokenizer and a video processor; the video
+processor imports torchvision, which is not usable beside this project's CPU torch, so `AutoProcessor` fails on any
+such folder here. The stand-ins below are transformers' own processor classes with the video processor left out of
+their attributes (ProcessorMixin reads them from `__init__`'s signature), so every image rule (LLaVA-OneVision's
+anyres grid pinpoints, unpadding, image_newline tokens; InternVL's dynamic tiling with a thumbnail and
+`<img><IMG_CONTEXT>...</img>` expansion) is transformers' code, not a copy. They save under the real class names:
+with torchvision installed the same folder loads the real processor.
+
+InternVL concatenates every image's tiles into one `pixel_values` [tiles, 3, H, W]; the stand-in also returns
+`image_num_patches` [images] (bookkeeping, not a model input) so that rows can be sliced per image.
 
 Imported only when such a folder is loaded (it imports transformers' processor modules).
 """
@@ -15,6 +19,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.internvl.processing_internvl import InternVLProcessor
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
 
@@ -52,16 +59,48 @@ class OnevisionImageProcessor(LlavaOnevisionProcessor):
         return super().__call__(images=images, text=text, **kwargs)
 
     def save_pretrained(self, save_directory, **kwargs):
-        """transformers' layout, under the real processor's class name (a machine with torchvision loads that)."""
-        out = super().save_pretrained(save_directory, **kwargs)
-        for name in ("processor_config.json", "tokenizer_config.json"):
-            path = Path(save_directory) / name
-            if path.exists():
-                data = json.loads(path.read_text())
-                if data.get("processor_class") == type(self).__name__:
-                    data["processor_class"] = "LlavaOnevisionProcessor"
-                    path.write_text(json.dumps(data, indent=2) + "\n")
+        return _save_as(self, "LlavaOnevisionProcessor", save_directory, **kwargs)
+
+
+class InternVLImageProcessor(InternVLProcessor):
+    """InternVLProcessor for images only (no video processor, no torchvision), plus image_num_patches."""
+
+    def __init__(self, image_processor=None, tokenizer=None, image_seq_length: int = 256, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, video_processor=None, image_seq_length=image_seq_length, chat_template=chat_template)
+
+    def __call__(self, images=None, text=None, videos=None, **kwargs):
+        if videos is not None:
+            raise ValueError("this InternVL processor is image-only (its video processor needs torchvision)")
+        out = super().__call__(images=images, text=text, **kwargs)
+        if images is not None and "input_ids" in out:
+            out["image_num_patches"] = self.tiles_per_image(out["input_ids"])
         return out
+
+    def tiles_per_image(self, input_ids) -> torch.Tensor:
+        """Tiles of each image, in order, from its <img>...</img> span: context tokens / image_seq_length."""
+        ids = torch.as_tensor(input_ids)
+        counts = []
+        for row in ids:
+            starts = (row == self.start_image_token_id).nonzero().flatten().tolist()
+            ends = (row == self.end_image_token_id).nonzero().flatten().tolist()
+            counts += [int((row[a:b] == self.image_token_id).sum()) // self.image_seq_length for a, b in zip(starts, ends)]
+        return torch.tensor(counts, dtype=torch.long)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        return _save_as(self, "InternVLProcessor", save_directory, **kwargs)
+
+
+def _save_as(processor, real_class: str, save_directory, **kwargs):
+    """transformers' layout, under the real processor's class name (a machine with torchvision loads that)."""
+    out = super(type(processor), processor).save_pretrained(save_directory, **kwargs)
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        path = Path(save_directory) / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data.get("processor_class") == type(processor).__name__:
+                data["processor_class"] = real_class
+                path.write_text(json.dumps(data, indent=2) + "\n")
+    return out
 
 
 def load_onevision_image_processor(path: str, tokenizer, chat_template: str | None) -> OnevisionImageProcessor:
@@ -70,11 +109,28 @@ def load_onevision_image_processor(path: str, tokenizer, chat_template: str | No
     processor_config.json."""
     folder = Path(path)
     processor_cfg = json.loads((folder / "processor_config.json").read_text()) if (folder / "processor_config.json").exists() else {}
+    image_processor = LlavaOnevisionImageProcessorPil(**_image_processor_settings(folder, processor_cfg))
+    settings = {k: processor_cfg[k] for k in ONEVISION_PROCESSOR_KEYS if k in processor_cfg}
+    return OnevisionImageProcessor(image_processor, tokenizer, chat_template=chat_template, **settings)
+
+
+def _image_processor_settings(folder: Path, processor_cfg: dict) -> dict:
+    """Image processor settings from preprocessor_config.json (hub layout) or nested in processor_config.json."""
     if (folder / "preprocessor_config.json").exists():
         image_cfg = json.loads((folder / "preprocessor_config.json").read_text())
     else:
         image_cfg = processor_cfg.get("image_processor", {})
-    image_cfg = {k: v for k, v in image_cfg.items() if k not in ("image_processor_type", "processor_class", "backend")}
-    image_processor = LlavaOnevisionImageProcessorPil(**image_cfg)
-    settings = {k: processor_cfg[k] for k in ONEVISION_PROCESSOR_KEYS if k in processor_cfg}
-    return OnevisionImageProcessor(image_processor, tokenizer, chat_template=chat_template, **settings)
+    return {k: v for k, v in image_cfg.items() if k not in ("image_processor_type", "processor_class", "backend")}
+
+
+def load_internvl_image_processor(path: str, tokenizer, chat_template: str | None) -> InternVLImageProcessor:
+    """The stand-in for an InternVL folder (settings read as for LLaVA-OneVision)."""
+    folder = Path(path)
+    processor_cfg = json.loads((folder / "processor_config.json").read_text()) if (folder / "processor_config.json").exists() else {}
+    image_processor = GotOcr2ImageProcessorPil(**_image_processor_settings(folder, processor_cfg))
+    settings = {k: processor_cfg[k] for k in ("image_seq_length",) if k in processor_cfg}
+    return InternVLImageProcessor(image_processor, tokenizer, chat_template=chat_template, **settings)
+
+
+# model_type -> loader of its image-only stand-in (processing.load_processor uses it when AutoProcessor fails).
+STANDIN_LOADERS = {"llava_onevision": load_onevision_image_processor, "internvl": load_internvl_image_processor}

@@ -344,10 +344,13 @@ def build_tiny_llava_onevision(
     vision_heads: int = 2,
     tile: int = 28,
     patch_size: int = 14,
+    vocab_size: int | None = None,
+    **_ignored,  # max_pixels etc. of the Qwen builders: anyres sizes come from the tile and the pinpoints
 ) -> Path:
     """Tiny LLaVA-OneVision: SigLIP ViT on `tile` px tiles (a base tile plus the anyres grid of the best pinpoint,
     up to 3x3 tiles), 2-layer projector, image_newline tokens, Qwen2 decoder. Image tokens per image vary with its
-    size and aspect ratio (anyres_max_9 unpadding), as in the real model."""
+    size and aspect ratio (anyres_max_9 unpadding), as in the real model. vocab_size > len(tokenizer): a
+    Qwen-size LM head for benchmarks (the extra ids decode to nothing)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
@@ -359,7 +362,7 @@ def build_tiny_llava_onevision(
     pinpoints = [[tile * a, tile * b] for a in (1, 2, 3) for b in (1, 2, 3)]
     text = dict(
         model_type="qwen2",
-        vocab_size=_vocab_size(tokenizer),
+        vocab_size=max(vocab_size or 0, _vocab_size(tokenizer)),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -404,6 +407,81 @@ def build_tiny_llava_onevision(
     return _finish(out_dir, model, tokenizer, image_processor, ONEVISION_CHAT_TEMPLATE, processor)
 
 
+# ---------------------------------------------------------------- InternVL
+
+# InternVL (Qwen2 decoder) chat format: ChatML turns, "<IMG_CONTEXT>\n" per image (the processor expands it to
+# <img><IMG_CONTEXT> x image_seq_length x tiles</img>).
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<IMG_CONTEXT>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_internvl(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_heads: int = 2,
+    tile: int = 56,
+    patch_size: int = 14,
+    max_tiles: int = 6,
+    vocab_size: int | None = None,
+    **_ignored,
+) -> Path:
+    """Tiny InternVL: InternViT on `tile` px tiles (dynamic tiling: 1..max_tiles tiles by aspect ratio, plus a
+    thumbnail when tiled), pixel shuffle 0.5 (4 tokens per 56 px tile), MLP projector, Qwen2 decoder."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from .standin_processors import InternVLImageProcessor
+
+    image_tokens = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=INTERNVL_CHAT_TEMPLATE)
+    kw["extra_special_tokens"] = image_tokens
+    tokenizer = train_tokenizer(family="custom", specials=[*QWEN_SPECIAL_TOKENS, *image_tokens.values()], token_kwargs=kw)
+    tid = tokenizer.convert_tokens_to_ids
+    text = dict(
+        model_type="qwen2",
+        vocab_size=max(vocab_size or 0, _vocab_size(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        pad_token_id=tid("<|endoftext|>"),
+        eos_token_id=tid("<|im_end|>"),
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_hidden_layers=vision_depth,
+        num_attention_heads=vision_heads,
+        image_size=[tile, tile],
+        patch_size=[patch_size, patch_size],
+    )
+    config = InternVLConfig(
+        vision_config=vision, text_config=text, image_token_id=tid("<IMG_CONTEXT>"), downsample_ratio=0.5, tie_word_embeddings=False
+    )
+    model = _seeded_model(InternVLForConditionalGeneration, config, seed)
+    model.generation_config.update(eos_token_id=tid("<|im_end|>"), pad_token_id=tid("<|endoftext|>"))
+    image_processor = GotOcr2ImageProcessorPil(size={"height": tile, "width": tile}, crop_to_patches=True, min_patches=1, max_patches=max_tiles)
+    tokens_per_tile = int((tile // patch_size) ** 2 * 0.5**2)
+    processor = InternVLImageProcessor(image_processor, tokenizer, image_seq_length=tokens_per_tile, chat_template=INTERNVL_CHAT_TEMPLATE)
+    return _finish(out_dir, model, tokenizer, image_processor, INTERNVL_CHAT_TEMPLATE, processor)
+
+
 # ---------------------------------------------------------------- registry
 
 BUILDERS: dict[str, Callable[..., Path]] = {
@@ -416,6 +494,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "llava": build_tiny_llava,
     "gemma3": build_tiny_gemma3,
     "llava-onevision": build_tiny_llava_onevision,
+    "internvl": build_tiny_internvl,
 }
 
 
