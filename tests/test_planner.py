@@ -833,3 +833,23 @@ def test_cli_help_states_the_size_rule(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "80GB = 80 x 10^9 bytes (74.5 GiB)" in text and "80GiB = 80 x 2^30" in text and "h100-80gb" in text
+
+
+def test_moe_preset_counts_total_and_active_parameters():
+    """Qwen3-VL-30B-A3B: 31.1B parameters in memory, ~3.3B per token in its language model (8 of 128 experts)."""
+    from vlmrl.planner import model_spec, step_time
+
+    spec = model_spec("qwen3-vl-30b-a3b")
+    assert abs(spec.total_params / 31.1e9 - 1) < 0.03
+    assert spec.experts_active_fraction == 8 / 128
+    text_active = spec.active_params - spec.vision_params
+    assert abs(text_active / 3.3e9 - 1) < 0.05, text_active  # the published "A3B": 3.3B activated
+    assert spec.intermediate == 8 * 768  # a token's MLP activations: 8 routed experts of width 768
+    w = Workload(num_generations=8, prompts_per_step=2, micro_batch=4, completion_tokens=256, max_pixels=448 * 448)
+    p = plan(spec, w)
+    assert p.terms["weights"] == spec.total_params * 2  # bf16 weights: every expert is resident
+    dense = dataclasses.replace(spec, routed_expert_params=0, experts_active_fraction=1.0)
+    assert plan(dense, w).terms["weights"] == p.terms["weights"]
+    # Compute follows the active parameters; decode still reads every resident expert's weights (bandwidth).
+    assert step_time(spec, w) < 0.7 * step_time(dense, w)
+    assert model_spec("qwen3-vl-8b").active_params == model_spec("qwen3-vl-8b").total_params  # dense: all active

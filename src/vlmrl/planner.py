@@ -98,6 +98,13 @@ class ModelSpec:
     v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
     v_window_patches: int = 0  # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
     lora_linears: tuple = ()  # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+    routed_expert_params: int = 0  # MoE: parameters of all routed experts (counted in total_params)
+    experts_active_fraction: float = 1.0  # MoE: experts routed per token / experts (top_k / E)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: the total less the routed experts it is not sent to (MoE)."""
+        return int(self.total_params - self.routed_expert_params * (1 - self.experts_active_fraction))
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -769,6 +776,7 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     """Seconds per GRPO step, rough: compute at PEAK_FLOPS, decode bound by HBM bandwidth, offload by PCIe."""
     b = DTYPE_BYTES[w.dtype]
     params = spec.total_params
+    flops_params = spec.active_params  # MoE: a token's FLOPs follow the experts it is routed to, its weights the total
     patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
     P = w.prompt_text_tokens + image_tokens(spec, w.max_pixels) * w.images_per_prompt
     C = w.completion_tokens
@@ -777,10 +785,10 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     calls = math.ceil(w.prompts_per_step / ppc)
     kv_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
     prefill_rows = w.prompts_per_step if w.shared_prefix else rows
-    t_gen = (2 * params * prefill_rows * P + 2 * spec.vision_params * prefill_rows * patches) / PEAK_FLOPS
+    t_gen = (2 * flops_params * prefill_rows * P + 2 * spec.vision_params * prefill_rows * patches) / PEAK_FLOPS
     t_gen += calls * C * (params * b / HBM_BYTES_PER_S) + C * rows * (P + C / 2) * kv_token / HBM_BYTES_PER_S
     tokens = rows * (P + C)
-    fwd = 2 * params * tokens / PEAK_FLOPS
+    fwd = 2 * flops_params * tokens / PEAK_FLOPS
     t_score = fwd * ((w.beta > 0) + (w.num_iterations > 1))
     mult = 2.0 if w.use_lora else 3.0  # forward + backward(activations) [+ backward(weights)]
     if w.gradient_checkpointing:
@@ -935,6 +943,7 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
             # scale_factor (3 -> 9x fewer); LLaVA keeps every patch (the CLS token is dropped).
             ratio = getattr(cfg, "downsample_ratio", None)
             kw["merge_size"] = round(1 / ratio) if ratio else int(getattr(cfg, "scale_factor", 1) or 1)
+    moe = _moe_dims(t, core)
     return ModelSpec(
         name=name,
         family=getattr(cfg, "model_type", ""),
@@ -944,7 +953,7 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         embed_params=emb.weight.numel(),
         lm_head_params=0 if tied else head.weight.numel(),
         hidden=t.hidden_size,
-        intermediate=t.intermediate_size,
+        intermediate=moe.pop("intermediate", None) or getattr(t, "intermediate_size", 0) or 0,
         layers=t.num_hidden_layers,
         heads=heads,
         kv_heads=_dims(t, "num_key_value_heads", default=heads),
@@ -952,7 +961,20 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         vocab=t.vocab_size,
         lora_linears=tuple((s, i, o, c) for (s, i, o), c in sorted(linears.items())),
         **kw,
+        **moe,
     )
+
+
+def _moe_dims(text_config, core) -> dict:
+    """MoE decoders: routed-expert parameters, the fraction a token uses, and the MLP width one token's activations
+    see (top_k routed experts + the shared expert) in place of the dense intermediate_size."""
+    experts = getattr(text_config, "num_experts", 0) or 0
+    top_k = getattr(text_config, "num_experts_per_tok", 0) or 0
+    if not experts or not top_k:
+        return {}
+    routed = sum(p.numel() for n, p in core.named_parameters() if ".mlp.experts." in n)
+    width = top_k * text_config.moe_intermediate_size + (getattr(text_config, "shared_expert_intermediate_size", 0) or 0)
+    return {"routed_expert_params": routed, "experts_active_fraction": top_k / experts, "intermediate": width}
 
 
 def model_spec(model: str) -> ModelSpec:

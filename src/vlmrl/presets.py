@@ -207,7 +207,7 @@ def _llava(text: dict) -> dict:
     }
 
 
-def _qwen3_vl(text: dict, vision: dict, tie: bool) -> dict:
+def _qwen3_vl(text: dict, vision: dict, tie: bool, model_type: str = "qwen3_vl") -> dict:
     v = dict(
         patch_size=16,
         spatial_merge_size=2,
@@ -227,7 +227,7 @@ def _qwen3_vl(text: dict, vision: dict, tie: bool) -> dict:
         rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
         **text,
     )
-    return {"config": dict(model_type="qwen3_vl", text_config=t, vision_config=v, tie_word_embeddings=tie)}
+    return {"config": dict(model_type=model_type, text_config=t, vision_config=v, tie_word_embeddings=tie)}
 
 
 PLANNER_PRESETS: dict[str, dict] = {
@@ -267,6 +267,27 @@ PLANNER_PRESETS: dict[str, dict] = {
             False,
         ),
         params=8.77e9,
+    ),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct config.json: 48 layers, hidden 2048, 32 heads / 4 KV, 128 experts of width 768,
+    # 8 routed per token (no shared expert); the vision tower of the 8B. Published: 31.1B parameters, ~3B active.
+    "qwen3-vl-30b-a3b": dict(
+        _qwen3_vl(
+            dict(
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                decoder_sparse_step=1,
+            ),
+            dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24]),
+            False,
+            model_type="qwen3_vl_moe",
+        ),
+        params=31.1e9,
     ),
     "internvl3-1b": dict(_internvl(_qwen2_text(896, 4864, 24, 14, 2, 151674, False)), params=0.94e9),
     "internvl3-2b": dict(_internvl(_qwen2_text(1536, 8960, 28, 12, 2, 151674, False)), params=2.09e9),
