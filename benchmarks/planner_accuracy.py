@@ -119,6 +119,41 @@ def tiny_qwen25_config(
     )
 
 
+def tiny_qwen3_config(moe: bool = False, layers: int = 2, hidden: int = 256, vocab: int = 4096):
+    """A small Qwen3-VL (patch 16, DeepStack, interleaved M-RoPE) or Qwen3-VL-MoE (8 experts, top 2) config."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [8, 12, 12], "mrope_interleaved": True},
+        pad_token_id=0,
+    )
+    if moe:
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, decoder_sparse_step=1)
+    vision = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=344,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden,
+        num_position_embeddings=256,
+        deepstack_visual_indexes=[0],
+    )
+    config_class = Qwen3VLMoeConfig if moe else Qwen3VLConfig
+    ids = dict(image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+    return config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
 # ---------------------------------------------------------------- closed form vs trace
 
 
@@ -194,6 +229,8 @@ def hf_config_for(model: str):
         return tiny_qwen25_config(family="qwen2_vl")
     if model == "tiny-wide":  # weights large next to activations: the shared prefix's held gradients show
         return tiny_qwen25_config(layers=4, hidden=512, inter=1408, heads=8, kv=2)
+    if model in ("tiny-qwen3", "tiny-qwen3-moe"):
+        return tiny_qwen3_config(moe=model.endswith("moe"))
     from vlmrl.presets import hf_config
 
     return hf_config(model)

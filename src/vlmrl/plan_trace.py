@@ -37,6 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+# Families whose vision bookkeeping (grids, window / interpolation indices) the trace precomputes. Qwen3-VL's DeepStack
+# features (one [image tokens, hidden] per deepstack layer, added inside the decoder) are not traced: the trace hands
+# the decoder its merged features only.
+QWEN_TRACE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
 class MemoryTracker(TorchDispatchMode):
     """Live bytes of every storage created by an op (or registered), by category; the peak and its breakdown."""
 
@@ -231,7 +237,7 @@ class _Inputs:
         self.N, self.C = s.rows, s.completion_tokens
         v = getattr(self.cfg, "vision_config", None)
         self.vision_kwargs = {}
-        if self.family in ("qwen2_vl", "qwen2_5_vl"):
+        if self.family in QWEN_TRACE_FAMILIES:
             merge = v.spatial_merge_size
             gh, gw = _qwen_grid(s.image_patches, merge)
             self.patches = gh * gw
@@ -266,6 +272,18 @@ class _Inputs:
         kw["position_ids"] = torch.empty(pos.shape, dtype=pos.dtype, device="meta")
         cu, mx = get_vision_attention_seqlens(grid, v)
         kw["cu_seqlens"], kw["max_seqlen"] = cu, mx
+        if self.family in ("qwen3_vl", "qwen3_vl_moe"):  # learned positions resampled to each grid
+            from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+            idx, wts = get_vision_interpolation_indices_and_weights(
+                grid,
+                num_grid_per_side=vis.num_grid_per_side,
+                mode=vis.interpolation_mode,
+                align_corners=vis.interpolation_align_corners,
+                spatial_merge_size=v.spatial_merge_size,
+            )
+            kw["interp_indices"] = torch.empty(idx.shape, dtype=idx.dtype, device="meta")
+            kw["interp_weights"] = torch.empty(wts.shape, dtype=wts.dtype, device="meta")
         if self.family == "qwen2_5_vl":
             from transformers.utils.generic import get_max_seqlen
             from transformers.vision_utils import get_vision_window_index
@@ -278,8 +296,8 @@ class _Inputs:
     def image_features(self) -> torch.Tensor | None:
         if self.pixels is None:
             return None
-        if self.family in ("qwen2_vl", "qwen2_5_vl"):
-            kw = dict(self.vision_kwargs)
+        if self.family in QWEN_TRACE_FAMILIES:
+            kw = dict(self.vision_kwargs)  # a fresh dict per call: the model pops the precomputed entries
             kw["position_ids"] = torch.empty(kw["position_ids"].shape, dtype=kw["position_ids"].dtype, device="meta")
             out = self.inner.visual(self.pixels, grid_thw=self.grid, **kw)
             feats = getattr(out, "pooler_output", out)
@@ -292,7 +310,7 @@ class _Inputs:
 
 
 def _positions(inp: _Inputs, rows: int, length: int):
-    if inp.family in ("qwen2_vl", "qwen2_5_vl"):
+    if inp.family in QWEN_TRACE_FAMILIES:
         return torch.empty(3, rows, length, dtype=torch.long, device="meta")
     return torch.empty(rows, length, dtype=torch.long, device="meta")
 
