@@ -272,7 +272,7 @@ def run_config(cfg: dict, model: str, run_dir: Path, steps: int, timeout: int) -
     run_dir.mkdir(parents=True)
     overrides = [f"model.name_or_path={model}", *cfg["overrides"], f"training.output_dir={run_dir}"]
     cmd = [sys.executable, "-m", "vlmrl", "train", *overrides]
-    log_path = run_dir / "train.log"
+    log_path = run_dir.parent / f"{run_dir.name}.train.log"  # beside the run folder: vlmrl refuses folders holding foreign files
     t0 = time.perf_counter()
     timed_out = False
     with open(log_path, "w") as log:

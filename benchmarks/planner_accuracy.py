@@ -154,6 +154,33 @@ def tiny_qwen3_config(moe: bool = False, layers: int = 2, hidden: int = 256, voc
     return config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
+def tiny_gemma3_config(hidden: int = 256, layers: int = 2, vocab: int = 4096):
+    """A small Gemma 3 (SigLIP at 224 px, patch 14, pooled to 64 tokens; 4 norms per decoder layer) config."""
+    from transformers import Gemma3Config
+
+    text = dict(
+        hidden_size=hidden,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=vocab,
+        sliding_window=64,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=224,
+        patch_size=14,
+        vision_use_head=False,
+    )
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=64, image_token_index=3, boi_token_index=4, eoi_token_index=5)
+
+
 # ---------------------------------------------------------------- closed form vs trace
 
 
@@ -231,6 +258,8 @@ def hf_config_for(model: str):
         return tiny_qwen25_config(layers=4, hidden=512, inter=1408, heads=8, kv=2)
     if model in ("tiny-qwen3", "tiny-qwen3-moe"):
         return tiny_qwen3_config(moe=model.endswith("moe"))
+    if model == "tiny-gemma3":
+        return tiny_gemma3_config()
     from vlmrl.presets import hf_config
 
     return hf_config(model)
@@ -298,6 +327,23 @@ def trace_grid() -> list[GridPoint]:
         GridPoint("3b-sft-stage2", "qwen2.5-vl-3b", 1, 4, False, False, PX_LOW, completion=256, sft_stage=2, freeze_vision=True),
         GridPoint("7b-sft-stage2-gc", "qwen2.5-vl-7b", 1, 8, True, False, PX_HIGH, completion=512, sft_stage=2, freeze_vision=True),
         GridPoint("7b-sft-stage2-lora-eager", "qwen2.5-vl-7b", 1, 4, False, True, PX_LOW, completion=512, sft_stage=2, attn="eager"),
+        # Qwen3-VL (patch 16, DeepStack) and Qwen3-VL-MoE (issue 16): tiny configs and the real sizes.
+        GridPoint("tiny-qwen3-full-G8", "tiny-qwen3", 8, 4, False, False, PX_LOW),
+        GridPoint("tiny-qwen3-lora-G4-gc", "tiny-qwen3", 4, 4, True, True, PX_LOW),
+        GridPoint("tiny-qwen3moe-full-G8", "tiny-qwen3-moe", 8, 4, False, False, PX_LOW),
+        GridPoint("tiny-qwen3moe-lora-G8-prefix", "tiny-qwen3-moe", 8, 8, False, True, PX_LOW, shared_prefix=True),
+        GridPoint("q3-8b-full-G4", "qwen3-vl-8b", 4, 4, False, False, PX_LOW),
+        GridPoint("q3-8b-lora-G8-gc", "qwen3-vl-8b", 8, 8, True, True, PX_LOW),
+        GridPoint("q3-8b-full-G8-prefix", "qwen3-vl-8b", 8, 8, False, False, PX_LOW, shared_prefix=True),
+        GridPoint("q3-30b-a3b-lora-G8-gc", "qwen3-vl-30b-a3b", 8, 8, True, True, PX_LOW),
+        GridPoint("q3-30b-a3b-full-G8-prefix", "qwen3-vl-30b-a3b", 8, 8, False, False, PX_LOW, shared_prefix=True),
+        # Gemma 3 (4 norms per decoder layer, 256 pooled image tokens).
+        GridPoint("tiny-gemma3-full-G8", "tiny-gemma3", 8, 4, False, False, PX_LOW),
+        GridPoint("tiny-gemma3-lora-G4-gc", "tiny-gemma3", 4, 4, True, True, PX_LOW),
+        GridPoint("g3-4b-lora-G4", "gemma3-4b", 4, 4, False, True, PX_LOW),
+        GridPoint("g3-4b-full-G8", "gemma3-4b", 8, 4, False, False, PX_LOW),
+        GridPoint("g3-4b-full-G8-prefix", "gemma3-4b", 8, 8, False, False, PX_LOW, shared_prefix=True),
+        GridPoint("g3-12b-lora-G8-gc", "gemma3-12b", 8, 8, True, True, PX_LOW),
     ]
     return g
 

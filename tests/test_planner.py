@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+
+from PIL import Image
 import math
 import subprocess
 import sys
@@ -270,6 +272,21 @@ QWEN3_PRESET_GRID = [
     pytest.param(GridPoint("q3-30b-a3b-lora-G8-gc", "qwen3-vl-30b-a3b", 8, 8, True, True, PX_HIGH), marks=pytest.mark.slow),
     pytest.param(GridPoint("q3-30b-a3b-full-G8-prefix", "qwen3-vl-30b-a3b", 8, 8, False, False, PX_HIGH, shared_prefix=True), marks=pytest.mark.slow),
 ]
+
+
+# Gemma 3: four RMSNorms per decoder layer, SigLIP patches pooled to mm_tokens_per_image.
+GEMMA3_GRID = [
+    GridPoint("gemma3-full-G8", "tiny-gemma3", 8, 4, False, False, PX_HIGH),
+    GridPoint("gemma3-lora-G4-gc", "tiny-gemma3", 4, 4, True, True, PX_LOW),
+    GridPoint("gemma3-full-G4-prefix", "tiny-gemma3", 4, 4, False, False, PX_LOW, shared_prefix=True),
+    pytest.param(GridPoint("gemma3-4b-lora-G4", "gemma3-4b", 4, 4, False, True, PX_HIGH), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("point", GEMMA3_GRID, ids=lambda g: g.name)
+def test_gemma3_closed_form_within_3pct_of_trace(point):
+    r = compare_trace(point)
+    assert abs(r["difference_pct"]) <= 3, r
 
 
 @pytest.mark.parametrize("point", QWEN3_GRID, ids=[g.name for g in QWEN3_GRID])
@@ -890,3 +907,18 @@ def test_moe_preset_counts_total_and_active_parameters():
     # Compute follows the active parameters; decode still reads every resident expert's weights (bandwidth).
     assert step_time(spec, w) < 0.7 * step_time(dense, w)
     assert model_spec("qwen3-vl-8b").active_params == model_spec("qwen3-vl-8b").total_params  # dense: all active
+
+
+def test_gemma3_image_tokens_follow_mm_tokens_per_image(tiny_gemma3):
+    """Gemma 3 pools its 64x64 SigLIP patches to 256 tokens per image whatever the image size; the tiny build's
+    processor and the planner's closed form agree on its own (smaller) count too."""
+    from vlmrl.planner import model_spec
+    from vlmrl.processing import build_prompt, encode_prompts, load_processor
+
+    assert image_tokens(model_spec("gemma3-4b"), 10**6) == 256
+    assert image_tokens(model_spec("gemma3-27b"), 448 * 448) == 256
+    spec = model_spec(str(tiny_gemma3))
+    processor = load_processor(tiny_gemma3)
+    batch = encode_prompts(processor, [build_prompt(processor, "what?", 1)], [[Image.new("RGB", (40, 90))]])
+    config = json.loads((tiny_gemma3 / "config.json").read_text())
+    assert int((batch["input_ids"] == config["image_token_index"]).sum()) == image_tokens(spec, 10**6)

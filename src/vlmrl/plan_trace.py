@@ -251,7 +251,9 @@ class _Inputs:
             size = getattr(v, "image_size", 336)
             patch = getattr(v, "patch_size", 14)
             self.patches = (size // patch) ** 2
-            self.image_tokens = self.patches
+            # Tokens after the tower: Gemma 3 pools to mm_tokens_per_image, InternVL's pixel shuffle divides by 1/ratio^2.
+            ratio = getattr(self.cfg, "downsample_ratio", None)
+            self.image_tokens = getattr(self.cfg, "mm_tokens_per_image", None) or (round(self.patches * ratio**2) if ratio else self.patches)
             self.pixels = torch.empty(self.U, 3, size, size, device="meta", dtype=torch.float32)
             self.grid = None
         else:

@@ -98,6 +98,7 @@ class ModelSpec:
     v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
     v_window_patches: int = 0  # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
     lora_linears: tuple = ()  # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+    norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 3: 4, around attention and around the MLP)
     routed_expert_params: int = 0  # MoE: parameters of all routed experts (counted in total_params)
     experts_active_fraction: float = 1.0  # MoE: experts routed per token / experts (top_k / E)
 
@@ -198,14 +199,15 @@ def text_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> float:
     keeping 6h + 2*heads*head_dim + 2i."""
     h, i, qd = spec.hidden, spec.intermediate, spec.heads * spec.head_dim
     s = cbytes / 2
-    full = s * (14 * h + 10 * qd + 8 * i) + 4 * spec.heads
+    extra_norms = spec.norms_per_layer - 2
+    full = s * (14 * h + 8 * h * extra_norms + 10 * qd + 8 * i) + 4 * spec.heads
     if not w.use_lora:
         return full
     copy = 2 if w.autocast else 4
     in_dims = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": qd, "gate_proj": h, "up_proj": h, "down_proj": i}
     all_linear = "all-linear" in w.lora_targets
     adapted = [d for n, d in in_dims.items() if all_linear or n in w.lora_targets]
-    return full + copy * sum(adapted) + 4 * w.lora_r * len(adapted) - s * (6 * h + 2 * qd + 2 * i)
+    return full + copy * sum(adapted) + 4 * w.lora_r * len(adapted) - s * (6 * h + 3 * h * extra_norms + 2 * qd + 2 * i)
 
 
 def vision_block_bytes(spec: ModelSpec, cbytes: int) -> float:
@@ -943,7 +945,11 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
             # scale_factor (3 -> 9x fewer); LLaVA keeps every patch (the CLS token is dropped).
             ratio = getattr(cfg, "downsample_ratio", None)
             kw["merge_size"] = round(1 / ratio) if ratio else int(getattr(cfg, "scale_factor", 1) or 1)
+            if getattr(cfg, "mm_tokens_per_image", None):  # Gemma 3: patches average-pooled to a fixed token count
+                kw["merge_size"] = round(math.sqrt((kw["image_size"] // kw["patch_size"]) ** 2 / cfg.mm_tokens_per_image))
     moe = _moe_dims(t, core)
+    if getattr(cfg, "model_type", "") == "gemma3":
+        moe["norms_per_layer"] = 4
     return ModelSpec(
         name=name,
         family=getattr(cfg, "model_type", ""),

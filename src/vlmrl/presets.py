@@ -192,6 +192,31 @@ def _internvl(text: dict) -> dict:
     }
 
 
+def _gemma3(hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int) -> dict:
+    """Gemma 3 (google/gemma-3-{4b,12b,27b}-it config.json): SigLIP-So400m at 896 px (patch 14), 4x4 average pooling
+    to 256 image tokens, Gemma 3 decoder (262,208 vocabulary, tied embeddings, 5 local : 1 global attention)."""
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+        vision_use_head=False,
+    )
+    text = dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=262208,
+    )
+    return {"config": dict(model_type="gemma3", vision_config=vision, text_config=text, mm_tokens_per_image=256)}
+
+
 def _llava(text: dict) -> dict:
     return {
         "config": dict(
@@ -289,6 +314,10 @@ PLANNER_PRESETS: dict[str, dict] = {
         ),
         params=31.1e9,
     ),
+    # Published totals: 4.3B, 12.2B, 27.4B (model cards of google/gemma-3-*-it).
+    "gemma3-4b": dict(_gemma3(2560, 10240, 34, 8, 4, 256), params=4.3e9),
+    "gemma3-12b": dict(_gemma3(3840, 15360, 48, 16, 8, 256), params=12.2e9),
+    "gemma3-27b": dict(_gemma3(5376, 21504, 62, 32, 16, 128), params=27.4e9),
     "internvl3-1b": dict(_internvl(_qwen2_text(896, 4864, 24, 14, 2, 151674, False)), params=0.94e9),
     "internvl3-2b": dict(_internvl(_qwen2_text(1536, 8960, 28, 12, 2, 151674, False)), params=2.09e9),
     "internvl3-8b": dict(_internvl(_qwen2_text(3584, 18944, 28, 28, 4, 151674, False)), params=7.94e9),
