@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from family_fixtures import ALL_FAMILY_FIXTURES
 
 # Nothing in the tests may reach the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,18 +82,7 @@ def tiny_internvl(tmp_path_factory):
 
 # Tiers (pytest -m unit | integration | multiproc | slow): a test is `integration` when it builds on a tiny model,
 # `multiproc` when it starts several processes (torchrun / gloo), `unit` otherwise; explicit marks win.
-TINY_MODEL_FIXTURES = {
-    "tiny_qwen25vl",
-    "tiny_qwen2vl",
-    "tiny_llava",
-    "tiny_qwen3vl",
-    "tiny_gemma3",
-    "tiny_qwen3vl_moe",
-    "tiny_qwen35",
-    "tiny_qwen35_moe",
-    "tiny_llava_onevision",
-    "tiny_internvl",
-}
+TINY_MODEL_FIXTURES = set(ALL_FAMILY_FIXTURES)
 TIERS = {"integration", "multiproc", "slow"}
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from family_fixtures import ALL_FAMILY_FIXTURES
 
 from vlmrl.cli import main
 from vlmrl.models import check_model_folder
@@ -35,20 +36,7 @@ def _err_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "tiny_qwen25vl",
-        "tiny_llava",
-        "tiny_qwen3vl",
-        "tiny_gemma3",
-        "tiny_qwen3vl_moe",
-        "tiny_qwen35",
-        "tiny_qwen35_moe",
-        "tiny_llava_onevision",
-        "tiny_internvl",
-    ],
-)
+@pytest.mark.parametrize("family", ALL_FAMILY_FIXTURES)
 def test_complete_folders_have_nothing_missing(family, request):
     assert check_model_folder(request.getfixturevalue(family)) == []
 

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+from family_fixtures import ALL_FAMILY_FIXTURES
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
@@ -61,21 +62,7 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "tiny_qwen25vl",
-        "tiny_qwen2vl",
-        "tiny_llava",
-        "tiny_qwen3vl",
-        "tiny_gemma3",
-        "tiny_qwen3vl_moe",
-        "tiny_qwen35",
-        "tiny_qwen35_moe",
-        "tiny_llava_onevision",
-        "tiny_internvl",
-    ],
-)
+@pytest.mark.parametrize("family", ALL_FAMILY_FIXTURES)
 def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, tmp_path):
     model_path = request.getfixturevalue(family)
     out = tmp_path / "run"

@@ -318,17 +318,49 @@ def build_tiny_gemma3(
     return _finish(out_dir, model, tokenizer, image_processor, GEMMA3_CHAT_TEMPLATE, processor)
 
 
-# ---------------------------------------------------------------- LLaVA-OneVision
+# ---------------------------------------------------------------- tiled families on a Qwen2 decoder
+
+
+def _chatml_template(image_placeholder: str) -> str:
+    """ChatML turns with `image_placeholder` + newline where each image goes (LLaVA-OneVision, InternVL)."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+        "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}" + image_placeholder + "\n"
+        "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def _chatml_tokenizer(chat_template: str, image_tokens: list[str], named_tokens: dict | None = None):
+    """The offline BPE with Qwen's special tokens plus the family's image tokens (named ones become tokenizer attributes)."""
+    kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=chat_template)
+    if named_tokens:
+        kw["extra_special_tokens"] = named_tokens
+    return train_tokenizer(family="custom", specials=[*QWEN_SPECIAL_TOKENS, *image_tokens], token_kwargs=kw)
+
+
+def _qwen2_text(tokenizer, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int, vocab_size) -> dict:
+    """A Qwen2 decoder config; vocab_size > len(tokenizer) gives a Qwen-size LM head for benchmarks."""
+    tid = tokenizer.convert_tokens_to_ids
+    return dict(
+        model_type="qwen2",
+        vocab_size=max(vocab_size or 0, _vocab_size(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        pad_token_id=tid("<|endoftext|>"),
+        eos_token_id=tid("<|im_end|>"),
+        tie_word_embeddings=False,
+    )
+
 
 # LLaVA-OneVision (Qwen2 decoder) chat format: ChatML turns, "<image>\n" before the text of a user turn.
-ONEVISION_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<image>\n"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+ONEVISION_CHAT_TEMPLATE = _chatml_template("<image>")
 
 
 def build_tiny_llava_onevision(
@@ -356,23 +388,10 @@ def build_tiny_llava_onevision(
 
     from .standin_processors import OnevisionImageProcessor
 
-    kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=ONEVISION_CHAT_TEMPLATE)
-    tokenizer = train_tokenizer(family="custom", specials=[*QWEN_SPECIAL_TOKENS, "<image>", "<video>"], token_kwargs=kw)
+    tokenizer = _chatml_tokenizer(ONEVISION_CHAT_TEMPLATE, ["<image>", "<video>"])
     tid = tokenizer.convert_tokens_to_ids
     pinpoints = [[tile * a, tile * b] for a in (1, 2, 3) for b in (1, 2, 3)]
-    text = dict(
-        model_type="qwen2",
-        vocab_size=max(vocab_size or 0, _vocab_size(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096,
-        pad_token_id=tid("<|endoftext|>"),
-        eos_token_id=tid("<|im_end|>"),
-        tie_word_embeddings=False,
-    )
+    text = _qwen2_text(tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, vocab_size)
     vision = dict(
         model_type="siglip_vision_model",
         hidden_size=vision_hidden,
@@ -411,14 +430,7 @@ def build_tiny_llava_onevision(
 
 # InternVL (Qwen2 decoder) chat format: ChatML turns, "<IMG_CONTEXT>\n" per image (the processor expands it to
 # <img><IMG_CONTEXT> x image_seq_length x tiles</img>).
-INTERNVL_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<IMG_CONTEXT>\n"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+INTERNVL_CHAT_TEMPLATE = _chatml_template("<IMG_CONTEXT>")
 
 
 def build_tiny_internvl(
@@ -446,23 +458,9 @@ def build_tiny_internvl(
     from .standin_processors import InternVLImageProcessor
 
     image_tokens = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
-    kw = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None, chat_template=INTERNVL_CHAT_TEMPLATE)
-    kw["extra_special_tokens"] = image_tokens
-    tokenizer = train_tokenizer(family="custom", specials=[*QWEN_SPECIAL_TOKENS, *image_tokens.values()], token_kwargs=kw)
+    tokenizer = _chatml_tokenizer(INTERNVL_CHAT_TEMPLATE, list(image_tokens.values()), image_tokens)
     tid = tokenizer.convert_tokens_to_ids
-    text = dict(
-        model_type="qwen2",
-        vocab_size=max(vocab_size or 0, _vocab_size(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096,
-        pad_token_id=tid("<|endoftext|>"),
-        eos_token_id=tid("<|im_end|>"),
-        tie_word_embeddings=False,
-    )
+    text = _qwen2_text(tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, vocab_size)
     vision = dict(
         hidden_size=vision_hidden,
         intermediate_size=vision_hidden * 2,
