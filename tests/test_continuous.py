@@ -14,7 +14,7 @@ from vlmrl.processing import load_processor
 from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
 
 # The engine's families (continuous.ENGINE_MODEL_TYPES); the others fall back to the loop (test below).
-FAMILIES = {name: ALL_FAMILIES[name] for name in ("tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava")}
+FAMILIES = {name: ALL_FAMILIES[name] for name in ("tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_qwen3vl_moe")}
 FALLBACK_FAMILIES = [name for name in ALL_FAMILIES if name not in FAMILIES]
 MAX_NEW = 12
 

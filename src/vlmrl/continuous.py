@@ -34,8 +34,9 @@ from .prefix import _prefill, draw_uniforms, prefix_positions, row_seed, sample_
 from .processing import select_rows
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py). Others
-# (Qwen3-VL's interleaved M-RoPE, Gemma 3's sliding window, Qwen3.5's linear-attention state) use the loop instead.
-ENGINE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava")
+# use the loop instead: Gemma 3 (its decoder builds its own sliding-window / full masks, which the engine's 4D slot mask
+# does not reproduce yet), Qwen3.5 (linear-attention recurrent state is not a K/V slot cache), the tiled families.
+ENGINE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "qwen3_vl_moe")
 _fallback_logged: set[str] = set()
 
 
@@ -250,9 +251,10 @@ class ContinuousDecoder:
 
 
 def _is_qwen(model) -> bool:
-    from .logprobs import grouped_family
+    """M-RoPE families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each row continues at its prompt's next position on all axes."""
+    from .logprobs import MROPE_FAMILIES, grouped_family
 
-    return grouped_family(model) == "qwen"
+    return grouped_family(model) in MROPE_FAMILIES
 
 
 class RowSampler:
