@@ -281,3 +281,16 @@ def test_demo_quick_runs_end_to_end(tmp_path, monkeypatch):
     assert 0.0 <= result["before"] <= 1.0 and 0.0 <= result["after"] <= 1.0
     assert (tmp_path / "demo" / "grpo" / "report.png").exists()
     assert (tmp_path / "demo" / "grpo" / "final" / "model.safetensors").exists()
+
+
+def test_grpo_with_lora_on_moe_experts_trains_them(tiny_qwen3vl_moe, count_data, tmp_path):
+    """`vlmrl train` with model.lora_target_parameters (beta > 0: the reference is the adapter-disabled model):
+    the saved adapter holds expert LoRA weights that moved, and the merged final folder differs in the experts."""
+    out = tmp_path / "run"
+    experts = "model.lora_target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
+    train(grpo_cfg(tiny_qwen3vl_moe, count_data, out, "model.use_lora=true", "algorithm.beta=0.05", "optim.learning_rate=1e-2", experts))
+    adapter = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+    expert_b = {k: v for k, v in adapter.items() if "experts" in k and "lora_B" in k}
+    assert expert_b and all(v.abs().sum() > 0 for v in expert_b.values())  # B starts at zero: these were trained
+    before, after = weights(tiny_qwen3vl_moe), weights(out / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before if "experts" in k)

@@ -18,6 +18,7 @@ from vlmrl.models import (
     projector,
     reference_disabled_adapter,
     save_model,
+    unwrap,
     vision_tower,
 )
 from vlmrl.processing import (
@@ -378,3 +379,36 @@ def test_append_tokens_keeps_mrope_inputs_aligned(tiny_qwen25vl):
     assert full["mm_token_type_ids"].shape == full["input_ids"].shape == (3, batch["input_ids"].shape[1] + 4)
     p = batch["input_ids"].shape[1]
     torch.testing.assert_close(logits(model, full)[:, :p], logits(model, batch), atol=1e-5, rtol=1e-4)
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3vl_moe", "tiny_qwen35_moe"])
+def test_lora_on_fused_expert_weights_trains_and_merges(family, request, tmp_path):
+    """model.lora_target_parameters puts LoRA on the fused expert tensors (not nn.Linear, out of lora_target_modules'
+    reach): every layer's experts get adapters with gradients, and the merged final folder reloads in plain
+    transformers with the adapted model's logits."""
+    path = request.getfixturevalue(family)
+    processor = load_processor(path)
+    _, _, batch = prompt_batch(processor)
+    model = load_model(model_cfg(path, use_lora=True, lora_target_parameters=EXPERTS)).train()
+    expert_lora = [n for n, p in model.named_parameters() if "lora_" in n and "experts" in n]
+    layers = unwrap(model).config.get_text_config().num_hidden_layers
+    assert len(expert_lora) == 2 * 2 * layers, expert_lora  # A and B of both expert tensors in every layer
+    randomise_lora(model)
+    model(**inputs(batch)).logits.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if n in expert_lora}
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    model.eval()
+    expected = logits(model, batch)
+    out = save_model(model, processor, tmp_path / "final")
+    plain = AutoModelForImageTextToText.from_pretrained(out)
+    torch.testing.assert_close(logits(plain, batch), expected, atol=1e-4, rtol=1e-4)
+    base = AutoModelForImageTextToText.from_pretrained(path)
+    assert not torch.allclose(logits(base, batch), expected, atol=1e-3)  # the expert adapters changed the model
+
+
+def test_lora_target_parameters_that_match_nothing_are_refused(tiny_qwen3vl_moe):
+    with pytest.raises(ModelLoadError, match=r"lora_target_parameters: \['mlp.expert.gate_up_proj'\] matched no parameter"):
+        load_model(model_cfg(tiny_qwen3vl_moe, use_lora=True, lora_target_parameters=["mlp.expert.gate_up_proj"]))

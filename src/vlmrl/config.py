@@ -61,6 +61,11 @@ class ModelConfig:
         "Module names that get LoRA adapters (language model only unless lora_vision).",
     )
     lora_vision: bool = _f(False, "Also put LoRA adapters on the vision tower's linear layers.")
+    lora_target_parameters: list[str] = _f(
+        [],
+        "Parameter names (name suffixes) that get LoRA through peft's target_parameters: the fused MoE expert weights, e.g. "
+        "[mlp.experts.gate_up_proj, mlp.experts.down_proj] on Qwen3-VL-MoE / Qwen3.5-MoE.",
+    )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder.")
     allow_hub_download: bool = _f(False, "Let transformers download from the hub; off means local files only.")

@@ -282,8 +282,33 @@ def apply_lora(model: nn.Module, cfg) -> nn.Module:
         raise ModelLoadError(
             f"model.lora_target_modules={list(cfg.lora_target_modules)} matched no Linear layer of the language model of {type(model).__name__}"
         )
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=names, bias="none")
+    parameters = lora_target_parameter_names(model, list(getattr(cfg, "lora_target_parameters", []) or []))
+    extra = {"target_parameters": parameters} if parameters else {}
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=names, bias="none", **extra)
     return get_peft_model(model, lora)
+
+
+def lora_target_parameter_names(model: nn.Module, suffixes: list[str]) -> list[str]:
+    """Full names of the language model's nn.Parameters (not inside an nn.Linear) that end in one of `suffixes`: the
+    fused expert weights of MoE decoders, which model.lora_target_modules cannot reach. A suffix matching nothing is
+    refused in one line (a typo would otherwise train no expert and say nothing)."""
+    if not suffixes:
+        return []
+    vision_ids = {id(p) for p in vision_tower(model).parameters()}
+    found = {s: [] for s in suffixes}
+    for name, param in unwrap(model).named_parameters():
+        if id(param) in vision_ids:
+            continue
+        for s in suffixes:
+            if name == s or name.endswith("." + s):
+                found[s].append(name)
+    missing = [s for s, hits in found.items() if not hits]
+    if missing:
+        raise ModelLoadError(
+            f"model.lora_target_parameters: {missing} matched no parameter of the language model of {type(model).__name__} "
+            "(expected name suffixes such as mlp.experts.gate_up_proj)"
+        )
+    return sorted({n for hits in found.values() for n in hits})
 
 
 def has_lora(model: nn.Module) -> bool:
