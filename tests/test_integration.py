@@ -177,6 +177,8 @@ def test_cli_sft_both_stages_then_eval(family, request, count_data, tmp_path):
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any(PROJECTOR_KEY[family] in k for k in changed)  # stage 1
     assert any("layers" in k and "self_attn" in k and "vision" not in k and "visual" not in k for k in changed)  # stage 2
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(("router/aux_loss" in m) == ("moe" in family) for m in logged if "loss" in m)  # MoE: the router loss
     ev = tmp_path / "eval"
     assert main(["eval", f"model.name_or_path={out / 'final'}", f"training.output_dir={ev}", "algorithm.reward_funcs=[accuracy]", *common]) == 0
     result = json.loads((ev / "eval.json").read_text())
@@ -294,3 +296,40 @@ def test_grpo_with_lora_on_moe_experts_trains_them(tiny_qwen3vl_moe, count_data,
     assert expert_b and all(v.abs().sum() > 0 for v in expert_b.values())  # B starts at zero: these were trained
     before, after = weights(tiny_qwen3vl_moe), weights(out / "final")
     assert any(not torch.equal(before[k], after[k]) for k in before if "experts" in k)
+
+
+def test_router_aux_loss_logged_and_trains_only_when_configured(tiny_qwen3vl_moe, count_data, tmp_path):
+    """With a reward that gives every row the same value (advantages 0, beta 0) the policy loss moves nothing:
+    at router_aux_loss_coef=0 the weights stay put while router/aux_loss is logged; at 1.0 the routers move.
+    A dense model with a coefficient is refused (ConfigError)."""
+    zero = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":constant_zero"
+    runs = {}
+    for coef in (0.0, 1.0):
+        out = tmp_path / f"coef{coef}"
+        train(
+            grpo_cfg(
+                tiny_qwen3vl_moe,
+                count_data,
+                out,
+                f"algorithm.reward_funcs=['{zero}']",
+                f"algorithm.router_aux_loss_coef={coef}",
+                "optim.learning_rate=1e-2",
+                "training.save_final_model=true",
+            )
+        )
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        aux = [m["router/aux_loss"] for m in lines if "router/aux_loss" in m]
+        assert len(aux) == 2 and all(v > 0 for v in aux)
+        runs[coef] = weights(out / "final")
+    before = weights(tiny_qwen3vl_moe)
+    routers = [k for k in before if k.endswith("mlp.gate.weight")]
+    assert routers
+    assert all(torch.equal(before[k], runs[0.0][k]) for k in before)
+    assert all(not torch.equal(before[k], runs[1.0][k]) for k in routers)
+
+
+def test_router_aux_loss_on_dense_model_refused(tiny_qwen25vl, count_data, tmp_path):
+    from vlmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=0.01 but the model has no MoE router"):
+        train(grpo_cfg(tiny_qwen25vl, count_data, tmp_path / "run", "algorithm.router_aux_loss_coef=0.01"))

@@ -147,6 +147,11 @@ class AlgorithmConfig:
         None, "losses.AGGREGATIONS key: seq_mean_token_mean, token_mean, seq_mean_token_sum_norm; default follows loss_type."
     )
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
+    router_aux_loss_coef: float = _f(
+        0.0,
+        "MoE models: weight of the router load-balancing loss added to the update's loss (router/aux_loss is logged "
+        "whatever it is; 0 adds nothing, as TRL does unless output_router_logits is set; transformers' models use 0.001).",
+    )
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
     completion_format: Literal["text", "conversational"] = _f(
@@ -540,6 +545,7 @@ def validate(cfg: Config) -> None:
             f"rollout.min_completion_length={r.min_completion_length} must be in [0, max_completion_length={r.max_completion_length}]",
         ),
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
+        (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
         (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
         (a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations} must be >= 1"),

@@ -147,3 +147,26 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over mask==1 entries (0 when the mask is empty)."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], weights: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss of MoE routers, with a weight per routed token.
+
+    router_logits: one [n_i, E] tensor per (forward call, MoE layer); weights: the matching [n_i] token weights
+    (0 = padding; a prompt shared by k rows and run once carries weight k, so the value equals running every row).
+    Returns E * sum_e f_e * p_e, f_e = weighted share of top-k assignments to expert e, p_e = weighted mean router
+    probability of e, both over every token of every layer. With 0/1 weights it is transformers'
+    load_balancing_loss_func with an attention mask (Qwen3-VL-MoE, Qwen3.5-MoE)."""
+    device = router_logits[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for logits, w in zip(router_logits, weights, strict=True):
+        w = w.to(device=device, dtype=torch.float32).reshape(-1)
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = probs.topk(top_k, dim=-1).indices  # [n, k]
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * w.unsqueeze(-1)).sum(dim=0)
+        total = total + w.sum()
+    total = total.clamp(min=1e-12)
+    return num_experts * ((assigned / total) * (prob_sum / total)).sum()

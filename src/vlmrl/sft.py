@@ -55,6 +55,7 @@ def sft(cfg: Config, log=print) -> dict:
     from .models import save_model
     from .optim import clip_and_step, make_optimizer
     from .prefix import LogprobOptions, completion_logps_for
+    from .router import capture_routing, micro_batch_aux_loss, routing_for
     from .tracking import RunLogger, tracker_options
     from .distributed import DistributedError
     from .runtime import env_world
@@ -69,6 +70,7 @@ def sft(cfg: Config, log=print) -> dict:
     device = resolve_device(cfg.training.device)
     seed_everything(cfg.training.seed)
     model, processor = load_policy(cfg, device)
+    routing = routing_for(model, cfg.algorithm.router_aux_loss_coef)  # MoE: the load-balancing loss, logged (and added)
     data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
@@ -95,8 +97,15 @@ def sft(cfg: Config, log=print) -> dict:
             rows = [data.train[i] for i in sampler.next_batch(s.batch_size)]
             prompts = encode_rows(processor, rows, cfg, device)
             ids, mask = target_batch(processor.tokenizer, rows, device)
-            logps = completion_logps_for(model, prompts, torch.arange(len(rows), device=device), ids, mask, opts)
+            row_prompt = torch.arange(len(rows), device=device)
+            with capture_routing(routing) as routed:
+                logps = completion_logps_for(model, prompts, row_prompt, ids, mask, opts)
             loss = -masked_mean(logps, mask)
+            aux = {}
+            if routing is not None:
+                aux_loss = micro_batch_aux_loss(routed, prompts, row_prompt, ids.shape[1])
+                aux["router/aux_loss"] = aux_loss.item()
+                loss = loss + cfg.algorithm.router_aux_loss_coef * aux_loss
             loss.backward()
             result = clip_and_step([p for p in model.parameters() if p.requires_grad], optimizer, scheduler, cfg.optim.max_grad_norm)
             if result.skipped:
@@ -108,6 +117,7 @@ def sft(cfg: Config, log=print) -> dict:
                 "lr": scheduler.get_last_lr()[0],
                 "time/step": time.perf_counter() - t0,
                 "stage": 1.0 if stage == "projector" else 2.0,
+                **aux,
                 **measured_vs_predicted(plan, log),
             }
             logger.log(step, final)

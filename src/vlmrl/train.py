@@ -29,6 +29,7 @@ from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_ste
 from .planner import apply_auto_fit, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
 from .rewards import RewardLog, reward_stats
+from .router import capture_routing, micro_batch_aux_loss, routing_for
 from .rollout import Completions, generate
 from .run_checkpoint import restore, restore_after_wrap, save, save_final
 from .rundir import guard_run_folder, prepare_run
@@ -97,6 +98,7 @@ class Run:
     pad_id: int
     per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
+    routing: object  # router.Routing of an MoE model (its load-balancing loss is logged, and added when configured), else None
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
 
 
@@ -160,6 +162,7 @@ class UpdateStats:
     grad_norm: list[float] = field(default_factory=list)
     ratio_dev: list[float] = field(default_factory=list)  # max |ratio - 1| per iteration: 0 on-policy, > 0 when reused
     skipped: list[str] = field(default_factory=list)  # why each skipped optimizer step was skipped
+    router_aux: list[float] = field(default_factory=list)  # MoE load-balancing loss per micro-batch (before its coefficient)
 
 
 # ---------------------------------------------------------------- the loop
@@ -302,6 +305,7 @@ def start_run(cfg: Config, log) -> Run:
         pad_id=pad_id,
         per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1),
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
+        routing=routing_for(model, cfg.algorithm.router_aux_loss_coef),
     )
 
 
@@ -565,6 +569,7 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
                 )
                 continue
             stats.loss.append(step_stats.loss)
+            stats.router_aux += step_stats.router_aux
             stats.kl += step_stats.kl
             stats.clip_ratio += step_stats.clip_ratio
             stats.ratio_dev[iteration] = max(stats.ratio_dev[iteration], step_stats.ratio_dev)
@@ -579,6 +584,7 @@ class StepGradients:
     kl: list[float] = field(default_factory=list)
     clip_ratio: list[float] = field(default_factory=list)
     ratio_dev: float = 0.0
+    router_aux: list[float] = field(default_factory=list)
     nonfinite_where: str | None = None  # the first micro-batch whose loss or log-probs were not finite
 
 
@@ -596,13 +602,19 @@ def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, ste
         mb = micro_batch(run, samples, scores.loss_mask, idx)
         width = mb.ids.shape[1]
         with dist.no_sync(last=k == len(micro) - 1):  # gradients synced once: in the last backward, or by sync_gradients
-            logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
+            with capture_routing(run.routing) as routed:  # MoE routers' logits (dense models: nothing recorded)
+                logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
             old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
             ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
             tok_loss, parts = per_token_loss(
                 logps, old, rewards.advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta, mask=mb.loss_mask, policy_loss=a.policy_loss
             )
             loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm)
+            if run.routing is not None:
+                aux = micro_batch_aux_loss(routed, mb.prompts, mb.row_prompt, width)
+                out.router_aux.append(aux.item())
+                # This micro-batch's share of the step's mean over rows (every process's rows).
+                loss = loss + a.router_aux_loss_coef * aux * (len(idx) / norm.num_sequences)
             dist.backward(loss)
         value = loss.item()
         if out.nonfinite_where is None and not (torch.isfinite(loss) and torch.isfinite(logps[mb.loss_mask.bool()]).all()):
@@ -650,6 +662,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         **{f"ratio_dev/iter{i + 1}": d for i, d in enumerate(stats.ratio_dev)},
         "grad_norm": _mean([g for g in stats.grad_norm if g == g and abs(g) != float("inf")]),
         "nonfinite/skipped_steps": float(len(stats.skipped)),
+        **({"router/aux_loss": _mean(stats.router_aux)} if run.routing is not None else {}),
         "lr": run.scheduler.get_last_lr()[0],
         "completions/mean_length": rewards.lengths.float().mean().item(),
         "completions/truncated_frac": rewards.truncated.float().mean().item(),
