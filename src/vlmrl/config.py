@@ -95,6 +95,13 @@ class DataConfig:
     image_cache_mb: float = _f(
         1024.0, "MiB of decoded, resized images kept between steps instead of decoded again; 0 = no cache.", resume_harmless=True
     )
+    max_frames: int = _f(16, "Video rows: most frames sampled per video (rounded down to an even count: Qwen-VL's temporal patch is 2 frames).")
+    fps: float = _f(
+        2.0, "Video rows: frames sampled per second of video (fewer when max_frames caps them); a list of frame files counts as this rate."
+    )
+    video_max_pixels: int = _f(
+        128 * 28 * 28, "Video rows: frames larger than this many pixels are downscaled (aspect kept); bounds the tokens per frame."
+    )
     skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
     system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
@@ -545,6 +552,9 @@ def validate(cfg: Config) -> None:
             f"rollout.min_completion_length={r.min_completion_length} must be in [0, max_completion_length={r.max_completion_length}]",
         ),
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
+        (d.max_frames >= 1, f"data.max_frames={d.max_frames} must be >= 1"),
+        (d.fps > 0, f"data.fps={d.fps} must be > 0"),
+        (d.video_max_pixels >= 28 * 28, f"data.video_max_pixels={d.video_max_pixels} must be >= 784 (one 28x28 patch)"),
         (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
         (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),

@@ -342,8 +342,9 @@ class ValidationReport:
     problems: list[Problem] = field(default_factory=list)
     truncated_rows: int = 0  # rows with more than limit_images images
     dropped_images: int = 0  # images dropped from those rows
-    text_only_rows: int = 0  # kept rows without any image
+    text_only_rows: int = 0  # kept rows without any image or video
     num_images: int = 0  # images in kept rows (after truncation)
+    num_videos: int = 0  # videos in kept rows
 
     @property
     def problem_counts(self) -> dict[str, int]:
@@ -370,7 +371,8 @@ class ValidationReport:
         return "rows " + ", ".join(shown) + more
 
     def summary(self) -> str:
-        parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images"]
+        videos = f", {self.num_videos} videos" if self.num_videos else ""
+        parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images{videos}"]
         if self.skipped_rows:
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.problem_counts.items()))
             parts.append(f"{self.skipped_rows} bad rows skipped ({kinds}; {self.skipped_sources_text()})")
@@ -425,11 +427,13 @@ def validate_rows(
     checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images) for i, row in enumerate(rows)]
 
     # Pass 2: each distinct image file once, in threads (decoding releases the GIL).
-    paths = sorted({p for normal, *_ in checked for p in normal["images"]})
+    paths = sorted({p for normal, *_ in checked for p in [*normal["images"], *_frame_paths(normal["videos"])]})
     workers = min(8, (os.cpu_count() or 1) + 1, max(1, len(paths)))
     with own_pixel_limit(), ThreadPoolExecutor(max_workers=workers) as pool:
         image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, check_images, max_image_pixels), paths)))
     image_errors = _apply_shape_check(image_errors, shape_check)
+    video_files = sorted({v for normal, *_ in checked for v in normal["videos"] if isinstance(v, str)})
+    video_errors = {v: _check_video_file(v, check_images) for v in video_files}
 
     good = []
     for normal, problems, image_field, dropped in checked:
@@ -438,13 +442,17 @@ def validate_rows(
             if image_errors[p] is not None:
                 kind, reason = image_errors[p]
                 problems.append(Problem(normal["_source"], image_field, reason, kind))
+        for v in normal["videos"]:
+            errors = [video_errors[v]] if isinstance(v, str) else [image_errors[p] for p in v]
+            problems += [Problem(normal["_source"], "video", e[1], e[0]) for e in errors if e is not None][:1]
         if problems:
             report.problems.extend(problems)
             report.skipped_rows += 1
             continue
         good.append(normal)
         report.num_images += len(imgs)
-        report.text_only_rows += not imgs
+        report.num_videos += len(normal["videos"])
+        report.text_only_rows += not imgs and not normal["videos"]
         if dropped:
             report.truncated_rows += 1
             report.dropped_images += dropped
@@ -479,7 +487,7 @@ def _check_structure(row: dict, source: str, base: Path, limit_images: int | Non
 
     if "_malformed" in row:
         bad("row", row["_malformed"], "malformed")
-        out["images"] = []
+        out["images"], out["videos"] = [], []
         return out, problems, "row", 0
 
     problem = row.get("problem")
@@ -510,6 +518,9 @@ def _check_structure(row: dict, source: str, base: Path, limit_images: int | Non
         out["images"] = [_resolve(p, base) for p in images]
     else:
         out["images"] = []
+    videos = _video_list(row, bad)
+    out.pop("video", None)
+    out["videos"] = [[_resolve(p, base) for p in v] if isinstance(v, list) else _resolve(v, base) for v in videos or []]
     return out, problems, image_field, dropped
 
 
@@ -556,6 +567,56 @@ def _image_list(row: dict, bad) -> tuple[list[str] | None, str]:
     return list(many), "images"
 
 
+# A row's `video` given as a path with one of these suffixes is decoded with PyAV (video.py); a list of paths is its frames.
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm")
+
+
+def _video_list(row: dict, bad) -> list | None:
+    """The row's videos as given: each a video file path or a list of frame image paths; None when unusable.
+    `video` holds one video, `videos` a list of them."""
+    single, many = row.get("video"), row.get("videos")
+    if single is not None and many is not None:
+        bad("video", "both 'video' and 'videos' are set; use one", "wrong_type")
+        return None
+    field_name, videos = ("video", [single]) if single is not None else ("videos", many)
+    if videos is None:
+        return []
+    if not isinstance(videos, (list, tuple)):
+        bad(field_name, f"expected a list of videos, got {_type_name(videos)}", "wrong_type")
+        return None
+    for i, v in enumerate(videos):
+        frames = v if isinstance(v, (list, tuple)) else [v]
+        where = "" if field_name == "video" else f"item {i}: "
+        if not frames or not all(isinstance(p, str) and p.strip() for p in frames):
+            bad(
+                field_name,
+                f"{where}expected a video file path or a non-empty list of frame image paths, got {_describe_image_value(v)}",
+                "wrong_type",
+            )
+            return None
+        if isinstance(v, str) and not v.lower().endswith(VIDEO_SUFFIXES):
+            bad(field_name, f"{where}{v!r} is not a video file ({', '.join(VIDEO_SUFFIXES)}); give frames as a list of image paths", "wrong_type")
+            return None
+    return [list(v) if isinstance(v, (list, tuple)) else v for v in videos]
+
+
+def _check_video_file(path: str, decode: bool) -> tuple[str, str] | None:
+    """(kind, reason) when a video file is unusable: missing, or (decode) a header PyAV cannot read or no frames."""
+    from .video import VideoError, video_header
+
+    if not os.path.isfile(path):
+        return "missing_video", f"file not found: {path}"
+    if not decode:
+        return None
+    try:
+        frames, _, width, height = video_header(path)
+    except VideoError as e:
+        return "bad_video", str(e)
+    if frames < 1 or width < 1 or height < 1:
+        return "bad_video", f"{path}: the video has no frames"
+    return None
+
+
 def _describe_image_value(value: Any) -> str:
     if isinstance(value, dict) and ("bytes" in value or "path" in value):
         return "an image struct with neither bytes nor path"
@@ -571,6 +632,10 @@ def _type_name(value: Any) -> str:
 def _resolve(path: str, base: Path) -> str:
     p = Path(path).expanduser()
     return os.path.abspath(p if p.is_absolute() else base / p)
+
+
+def _frame_paths(videos: list) -> list[str]:
+    return [p for v in videos if isinstance(v, list) for p in v]
 
 
 def _check_image(path: str, decode: bool, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[str, str] | tuple[int, int] | None:
@@ -751,7 +816,10 @@ class ImageCache:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "images": len(self._items), "bytes": self.bytes}
 
 
-def _image_bytes(image: Image.Image) -> int:
+def _image_bytes(image) -> int:
+    """Bytes of a decoded image, or of a video's frames (video.Video)."""
+    if hasattr(image, "frames"):
+        return sum(_image_bytes(f) for f in image.frames)
     return image.width * image.height * len(image.getbands())
 
 
@@ -768,6 +836,52 @@ def shared_image_cache(budget_mb: float) -> ImageCache | None:
     if _shared_cache is None or _shared_cache.budget_bytes != budget:
         _shared_cache = ImageCache(budget)
     return _shared_cache
+
+
+def load_video(
+    source: str | list[str],
+    *,
+    max_frames: int,
+    fps: float,
+    min_pixels: int | None,
+    max_pixels: int | None,
+    cache=None,
+) -> "Video":  # noqa: F821 - video.Video, imported where used (video.py needs numpy/torch)
+    """A row's video: sampled frames of one size (area within [min_pixels, max_pixels]) and its sampling rate.
+
+    source: a video file path, or a list of image paths (the frames at `fps`, sampled evenly down to max_frames).
+    cache: ImageCache; a video decoded before with the same file(s) and settings comes from memory."""
+    from .video import Video, decode_frames, sample_indices, video_header
+
+    key = _video_cache_key(source, max_frames, fps, min_pixels, max_pixels) if cache is not None else None
+    video = cache.get(key) if key is not None else None
+    if video is not None:
+        return video
+    if isinstance(source, (list, tuple)):
+        indices = sample_indices(len(source), fps, fps, max_frames)
+        frames = [_decode_resized(source[i], None, None, 10**12) for i in indices]
+        duration = len(source) / fps
+    else:
+        total, rate, _, _ = video_header(source)
+        indices = sample_indices(total, rate, fps, max_frames)
+        frames = decode_frames(source, indices)
+        duration = total / rate if rate else len(indices) / fps
+    size = target_size(frames[0].width, frames[0].height, min_pixels, max_pixels)
+    frames = tuple(f if f.size == size else f.resize(size, Image.Resampling.BICUBIC) for f in frames)
+    sampled_fps = len(frames) / duration if duration > 0 else fps
+    video = Video(frames=frames, sampled_fps=sampled_fps, seconds_per_patch=2 / sampled_fps)
+    if key is not None:
+        cache.put(key, video)
+    return video
+
+
+def _video_cache_key(source, max_frames, fps, min_pixels, max_pixels) -> tuple | None:
+    paths = list(source) if isinstance(source, (list, tuple)) else [source]
+    try:
+        ident = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+    except OSError:
+        return None
+    return ("video", ident, max_frames, fps, min_pixels, max_pixels)
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

@@ -20,7 +20,7 @@ from .config import LOGPROB_CHUNK_TOKENS
 from .models import unwrap
 
 # Keys of an encoded prompt batch that are bookkeeping, not model inputs.
-NON_MODEL_KEYS = ("images_per_row", "image_num_patches")
+NON_MODEL_KEYS = ("images_per_row", "videos_per_row", "image_num_patches")
 
 
 def model_inputs(batch: dict) -> dict:

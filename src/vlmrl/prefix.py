@@ -42,9 +42,11 @@ from .models import unwrap
 
 
 def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: bool = False) -> bool:
-    """True when the shared-prefix path applies: a tested family, no videos, and (for a forward that
-    keeps gradients) no gradient checkpointing in training mode."""
-    if grouped_family(model) is None or prompt_batch.get("pixel_values_videos") is not None:
+    """True when the shared-prefix path applies: a tested family (with videos: Qwen2-VL / Qwen2.5-VL, whose prefill
+    encodes each prompt's videos once), and (for a forward that keeps gradients) no gradient checkpointing in
+    training mode."""
+    family = grouped_family(model)
+    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family != "qwen"):
         return False
     core = unwrap(model)
     checkpointing = getattr(core, "is_activation_checkpointing", None)
@@ -121,7 +123,7 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     inner = core.model
     mm_types = prompt_batch.get("mm_token_type_ids")
     if mm_types is None:
-        mm_types = (input_ids == core.config.image_token_id).long()
+        mm_types = (input_ids == core.config.image_token_id).long() + 2 * (input_ids == getattr(core.config, "video_token_id", -1)).long()
     position_ids, _ = inner.get_rope_index(
         **_accepted(
             inner.get_rope_index,
@@ -129,7 +131,8 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
                 "input_ids": input_ids,
                 "mm_token_type_ids": mm_types,
                 "image_grid_thw": prompt_batch.get("image_grid_thw"),
-                "video_grid_thw": None,
+                "video_grid_thw": prompt_batch.get("video_grid_thw"),
+                "second_per_grid_ts": prompt_batch.get("second_per_grid_ts"),
                 "attention_mask": prompt_batch["attention_mask"],
             },
         )

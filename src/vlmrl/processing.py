@@ -29,10 +29,12 @@ from .models import ModelLoadError
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches")
+# Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
 NESTED_IMAGE_PROCESSORS = ("Gemma3Processor", "OnevisionImageProcessor", "LlavaOnevisionProcessor")
 # Keys that are bookkeeping for vlmrl, never passed to the model.
-BOOKKEEPING_KEYS = ("images_per_row",)
+BOOKKEEPING_KEYS = ("images_per_row", "videos_per_row")
 
 
 class ProcessorLoadError(ModelLoadError):
@@ -49,8 +51,9 @@ class QwenImageProcessor:
     expanded to grid_t*grid_h*grid_w / merge_size**2 copies, and `mm_token_type_ids` is returned.
     """
 
-    def __init__(self, tokenizer, image_processor, chat_template: str | None = None):
+    def __init__(self, tokenizer, image_processor, chat_template: str | None = None, model_type: str | None = None):
         self.tokenizer = tokenizer
+        self.model_type = model_type  # qwen2_5_vl: videos also carry second_per_grid_ts
         self.image_processor = image_processor
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
@@ -61,8 +64,12 @@ class QwenImageProcessor:
     def __repr__(self) -> str:
         return f"QwenImageProcessor(image_processor={type(self.image_processor).__name__}, tokenizer={len(self.tokenizer)} tokens)"
 
-    def __call__(self, text=None, images=None, padding=True, return_tensors="pt", **kwargs):
+    def __call__(self, text=None, images=None, videos=None, padding=True, return_tensors="pt", second_per_grid_ts=None, **kwargs):
+        """videos: one list of PIL frames per video (already sampled); second_per_grid_ts: seconds per temporal
+        patch of each video (Qwen2.5-VL's time-aligned M-RoPE), returned as given."""
         from transformers import BatchFeature
+
+        from .video import qwen_video_patches
 
         texts = [text] if isinstance(text, str) else list(text)
         flat = _flatten_images(images)
@@ -70,9 +77,18 @@ class QwenImageProcessor:
         if flat:
             image_inputs = self.image_processor(images=flat, return_tensors="pt")
             data.update(image_inputs)
-            texts = self._expand_image_tokens(texts, image_inputs["image_grid_thw"])
+            texts = self._expand_image_tokens(texts, image_inputs["image_grid_thw"], self.image_token)
         elif any(self.image_token in t for t in texts):
             raise ValueError(f"prompt has {self.image_token} placeholders but no images were given")
+        if videos:
+            patches, grids = zip(*(qwen_video_patches(frames, self.image_processor) for frames in videos))
+            data["pixel_values_videos"] = torch.cat(patches)
+            data["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+            if second_per_grid_ts is not None:
+                data["second_per_grid_ts"] = torch.tensor(second_per_grid_ts, dtype=torch.float32)
+            texts = self._expand_image_tokens(texts, data["video_grid_thw"], self.video_token)
+        elif any(self.video_token in t for t in texts):
+            raise ValueError(f"prompt has {self.video_token} placeholders but no videos were given")
         enc = self.tokenizer(texts, padding=padding, return_tensors=return_tensors, **kwargs)
         ids = enc["input_ids"]
         mm = torch.zeros_like(ids) if torch.is_tensor(ids) else None
@@ -82,22 +98,23 @@ class QwenImageProcessor:
         data = {**enc, "mm_token_type_ids": mm, **data}
         return BatchFeature(data)
 
-    def _expand_image_tokens(self, texts: list[str], grid_thw: torch.Tensor) -> list[str]:
-        """Replace the i-th `<|image_pad|>` (counting over the whole batch) by its token count."""
+    def _expand_image_tokens(self, texts: list[str], grid_thw: torch.Tensor, token: str) -> list[str]:
+        """Replace the i-th `token` placeholder (counting over the whole batch) by its image's or video's token count."""
         merge = self.image_processor.merge_size**2
         counts = [int(g.prod()) // merge for g in grid_thw]
-        n_placeholders = sum(t.count(self.image_token) for t in texts)
+        n_placeholders = sum(t.count(token) for t in texts)
         if n_placeholders != len(counts):
-            raise ValueError(f"{n_placeholders} {self.image_token} placeholders in the prompts but {len(counts)} images")
+            what = "videos" if token == self.video_token else "images"
+            raise ValueError(f"{n_placeholders} {token} placeholders in the prompts but {len(counts)} {what}")
         marker = "\x00IMG\x00"  # a placeholder that cannot be re-expanded while we substitute
         it = iter(counts)
         out = []
         for t in texts:
-            parts = t.split(self.image_token)
+            parts = t.split(token)
             pieces = [parts[0]]
             for part in parts[1:]:
                 pieces += [marker * next(it), part]
-            out.append("".join(pieces).replace(marker, self.image_token))
+            out.append("".join(pieces).replace(marker, token))
         return out
 
     def apply_chat_template(self, conversation, chat_template: str | None = None, **kwargs):
@@ -165,7 +182,7 @@ def _qwen_fallback(path: str, trust_remote_code: bool, local_files_only: bool) -
     image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
     if not hasattr(image_processor, "merge_size"):
         raise ProcessorLoadError(f"{path}: image processor {type(image_processor).__name__} has no merge_size; not a Qwen-VL image processor")
-    return QwenImageProcessor(tokenizer, image_processor, _read_chat_template(path) or tokenizer.chat_template)
+    return QwenImageProcessor(tokenizer, image_processor, _read_chat_template(path) or tokenizer.chat_template, _model_type(path))
 
 
 def _is_full_processor(obj) -> bool:
@@ -241,42 +258,81 @@ def load_processor(
 # ---------------------------------------------------------------- prompts and batches
 
 
-def build_prompt(processor, problem: str, num_images: int, system_prompt: str | None = None) -> str:
-    """Chat-template text: optional system message, one user turn (images first), generation prompt."""
+def build_prompt(processor, problem: str, num_images: int, system_prompt: str | None = None, num_videos: int = 0) -> str:
+    """Chat-template text: optional system message, one user turn (images, then videos, first), generation prompt."""
     from .rewards import prompt_messages
 
-    messages = prompt_messages(problem, num_images, system_prompt)
+    messages = prompt_messages(problem, num_images, system_prompt, num_videos)
     template_owner = processor if getattr(processor, "chat_template", None) else _tokenizer_of(processor)
     if not getattr(template_owner, "chat_template", None):
         raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")
     return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompts(processor, texts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
-    """Left-padded batch of prompts with their images (images[i] = the PIL images of row i)."""
+def encode_prompts(processor, texts: list[str], images: list[list], videos: list[list] | None = None) -> dict[str, torch.Tensor]:
+    """Left-padded batch of prompts with their images (images[i] = the PIL images of row i) and videos
+    (videos[i] = row i's videos, each a `video.Video`: sampled frames and seconds per temporal patch)."""
     if len(texts) != len(images):
         raise ValueError(f"encode_prompts: {len(texts)} texts but {len(images)} image lists")
+    videos = videos if videos is not None else [[] for _ in texts]
     flat = [img for row in images for img in row]
     kwargs = {"text": list(texts), "padding": True, "return_tensors": "pt"}
     if flat:
         # Some processors (Gemma 3) count images per prompt and need them nested per row; the others take them flat.
         kwargs["images"] = [list(row) for row in images] if type(processor).__name__ in NESTED_IMAGE_PROCESSORS else flat
+    flat_videos = [v for row in videos for v in row]
+    if flat_videos:
+        kwargs.update(video_kwargs(processor, flat_videos))
     batch = dict(processor(**kwargs))
     batch["images_per_row"] = torch.tensor([len(row) for row in images], dtype=torch.long)
+    if flat_videos:
+        batch["videos_per_row"] = torch.tensor([len(row) for row in videos], dtype=torch.long)
     return batch
 
 
+def video_support(processor) -> str | None:
+    """None when vlmrl feeds this processor video rows, else why not (one clause)."""
+    if isinstance(processor, QwenImageProcessor):
+        if processor.model_type in VIDEO_MODEL_TYPES:
+            return None
+        return f"video rows work with {' and '.join(VIDEO_MODEL_TYPES)} models here, not {processor.model_type}"
+    if type(processor).__name__ in VIDEO_PROCESSORS:
+        return None
+    return f"{type(processor).__name__} takes no video rows here; video rows work with Qwen2-VL and Qwen2.5-VL"
+
+
+def video_kwargs(processor, videos: list) -> dict:
+    """The processor's video arguments for already-sampled frames: the stand-in takes the frames and seconds per
+    temporal patch; transformers' Qwen-VL processors take the frames with sampling off and the sampled rate."""
+    reason = video_support(processor)
+    if reason:
+        raise ValueError(reason)
+    frames = [list(v.frames) for v in videos]
+    if isinstance(processor, QwenImageProcessor):
+        seconds = [v.seconds_per_patch for v in videos] if processor.model_type == "qwen2_5_vl" else None
+        return {"videos": frames, "second_per_grid_ts": seconds}
+    return {"videos": frames, "videos_kwargs": {"do_sample_frames": False, "fps": [v.sampled_fps for v in videos]}}
+
+
+# transformers processors whose video path vlmrl feeds (frames it sampled itself), and the model types that take video
+# rows (Qwen3-VL's processor also writes per-frame timestamps into the text: not done here yet).
+VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
 def vision_keys(batch: dict) -> list[str]:
-    """Keys of an encoded batch whose first dimension indexes images or patches, not rows."""
-    return [k for k in batch if k in VISION_KEYS]
+    """Keys of an encoded batch whose first dimension indexes images, videos or their patches, not rows."""
+    return [k for k in batch if k in VISION_KEYS or k in VIDEO_KEYS]
 
 
 def _per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
-    """Split a vision tensor into one piece per image (Qwen-VL patches via image_grid_thw)."""
+    """Split a vision tensor into one piece per image or video (Qwen-VL patches via image/video_grid_thw)."""
     value = batch[key]
     if key == "pixel_values" and "image_grid_thw" in batch:
         sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
         return list(torch.split(value, sizes, dim=0))
+    if key == "pixel_values_videos":
+        return list(torch.split(value, batch["video_grid_thw"].prod(dim=-1).tolist(), dim=0))
     if key == "pixel_values" and "image_num_patches" in batch:  # InternVL: every image's tiles, concatenated
         return list(torch.split(value, batch["image_num_patches"].tolist(), dim=0))
     return list(value.unbind(0)) if value.shape[0] else []
@@ -297,16 +353,17 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
         if vision_keys(batch):
             raise KeyError("select_rows: batch has vision inputs but no images_per_row; build it with encode_prompts")
         per_row = torch.zeros(n_rows, dtype=torch.long)
-    starts = torch.cumsum(per_row, 0) - per_row
-    image_order = [i for r in idx.tolist() for i in range(int(starts[r]), int(starts[r] + per_row[r]))]
+    image_order = _item_order(per_row, idx)
+    videos_per_row = batch.get("videos_per_row")
+    video_order = _item_order(videos_per_row, idx) if videos_per_row is not None else []
 
     out = {}
     for key, value in batch.items():
-        if key in VISION_KEYS:
+        if key in VISION_KEYS or key in VIDEO_KEYS:
             chunks = _per_image_chunks(batch, key)
-            picked = [chunks[i] for i in image_order]
+            picked = [chunks[i] for i in (video_order if key in VIDEO_KEYS else image_order)]
             if picked:
-                flat = key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
+                flat = key == "pixel_values_videos" or (key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch))
                 out[key] = torch.cat(picked) if flat else torch.stack(picked)
         elif torch.is_tensor(value) and value.ndim and value.shape[0] == n_rows:
             out[key] = value.index_select(0, idx.to(value.device))
@@ -314,6 +371,12 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
             out[key] = value
     out["images_per_row"] = per_row.index_select(0, idx.to(per_row.device))
     return out
+
+
+def _item_order(per_row: torch.Tensor, rows: torch.Tensor) -> list[int]:
+    """Indices of the images (or videos) of `rows`, in row order, given each row's count."""
+    starts = torch.cumsum(per_row, 0) - per_row
+    return [i for r in rows.tolist() for i in range(int(starts[r]), int(starts[r] + per_row[r]))]
 
 
 def decode(processor, ids, skip_special_tokens: bool = True) -> list[str]:

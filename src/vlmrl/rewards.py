@@ -379,13 +379,14 @@ def conversational_completions(texts: list[str]) -> list[list[dict]]:
     return [[{"role": "assistant", "content": text}] for text in texts]
 
 
-def prompt_messages(problem: str, num_images: int, system_prompt: str | None = None) -> list[dict]:
-    """The chat a row becomes (optional system message, one user turn with its images first), as TRL hands
-    a conversational prompt to reward functions. `processing.build_prompt` renders this same list."""
+def prompt_messages(problem: str, num_images: int, system_prompt: str | None = None, num_videos: int = 0) -> list[dict]:
+    """The chat a row becomes (optional system message, one user turn with its images and videos first), as TRL
+    hands a conversational prompt to reward functions. `processing.build_prompt` renders this same list."""
     messages = []
     if system_prompt:
         messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": problem}]
+    media = [{"type": "image"} for _ in range(num_images)] + [{"type": "video"} for _ in range(num_videos)]
+    content = media + [{"type": "text", "text": problem}]
     messages.append({"role": "user", "content": content})
     return messages
 
@@ -407,7 +408,7 @@ def reward_inputs(
     prompts = []
     for row in rows:
         n = len(row.get("images") or [])
-        messages = prompt_messages(row["problem"], min(n, limit_images) if limit_images else n, system_prompt)
+        messages = prompt_messages(row["problem"], min(n, limit_images) if limit_images else n, system_prompt, len(row.get("videos") or []))
         prompts += [messages] * repeats
     return prompts, conversational_completions(texts)
 

@@ -148,22 +148,42 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
         reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
+    refuse_videos_without_support(train_rows, eval_rows, processor, cfg)
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+
+
+def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:
+    """Video rows for a model whose processor vlmrl cannot feed videos: one line before any training, naming a row."""
+    from .data import DataError
+    from .processing import video_support
+
+    with_video = [r for r in [*train_rows, *eval_rows] if r.get("videos")]
+    if not with_video:
+        return
+    reason = video_support(processor if processor is not None else configured_processor(cfg))
+    if reason:
+        raise DataError(f"{with_video[0].get('_source', '?')} and {len(with_video) - 1} more rows have videos, but {reason}")
 
 
 def image_shape_check(cfg: Config, processor=None):
     """The check of image sizes against the model's image processor (processing.ImageShapeCheck)."""
-    from .processing import ImageShapeCheck, load_processor
+    from .processing import ImageShapeCheck
 
-    if processor is None:
-        processor = load_processor(
-            resolve_model_path(cfg.model.name_or_path),
-            trust_remote_code=cfg.model.trust_remote_code,
-            min_pixels=cfg.data.min_pixels,
-            max_pixels=cfg.data.max_pixels,
-            local_files_only=not cfg.model.allow_hub_download,
-        )
+    processor = processor if processor is not None else configured_processor(cfg)
     return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
+
+
+def configured_processor(cfg: Config):
+    """The model folder's processor with the configured pixel bounds."""
+    from .processing import load_processor
+
+    return load_processor(
+        resolve_model_path(cfg.model.name_or_path),
+        trust_remote_code=cfg.model.trust_remote_code,
+        min_pixels=cfg.data.min_pixels,
+        max_pixels=cfg.data.max_pixels,
+        local_files_only=not cfg.model.allow_hub_download,
+    )
 
 
 def record_bad_rows(cfg: Config, split: str, report) -> str:
@@ -197,12 +217,25 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
     images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
-    texts = [build_prompt(processor, r["problem"], len(imgs), cfg.data.system_prompt) for r, imgs in zip(rows, images)]
+    videos = [[_load_row_video(r, v, d, cache) for v in r.get("videos") or []] for r in rows]
+    texts = [build_prompt(processor, r["problem"], len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
     try:
-        batch = encode_prompts(processor, texts, images)
+        batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
     except ValueError as e:  # what validation could not foresee still names the rows
         raise _rows_error(rows, images, e) from e
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _load_row_video(row: dict, source, d, cache):
+    """One video of a row (video.load_video under data.max_frames / fps / video_max_pixels); errors name the row."""
+    from .data import DataError
+    from .data import load_video
+    from .video import VideoError
+
+    try:
+        return load_video(source, max_frames=d.max_frames, fps=d.fps, min_pixels=None, max_pixels=d.video_max_pixels, cache=cache)
+    except (VideoError, DataError) as e:
+        raise DataError(f"{row.get('_source', '?')}: video: {e}") from e
 
 
 def _rows_error(rows: list[dict], images: list[list], error: Exception):
