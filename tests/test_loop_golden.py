@@ -83,7 +83,9 @@ def test_loop_matches_golden(case, tiny_qwen25vl, data, tmp_path):
     assert len(got["steps"]) == len(want["steps"]) == 2
     for g, w in zip(got["steps"], want["steps"]):
         for key in w:
-            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-7), (case, key)
+            # 1e-3: a machine with other CPU kernels moved one KL value by 1.5e-4 (AMD EPYC vs the recording machine, same
+            # packages); a change in what the loop computes moves these values by far more.
+            assert g[key] == pytest.approx(w[key], rel=1e-3, abs=1e-7), (case, key)
     assert got["weight_abs_sum"] == pytest.approx(want["weight_abs_sum"], rel=1e-6)
 
 
