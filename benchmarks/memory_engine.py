@@ -4,6 +4,7 @@
     python benchmarks/memory_engine.py --device cuda         # on a GPU (peak = torch.cuda.max_memory_allocated)
     python benchmarks/memory_engine.py --quick               # small sizes, checks the harness in a minute
     python benchmarks/memory_engine.py --family qwen3-vl     # tiny Qwen3-VL (DeepStack, patch 16: 196 tokens per 448px image)
+    python benchmarks/memory_engine.py --video 16            # one 16-frame video per prompt instead of an image (mp4, PyAV)
 
 Workload (issue 4, part 8): tiny Qwen2.5-VL with a Qwen-size vocabulary (151,936), image-heavy prompts
 (448x448 images -> 256 image tokens each), completions forced to 64 tokens (rollout.min_completion_length),
@@ -49,7 +50,7 @@ FAMILIES = {
     "qwen2.5-vl": "Qwen2.5-VL",
     "qwen3-vl": "Qwen3-VL",
     "qwen3-vl-moe": "Qwen3-VL-MoE (4 experts, top-2)",
-    "llava-onevision": "LLaVA-OneVision (anyres: 28 px SigLIP tiles, up to 3x3 + base; fast paths fall back to the naive path)",
+    "llava-onevision": "LLaVA-OneVision (anyres: 28 px SigLIP tiles, up to 3x3 + base)",
 }
 
 
@@ -66,6 +67,39 @@ def build_model(folder: Path, vocab: int, quick: bool, family: str = "qwen2.5-vl
     if not (folder / "config.json").exists():
         builder(folder, vocab_size=vocab, max_pixels=448 * 448 if not quick else 224 * 224)
     return folder
+
+
+def write_video_rows(folder: Path, frames: int, side: int, rows: int = 8) -> Path:
+    """`rows` data rows, each one `frames`-frame side x side mp4 (random colour blocks, 2 frames per second, so
+    data.fps=2 keeps every frame) asking for the answer format only; returns the jsonl."""
+    import av
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(rows):
+        path = folder / f"clip{i}.mp4"
+        if not path.exists():
+            rng = np.random.default_rng(i)
+            with av.open(str(path), "w") as container:
+                stream = container.add_stream("mpeg4", rate=2)
+                stream.width = stream.height = side
+                stream.pix_fmt = "yuv420p"
+                for _ in range(frames):
+                    blocks = rng.integers(0, 255, (side // 16, side // 16, 3), dtype=np.uint8)
+                    frame = np.kron(blocks, np.ones((16, 16, 1), dtype=np.uint8))
+                    for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                        container.mux(packet)
+                for packet in stream.encode():
+                    container.mux(packet)
+        lines.append(json.dumps({"video": str(path), "problem": "What happens in the video?", "solution": "0"}))
+    out = folder / "rows.jsonl"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def video_overrides(args) -> list[str]:
+    return [f"data.train_path={args.data}", "data.eval_path=", f"data.max_frames={args.video}", f"data.video_max_pixels={args.side * args.side}"]
 
 
 def run_one(args) -> dict:
@@ -98,6 +132,7 @@ def run_one(args) -> dict:
         "data.task_train_size=32",
         "data.task_test_size=0",
         f"data.max_pixels={args.side * args.side}",
+        *(video_overrides(args) if args.video else []),
         "algorithm.reward_funcs=[answer_format]",
         "logging.progress_bar=false",
         "logging.tensorboard=false",
@@ -159,6 +194,8 @@ def main() -> int:
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--side", type=int, default=448)
     ap.add_argument("--family", default="qwen2.5-vl", choices=list(FAMILIES), help="tiny model family (vlmrl tiny names)")
+    ap.add_argument("--video", type=int, default=0, help="frames of one video per prompt (side x side mp4s) instead of an image")
+    ap.add_argument("--data", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         run_one(a)
@@ -170,6 +207,7 @@ def main() -> int:
     work = Path(a.work)
     model = build_model(work / f"model-{a.family}-v{vocab}", vocab, a.quick, a.family)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    data = write_video_rows(work / f"videos-{a.video}-{a.side}", a.video, a.side) if a.video else None
     results = []
     for name, flags in ROWS:
         cmd = [
@@ -194,6 +232,9 @@ def main() -> int:
             str(a.completion),
             "--side",
             str(a.side),
+            "--video",
+            str(a.video),
+            *(["--data", str(data)] if data else []),
         ]
         subprocess.run(["rm", "-rf", str(work / f"run-{len(results)}")], check=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -241,6 +282,7 @@ def main() -> int:
         "family": a.family,
         "vocab": vocab,
         "image_side": a.side,
+        "video_frames": a.video,
         "completion": a.completion,
         "G": a.g,
         "prompts_per_step": 2,
@@ -252,7 +294,7 @@ def main() -> int:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    family_tag = "" if a.family == "qwen2.5-vl" else f"_{a.family}"
+    family_tag = ("" if a.family == "qwen2.5-vl" else f"_{a.family}") + (f"_video{a.video}" if a.video else "")
     stem = out / f"memory_engine_{device_name}_{date}{family_tag}{'_quick' if a.quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results, "summary": summary}, indent=2))
     peak_label = "GPU peak allocated (GiB)" if a.device.startswith("cuda") else "peak RSS (GiB)"
@@ -260,7 +302,9 @@ def main() -> int:
         f"# Memory engine, part by part ({device_name}, {date})",
         "",
         f"`{meta['command']}` — torch {meta['torch']}, transformers {meta['transformers']}, {meta['cpu_count']} CPUs.",
-        f"Tiny {FAMILIES[a.family]}, vocab {vocab:,}, {a.side}x{a.side} images, completion {a.completion} (forced), G={a.g}, "
+        f"Tiny {FAMILIES[a.family]}, vocab {vocab:,}, "
+        + (f"one {a.video}-frame {a.side}x{a.side} video per prompt (a video counts as one vision image)" if a.video else f"{a.side}x{a.side} images")
+        + f", completion {a.completion} (forced), G={a.g}, "
         f"2 prompts/step, fp32; median of {a.steps} steps after {a.warmup} warm-up.",
         "",
         f"| configuration | step (s) | rollout (s) | update (s) | {peak_label} | peak over loaded model (GiB) | vision images / step |",

@@ -80,12 +80,12 @@ def test_tiny_cli_builds_a_folder_the_normal_model_path_loads(tmp_path):
 
 def test_fallback_is_logged_once_with_its_reason(caplog):
     with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
-        log_fallback("internvl")
-        log_fallback("internvl")
+        log_fallback("smolvlm")
+        log_fallback("smolvlm")
         log_fallback("some_new_vlm")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert "internvl" in lines[0] and "pixel-shuffle" in lines[0]
+    assert "smolvlm" in lines[0] and "image splitting" in lines[0]
     assert "some_new_vlm" in lines[1] and "no fast path is implemented" in lines[1]
 
 

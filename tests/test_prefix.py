@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from test_logprobs import FAMILIES, G, LENGTHS, LOOSE_GRADS, assert_grads_close, completions, loss_and_grads, model_cfg, prompt_batch
+from test_logprobs import FAMILIES, G, LENGTHS, LOOSE_GRADS, assert_grads_close, completions, loss_and_grads, model_cfg, prompt_batch, vision_units
 
 from vlmrl.logprobs import completion_logps, vision_encode_counter
 from vlmrl.models import load_model, vision_tower
@@ -75,7 +75,7 @@ def test_sampled_rollout_prefills_once_and_stays_valid(family):
     torch.manual_seed(3)
     again = _prefix_generate(model, processor, prompts, G, **kw)
     assert torch.equal(ours.ids, again.ids)
-    assert our_calls.images == sum(FAMILIES[name]) and our_calls.calls == 1
+    assert our_calls.images == vision_units(model, prompts) and our_calls.calls == 1
     n_prompts, prompt_len = prompts["input_ids"].shape
     assert hf_tokens.first == G * n_prompts * prompt_len  # prefill of G copies
     assert our_tokens.first == n_prompts * prompt_len  # prefill of one copy
@@ -137,7 +137,7 @@ def test_prefix_logps_equal_naive_values_and_grads(family):
     m = mask.bool()
     torch.testing.assert_close(ours[m], naive[m], rtol=0, atol=1e-5)
     assert_grads_close(g_naive, g_ours, loose=LOOSE_GRADS if name.startswith("tiny_qwen35") else None)
-    assert calls.images == sum(per_prompt)
+    assert calls.images == vision_units(model, prompts)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision_tower(model).parameters())
 
 

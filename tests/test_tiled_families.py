@@ -1,8 +1,6 @@
 """Tiled image families, LLaVA-OneVision (anyres) and InternVL (dynamic tiles): image tokens per image vary with its
 size. The image-only processor stand-ins, per-row slicing of a batch whose images have different tile counts, and
-the documented naive-path fallback."""
-
-import logging
+the fast paths (grouped vision, shared prefix) against the naive path on them."""
 
 import numpy as np
 import pytest
@@ -73,14 +71,40 @@ def test_rows_sliced_from_a_mixed_batch_equal_each_row_alone(tiled):
             torch.testing.assert_close(together[i, :n], alone[0, :n], rtol=1e-4, atol=1e-5)
 
 
-def test_fast_paths_fall_back_to_the_naive_path_with_the_reason(tiled, caplog):
-    from vlmrl import families
+def _mixed_batch(processor, seed=0):
+    """Three prompts of differently tiled images (one of them with two images)."""
+    images = pictures([(80, 30), (25, 70), (56, 56), (120, 80)], seed)
+    rows = [[images[0]], [images[1], images[2]], [images[3]]]
+    texts = [build_prompt(processor, f"what is in picture {i}?", len(r)) for i, r in enumerate(rows)]
+    return encode_prompts(processor, texts, rows)
+
+
+@pytest.mark.integration
+def test_grouped_and_shared_prefix_equal_naive_on_mixed_tiles(tiled):
+    """Each prompt's images tiled differently (anyres grids / tile counts): the grouped path (one vision pass per
+    prompt, features gathered per row through mm_encoder_outputs) and the shared prefix give the naive path's
+    log-probs and every gradient, vision tower included; the tower sees each prompt's tiles once; greedy rollout
+    with the shared prefix equals HF generate token for token."""
+    from test_logprobs import LENGTHS, assert_grads_close, loss_and_grads
+
+    from vlmrl.logprobs import completion_logps_grouped, vision_encode_counter
+    from vlmrl.prefix import completion_logps_prefix
+    from vlmrl.rollout import generate
 
     model, processor = tiled
-    assert grouped_family(model) is None
-    assert not prefix_supported(model, batch_of(processor, [0], pictures(SIZES)))
-    model_type = model.config.model_type
-    families._logged.discard(model_type)
-    with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
-        families.log_fallback(model_type)
-    assert {"llava_onevision": "anyres", "internvl": "pixel-shuffle"}[model_type] in caplog.text
+    assert grouped_family(model) is not None
+    batch = _mixed_batch(processor)
+    assert prefix_supported(model, batch, needs_grad=True)
+    rows = torch.tensor([0, 0, 1, 1, 2, 2])
+    ids, mask = completions(processor, LENGTHS)
+    naive, g_naive = loss_and_grads(model, lambda: (completion_logps(model, select_rows(batch, rows), ids, mask), mask))
+    with vision_encode_counter(model) as calls:
+        grouped, g_grouped = loss_and_grads(model, lambda: (completion_logps_grouped(model, batch, rows, ids, mask), mask))
+    prefix, g_prefix = loss_and_grads(model, lambda: (completion_logps_prefix(model, batch, rows, ids, mask), mask))
+    for got, grads in ((grouped, g_grouped), (prefix, g_prefix)):
+        torch.testing.assert_close(got * mask, naive * mask, rtol=1e-5, atol=1e-5)
+        assert_grads_close(g_naive, grads)
+    assert calls.calls == 1
+    hf = generate(model, processor.tokenizer, batch, num_generations=1, max_new_tokens=10, shared_prefix=False, do_sample=False)
+    ours = generate(model, processor.tokenizer, batch, num_generations=1, max_new_tokens=10, shared_prefix=True, do_sample=False)
+    assert torch.equal(ours.ids, hf.ids) and ours.ids.shape[1] > 1

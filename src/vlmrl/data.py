@@ -860,16 +860,18 @@ def load_video(
     if isinstance(source, (list, tuple)):
         indices = sample_indices(len(source), fps, fps, max_frames)
         frames = [_decode_resized(source[i], None, None, 10**12) for i in indices]
-        duration = len(source) / fps
+        duration, rate = len(source) / fps, fps
     else:
         total, rate, _, _ = video_header(source)
         indices = sample_indices(total, rate, fps, max_frames)
         frames = decode_frames(source, indices)
         duration = total / rate if rate else len(indices) / fps
+        rate = rate or fps
     size = target_size(frames[0].width, frames[0].height, min_pixels, max_pixels)
     frames = tuple(f if f.size == size else f.resize(size, Image.Resampling.BICUBIC) for f in frames)
     sampled_fps = len(frames) / duration if duration > 0 else fps
-    video = Video(frames=frames, sampled_fps=sampled_fps, seconds_per_patch=2 / sampled_fps)
+    seconds = tuple(i / rate for i in indices)
+    video = Video(frames=frames, sampled_fps=sampled_fps, seconds_per_patch=2 / sampled_fps, frame_seconds=seconds)
     if key is not None:
         cache.put(key, video)
     return video

@@ -14,8 +14,6 @@ logger = logging.getLogger("vlmrl.families")
 
 # model_type -> why it takes the naive path (families not listed: "no fast path implemented for it").
 FALLBACK_REASONS = {
-    "llava_onevision": "LLaVA-OneVision anyres tiling (variable tokens per image) is not handled by the grouped path",
-    "internvl": "InternVL's pixel-shuffle projector path is not equivalence-tested yet",
     "smolvlm": "SmolVLM's image splitting is not equivalence-tested yet",
     "idefics3": "Idefics3's image splitting is not equivalence-tested yet",
 }

@@ -88,11 +88,14 @@ def completion_logps(
 QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
 QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GEMMA3_GROUPED_TYPES = ("gemma3",)
+# Tiled families: variable features per image (OneVision: anyres tiles + newline tokens, a tuple per image; InternVL:
+# 1-12 tiles + thumbnail, [tiles, tokens, H] with image_num_patches tiles per image).
+TILED_GROUPED_TYPES = {"llava_onevision": "onevision", "internvl": "internvl"}
 LLAVA_GROUPED_TYPES = ("llava",)
 # Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
 MROPE_FAMILIES = ("qwen", "qwen3")
 # Families whose grouped path hands the shared image features to the model's own forward (mm_encoder_outputs).
-ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3")
+ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3", "onevision", "internvl")
 
 
 def grouped_family(model: torch.nn.Module) -> str | None:
@@ -119,6 +122,8 @@ def grouped_family(model: torch.nn.Module) -> str | None:
         return "gemma3"
     if model_type in LLAVA_GROUPED_TYPES and hasattr(inner, "vision_tower"):
         return "llava"
+    if model_type in TILED_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+        return TILED_GROUPED_TYPES[model_type]
     log_fallback(model_type)
     return None
 
@@ -191,14 +196,16 @@ def completion_logps_grouped(
     | family (config.model_type)          | grouped path                                          |
     |-------------------------------------|-------------------------------------------------------|
     | qwen2_vl, qwen2_5_vl                | yes: shared features + get_rope_index position ids    |
-    | qwen3_vl, qwen3_vl_moe, qwen3_5     | yes: shared features (+ Qwen3-VL's DeepStack) handed to|
-    |                                     |  the model as mm_encoder_outputs (it builds           |
+    | qwen3_vl, qwen3_vl_moe, qwen3_5,    | yes: shared features (+ Qwen3-VL's DeepStack) handed to|
+    |  qwen3_5_moe                        |  the model as mm_encoder_outputs (it builds           |
     |                                     |  visual_pos_masks and its own M-RoPE positions)       |
     | gemma3                              | yes: shared features as mm_encoder_outputs (the model |
     |                                     |  builds its bidirectional image-block mask)           |
+    | llava_onevision, internvl           | yes: per-image (anyres) / per-tile features as        |
+    |                                     |  mm_encoder_outputs, gathered to the rows             |
     | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
-    | anything else (qwen3_5_moe,internvl,| no: falls back to the naive path on                   |
-    |  llava_onevision anyres, idefics)   |  select_rows(prompt_batch, row_prompt) (same values), |
+    | anything else (idefics, smolvlm...) | no: falls back to the naive path on                   |
+    |                                     |  select_rows(prompt_batch, row_prompt) (same values), |
     |                                     |  reason logged once (families.FALLBACK_REASONS)       |
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
     |  with videos (pixel_values_videos)  |                                                       |
@@ -313,6 +320,13 @@ def _gather_images(features, row_images: list[int]):
     return tuple(features[i] for i in row_images)
 
 
+def _tile_rows(row_images: list[int], tiles_per_image: torch.Tensor) -> list[int]:
+    """Tile indices of `row_images`, image after image (InternVL: image i is tiles start[i] .. start[i] + n[i] - 1)."""
+    counts = tiles_per_image.reshape(-1).tolist()
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [starts[i] + t for i in row_images for t in range(int(counts[i]))]
+
+
 def _encoder_outputs_grouped_hidden(
     inner: torch.nn.Module,
     prompt_batch: dict,
@@ -334,9 +348,13 @@ def _encoder_outputs_grouped_hidden(
     vision_in = {"pixel_values": prompt_batch["pixel_values"], "return_dict": True}
     if grid is not None:
         vision_in["image_grid_thw"] = grid
+    if prompt_batch.get("image_sizes") is not None:  # LLaVA-OneVision: anyres unpadding needs each image's size
+        vision_in["image_sizes"] = prompt_batch["image_sizes"]
+        vision_in["batch_num_images"] = per_prompt.tolist()
     out = inner.get_image_features(**vision_in)
     row_images = _row_images(row_prompt, per_prompt)
-    out.pooler_output = _gather_images(out.pooler_output, row_images)
+    tiles = prompt_batch.get("image_num_patches")  # InternVL: features are per tile; an image is its run of tiles
+    out.pooler_output = _gather_images(out.pooler_output, _tile_rows(row_images, tiles) if tiles is not None else row_images)
     if getattr(out, "deepstack_features", None) is not None:
         out.deepstack_features = [_gather_images(layer, row_images) for layer in out.deepstack_features]
     rows = row_prompt.to(prompt_batch["input_ids"].device)

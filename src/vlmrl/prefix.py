@@ -42,11 +42,11 @@ from .models import unwrap
 
 
 def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: bool = False) -> bool:
-    """True when the shared-prefix path applies: a tested family (with videos: Qwen2-VL / Qwen2.5-VL, whose prefill
+    """True when the shared-prefix path applies: a tested family (with videos: the Qwen-VL families, whose prefill
     encodes each prompt's videos once), and (for a forward that keeps gradients) no gradient checkpointing in
     training mode."""
     family = grouped_family(model)
-    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family != "qwen"):
+    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family not in MROPE_FAMILIES):
         return False
     core = unwrap(model)
     checkpointing = getattr(core, "is_activation_checkpointing", None)

@@ -44,6 +44,9 @@ class ProcessorLoadError(ModelLoadError):
 # ---------------------------------------------------------------- image-only Qwen-VL processor
 
 
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+
+
 class QwenImageProcessor:
     """Image-only stand-in for Qwen2VLProcessor / Qwen2_5_VLProcessor (no video, no torchvision).
 
@@ -64,9 +67,12 @@ class QwenImageProcessor:
     def __repr__(self) -> str:
         return f"QwenImageProcessor(image_processor={type(self.image_processor).__name__}, tokenizer={len(self.tokenizer)} tokens)"
 
-    def __call__(self, text=None, images=None, videos=None, padding=True, return_tensors="pt", second_per_grid_ts=None, **kwargs):
+    def __call__(
+        self, text=None, images=None, videos=None, padding=True, return_tensors="pt", second_per_grid_ts=None, video_timestamps=None, **kwargs
+    ):
         """videos: one list of PIL frames per video (already sampled); second_per_grid_ts: seconds per temporal
-        patch of each video (Qwen2.5-VL's time-aligned M-RoPE), returned as given."""
+        patch of each video (Qwen2.5-VL's time-aligned M-RoPE), returned as given; video_timestamps: each video's
+        patch mid-times (Qwen3-VL, Qwen3.5: `<t seconds>` and a vision start/end pair around each patch's tokens)."""
         from transformers import BatchFeature
 
         from .video import qwen_video_patches
@@ -86,7 +92,7 @@ class QwenImageProcessor:
             data["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
             if second_per_grid_ts is not None:
                 data["second_per_grid_ts"] = torch.tensor(second_per_grid_ts, dtype=torch.float32)
-            texts = self._expand_image_tokens(texts, data["video_grid_thw"], self.video_token)
+            texts = self._expand_image_tokens(texts, data["video_grid_thw"], self.video_token, video_timestamps)
         elif any(self.video_token in t for t in texts):
             raise ValueError(f"prompt has {self.video_token} placeholders but no videos were given")
         enc = self.tokenizer(texts, padding=padding, return_tensors=return_tensors, **kwargs)
@@ -98,22 +104,30 @@ class QwenImageProcessor:
         data = {**enc, "mm_token_type_ids": mm, **data}
         return BatchFeature(data)
 
-    def _expand_image_tokens(self, texts: list[str], grid_thw: torch.Tensor, token: str) -> list[str]:
-        """Replace the i-th `token` placeholder (counting over the whole batch) by its image's or video's token count."""
+    def _expand_image_tokens(self, texts: list[str], grid_thw: torch.Tensor, token: str, timestamps: list | None = None) -> list[str]:
+        """Replace the i-th `token` placeholder (counting over the whole batch) by its image's or video's tokens;
+        with `timestamps` (one list per video) each temporal patch's tokens are `<t seconds>` + vision start +
+        tokens + vision end, as transformers' Qwen3-VL processor writes them."""
         merge = self.image_processor.merge_size**2
-        counts = [int(g.prod()) // merge for g in grid_thw]
         n_placeholders = sum(t.count(token) for t in texts)
-        if n_placeholders != len(counts):
+        if n_placeholders != len(grid_thw):
             what = "videos" if token == self.video_token else "images"
-            raise ValueError(f"{n_placeholders} {token} placeholders in the prompts but {len(counts)} {what}")
+            raise ValueError(f"{n_placeholders} {token} placeholders in the prompts but {len(grid_thw)} {what}")
         marker = "\x00IMG\x00"  # a placeholder that cannot be re-expanded while we substitute
-        it = iter(counts)
+        replacements = []
+        for k, g in enumerate(grid_thw):
+            if timestamps is None:
+                replacements.append(marker * (int(g.prod()) // merge))
+                continue
+            per_patch = marker * (int(g[1:].prod()) // merge)
+            replacements.append("".join(f"<{t:.1f} seconds>{VISION_START}{per_patch}{VISION_END}" for t in timestamps[k]))
+        it = iter(replacements)
         out = []
         for t in texts:
             parts = t.split(token)
             pieces = [parts[0]]
             for part in parts[1:]:
-                pieces += [marker * next(it), part]
+                pieces += [next(it), part]
             out.append("".join(pieces).replace(marker, token))
         return out
 
@@ -298,7 +312,7 @@ def video_support(processor) -> str | None:
         return f"video rows work with {' and '.join(VIDEO_MODEL_TYPES)} models here, not {processor.model_type}"
     if type(processor).__name__ in VIDEO_PROCESSORS:
         return None
-    return f"{type(processor).__name__} takes no video rows here; video rows work with Qwen2-VL and Qwen2.5-VL"
+    return f"{type(processor).__name__} takes no video rows here; video rows work with the Qwen-VL families ({', '.join(VIDEO_MODEL_TYPES)})"
 
 
 def video_kwargs(processor, videos: list) -> dict:
@@ -310,14 +324,22 @@ def video_kwargs(processor, videos: list) -> dict:
     frames = [list(v.frames) for v in videos]
     if isinstance(processor, QwenImageProcessor):
         seconds = [v.seconds_per_patch for v in videos] if processor.model_type == "qwen2_5_vl" else None
-        return {"videos": frames, "second_per_grid_ts": seconds}
-    return {"videos": frames, "videos_kwargs": {"do_sample_frames": False, "fps": [v.sampled_fps for v in videos]}}
+        stamps = [v.patch_timestamps() for v in videos] if processor.model_type in TIMESTAMPED_VIDEO_TYPES else None
+        return {"videos": frames, "second_per_grid_ts": seconds, "video_timestamps": stamps}
+    if type(processor).__name__ in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):
+        return {"videos": frames, "videos_kwargs": {"do_sample_frames": False, "fps": [v.sampled_fps for v in videos]}}
+    # Qwen3-VL / Qwen3.5 write each patch's time from the frames' metadata (not run here: it needs torchvision).
+    from transformers.video_utils import VideoMetadata
+
+    metadata = [VideoMetadata(total_num_frames=len(v.frames), fps=1.0, frames_indices=list(v.frame_seconds)) for v in videos]
+    return {"videos": frames, "videos_kwargs": {"do_sample_frames": False, "video_metadata": metadata}}
 
 
-# transformers processors whose video path vlmrl feeds (frames it sampled itself), and the model types that take video
-# rows (Qwen3-VL's processor also writes per-frame timestamps into the text: not done here yet).
-VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# transformers processors whose video path vlmrl feeds (frames it sampled itself), and the model types that take video rows.
+VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3_5Processor")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# Model types whose processor writes `<t seconds>` before each temporal patch of a video.
+TIMESTAMPED_VIDEO_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def vision_keys(batch: dict) -> list[str]:

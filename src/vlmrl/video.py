@@ -26,6 +26,14 @@ class Video:
     frames: tuple[Image.Image, ...]  # sampled RGB frames, all one size
     sampled_fps: float  # frames kept per second of video
     seconds_per_patch: float  # seconds one temporal patch (2 frames) spans: Qwen2.5-VL's second_per_grid_ts
+    frame_seconds: tuple[float, ...] = ()  # time of each sampled frame in the video (Qwen3-VL writes them into the prompt)
+
+    def patch_timestamps(self, frame_factor: int = 2) -> list[float]:
+        """Mid-time of each temporal patch (the last frame repeated to fill the final one), as Qwen3-VL's processor
+        writes `<t seconds>` before each patch's tokens."""
+        times = list(self.frame_seconds)
+        times += times[-1:] * (-len(times) % frame_factor)
+        return [(times[i] + times[i + frame_factor - 1]) / 2 for i in range(0, len(times), frame_factor)]
 
 
 def sample_indices(total_frames: int, source_fps: float | None, fps: float, max_frames: int, frame_factor: int = 2) -> list[int]:
