@@ -14,7 +14,8 @@ from vlmrl.processing import load_processor
 from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
 
 # The engine's families (continuous.ENGINE_MODEL_TYPES); the others fall back to the loop (test below).
-FAMILIES = {name: ALL_FAMILIES[name] for name in ("tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_qwen3vl_moe")}
+# Every family but Qwen3.5(-MoE), whose linear-attention state is not a K/V slot cache.
+FAMILIES = {name: fams for name, fams in ALL_FAMILIES.items() if not name.startswith("tiny_qwen35")}
 FALLBACK_FAMILIES = [name for name in ALL_FAMILIES if name not in FAMILIES]
 MAX_NEW = 12
 

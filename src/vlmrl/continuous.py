@@ -19,7 +19,9 @@ slot is (the prefill is kept until the group's last row has joined).
   token fed to `prefix.sample_rows` (inverse CDF). A row's tokens therefore do not depend on which rows
   share its batch, on the decode batch size or on the arrival order; greedy rows take the argmax.
 - Positions: each row carries its own step t; Qwen M-RoPE rows sit at the prompt's next position + t on
-  all three axes, LLaVA rows at P + t (what the loop and HF generate use for a left-padded batch).
+  all three axes, the others at P + t (what the loop and HF generate use for a left-padded batch).
+- Sliding-window layers (Gemma 3): the prefill cache keeps only the window's last columns; they are copied to the
+  prompt's last columns, and those layers get their own mask (columns within the window of the row's column).
 - The text decoder is the model's own (`language_model` forward with a 4D mask and this cache), so the
   arithmetic per row is the model's; the logits of a row equal the loop's up to the batch-size dependence
   of the CPU / GPU matmul kernels (bitwise equal in the tests; a flip needs a near tie).
@@ -34,9 +36,8 @@ from .prefix import _prefill, draw_uniforms, prefix_positions, row_seed, sample_
 from .processing import select_rows
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py). Others
-# use the loop instead: Gemma 3 (its decoder builds its own sliding-window / full masks, which the engine's 4D slot mask
-# does not reproduce yet), Qwen3.5 (linear-attention recurrent state is not a K/V slot cache), the tiled families.
-ENGINE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "qwen3_vl_moe")
+# use the loop instead: Qwen3.5 (its linear-attention recurrent and conv states are not a K/V slot cache).
+ENGINE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "internvl", "gemma3")
 _fallback_logged: set[str] = set()
 
 
@@ -78,13 +79,15 @@ class SlotCache:
         self.keys = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device) for _ in range(self.num_layers)]
 
-    def write_prefix(self, slots: torch.Tensor, prefill_cache, rows: torch.Tensor) -> None:
-        """Copy prefix K/V rows `rows` of an HF prefill cache ([k, kv, P, d] per layer) into `slots`."""
+    def write_prefix(self, slots: torch.Tensor, prefill_cache, rows: torch.Tensor, prompt_width: int) -> None:
+        """Copy prefix K/V rows `rows` of an HF prefill cache ([k, kv, L, d] per layer) into `slots`, at the prompt's
+        last L columns: L = P, or fewer for a sliding-window layer (Gemma 3), whose cache keeps only its window."""
         for i, layer in enumerate(prefill_cache.layers):
             self.allocate_like(layer.keys, layer.values)
             width = layer.keys.shape[2]
-            self.keys[i][slots, :, :width] = layer.keys.index_select(0, rows)
-            self.values[i][slots, :, :width] = layer.values.index_select(0, rows)
+            start = prompt_width - width
+            self.keys[i][slots, :, start:prompt_width] = layer.keys.index_select(0, rows)
+            self.values[i][slots, :, start:prompt_width] = layer.values.index_select(0, rows)
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for store in (*self.keys, *self.values):
@@ -143,6 +146,10 @@ class ContinuousDecoder:
         self.out = torch.full((n_prompts * num_generations, max_new_tokens), -1, dtype=torch.long)
         eager = getattr(core.config, "_attn_implementation", "sdpa") == "eager"
         self.mask_value = torch.finfo(self.head.weight.dtype).min if eager else None
+        # Gemma 3: sliding-window layers see only the last `window` columns (HF's rule: key column > query column - window).
+        text_config = getattr(core.config, "text_config", core.config)
+        layer_types = getattr(text_config, "layer_types", None) or []
+        self.window = getattr(text_config, "sliding_window", None) if "sliding_attention" in layer_types else None
 
     # ------------------------------------------------------------ joining
     def join(self) -> None:
@@ -177,7 +184,7 @@ class ContinuousDecoder:
         slots = torch.arange(start, start + count, device=self.device)
         owner_host = torch.tensor([j for j, _ in taken])
         owner = owner_host.to(self.device)
-        self.cache.write_prefix(slots, pending["cache"], owner)
+        self.cache.write_prefix(slots, pending["cache"], owner, self.P)
         if self.logits is None:
             self.logits = pending["logits"].new_zeros(self.S, pending["logits"].shape[1])
         self.logits[start : start + count] = pending["logits"].index_select(0, owner)
@@ -220,9 +227,11 @@ class ContinuousDecoder:
         self.cache.length = self.P + int(t.max()) + 1
         r.valid[torch.arange(n, device=self.device), cols.to(self.device)] = True
         visible = r.valid[:n, None, None, : self.cache.length]
-        mask = visible
-        if self.mask_value is not None:  # eager attention adds the mask to the scores
-            mask = torch.zeros(visible.shape, dtype=self.head.weight.dtype, device=self.device).masked_fill_(~visible, self.mask_value)
+        mask = self._additive(visible)
+        if self.window is not None:  # the model takes one mask per layer type
+            columns = torch.arange(self.cache.length, device=self.device)
+            in_window = columns.view(1, 1, 1, -1) > (cols.to(self.device) - self.window).view(n, 1, 1, 1)
+            mask = {"full_attention": mask, "sliding_attention": self._additive(visible & in_window)}
         if self.qwen:
             positions = (r.next_pos[:n] + t).to(self.device).view(1, n, 1).expand(3, n, 1)
         else:
@@ -232,6 +241,12 @@ class ContinuousDecoder:
         ).last_hidden_state
         self.logits[:n] = self.head(hidden[:, -1]).to(torch.float32)
         r.t[:n] += 1
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean [n, 1, 1, L] mask as the attention implementation wants it (eager adds it to the scores)."""
+        if self.mask_value is None:
+            return visible
+        return torch.zeros(visible.shape, dtype=self.head.weight.dtype, device=self.device).masked_fill_(~visible, self.mask_value)
 
     def run(self) -> torch.Tensor:
         """Decode every queued prompt's G rows to EOS or max_new_tokens. Returns ids [U*G, T'] (T' = the longest
