@@ -130,10 +130,11 @@ PROJECTOR_KEY = {
     "tiny_qwen35_moe": "merger",
     "tiny_llava_onevision": "multi_modal_projector",
     "tiny_internvl": "multi_modal_projector",
+    "tiny_llava": "multi_modal_projector",
 }
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen3vl", "tiny_gemma3"])
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen3vl", "tiny_gemma3", "tiny_llava"])
 def test_sft_projector_stage_changes_only_projector(family, request, count_data, tmp_path):
     model_path = request.getfixturevalue(family)
     out = tmp_path / "sft"

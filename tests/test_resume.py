@@ -82,6 +82,8 @@ RESUME_CASES = [(v, "tiny_qwen25vl") for v in VARIANTS] + [
     ("lora+kl", "tiny_qwen35_moe"),
     ("lora+kl", "tiny_llava_onevision"),
     ("lora+kl", "tiny_internvl"),
+    ("lora+kl", "tiny_qwen2vl"),
+    pytest.param("lora+kl", "tiny_llava", marks=pytest.mark.slow),  # 15-30 s here (336 px CLIP tower)
 ]
 
 
