@@ -126,7 +126,7 @@ class RolloutConfig:
     )
     engine: Literal["loop", "continuous"] = _f(
         "loop",
-        "Decode loop (with memory.shared_prefix; Qwen3.5 always takes the loop): loop = all rows of a call decode until the longest ends; continuous = at most decode_batch_size rows in flight in a preallocated KV cache, a row leaves at EOS and a queued prompt's row takes its slot, each row sampled from its own stream (seeded by step, prompt position, generation), so samples do not depend on batch size, order or the number of processes (sampling_seed is not used).",
+        "Decode loop (with memory.shared_prefix): loop = all rows of a call decode until the longest ends; continuous = at most decode_batch_size rows in flight in a preallocated KV cache, a row leaves at EOS and a queued prompt's row takes its slot, each row sampled from its own stream (seeded by step, prompt position, generation), so samples do not depend on batch size, order or the number of processes (sampling_seed is not used).",
     )
     decode_batch_size: int = _f(0, "Rows decoded together by rollout.engine=continuous (0 = all of a call's rows).")
 

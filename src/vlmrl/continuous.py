@@ -22,6 +22,8 @@ slot is (the prefill is kept until the group's last row has joined).
   all three axes, the others at P + t (what the loop and HF generate use for a left-padded batch).
 - Sliding-window layers (Gemma 3): the prefill cache keeps only the window's last columns; they are copied to the
   prompt's last columns, and those layers get their own mask (columns within the window of the row's column).
+- Linear-attention layers (Qwen3.5's Gated DeltaNet): each slot holds the layer's conv and recurrent state (copied
+  from the prefill at join, moved with the row), which the layer's own single-token step reads and updates.
 - The text decoder is the model's own (`language_model` forward with a 4D mask and this cache), so the
   arithmetic per row is the model's; the logits of a row equal the loop's up to the batch-size dependence
   of the CPU / GPU matmul kernels (bitwise equal in the tests; a flip needs a near tie).
@@ -35,9 +37,11 @@ from .models import unwrap
 from .prefix import _prefill, draw_uniforms, prefix_positions, row_seed, sample_rows
 from .processing import select_rows
 
-# Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py). Others
-# use the loop instead: Qwen3.5 (its linear-attention recurrent and conv states are not a K/V slot cache).
-ENGINE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "internvl", "gemma3")
+# Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py); any
+# other model type uses the loop, with a logged reason.
+ENGINE_MODEL_TYPES = (
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3", "llava_onevision", "internvl"
+)  # fmt: skip
 _fallback_logged: set[str] = set()
 
 
@@ -65,33 +69,51 @@ class SlotCache:
 
     def __init__(self, num_layers: int, slots: int, columns: int):
         self.num_layers, self.slots, self.columns = num_layers, slots, columns
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        # Linear-attention layers (Qwen3.5's Gated DeltaNet): per slot a conv state [C, K] and a recurrent state.
+        self.conv: list[torch.Tensor | None] = [None] * num_layers
+        self.recurrent: list[torch.Tensor | None] = [None] * num_layers
         self.n = 0  # active rows, in slots 0..n-1
         self.length = 0  # columns visible this step
         self.write_col: torch.Tensor | None = None  # [n] column of this step's token
 
-    def allocate_like(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def allocate_like(self, prefill_cache) -> None:
         """Storage in the prefill's dtypes (under bf16 autocast keys leave RoPE in float32, values stay bf16)."""
         if self.keys:
             return
-        shape = (self.slots, k.shape[1], self.columns, k.shape[3])
-        self.keys = [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device) for _ in range(self.num_layers)]
+        for layer in prefill_cache.layers:
+            if _is_linear(layer):
+                conv, rec = layer.conv_states[0], layer.recurrent_states[0]
+                self.keys.append(None)
+                self.values.append(None)
+                self.conv[len(self.keys) - 1] = conv.new_zeros((self.slots, *conv.shape[1:]))
+                self.recurrent[len(self.keys) - 1] = rec.new_zeros((self.slots, *rec.shape[1:]))
+                continue
+            k, v = layer.keys, layer.values
+            shape = (self.slots, k.shape[1], self.columns, k.shape[3])
+            self.keys.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
+            self.values.append(torch.zeros(shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device))
 
     def write_prefix(self, slots: torch.Tensor, prefill_cache, rows: torch.Tensor, prompt_width: int) -> None:
         """Copy prefix K/V rows `rows` of an HF prefill cache ([k, kv, L, d] per layer) into `slots`, at the prompt's
-        last L columns: L = P, or fewer for a sliding-window layer (Gemma 3), whose cache keeps only its window."""
+        last L columns: L = P, or fewer for a sliding-window layer (Gemma 3), whose cache keeps only its window.
+        A linear-attention layer's conv and recurrent states are copied whole."""
+        self.allocate_like(prefill_cache)
         for i, layer in enumerate(prefill_cache.layers):
-            self.allocate_like(layer.keys, layer.values)
+            if _is_linear(layer):
+                self.conv[i][slots] = layer.conv_states[0].index_select(0, rows)
+                self.recurrent[i][slots] = layer.recurrent_states[0].index_select(0, rows)
+                continue
             width = layer.keys.shape[2]
             start = prompt_width - width
             self.keys[i][slots, :, start:prompt_width] = layer.keys.index_select(0, rows)
             self.values[i][slots, :, start:prompt_width] = layer.values.index_select(0, rows)
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        for store in (*self.keys, *self.values):
-            store[dst] = store[src]
+        for store in (*self.keys, *self.values, *self.conv, *self.recurrent):
+            if store is not None:
+                store[dst] = store[src]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         n = key_states.shape[0]
@@ -103,6 +125,24 @@ class SlotCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    # The linear-attention layer's decode step: it updates the conv state in place and hands back the recurrent one.
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.conv[layer_idx][: self.n]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.recurrent[layer_idx][: self.n]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent[layer_idx][: self.n] = recurrent_states
+        return recurrent_states
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+
+def _is_linear(layer) -> bool:
+    return hasattr(layer, "recurrent_states") and not hasattr(layer, "keys")
 
 
 class _Rows:
@@ -150,6 +190,7 @@ class ContinuousDecoder:
         text_config = getattr(core.config, "text_config", core.config)
         layer_types = getattr(text_config, "layer_types", None) or []
         self.window = getattr(text_config, "sliding_window", None) if "sliding_attention" in layer_types else None
+        self.linear = "linear_attention" in layer_types
 
     # ------------------------------------------------------------ joining
     def join(self) -> None:
@@ -232,6 +273,8 @@ class ContinuousDecoder:
             columns = torch.arange(self.cache.length, device=self.device)
             in_window = columns.view(1, 1, 1, -1) > (cols.to(self.device) - self.window).view(n, 1, 1, 1)
             mask = {"full_attention": mask, "sliding_attention": self._additive(visible & in_window)}
+        elif self.linear:  # one new token per row: the linear-attention layers need no mask
+            mask = {"full_attention": mask, "linear_attention": None}
         if self.qwen:
             positions = (r.next_pos[:n] + t).to(self.device).view(1, n, 1).expand(3, n, 1)
         else:
