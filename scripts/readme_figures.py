@@ -52,6 +52,34 @@ def memory_engine() -> str | None:
     return "\n".join(lines) + "\n"
 
 
+def memory_engine_families() -> str | None:
+    """All off vs all on for every family / workload run with --family or --video (the newest file of each)."""
+    newest: dict[str, Path] = {}
+    for path in sorted(RESULTS.glob("memory_engine_cpu_*_*.json")):
+        match = re.fullmatch(r"memory_engine_cpu_(\d{4}-\d{2}-\d{2})_(.+)\.json", path.name)
+        if match is None or match.group(2).endswith("quick"):
+            continue
+        tag = match.group(2)
+        if tag not in newest or newest[tag].name < path.name:
+            newest[tag] = path
+    if not newest:
+        return None
+    lines = [
+        "| workload (result file) | step all off -> all on (s) | peak RSS all off -> all on (GiB) | vision inputs / step all off -> all on |",
+        "|---|---|---|---|",
+    ]
+    for _tag, path in sorted(newest.items()):
+        result = _load(path)
+        off, on = result["rows"][0], result["rows"][-1]
+        meta = result["meta"]
+        what = f"{meta['family']}" + (f", one {meta['video_frames']}-frame video per prompt" if meta.get("video_frames") else "")
+        lines.append(
+            f"| {what} (`{path.with_suffix('.md').name}`) | {off['step_s']:.2f} -> {on['step_s']:.2f} | "
+            f"{off['peak_rss_gib']:.2f} -> {on['peak_rss_gib']:.2f} | {off['vision_images_per_step']:.0f} -> {on['vision_images_per_step']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def vs_trl() -> str | None:
     path = _newest("vs_trl_cpu_*.json")
     result = _load(path)
@@ -208,6 +236,7 @@ BLOCKS = {
     "families-table": families_table,
     "make-times": make_times,
     "memory-engine": memory_engine,
+    "memory-engine-families": memory_engine_families,
     "vs-trl": vs_trl,
     "gpu-memory": gpu_memory,
     "planner-accuracy": planner_accuracy,
