@@ -201,7 +201,7 @@ def _video_task(tmp_path, n=8):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["tiny_qwen2vl", "tiny_qwen25vl", "tiny_qwen3vl", "tiny_qwen35"])
+@pytest.mark.parametrize("family", ["tiny_qwen2vl", "tiny_qwen25vl", "tiny_qwen3vl", "tiny_qwen35", "tiny_internvl"])
 def test_grpo_and_sft_on_video_rows(family, request, tmp_path):
     """`vlmrl train` (LoRA, beta > 0) and `vlmrl sft` on a data file of video rows: both finish and move weights."""
     from vlmrl.cli import main
@@ -228,3 +228,26 @@ def test_video_rows_on_a_family_without_video_refused(tiny_llava, tmp_path, caps
     assert main(["train", *args, "training.max_steps=1", "logging.progress_bar=false"]) == 2
     err = capsys.readouterr().err
     assert "video" in err and "Traceback" not in err
+
+
+@pytest.mark.integration
+def test_internvl_takes_a_video_as_one_tile_per_frame(tiny_internvl, tmp_path):
+    """InternVL (as transformers' InternVLProcessor does): each frame is one tile after a `FrameK: ` line, after the
+    row's images; rows slice per frame; the shared prefix equals the naive path on video rows."""
+    model, processor = load_model(model_cfg(tiny_internvl)).eval(), load_processor(tiny_internvl)
+    video = load_video(str(write_mp4(tmp_path / "v.mp4", frames=10, rate=5)), max_frames=4, fps=2.0, min_pixels=None, max_pixels=56 * 56)
+    picture = images(np.random.default_rng(0), 1, size=80)
+    texts = [build_prompt(processor, "what?", 1, None, 1), build_prompt(processor, "and?", 0, None, 1)]
+    batch = encode_prompts(processor, texts, [picture, []], [[video], [video]])
+    frame = "<img>" + "<IMG_CONTEXT>" * processor.image_seq_length + "</img>"
+    text = processor.tokenizer.decode(batch["input_ids"][1])
+    assert "\n".join(f"Frame{i + 1}: {frame}" for i in range(4)) in text and "<video>" not in text
+    assert batch["images_per_row"].tolist() == [5, 4] and batch["image_num_patches"].tolist()[-8:] == [1] * 8
+    rows = torch.tensor([0, 0, 1, 1, 1, 0])
+    ids, mask = completions(processor, LENGTHS)
+    with torch.no_grad():
+        naive = completion_logps(model, select_rows(batch, rows), ids, mask)
+        fast = completion_logps_prefix(model, batch, rows, ids, mask)
+        alone = completion_logps(model, select_rows(batch, [1]), ids[2:3], mask[2:3])
+    torch.testing.assert_close(fast * mask, naive * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(naive[2:3] * mask[2:3], alone * mask[2:3], rtol=1e-4, atol=1e-5)

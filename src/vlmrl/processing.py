@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from PIL import Image
 
 from .models import ModelLoadError
 
@@ -289,8 +290,11 @@ def encode_prompts(processor, texts: list[str], images: list[list], videos: list
     if len(texts) != len(images):
         raise ValueError(f"encode_prompts: {len(texts)} texts but {len(images)} image lists")
     videos = videos if videos is not None else [[] for _ in texts]
-    flat = [img for row in images for img in row]
+    if type(processor).__name__ in FRAME_VIDEO_PROCESSORS and any(videos):
+        texts, images = video_frames_as_images(processor, list(texts), images, videos)
+        videos = [[] for _ in texts]
     kwargs = {"text": list(texts), "padding": True, "return_tensors": "pt"}
+    flat = [img for row in images for img in row]
     if flat:
         # Some processors (Gemma 3) count images per prompt and need them nested per row; the others take them flat.
         kwargs["images"] = [list(row) for row in images] if type(processor).__name__ in NESTED_IMAGE_PROCESSORS else flat
@@ -304,13 +308,32 @@ def encode_prompts(processor, texts: list[str], images: list[list], videos: list
     return batch
 
 
+def video_frames_as_images(processor, texts: list[str], images: list[list], videos: list[list]) -> tuple[list[str], list[list]]:
+    """InternVL takes a video as its frames, one tile each: every video placeholder becomes `FrameK: <image>` lines
+    (as transformers' InternVLProcessor writes them) and the frames, resized to one tile, follow the row's images."""
+    side = processor.image_processor.size
+    out_texts, out_images = [], []
+    for text, row_images, row_videos in zip(texts, images, videos, strict=True):
+        row_images = list(row_images)
+        for video in row_videos:
+            frames = [f.resize((side["width"], side["height"]), Image.Resampling.BICUBIC) for f in video.frames]
+            lines = "\n".join(f"Frame{i + 1}: {processor.image_token}" for i in range(len(frames)))
+            if processor.video_token not in text:
+                raise ValueError(f"a row has more videos than {processor.video_token} placeholders")
+            text = text.replace(processor.video_token, lines, 1)
+            row_images += frames
+        out_texts.append(text)
+        out_images.append(row_images)
+    return out_texts, out_images
+
+
 def video_support(processor) -> str | None:
     """None when vlmrl feeds this processor video rows, else why not (one clause)."""
     if isinstance(processor, QwenImageProcessor):
         if processor.model_type in VIDEO_MODEL_TYPES:
             return None
         return f"video rows work with {' and '.join(VIDEO_MODEL_TYPES)} models here, not {processor.model_type}"
-    if type(processor).__name__ in VIDEO_PROCESSORS:
+    if type(processor).__name__ in VIDEO_PROCESSORS or type(processor).__name__ in FRAME_VIDEO_PROCESSORS:
         return None
     return f"{type(processor).__name__} takes no video rows here; video rows work with the Qwen-VL families ({', '.join(VIDEO_MODEL_TYPES)})"
 
@@ -337,7 +360,9 @@ def video_kwargs(processor, videos: list) -> dict:
 
 # transformers processors whose video path vlmrl feeds (frames it sampled itself), and the model types that take video rows.
 VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3_5Processor")
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")
+# Processors that take a video as its frames, each an image of one tile (InternVL: the stand-in and transformers' own).
+FRAME_VIDEO_PROCESSORS = ("InternVLImageProcessor", "InternVLProcessor")
 # Model types whose processor writes `<t seconds>` before each temporal patch of a video.
 TIMESTAMPED_VIDEO_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 

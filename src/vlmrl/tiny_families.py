@@ -321,13 +321,15 @@ def build_tiny_gemma3(
 # ---------------------------------------------------------------- tiled families on a Qwen2 decoder
 
 
-def _chatml_template(image_placeholder: str) -> str:
-    """ChatML turns with `image_placeholder` + newline where each image goes (LLaVA-OneVision, InternVL)."""
+def _chatml_template(image_placeholder: str, video_placeholder: str = "<video>") -> str:
+    """ChatML turns with `image_placeholder` (`video_placeholder`) + newline where each image (video) goes (LLaVA-OneVision,
+    InternVL)."""
     return (
         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for content in message['content'] %}"
         "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}" + image_placeholder + "\n"
+        "{% elif content['type'] == 'video' or 'video' in content %}" + video_placeholder + "\n"
         "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
