@@ -108,3 +108,21 @@ def test_grouped_and_shared_prefix_equal_naive_on_mixed_tiles(tiled):
     hf = generate(model, processor.tokenizer, batch, num_generations=1, max_new_tokens=10, shared_prefix=False, do_sample=False)
     ours = generate(model, processor.tokenizer, batch, num_generations=1, max_new_tokens=10, shared_prefix=True, do_sample=False)
     assert torch.equal(ours.ids, hf.ids) and ours.ids.shape[1] > 1
+
+
+def test_text_only_rows_beside_image_rows_slice_right(tiled):
+    """A batch whose rows do not all have images (LLaVA-OneVision's processor lists images per row only for the rows
+    with images; vlmrl keeps one entry per row): every row sliced out gives its log-probs alone."""
+    model, processor = tiled
+    images = pictures([(80, 30), (56, 56)])
+    rows_images = [[images[0]], [], [images[1]]]
+    texts = [build_prompt(processor, f"what is in picture {i}?", len(r)) for i, r in enumerate(rows_images)]
+    batch = encode_prompts(processor, texts, rows_images)
+    rows = [2, 1, 0, 0]  # three images in four rows
+    ids, mask = completions(processor, [4, 2, 5, 3])
+    with torch.no_grad():
+        together = completion_logps(model, select_rows(batch, rows), ids, mask)
+        for i, r in enumerate(rows):
+            alone = completion_logps(model, encode_prompts(processor, [texts[r]], [rows_images[r]]), ids[i : i + 1], mask[i : i + 1])
+            n = int(mask[i].sum())
+            torch.testing.assert_close(together[i, :n], alone[0, :n], rtol=1e-4, atol=1e-5)

@@ -201,7 +201,7 @@ def _video_task(tmp_path, n=8):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["tiny_qwen2vl", "tiny_qwen25vl", "tiny_qwen3vl", "tiny_qwen35", "tiny_internvl"])
+@pytest.mark.parametrize("family", ["tiny_qwen2vl", "tiny_qwen25vl", "tiny_qwen3vl", "tiny_qwen35", "tiny_internvl", "tiny_llava_onevision"])
 def test_grpo_and_sft_on_video_rows(family, request, tmp_path):
     """`vlmrl train` (LoRA, beta > 0) and `vlmrl sft` on a data file of video rows: both finish and move weights."""
     from vlmrl.cli import main
@@ -251,3 +251,27 @@ def test_internvl_takes_a_video_as_one_tile_per_frame(tiny_internvl, tmp_path):
         alone = completion_logps(model, select_rows(batch, [1]), ids[2:3], mask[2:3])
     torch.testing.assert_close(fast * mask, naive * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(naive[2:3] * mask[2:3], alone * mask[2:3], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_onevision_video_rows(tiny_llava_onevision, tmp_path):
+    """LLaVA-OneVision: exactly data.max_frames frames per video (one frame count per batch), frames x pooled patches +
+    1 <video> tokens per video (what transformers' processor writes; the model checks it against its features), and
+    the shared prefix equal to the naive path on video rows."""
+    model, processor = load_model(model_cfg(tiny_llava_onevision)).eval(), load_processor(tiny_llava_onevision)
+    clip = str(write_mp4(tmp_path / "v.mp4", frames=3, rate=5))
+    video = load_video(clip, max_frames=4, fps=2.0, min_pixels=None, max_pixels=56 * 56, exact_frames=True)
+    assert len(video.frames) == 4  # a 3-frame clip: frames repeat to the fixed count
+    picture = images(np.random.default_rng(0), 1, size=80)
+    texts = [build_prompt(processor, "what?", 1, None, 1), build_prompt(processor, "and?", 0, None, 1)]
+    batch = encode_prompts(processor, texts, [picture, []], [[video], [video]])
+    side = processor.image_processor.size["height"] // model.config.vision_config.patch_size
+    per_video = 4 * (-(-side // 2)) ** 2 + 1
+    assert (batch["input_ids"] == model.config.video_token_id).sum(1).tolist() == [per_video, per_video]
+    assert batch["pixel_values_videos"].shape[:2] == (2, 4)
+    rows = torch.tensor([0, 0, 1, 1, 1, 0])
+    ids, mask = completions(processor, LENGTHS)
+    with torch.no_grad():
+        naive = completion_logps(model, select_rows(batch, rows), ids, mask)
+        fast = completion_logps_prefix(model, batch, rows, ids, mask)
+    torch.testing.assert_close(fast * mask, naive * mask, rtol=1e-5, atol=1e-5)

@@ -846,24 +846,26 @@ def load_video(
     min_pixels: int | None,
     max_pixels: int | None,
     cache=None,
+    exact_frames: bool = False,
 ) -> "Video":  # noqa: F821 - video.Video, imported where used (video.py needs numpy/torch)
     """A row's video: sampled frames of one size (area within [min_pixels, max_pixels]) and its sampling rate.
 
     source: a video file path, or a list of image paths (the frames at `fps`, sampled evenly down to max_frames).
+    exact_frames: exactly max_frames frames, evenly spaced (frames repeat in a short video), whatever `fps`.
     cache: ImageCache; a video decoded before with the same file(s) and settings comes from memory."""
     from .video import Video, decode_frames, sample_indices, video_header
 
-    key = _video_cache_key(source, max_frames, fps, min_pixels, max_pixels) if cache is not None else None
+    key = _video_cache_key(source, max_frames, fps, min_pixels, max_pixels, exact_frames) if cache is not None else None
     video = cache.get(key) if key is not None else None
     if video is not None:
         return video
     if isinstance(source, (list, tuple)):
-        indices = sample_indices(len(source), fps, fps, max_frames)
+        indices = sample_indices(len(source), fps, fps, max_frames, exact=exact_frames)
         frames = [_decode_resized(source[i], None, None, 10**12) for i in indices]
         duration, rate = len(source) / fps, fps
     else:
         total, rate, _, _ = video_header(source)
-        indices = sample_indices(total, rate, fps, max_frames)
+        indices = sample_indices(total, rate, fps, max_frames, exact=exact_frames)
         frames = decode_frames(source, indices)
         duration = total / rate if rate else len(indices) / fps
         rate = rate or fps
@@ -877,13 +879,13 @@ def load_video(
     return video
 
 
-def _video_cache_key(source, max_frames, fps, min_pixels, max_pixels) -> tuple | None:
+def _video_cache_key(source, max_frames, fps, min_pixels, max_pixels, exact_frames=False) -> tuple | None:
     paths = list(source) if isinstance(source, (list, tuple)) else [source]
     try:
         ident = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
     except OSError:
         return None
-    return ("video", ident, max_frames, fps, min_pixels, max_pixels)
+    return ("video", ident, max_frames, fps, min_pixels, max_pixels, exact_frames)
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

@@ -46,7 +46,7 @@ def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: boo
     encodes each prompt's videos once), and (for a forward that keeps gradients) no gradient checkpointing in
     training mode."""
     family = grouped_family(model)
-    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family not in MROPE_FAMILIES):
+    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family not in (*MROPE_FAMILIES, "onevision")):
         return False
     core = unwrap(model)
     checkpointing = getattr(core, "is_activation_checkpointing", None)

@@ -303,6 +303,8 @@ def encode_prompts(processor, texts: list[str], images: list[list], videos: list
         kwargs.update(video_kwargs(processor, flat_videos))
     batch = dict(processor(**kwargs))
     batch["images_per_row"] = torch.tensor([len(row) for row in images], dtype=torch.long)
+    if "batch_num_images" in batch:  # LLaVA-OneVision lists only the rows that have images: one entry per row, as select_rows needs
+        batch["batch_num_images"] = batch["images_per_row"].clone()
     if flat_videos:
         batch["videos_per_row"] = torch.tensor([len(row) for row in videos], dtype=torch.long)
     return batch
@@ -333,7 +335,7 @@ def video_support(processor) -> str | None:
         if processor.model_type in VIDEO_MODEL_TYPES:
             return None
         return f"video rows work with {' and '.join(VIDEO_MODEL_TYPES)} models here, not {processor.model_type}"
-    if type(processor).__name__ in VIDEO_PROCESSORS or type(processor).__name__ in FRAME_VIDEO_PROCESSORS:
+    if type(processor).__name__ in (*VIDEO_PROCESSORS, *FRAME_VIDEO_PROCESSORS, *FIXED_FRAME_PROCESSORS):
         return None
     return f"{type(processor).__name__} takes no video rows here; video rows work with the Qwen-VL families ({', '.join(VIDEO_MODEL_TYPES)})"
 
@@ -349,7 +351,9 @@ def video_kwargs(processor, videos: list) -> dict:
         seconds = [v.seconds_per_patch for v in videos] if processor.model_type == "qwen2_5_vl" else None
         stamps = [v.patch_timestamps() for v in videos] if processor.model_type in TIMESTAMPED_VIDEO_TYPES else None
         return {"videos": frames, "second_per_grid_ts": seconds, "video_timestamps": stamps}
-    if type(processor).__name__ in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor"):
+    if type(processor).__name__ == "OnevisionImageProcessor":
+        return {"videos": frames}
+    if type(processor).__name__ in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "LlavaOnevisionProcessor"):
         return {"videos": frames, "videos_kwargs": {"do_sample_frames": False, "fps": [v.sampled_fps for v in videos]}}
     # Qwen3-VL / Qwen3.5 write each patch's time from the frames' metadata (not run here: it needs torchvision).
     from transformers.video_utils import VideoMetadata
@@ -360,7 +364,9 @@ def video_kwargs(processor, videos: list) -> dict:
 
 # transformers processors whose video path vlmrl feeds (frames it sampled itself), and the model types that take video rows.
 VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3_5Processor")
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl", "llava_onevision")
+# Processors that take the sampled frames of a video whole, in a fixed count per batch (data.max_frames exactly).
+FIXED_FRAME_PROCESSORS = ("OnevisionImageProcessor", "LlavaOnevisionProcessor")
 # Processors that take a video as its frames, each an image of one tile (InternVL: the stand-in and transformers' own).
 FRAME_VIDEO_PROCESSORS = ("InternVLImageProcessor", "InternVLProcessor")
 # Model types whose processor writes `<t seconds>` before each temporal patch of a video.
@@ -378,7 +384,7 @@ def _per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     if key == "pixel_values" and "image_grid_thw" in batch:
         sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
         return list(torch.split(value, sizes, dim=0))
-    if key == "pixel_values_videos":
+    if key == "pixel_values_videos" and "video_grid_thw" in batch:  # Qwen-VL: patches; LLaVA-OneVision: [videos, frames, ...]
         return list(torch.split(value, batch["video_grid_thw"].prod(dim=-1).tolist(), dim=0))
     if key == "pixel_values" and "image_num_patches" in batch:  # InternVL: every image's tiles, concatenated
         return list(torch.split(value, batch["image_num_patches"].tolist(), dim=0))
@@ -410,7 +416,9 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
             chunks = _per_image_chunks(batch, key)
             picked = [chunks[i] for i in (video_order if key in VIDEO_KEYS else image_order)]
             if picked:
-                flat = key == "pixel_values_videos" or (key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch))
+                flat = (key == "pixel_values_videos" and "video_grid_thw" in batch) or (
+                    key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
+                )
                 out[key] = torch.cat(picked) if flat else torch.stack(picked)
         elif torch.is_tensor(value) and value.ndim and value.shape[0] == n_rows:
             out[key] = value.index_select(0, idx.to(value.device))

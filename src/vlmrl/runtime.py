@@ -212,12 +212,13 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
     from .data import load_images, shared_image_cache
-    from .processing import build_prompt, encode_prompts
+    from .processing import FIXED_FRAME_PROCESSORS, build_prompt, encode_prompts
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
     images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
-    videos = [[_load_row_video(r, v, d, cache) for v in r.get("videos") or []] for r in rows]
+    exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
+    videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
     texts = [build_prompt(processor, r["problem"], len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
     try:
         batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
@@ -226,14 +227,15 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def _load_row_video(row: dict, source, d, cache):
-    """One video of a row (video.load_video under data.max_frames / fps / video_max_pixels); errors name the row."""
-    from .data import DataError
-    from .data import load_video
+def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):
+    """One video of a row (data.load_video under data.max_frames / fps / video_max_pixels); errors name the row."""
+    from .data import DataError, load_video
     from .video import VideoError
 
     try:
-        return load_video(source, max_frames=d.max_frames, fps=d.fps, min_pixels=None, max_pixels=d.video_max_pixels, cache=cache)
+        return load_video(
+            source, max_frames=d.max_frames, fps=d.fps, min_pixels=None, max_pixels=d.video_max_pixels, cache=cache, exact_frames=exact_frames
+        )
     except (VideoError, DataError) as e:
         raise DataError(f"{row.get('_source', '?')}: video: {e}") from e
 

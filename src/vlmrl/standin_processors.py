@@ -9,7 +9,9 @@ anyres grid pinpoints, unpadding, image_newline tokens; InternVL's dynamic tilin
 with torchvision installed the same folder loads the real processor.
 
 InternVL concatenates every image's tiles into one `pixel_values` [tiles, 3, H, W]; the stand-in also returns
-`image_num_patches` [images] (bookkeeping, not a model input) so that rows can be sliced per image.
+`image_num_patches` [images] (bookkeeping, not a model input) so that rows can be sliced per image. LLaVA-OneVision's
+stand-in prepares video frames itself (resize to the tower's input size, rescale, normalise: what its video processor
+does once frames are sampled); InternVL videos are frames given as images (processing.video_frames_as_images).
 
 Imported only when such a folder is loaded (it imports transformers' processor modules).
 """
@@ -19,7 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.internvl.processing_internvl import InternVLProcessor
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
@@ -29,7 +33,7 @@ ONEVISION_PROCESSOR_KEYS = ("num_image_tokens", "vision_feature_select_strategy"
 
 
 class OnevisionImageProcessor(LlavaOnevisionProcessor):
-    """LlavaOnevisionProcessor for images only (no video processor, no torchvision)."""
+    """LlavaOnevisionProcessor without its video processor (torchvision): videos are processed here from frames."""
 
     def __init__(
         self,
@@ -52,11 +56,27 @@ class OnevisionImageProcessor(LlavaOnevisionProcessor):
             image_token=image_token,
             vision_aspect_ratio=vision_aspect_ratio,
         )
+        self.video_processor = None  # present (ProcessorMixin then calls _process_videos below) but never used
 
-    def __call__(self, images=None, text=None, videos=None, **kwargs):
-        if videos is not None:
-            raise ValueError("this LLaVA-OneVision processor is image-only (its video processor needs torchvision)")
-        return super().__call__(images=images, text=text, **kwargs)
+    def _process_videos(self, videos, **kwargs):
+        """What LlavaOnevisionVideoProcessor does with frames already sampled (it needs torchvision): each frame resized
+        to the vision tower's input size, rescaled and normalised; pixel_values_videos [videos, frames, 3, H, W]. The
+        text gets frames x pooled patches + 1 (newline) <video> tokens per video, as the real processor writes."""
+        ip = self.image_processor
+        height, width = ip.size["height"], ip.size["width"]
+        mean = np.asarray(ip.image_mean, dtype=np.float32).reshape(3, 1, 1)
+        std = np.asarray(ip.image_std, dtype=np.float32).reshape(3, 1, 1)
+        counts = {len(frames) for frames in videos}
+        if len(counts) != 1:
+            raise ValueError(f"LLaVA-OneVision videos of one batch need one frame count, got {sorted(counts)} (data.max_frames fixes it)")
+        stacked = [
+            np.stack([(np.asarray(f.convert("RGB").resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32).transpose(2, 0, 1)
+                       * ip.rescale_factor - mean) / std for f in frames])
+            for frames in videos
+        ]  # fmt: skip
+        processed = {"pixel_values_videos": torch.from_numpy(np.stack(stacked))}
+        replacements = [self.replace_video_token(processed, video_idx=i) for i in range(len(videos))]
+        return processed, replacements
 
     def save_pretrained(self, save_directory, **kwargs):
         return _save_as(self, "LlavaOnevisionProcessor", save_directory, **kwargs)

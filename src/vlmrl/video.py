@@ -36,14 +36,17 @@ class Video:
         return [(times[i] + times[i + frame_factor - 1]) / 2 for i in range(0, len(times), frame_factor)]
 
 
-def sample_indices(total_frames: int, source_fps: float | None, fps: float, max_frames: int, frame_factor: int = 2) -> list[int]:
+def sample_indices(total_frames: int, source_fps: float | None, fps: float, max_frames: int, frame_factor: int = 2, exact: bool = False) -> list[int]:
     """Indices of the frames to keep, evenly spaced over the video.
 
     fps frames per second of video (all frames when the source rate is unknown), at most max_frames, rounded down
     to a multiple of frame_factor (Qwen-VL's temporal patch: 2 frames) and at least frame_factor frames when the
-    video has them. A video shorter than frame_factor frames keeps them all (the processor repeats the last)."""
+    video has them. A video shorter than frame_factor frames keeps them all (the processor repeats the last).
+    exact: exactly max_frames indices, evenly spaced, whatever the rates."""
     if total_frames <= 0:
         return []
+    if exact:  # a fixed count (LLaVA-OneVision batches videos of one length): evenly spaced, repeated when short
+        return [int(round(x)) for x in np.linspace(0, total_frames - 1, max_frames)]
     wanted = total_frames if not source_fps else total_frames / source_fps * fps
     count = min(int(wanted), max_frames, total_frames)
     count = max(frame_factor, count // frame_factor * frame_factor)
