@@ -200,6 +200,9 @@ class GridPoint:
     attn: str = "sdpa"
     freeze_vision: bool = False
     sft_stage: int = 0  # 1 / 2: a `vlmrl sft` step (each row its own prompt and image; G is ignored)
+    video_frames: int = 0  # frames of one video per prompt (0 = none)
+    video_max_pixels: int = 128 * 28 * 28  # pixel cap per video frame
+    images: int = 1  # images per prompt (0: a video-only prompt)
 
 
 def unique_prompts(N: int, G: int) -> int:
@@ -220,6 +223,9 @@ def _sft_workload(p: GridPoint) -> Workload:
         max_pixels=p.max_pixels,
         completion_tokens=p.completion,
         attn_implementation=p.attn,
+        images_per_prompt=p.images,
+        video_frames=p.video_frames,
+        video_max_pixels=p.video_max_pixels,
     )
     return dataclasses.replace(sft_workload(base, p.sft_stage, train_vision_tower=not p.freeze_vision), grad_accum=2)
 
@@ -246,6 +252,9 @@ def workload_for(p: GridPoint) -> Workload:
         shared_prefix=p.shared_prefix,
         attn_implementation=p.attn,
         freeze_vision=p.freeze_vision,
+        images_per_prompt=p.images,
+        video_frames=p.video_frames,
+        video_max_pixels=p.video_max_pixels,
     )
 
 
@@ -344,8 +353,26 @@ def trace_grid() -> list[GridPoint]:
         GridPoint("g3-4b-full-G8", "gemma3-4b", 8, 4, False, False, PX_LOW),
         GridPoint("g3-4b-full-G8-prefix", "gemma3-4b", 8, 8, False, False, PX_LOW, shared_prefix=True),
         GridPoint("g3-12b-lora-G8-gc", "gemma3-12b", 8, 8, True, True, PX_LOW),
+        # Video rows (Qwen2-VL / Qwen2.5-VL; data.max_frames 16 at video_max_pixels 128*28*28 = 8 x 484 patches): the shared
+        # prefix encodes each prompt's video once, the grouped path without it hands the batch to the naive path (per row).
+        GridPoint(
+            "tiny-video8-full-G4-prefix", "tiny", 4, 4, False, False, 224 * 224, shared_prefix=True, video_frames=8, video_max_pixels=112 * 112
+        ),
+        GridPoint("3b-video16-full-G4-prefix", "qwen2.5-vl-3b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
+        GridPoint("3b-video16-full-G4 (naive)", "qwen2.5-vl-3b", 4, 4, False, False, PX_LOW, video_frames=16, images=0),
+        GridPoint("3b-video8+image-lora-G8-gc", "qwen2.5-vl-3b", 8, 4, True, True, PX_LOW, shared_prefix=True, video_frames=8),
+        GridPoint("2b-video16-full-G4-prefix", "qwen2-vl-2b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
+        GridPoint("2b-video16-lora-G4 (naive)", "qwen2-vl-2b", 4, 4, False, True, PX_LOW, video_frames=16, images=0),
     ]
     return g
+
+
+def _vision_cell(r: dict) -> str:
+    """max_pixels (image tokens), or for video rows the frames, their cap and the prompt's vision tokens."""
+    if not r.get("video_frames"):
+        return f"{r['max_pixels']} ({r['image_tokens']})"
+    images = f"{r['images']} x {r['max_pixels']} + " if r.get("images") else ""
+    return f"{images}video {r['video_frames']} frames x {r['video_max_pixels']} ({r['image_tokens']})"
 
 
 def _md_trace(rows: list[dict], date: str) -> str:
@@ -359,7 +386,7 @@ def _md_trace(rows: list[dict], date: str) -> str:
         "",
         intro,
         "",
-        "| config | params | mode | G | micro-batch | grad ckpt | prefix | attention | LoRA | max_pixels (image tokens) | trace GiB | "
+        "| config | params | mode | G | micro-batch | grad ckpt | prefix | attention | LoRA | max_pixels or video (vision tokens) | trace GiB | "
         "closed form GiB | diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -368,7 +395,7 @@ def _md_trace(rows: list[dict], date: str) -> str:
         lines.append(
             f"| {r['name']} | {r['params'] / 1e9:.2f} B | {mode} | {r['G'] if mode == 'GRPO' else '-'} | {r['micro_batch']} | "
             f"{'on' if r['gc'] else 'off'} | {'on' if r['shared_prefix'] and mode == 'GRPO' else 'off'} | {r['attn']} | "
-            f"{'r16' if r['lora'] else 'full'} | {r['max_pixels']} ({r['image_tokens']}) | {r['trace_peak_gib']:.3f} | "
+            f"{'r16' if r['lora'] else 'full'} | {_vision_cell(r)} | {r['trace_peak_gib']:.3f} | "
             f"{r['closed_form_gib']:.3f} | {r['difference_pct']:+.1f}% |"
         )
     within = sum(abs(r["difference_pct"]) <= 10 for r in rows)

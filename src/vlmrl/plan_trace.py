@@ -151,6 +151,8 @@ class TraceSetup:
     unique_prompts: int = 1  # distinct prompts among them (U); group_vision encodes each once
     prompt_text_tokens: int = 32  # prompt tokens that are not image tokens
     image_patches: int = 1024  # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
+    video_temporal_patches: int = 0  # Qwen2-VL / Qwen2.5-VL: temporal patches of one video per prompt (0 = no video)
+    video_frame_patches: int = 0  # vision patches of one video frame (one temporal patch)
     completion_tokens: int = 64
     logprob_chunk_tokens: int = 128
     group_vision: bool = True
@@ -164,7 +166,7 @@ class TraceSetup:
 def setup_for(spec, w) -> TraceSetup:
     """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
     description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
-    from .planner import image_patches
+    from .planner import image_patches, video_grid
 
     G, N = w.num_generations, w.micro_batch
     unique = (-(-N // G) if (N % G == 0 or G % N == 0) else min(N, -(-N // G) + 1)) if w.group_vision else N
@@ -180,7 +182,9 @@ def setup_for(spec, w) -> TraceSetup:
         rows=N,
         unique_prompts=unique,
         prompt_text_tokens=w.prompt_text_tokens,
-        image_patches=image_patches(spec, w.max_pixels),
+        image_patches=image_patches(spec, w.max_pixels) if w.images_per_prompt else 0,
+        video_temporal_patches=video_grid(spec, w)[0],
+        video_frame_patches=video_grid(spec, w)[1],
         completion_tokens=w.completion_tokens,
         logprob_chunk_tokens=w.logprob_chunk_tokens,
         group_vision=w.group_vision,
@@ -237,16 +241,27 @@ class _Inputs:
         self.N, self.C = s.rows, s.completion_tokens
         v = getattr(self.cfg, "vision_config", None)
         self.vision_kwargs = {}
+        self.has_video = bool(s.video_temporal_patches)
+        self.row_pixels = None
+        if self.has_video and self.family not in ("qwen2_vl", "qwen2_5_vl"):
+            raise ValueError(f"trace: video rows are traced for qwen2_vl / qwen2_5_vl only, not {self.family}")
         if self.family in QWEN_TRACE_FAMILIES:
             merge = v.spatial_merge_size
-            gh, gw = _qwen_grid(s.image_patches, merge)
-            self.patches = gh * gw
+            per_prompt = []  # grid rows of one prompt: its image (t = 1), then its video (t temporal patches)
+            if s.image_patches:
+                per_prompt.append([1, *_qwen_grid(s.image_patches, merge)])
+            if self.has_video:
+                per_prompt.append([s.video_temporal_patches, *_qwen_grid(s.video_frame_patches, merge)])
+            prompt_grid = torch.tensor(per_prompt, dtype=torch.long).reshape(-1, 3)
+            self.patches = int(prompt_grid.prod(-1).sum())
             self.image_tokens = self.patches // merge**2
-            grid = torch.tensor([[1, gh, gw]] * self.U)
-            self.grid = grid
-            in_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-            self.pixels = torch.empty(self.U * self.patches, in_dim, device="meta", dtype=torch.float32)
-            self.vision_kwargs = self._qwen_bookkeeping(grid, v)
+            self.grid = prompt_grid.repeat(self.U, 1)
+            self.in_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+            self.pixels = torch.empty(self.U * self.patches, self.in_dim, device="meta", dtype=torch.float32) if self.patches else None
+            self.vision_kwargs = self._qwen_bookkeeping(self.grid, v) if self.patches else {}
+            if self.has_video:  # naive path (no shared prefix): every row encodes its own copy of its prompt's pixels
+                self.row_grid = prompt_grid.repeat(self.N, 1)
+                self.row_vision_kwargs = self._qwen_bookkeeping(self.row_grid, v)
         elif v is not None:
             size = getattr(v, "image_size", 336)
             patch = getattr(v, "patch_size", 14)
@@ -295,13 +310,19 @@ class _Inputs:
             kw["max_window_seqlen"] = get_max_seqlen(cw, v)
         return kw
 
-    def image_features(self) -> torch.Tensor | None:
+    def image_features(self, per_row: bool = False) -> torch.Tensor | None:
+        """Vision features of the U prompts (grouped / shared prefix), or with per_row (the naive path a batch with
+        videos takes) of the N rows, each from its own copy of its prompt's pixel values (select_rows)."""
         if self.pixels is None:
             return None
         if self.family in QWEN_TRACE_FAMILIES:
-            kw = dict(self.vision_kwargs)  # a fresh dict per call: the model pops the precomputed entries
+            pixels, grid, kw = self.pixels, self.grid, dict(self.vision_kwargs)  # a fresh dict: the model pops entries
+            if per_row:
+                idx = torch.empty(self.N * self.patches, dtype=torch.long, device="meta")
+                pixels, grid, kw = self.pixels.index_select(0, idx), self.row_grid, dict(self.row_vision_kwargs)
             kw["position_ids"] = torch.empty(kw["position_ids"].shape, dtype=kw["position_ids"].dtype, device="meta")
-            out = self.inner.visual(self.pixels, grid_thw=self.grid, **kw)
+            out = self.inner.visual(pixels, grid_thw=grid, **kw)
+            self.row_pixels = pixels if per_row else None  # select_rows' copy lives as long as the naive call's batch
             feats = getattr(out, "pooler_output", out)
             return feats
         out = self.inner.get_image_features(pixel_values=self.pixels)
@@ -330,11 +351,12 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
     core, inner = inp.core, inp.inner
     N, C, U, P = inp.N, inp.C, inp.U, inp.P
     embed = inner.get_input_embeddings()
-    feats = inp.image_features()
     lm = _language_model(inner)
     targets = torch.empty(N, C, dtype=torch.long, device="meta")
     row_idx = torch.empty(N, dtype=torch.long, device="meta")
-    prefix = setup.shared_prefix and setup.group_vision and not (needs_grad and setup.gradient_checkpointing) and feats is not None
+    prefix = setup.shared_prefix and setup.group_vision and not (needs_grad and setup.gradient_checkpointing) and inp.pixels is not None
+    naive_video = inp.has_video and not prefix  # the grouped path hands a batch with videos to the naive path
+    feats = inp.image_features(per_row=naive_video and setup.group_vision)
     if prefix:
         ids = torch.empty(U, P, dtype=torch.long, device="meta")
         emb = embed(ids)
@@ -360,12 +382,14 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
         emb = embed(ids)
         if feats is not None:
             token_idx = torch.empty(N * inp.image_tokens, dtype=torch.long, device="meta")
-            row_feats = feats.index_select(0, token_idx) if setup.group_vision else feats
+            row_feats = feats.index_select(0, token_idx) if (setup.group_vision and not naive_video) else feats
             mask = torch.empty(N, P + C, 1, dtype=torch.bool, device="meta").expand_as(emb)
             emb = emb.masked_scatter(mask, row_feats.to(emb.dtype))
         hidden = lm(inputs_embeds=emb, position_ids=_positions(inp, N, P + C), use_cache=False).last_hidden_state
         predicting = hidden[:, P - 1 : P - 1 + C]
-    return selective_logps(predicting, core.get_output_embeddings(), targets, 1.0, setup.logprob_chunk_tokens)
+    logps = selective_logps(predicting, core.get_output_embeddings(), targets, 1.0, setup.logprob_chunk_tokens)
+    inp.row_pixels = None  # the naive call's batch (with its pixel copies) is freed when it returns
+    return logps
 
 
 @dataclass

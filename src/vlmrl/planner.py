@@ -98,6 +98,7 @@ class ModelSpec:
     v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
     v_window_patches: int = 0  # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
     lora_linears: tuple = ()  # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+    v_mlp_gated: bool = True  # vision MLP gated (SwiGLU: gate, up, act, product kept = 8 iv bytes per patch) or fc1 -> act -> fc2 (4 iv; Qwen2-VL)
     norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 3: 4, around attention and around the MLP)
     routed_expert_params: int = 0  # MoE: parameters of all routed experts (counted in total_params)
     experts_active_fraction: float = 1.0  # MoE: experts routed per token / experts (top_k / E)
@@ -143,6 +144,8 @@ class Workload:
     prompt_text_tokens: int = 64
     max_pixels: int = 448 * 448
     images_per_prompt: int = 1
+    video_frames: int = 0  # frames of one video per prompt (data.max_frames); 0 = image prompts only (Qwen2-VL / Qwen2.5-VL)
+    video_max_pixels: int = 128 * 28 * 28  # pixel cap per video frame (data.video_max_pixels)
     completion_tokens: int = 64
     logprob_chunk_tokens: int = 128
     group_vision: bool = True
@@ -185,6 +188,34 @@ def image_tokens(spec: ModelSpec, max_pixels: int) -> int:
     return image_patches(spec, max_pixels) // (spec.merge_size**2)
 
 
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # families vlmrl trains on video rows
+
+
+def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
+    """(temporal patches, patches of one frame) of one prompt's video: ceil(frames / temporal_patch) temporal
+    patches (the processor repeats the last frame of an odd count), each frame a square at w.video_max_pixels."""
+    if w.video_frames <= 0 or spec.v_layers == 0:
+        return 0, 0
+    return -(-w.video_frames // max(spec.temporal_patch, 1)), image_patches(spec, w.video_max_pixels)
+
+
+def vision_encodes(spec: ModelSpec, w: Workload, unique: int, prefix: bool) -> tuple[int, bool]:
+    """(prompt encodes of one micro-batch's vision pass, whether it is the naive video path). Grouped vision encodes
+    each of the `unique` prompts once; a batch with videos takes the naive path (each of the micro-batch's rows encodes
+    its own copy of its prompt's pixels) unless the shared prefix runs, whose prefill encodes each video once."""
+    if w.video_frames and spec.family not in VIDEO_FAMILIES:
+        raise PlanError(f"video rows: vlmrl trains videos on {', '.join(VIDEO_FAMILIES)} only, not {spec.family or spec.name}")
+    naive_video = w.video_frames > 0 and not prefix
+    return (unique if (w.group_vision and not naive_video) else w.micro_batch), naive_video
+
+
+def prompt_vision(spec: ModelSpec, w: Workload) -> tuple[int, int]:
+    """(vision patches, LLM vision tokens) of one prompt: its images at w.max_pixels + its video (video_grid)."""
+    t, frame = video_grid(spec, w)
+    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt + t * frame
+    return patches, patches // (spec.merge_size**2)
+
+
 # ---------------------------------------------------------------- per-token activation coefficients (bytes)
 
 
@@ -212,9 +243,11 @@ def text_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> float:
 
 def vision_block_bytes(spec: ModelSpec, cbytes: int) -> float:
     """Bytes one vision block keeps per patch (trainable tower, no checkpointing): fused qkv kept whole,
-    RoPE'd q/k, attention output + copy, two norms (30 hv), gated/ungated MLP (8 iv), fp32 lse per head."""
+    RoPE'd q/k, attention output + copy, two norms (30 hv), the MLP (gated: 8 iv; Qwen2-VL's fc1 -> quick_gelu -> fc2:
+    4 iv, read off the trace of qwen2-vl-2b), fp32 lse per head."""
     s = cbytes / 2
-    return s * (30 * spec.v_hidden + 8 * spec.v_intermediate) + 4 * spec.v_heads
+    mlp = 8 if spec.v_mlp_gated else 4
+    return s * (30 * spec.v_hidden + mlp * spec.v_intermediate) + 4 * spec.v_heads
 
 
 # ---------------------------------------------------------------- the plan
@@ -293,6 +326,8 @@ def _check(w: Workload) -> None:
         problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
         problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if w.video_frames < 0 or w.video_max_pixels < 1:
+        problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
@@ -562,14 +597,17 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     ref_moved_in = spec.total_params * b if (w.beta > 0 and not w.use_lora and w.ref_placement == "cpu") else 0
 
     # Tokens.
-    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
-    itok = image_tokens(spec, w.max_pixels) * w.images_per_prompt
+    patches, itok = prompt_vision(spec, w)  # images + video of one prompt
+    vtok = math.prod(video_grid(spec, w)) // spec.merge_size**2
     P = w.prompt_text_tokens + itok
     C = w.completion_tokens
     N = w.micro_batch
     G = w.num_generations
     # Unique prompts in a micro-batch of N consecutive rows (rows are prompt-major, G per prompt).
     U = (math.ceil(N / G) if (N % G == 0 or G % N == 0) else min(N, math.ceil(N / G) + 1)) if w.group_vision else N
+    gc = w.gradient_checkpointing
+    prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
+    encodes, naive_video = vision_encodes(spec, w, U, prefix)
     rows_step = w.rows_per_step
     pixel_bytes = patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values of one prompt
     pixel_copies = pixel_copies_bytes(w, pixel_bytes)  # plain trainers hold each prompt's pixels G times
@@ -577,17 +615,18 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     rollout_buffers = rows_step * (P + C) * 8 + rows_step * C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
 
     # Update: activations of one micro-batch.
-    gc = w.gradient_checkpointing
-    prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
     text_tokens = (U * P + N * C) if prefix else N * (P + C)
     per_layer = text_layer_bytes(spec, w, cb)
     if w.attn_implementation == "flash_attention_2":  # flash reads grouped k, v as they are: no copies repeated to the query heads
         per_layer -= (cb / 2) * 4 * (spec.heads - spec.kv_heads) * spec.head_dim
     vis_block = vision_block_bytes(spec, cb) if spec.v_layers else 0
-    vis_patches = (U if w.group_vision else N) * patches
+    vis_patches = encodes * patches
     V, h = spec.vocab, spec.hidden
     calls = ((U, P, P), (N, C - 1, P + C - 1)) if prefix else ((N, P + C, P + C),)
-    eager = eager_attention_bytes(spec, w, cb, calls, U if w.group_vision else N, patches)
+    eager = eager_attention_bytes(spec, w, cb, calls, encodes, image_patches(spec, w.max_pixels) * w.images_per_prompt)
+    t_video, frame = video_grid(spec, w)  # vision attention runs per temporal patch of a video (one frame's patches each)
+    ev = eager_attention_bytes(spec, w, cb, calls, encodes * t_video, frame)
+    eager |= {k: eager[k] + ev[k] for k in ("vision", "vision_block")}
     if gc:
         text_act = spec.layers * text_tokens * cb * h
         vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden  # checkpointed blocks keep their inputs even when frozen
@@ -675,6 +714,11 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # From the second micro-batch of a step on (grad_accum > 1, the trace's steady state) they coexist.
     steady = w.grad_accum > 1
     fwd_bwd = persistent + (grads if steady else 0) + activations + bwd_transient + gathered
+    # The naive path of a batch with videos (select_rows) copies each row's pixel values; the copies live until the
+    # forward returns (before backward), so they add to the end of the forward.
+    row_pixels = N * pixel_bytes if (naive_video and w.group_vision) else 0
+    fwd_end = persistent + (grads if steady else 0) + activations + row_pixels + gathered
+    fwd_bwd = max(fwd_bwd, fwd_end)
     bwd_end = persistent + grads + (emb_grad_tmp if steady else 0) + gathered
     if prefix_held:
         bwd_end = max(bwd_end, persistent + (grads if steady else 0) + emb_grad_tmp * steady + prefix_held + prefix_bwd_act + gathered)
@@ -710,6 +754,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
         "batch_inputs": batch_inputs - pixel_copies + rollout_buffers,
         "pixel_value_copies": pixel_copies,
+        "video_row_pixel_copies": row_pixels,
         "comm_buffers": comm,
         "allocator_reserve": reserved - peak,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -730,7 +775,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         verdict=verdict,
         headroom=headroom,
         notes=notes,
-        workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P},
+        workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok - vtok, "video_tokens_per_prompt": vtok, "prompt_tokens": P},
     )
     out.step_time_s = step_time(spec, w, trainable)
     return out
@@ -779,8 +824,8 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     b = DTYPE_BYTES[w.dtype]
     params = spec.total_params
     flops_params = spec.active_params  # MoE: a token's FLOPs follow the experts it is routed to, its weights the total
-    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
-    P = w.prompt_text_tokens + image_tokens(spec, w.max_pixels) * w.images_per_prompt
+    patches, vtok = prompt_vision(spec, w)
+    P = w.prompt_text_tokens + vtok
     C = w.completion_tokens
     rows = w.rows_per_step
     ppc = w.prompts_per_call or w.prompts_per_step
@@ -923,8 +968,9 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         vh = _dims(v, "hidden_size", "embed_dim", default=0)
         if getattr(cfg, "model_type", "") == "qwen2_vl":
             vh = v.embed_dim
+            kw["v_mlp_gated"] = False  # fc1 -> quick_gelu -> fc2
         vi = _dims(v, "intermediate_size", default=None) or int(vh * _dims(v, "mlp_ratio", default=4))
-        kw = dict(
+        kw.update(
             v_hidden=vh,
             v_intermediate=vi,
             v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
@@ -1067,6 +1113,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         decode_batch_size=r.decode_batch_size,
         max_pixels=d.max_pixels,
         images_per_prompt=1,
+        video_max_pixels=d.video_max_pixels,
         completion_tokens=r.max_completion_length,
         logprob_chunk_tokens=mem.logprob_chunk_tokens,
         group_vision=mem.group_vision,
