@@ -181,6 +181,62 @@ def tiny_gemma3_config(hidden: int = 256, layers: int = 2, vocab: int = 4096):
     return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=64, image_token_index=3, boi_token_index=4, eoi_token_index=5)
 
 
+def tiny_qwen35_config(
+    layers: int = 4,
+    hidden: int = 256,
+    inter: int = 704,
+    heads: int = 4,
+    kv: int = 2,
+    head_dim: int = 64,
+    linear_heads: tuple = (2, 4),
+    linear_dim: int = 64,
+    moe: bool = False,
+):
+    """A small Qwen3.5 (hybrid decoder: three Gated DeltaNet layers per gated full-attention layer, Qwen3-VL-style ViT
+    with patch 16) config; linear_heads = (key heads, value heads). moe: Qwen3.5-MoE (8 experts, top 2, a shared expert)."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text = dict(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        linear_key_head_dim=linear_dim,
+        linear_value_head_dim=linear_dim,
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "mrope_section": [head_dim // 32, head_dim * 3 // 64, head_dim * 3 // 64],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+        pad_token_id=0,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=344,
+        num_heads=2,
+        out_hidden_size=hidden,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=256,
+    )
+    ids = dict(image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+    if moe:
+        width = text.pop("intermediate_size") // 2
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=width, shared_expert_intermediate_size=width)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
 # ---------------------------------------------------------------- closed form vs trace
 
 
@@ -269,13 +325,17 @@ def hf_config_for(model: str):
         return tiny_qwen3_config(moe=model.endswith("moe"))
     if model == "tiny-gemma3":
         return tiny_gemma3_config()
+    if model in ("tiny-qwen35", "tiny-qwen35-moe"):
+        return tiny_qwen35_config(moe=model.endswith("moe"))
+    if model == "mid-qwen35":  # 8 layers at the widths public Qwen3.5 configs of ~4B use (not a published model)
+        return tiny_qwen35_config(layers=8, hidden=2560, inter=9216, heads=16, kv=4, head_dim=256, linear_heads=(16, 32), linear_dim=128)
     from vlmrl.presets import hf_config
 
     return hf_config(model)
 
 
 def spec_for(model: str):
-    if model.startswith("tiny"):
+    if model.startswith(("tiny", "mid-")):
         return spec_from_hf_config(hf_config_for(model).to_dict(), model)
     return model_spec(model)
 
@@ -363,6 +423,16 @@ def trace_grid() -> list[GridPoint]:
         GridPoint("3b-video8+image-lora-G8-gc", "qwen2.5-vl-3b", 8, 4, True, True, PX_LOW, shared_prefix=True, video_frames=8),
         GridPoint("2b-video16-full-G4-prefix", "qwen2-vl-2b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
         GridPoint("2b-video16-lora-G4 (naive)", "qwen2-vl-2b", 4, 4, False, True, PX_LOW, video_frames=16, images=0),
+        # Qwen3.5 (hybrid: 3 Gated DeltaNet layers per gated full-attention layer): tiny, and 8 layers at the widths of
+        # public ~4B Qwen3.5 configs (hidden 2560, 32 value heads of 128; not a published model); Qwen3.5-MoE tiny.
+        GridPoint("tiny-qwen35-full-G8", "tiny-qwen35", 8, 4, False, False, PX_LOW),
+        GridPoint("tiny-qwen35-lora-G4-gc", "tiny-qwen35", 4, 4, True, True, PX_LOW),
+        GridPoint("tiny-qwen35-full-G8-prefix", "tiny-qwen35", 8, 8, False, False, PX_LOW, shared_prefix=True),
+        GridPoint("mid-qwen35-full-G4", "mid-qwen35", 4, 4, False, False, PX_LOW),
+        GridPoint("mid-qwen35-full-G8-gc", "mid-qwen35", 8, 8, True, False, PX_HIGH),
+        GridPoint("mid-qwen35-lora-G8-prefix", "mid-qwen35", 8, 8, False, True, PX_LOW, shared_prefix=True),
+        GridPoint("mid-qwen35-lora-G4-long", "mid-qwen35", 4, 4, False, True, PX_LOW, completion=1024),
+        GridPoint("tiny-qwen35moe-full-G8", "tiny-qwen35-moe", 8, 4, False, False, PX_LOW),
     ]
     return g
 

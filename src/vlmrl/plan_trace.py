@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 # Families whose vision bookkeeping (grids, window / interpolation indices) the trace precomputes. Qwen3-VL's DeepStack
 # features (one [image tokens, hidden] per deepstack layer, added inside the decoder) are not traced: the trace hands
 # the decoder its merged features only.
-QWEN_TRACE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_TRACE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -289,7 +289,7 @@ class _Inputs:
         kw["position_ids"] = torch.empty(pos.shape, dtype=pos.dtype, device="meta")
         cu, mx = get_vision_attention_seqlens(grid, v)
         kw["cu_seqlens"], kw["max_seqlen"] = cu, mx
-        if self.family in ("qwen3_vl", "qwen3_vl_moe"):  # learned positions resampled to each grid
+        if self.family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # learned positions resampled to each grid
             from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
             idx, wts = get_vision_interpolation_indices_and_weights(
@@ -347,6 +347,7 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
     shared-prefix path (prompt once per unique prompt, KV cache gathered to the rows; not under gradient
     checkpointing in training) or prompt + completion per row; chunked LM-head log-probs."""
     from .logprobs import selective_logps
+    from .prefix import _cache_rows
 
     core, inner = inp.core, inp.inner
     N, C, U, P = inp.N, inp.C, inp.U, inp.P
@@ -366,7 +367,7 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
         out = lm(inputs_embeds=emb, position_ids=_positions(inp, U, P), use_cache=True)
         first = out.last_hidden_state[:, -1].index_select(0, row_idx).unsqueeze(1)
         cache = out.past_key_values
-        cache.batch_select_indices(row_idx)
+        _cache_rows(cache, rows=row_idx)  # vlmrl's own gather (KV layers, and Qwen3.5's conv / recurrent states)
         rest_emb = embed(torch.empty(N, C - 1, dtype=torch.long, device="meta"))
         rest = lm(
             inputs_embeds=rest_emb,
