@@ -237,6 +237,24 @@ def tiny_qwen35_config(
     return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
+def tiny_tiled_config(model: str):
+    """The config of the tiny LLaVA-OneVision / InternVL build (vlmrl.tiny_families), built once into a temporary folder."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from vlmrl.tiny_families import build_tiny_internvl, build_tiny_llava_onevision
+
+    if model not in _TILED:
+        build = build_tiny_llava_onevision if model == "tiny-llava-onevision" else build_tiny_internvl
+        with tempfile.TemporaryDirectory() as d:
+            _TILED[model] = AutoConfig.from_pretrained(build(Path(d) / model))
+    return _TILED[model]
+
+
+_TILED: dict = {}
+
+
 # ---------------------------------------------------------------- closed form vs trace
 
 
@@ -325,6 +343,8 @@ def hf_config_for(model: str):
         return tiny_qwen3_config(moe=model.endswith("moe"))
     if model == "tiny-gemma3":
         return tiny_gemma3_config()
+    if model in ("tiny-llava-onevision", "tiny-internvl"):  # the tiny builds' configs (28 px anyres tiles / 56 px tiles, max 6)
+        return tiny_tiled_config(model)
     if model in ("tiny-qwen35", "tiny-qwen35-moe"):
         return tiny_qwen35_config(moe=model.endswith("moe"))
     if model == "mid-qwen35":  # 8 layers at the widths public Qwen3.5 configs of ~4B use (not a published model)
@@ -335,6 +355,8 @@ def hf_config_for(model: str):
 
 
 def spec_for(model: str):
+    if model == "tiny-internvl":  # its processor's max_patches is 6
+        return dataclasses.replace(spec_from_hf_config(hf_config_for(model).to_dict(), model), max_tiles=6)
     if model.startswith(("tiny", "mid-")):
         return spec_from_hf_config(hf_config_for(model).to_dict(), model)
     return model_spec(model)
@@ -433,6 +455,13 @@ def trace_grid() -> list[GridPoint]:
         GridPoint("mid-qwen35-lora-G8-prefix", "mid-qwen35", 8, 8, False, True, PX_LOW, shared_prefix=True),
         GridPoint("mid-qwen35-lora-G4-long", "mid-qwen35", 4, 4, False, True, PX_LOW, completion=1024),
         GridPoint("tiny-qwen35moe-full-G8", "tiny-qwen35-moe", 8, 4, False, False, PX_LOW),
+        # Tiled families (naive path: vision per row, no shared prefix): InternVL dynamic tiles, LLaVA-OneVision anyres.
+        GridPoint("tiny-internvl-full-G4 (120x120: 5 tiles)", "tiny-internvl", 4, 4, False, False, 120 * 120),
+        GridPoint("tiny-llava-onevision-full-G4 (90x90)", "tiny-llava-onevision", 4, 4, False, False, 90 * 90),
+        GridPoint("internvl3-1b-full-G4 (672px: 5 tiles)", "internvl3-1b", 4, 4, False, False, 672 * 672),
+        GridPoint("internvl3-2b-lora-G8-gc (896px)", "internvl3-2b", 8, 4, True, True, PX_HIGH),
+        GridPoint("ov-7b-full-G4 (672px)", "llava-onevision-qwen2-7b", 4, 4, False, False, 672 * 672),
+        GridPoint("ov-7b-lora-G8 (448px)", "llava-onevision-qwen2-7b", 8, 4, False, True, PX_LOW),
     ]
     return g
 

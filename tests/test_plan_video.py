@@ -57,10 +57,10 @@ def test_videos_encoded_once_per_prompt_on_the_shared_prefix_else_per_row():
     naive = plan(SPEC, dataclasses.replace(w, shared_prefix=False))
     assert naive.terms["activations_vision"] == 4 * prefix.terms["activations_vision"]  # N = 4 rows, U = 1 prompt
     patches = prompt_vision(SPEC, w)[0]
-    assert naive.terms["video_row_pixel_copies"] == 4 * patches * PIXEL_BYTES_PER_PATCH
-    assert prefix.terms["video_row_pixel_copies"] == 0
+    assert naive.terms["naive_row_pixel_copies"] == 4 * patches * PIXEL_BYTES_PER_PATCH
+    assert prefix.terms["naive_row_pixel_copies"] == 0
     gc = plan(SPEC, dataclasses.replace(w, shared_prefix=True, gradient_checkpointing=True))
-    assert gc.terms["video_row_pixel_copies"] == naive.terms["video_row_pixel_copies"]
+    assert gc.terms["naive_row_pixel_copies"] == naive.terms["naive_row_pixel_copies"]
     # Images alone keep the grouped encode without the shared prefix (one per prompt).
     img = dataclasses.replace(w, video_frames=0, images_per_prompt=1, max_pixels=448 * 448, shared_prefix=False)
     img_prefix = dataclasses.replace(img, shared_prefix=True)
@@ -156,3 +156,16 @@ def test_trace_video_naive_path_holds_row_pixel_copies():
         peaks[prefix] = trace_update(hf_config_for("tiny-qwen2"), setup_for(spec, w)).peak_bytes
     rows_copies = 4 * 3 * 64 * PIXEL_BYTES_PER_PATCH  # 4 rows x (3 temporal patches x 64 patches) of fp32 pixel values
     assert peaks[False] - peaks[True] >= rows_copies
+
+
+def test_cli_trace_with_video(tmp_path, capsys):
+    """--trace feeds the tower the video grid the flags describe (shared prefix, the default) and agrees with the
+    closed form as the image-only trace of this tiny model does (both +5.0%: test_cli_plan_trace's 10% bound)."""
+    from vlmrl.cli import main
+
+    model = str(_tiny_model_dir(tmp_path))
+    flags = ["--video-frames", "6", "--video-max-pixels", str(112 * 112), "--max-pixels", str(112 * 112), "--micro-batch", "4"]
+    assert main(["plan", "--model", model, *flags, "--trace", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["video_tokens_per_prompt"] == 3 * 16
+    assert abs(out["trace"]["difference_pct"]) <= 10, out["trace"]

@@ -151,6 +151,8 @@ class TraceSetup:
     unique_prompts: int = 1  # distinct prompts among them (U); group_vision encodes each once
     prompt_text_tokens: int = 32  # prompt tokens that are not image tokens
     image_patches: int = 1024  # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
+    image_tiles: int = 1  # tiled families (LLaVA-OneVision anyres, InternVL): tiles the tower encodes per image
+    image_hw: tuple = ()  # LLaVA-OneVision: the image's (height, width), which decides its unpadded features
     video_temporal_patches: int = 0  # Qwen2-VL / Qwen2.5-VL: temporal patches of one video per prompt (0 = no video)
     video_frame_patches: int = 0  # vision patches of one video frame (one temporal patch)
     completion_tokens: int = 64
@@ -166,7 +168,9 @@ class TraceSetup:
 def setup_for(spec, w) -> TraceSetup:
     """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
     description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
-    from .planner import image_patches, video_grid
+    from .planner import _square, image_patches, naive_fallback, tiled_image, video_grid
+
+    w = naive_fallback(spec, w)[0]  # families without vlmrl's fast paths run the naive path
 
     G, N = w.num_generations, w.micro_batch
     unique = (-(-N // G) if (N % G == 0 or G % N == 0) else min(N, -(-N // G) + 1)) if w.group_vision else N
@@ -183,6 +187,8 @@ def setup_for(spec, w) -> TraceSetup:
         unique_prompts=unique,
         prompt_text_tokens=w.prompt_text_tokens,
         image_patches=image_patches(spec, w.max_pixels) if w.images_per_prompt else 0,
+        image_tiles=tiled_image(spec, *_square(w.max_pixels))[0] if spec.tiling else 1,
+        image_hw=_square(w.max_pixels) if spec.tiling else (),
         video_temporal_patches=video_grid(spec, w)[0],
         video_frame_patches=video_grid(spec, w)[1],
         completion_tokens=w.completion_tokens,
@@ -265,12 +271,20 @@ class _Inputs:
         elif v is not None:
             size = getattr(v, "image_size", 336)
             patch = getattr(v, "patch_size", 14)
-            self.patches = (size // patch) ** 2
+            size, patch = (x[0] if isinstance(x, (list, tuple)) else x for x in (size, patch))
+            tiles = s.image_tiles
+            self.patches = tiles * (size // patch) ** 2
             # Tokens after the tower: Gemma 3 pools to mm_tokens_per_image, InternVL's pixel shuffle divides by 1/ratio^2.
             ratio = getattr(self.cfg, "downsample_ratio", None)
             self.image_tokens = getattr(self.cfg, "mm_tokens_per_image", None) or (round(self.patches * ratio**2) if ratio else self.patches)
-            self.pixels = torch.empty(self.U, 3, size, size, device="meta", dtype=torch.float32)
+            self.pixels = torch.empty(self.U * tiles, 3, size, size, device="meta", dtype=torch.float32)
             self.grid = None
+            if self.family == "llava_onevision":  # anyres: [images, tiles, ...] + each image's size (unpadding, newlines)
+                from .planner import spec_from_hf_config, tiled_image
+
+                self.image_tokens = tiled_image(spec_from_hf_config(self.cfg), *s.image_hw)[1]
+                self.pixels = self.pixels.reshape(self.U, tiles, 3, size, size)
+                self.image_sizes = torch.tensor([list(s.image_hw)] * self.U)
         else:
             self.patches, self.image_tokens, self.pixels, self.grid = 0, 0, None, None
         self.P = s.prompt_text_tokens + self.image_tokens
@@ -325,11 +339,24 @@ class _Inputs:
             self.row_pixels = pixels if per_row else None  # select_rows' copy lives as long as the naive call's batch
             feats = getattr(out, "pooler_output", out)
             return feats
-        out = self.inner.get_image_features(pixel_values=self.pixels)
+        if self.family == "llava_onevision":
+            c = self.cfg
+            out = self.inner.get_image_features(
+                pixel_values=self.pixels,
+                image_sizes=self.image_sizes,
+                vision_feature_layer=c.vision_feature_layer,
+                vision_feature_select_strategy=c.vision_feature_select_strategy,
+                vision_aspect_ratio=c.vision_aspect_ratio,
+            )
+        else:
+            out = self.inner.get_image_features(pixel_values=self.pixels)
         feats = getattr(out, "pooler_output", out)
         if isinstance(feats, (list, tuple)):
             feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-        return feats.reshape(-1, feats.shape[-1])
+        feats = feats.reshape(-1, feats.shape[-1])
+        if feats.shape[0] != self.U * self.image_tokens:
+            raise ValueError(f"trace: the tower gave {feats.shape[0]} features for {self.U} images of {self.image_tokens} tokens")
+        return feats
 
 
 def _positions(inp: _Inputs, rows: int, length: int):

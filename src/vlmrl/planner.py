@@ -102,6 +102,7 @@ class ModelSpec:
     tile_pinpoints: tuple = ()  # anyres: the (height, width) canvases a grid of tiles may form (config.image_grid_pinpoints)
     anyres_max_tiles: int = 9  # anyres: above this many tiles' worth of features they are pooled down (config.vision_aspect_ratio anyres_max_N)
     max_tiles: int = 12  # dynamic: most tiles per image (the InternVL processor's max_patches; min 1; a thumbnail when more than one)
+    v_block_hidden: int = 30  # vision block bytes per patch per hidden unit (c/2 units): 30 with 2-D RoPE (Qwen-VL), 20 without (InternViT, SigLIP)
     v_mlp_gated: bool = True  # vision MLP gated (SwiGLU: gate, up, act, product kept = 8 iv bytes per patch) or fc1 -> act -> fc2 (4 iv; Qwen2-VL)
     norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 3: 4, around attention and around the MLP)
     gated_attention: bool = False  # Qwen3.5: (1 + weight) float32 RMSNorms, q/k norms and a sigmoid output gate from q_proj (see text_layer_bytes)
@@ -269,6 +270,9 @@ def tiled_image(spec: ModelSpec, height: int, width: int) -> tuple[int, int]:
 
 
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # families vlmrl trains on video rows
+# Families with vlmrl's grouped-vision and shared-prefix paths (logprobs.grouped_family); the others (LLaVA-OneVision,
+# InternVL, SmolVLM, ...) take the naive path: every row encodes its own copy of its prompt's images, no shared prefix.
+FAST_PATH_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "llava")
 
 
 def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
@@ -277,6 +281,16 @@ def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
     if w.video_frames <= 0 or spec.v_layers == 0:
         return 0, 0
     return -(-w.video_frames // max(spec.temporal_patch, 1)), image_patches(spec, w.video_max_pixels)
+
+
+def naive_fallback(spec: ModelSpec, w: Workload) -> tuple[Workload, bool, list]:
+    """(the workload as vlmrl runs it, whether grouped vision / the shared prefix fell back, notes): a family without
+    vlmrl's fast paths (not in FAST_PATH_FAMILIES) runs the naive path whatever memory.group_vision / shared_prefix
+    say, as vlmrl logs (families.FALLBACK_REASONS)."""
+    if not (spec.v_layers > 0 and spec.family not in FAST_PATH_FAMILIES and (w.group_vision or w.shared_prefix)):
+        return w, False, []
+    note = f"{spec.family}: grouped vision and the shared prefix fall back to the naive path (vision encoded per row)"
+    return dataclasses.replace(w, group_vision=False, shared_prefix=False), True, [note]
 
 
 def vision_encodes(spec: ModelSpec, w: Workload, unique: int, prefix: bool) -> tuple[int, bool]:
@@ -381,7 +395,7 @@ def vision_block_bytes(spec: ModelSpec, cbytes: int) -> float:
     4 iv, read off the trace of qwen2-vl-2b), fp32 lse per head."""
     s = cbytes / 2
     mlp = 8 if spec.v_mlp_gated else 4
-    return s * (30 * spec.v_hidden + mlp * spec.v_intermediate) + 4 * spec.v_heads
+    return s * (spec.v_block_hidden * spec.v_hidden + mlp * spec.v_intermediate) + 4 * spec.v_heads
 
 
 # ---------------------------------------------------------------- the plan
@@ -704,11 +718,11 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     trainer's data path for the same work (plan_profiles)."""
     _check(w)
     w = profile_workload(w)
+    w, fallback, notes = naive_fallback(spec, w)
     b = DTYPE_BYTES[w.dtype]
     cb = 2 if (w.autocast or b == 2) else 4  # compute (activation) dtype bytes
     n = w.world_size
     full_shard = w.sharding in ("zero3", "fsdp")
-    notes: list[str] = []
 
     st = model_states(spec, w)
     trainable, tb, lora_n = st["trainable"], st["trainable_bytes"], st["lora_params"]
@@ -856,9 +870,9 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # From the second micro-batch of a step on (grad_accum > 1, the trace's steady state) they coexist.
     steady = w.grad_accum > 1
     fwd_bwd = persistent + (grads if steady else 0) + activations + bwd_transient + gathered
-    # The naive path of a batch with videos (select_rows) copies each row's pixel values; the copies live until the
-    # forward returns (before backward), so they add to the end of the forward.
-    row_pixels = N * pixel_bytes if (naive_video and w.group_vision) else 0
+    # The naive path of a batch with videos or of a family without fast paths (select_rows) copies each row's pixel
+    # values; the copies live until the forward returns (before backward), so they add to the end of the forward.
+    row_pixels = N * pixel_bytes if ((naive_video and w.group_vision) or fallback) else 0
     fwd_end = persistent + (grads if steady else 0) + activations + row_pixels + gathered
     fwd_bwd = max(fwd_bwd, fwd_end)
     bwd_end = persistent + grads + (emb_grad_tmp if steady else 0) + gathered
@@ -896,7 +910,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
         "batch_inputs": batch_inputs - pixel_copies + rollout_buffers,
         "pixel_value_copies": pixel_copies,
-        "video_row_pixel_copies": row_pixels,
+        "naive_row_pixel_copies": row_pixels,
         "comm_buffers": comm,
         "allocator_reserve": reserved - peak,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -1159,12 +1173,7 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
             # scale_factor (3 -> 9x fewer); LLaVA keeps every patch (the CLS token is dropped).
             ratio = getattr(cfg, "downsample_ratio", None)
             kw["merge_size"] = round(1 / ratio) if ratio else int(getattr(cfg, "scale_factor", 1) or 1)
-            if getattr(cfg, "model_type", "") == "llava_onevision" and getattr(cfg, "image_grid_pinpoints", None):
-                kw["tiling"] = "anyres"
-                kw["tile_pinpoints"] = tuple(tuple(p) for p in cfg.image_grid_pinpoints)
-                kw["anyres_max_tiles"] = int(str(getattr(cfg, "vision_aspect_ratio", "anyres_max_9")).rsplit("_", 1)[-1])
-            if getattr(cfg, "model_type", "") == "internvl":
-                kw["tiling"] = "dynamic"  # tiles of image_size, up to ModelSpec.max_tiles (the processor's max_patches)
+            kw.update(_tiling_dims(cfg))
             if getattr(cfg, "mm_tokens_per_image", None):  # Gemma 3: patches average-pooled to a fixed token count
                 kw["merge_size"] = round(math.sqrt((kw["image_size"] // kw["patch_size"]) ** 2 / cfg.mm_tokens_per_image))
     moe = _moe_dims(t, core)
@@ -1200,6 +1209,23 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         **kw,
         **moe,
     )
+
+
+def _tiling_dims(cfg) -> dict:
+    """The tiled families' ModelSpec fields: LLaVA-OneVision anyres (pinpoints, anyres_max_N), InternVL dynamic tiles;
+    both towers (SigLIP, InternViT: no RoPE, fc1 -> GELU -> fc2) keep 20 hv + 4 iv per patch, read off the trace
+    (internvl3-1b, llava-onevision-qwen2-7b)."""
+    model_type = getattr(cfg, "model_type", "")
+    if model_type not in ("internvl", "llava_onevision"):
+        return {}
+    kw: dict = {"v_block_hidden": 20, "v_mlp_gated": False}
+    if model_type == "internvl":
+        kw["tiling"] = "dynamic"  # tiles of image_size, up to ModelSpec.max_tiles (the processor's max_patches)
+    elif getattr(cfg, "image_grid_pinpoints", None):
+        kw["tiling"] = "anyres"
+        kw["tile_pinpoints"] = tuple(tuple(p) for p in cfg.image_grid_pinpoints)
+        kw["anyres_max_tiles"] = int(str(getattr(cfg, "vision_aspect_ratio", "anyres_max_9")).rsplit("_", 1)[-1])
+    return kw
 
 
 def _moe_dims(text_config, core) -> dict:
