@@ -153,6 +153,7 @@ class TraceSetup:
     image_patches: int = 1024  # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
     image_tiles: int = 1  # tiled families (LLaVA-OneVision anyres, InternVL): tiles the tower encodes per image
     image_hw: tuple = ()  # LLaVA-OneVision: the image's (height, width), which decides its unpadded features
+    tiled_image_tokens: int = 0  # tiled families: LLM tokens of one image (planner.tiled_image); the tower's output is checked against it
     video_temporal_patches: int = 0  # Qwen2-VL / Qwen2.5-VL: temporal patches of one video per prompt (0 = no video)
     video_frame_patches: int = 0  # vision patches of one video frame (one temporal patch)
     completion_tokens: int = 64
@@ -168,7 +169,7 @@ class TraceSetup:
 def setup_for(spec, w) -> TraceSetup:
     """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
     description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
-    from .planner import _square, image_patches, naive_fallback, tiled_image, video_grid
+    from .planner import image_patches, naive_fallback, square_image, tiled_image, video_grid
 
     w = naive_fallback(spec, w)[0]  # families without vlmrl's fast paths run the naive path
 
@@ -187,8 +188,9 @@ def setup_for(spec, w) -> TraceSetup:
         unique_prompts=unique,
         prompt_text_tokens=w.prompt_text_tokens,
         image_patches=image_patches(spec, w.max_pixels) if w.images_per_prompt else 0,
-        image_tiles=tiled_image(spec, *_square(w.max_pixels))[0] if spec.tiling else 1,
-        image_hw=_square(w.max_pixels) if spec.tiling else (),
+        image_tiles=tiled_image(spec, *square_image(w.max_pixels))[0] if spec.tiling else 1,
+        image_hw=square_image(w.max_pixels) if spec.tiling else (),
+        tiled_image_tokens=tiled_image(spec, *square_image(w.max_pixels))[1] if spec.tiling else 0,
         video_temporal_patches=video_grid(spec, w)[0],
         video_frame_patches=video_grid(spec, w)[1],
         completion_tokens=w.completion_tokens,
@@ -279,10 +281,8 @@ class _Inputs:
             self.image_tokens = getattr(self.cfg, "mm_tokens_per_image", None) or (round(self.patches * ratio**2) if ratio else self.patches)
             self.pixels = torch.empty(self.U * tiles, 3, size, size, device="meta", dtype=torch.float32)
             self.grid = None
+            self.image_tokens = s.tiled_image_tokens or self.image_tokens
             if self.family == "llava_onevision":  # anyres: [images, tiles, ...] + each image's size (unpadding, newlines)
-                from .planner import spec_from_hf_config, tiled_image
-
-                self.image_tokens = tiled_image(spec_from_hf_config(self.cfg), *s.image_hw)[1]
                 self.pixels = self.pixels.reshape(self.U, tiles, 3, size, size)
                 self.image_sizes = torch.tensor([list(s.image_hw)] * self.U)
         else:

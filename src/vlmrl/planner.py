@@ -191,7 +191,7 @@ def image_patches(spec: ModelSpec, max_pixels: int) -> int:
     if spec.v_layers == 0:
         return 0
     if not spec.dynamic_resolution:
-        tiles = tiled_image(spec, *_square(max_pixels))[0] if spec.tiling else 1
+        tiles = tiled_image(spec, *square_image(max_pixels))[0] if spec.tiling else 1
         return tiles * (spec.image_size // spec.patch_size) ** 2
     unit = spec.patch_size * spec.merge_size
     side_units = max(1, int(math.isqrt(max(max_pixels, unit * unit)) // unit))  # square image, multiples of patch*merge
@@ -201,11 +201,12 @@ def image_patches(spec: ModelSpec, max_pixels: int) -> int:
 def image_tokens(spec: ModelSpec, max_pixels: int) -> int:
     """LLM tokens of one image at the pixel cap (a square; tiled families: their tiles of that square)."""
     if spec.tiling and spec.v_layers:
-        return tiled_image(spec, *_square(max_pixels))[1]
+        return tiled_image(spec, *square_image(max_pixels))[1]
     return image_patches(spec, max_pixels) // (spec.merge_size**2)
 
 
-def _square(max_pixels: int) -> tuple[int, int]:
+def square_image(max_pixels: int) -> tuple[int, int]:
+    """(height, width) of the square image at the pixel cap the planner assumes."""
     side = max(1, math.isqrt(max(max_pixels, 1)))
     return side, side
 
