@@ -82,6 +82,8 @@ QWEN35_GRID = [
     GridPoint("mid-qwen35-lora-G8-prefix", "mid-qwen35", 8, 8, False, True, 448 * 448, shared_prefix=True),
     GridPoint("mid-qwen35-full-G8-gc", "mid-qwen35", 8, 8, True, False, 448 * 448),
     GridPoint("mid-qwen35-lora-G4-long", "mid-qwen35", 4, 4, False, True, 448 * 448, completion=512),
+    GridPoint("tiny-qwen35-full-G4-prefix-eager", "tiny-qwen35", 4, 4, False, False, 224 * 224, shared_prefix=True, attn="eager"),
+    GridPoint("mid-qwen35-lora-G4-eager", "mid-qwen35", 4, 4, False, True, 448 * 448, attn="eager"),
 ]
 QWEN35_MOE_GRID = [
     GridPoint("tiny-qwen35moe-full-G8", "tiny-qwen35-moe", 8, 4, False, False, 448 * 448),
@@ -99,3 +101,12 @@ def test_qwen35_closed_form_within_3pct_of_trace(point):
 def test_qwen35_moe_closed_form_within_10pct_of_trace(point):
     r = compare_trace(point)
     assert abs(r["difference_pct"]) <= 10, r
+
+
+def test_eager_scores_only_in_full_attention_layers(spec):
+    """Eager attention keeps a score matrix per full-attention layer only (one of the four tiny layers)."""
+    from vlmrl.planner import eager_attention_bytes
+
+    w = Workload(attn_implementation="eager")
+    e = eager_attention_bytes(spec, w, 2, ((4, 100, 100),), 0, 0)
+    assert e["text"] == (spec.layers - spec.linear_attn_layers) * e["text_layer"] == e["text_layer"]

@@ -555,7 +555,7 @@ def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vi
         elems = full * patches_per_image**2 + (spec.v_layers - full) * patches_per_image * window
         vision_block = spec.v_heads * vis_images * (elems * per - 4 * spec.v_layers * patches_per_image) / spec.v_layers
     return {
-        "text": spec.layers * text_layer,
+        "text": (spec.layers - spec.linear_attn_layers) * text_layer,  # Qwen3.5's linear-attention layers have no scores
         "vision": spec.v_layers * vision_block,
         "text_layer": text_layer,
         "vision_block": vision_block,
@@ -1013,7 +1013,7 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     rows = w.rows_per_step
     ppc = w.prompts_per_call or w.prompts_per_step
     calls = math.ceil(w.prompts_per_step / ppc)
-    kv_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+    kv_token = 2 * (spec.layers - spec.linear_attn_layers) * spec.kv_heads * spec.head_dim * 2
     prefill_rows = w.prompts_per_step if w.shared_prefix else rows
     t_gen = (2 * flops_params * prefill_rows * P + 2 * spec.vision_params * prefill_rows * patches) / PEAK_FLOPS
     t_gen += calls * C * (params * b / HBM_BYTES_PER_S) + C * rows * (P + C / 2) * kv_token / HBM_BYTES_PER_S
