@@ -21,6 +21,9 @@ softmax and cast probabilities are traced like any op); sdpa and flash_attention
 stand-in with the memory of the fused CUDA kernels runs (saves q, k, v repeated to the query heads, output and a
 float32 log-sum-exp per query head; no [T, T] matrix), registered under the name `vlmrl_trace`.
 Scoring runs under model.eval() and the update under model.train(), as in train.py.
+Vision inputs: Qwen-VL images and videos as [t, h, w] patch grids per prompt (a video's naive path encodes each row's
+copy, as select_rows makes them), Qwen3.5's hybrid decoder with its Gated DeltaNet states gathered per row on the
+shared prefix (prefix._cache_rows), every tile of the tiled families (LLaVA-OneVision with its image sizes, InternVL).
 """
 
 from __future__ import annotations
