@@ -181,6 +181,80 @@ def tiny_gemma3_config(hidden: int = 256, layers: int = 2, vocab: int = 4096):
     return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=64, image_token_index=3, boi_token_index=4, eoi_token_index=5)
 
 
+def tiny_qwen35_config(
+    layers: int = 4,
+    hidden: int = 256,
+    inter: int = 704,
+    heads: int = 4,
+    kv: int = 2,
+    head_dim: int = 64,
+    linear_heads: tuple = (2, 4),
+    linear_dim: int = 64,
+    moe: bool = False,
+):
+    """A small Qwen3.5 (hybrid decoder: three Gated DeltaNet layers per gated full-attention layer, Qwen3-VL-style ViT
+    with patch 16) config; linear_heads = (key heads, value heads). moe: Qwen3.5-MoE (8 experts, top 2, a shared expert)."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text = dict(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        linear_key_head_dim=linear_dim,
+        linear_value_head_dim=linear_dim,
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "mrope_section": [head_dim // 32, head_dim * 3 // 64, head_dim * 3 // 64],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+        pad_token_id=0,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=344,
+        num_heads=2,
+        out_hidden_size=hidden,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=256,
+    )
+    ids = dict(image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+    if moe:
+        width = text.pop("intermediate_size") // 2
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=width, shared_expert_intermediate_size=width)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+def tiny_tiled_config(model: str):
+    """The config of the tiny LLaVA-OneVision / InternVL build (vlmrl.tiny_families), built once into a temporary folder."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from vlmrl.tiny_families import build_tiny_internvl, build_tiny_llava_onevision
+
+    if model not in _TILED:
+        build = build_tiny_llava_onevision if model == "tiny-llava-onevision" else build_tiny_internvl
+        with tempfile.TemporaryDirectory() as d:
+            _TILED[model] = AutoConfig.from_pretrained(build(Path(d) / model))
+    return _TILED[model]
+
+
+_TILED: dict = {}
+
+
 # ---------------------------------------------------------------- closed form vs trace
 
 
@@ -200,6 +274,9 @@ class GridPoint:
     attn: str = "sdpa"
     freeze_vision: bool = False
     sft_stage: int = 0  # 1 / 2: a `vlmrl sft` step (each row its own prompt and image; G is ignored)
+    video_frames: int = 0  # frames of one video per prompt (0 = none)
+    video_max_pixels: int = 128 * 28 * 28  # pixel cap per video frame
+    images: int = 1  # images per prompt (0: a video-only prompt)
 
 
 def unique_prompts(N: int, G: int) -> int:
@@ -220,6 +297,9 @@ def _sft_workload(p: GridPoint) -> Workload:
         max_pixels=p.max_pixels,
         completion_tokens=p.completion,
         attn_implementation=p.attn,
+        images_per_prompt=p.images,
+        video_frames=p.video_frames,
+        video_max_pixels=p.video_max_pixels,
     )
     return dataclasses.replace(sft_workload(base, p.sft_stage, train_vision_tower=not p.freeze_vision), grad_accum=2)
 
@@ -246,6 +326,9 @@ def workload_for(p: GridPoint) -> Workload:
         shared_prefix=p.shared_prefix,
         attn_implementation=p.attn,
         freeze_vision=p.freeze_vision,
+        images_per_prompt=p.images,
+        video_frames=p.video_frames,
+        video_max_pixels=p.video_max_pixels,
     )
 
 
@@ -260,13 +343,21 @@ def hf_config_for(model: str):
         return tiny_qwen3_config(moe=model.endswith("moe"))
     if model == "tiny-gemma3":
         return tiny_gemma3_config()
+    if model in ("tiny-llava-onevision", "tiny-internvl"):  # the tiny builds' configs (28 px anyres tiles / 56 px tiles, max 6)
+        return tiny_tiled_config(model)
+    if model in ("tiny-qwen35", "tiny-qwen35-moe"):
+        return tiny_qwen35_config(moe=model.endswith("moe"))
+    if model == "mid-qwen35":  # 8 layers at the widths public Qwen3.5 configs of ~4B use (not a published model)
+        return tiny_qwen35_config(layers=8, hidden=2560, inter=9216, heads=16, kv=4, head_dim=256, linear_heads=(16, 32), linear_dim=128)
     from vlmrl.presets import hf_config
 
     return hf_config(model)
 
 
 def spec_for(model: str):
-    if model.startswith("tiny"):
+    if model == "tiny-internvl":  # its processor's max_patches is 6
+        return dataclasses.replace(spec_from_hf_config(hf_config_for(model).to_dict(), model), max_tiles=6)
+    if model.startswith(("tiny", "mid-")):
         return spec_from_hf_config(hf_config_for(model).to_dict(), model)
     return model_spec(model)
 
@@ -344,8 +435,43 @@ def trace_grid() -> list[GridPoint]:
         GridPoint("g3-4b-full-G8", "gemma3-4b", 8, 4, False, False, PX_LOW),
         GridPoint("g3-4b-full-G8-prefix", "gemma3-4b", 8, 8, False, False, PX_LOW, shared_prefix=True),
         GridPoint("g3-12b-lora-G8-gc", "gemma3-12b", 8, 8, True, True, PX_LOW),
+        # Video rows (Qwen2-VL / Qwen2.5-VL; data.max_frames 16 at video_max_pixels 128*28*28 = 8 x 484 patches): the shared
+        # prefix encodes each prompt's video once, the grouped path without it hands the batch to the naive path (per row).
+        GridPoint(
+            "tiny-video8-full-G4-prefix", "tiny", 4, 4, False, False, 224 * 224, shared_prefix=True, video_frames=8, video_max_pixels=112 * 112
+        ),
+        GridPoint("3b-video16-full-G4-prefix", "qwen2.5-vl-3b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
+        GridPoint("3b-video16-full-G4 (naive)", "qwen2.5-vl-3b", 4, 4, False, False, PX_LOW, video_frames=16, images=0),
+        GridPoint("3b-video8+image-lora-G8-gc", "qwen2.5-vl-3b", 8, 4, True, True, PX_LOW, shared_prefix=True, video_frames=8),
+        GridPoint("2b-video16-full-G4-prefix", "qwen2-vl-2b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
+        GridPoint("2b-video16-lora-G4 (naive)", "qwen2-vl-2b", 4, 4, False, True, PX_LOW, video_frames=16, images=0),
+        # Qwen3.5 (hybrid: 3 Gated DeltaNet layers per gated full-attention layer): tiny, and 8 layers at the widths of
+        # public ~4B Qwen3.5 configs (hidden 2560, 32 value heads of 128; not a published model); Qwen3.5-MoE tiny.
+        GridPoint("tiny-qwen35-full-G8", "tiny-qwen35", 8, 4, False, False, PX_LOW),
+        GridPoint("tiny-qwen35-lora-G4-gc", "tiny-qwen35", 4, 4, True, True, PX_LOW),
+        GridPoint("tiny-qwen35-full-G8-prefix", "tiny-qwen35", 8, 8, False, False, PX_LOW, shared_prefix=True),
+        GridPoint("mid-qwen35-full-G4", "mid-qwen35", 4, 4, False, False, PX_LOW),
+        GridPoint("mid-qwen35-full-G8-gc", "mid-qwen35", 8, 8, True, False, PX_HIGH),
+        GridPoint("mid-qwen35-lora-G8-prefix", "mid-qwen35", 8, 8, False, True, PX_LOW, shared_prefix=True),
+        GridPoint("mid-qwen35-lora-G4-long", "mid-qwen35", 4, 4, False, True, PX_LOW, completion=1024),
+        GridPoint("tiny-qwen35moe-full-G8", "tiny-qwen35-moe", 8, 4, False, False, PX_LOW),
+        # Tiled families (naive path: vision per row, no shared prefix): InternVL dynamic tiles, LLaVA-OneVision anyres.
+        GridPoint("tiny-internvl-full-G4 (120x120: 5 tiles)", "tiny-internvl", 4, 4, False, False, 120 * 120),
+        GridPoint("tiny-llava-onevision-full-G4 (90x90)", "tiny-llava-onevision", 4, 4, False, False, 90 * 90),
+        GridPoint("internvl3-1b-full-G4 (672px: 5 tiles)", "internvl3-1b", 4, 4, False, False, 672 * 672),
+        GridPoint("internvl3-2b-lora-G8-gc (896px)", "internvl3-2b", 8, 4, True, True, PX_HIGH),
+        GridPoint("ov-7b-full-G4 (672px)", "llava-onevision-qwen2-7b", 4, 4, False, False, 672 * 672),
+        GridPoint("ov-7b-lora-G8 (448px)", "llava-onevision-qwen2-7b", 8, 4, False, True, PX_LOW),
     ]
     return g
+
+
+def _vision_cell(r: dict) -> str:
+    """max_pixels (image tokens), or for video rows the frames, their cap and the prompt's vision tokens."""
+    if not r.get("video_frames"):
+        return f"{r['max_pixels']} ({r['image_tokens']})"
+    images = f"{r['images']} x {r['max_pixels']} + " if r.get("images") else ""
+    return f"{images}video {r['video_frames']} frames x {r['video_max_pixels']} ({r['image_tokens']})"
 
 
 def _md_trace(rows: list[dict], date: str) -> str:
@@ -359,7 +485,7 @@ def _md_trace(rows: list[dict], date: str) -> str:
         "",
         intro,
         "",
-        "| config | params | mode | G | micro-batch | grad ckpt | prefix | attention | LoRA | max_pixels (image tokens) | trace GiB | "
+        "| config | params | mode | G | micro-batch | grad ckpt | prefix | attention | LoRA | max_pixels or video (vision tokens) | trace GiB | "
         "closed form GiB | diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -368,7 +494,7 @@ def _md_trace(rows: list[dict], date: str) -> str:
         lines.append(
             f"| {r['name']} | {r['params'] / 1e9:.2f} B | {mode} | {r['G'] if mode == 'GRPO' else '-'} | {r['micro_batch']} | "
             f"{'on' if r['gc'] else 'off'} | {'on' if r['shared_prefix'] and mode == 'GRPO' else 'off'} | {r['attn']} | "
-            f"{'r16' if r['lora'] else 'full'} | {r['max_pixels']} ({r['image_tokens']}) | {r['trace_peak_gib']:.3f} | "
+            f"{'r16' if r['lora'] else 'full'} | {_vision_cell(r)} | {r['trace_peak_gib']:.3f} | "
             f"{r['closed_form_gib']:.3f} | {r['difference_pct']:+.1f}% |"
         )
     within = sum(abs(r["difference_pct"]) <= 10 for r in rows)

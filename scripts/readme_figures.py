@@ -147,7 +147,8 @@ def planner_accuracy() -> str | None:
     gpu_rows = [row for row in _load(gpu)["rows"] if row.get("reserved_difference_pct") is not None]
     within = sum(abs(row["difference_pct"]) <= 10 for row in run_rows)
     return (
-        f"Accuracy: closed form vs `--trace` on {len(trace_rows)} configs (full, LoRA, shared prefix, eager, SFT): largest difference "
+        f"Accuracy: closed form vs `--trace` on {len(trace_rows)} configs (full, LoRA, shared prefix, eager, SFT, video, Qwen3.5, tiles): "
+        "largest difference "
         f"{_largest(trace_rows, 'difference_pct'):.1f}% (`{trace.name}`); vs {len(gpu_rows)} H100 runs: within "
         f"{_largest(gpu_rows, 'reserved_difference_pct'):.1f}% of `max_memory_reserved` (`{gpu.name}`); vs {len(run_rows)} real CPU runs: "
         f"peak RSS within 10% on {within} of {len(run_rows)}, largest {_largest(run_rows, 'difference_pct'):.1f}% (`{runs.name}`)."

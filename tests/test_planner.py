@@ -554,7 +554,8 @@ def test_planner_presets_meta_counts_match_published():
         n = model_spec(name).total_params
         assert abs(n / d["params"] - 1) < 0.03, f"{name}: {n / 1e9:.3f}B vs published {d['params'] / 1e9:.2f}B"
     assert image_tokens(model_spec("llava-1.5-7b"), 10**6) == 576
-    assert image_tokens(model_spec("internvl3-2b"), 10**6) == 256
+    assert image_tokens(model_spec("internvl3-2b"), 448 * 448) == 256  # one 448 tile (pixel shuffle 0.5)
+    assert image_tokens(model_spec("internvl3-2b"), 10**6) == 10 * 256  # a 1000 px square: 3 x 3 tiles + thumbnail
     assert image_tokens(model_spec("smolvlm-instruct"), 10**6) == 81
 
 

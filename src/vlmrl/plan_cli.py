@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-call", type=int, help="prompts per generate() call (memory.generation_prompts_per_call)")
     p.add_argument("--max-pixels", type=int, help="pixel cap per image (data.max_pixels)")
     p.add_argument("--images-per-prompt", type=int, help="images per prompt (default 1)")
+    p.add_argument(
+        "--video-frames",
+        type=int,
+        help="frames of one video per prompt (data.max_frames; Qwen2-VL / Qwen2.5-VL); 0 = no video. A video-only prompt: --images-per-prompt 0",
+    )
+    p.add_argument("--video-max-pixels", type=int, help="pixel cap per video frame (data.video_max_pixels, default 128*28*28)")
     p.add_argument("--prompt-tokens", type=int, help="text tokens per prompt besides image tokens (default 64)")
     p.add_argument("--completion-length", type=int, help="max completion tokens (rollout.max_completion_length)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="weights dtype (default bfloat16 with --model)")
@@ -142,6 +148,8 @@ def _workload(ns, spec):
         "prompts_per_call": ns.prompts_per_call,
         "max_pixels": ns.max_pixels,
         "images_per_prompt": ns.images_per_prompt,
+        "video_frames": ns.video_frames,
+        "video_max_pixels": ns.video_max_pixels,
         "prompt_text_tokens": ns.prompt_tokens,
         "completion_tokens": ns.completion_length,
         "dtype": ns.dtype,
@@ -195,7 +203,8 @@ def _table(spec, p) -> str:
     head = (
         f"model {spec.name} ({spec.family}): {spec.total_params / 1e9:.2f} B parameters "
         f"(vision {spec.vision_params / 1e9:.2f} B), {d['workload']['image_tokens_per_prompt']} image tokens per prompt, "
-        f"{d['workload']['prompt_tokens']} prompt tokens"
+        + (f"{d['workload']['video_tokens_per_prompt']} video tokens per prompt, " if d["workload"].get("video_tokens_per_prompt") else "")
+        + f"{d['workload']['prompt_tokens']} prompt tokens"
     )
     lines = [head, "", f"{'term':<34} {'GiB':>9}", "-" * 44]
     for k, v in d["terms_gib"].items():

@@ -21,6 +21,9 @@ softmax and cast probabilities are traced like any op); sdpa and flash_attention
 stand-in with the memory of the fused CUDA kernels runs (saves q, k, v repeated to the query heads, output and a
 float32 log-sum-exp per query head; no [T, T] matrix), registered under the name `vlmrl_trace`.
 Scoring runs under model.eval() and the update under model.train(), as in train.py.
+Vision inputs: Qwen-VL images and videos as [t, h, w] patch grids per prompt (a video's naive path encodes each row's
+copy, as select_rows makes them), Qwen3.5's hybrid decoder with its Gated DeltaNet states gathered per row on the
+shared prefix (prefix._cache_rows), every tile of the tiled families (LLaVA-OneVision with its image sizes, InternVL).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 # Families whose vision bookkeeping (grids, window / interpolation indices) the trace precomputes. Qwen3-VL's DeepStack
 # features (one [image tokens, hidden] per deepstack layer, added inside the decoder) are not traced: the trace hands
 # the decoder its merged features only.
-QWEN_TRACE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_TRACE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -151,6 +154,11 @@ class TraceSetup:
     unique_prompts: int = 1  # distinct prompts among them (U); group_vision encodes each once
     prompt_text_tokens: int = 32  # prompt tokens that are not image tokens
     image_patches: int = 1024  # vision patches per prompt (Qwen: (H/14) x (W/14)); one image per prompt
+    image_tiles: int = 1  # tiled families (LLaVA-OneVision anyres, InternVL): tiles the tower encodes per image
+    image_hw: tuple = ()  # LLaVA-OneVision: the image's (height, width), which decides its unpadded features
+    tiled_image_tokens: int = 0  # tiled families: LLM tokens of one image (planner.tiled_image); the tower's output is checked against it
+    video_temporal_patches: int = 0  # Qwen2-VL / Qwen2.5-VL: temporal patches of one video per prompt (0 = no video)
+    video_frame_patches: int = 0  # vision patches of one video frame (one temporal patch)
     completion_tokens: int = 64
     logprob_chunk_tokens: int = 128
     group_vision: bool = True
@@ -164,7 +172,9 @@ class TraceSetup:
 def setup_for(spec, w) -> TraceSetup:
     """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
     description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
-    from .planner import image_patches
+    from .planner import image_patches, naive_fallback, square_image, tiled_image, video_grid
+
+    w = naive_fallback(spec, w)[0]  # families without vlmrl's fast paths run the naive path
 
     G, N = w.num_generations, w.micro_batch
     unique = (-(-N // G) if (N % G == 0 or G % N == 0) else min(N, -(-N // G) + 1)) if w.group_vision else N
@@ -180,7 +190,12 @@ def setup_for(spec, w) -> TraceSetup:
         rows=N,
         unique_prompts=unique,
         prompt_text_tokens=w.prompt_text_tokens,
-        image_patches=image_patches(spec, w.max_pixels),
+        image_patches=image_patches(spec, w.max_pixels) if w.images_per_prompt else 0,
+        image_tiles=tiled_image(spec, *square_image(w.max_pixels))[0] if spec.tiling else 1,
+        image_hw=square_image(w.max_pixels) if spec.tiling else (),
+        tiled_image_tokens=tiled_image(spec, *square_image(w.max_pixels))[1] if spec.tiling else 0,
+        video_temporal_patches=video_grid(spec, w)[0],
+        video_frame_patches=video_grid(spec, w)[1],
         completion_tokens=w.completion_tokens,
         logprob_chunk_tokens=w.logprob_chunk_tokens,
         group_vision=w.group_vision,
@@ -237,25 +252,42 @@ class _Inputs:
         self.N, self.C = s.rows, s.completion_tokens
         v = getattr(self.cfg, "vision_config", None)
         self.vision_kwargs = {}
+        self.has_video = bool(s.video_temporal_patches)
+        self.row_pixels = None
+        if self.has_video and self.family not in ("qwen2_vl", "qwen2_5_vl"):
+            raise ValueError(f"trace: video rows are traced for qwen2_vl / qwen2_5_vl only, not {self.family}")
         if self.family in QWEN_TRACE_FAMILIES:
             merge = v.spatial_merge_size
-            gh, gw = _qwen_grid(s.image_patches, merge)
-            self.patches = gh * gw
+            per_prompt = []  # grid rows of one prompt: its image (t = 1), then its video (t temporal patches)
+            if s.image_patches:
+                per_prompt.append([1, *_qwen_grid(s.image_patches, merge)])
+            if self.has_video:
+                per_prompt.append([s.video_temporal_patches, *_qwen_grid(s.video_frame_patches, merge)])
+            prompt_grid = torch.tensor(per_prompt, dtype=torch.long).reshape(-1, 3)
+            self.patches = int(prompt_grid.prod(-1).sum())
             self.image_tokens = self.patches // merge**2
-            grid = torch.tensor([[1, gh, gw]] * self.U)
-            self.grid = grid
-            in_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-            self.pixels = torch.empty(self.U * self.patches, in_dim, device="meta", dtype=torch.float32)
-            self.vision_kwargs = self._qwen_bookkeeping(grid, v)
+            self.grid = prompt_grid.repeat(self.U, 1)
+            self.in_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+            self.pixels = torch.empty(self.U * self.patches, self.in_dim, device="meta", dtype=torch.float32) if self.patches else None
+            self.vision_kwargs = self._qwen_bookkeeping(self.grid, v) if self.patches else {}
+            if self.has_video:  # naive path (no shared prefix): every row encodes its own copy of its prompt's pixels
+                self.row_grid = prompt_grid.repeat(self.N, 1)
+                self.row_vision_kwargs = self._qwen_bookkeeping(self.row_grid, v)
         elif v is not None:
             size = getattr(v, "image_size", 336)
             patch = getattr(v, "patch_size", 14)
-            self.patches = (size // patch) ** 2
+            size, patch = (x[0] if isinstance(x, (list, tuple)) else x for x in (size, patch))
+            tiles = s.image_tiles
+            self.patches = tiles * (size // patch) ** 2
             # Tokens after the tower: Gemma 3 pools to mm_tokens_per_image, InternVL's pixel shuffle divides by 1/ratio^2.
             ratio = getattr(self.cfg, "downsample_ratio", None)
             self.image_tokens = getattr(self.cfg, "mm_tokens_per_image", None) or (round(self.patches * ratio**2) if ratio else self.patches)
-            self.pixels = torch.empty(self.U, 3, size, size, device="meta", dtype=torch.float32)
+            self.pixels = torch.empty(self.U * tiles, 3, size, size, device="meta", dtype=torch.float32)
             self.grid = None
+            self.image_tokens = s.tiled_image_tokens or self.image_tokens
+            if self.family == "llava_onevision":  # anyres: [images, tiles, ...] + each image's size (unpadding, newlines)
+                self.pixels = self.pixels.reshape(self.U, tiles, 3, size, size)
+                self.image_sizes = torch.tensor([list(s.image_hw)] * self.U)
         else:
             self.patches, self.image_tokens, self.pixels, self.grid = 0, 0, None, None
         self.P = s.prompt_text_tokens + self.image_tokens
@@ -274,7 +306,7 @@ class _Inputs:
         kw["position_ids"] = torch.empty(pos.shape, dtype=pos.dtype, device="meta")
         cu, mx = get_vision_attention_seqlens(grid, v)
         kw["cu_seqlens"], kw["max_seqlen"] = cu, mx
-        if self.family in ("qwen3_vl", "qwen3_vl_moe"):  # learned positions resampled to each grid
+        if self.family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # learned positions resampled to each grid
             from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
             idx, wts = get_vision_interpolation_indices_and_weights(
@@ -295,20 +327,39 @@ class _Inputs:
             kw["max_window_seqlen"] = get_max_seqlen(cw, v)
         return kw
 
-    def image_features(self) -> torch.Tensor | None:
+    def image_features(self, per_row: bool = False) -> torch.Tensor | None:
+        """Vision features of the U prompts (grouped / shared prefix), or with per_row (the naive path a batch with
+        videos takes) of the N rows, each from its own copy of its prompt's pixel values (select_rows)."""
         if self.pixels is None:
             return None
         if self.family in QWEN_TRACE_FAMILIES:
-            kw = dict(self.vision_kwargs)  # a fresh dict per call: the model pops the precomputed entries
+            pixels, grid, kw = self.pixels, self.grid, dict(self.vision_kwargs)  # a fresh dict: the model pops entries
+            if per_row:
+                idx = torch.empty(self.N * self.patches, dtype=torch.long, device="meta")
+                pixels, grid, kw = self.pixels.index_select(0, idx), self.row_grid, dict(self.row_vision_kwargs)
             kw["position_ids"] = torch.empty(kw["position_ids"].shape, dtype=kw["position_ids"].dtype, device="meta")
-            out = self.inner.visual(self.pixels, grid_thw=self.grid, **kw)
+            out = self.inner.visual(pixels, grid_thw=grid, **kw)
+            self.row_pixels = pixels if per_row else None  # select_rows' copy lives as long as the naive call's batch
             feats = getattr(out, "pooler_output", out)
             return feats
-        out = self.inner.get_image_features(pixel_values=self.pixels)
+        if self.family == "llava_onevision":
+            c = self.cfg
+            out = self.inner.get_image_features(
+                pixel_values=self.pixels,
+                image_sizes=self.image_sizes,
+                vision_feature_layer=c.vision_feature_layer,
+                vision_feature_select_strategy=c.vision_feature_select_strategy,
+                vision_aspect_ratio=c.vision_aspect_ratio,
+            )
+        else:
+            out = self.inner.get_image_features(pixel_values=self.pixels)
         feats = getattr(out, "pooler_output", out)
         if isinstance(feats, (list, tuple)):
             feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-        return feats.reshape(-1, feats.shape[-1])
+        feats = feats.reshape(-1, feats.shape[-1])
+        if feats.shape[0] != self.U * self.image_tokens:
+            raise ValueError(f"trace: the tower gave {feats.shape[0]} features for {self.U} images of {self.image_tokens} tokens")
+        return feats
 
 
 def _positions(inp: _Inputs, rows: int, length: int):
@@ -326,15 +377,17 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
     shared-prefix path (prompt once per unique prompt, KV cache gathered to the rows; not under gradient
     checkpointing in training) or prompt + completion per row; chunked LM-head log-probs."""
     from .logprobs import selective_logps
+    from .prefix import _cache_rows
 
     core, inner = inp.core, inp.inner
     N, C, U, P = inp.N, inp.C, inp.U, inp.P
     embed = inner.get_input_embeddings()
-    feats = inp.image_features()
     lm = _language_model(inner)
     targets = torch.empty(N, C, dtype=torch.long, device="meta")
     row_idx = torch.empty(N, dtype=torch.long, device="meta")
-    prefix = setup.shared_prefix and setup.group_vision and not (needs_grad and setup.gradient_checkpointing) and feats is not None
+    prefix = setup.shared_prefix and setup.group_vision and not (needs_grad and setup.gradient_checkpointing) and inp.pixels is not None
+    naive_video = inp.has_video and not prefix  # the grouped path hands a batch with videos to the naive path
+    feats = inp.image_features(per_row=naive_video and setup.group_vision)
     if prefix:
         ids = torch.empty(U, P, dtype=torch.long, device="meta")
         emb = embed(ids)
@@ -344,7 +397,7 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
         out = lm(inputs_embeds=emb, position_ids=_positions(inp, U, P), use_cache=True)
         first = out.last_hidden_state[:, -1].index_select(0, row_idx).unsqueeze(1)
         cache = out.past_key_values
-        cache.batch_select_indices(row_idx)
+        _cache_rows(cache, rows=row_idx)  # vlmrl's own gather (KV layers, and Qwen3.5's conv / recurrent states)
         rest_emb = embed(torch.empty(N, C - 1, dtype=torch.long, device="meta"))
         rest = lm(
             inputs_embeds=rest_emb,
@@ -360,12 +413,14 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
         emb = embed(ids)
         if feats is not None:
             token_idx = torch.empty(N * inp.image_tokens, dtype=torch.long, device="meta")
-            row_feats = feats.index_select(0, token_idx) if setup.group_vision else feats
+            row_feats = feats.index_select(0, token_idx) if (setup.group_vision and not naive_video) else feats
             mask = torch.empty(N, P + C, 1, dtype=torch.bool, device="meta").expand_as(emb)
             emb = emb.masked_scatter(mask, row_feats.to(emb.dtype))
         hidden = lm(inputs_embeds=emb, position_ids=_positions(inp, N, P + C), use_cache=False).last_hidden_state
         predicting = hidden[:, P - 1 : P - 1 + C]
-    return selective_logps(predicting, core.get_output_embeddings(), targets, 1.0, setup.logprob_chunk_tokens)
+    logps = selective_logps(predicting, core.get_output_embeddings(), targets, 1.0, setup.logprob_chunk_tokens)
+    inp.row_pixels = None  # the naive call's batch (with its pixel copies) is freed when it returns
+    return logps
 
 
 @dataclass

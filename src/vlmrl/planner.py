@@ -98,7 +98,21 @@ class ModelSpec:
     v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
     v_window_patches: int = 0  # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
     lora_linears: tuple = ()  # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+    tiling: str = ""  # "" (one tile per image), "anyres" (LLaVA-OneVision: base + pinpoint grid, unpadded, a newline per row), "dynamic" (InternVL)
+    tile_pinpoints: tuple = ()  # anyres: the (height, width) canvases a grid of tiles may form (config.image_grid_pinpoints)
+    anyres_max_tiles: int = 9  # anyres: above this many tiles' worth of features they are pooled down (config.vision_aspect_ratio anyres_max_N)
+    max_tiles: int = 12  # dynamic: most tiles per image (the InternVL processor's max_patches; min 1; a thumbnail when more than one)
+    v_block_hidden: int = 30  # vision block bytes per patch per hidden unit (c/2 units): 30 with 2-D RoPE (Qwen-VL), 20 without (InternViT, SigLIP)
+    v_mlp_gated: bool = True  # vision MLP gated (SwiGLU: gate, up, act, product kept = 8 iv bytes per patch) or fc1 -> act -> fc2 (4 iv; Qwen2-VL)
     norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 3: 4, around attention and around the MLP)
+    gated_attention: bool = False  # Qwen3.5: (1 + weight) float32 RMSNorms, q/k norms and a sigmoid output gate from q_proj (see text_layer_bytes)
+    linear_attn_layers: int = 0  # Qwen3.5: Gated DeltaNet (linear attention) layers among `layers`; the others are full attention
+    linear_k_heads: int = 0  # Gated DeltaNet query / key heads
+    linear_v_heads: int = 0  # Gated DeltaNet value heads (query / key heads are repeated to these in the chunked rule)
+    linear_k_dim: int = 0  # Gated DeltaNet key head dim
+    linear_v_dim: int = 0  # Gated DeltaNet value head dim
+    linear_conv_kernel: int = 4  # Gated DeltaNet causal conv width (its cache keeps this many columns per channel)
+    first_layer_linear: bool = False  # Qwen3.5: layer 0 is a linear-attention layer (see first_linear_layer_bytes)
     routed_expert_params: int = 0  # MoE: parameters of all routed experts (counted in total_params)
     experts_active_fraction: float = 1.0  # MoE: experts routed per token / experts (top_k / E)
 
@@ -143,6 +157,8 @@ class Workload:
     prompt_text_tokens: int = 64
     max_pixels: int = 448 * 448
     images_per_prompt: int = 1
+    video_frames: int = 0  # frames of one video per prompt (data.max_frames); 0 = image prompts only (Qwen2-VL / Qwen2.5-VL)
+    video_max_pixels: int = 128 * 28 * 28  # pixel cap per video frame (data.video_max_pixels)
     completion_tokens: int = 64
     logprob_chunk_tokens: int = 128
     group_vision: bool = True
@@ -175,14 +191,128 @@ def image_patches(spec: ModelSpec, max_pixels: int) -> int:
     if spec.v_layers == 0:
         return 0
     if not spec.dynamic_resolution:
-        return (spec.image_size // spec.patch_size) ** 2
+        tiles = tiled_image(spec, *square_image(max_pixels))[0] if spec.tiling else 1
+        return tiles * (spec.image_size // spec.patch_size) ** 2
     unit = spec.patch_size * spec.merge_size
     side_units = max(1, int(math.isqrt(max(max_pixels, unit * unit)) // unit))  # square image, multiples of patch*merge
     return (side_units * spec.merge_size) ** 2
 
 
 def image_tokens(spec: ModelSpec, max_pixels: int) -> int:
+    """LLM tokens of one image at the pixel cap (a square; tiled families: their tiles of that square)."""
+    if spec.tiling and spec.v_layers:
+        return tiled_image(spec, *square_image(max_pixels))[1]
     return image_patches(spec, max_pixels) // (spec.merge_size**2)
+
+
+def square_image(max_pixels: int) -> tuple[int, int]:
+    """(height, width) of the square image at the pixel cap the planner assumes."""
+    side = max(1, math.isqrt(max(max_pixels, 1)))
+    return side, side
+
+
+def best_pinpoint(height: int, width: int, pinpoints: tuple) -> tuple[int, int]:
+    """The anyres canvas (height, width) an image is fitted into: the one that keeps most of the image's pixels once it
+    is scaled (aspect kept) to fit, and among those the one with the fewest unused pixels."""
+    best, best_key = (0, 0), None
+    for ch, cw in pinpoints:
+        scale = min(cw / width, ch / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        key = (kept, -(ch * cw - kept))
+        if best_key is None or key > best_key:
+            best, best_key = (ch, cw), key
+    return best
+
+
+def anyres_image(spec: ModelSpec, height: int, width: int) -> tuple[int, int]:
+    """(tiles the tower encodes, LLM tokens) of one image under LLaVA-OneVision's anyres: the base image (one tile)
+    plus the grid of tiles of its best canvas; the grid's features are cropped to the image's aspect (the padding
+    removed), pooled down when they exceed anyres_max_tiles tiles' worth by more than 10%, and end each row with a
+    newline token."""
+    side = spec.image_size // spec.patch_size  # features per tile side
+    ch, cw = best_pinpoint(height, width, spec.tile_pinpoints)
+    rows, cols = ch // spec.image_size, cw // spec.image_size
+    fh, fw = side * rows, side * cols
+    if width * fh > fw * height:  # wider than the canvas: rows of padding above and below
+        fh -= 2 * ((fh - int(round(height * fw / width, 7))) // 2)
+    else:
+        fw -= 2 * ((fw - int(round(width * fh / height, 7))) // 2)
+    ratio = math.sqrt(fh * fw / (spec.anyres_max_tiles * side * side))
+    if ratio > 1.1:
+        fh, fw = int(fh // ratio), int(fw // ratio)
+    return 1 + rows * cols, fh * fw + fh + side * side
+
+
+def dynamic_tiles(height: int, width: int, tile: int, max_tiles: int, min_tiles: int = 1) -> int:
+    """Tiles InternVL's processor cuts an image into: the grid (columns x rows, min_tiles..max_tiles tiles) whose aspect is
+    closest to the image's (on a tie the larger grid, while the image covers more than half of it), plus a thumbnail
+    of the whole image when the grid has more than one tile."""
+    grids = [(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if min_tiles <= c * r <= max_tiles]
+    grids.sort(key=lambda g: g[0] * g[1])
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for c, r in grids:
+        diff = abs(aspect - c / r)
+        if diff < best_diff or (diff == best_diff and area > 0.5 * tile * tile * c * r):
+            best, best_diff = (c, r), min(diff, best_diff)
+    n = best[0] * best[1]
+    return n + (n > 1)
+
+
+def tiled_image(spec: ModelSpec, height: int, width: int) -> tuple[int, int]:
+    """(tiles the tower encodes, LLM tokens) of one height x width image of a tiled family (spec.tiling)."""
+    per_tile = (spec.image_size // spec.patch_size) ** 2
+    if spec.tiling == "anyres":
+        return anyres_image(spec, height, width)
+    if spec.tiling == "dynamic":
+        tiles = dynamic_tiles(height, width, spec.image_size, spec.max_tiles)
+        return tiles, tiles * per_tile // spec.merge_size**2
+    return 1, per_tile // spec.merge_size**2
+
+
+# Families whose video rows the planner counts (Qwen-VL temporal patches, checked against the trace); vlmrl also trains
+# video rows on Qwen3-VL / Qwen3.5 (timestamps), LLaVA-OneVision and InternVL, which `vlmrl plan` does not model yet.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# Families with vlmrl's grouped-vision and shared-prefix paths (logprobs.grouped_family); the others (SmolVLM, Idefics3,
+# ...) take the naive path: every row encodes its own copy of its prompt's images, no shared prefix.
+FAST_PATH_FAMILIES = (
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "llava", "llava_onevision", "internvl"
+)  # fmt: skip
+
+
+def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
+    """(temporal patches, patches of one frame) of one prompt's video: ceil(frames / temporal_patch) temporal
+    patches (the processor repeats the last frame of an odd count), each frame a square at w.video_max_pixels."""
+    if w.video_frames <= 0 or spec.v_layers == 0:
+        return 0, 0
+    return -(-w.video_frames // max(spec.temporal_patch, 1)), image_patches(spec, w.video_max_pixels)
+
+
+def naive_fallback(spec: ModelSpec, w: Workload) -> tuple[Workload, bool, list]:
+    """(the workload as vlmrl runs it, whether grouped vision / the shared prefix fell back, notes): a family without
+    vlmrl's fast paths (not in FAST_PATH_FAMILIES) runs the naive path whatever memory.group_vision / shared_prefix
+    say, as vlmrl logs (families.FALLBACK_REASONS)."""
+    if not (spec.v_layers > 0 and spec.family not in FAST_PATH_FAMILIES and (w.group_vision or w.shared_prefix)):
+        return w, False, []
+    note = f"{spec.family}: grouped vision and the shared prefix fall back to the naive path (vision encoded per row)"
+    return dataclasses.replace(w, group_vision=False, shared_prefix=False), True, [note]
+
+
+def vision_encodes(spec: ModelSpec, w: Workload, unique: int, prefix: bool) -> tuple[int, bool]:
+    """(prompt encodes of one micro-batch's vision pass, whether it is the naive video path). Grouped vision encodes
+    each of the `unique` prompts once; a batch with videos takes the naive path (each of the micro-batch's rows encodes
+    its own copy of its prompt's pixels) unless the shared prefix runs, whose prefill encodes each video once."""
+    if w.video_frames and spec.family not in VIDEO_FAMILIES:
+        raise PlanError(f"video rows: the planner models videos on {', '.join(VIDEO_FAMILIES)} only, not {spec.family or spec.name}")
+    naive_video = w.video_frames > 0 and not prefix
+    return (unique if (w.group_vision and not naive_video) else w.micro_batch), naive_video
+
+
+def prompt_vision(spec: ModelSpec, w: Workload) -> tuple[int, int]:
+    """(vision patches, LLM vision tokens) of one prompt: its images at w.max_pixels + its video (video_grid)."""
+    t, frame = video_grid(spec, w)
+    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt + t * frame
+    return patches, image_tokens(spec, w.max_pixels) * w.images_per_prompt + t * frame // spec.merge_size**2
 
 
 # ---------------------------------------------------------------- per-token activation coefficients (bytes)
@@ -201,20 +331,76 @@ def text_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> float:
     s = cbytes / 2
     extra_norms = spec.norms_per_layer - 2
     full = s * (14 * h + 8 * h * extra_norms + 10 * qd + 8 * i) + 4 * spec.heads
-    if not w.use_lora:
-        return full
-    copy = 2 if w.autocast else 4
+    if spec.gated_attention:
+        # Qwen3.5's full-attention layer (read off the trace one dimension at a time): its (1 + weight) float32 norms keep
+        # 20h, q_proj's doubled output (query + gate), the q/k norms, the gate's sigmoid and product 20 qd, k and v 8 per
+        # KV dimension (the fused kernels read them grouped), the MLP 8i.
+        full = s * (20 * h + 20 * qd + 8 * spec.kv_heads * spec.head_dim + 8 * i) + 4 * spec.heads
     in_dims = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": qd, "gate_proj": h, "up_proj": h, "down_proj": i}
+    # Under LoRA Qwen3.5's frozen float32 norms drop 12h (the weight's share) and the gated attention 8 qd.
+    frozen = 12 * h + 8 * qd + 2 * i if spec.gated_attention else 6 * h + 3 * h * extra_norms + 2 * qd + 2 * i
+    return full + _lora_layer_delta(spec, w, cbytes, in_dims, frozen)
+
+
+def _lora_layer_delta(spec: ModelSpec, w: Workload, cbytes: int, in_dims: dict, frozen: float) -> float:
+    """LoRA's change to a decoder layer's bytes per token: each adapted Linear keeps a float32 copy of its input (half
+    that under autocast) plus r floats, while the frozen norms and base Linears stop keeping `frozen` (in c/2 units)."""
+    if not w.use_lora:
+        return 0.0
+    copy = 2 if w.autocast else 4
     all_linear = "all-linear" in w.lora_targets
     adapted = [d for n, d in in_dims.items() if all_linear or n in w.lora_targets]
-    return full + copy * sum(adapted) + 4 * w.lora_r * len(adapted) - s * (6 * h + 3 * h * extra_norms + 2 * qd + 2 * i)
+    return copy * sum(adapted) + 4 * w.lora_r * len(adapted) - cbytes / 2 * frozen
+
+
+LINEAR_ATTN_CHUNK = 64  # transformers' chunked gated delta rule: tokens per chunk (each row padded to a multiple)
+
+
+def linear_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> tuple[float, float]:
+    """Bytes a Gated DeltaNet (linear-attention) decoder layer of Qwen3.5 keeps for backward: (per token, per token of
+    each row padded to a multiple of LINEAR_ATTN_CHUNK), read off the trace one dimension at a time.
+
+    Per token: the norms and the MLP (20h + 8i in c/2 units, as the full-attention layer), the causal conv's input and
+    output (2c per q, k, v channel), the gated RMSNorm of the output ((12 + 3c) per value dimension: float32 input, gate
+    and its SiLU, cast products), beta and the decay (36 bytes per value head). Per padded token, in float32, per value
+    head (query and key heads are repeated to the value heads): q, k before and after the L2 norm, scaling and decay,
+    k x beta and the solved k (8 dk); v, the solved values and each chunk's corrected values (3 dv); five chunk x chunk
+    matrices (the decay mask, the UT system, the intra-chunk attention and their factors: 5 x 64); and the recurrent
+    state each chunk writes ([dk, dv] per chunk: dk dv / 64 per token)."""
+    h, i = spec.hidden, spec.intermediate
+    k_dim, v_dim = spec.linear_k_heads * spec.linear_k_dim, spec.linear_v_heads * spec.linear_v_dim
+    dk, dv = spec.linear_k_dim, spec.linear_v_dim
+    per_token = cbytes / 2 * (20 * h + 8 * i) + 2 * cbytes * (2 * k_dim + v_dim) + (12 + 3 * cbytes) * v_dim + 36 * spec.linear_v_heads
+    per_padded = 4 * spec.linear_v_heads * (8 * dk + 3 * dv + 5 * LINEAR_ATTN_CHUNK + dk * dv / LINEAR_ATTN_CHUNK)
+    in_dims = {"in_proj_qkv": h, "in_proj_z": h, "in_proj_a": h, "in_proj_b": h, "out_proj": v_dim, "gate_proj": h, "up_proj": h, "down_proj": i}
+    return per_token + _lora_layer_delta(spec, w, cbytes, in_dims, 12 * h + 2 * v_dim + 2 * i), per_padded
+
+
+def first_linear_layer_bytes(spec: ModelSpec, w: Workload, cbytes: int) -> float | None:
+    """LoRA without adapters in the Gated DeltaNet mixer (the default targets): layer 0's input needs no gradient, so
+    when it is a linear-attention layer its mixer and norms keep nothing; its MLP keeps its gated activations (8i) and
+    its adapters' inputs. None when this does not apply (layer 0 keeps what every linear-attention layer keeps)."""
+    mixer = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+    if not (w.use_lora and spec.first_layer_linear) or "all-linear" in w.lora_targets or any(m in w.lora_targets for m in mixer):
+        return None
+    h, i = spec.hidden, spec.intermediate
+    return cbytes / 2 * 8 * i + _lora_layer_delta(spec, w, cbytes, {"gate_proj": h, "up_proj": h, "down_proj": i}, 0)
+
+
+def linear_state_bytes(spec: ModelSpec, cbytes: int) -> float:
+    """One row's Gated DeltaNet cache over all linear-attention layers: the causal conv's last columns (compute dtype)
+    and the float32 recurrent state [v_heads, dk, dv] (no sequence axis: the same for any length)."""
+    conv = (2 * spec.linear_k_heads * spec.linear_k_dim + spec.linear_v_heads * spec.linear_v_dim) * spec.linear_conv_kernel * cbytes
+    return spec.linear_attn_layers * (conv + 4 * spec.linear_v_heads * spec.linear_k_dim * spec.linear_v_dim)
 
 
 def vision_block_bytes(spec: ModelSpec, cbytes: int) -> float:
     """Bytes one vision block keeps per patch (trainable tower, no checkpointing): fused qkv kept whole,
-    RoPE'd q/k, attention output + copy, two norms (30 hv), gated/ungated MLP (8 iv), fp32 lse per head."""
+    RoPE'd q/k, attention output + copy, two norms (30 hv), the MLP (gated: 8 iv; Qwen2-VL's fc1 -> quick_gelu -> fc2:
+    4 iv, read off the trace of qwen2-vl-2b), fp32 lse per head."""
     s = cbytes / 2
-    return s * (30 * spec.v_hidden + 8 * spec.v_intermediate) + 4 * spec.v_heads
+    mlp = 8 if spec.v_mlp_gated else 4
+    return s * (spec.v_block_hidden * spec.v_hidden + mlp * spec.v_intermediate) + 4 * spec.v_heads
 
 
 # ---------------------------------------------------------------- the plan
@@ -293,6 +479,8 @@ def _check(w: Workload) -> None:
         problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
     if w.dtype not in DTYPE_BYTES:
         problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if w.video_frames < 0 or w.video_max_pixels < 1:
+        problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
@@ -371,7 +559,7 @@ def eager_attention_bytes(spec: ModelSpec, w: Workload, cb: int, rows: tuple, vi
         elems = full * patches_per_image**2 + (spec.v_layers - full) * patches_per_image * window
         vision_block = spec.v_heads * vis_images * (elems * per - 4 * spec.v_layers * patches_per_image) / spec.v_layers
     return {
-        "text": spec.layers * text_layer,
+        "text": (spec.layers - spec.linear_attn_layers) * text_layer,  # Qwen3.5's linear-attention layers have no scores
         "vision": spec.v_layers * vision_block,
         "text_layer": text_layer,
         "vision_block": vision_block,
@@ -535,11 +723,11 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     trainer's data path for the same work (plan_profiles)."""
     _check(w)
     w = profile_workload(w)
+    w, fallback, notes = naive_fallback(spec, w)
     b = DTYPE_BYTES[w.dtype]
     cb = 2 if (w.autocast or b == 2) else 4  # compute (activation) dtype bytes
     n = w.world_size
     full_shard = w.sharding in ("zero3", "fsdp")
-    notes: list[str] = []
 
     st = model_states(spec, w)
     trainable, tb, lora_n = st["trainable"], st["trainable_bytes"], st["lora_params"]
@@ -562,14 +750,17 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     ref_moved_in = spec.total_params * b if (w.beta > 0 and not w.use_lora and w.ref_placement == "cpu") else 0
 
     # Tokens.
-    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
-    itok = image_tokens(spec, w.max_pixels) * w.images_per_prompt
+    patches, itok = prompt_vision(spec, w)  # images + video of one prompt
+    vtok = math.prod(video_grid(spec, w)) // spec.merge_size**2
     P = w.prompt_text_tokens + itok
     C = w.completion_tokens
     N = w.micro_batch
     G = w.num_generations
     # Unique prompts in a micro-batch of N consecutive rows (rows are prompt-major, G per prompt).
     U = (math.ceil(N / G) if (N % G == 0 or G % N == 0) else min(N, math.ceil(N / G) + 1)) if w.group_vision else N
+    gc = w.gradient_checkpointing
+    prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
+    encodes, naive_video = vision_encodes(spec, w, U, prefix)
     rows_step = w.rows_per_step
     pixel_bytes = patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4  # fp32 pixel values of one prompt
     pixel_copies = pixel_copies_bytes(w, pixel_bytes)  # plain trainers hold each prompt's pixels G times
@@ -577,31 +768,39 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     rollout_buffers = rows_step * (P + C) * 8 + rows_step * C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
 
     # Update: activations of one micro-batch.
-    gc = w.gradient_checkpointing
-    prefix = w.shared_prefix and w.group_vision and not gc and spec.v_layers > 0
     text_tokens = (U * P + N * C) if prefix else N * (P + C)
     per_layer = text_layer_bytes(spec, w, cb)
     if w.attn_implementation == "flash_attention_2":  # flash reads grouped k, v as they are: no copies repeated to the query heads
         per_layer -= (cb / 2) * 4 * (spec.heads - spec.kv_heads) * spec.head_dim
     vis_block = vision_block_bytes(spec, cb) if spec.v_layers else 0
-    vis_patches = (U if w.group_vision else N) * patches
+    # Qwen3.5: linear-attention layers keep their own bytes per token, part of them per chunk-padded token of each row.
+    lin_tok, lin_pad = linear_layer_bytes(spec, w, cb) if spec.linear_attn_layers else (0.0, 0.0)
+    segments = ((U, P), (N, C - 1)) if prefix else ((N, P + C),)
+    decoder = _DecoderBytes(spec, lin_pad, segments, first_linear_layer_bytes(spec, w, cb) if spec.linear_attn_layers else None)
+    vis_patches = encodes * patches
     V, h = spec.vocab, spec.hidden
     calls = ((U, P, P), (N, C - 1, P + C - 1)) if prefix else ((N, P + C, P + C),)
-    eager = eager_attention_bytes(spec, w, cb, calls, U if w.group_vision else N, patches)
+    eager = eager_attention_bytes(spec, w, cb, calls, encodes, image_patches(spec, w.max_pixels) * w.images_per_prompt)
+    t_video, frame = video_grid(spec, w)  # vision attention runs per temporal patch of a video (one frame's patches each)
+    ev = eager_attention_bytes(spec, w, cb, calls, encodes * t_video, frame)
+    eager |= {k: eager[k] + ev[k] for k in ("vision", "vision_block")}
     if gc:
         text_act = spec.layers * text_tokens * cb * h
         vision_act = spec.v_layers * vis_patches * cb * spec.v_hidden  # checkpointed blocks keep their inputs even when frozen
         # one layer recomputed in backward + its gradient buffers
         # (+ its eager scores and, while that layer's backward runs, their gradients: the same size again)
-        recompute = 1.35 * per_layer * text_tokens + (eager["text_layer"] + eager["transient"] if text_trains else 0)
+        # (a Gated DeltaNet layer: x 1.1, its float32 chunk tensors are freed as its backward goes, read off the trace)
+        one_layer = max(1.35 * per_layer * text_tokens, 1.1 * decoder.layer(lin_tok, text_tokens) if spec.linear_attn_layers else 0)
+        recompute = one_layer + (eager["text_layer"] + eager["transient"] if text_trains else 0)
     else:
-        text_act = spec.layers * text_tokens * per_layer
+        text_act = decoder.all_layers(per_layer, lin_tok, text_tokens)
         vision_act = spec.v_layers * vis_patches * vis_block if vision_trains else 0
         recompute = 0
     eager_act = 0 if gc else eager["text"] * text_trains + eager["vision"] * vision_trains
     if prefix:  # completion rows attend to the gathered prompt cache (k, v at KV heads, + repeated to query heads unless flash)
         repeated = 0 if w.attn_implementation == "flash_attention_2" else spec.heads
-        text_act += spec.layers * N * P * cb * 2 * (spec.kv_heads + repeated) * spec.head_dim
+        text_act += decoder.full_layers * N * P * cb * 2 * (spec.kv_heads + repeated) * spec.head_dim
+        text_act += N * linear_state_bytes(spec, cb)  # Qwen3.5: each row's gathered conv and recurrent states
     # Outside the layers: embeddings, image-feature scatter, final norm, the completion slice (12h per token; 7h with
     # checkpointing, where the embedding output is the only extra copy kept), patch embedding + merger (8 hv per patch).
     projector_trains = vision_trains or w.projector_only  # the merger keeps its inputs (frozen tower: measured smaller, left out)
@@ -610,7 +809,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         # Projector only: the decoder is frozen but the gradient still flows through it to the image features, so each
         # layer keeps what its input gradient needs: everything but the inputs of the frozen norms and Linears.
         h_, qd = spec.hidden, spec.heads * spec.head_dim
-        text_act = spec.layers * text_tokens * (per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate))
+        frozen_lin = (cb / 2) * (6 * h_ + 2 * spec.linear_v_heads * spec.linear_v_dim + 2 * spec.intermediate)
+        text_act = decoder.all_layers(per_layer - (cb / 2) * (6 * h_ + 2 * qd + 2 * spec.intermediate), lin_tok - frozen_lin, text_tokens)
     chunk = min(w.logprob_chunk_tokens, N * C) if w.logprob_chunk_tokens > 0 else N * C
     lm_bwd = 12 * chunk * V * (cb / 2)  # LM-head chunk recomputed in backward: logits, fp32 copy, log-softmax, grads
     lm_no_grad = 8 * chunk * V * (cb / 2)
@@ -641,15 +841,15 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     if prefix and text_trains:
         decoder_params = lora_n if w.use_lora else spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
         prefix_held = decoder_params * tb
-        prefix_bwd_act = spec.layers * U * P * per_layer + vision_act + misc_act + eager["vision"] * vision_trains
+        prefix_bwd_act = decoder.all_layers(per_layer, lin_tok, U * P, ((U, P),)) + vision_act + misc_act + eager["vision"] * vision_trains
         prefix_bwd_act += eager_attention_bytes(spec, w, cb, ((U, P, P),), 0, 0)["text"]  # the prompt pass's scores
 
     # Scoring (no grad) and rollout (generation) transients.
     score_tokens = text_tokens if (w.shared_prefix and w.group_vision) else N * (P + C)
     score_transient = max(lm_no_grad, score_tokens * cb * (4 * h + 3 * spec.intermediate), eager["transient"])
     gen_rows, ppc = generation_rows(w)
-    kv_per_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * cb
-    kv_cache = gen_rows * (P + C) * kv_per_token
+    kv_per_token = 2 * (spec.layers - spec.linear_attn_layers) * spec.kv_heads * spec.head_dim * cb
+    kv_cache = gen_rows * (P + C) * kv_per_token + gen_rows * linear_state_bytes(spec, cb)
     prefill_tokens = (ppc if w.shared_prefix else gen_rows) * P
     prefill_patches = (ppc if w.shared_prefix else gen_rows) * patches
     prefill_rows = ppc if w.shared_prefix else gen_rows
@@ -675,6 +875,11 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # From the second micro-batch of a step on (grad_accum > 1, the trace's steady state) they coexist.
     steady = w.grad_accum > 1
     fwd_bwd = persistent + (grads if steady else 0) + activations + bwd_transient + gathered
+    # The naive path of a batch with videos or of a family without fast paths (select_rows) copies each row's pixel
+    # values; the copies live until the forward returns (before backward), so they add to the end of the forward.
+    row_pixels = N * pixel_bytes if ((naive_video and w.group_vision) or fallback) else 0
+    fwd_end = persistent + (grads if steady else 0) + activations + row_pixels + gathered
+    fwd_bwd = max(fwd_bwd, fwd_end)
     bwd_end = persistent + grads + (emb_grad_tmp if steady else 0) + gathered
     if prefix_held:
         bwd_end = max(bwd_end, persistent + (grads if steady else 0) + emb_grad_tmp * steady + prefix_held + prefix_bwd_act + gathered)
@@ -710,6 +915,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         "gathered_for_generation": gen_gathered if gen_gathered != gathered else 0,
         "batch_inputs": batch_inputs - pixel_copies + rollout_buffers,
         "pixel_value_copies": pixel_copies,
+        "naive_row_pixel_copies": row_pixels,
         "comm_buffers": comm,
         "allocator_reserve": reserved - peak,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -730,10 +936,36 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         verdict=verdict,
         headroom=headroom,
         notes=notes,
-        workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok, "prompt_tokens": P},
+        workload=dataclasses.asdict(w) | {"image_tokens_per_prompt": itok - vtok, "video_tokens_per_prompt": vtok, "prompt_tokens": P},
     )
     out.step_time_s = step_time(spec, w, trainable)
     return out
+
+
+class _DecoderBytes:
+    """Activation bytes over the decoder's layers: full-attention layers per token, Qwen3.5's linear-attention layers
+    per token plus per token of each row padded to a multiple of LINEAR_ATTN_CHUNK. segments: ((rows, length), ...)."""
+
+    def __init__(self, spec: ModelSpec, lin_pad: float, segments: tuple, first: float | None = None):
+        self.linear = spec.linear_attn_layers
+        self.full_layers = spec.layers - self.linear
+        self.lin_pad = lin_pad
+        self.segments = segments
+        self.first = first  # bytes per token of layer 0 when it keeps less than the others (first_linear_layer_bytes)
+
+    def padded(self, segments: tuple | None = None) -> int:
+        return sum(r * -(-max(n, 0) // LINEAR_ATTN_CHUNK) * LINEAR_ATTN_CHUNK for r, n in segments or self.segments)
+
+    def layer(self, lin_tok: float, tokens: float, segments: tuple | None = None) -> float:
+        """One linear-attention layer."""
+        return tokens * lin_tok + self.padded(segments) * self.lin_pad
+
+    def all_layers(self, per_full: float, lin_tok: float, tokens: float, segments: tuple | None = None) -> float:
+        if not self.linear:
+            return self.full_layers * tokens * per_full
+        if self.first is None:
+            return self.full_layers * tokens * per_full + self.linear * self.layer(lin_tok, tokens, segments)
+        return self.full_layers * tokens * per_full + (self.linear - 1) * self.layer(lin_tok, tokens, segments) + self.first * tokens
 
 
 def _mmapped_at_peak(
@@ -779,13 +1011,13 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     b = DTYPE_BYTES[w.dtype]
     params = spec.total_params
     flops_params = spec.active_params  # MoE: a token's FLOPs follow the experts it is routed to, its weights the total
-    patches = image_patches(spec, w.max_pixels) * w.images_per_prompt
-    P = w.prompt_text_tokens + image_tokens(spec, w.max_pixels) * w.images_per_prompt
+    patches, vtok = prompt_vision(spec, w)
+    P = w.prompt_text_tokens + vtok
     C = w.completion_tokens
     rows = w.rows_per_step
     ppc = w.prompts_per_call or w.prompts_per_step
     calls = math.ceil(w.prompts_per_step / ppc)
-    kv_token = 2 * spec.layers * spec.kv_heads * spec.head_dim * 2
+    kv_token = 2 * (spec.layers - spec.linear_attn_layers) * spec.kv_heads * spec.head_dim * 2
     prefill_rows = w.prompts_per_step if w.shared_prefix else rows
     t_gen = (2 * flops_params * prefill_rows * P + 2 * spec.vision_params * prefill_rows * patches) / PEAK_FLOPS
     t_gen += calls * C * (params * b / HBM_BYTES_PER_S) + C * rows * (P + C / 2) * kv_token / HBM_BYTES_PER_S
@@ -923,8 +1155,9 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         vh = _dims(v, "hidden_size", "embed_dim", default=0)
         if getattr(cfg, "model_type", "") == "qwen2_vl":
             vh = v.embed_dim
+            kw["v_mlp_gated"] = False  # fc1 -> quick_gelu -> fc2
         vi = _dims(v, "intermediate_size", default=None) or int(vh * _dims(v, "mlp_ratio", default=4))
-        kw = dict(
+        kw.update(
             v_hidden=vh,
             v_intermediate=vi,
             v_layers=_dims(v, "depth", "num_hidden_layers", default=0),
@@ -936,7 +1169,7 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         if getattr(v, "fullatt_block_indexes", None) is not None and getattr(v, "window_size", None):
             kw["v_full_attn_blocks"] = len(v.fullatt_block_indexes)  # Qwen2.5-VL: windowed attention elsewhere
             kw["v_window_patches"] = (v.window_size // kw["patch_size"]) ** 2
-        if getattr(cfg, "model_type", "") not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        if getattr(cfg, "model_type", "") not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
             size = _dims(v, "image_size", default=336)
             patch = kw["patch_size"]
             kw["image_size"] = size[0] if isinstance(size, (list, tuple)) else size
@@ -945,11 +1178,23 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
             # scale_factor (3 -> 9x fewer); LLaVA keeps every patch (the CLS token is dropped).
             ratio = getattr(cfg, "downsample_ratio", None)
             kw["merge_size"] = round(1 / ratio) if ratio else int(getattr(cfg, "scale_factor", 1) or 1)
+            kw.update(_tiling_dims(cfg))
             if getattr(cfg, "mm_tokens_per_image", None):  # Gemma 3: patches average-pooled to a fixed token count
                 kw["merge_size"] = round(math.sqrt((kw["image_size"] // kw["patch_size"]) ** 2 / cfg.mm_tokens_per_image))
     moe = _moe_dims(t, core)
     if getattr(cfg, "model_type", "") == "gemma3":
         moe["norms_per_layer"] = 4
+    if getattr(cfg, "model_type", "") in ("qwen3_5", "qwen3_5_moe"):  # hybrid decoder: Gated DeltaNet + gated full attention
+        moe.update(
+            gated_attention=True,
+            linear_attn_layers=sum(kind == "linear_attention" for kind in (getattr(t, "layer_types", None) or ())),
+            linear_k_heads=t.linear_num_key_heads,
+            linear_v_heads=t.linear_num_value_heads,
+            linear_k_dim=t.linear_key_head_dim,
+            linear_v_dim=t.linear_value_head_dim,
+            linear_conv_kernel=t.linear_conv_kernel_dim,
+            first_layer_linear=bool(getattr(t, "layer_types", None)) and t.layer_types[0] == "linear_attention",
+        )
     return ModelSpec(
         name=name,
         family=getattr(cfg, "model_type", ""),
@@ -969,6 +1214,23 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
         **kw,
         **moe,
     )
+
+
+def _tiling_dims(cfg) -> dict:
+    """The tiled families' ModelSpec fields: LLaVA-OneVision anyres (pinpoints, anyres_max_N), InternVL dynamic tiles;
+    both towers (SigLIP, InternViT: no RoPE, fc1 -> GELU -> fc2) keep 20 hv + 4 iv per patch, read off the trace
+    (internvl3-1b, llava-onevision-qwen2-7b)."""
+    model_type = getattr(cfg, "model_type", "")
+    if model_type not in ("internvl", "llava_onevision"):
+        return {}
+    kw: dict = {"v_block_hidden": 20, "v_mlp_gated": False}
+    if model_type == "internvl":
+        kw["tiling"] = "dynamic"  # tiles of image_size, up to ModelSpec.max_tiles (the processor's max_patches)
+    elif getattr(cfg, "image_grid_pinpoints", None):
+        kw["tiling"] = "anyres"
+        kw["tile_pinpoints"] = tuple(tuple(p) for p in cfg.image_grid_pinpoints)
+        kw["anyres_max_tiles"] = int(str(getattr(cfg, "vision_aspect_ratio", "anyres_max_9")).rsplit("_", 1)[-1])
+    return kw
 
 
 def _moe_dims(text_config, core) -> dict:
@@ -1067,6 +1329,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         decode_batch_size=r.decode_batch_size,
         max_pixels=d.max_pixels,
         images_per_prompt=1,
+        video_max_pixels=d.video_max_pixels,
         completion_tokens=r.max_completion_length,
         logprob_chunk_tokens=mem.logprob_chunk_tokens,
         group_vision=mem.group_vision,
