@@ -275,3 +275,30 @@ def test_onevision_video_rows(tiny_llava_onevision, tmp_path):
         naive = completion_logps(model, select_rows(batch, rows), ids, mask)
         fast = completion_logps_prefix(model, batch, rows, ids, mask)
     torch.testing.assert_close(fast * mask, naive * mask, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_run_on_video_rows_plans_from_the_data(tiny_qwen25vl, tmp_path):
+    """The run's planner line before loading the data assumes one image per prompt; once the rows show videos, the
+    prediction is made again with one data.max_frames-frame video per prompt (more vision tokens: a larger peak)."""
+    from vlmrl.config import load_config
+    from vlmrl.planner import data_shape_of
+    from vlmrl.train import train
+
+    data = _video_task(tmp_path)
+    lines = []
+    cfg = load_config(
+        None,
+        [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data}", "data.eval_path=", f"training.output_dir={tmp_path / 'run'}"]
+        + ["training.max_steps=1", "rollout.num_generations=2", "training.per_device_train_batch_size=4", "data.max_frames=4"]
+        + ["rollout.max_completion_length=4", "logging.progress_bar=false", "algorithm.reward_funcs=[accuracy]"],
+    )
+    train(cfg, log=lines.append)
+    predicted = [x for x in lines if x.startswith("planner: ")]
+    assert len(predicted) >= 2 and "from the data (0 images per prompt, a 4-frame video)" in predicted[1], predicted
+    from vlmrl.planner import plan_for_config
+
+    video = plan_for_config(cfg, images_per_prompt=0, video_frames=4).workload
+    assert video["video_frames"] == 4 and video["prompt_tokens"] != plan_for_config(cfg).workload["prompt_tokens"]
+    assert data_shape_of([{"images": ["a", "b"]}, {"images": []}], 4, 16) == {"images_per_prompt": 2}
+    assert data_shape_of([{"images": ["a"]}], 4, 16) == {}

@@ -1642,21 +1642,34 @@ def _log_prediction(p: Plan, log, what: str = "") -> None:
         )
 
 
-def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None) -> Plan | None:
+def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None, what: str = "", **data_shape) -> Plan | None:
     """The planner's prediction for this run, logged once; None (with the reason) when the model cannot be
     planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3).
+    `data_shape`: Workload fields read from the data (images_per_prompt, video_frames: `data_shape_of`).
     On a CPU run every tensor lives in host RAM: the prediction is this process's peak RSS, from the RSS it has
     now (libraries loaded, measured) plus the planned tensors, loading and buffers (Plan.host["process_peak"])."""
     try:
         _, gpu, extra = _run_context(cfg, world_size)
         if sharding and world_size > 1:
             extra["sharding"] = sharding
-        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, **extra)
+        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, **extra, **data_shape)
     except Exception as e:  # noqa: BLE001 - any model the planner cannot read must not stop training
         log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
         return None
-    _log_prediction(p, log)
+    _log_prediction(p, log, what)
     return p
+
+
+def data_shape_of(rows: list[dict], limit_images: int | None, max_frames: int) -> dict:
+    """Workload fields the config cannot tell and the training rows can: the most images of a row (within
+    limit_images) and, when rows have videos, one video of max_frames frames per prompt. {} when the rows match the
+    planner's default (one image, no video)."""
+    most = max((len(r.get("images") or []) for r in rows), default=1)
+    most = min(most, limit_images) if limit_images else most
+    shape = {"images_per_prompt": most} if most != 1 else {}
+    if any(r.get("videos") for r in rows):
+        shape["video_frames"] = max_frames
+    return shape
 
 
 def predict_for_sft(cfg, log, target_tokens: int | None = None) -> Plan | None:
