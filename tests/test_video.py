@@ -302,3 +302,15 @@ def test_run_on_video_rows_plans_from_the_data(tiny_qwen25vl, tmp_path):
     assert video["video_frames"] == 4 and video["prompt_tokens"] != plan_for_config(cfg).workload["prompt_tokens"]
     assert data_shape_of([{"images": ["a", "b"]}, {"images": []}], 4, 16) == {"images_per_prompt": 2}
     assert data_shape_of([{"images": ["a"]}], 4, 16) == {}
+
+
+@pytest.mark.integration
+def test_check_plans_video_rows_from_the_data(tiny_qwen25vl, tmp_path, capsys):
+    """`vlmrl check` on video rows: the planner's verdict is made for one data.max_frames-frame video per prompt."""
+    from vlmrl.cli import main
+
+    data = _video_task(tmp_path, n=4)
+    args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data}", "data.eval_path=", f"training.output_dir={tmp_path / 'out'}"]
+    assert main(["check", *args, "data.max_frames=6", "algorithm.reward_funcs=[accuracy]"]) == 0
+    err = capsys.readouterr().err
+    assert "planned from the data (0 images per prompt, a 6-frame video)" in err, err

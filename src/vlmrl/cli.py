@@ -184,11 +184,13 @@ def _run(command: str, cfg) -> int:
     from .runtime import hf_progress_bars
 
     # Errors raised here are the user's (config, data, model folder, rewards): main() prints them in one line, exit 2.
-    preflight(cfg, command, log=lambda line: print(line, file=sys.stderr))  # before any weights load
+    data = preflight(cfg, command, log=lambda line: print(line, file=sys.stderr))  # before any weights load
     if command == "check":
         from .plan_check import finish_check
+        from .planner import data_shape_of
 
-        return finish_check(cfg, log=lambda line: print(line, file=sys.stderr))  # output_dir, planner verdict
+        shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames) if data is not None else {}
+        return finish_check(cfg, log=lambda line: print(line, file=sys.stderr), data_shape=shape)  # output_dir, planner verdict
     with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":
             from .train import train

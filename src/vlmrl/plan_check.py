@@ -15,7 +15,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from .planner import GiB, Plan, _run_context, plan_for_config, sft_plans_for_config
+from .planner import GiB, Plan, _run_context, describe_data_shape, plan_for_config, sft_plans_for_config
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -56,8 +56,9 @@ def _summary(p: Plan, cpu: bool) -> str:
     return head + f"; reserved {p.reserved / GiB:.2f} GiB, with the CUDA context {p.total / GiB:.2f} GiB. Every term: vlmrl plan --config ..."
 
 
-def planner_verdict(cfg) -> Verdict:
-    """The verdict for the device `cfg` would run on (see the module docstring)."""
+def planner_verdict(cfg, data_shape: dict | None = None) -> Verdict:
+    """The verdict for the device `cfg` would run on (see the module docstring). data_shape: Workload fields read from
+    the training rows (planner.data_shape_of: images per prompt, video frames)."""
     from .planner import FIT_FRACTION
 
     try:
@@ -65,6 +66,7 @@ def planner_verdict(cfg) -> Verdict:
         if cpu:
             given = cfg.training.auto_fit_host_memory_gib
             extra["host_memory_bytes"] = int(given * GiB) if given else host_memory_bytes()
+        extra.update(data_shape or {})
         plans = {"vlmrl train (GRPO step)": plan_for_config(cfg, gpu_memory_bytes=gpu, **extra)}
         plans.update({f"vlmrl sft (stage {k})": p for k, p in sft_plans_for_config(cfg, gpu, **extra).items()})
     except Exception as e:  # noqa: BLE001 - advice only: a model the planner cannot read must not fail the check
@@ -84,13 +86,14 @@ def planner_verdict(cfg) -> Verdict:
     fits = need <= FIT_FRACTION * size
     state = "fits" if fits else "does NOT fit"
     line = f"planner: {state} on this {'CPU' if cpu else 'GPU'}: {needed} ({what}) of {size / GiB:.2f} GiB {where}"
+    line += f", planned from the data ({describe_data_shape(data_shape)})" if data_shape else ""
     line += f"; {others}" if others else ""
     if not fits:
         line += ". Lower rollout.max_completion_length, the batch sizes or data.max_pixels, or let training.auto_fit=true pick a config"
     return Verdict(fits, line, _summary(worst, cpu))
 
 
-def finish_check(cfg, log) -> int:
+def finish_check(cfg, log, data_shape: dict | None = None) -> int:
     """The end of `vlmrl check`, after every other check passed: what the run would do with output_dir, the
     planner's verdict and plan, and the last line. Exit status 0, or 1 when the planner predicts it does not fit."""
     from .model_defaults import describe
@@ -98,7 +101,7 @@ def finish_check(cfg, log) -> int:
 
     log(describe(cfg))
     log(describe_output_dir(cfg))
-    verdict = planner_verdict(cfg)
+    verdict = planner_verdict(cfg, data_shape)
     log(verdict.line)
     if verdict.summary:
         log(verdict.summary)

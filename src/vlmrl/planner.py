@@ -1660,6 +1660,14 @@ def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None, 
     return p
 
 
+def describe_data_shape(shape: dict) -> str:
+    """'2 images per prompt, a 16-frame video' for a data_shape_of result."""
+    parts = [f"{shape.get('images_per_prompt', 1)} images per prompt"]
+    if shape.get("video_frames"):
+        parts.append(f"a {shape['video_frames']}-frame video")
+    return ", ".join(parts)
+
+
 def data_shape_of(rows: list[dict], limit_images: int | None, max_frames: int) -> dict:
     """Workload fields the config cannot tell and the training rows can: the most images of a row (within
     limit_images) and, when rows have videos, one video of max_frames frames per prompt. {} when the rows match the

@@ -17,8 +17,9 @@ from .config import EMBEDDED_MODEL, Config, ConfigError
 REWARD_PROBE_ROWS = 2
 
 
-def preflight(cfg: Config, command: str, log=print) -> None:
-    """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind."""
+def preflight(cfg: Config, command: str, log=print):
+    """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind.
+    Returns the datasets it read (None on a non-main process)."""
     if command == "eval":
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):
@@ -32,7 +33,7 @@ def preflight(cfg: Config, command: str, log=print) -> None:
     except ValueError as e:  # the same reward listed twice
         raise ConfigError(str(e)) from None
     if env_world()[1] != 0:
-        return  # several processes: the main one reads the data (the built-in task's files are written once)
+        return None  # several processes: the main one reads the data (the built-in task's files are written once)
     data = load_datasets(cfg, need_train=command != "eval", keep_for_run=command != "check")
     if command == "check":
         for line in data.reports:
@@ -40,6 +41,7 @@ def preflight(cfg: Config, command: str, log=print) -> None:
     rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
+    return data
 
 
 def check_trackers(cfg: Config) -> None:

@@ -26,7 +26,7 @@ from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
 from .offload import OptimizerParking, parking_enabled
 from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
-from .planner import apply_auto_fit, data_shape_of, predict_for_run, prediction_vs_measured
+from .planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
 from .prefix import LogprobOptions, completion_logps_for
 from .rewards import RewardLog, reward_stats
 from .router import capture_routing, micro_batch_aux_loss, routing_for
@@ -257,7 +257,7 @@ def start_run(cfg: Config, log) -> Run:
         log(line)
     shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames)
     if shape:  # the data is not the planner's default of one image per prompt: predict again from it
-        plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, f"from the data ({_describe_shape(shape)}): ", **shape) or plan
+        plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, f"from the data ({describe_data_shape(shape)}): ", **shape) or plan
     reward_funcs, reward_weights = load_reward_funcs(cfg)
     optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
@@ -796,13 +796,6 @@ def make_reference(model, cfg: Config, device, fresh: bool = False):
     else:
         initial = copy.deepcopy(model)
     return _Reference(model, initial.eval().requires_grad_(False), device, offload=cfg.memory.ref_placement == "cpu")
-
-
-def _describe_shape(shape: dict) -> str:
-    parts = [f"{shape.get('images_per_prompt', 1)} images per prompt"]
-    if shape.get("video_frames"):
-        parts.append(f"a {shape['video_frames']}-frame video")
-    return ", ".join(parts)
 
 
 def _mean(values: list[float]) -> float:
