@@ -445,6 +445,11 @@ def trace_grid() -> list[GridPoint]:
         GridPoint("3b-video8+image-lora-G8-gc", "qwen2.5-vl-3b", 8, 4, True, True, PX_LOW, shared_prefix=True, video_frames=8),
         GridPoint("2b-video16-full-G4-prefix", "qwen2-vl-2b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
         GridPoint("2b-video16-lora-G4 (naive)", "qwen2-vl-2b", 4, 4, False, True, PX_LOW, video_frames=16, images=0),
+        # Qwen3-VL / Qwen3.5 video rows: 8 timestamp text tokens per temporal patch (`<t seconds>` + vision start/end).
+        GridPoint("q3-4b-video16-full-G4-prefix", "qwen3-vl-4b", 4, 4, False, False, PX_LOW, shared_prefix=True, video_frames=16, images=0),
+        GridPoint("q3-4b-video16-full-G4 (naive)", "qwen3-vl-4b", 4, 4, False, False, PX_LOW, video_frames=16, images=0),
+        GridPoint("q3-8b-video16+image-lora-G8-gc", "qwen3-vl-8b", 8, 8, True, True, PX_LOW, shared_prefix=True, video_frames=16),
+        GridPoint("mid-qwen35-video16-lora-G4-prefix", "mid-qwen35", 4, 4, False, True, PX_LOW, shared_prefix=True, video_frames=16, images=0),
         # Qwen3.5 (hybrid: 3 Gated DeltaNet layers per gated full-attention layer): tiny, and 8 layers at the widths of
         # public ~4B Qwen3.5 configs (hidden 2560, 32 value heads of 128; not a published model); Qwen3.5-MoE tiny.
         GridPoint("tiny-qwen35-full-G8", "tiny-qwen35", 8, 4, False, False, PX_LOW),

@@ -172,7 +172,7 @@ class TraceSetup:
 def setup_for(spec, w) -> TraceSetup:
     """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
     description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
-    from .planner import image_patches, naive_fallback, square_image, tiled_image, video_grid
+    from .planner import image_patches, naive_fallback, square_image, tiled_image, video_grid, video_text_tokens
 
     w = naive_fallback(spec, w)[0]  # families without vlmrl's fast paths run the naive path
 
@@ -189,7 +189,7 @@ def setup_for(spec, w) -> TraceSetup:
         loss="sft" if w.mode == "sft" else "grpo",
         rows=N,
         unique_prompts=unique,
-        prompt_text_tokens=w.prompt_text_tokens,
+        prompt_text_tokens=w.prompt_text_tokens + video_text_tokens(spec, w),  # Qwen3-VL / Qwen3.5 video timestamps
         image_patches=image_patches(spec, w.max_pixels) if w.images_per_prompt else 0,
         image_tiles=tiled_image(spec, *square_image(w.max_pixels))[0] if spec.tiling else 1,
         image_hw=square_image(w.max_pixels) if spec.tiling else (),
@@ -254,8 +254,8 @@ class _Inputs:
         self.vision_kwargs = {}
         self.has_video = bool(s.video_temporal_patches)
         self.row_pixels = None
-        if self.has_video and self.family not in ("qwen2_vl", "qwen2_5_vl"):
-            raise ValueError(f"trace: video rows are traced for qwen2_vl / qwen2_5_vl only, not {self.family}")
+        if self.has_video and self.family not in QWEN_TRACE_FAMILIES:
+            raise ValueError(f"trace: video rows are traced for the Qwen-VL families only, not {self.family}")
         if self.family in QWEN_TRACE_FAMILIES:
             merge = v.spatial_merge_size
             per_prompt = []  # grid rows of one prompt: its image (t = 1), then its video (t temporal patches)

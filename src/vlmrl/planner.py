@@ -270,9 +270,13 @@ def tiled_image(spec: ModelSpec, height: int, width: int) -> tuple[int, int]:
     return 1, per_tile // spec.merge_size**2
 
 
+# Qwen3-VL / Qwen3.5 write `<t seconds>` and a vision start/end pair around each temporal patch of a video: text tokens
+# per temporal patch (an estimate: "<0.5 seconds>" is about 6 tokens of a Qwen tokenizer, plus the 2 markers).
+TIMESTAMPED_VIDEO_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+TIMESTAMP_TEXT_TOKENS = 8
 # Families whose video rows the planner counts (Qwen-VL temporal patches, checked against the trace); vlmrl also trains
-# video rows on Qwen3-VL / Qwen3.5 (timestamps), LLaVA-OneVision and InternVL, which `vlmrl plan` does not model yet.
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# video rows on LLaVA-OneVision and InternVL, which `vlmrl plan` does not model yet.
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", *TIMESTAMPED_VIDEO_FAMILIES)
 # Families with vlmrl's grouped-vision and shared-prefix paths (logprobs.grouped_family); the others (SmolVLM, Idefics3,
 # ...) take the naive path: every row encodes its own copy of its prompt's images, no shared prefix.
 FAST_PATH_FAMILIES = (
@@ -306,6 +310,11 @@ def vision_encodes(spec: ModelSpec, w: Workload, unique: int, prefix: bool) -> t
         raise PlanError(f"video rows: the planner models videos on {', '.join(VIDEO_FAMILIES)} only, not {spec.family or spec.name}")
     naive_video = w.video_frames > 0 and not prefix
     return (unique if (w.group_vision and not naive_video) else w.micro_batch), naive_video
+
+
+def video_text_tokens(spec: ModelSpec, w: Workload) -> int:
+    """Text tokens a prompt's video adds besides its vision tokens (Qwen3-VL / Qwen3.5 timestamps and markers)."""
+    return video_grid(spec, w)[0] * TIMESTAMP_TEXT_TOKENS if spec.family in TIMESTAMPED_VIDEO_FAMILIES else 0
 
 
 def prompt_vision(spec: ModelSpec, w: Workload) -> tuple[int, int]:
@@ -752,7 +761,7 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     # Tokens.
     patches, itok = prompt_vision(spec, w)  # images + video of one prompt
     vtok = math.prod(video_grid(spec, w)) // spec.merge_size**2
-    P = w.prompt_text_tokens + itok
+    P = w.prompt_text_tokens + video_text_tokens(spec, w) + itok
     C = w.completion_tokens
     N = w.micro_batch
     G = w.num_generations
@@ -1012,7 +1021,7 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     params = spec.total_params
     flops_params = spec.active_params  # MoE: a token's FLOPs follow the experts it is routed to, its weights the total
     patches, vtok = prompt_vision(spec, w)
-    P = w.prompt_text_tokens + vtok
+    P = w.prompt_text_tokens + video_text_tokens(spec, w) + vtok
     C = w.completion_tokens
     rows = w.rows_per_step
     ppc = w.prompts_per_call or w.prompts_per_step
