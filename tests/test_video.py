@@ -219,13 +219,17 @@ def test_grpo_and_sft_on_video_rows(family, request, tmp_path):
     assert (tmp_path / "sft" / "final" / "model.safetensors").exists()
 
 
+def _cli_args(model, tmp_path) -> list[str]:
+    """A 4-row video data file (written under tmp_path) and the CLI settings that point a run at it."""
+    data = _video_task(tmp_path, n=4)
+    return [f"model.name_or_path={model}", f"data.train_path={data}", "data.eval_path=", f"training.output_dir={tmp_path / 'out'}"]
+
+
 @pytest.mark.integration
 def test_video_rows_on_a_family_without_video_refused(tiny_llava, tmp_path, capsys):
     from vlmrl.cli import main
 
-    data = _video_task(tmp_path, n=4)
-    args = [f"model.name_or_path={tiny_llava}", f"data.train_path={data}", "data.eval_path=", f"training.output_dir={tmp_path / 'out'}"]
-    assert main(["train", *args, "training.max_steps=1", "logging.progress_bar=false"]) == 2
+    assert main(["train", *_cli_args(tiny_llava, tmp_path), "training.max_steps=1", "logging.progress_bar=false"]) == 2
     err = capsys.readouterr().err
     assert "video" in err and "Traceback" not in err
 
@@ -309,8 +313,6 @@ def test_check_plans_video_rows_from_the_data(tiny_qwen25vl, tmp_path, capsys):
     """`vlmrl check` on video rows: the planner's verdict is made for one data.max_frames-frame video per prompt."""
     from vlmrl.cli import main
 
-    data = _video_task(tmp_path, n=4)
-    args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data}", "data.eval_path=", f"training.output_dir={tmp_path / 'out'}"]
-    assert main(["check", *args, "data.max_frames=6", "algorithm.reward_funcs=[accuracy]"]) == 0
+    assert main(["check", *_cli_args(tiny_qwen25vl, tmp_path), "data.max_frames=6", "algorithm.reward_funcs=[accuracy]"]) == 0
     err = capsys.readouterr().err
     assert "planned from the data (0 images per prompt, a 6-frame video)" in err, err
