@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--video-frames",
         type=int,
-        help="frames of one video per prompt (data.max_frames; Qwen2-VL / Qwen2.5-VL); 0 = no video. A video-only prompt: --images-per-prompt 0",
+        help="frames of one video per prompt (data.max_frames; the Qwen-VL families); 0 = no video. A video-only prompt: --images-per-prompt 0",
     )
     p.add_argument("--video-max-pixels", type=int, help="pixel cap per video frame (data.video_max_pixels, default 128*28*28)")
     p.add_argument("--prompt-tokens", type=int, help="text tokens per prompt besides image tokens (default 64)")

@@ -157,7 +157,7 @@ class TraceSetup:
     image_tiles: int = 1  # tiled families (LLaVA-OneVision anyres, InternVL): tiles the tower encodes per image
     image_hw: tuple = ()  # LLaVA-OneVision: the image's (height, width), which decides its unpadded features
     tiled_image_tokens: int = 0  # tiled families: LLM tokens of one image (planner.tiled_image); the tower's output is checked against it
-    video_temporal_patches: int = 0  # Qwen2-VL / Qwen2.5-VL: temporal patches of one video per prompt (0 = no video)
+    video_temporal_patches: int = 0  # Qwen-VL families: temporal patches of one video per prompt (0 = no video)
     video_frame_patches: int = 0  # vision patches of one video frame (one temporal patch)
     completion_tokens: int = 64
     logprob_chunk_tokens: int = 128

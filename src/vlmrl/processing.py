@@ -2,8 +2,8 @@
 
 `load_processor` returns the model's own `AutoProcessor` whenever it loads. Qwen-VL processors need
 a video processor, which needs torchvision; without it (this project's CPU setup) they fail to load
-or silently come back as a bare tokenizer, so Qwen-VL folders then get `QwenImageProcessor`, an
-image-only stand-in that expands `<|image_pad|>` exactly like the real one.
+or silently come back as a bare tokenizer, so Qwen-VL folders then get `QwenImageProcessor`, a
+stand-in that expands `<|image_pad|>` exactly like the real one, and cuts video frames into temporal patches.
 
 Encoded prompt batches are plain dicts of tensors:
   input_ids, attention_mask     [B, P], left padded
@@ -49,10 +49,11 @@ VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
 class QwenImageProcessor:
-    """Image-only stand-in for Qwen2VLProcessor / Qwen2_5_VLProcessor (no video, no torchvision).
+    """Stand-in for the Qwen-VL processors (Qwen2-VL ... Qwen3.5) without torchvision.
 
-    Same call convention as the real processor for images: every `<|image_pad|>` in the text is
-    expanded to grid_t*grid_h*grid_w / merge_size**2 copies, and `mm_token_type_ids` is returned.
+    Same call convention as the real processor: every `<|image_pad|>` in the text is expanded to
+    grid_t*grid_h*grid_w / merge_size**2 copies, and `mm_token_type_ids` is returned. Videos come as already
+    sampled frames (video.qwen_video_patches lays out their temporal patches through the image processor).
     """
 
     def __init__(self, tokenizer, image_processor, chat_template: str | None = None, model_type: str | None = None):
