@@ -882,7 +882,8 @@ def load_video(
 def _video_cache_key(source, max_frames, fps, min_pixels, max_pixels, exact_frames=False) -> tuple | None:
     paths = list(source) if isinstance(source, (list, tuple)) else [source]
     try:
-        ident = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+        stats = [(p, os.stat(p)) for p in paths]
+        ident = tuple((p, st.st_size, st.st_mtime_ns) for p, st in stats)
     except OSError:
         return None
     return ("video", ident, max_frames, fps, min_pixels, max_pixels, exact_frames)

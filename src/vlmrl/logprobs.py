@@ -320,13 +320,6 @@ def _gather_images(features, row_images: list[int]):
     return tuple(features[i] for i in row_images)
 
 
-def _tile_rows(row_images: list[int], tiles_per_image: torch.Tensor) -> list[int]:
-    """Tile indices of `row_images`, image after image (InternVL: image i is tiles start[i] .. start[i] + n[i] - 1)."""
-    counts = tiles_per_image.reshape(-1).tolist()
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [starts[i] + t for i in row_images for t in range(int(counts[i]))]
-
-
 def _encoder_outputs_grouped_hidden(
     inner: torch.nn.Module,
     prompt_batch: dict,
@@ -342,7 +335,7 @@ def _encoder_outputs_grouped_hidden(
     one pass, so backward sums the rows' gradients into it. The model's forward then does the rest as on
     the naive path: scatters them, builds Qwen3-VL's visual_pos_masks and M-RoPE positions (get_rope_index)
     or Gemma 3's bidirectional image-block mask (token_type_ids)."""
-    from .processing import append_tokens
+    from .processing import _item_order, append_tokens
 
     grid = prompt_batch.get("image_grid_thw")
     vision_in = {"pixel_values": prompt_batch["pixel_values"], "return_dict": True}
@@ -354,7 +347,9 @@ def _encoder_outputs_grouped_hidden(
     out = inner.get_image_features(**vision_in)
     row_images = _row_images(row_prompt, per_prompt)
     tiles = prompt_batch.get("image_num_patches")  # InternVL: features are per tile; an image is its run of tiles
-    out.pooler_output = _gather_images(out.pooler_output, _tile_rows(row_images, tiles) if tiles is not None else row_images)
+    if tiles is not None:
+        row_images = _item_order(tiles.reshape(-1), torch.tensor(row_images, dtype=torch.long))  # their tiles, image after image
+    out.pooler_output = _gather_images(out.pooler_output, row_images)
     if getattr(out, "deepstack_features", None) is not None:
         out.deepstack_features = [_gather_images(layer, row_images) for layer in out.deepstack_features]
     rows = row_prompt.to(prompt_batch["input_ids"].device)
