@@ -316,3 +316,12 @@ def test_check_plans_video_rows_from_the_data(tiny_qwen25vl, tmp_path, capsys):
     assert main(["check", *_cli_args(tiny_qwen25vl, tmp_path), "data.max_frames=6", "algorithm.reward_funcs=[accuracy]"]) == 0
     err = capsys.readouterr().err
     assert "planned from the data (0 images per prompt, a 6-frame video)" in err, err
+
+
+@pytest.mark.unit
+def test_frame_files_keep_the_decompression_bomb_guard(tmp_path):
+    """A frame given as an image file is refused from its header over data.max_image_pixels, like any image."""
+    frames = write_frames(tmp_path / "frames", frames=2, size=(64, 64))
+    with pytest.raises(DataError, match="max_image_pixels"):
+        load_video(frames, max_frames=2, fps=2.0, min_pixels=None, max_pixels=56 * 56, max_image_pixels=32 * 32)
+    assert len(load_video(frames, max_frames=2, fps=2.0, min_pixels=None, max_pixels=56 * 56, max_image_pixels=64 * 64).frames) == 2

@@ -847,11 +847,13 @@ def load_video(
     max_pixels: int | None,
     cache=None,
     exact_frames: bool = False,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> "Video":  # noqa: F821 - video.Video, imported where used (video.py needs numpy/torch)
     """A row's video: sampled frames of one size (area within [min_pixels, max_pixels]) and its sampling rate.
 
     source: a video file path, or a list of image paths (the frames at `fps`, sampled evenly down to max_frames).
     exact_frames: exactly max_frames frames, evenly spaced (frames repeat in a short video), whatever `fps`.
+    max_image_pixels: frame files with more pixels are refused from their header (data.max_image_pixels).
     cache: ImageCache; a video decoded before with the same file(s) and settings comes from memory."""
     from .video import Video, decode_frames, sample_indices, video_header
 
@@ -861,7 +863,7 @@ def load_video(
         return video
     if isinstance(source, (list, tuple)):
         indices = sample_indices(len(source), fps, fps, max_frames, exact=exact_frames)
-        frames = [_decode_resized(source[i], None, None, 10**12) for i in indices]
+        frames = [_decode_resized(source[i], None, None, max_image_pixels) for i in indices]  # each frame: the bomb guard
         duration, rate = len(source) / fps, fps
     else:
         total, rate, _, _ = video_header(source)

@@ -234,7 +234,14 @@ def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):
 
     try:
         return load_video(
-            source, max_frames=d.max_frames, fps=d.fps, min_pixels=None, max_pixels=d.video_max_pixels, cache=cache, exact_frames=exact_frames
+            source,
+            max_frames=d.max_frames,
+            fps=d.fps,
+            min_pixels=None,
+            max_pixels=d.video_max_pixels,
+            cache=cache,
+            exact_frames=exact_frames,
+            max_image_pixels=d.max_image_pixels,
         )
     except (VideoError, DataError) as e:
         raise DataError(f"{row.get('_source', '?')}: video: {e}") from e
