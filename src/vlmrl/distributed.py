@@ -76,8 +76,10 @@ from .engines import (
     FSDP2Engine,
     PolicyCall,
     SingleProcessEngine,
+    deepspeed_asked,
     engine_for,
     optimizer_state_by_index,
+    require_deepspeed,
     optimizer_state_by_name,
     shard_fsdp2,
 )
@@ -138,8 +140,26 @@ class Distributed(Collectives):
         # find_unused_parameters: frozen / adapter-disabled parts and text-only micro-batches leave some trainable
         # parameters without a gradient. broadcast_buffers=False: ranks may run different numbers of forwards
         # (token packing, OOM redo); buffers (rotary tables) are constants here anyway.
-        kwargs = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
-        return cls(Accelerator(cpu=cpu, kwargs_handlers=[kwargs]))
+        handlers = [DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)]
+        if deepspeed_asked():
+            # accelerate turns DeepSpeed on only when built with cpu=False (with cpu=True it silently runs DDP); on a
+            # machine without an accelerator DeepSpeed's CPU accelerator then joins a gloo process group.
+            require_deepspeed()
+            if cpu:
+                from accelerate.utils import InitProcessGroupKwargs
+
+                handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            cpu = False
+        accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
+        if deepspeed_asked():
+            # accelerate's ZeRO-3 plugin registers its config with transformers, whose from_config / from_pretrained then
+            # build every model inside deepspeed.zero.Init (the planner's meta-device trace fails there, and the
+            # reference and the final model's plain copy would come out partitioned). vlmrl builds models whole on
+            # each process; deepspeed.initialize partitions the policy.
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        return cls(accelerator)
 
     # -- the engine's part, forwarded ----------------------------------------------------------------------
     @property
@@ -156,6 +176,10 @@ class Distributed(Collectives):
 
     def check_supported(self, save_steps: int, save_final_model: bool) -> None:
         self.engine.check_supported(save_steps, save_final_model)
+
+    def check_config(self, cfg) -> None:
+        """The engine's own settings (a DeepSpeed config) against the vlmrl config: DistributedError when they contradict."""
+        self.engine.check_config(cfg)
 
     def prepare(self, model, optimizer, micro_batch_size: int = 1, oom_recovery: bool = False):
         """The engine's wrap. Several processes with OOM recovery on an engine that can redo (DDP): gradients synced

@@ -9,8 +9,8 @@ which engine runs: `engine_for` picks the class once, from the accelerate state 
 - `FSDP2Engine`: `fully_shard` through accelerate's FSDP plugin (fsdp_version 2), or applied by vlmrl itself on CPU
   (`shard_fsdp2`, accelerate enables FSDP on GPUs only). Checkpoints hold gathered full states (the single-process
   layout) or, with `fsdp_state_dict_type: SHARDED_STATE_DICT`, torch.distributed.checkpoint shards.
-- `DeepSpeedEngine`: experimental, never run in this repository (no GPU, not installed); it refuses checkpoints and
-  the final model with a message that says so.
+- `DeepSpeedEngine`: ZeRO-1/2/3 through accelerate's DeepSpeed plugin (GPU/NCCL; CPU/gloo with DeepSpeed's CPU
+  accelerator); checkpoints and the final model hold full states gathered from the ZeRO partitions (single-process layout).
 
 Every forward that needs the engine goes through `PolicyCall`, a root module that runs a function of the policy
 inside its own forward, so DDP's reducer and FSDP's unshard hooks see the shared-prefix and grouped log-prob paths.
@@ -39,6 +39,23 @@ def fsdp2_asked_on_cpu(distributed_type: str) -> bool:
     return asked and "multi_cpu" in distributed_type
 
 
+def deepspeed_asked() -> bool:
+    """The launcher asked for DeepSpeed: `accelerate launch` with a DeepSpeed config (or `--use_deepspeed`) exports
+    ACCELERATE_USE_DEEPSPEED=true."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").strip().lower() == "true"
+
+
+def require_deepspeed() -> None:
+    """DistributedError (exit 2, one line) when DeepSpeed is asked for but the package cannot be imported."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise DistributedError(
+            "the launcher asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true: an accelerate config with distributed_type: DEEPSPEED) "
+            "but the deepspeed package is not installed: pip install 'vlmrl[deepspeed]', or launch with another accelerate config"
+        )
+
+
 def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
     """The engine the launcher set up: none (one process) -> single; accelerate's distributed type otherwise."""
     if accelerator is None:
@@ -47,6 +64,11 @@ def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
     dt = str(getattr(state, "distributed_type", "")).lower()
     if "deepspeed" in dt:
         return DeepSpeedEngine(collectives, accelerator)
+    if deepspeed_asked():
+        raise DistributedError(
+            f"the launcher asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but accelerate set up {dt or 'no engine'}; "
+            "vlmrl never runs another engine in its place: check the accelerate config (use_cpu: false)"
+        )
     if "fsdp" in dt:
         plugin = getattr(state, "fsdp_plugin", None)
         if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
@@ -58,13 +80,13 @@ def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
         # accelerate enables FSDP on accelerators only (never for MULTI_CPU); torch's fully_shard works on CPU
         # with gloo, so vlmrl applies it itself, the way accelerate's TRANSFORMER_BASED_WRAP would (prepare).
         return FSDP2Engine(collectives, accelerator, by_hand=True)
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        # accelerate enables FSDP / DeepSpeed only on accelerators (MULTI_GPU, ...), never for MULTI_CPU.
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        # accelerate enables FSDP only on accelerators (MULTI_GPU, ...), never for MULTI_CPU.
         import warnings
 
         warnings.warn(
-            f"the accelerate config asks for FSDP version 1 / DeepSpeed but accelerate set up {dt or 'no engine'} "
-            "(it enables them on GPUs only): this run uses DDP, every process holds the whole model",
+            f"the accelerate config asks for FSDP version 1 but accelerate set up {dt or 'no engine'} "
+            "(it enables FSDP on GPUs only): this run uses DDP, every process holds the whole model",
             stacklevel=3,
         )
     return DDPEngine(collectives, accelerator)
@@ -132,6 +154,9 @@ class Engine:
 
     def check_supported(self, save_steps: int, save_final_model: bool) -> None:
         """Refuse, before any model is loaded, what this engine cannot do."""
+
+    def check_config(self, cfg) -> None:
+        """Refuse (DistributedError) an engine setting that contradicts the vlmrl config `cfg`; nothing by default."""
 
     def prepared_report(self) -> list[str]:
         """Lines worth logging once the model is wrapped."""
@@ -404,33 +429,84 @@ class FSDP2Engine(Engine):
 
 
 class DeepSpeedEngine(Engine):
-    """Experimental: written against accelerate's DeepSpeed integration but never run here (no GPU, not installed);
-    checkpoints and the final model are refused."""
+    """DeepSpeed ZeRO-1/2/3 through accelerate's DeepSpeed plugin (GPU/NCCL, or CPU/gloo with DeepSpeed's CPU
+    accelerator). Checkpoints and the final model hold full states in the single-process layout (vlmrl's own safe
+    format, never DeepSpeed's pickled files): the fp32 master weights and AdamW moments are gathered from the ZeRO
+    partitions through DeepSpeed's tensor-fragment API (deepspeed.utils.safe_get_full_*) and scattered back on resume."""
 
     name = "deepspeed"
     sharded = True
+    optimizer_loads_after_wrap = True  # the moments go into DeepSpeed's flat partitions after deepspeed.initialize
+
+    def __init__(self, collectives: Collectives, accelerator=None):
+        super().__init__(collectives, accelerator)
+        self.trainable: list[tuple[str, nn.Parameter]] = []  # the optimizer's parameters, in its order (torch's layout)
+        self.gathered = False  # inside gathered_for_generation("full") under ZeRO-3: call the policy directly
+
+    @property
+    def plugin(self):
+        return getattr(self.accelerator.state, "deepspeed_plugin", None) if self.accelerator is not None else None
 
     def _zero_stage(self) -> int:
-        plugin = self.accelerator.state.deepspeed_plugin
-        return plugin.zero_stage if plugin else 0
+        return self.plugin.zero_stage if self.plugin else 0
 
     @property
     def planner_sharding(self) -> str:
         return {1: "zero1", 2: "zero2", 3: "zero3"}.get(self._zero_stage(), "ddp")
 
-    def check_supported(self, save_steps: int, save_final_model: bool) -> None:
-        if save_steps or save_final_model:
-            raise self.unsupported(
-                "writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
-                "training.save_final_model=false, or use FSDP2 / DDP)"
-            )
+    def check_config(self, cfg) -> None:
+        from .deepspeed_config import check_config
+
+        check_config(self.plugin.deepspeed_config, cfg.optim.max_grad_norm)
+
+    def prepared_report(self) -> list[str]:
+        from .deepspeed_config import describe
+
+        return [f"{describe(self.plugin.deepspeed_config)}: this process holds {100 * self.local_parameter_fraction():.1f}% of the parameters"]
+
+    def local_parameter_fraction(self) -> float:
+        params = list((self.model or nn.Module()).parameters())
+        local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+        return local / max(1, sum(getattr(p, "ds_numel", p.numel()) for p in params))
 
     def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
-            # There is no dataloader for accelerate to read it from; DeepSpeed uses it for bookkeeping only.
-            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
-        return super().prepare(model, optimizer, micro_batch_size)
+        from .deepspeed_config import fill_config
+        from .optim import allocate_optimizer_state
+
+        from .models import unwrap
+
+        config = getattr(unwrap(model), "config", None)
+        text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        fill_config(self.plugin.deepspeed_config, micro_batch_size, getattr(text, "hidden_size", None))
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.trainable = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
+        optimizer = super().prepare(model, optimizer, micro_batch_size)
+        # AdamW's moments created now (zeros, as its first step would) so that an OOM happens here and a resume has
+        # partitions to scatter the saved moments into; DeepSpeed then links its per-parameter views of them.
+        zero = raw_optimizer(optimizer)
+        allocate_optimizer_state(zero.optimizer)
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+            zero._lazy_init_hp_params_optimizer_state()
+        return optimizer
+
+    def call(self, fn: Callable, *args: Any, grad: bool = False, **kwargs: Any) -> Any:
+        """Through the DeepSpeed engine, whose ZeRO-3 hooks look for tensors in the output: a dataclass result
+        (Completions) travels as a tuple of its fields and is rebuilt here."""
+        if self.runner is None or self.gathered:
+            return fn(self.model, *args, **kwargs)
+        import dataclasses
+
+        kind: dict = {}
+
+        def flat(policy, *a, **k):
+            out = fn(policy, *a, **k)
+            if dataclasses.is_dataclass(out) and not isinstance(out, type):
+                kind["type"] = type(out)
+                return tuple(getattr(out, f.name) for f in dataclasses.fields(out))
+            return out
+
+        out = self.runner(flat, *args, **kwargs)
+        return kind["type"](*out) if kind else out
 
     def no_sync(self, last: bool):
         if self.runner is None:
@@ -440,33 +516,128 @@ class DeepSpeedEngine(Engine):
         return contextlib.nullcontext()
 
     def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
-        """DeepSpeed clips inside its own step; a non-finite norm is not skipped here."""
+        """DeepSpeed clipped (gradient_clipping = optim.max_grad_norm) and stepped inside the last backward; here the
+        schedule advances and the norm is read. DeepSpeed does not skip a step on a non-finite norm in fp32/bf16."""
         from .optim import StepResult
 
-        params = [p for p in self.runner.parameters() if p.requires_grad]
-        norm = self.accelerator.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
-        optimizer.step()
-        norm = self.runner.get_global_grad_norm() if norm is None else norm
+        optimizer.step()  # accelerate's DeepSpeed wrapper: a no-op, the engine stepped in backward
+        norm = self.runner.get_global_grad_norm()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return StepResult(float(norm) if norm is not None else float("nan"), skipped=False)
 
     @contextlib.contextmanager
     def gathered_for_generation(self, mode: str = "full"):
-        """ZeRO-3: every parameter gathered once for the whole rollout (mode full); ZeRO-1/2 hold them whole already."""
+        """ZeRO-3, mode full: every parameter gathered once for the whole rollout and the engine's hooks removed
+        (DeepSpeed's own unwrap_model_for_generation), the policy called directly; layers: the hooks gather each
+        module's parameters for its forward. ZeRO-1/2 hold the parameters whole already."""
         if self.runner is None or mode == "layers" or self._zero_stage() != 3:
             yield
             return
-        import deepspeed  # not run in this repository's tests (no GPU); see docs/scaling_out.md
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-        with deepspeed.zero.GatheredParameters(list(self.runner.parameters()), modifier_rank=None):
-            yield
+        with unwrap_model_for_generation(self.runner):
+            self.gathered = True
+            try:
+                yield
+            finally:
+                self.gathered = False
+
+    # -- full states (checkpoints and the final model) ------------------------------------------------------------
+    def full_model_state(self) -> dict | None:
+        """The policy's state dict on the main process's CPU (None elsewhere; every process takes part): trainable
+        parameters from DeepSpeed's fp32 masters, the rest (frozen parameters, buffers) gathered under ZeRO-3."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        masters = {}
+        for _, p in self.trainable:
+            full = safe_get_full_fp32_param(p)
+            if full is not None and self.collectives.is_main:
+                masters[id(p)] = full.detach().to("cpu", copy=True)
+        with self._gathered_parameters():
+            if not self.collectives.is_main:
+                return None
+            return {k: masters.get(id(v), v.detach().to("cpu", copy=True)) for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def _gathered_parameters(self):
+        if self._zero_stage() != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def full_optimizer_state(self, optimizer) -> dict | None:
+        """AdamW's state in torch's own layout (integer ids in the optimizer's order), gathered from the ZeRO
+        partitions to the main process (None elsewhere; every process takes part)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = raw_optimizer(optimizer).optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's AdamW
+        steps = [s["step"] for s in base.state.values() if "step" in s]
+        state = {}
+        for i, (_, p) in enumerate(self.trainable):
+            moments = {key: safe_get_full_optimizer_state(p, key) for key in ("exp_avg", "exp_avg_sq")}
+            if self.collectives.is_main and all(v is not None for v in moments.values()):
+                state[i] = {"step": steps[0].detach().clone(), **{k: v.detach().to("cpu", copy=True) for k, v in moments.items()}}
+        if not self.collectives.is_main:
+            return None
+        group = {k: v for k, v in base.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.trainable)))}]}
+
+    def load_full_optimizer_state(self, optimizer, saved: dict) -> None:
+        """A full AdamW state (torch's layout, as full_optimizer_state writes it) into DeepSpeed's partitions; every
+        process calls it with the same state."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        base = raw_optimizer(optimizer).optimizer
+        if len(saved["param_groups"]) != 1 or len(saved["param_groups"][0]["params"]) != len(self.trainable):
+            raise DistributedError(
+                "the checkpoint's optimizer state has other param groups than this run's optimizer (different trainable parameters?)"
+            )
+        step = None
+        for i, (_, p) in enumerate(self.trainable):
+            entry = saved["state"].get(i)
+            if entry is None:
+                continue
+            step = entry["step"]
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
+        hyper = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+        for group in base.param_groups:
+            group.update(hyper)
+        if step is not None:
+            for s in base.state.values():
+                s["step"] = step.clone()
 
     def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts:
-        raise self.unsupported("checkpoints of DeepSpeed engines")
+        """Full states gathered to the main process (every process takes part), in the single-process layout: any
+        world size and any engine resumes them, `vlmrl export` reads them."""
+        model_state = self.full_model_state()
+        optim_state = None if weights_only else self.full_optimizer_state(optimizer)
+        return CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p, model_state), optimizer=FullState(optim_state))
+
+    def load_state(self, path: Path, optimizer) -> None:
+        """The checkpoint's full optimizer state (read code-free by every process) scattered into the partitions. The
+        weights loaded before deepspeed.initialize (run_checkpoint.restore), which partitioned them."""
+        from .checkpoint import OPTIMIZER_FILE, is_sharded_checkpoint, is_weights_only, safe_torch_load
+
+        if is_sharded_checkpoint(path):
+            raise DistributedError(
+                f"{path} holds torch.distributed.checkpoint shards (FSDP2 SHARDED_STATE_DICT); DeepSpeed resumes full checkpoints only"
+            )
+        if not is_weights_only(path):
+            self.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE))
 
     def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
-        raise self.unsupported("saving the final model of DeepSpeed engines")
+        """The full weights gathered to the main process, which loads them into an unpartitioned CPU copy of the
+        policy (LoRA merged from there) and writes that as a plain HF folder."""
+        from .checkpoint import save_folder_atomically
+        from .runtime import load_policy
+
+        state = self.full_model_state()
+        if self.collectives.is_main:
+            plain, _ = load_policy(cfg, torch.device("cpu"))
+            plain.load_state_dict(state)
+            save_folder_atomically(folder, lambda tmp: save_model(plain, processor, tmp))
 
 
 # ---------------------------------------------------------------- FSDP2 sharding and optimizer-state layouts

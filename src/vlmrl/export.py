@@ -59,7 +59,6 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
         find_resume_checkpoint,
         is_sharded_checkpoint,
         read_checkpoint_config,
-        read_trainer_state,
         verify_checkpoint,
     )
     from .models import save_model
@@ -75,9 +74,8 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
     ok, reason = verify_checkpoint(path)
     if not ok:
         raise CheckpointError(f"checkpoint {path} is invalid: {reason}")
-    engine = read_trainer_state(path).get("engine", "single")
-    if engine == "deepspeed":  # vlmrl does not write these (train refuses); a hand-made folder would hold ZeRO partitions
-        raise CheckpointError(f"{path} holds DeepSpeed states; exporting them is not supported")
+    # Every engine's checkpoint (DeepSpeed's included: states gathered from the ZeRO partitions) has the single-process
+    # layout, or FSDP2's torch.distributed.checkpoint shards.
     cfg = export_config(read_checkpoint_config(path), overrides, log)
     model, processor = load_policy(cfg, torch.device("cpu"))
     if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process

@@ -249,6 +249,7 @@ def start_run(cfg: Config, log) -> Run:
     if dist.world_size > 1:
         log(f"{dist.describe()}: {len(shard.prompts)} of {cfg.prompts_per_step} prompts per step on each process")
     dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
+    dist.check_config(cfg)
     model, processor = load_policy(cfg, device)
     reference = make_reference(model, cfg, device, fresh=resume_from is not None)
     with dist.main_first():  # the built-in task's files are written once
