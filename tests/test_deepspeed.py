@@ -88,6 +88,10 @@ def _accelerate(stage: int, *args) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2", "-m", "vlmrl", "train", *args]
 
 
+def _torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vlmrl", "train", *args]
+
+
 def _metrics(out):
     return {r["step"]: r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())}
 
@@ -101,8 +105,19 @@ def _worst_difference(a_file, b_file, skip=lambda k: False):
 @pytest.fixture(scope="module")
 def ddp(setup):
     out = setup[0] / "ddp"
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vlmrl", "train", *_args(setup, out)])
+    _run(_torchrun(*_args(setup, out)))
     return out
+
+
+_RUNS: dict = {}
+
+
+def _zero_run(setup, stage: int):
+    """The 3-step GRPO run under ZeRO-`stage` with checkpoints at steps 2 and 3 (once per test session): (folder, log)."""
+    if (setup[0], stage) not in _RUNS:
+        out = setup[0] / f"zero{stage}"
+        _RUNS[setup[0], stage] = out, _run(_accelerate(stage, *_args(setup, out, "training.save_steps=2")))
+    return _RUNS[setup[0], stage]
 
 
 def _interrupted_copy(out, name):
@@ -118,8 +133,7 @@ def _interrupted_copy(out, name):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp, stage):
-    out = setup[0] / f"zero{stage}"
-    log = _run(_accelerate(stage, *_args(setup, out, "training.save_steps=2")))
+    out, log = _zero_run(setup, stage)
     assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log
     assert "unknown inputs or outputs type" not in log  # ZeRO-3's hooks see tensors (Completions travel as a tuple)
     a, b = _metrics(out), _metrics(ddp)
@@ -136,9 +150,9 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert len(saved["state"]) == len(weights) and all(saved["state"][i]["exp_avg"].dim() >= 1 for i in saved["state"])
     assert all(float(v["step"]) == 4 for v in saved["state"].values())  # 2 steps x 2 optimizer steps
-    assert not list(ckpt.rglob("*.pt")) or all(
-        p.name in ("optimizer.pt", "scheduler.pt") or p.name.startswith("rng_state_") for p in ckpt.rglob("*.pt")
-    )
+    # No DeepSpeed files (global_step*/, *_optim_states.pt, zero_to_fp32.py): the pickles its loader would unpickle.
+    assert sorted(p.name for p in ckpt.rglob("*.pt")) == ["optimizer.pt", "rng_state_0.pt", "rng_state_1.pt", "scheduler.pt"]
+    assert not list(ckpt.glob("global_step*")) and not list(ckpt.rglob("*.py"))
 
     # Killed after step 2: the same command resumes from checkpoint-2 and ends bit-identical to the uninterrupted run.
     resumed = _interrupted_copy(out, f"zero{stage}_resumed")
@@ -151,6 +165,72 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
     _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
     e = load_file(exported / "model.safetensors")
     assert e.keys() == weights.keys() and all(torch.equal(e[k], weights[k]) for k in e)
+
+
+# ---------------------------------------------------------------- LoRA, and ZeRO-3 decoding layer by layer
+@needs_deepspeed
+@pytest.mark.slow  # two more launches (~1-2 min here)
+def test_lora_under_zero3_with_layer_by_layer_generation_trains_like_ddp(setup):
+    """LoRA adapters under ZeRO-3, the rollout gathering one module at a time (memory.generation_gather=layers: the
+    processes decode in step), the reference = the adapter-disabled policy through the engine: the same run as DDP."""
+    lora = ("model.use_lora=true", "memory.generation_gather=layers", "training.max_steps=2")
+    ddp_out, out = setup[0] / "lora_ddp", setup[0] / "lora_zero3"
+    _run(_torchrun(*_args(setup, ddp_out, *lora)))
+    log = _run(_accelerate(3, *_args(setup, out, *lora, "training.save_steps=2")))
+    assert "DeepSpeed ZeRO-3" in log and "unknown inputs or outputs type" not in log
+    a, b = _metrics(out), _metrics(ddp_out)
+    assert [a[s]["reward"] for s in (1, 2)] == [b[s]["reward"] for s in (1, 2)]
+    assert (out / "checkpoint-2" / "model" / "adapter_model.safetensors").exists()  # LoRA checkpoints hold the adapter
+    worst = _worst_difference(out / "final" / "model.safetensors", ddp_out / "final" / "model.safetensors", skip=lambda k: "k_proj.bias" in k)
+    assert worst < 1e-5, worst
+
+
+# ---------------------------------------------------------------- two nodes on loopback
+def _free_port() -> int:
+    """A port that was free a moment ago: the two launchers must agree on one port in advance."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(setup, out, *extra):
+    """Two torchrun launches, node ranks 0 and 1, one process each, meeting at 127.0.0.1, with the environment
+    `accelerate launch` exports for a ZeRO-3 config (its multi-node DeepSpeed launch goes through pdsh by default)."""
+    port = str(_free_port())
+    env = _env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1"]
+            + ["--master_addr", "127.0.0.1", "--master_port", port, "-m", "vlmrl", "train", *_args(setup, out, *extra)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for n in range(2)
+    ]
+    logs = []
+    for p in procs:
+        text, _ = p.communicate(timeout=420)
+        assert p.returncode == 0, text[-6000:]
+        logs.append(text)
+    return logs
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_zero3_two_nodes_on_loopback_checkpoint_and_resume(setup, ddp):
+    out = setup[0] / "zero3_nodes"
+    logs = _two_nodes(setup, out, "training.max_steps=2", "training.save_steps=2")
+    assert "DeepSpeed ZeRO-3" in logs[0] and "2 processes (deepspeed)" in logs[0]
+    ckpt = out / "checkpoint-2"
+    assert (ckpt / "rng_state_0.pt").exists() and (ckpt / "rng_state_1.pt").exists()
+    logs = _two_nodes(setup, out)  # max_steps 2 -> 3: resume from checkpoint-2 on both nodes
+    assert "resumed from" in logs[0] and "checkpoint-2" in logs[0]
+    worst = _worst_difference(out / "final" / "model.safetensors", ddp / "final" / "model.safetensors", skip=lambda k: "k_proj.bias" in k)
+    assert worst < 1e-5, worst
 
 
 # ---------------------------------------------------------------- refusals: DeepSpeed or exit 2, never another engine
@@ -208,3 +288,102 @@ def test_deepspeed_config_checks_fills_and_describes():
         check_config({"gradient_accumulation_steps": 4}, 1.0)
     with pytest.raises(DistributedError, match=r"gradient_clipping=2.0 but optim.max_grad_norm=1.0"):
         check_config({"gradient_clipping": 2.0}, 1.0)
+
+
+# ---------------------------------------------------------------- loading never runs code, under DeepSpeed too
+class Payload:
+    """Unpickling this creates `marker`: the proof that a loader ran code from a file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path: pathlib.Path, name: str, marker: pathlib.Path) -> None:
+    """`name` in checkpoint `path` replaced by a pickle payload, and a manifest that vouches for it (what an attacker
+    with write access does)."""
+    from vlmrl import checkpoint as ckpt
+
+    if name == "model/pytorch_model.bin":  # pickled weights in place of model.safetensors
+        (path / "model" / "model.safetensors").unlink()
+    torch.save({"state": {}, "param_groups": [], "x": Payload(marker)}, path / name)
+    (path / ckpt.MANIFEST).unlink()
+    ckpt._write_manifest(path, ckpt.checkpoint_step(path))
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "name",
+    [
+        "optimizer.pt",  # read by every process after deepspeed.initialize (DeepSpeedEngine.load_state)
+        pytest.param("scheduler.pt", marks=pytest.mark.slow),
+        pytest.param("rng_state_1.pt", marks=pytest.mark.slow),  # read by process 1 only
+        pytest.param("model/pytorch_model.bin", marks=pytest.mark.slow),
+    ],
+)
+def test_zero2_resume_from_a_planted_checkpoint_runs_nothing(setup, name):
+    """A DeepSpeed checkpoint holds only vlmrl's files (safetensors, weights-only torch files, JSON, YAML): a payload
+    planted in any of them is refused with exit 2 on a 2-process ZeRO-2 resume, and never runs."""
+    out, _ = _zero_run(setup, 2)
+    planted = _interrupted_copy(out, "planted-" + name.replace("/", "-"))
+    marker = setup[0] / ("PWNED-" + name.replace("/", "-"))
+    _plant(planted / "checkpoint-2", name, marker)
+    log = _run(_accelerate(2, *_args(setup, planted, "training.save_steps=2")), expect=2)
+    assert "refusing to load" in log or "model.safetensors" in log, log[-3000:]
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- out of memory on one process
+@needs_deepspeed
+@pytest.mark.slow  # ~1 min here; the FSDP2 twin is in test_oom_multiproc.py
+def test_zero3_oom_on_one_process_stops_every_process_with_one_line(setup):
+    """ZeRO-3's forward and backward hold all-gathers and reduce-scatters: rank 1 running out of memory in the update
+    cannot be redone alone. Both processes exit 2 with the same one-line message (the env is what `accelerate launch`
+    exports for a ZeRO-3 config; the processes meet at a store this test hosts, so a hang is a timeout, not a block)."""
+    from test_oom_multiproc import _launch
+
+    from vlmrl import oom
+
+    out = setup[0] / "zero3-oom"
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", oom.INJECT_ENV: "rank=1,phase=update,above=2"}
+    (code0, log0), (code1, log1) = _launch(setup, out, "training.save_final_model=false", "data.eval_path=", env=env, timeout=300)
+    message = "out of memory in update at size 4 on process 1 of 2: the engine's forward and backward hold collectives"
+    assert "DeepSpeed ZeRO-3" in log0
+    assert code1 == 2 and f"vlmrl train: {message}" in log1 and "Traceback" not in log1, log1[-3000:]
+    assert code0 == 2 and f"vlmrl train: {message}" in log0 and "(process 0 stops too)" in log0, log0[-3000:]
+
+
+# ---------------------------------------------------------------- ZeRO-3 / FSDP2 layers mode: processes decode in step
+def test_synced_decoding_runs_every_step_and_returns_the_same_tokens(setup):
+    """Inside prefix.synced_decoding the decode loop goes on while any process has unfinished rows (here: always, as
+    if another process were still decoding), so every process runs the same number of forwards, each of which
+    all-gathers under ZeRO-3 / FSDP2 layers mode; the steps after this process's rows finished are dropped."""
+    from vlmrl.config import load_config
+    from vlmrl.data import load_dataset_split
+    from vlmrl.models import unwrap
+    from vlmrl.prefix import sample_with_shared_prefix, synced_decoding
+    from vlmrl.runtime import encode_rows, load_policy
+
+    _, model_path, data = setup
+    cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
+    model, processor = load_policy(cfg, torch.device("cpu"))
+    rows, _ = load_dataset_split(data["train"], limit_images=4, skip_bad_rows=False)
+    prompts = encode_rows(processor, rows[:2], cfg, torch.device("cpu"))
+    vocab = unwrap(model).get_output_embeddings().weight.shape[0]
+    # Every token ends a row: all rows finish after their first token.
+    kw = dict(num_generations=2, max_new_tokens=6, eos_ids=list(range(vocab)), pad_id=0, suppress_ids=[], do_sample=False)
+    core = unwrap(model)
+    calls = []
+    hook = core.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        alone = sample_with_shared_prefix(model, prompts, **kw)
+        n_alone = len(calls)
+        with synced_decoding(lambda local: True):  # another process still decoding until the last step
+            synced = sample_with_shared_prefix(model, prompts, **kw)
+    finally:
+        hook.remove()
+    assert alone.shape == (2, 1) and torch.equal(synced, alone)  # greedy: one row per prompt
+    assert len(calls) - n_alone == n_alone + 5  # the same prefill plus 5 decode forwards (max_new_tokens - 1)

@@ -311,9 +311,16 @@ class FSDP2Engine(Engine):
     def gathered_for_generation(self, mode: str = "full"):
         """full: all-gather every FSDP2 unit once, keep them for the whole rollout, release after (peak = the full
         model per process, fast); layers: leave it to the per-module hooks, one layer gathered per forward and
-        released after it (peak = one layer; an all-gather per layer per generated token)."""
-        if self.runner is None or mode == "layers":
+        released after it (peak = one layer; an all-gather per layer per generated token), the processes decoding
+        in step (prefix.synced_decoding)."""
+        if self.runner is None:
             yield
+            return
+        if mode == "layers":
+            from .prefix import synced_decoding
+
+            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
+                yield
             return
         from torch.distributed.fsdp import FSDPModule
 
@@ -530,9 +537,16 @@ class DeepSpeedEngine(Engine):
     def gathered_for_generation(self, mode: str = "full"):
         """ZeRO-3, mode full: every parameter gathered once for the whole rollout and the engine's hooks removed
         (DeepSpeed's own unwrap_model_for_generation), the policy called directly; layers: the hooks gather each
-        module's parameters for its forward. ZeRO-1/2 hold the parameters whole already."""
-        if self.runner is None or mode == "layers" or self._zero_stage() != 3:
+        module's parameters for its forward, and the processes decode in step (prefix.synced_decoding: the same
+        number of forwards everywhere). ZeRO-1/2 hold the parameters whole already."""
+        if self.runner is None or self._zero_stage() != 3:
             yield
+            return
+        if mode == "layers":
+            from .prefix import synced_decoding
+
+            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
+                yield
             return
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 

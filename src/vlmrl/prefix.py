@@ -32,7 +32,9 @@ completion tokens run per row: each completion attends to one shared copy of its
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -227,6 +229,32 @@ def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor | None = None) -> t
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 
 
+# Processes whose forwards hold collectives (ZeRO-3 / FSDP2 with memory.generation_gather=layers: every module forward
+# all-gathers its parameters) must run the same number of decode forwards: the engine sets how "some row, on some
+# process, is unfinished" is agreed (`synced_decoding`); one process decides alone otherwise.
+_AGREE: contextvars.ContextVar = contextvars.ContextVar("vlmrl_decode_agreement", default=None)
+
+
+@contextlib.contextmanager
+def synced_decoding(any_process: Callable[[bool], bool]):
+    """Within this context decoding goes on while `any_process(this process has unfinished rows)` is true."""
+    token = _AGREE.set(any_process)
+    try:
+        yield
+    finally:
+        _AGREE.reset(token)
+
+
+def keep_decoding(local_unfinished: bool) -> bool:
+    """Whether the decode loop takes another step: this process's rows, or every process's inside synced_decoding."""
+    agree = _AGREE.get()
+    return local_unfinished if agree is None else agree(local_unfinished)
+
+
+def decoding_is_synced() -> bool:
+    return _AGREE.get() is not None
+
+
 @torch.no_grad()
 def sample_with_shared_prefix(
     model: torch.nn.Module,
@@ -281,6 +309,7 @@ def sample_with_shared_prefix(
     generators = [torch.Generator().manual_seed(s) for s in row_seeds] if do_sample and row_seeds is not None else None
     unfinished = torch.ones(n, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
+    done_at = None
     for t in range(max_new_tokens):
         scores = logits
         if suppress.numel():
@@ -295,7 +324,10 @@ def sample_with_shared_prefix(
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
         tokens.append(chosen)
         unfinished &= ~torch.isin(chosen, eos)
-        if not bool(unfinished.any()) or t == max_new_tokens - 1:
+        local = bool(unfinished.any())
+        if not local and done_at is None:
+            done_at = t + 1  # this process's rows are done; further steps (kept in step with other processes) are dropped
+        if not keep_decoding(local) or t == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         step = {
@@ -310,7 +342,7 @@ def sample_with_shared_prefix(
         if positions is not None:
             step["position_ids"] = positions
         logits = core(**step).logits[:, -1].to(torch.float32)
-    return torch.stack(tokens, dim=1)
+    return torch.stack(tokens[:done_at], dim=1)
 
 
 def completion_logps_prefix(

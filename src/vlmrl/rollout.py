@@ -116,7 +116,11 @@ def generate(
     step = prompts_per_call or n_prompts
     sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)
     fixed = dict(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad, suppress_ids=vision_token_ids(model))
-    if engine == "continuous" and shared_prefix and prefix_supported(model, prompt_batch) and _engine_supported(model):
+    from .prefix import decoding_is_synced
+
+    # The continuous engine's decode steps depend on this process's rows only: not used when processes decode in step.
+    continuous = engine == "continuous" and not decoding_is_synced()
+    if continuous and shared_prefix and prefix_supported(model, prompt_batch) and _engine_supported(model):
         from .continuous import sample_continuous
 
         if do_sample and prompt_seeds is None:
@@ -139,7 +143,7 @@ def _finish(ids: torch.Tensor, eos: list[int], pad: int) -> Completions:
 
 def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool, prompt_seeds, fixed: dict, sampling: dict) -> torch.Tensor:
     """Completion ids [len(rows)*G, T] of prompts `rows` by the loop (shared prefix) or by HF generate."""
-    from .prefix import prefix_supported, sample_with_shared_prefix
+    from .prefix import decoding_is_synced, prefix_supported, sample_with_shared_prefix
     from .processing import select_rows
 
     n_prompts = prompt_batch["input_ids"].shape[0]
@@ -165,6 +169,7 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
         pad_token_id=fixed["pad_id"],
         suppress_tokens=fixed["suppress_ids"] or None,
         min_new_tokens=sampling["min_new_tokens"] or None,
+        synced_gpus=decoding_is_synced() or None,  # HF's own "decode until every process is done"
     )
     return out[:, chunk["input_ids"].shape[1] :]
 
