@@ -39,7 +39,7 @@ def _env(**extra):
 
 
 def _run(cmd, expect=0, timeout=420, **extra_env):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(**extra_env), timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(**extra_env), timeout=timeout, cwd=ROOT)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 
@@ -83,8 +83,15 @@ def _args(setup, out, *extra):
     ]
 
 
-def _accelerate(stage: int, *args) -> list[str]:
-    config = ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}.yaml"
+# The accelerate config each stage's runs use. ZeRO-3: the shipped deepspeed_zero3.yaml (accelerate's own deepspeed
+# section). ZeRO-2: deepspeed_json.yaml, which points at the DeepSpeed JSON configs/deepspeed/zero2.json (the user's
+# JSON, taken as it is).
+CONFIGS = {2: "deepspeed_json.yaml", 3: "deepspeed_zero3.yaml"}
+
+
+def _accelerate(stage, *args) -> list[str]:
+    """`accelerate launch` on 2 processes with CONFIGS[stage] (or the named file in configs/accelerate/)."""
+    config = ROOT / "configs" / "accelerate" / CONFIGS.get(stage, stage)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2", "-m", "vlmrl", "train", *args]
 
 
@@ -135,6 +142,8 @@ def _interrupted_copy(out, name):
 def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp, stage):
     out, log = _zero_run(setup, stage)
     assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log
+    if stage == 2:
+        assert "reduce_bucket_size 50000000, allgather_bucket_size 50000000" in log  # the user's JSON, as it is
     assert "unknown inputs or outputs type" not in log  # ZeRO-3's hooks see tensors (Completions travel as a tuple)
     a, b = _metrics(out), _metrics(ddp)
     for s in (1, 2, 3):
@@ -183,6 +192,78 @@ def test_lora_under_zero3_with_layer_by_layer_generation_trains_like_ddp(setup):
     assert (out / "checkpoint-2" / "model" / "adapter_model.safetensors").exists()  # LoRA checkpoints hold the adapter
     worst = _worst_difference(out / "final" / "model.safetensors", ddp_out / "final" / "model.safetensors", skip=lambda k: "k_proj.bias" in k)
     assert worst < 1e-5, worst
+
+
+# ---------------------------------------------------------------- SIGKILL anywhere, saves included
+def _kill_tree(proc) -> None:
+    """SIGKILL the launcher and every process under it at once (the workers may sit in their own process groups)."""
+    import signal
+
+    import psutil
+
+    launcher = psutil.Process(proc.pid)
+    launcher.suspend()  # it spawns no worker between the listing below and the kill
+    tree = [launcher, *launcher.children(recursive=True)]
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(tree[1:], timeout=30)
+
+
+@needs_deepspeed
+@pytest.mark.slow  # ~8 launches of 2 DeepSpeed processes: several minutes here
+def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
+    """The whole launch (accelerate's launcher and both processes) SIGKILLed at random moments,
+    every other time as soon as a checkpoint starts being written; the same command resumes each time. The final
+    weights equal the uninterrupted ZeRO-2 run's bit for bit, and every step is logged with the same loss."""
+    import random
+    import time
+
+    kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
+    extra = ("training.max_steps=8", "training.save_steps=1", "training.save_total_limit=2")
+    straight = setup[0] / "kill_straight"
+    t0 = time.time()
+    _run(_accelerate(2, *_args(setup, straight, *extra)))
+    full = time.time() - t0
+    out = setup[0] / "killed"
+    cmd = _accelerate(2, *_args(setup, out, *extra))
+    rng, kills, mid_saves, finished, history = random.Random(1234), 0, 0, False, []
+    while kills < kills_wanted:
+        before = {(p.name, p.stat().st_mtime_ns) for p in out.glob(".tmp-checkpoint-*")} if out.exists() else set()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+        delay = rng.uniform(0.4, 0.95) * full
+        t0, kill = time.time(), False
+        while proc.poll() is None and time.time() - t0 < delay:
+            new_tmp = out.exists() and any((p.name, p.stat().st_mtime_ns) not in before for p in out.glob(".tmp-checkpoint-*"))
+            if kills % 2 and new_tmp:  # aim at a save
+                break
+            time.sleep(0.005)
+        if proc.poll() is None:
+            _kill_tree(proc)
+            kill = True
+        if not kill:
+            assert proc.returncode == 0
+            finished = True
+            break
+        kills += 1
+        mid = out.exists() and any((p.name, p.stat().st_mtime_ns) not in before for p in out.glob(".tmp-checkpoint-*"))
+        mid_saves += mid
+        history.append((round(delay, 1), sorted(p.name for p in out.glob("checkpoint-*")) if out.exists() else [], "mid-save" if mid else ""))
+    if not finished:
+        _run(cmd)
+    print(f"{kills} SIGKILLs, {mid_saves} while a checkpoint was being written: {history}")
+    assert kills >= kills_wanted and mid_saves >= 1
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    by_step: dict = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], set()).add(row["loss"])
+    assert sorted(by_step) == list(range(1, 9)) and all(len(v) == 1 for v in by_step.values())
+    assert {k: next(iter(v)) for k, v in by_step.items()} == {k: r["loss"] for k, r in _metrics(straight).items()}
 
 
 # ---------------------------------------------------------------- two nodes on loopback
@@ -237,7 +318,7 @@ def test_zero3_two_nodes_on_loopback_checkpoint_and_resume(setup, ddp):
 @needs_deepspeed
 @pytest.mark.multiproc
 def test_zero_gradient_clipping_that_contradicts_the_config_exits_2_in_one_line(setup):
-    log = _run(_accelerate(2, *_args(setup, setup[0] / "clip", "optim.max_grad_norm=0.5")), expect=2)
+    log = _run(_accelerate("deepspeed_zero2.yaml", *_args(setup, setup[0] / "clip", "optim.max_grad_norm=0.5")), expect=2)
     lines = [x for x in log.splitlines() if "gradient_clipping=1.0" in x]
     assert lines and "optim.max_grad_norm=0.5" in lines[0] and "Traceback" not in log
 

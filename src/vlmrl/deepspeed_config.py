@@ -60,14 +60,20 @@ def _device(section) -> str:
     return str((section or {}).get("device", "none")) if isinstance(section, dict) else "none"
 
 
+def precision(ds: dict) -> str:
+    """The dtype DeepSpeed keeps the model's weights in: bf16, fp16 or fp32 (masters are fp32 in every case)."""
+    if (ds.get("bf16") or {}).get("enabled") is True:
+        return "bf16"
+    return "fp16" if (ds.get("fp16") or {}).get("enabled") is True else "fp32"
+
+
 def describe(ds: dict) -> str:
     """One line naming the ZeRO stage and the settings that change memory: precision, offload, bucket sizes."""
     zero = ds.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
-    precision = "bf16" if (ds.get("bf16") or {}).get("enabled") is True else "fp16" if (ds.get("fp16") or {}).get("enabled") is True else "fp32"
     parts = [
         f"DeepSpeed ZeRO-{stage}",
-        f"{precision} weights",
+        f"{precision(ds)} weights",
         f"offload_optimizer {_device(zero.get('offload_optimizer'))}",
         f"offload_param {_device(zero.get('offload_param'))}",
         f"gradient_clipping {ds.get('gradient_clipping', 'unset')}",

@@ -36,8 +36,9 @@ What the loop gets from here
 - **RNG per process** (`gather_rng_states`, `restore_rng`): `rng_state_<rank>.pt` in every checkpoint.
 
 Engines (from the accelerate config / env): DDP (accelerate's default for several processes), FSDP2
-(`fully_shard` through accelerate's FSDP plugin, fsdp_version 2) and DeepSpeed (experimental: never run here,
-checkpoints and the final model refused). Every forward that needs
+(`fully_shard` through accelerate's FSDP plugin, fsdp_version 2) and DeepSpeed ZeRO-1/2/3 (accelerate's DeepSpeed
+plugin; on CPU the Accelerator is built with cpu=False and a gloo process group, since accelerate ignores DeepSpeed
+with cpu=True; a launch asking for DeepSpeed gets it or a DistributedError, never another engine). Every forward that needs
 the engine goes through `PolicyCall`, a root module that runs a function of the policy inside its own
 forward, so DDP's reducer and FSDP's unshard hooks see the shared-prefix and grouped log-prob paths.
 
@@ -46,9 +47,9 @@ configs/accelerate/fsdp2.yaml, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2), vlmr
 (`shard_fsdp2`). FSDP2 checkpoints gather full states to the main process (`FSDP2Engine.full_state_dicts`), so they have
 the single-process layout; the optimizer state goes back into the shards after sharding.
 
-Tested on CPU/gloo (tests/test_distributed.py): DDP through torchrun, two nodes on loopback, FSDP2 training,
-checkpoint, resume (2 processes and 1) and export. Not run: accelerate's GPU FSDP2 preparation, DeepSpeed
-(no GPU, not installed). docs/scaling_out.md has the commands and the limits.
+Tested on CPU/gloo (tests/test_distributed.py, tests/test_deepspeed.py): DDP through torchrun, two nodes on loopback,
+FSDP2 and DeepSpeed ZeRO-2/3 training, checkpoint, resume and export. Not run: accelerate's GPU FSDP2 preparation,
+DeepSpeed on GPUs. docs/scaling_out.md has the commands and the limits.
 """
 
 from __future__ import annotations

@@ -169,6 +169,11 @@ class Engine:
         return local / max(1, sum(p.numel() for p in params))
 
     # -- prepare, forward, backward, step ------------------------------------------------------------------
+    def wrap_reference(self, reference: nn.Module):
+        """A frozen reference copy wrapped so that `runner(fn, *args)` runs `fn(reference, *args)` inside the engine,
+        or None: the reference is called directly (every engine but ZeRO-3 keeps it whole on every process)."""
+        return None
+
     def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
         """Wrap the policy for the engine; returns the optimizer to step (prepared by accelerate)."""
         self.model = model
@@ -477,9 +482,7 @@ class DeepSpeedEngine(Engine):
         return local / max(1, sum(getattr(p, "ds_numel", p.numel()) for p in params))
 
     def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
-        from .deepspeed_config import fill_config
-        from .optim import allocate_optimizer_state
-
+        from .deepspeed_config import fill_config, precision
         from .models import unwrap
 
         config = getattr(unwrap(model), "config", None)
@@ -487,14 +490,39 @@ class DeepSpeedEngine(Engine):
         fill_config(self.plugin.deepspeed_config, micro_batch_size, getattr(text, "hidden_size", None))
         names = {id(p): n for n, p in model.named_parameters()}
         self.trainable = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
+        # bf16 / fp16 weights: DeepSpeed would build its fp32 masters from the rounded copies; the loaded fp32 weights
+        # go into them instead (a resume then continues from the saved masters exactly). Not run here (fp32 tests).
+        keep = None
+        if precision(self.plugin.deepspeed_config) != "fp32":
+            keep = [p.detach().to("cpu", copy=True) for _, p in self.trainable]
         optimizer = super().prepare(model, optimizer, micro_batch_size)
-        # AdamW's moments created now (zeros, as its first step would) so that an OOM happens here and a resume has
-        # partitions to scatter the saved moments into; DeepSpeed then links its per-parameter views of them.
-        zero = raw_optimizer(optimizer)
-        allocate_optimizer_state(zero.optimizer)
-        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-            zero._lazy_init_hp_params_optimizer_state()
+        if keep is not None:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            for (_, p), value in zip(self.trainable, keep):
+                safe_set_full_fp32_param(p, value.to(p.device, torch.float32))
+        allocate_zero_moments(raw_optimizer(optimizer))
         return optimizer
+
+    def wrap_reference(self, reference: nn.Module):
+        """ZeRO-3: the frozen reference partitioned like the policy (deepspeed.initialize without an optimizer, the
+        user's ZeRO-3 parameter settings), so no process holds it whole; its hooks gather each module for its forward."""
+        if self._zero_stage() != 3:
+            return None
+        import deepspeed
+
+        user = self.plugin.deepspeed_config
+        zero = {k: v for k, v in (user.get("zero_optimization") or {}).items() if k.startswith("stage3_") or k == "offload_param"}
+        config = {
+            "zero_optimization": {"stage": 3, **{k: v for k, v in zero.items() if v != "auto"}},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "bf16": user.get("bf16", {"enabled": False}),
+            "steps_per_print": 2**31,
+        }
+        engine, *_ = deepspeed.initialize(model=PolicyCall(reference), config=config)
+        engine.eval()
+        return engine
 
     def call(self, fn: Callable, *args: Any, grad: bool = False, **kwargs: Any) -> Any:
         """Through the DeepSpeed engine, whose ZeRO-3 hooks look for tensors in the output: a dataclass result
@@ -652,6 +680,25 @@ class DeepSpeedEngine(Engine):
             plain, _ = load_policy(cfg, torch.device("cpu"))
             plain.load_state_dict(state)
             save_folder_atomically(folder, lambda tmp: save_model(plain, processor, tmp))
+
+
+def allocate_zero_moments(zero) -> None:
+    """AdamW's moments for DeepSpeed's flat fp32 partitions created now (zeros, as its first step would), so that an
+    OOM happens at start and a resume has partitions to scatter the saved moments into; ZeRO-1/2 then link their
+    per-parameter views of them (what the tensor-fragment API reads and writes)."""
+    from .optim import allocate_optimizer_state
+
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if flats:  # ZeRO-3: torch's param groups are empty between steps; each sub-group's partition joins its group per step
+        for i, flat in enumerate(flats):
+            group = zero.optimizer.param_groups[zero.sub_group_to_group_id[i]]
+            group["params"] = [flat]
+            allocate_optimizer_state(zero.optimizer)
+            group["params"] = []
+    else:
+        allocate_optimizer_state(zero.optimizer)
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2
+        zero._lazy_init_hp_params_optimizer_state()
 
 
 # ---------------------------------------------------------------- FSDP2 sharding and optimizer-state layouts

@@ -251,7 +251,7 @@ def start_run(cfg: Config, log) -> Run:
     dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
     dist.check_config(cfg)
     model, processor = load_policy(cfg, device)
-    reference = make_reference(model, cfg, device, fresh=resume_from is not None)
+    reference = make_reference(model, cfg, device, fresh=resume_from is not None, engine=dist.engine)
     with dist.main_first():  # the built-in task's files are written once
         data = load_datasets(cfg, processor=processor)
     for line in data.reports:
@@ -492,7 +492,12 @@ def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: tor
     from .oom import maybe_inject_oom, retry_on_oom
 
     comp = samples.completions
-    call = run.dist.call if scoring_model is run.model else (lambda fn, *args: fn(scoring_model, *args))
+    if scoring_model is run.model:
+        call = run.dist.call
+    elif getattr(run.reference, "runner", None) is not None:
+        call = run.reference.runner  # the frozen copy inside the engine (ZeRO-3: its hooks gather each module)
+    else:
+        call = lambda fn, *args: fn(scoring_model, *args)  # noqa: E731
 
     def attempt(size: int) -> torch.Tensor:
         out = torch.zeros(tuple(comp.ids.shape), dtype=torch.float32, device=run.device)
@@ -754,15 +759,16 @@ class _Reference:
     """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy.
     A copy placed on the CPU (memory.ref_placement=cpu) is moved to the device only while it scores."""
 
-    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False):
+    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False, runner=None):
         self.model, self._copy, self._ctx = model, frozen_copy, None
         self.device, self.offload = device, offload
-        if self._copy is not None and offload:
+        self.runner = runner  # the copy wrapped by the engine (ZeRO-3: partitioned): scoring calls go through it
+        if self._copy is not None and offload and runner is None:
             self._copy.to("cpu")
 
     def __enter__(self):
         if self._copy is not None:
-            return self._copy.to(self.device) if self.offload else self._copy
+            return self._copy.to(self.device) if self.offload and self.runner is None else self._copy
         from .models import reference_disabled_adapter
 
         self._ctx = reference_disabled_adapter(self.model)
@@ -770,7 +776,7 @@ class _Reference:
         return self.model
 
     def __exit__(self, *exc):
-        if self._copy is not None and self.offload:
+        if self._copy is not None and self.offload and self.runner is None:
             self._copy.to("cpu")
             from .oom import free_memory
 
@@ -780,10 +786,11 @@ class _Reference:
             self._ctx = None
 
 
-def make_reference(model, cfg: Config, device, fresh: bool = False):
+def make_reference(model, cfg: Config, device, fresh: bool = False, engine=None):
     """None when beta == 0 (no reference is loaded at all). With LoRA the reference is the same model with
     its adapter disabled. Otherwise a frozen copy of the initial policy: a deep copy at the start, or a
-    fresh load from model.name_or_path when resuming (the policy then holds trained weights)."""
+    fresh load from model.name_or_path when resuming (the policy then holds trained weights), wrapped by the
+    engine when it shards references too (`engine.wrap_reference`: ZeRO-3 partitions it)."""
     if cfg.algorithm.beta == 0:
         return None
     if cfg.model.use_lora:
@@ -796,7 +803,9 @@ def make_reference(model, cfg: Config, device, fresh: bool = False):
             tensor.data = tensor.data.clone()
     else:
         initial = copy.deepcopy(model)
-    return _Reference(model, initial.eval().requires_grad_(False), device, offload=cfg.memory.ref_placement == "cpu")
+    initial = initial.eval().requires_grad_(False)
+    runner = engine.wrap_reference(initial) if engine is not None else None
+    return _Reference(model, initial, device, offload=cfg.memory.ref_placement == "cpu", runner=runner)
 
 
 def _mean(values: list[float]) -> float:
