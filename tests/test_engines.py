@@ -1,4 +1,5 @@
-"""The engine seam (engines.py): which class the launcher's accelerate state picks, DeepSpeed's refusals, and that
+"""The engine seam (engines.py): which class the launcher's accelerate state picks (DeepSpeed's own refusals and
+checkpoints: test_deepspeed.py), and that
 neither the loop nor the checkpoint code branches on the engine's name. One process, fake accelerate states, no model."""
 
 import pathlib
@@ -40,24 +41,6 @@ def test_engine_is_picked_from_the_accelerate_state(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.warns(UserWarning, match="this run uses DDP"):
         assert type(Distributed(fake_accelerator("DistributedType.MULTI_CPU")).engine) is DDPEngine
-
-
-def test_deepspeed_refuses_what_was_never_run_here(tmp_path):
-    from vlmrl.config import load_config
-    from vlmrl.run_checkpoint import save, save_final
-
-    ds = Distributed(fake_accelerator("DistributedType.DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2)))
-    with pytest.raises(DistributedError, match="writing checkpoints and the final model from DeepSpeed states"):
-        ds.check_supported(save_steps=10, save_final_model=False)
-    ds.check_supported(save_steps=0, save_final_model=False)  # nothing to write: allowed
-    # Through the checkpoint code: the refusal is not taken for a storage error (training.on_save_error=continue).
-    cfg = load_config(None, ["training.on_save_error=continue"])
-    sampler = SimpleNamespace(epoch=0, state_dict=dict)
-    with pytest.raises(DistributedError, match="checkpoints of DeepSpeed engines is not supported yet with deepspeed"):
-        save(cfg, tmp_path, 1, None, None, None, sampler, {"best_metric": None, "best_step": None}, print, ds)
-    with pytest.raises(DistributedError, match="saving the final model of DeepSpeed engines"):
-        save_final(None, None, tmp_path / "final", ds, None, cfg)
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_loop_and_checkpoint_code_never_ask_which_engine_runs():

@@ -151,7 +151,13 @@ class Distributed(Collectives):
 
                 handlers.append(InitProcessGroupKwargs(backend="gloo"))
             cpu = False
-        accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
+        try:
+            accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
+        except ValueError as e:
+            if not deepspeed_asked():
+                raise
+            # accelerate's checks of the DeepSpeed config (e.g. keys it ignores next to a deepspeed_config_file)
+            raise DistributedError(f"accelerate refused the DeepSpeed setup: {' '.join(str(e).split())}") from e
         if deepspeed_asked():
             # accelerate's ZeRO-3 plugin registers its config with transformers, whose from_config / from_pretrained then
             # build every model inside deepspeed.zero.Init (the planner's meta-device trace fails there, and the
