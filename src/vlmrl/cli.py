@@ -130,7 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlmrl {ns.command}: {e}", file=sys.stderr)
         return 0
     except user_error_types() as e:
-        return report_user_error(ns.command, e)
+        code = report_user_error(ns.command, e)
+        from .oom import OutOfMemoryAbort
+
+        if isinstance(e, OutOfMemoryAbort):
+            # The other processes were stopped inside a collective; a normal interpreter exit can wait forever on them
+            # (DeepSpeed's process-group teardown does), so this one ends at once, as they did (abort.watch_for_abort).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
