@@ -30,7 +30,7 @@ TESTS = [
     "tests/test_check_verdict.py",
 ]
 # Modules that call `plan` through a module global (the recorder replaces it there).
-CALLERS = ("vlmrl.planner", "vlmrl.plan_estimate", "vlmrl.plan_search", "vlmrl.plan_config")
+CALLERS = ("vlmrl.plan.planner", "vlmrl.plan.estimate", "vlmrl.plan.search", "vlmrl.plan.config")
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     import pytest
     from plan_golden import key_of, outcome
 
-    import vlmrl.planner as planner
+    import vlmrl.plan.planner as planner
 
     original = planner.plan
     cases: dict[str, dict] = {}

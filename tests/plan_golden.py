@@ -18,7 +18,7 @@ def key_of(spec, w) -> str:
 
 def outcome(plan_fn, spec, w) -> dict:
     """Everything plan() answers for (spec, w), or its PlanError message."""
-    from vlmrl.planner import PlanError
+    from vlmrl.plan.planner import PlanError
 
     try:
         p = plan_fn(spec, w)

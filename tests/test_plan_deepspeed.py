@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO's buffers as planner terms (plan_deepspeed), by hand, on the hand-made architecture of
+"""DeepSpeed ZeRO's buffers as planner terms (deepspeed), by hand, on the hand-made architecture of
 tests/test_planner.py (1,000,000 parameters, embedding 100,000, 4 + 2 layers), bfloat16 weights on 4 ranks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from test_planner import FP32, SPEC
 
-from vlmrl.plan_deepspeed import (
+from vlmrl.plan.deepspeed import (
     ZeroConfig,
     zero3_fp32_grad_buffer,
     zero3_gathered_parameters,
@@ -17,7 +17,7 @@ from vlmrl.plan_deepspeed import (
     zero_fp32_grad_partition,
     zero_reduce_buckets,
 )
-from vlmrl.plan_spec import PlanError
+from vlmrl.plan.spec import PlanError
 
 W = dataclasses.replace(FP32, dtype="bfloat16", world_size=4, sharding="zero2")
 
@@ -106,7 +106,7 @@ def test_parameter_sizes_count_every_parameter_in_order():
     from planner_accuracy import tiny_qwen25_config
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.plan_hf import parameter_sizes, spec_from_hf_config
+    from vlmrl.plan.hf import parameter_sizes, spec_from_hf_config
 
     cfg = tiny_qwen25_config()
     with torch.device("meta"):

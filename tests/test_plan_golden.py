@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from plan_golden import outcome, rebuild
 
-from vlmrl.planner import ModelSpec, Workload, plan
+from vlmrl.plan.planner import ModelSpec, Workload, plan
 
 GOLDEN = Path(__file__).parent / "golden" / "plan_golden.json.gz"
 CASES = json.loads(gzip.decompress(GOLDEN.read_bytes()))["cases"]
@@ -40,7 +40,7 @@ def test_every_figure_equals_the_golden_file(chunk):
 
 @pytest.mark.slow
 def test_model_specs_read_from_the_configs_are_unchanged():
-    """The specs of the trace grid's models (meta-device parameter counts, dimensions) as plan_hf reads them now."""
+    """The specs of the trace grid's models (meta-device parameter counts, dimensions) as plan.hf reads them now."""
     import dataclasses
     import sys
 

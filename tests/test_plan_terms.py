@@ -1,4 +1,4 @@
-"""One hand-computed example per device term of the planner (plan_terms), on the hand-made architecture of
+"""One hand-computed example per device term of the planner (terms), on the hand-made architecture of
 tests/test_planner.py: 1,000,000 parameters (vision 200,000, projector 10,000, tied embedding 100,000), hidden 64,
 intermediate 128, 4 layers of 4 query / 2 KV heads of 16, vocabulary 1,000; vision 2 blocks of 32 / 64, patch 14,
 merge 2, temporal patch 2.
@@ -16,9 +16,9 @@ import dataclasses
 import pytest
 from test_planner import FP32, SPEC
 
-from vlmrl.plan_geometry import micro_batch, unique_prompts
-from vlmrl.plan_spec import COMM_BUCKET_BYTES
-from vlmrl.plan_terms import (
+from vlmrl.plan.geometry import micro_batch, unique_prompts
+from vlmrl.plan.spec import COMM_BUCKET_BYTES
+from vlmrl.plan.terms import (
     TERMS,
     activations_other,
     activations_text,
@@ -261,8 +261,8 @@ def test_kv_cache_and_generation_temporaries():
 
 def test_plan_sums_the_named_terms():
     """plan() reports every TERMS function's value and its phases are the named terms summed."""
-    from vlmrl.plan_estimate import plan
-    from vlmrl.plan_terms import pixel_inputs
+    from vlmrl.plan.estimate import plan
+    from vlmrl.plan.terms import pixel_inputs
 
     for w in (FP32, _w(beta=0.04, num_iterations=2), _w(sharding="zero3", world_size=4, dtype="bfloat16"), _w(gradient_checkpointing=True)):
         mb = _mb(w)
