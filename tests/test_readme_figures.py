@@ -19,7 +19,11 @@ BLOCKS = generated_blocks.all_blocks()
 
 
 def _block(name: str) -> str:
-    found = [m.group(1) for page in generated_blocks.PAGES for m in re.finditer(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", page.read_text(), re.S)]
+    found = [
+        m.group(1)
+        for page in generated_blocks.PAGES
+        for m in re.finditer(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", page.read_text(), re.S)
+    ]
     assert len(found) == 1, f"<!-- {name}:start/end --> markers appear {len(found)} times in README.md and docs/ (want exactly once)"
     return found[0]
 

@@ -19,6 +19,14 @@ from vlmrl.plan.planner import ATTENTIONS, GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLO
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _model_arguments(p)
+    _workload_arguments(p)
+    _engine_arguments(p)
+    _output_arguments(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """What to plan: a config or a model, and the machine."""
     p.add_argument("overrides", nargs="*", help="key=value config overrides (with --config), e.g. rollout.num_generations=8")
     p.add_argument("--config", help="a vlmrl YAML config to plan (model, batch, pixels, switches all come from it)")
     p.add_argument("--model", help="a preset name (see --list-models) or a path to a model folder / config.json")
@@ -34,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "as '80GB' is neither: an H100 80GB gives PyTorch 79.18 GiB (nvidia-smi: 81559 MiB = 79.6 GiB), so "
         "prefer the name (--gpu h100-80gb). Default with --model: h100-80gb",
     )
+
+
+def _workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What one step does: batch, pixels, video, lengths, what trains."""
     p.add_argument("--num-generations", type=int, help="completions per prompt (G)")
     p.add_argument("--prompts", type=int, help="prompts per rollout step per GPU")
     p.add_argument("--micro-batch", type=int, help="rows per forward/backward (per_device_train_batch_size)")
@@ -56,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze-vision", action="store_true", default=None, help="freeze the vision tower")
     p.add_argument("--beta", type=float, help="KL weight (> 0 adds a reference model for full fine-tuning)")
     p.add_argument("--ref-placement", choices=("device", "cpu"))
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine, precision, attention, offload and the step's mode / profile."""
     p.add_argument("--sharding", choices=SHARDINGS, help="engine of the accelerate config: ddp, zero1/2/3 (DeepSpeed), fsdp (FSDP2)")
     p.add_argument(
         "--generation-gather",
@@ -106,6 +122,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --profile naive: completion (default: logits_to_keep, TRL >= 0.15) or sequence (the LM head projects "
         "every prompt + completion position before the completion slice: VLM trainers that call the model without logits_to_keep)",
     )
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    """SFT stages, host / CPU runs, search, trace and output."""
     p.add_argument("--sft-stage", type=int, choices=(1, 2), help="with --mode sft and --model: 1 = projector only, 2 = language model (default)")
     p.add_argument("--train-vision-tower", action="store_true", help="with --mode sft: stage 2 also trains the vision tower")
     p.add_argument(
