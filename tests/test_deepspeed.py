@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 
 ROOT = pathlib.Path(__file__).parents[1]
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
@@ -46,7 +46,7 @@ def _run(cmd, expect=0, timeout=420, **extra_env):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     root = tmp_path_factory.mktemp("ds")
     model = build_tiny_qwen25vl(root / "model")
@@ -341,7 +341,7 @@ def test_deepspeed_asked_without_the_package_exits_2(monkeypatch):
     """A launch asking for DeepSpeed where the package cannot be imported: one line naming the fix, not DDP."""
     import importlib.util as iu
 
-    from vlmrl.distributed import DistributedError, require_deepspeed
+    from vlmrl.engine.distributed import DistributedError, require_deepspeed
 
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "deepspeed" else importlib.util.find_spec(name, *a))
     with pytest.raises(DistributedError, match=r"pip install 'vlmrl\[deepspeed\]'"):
@@ -352,8 +352,8 @@ def test_deepspeed_asked_but_another_engine_set_up_is_refused(monkeypatch):
     """accelerate set up plain multi-CPU (e.g. use_cpu: true) while the launcher asked for DeepSpeed: refused."""
     from types import SimpleNamespace
 
-    from vlmrl.collectives import Collectives
-    from vlmrl.distributed import DistributedError, engine_for
+    from vlmrl.engine.collectives import Collectives
+    from vlmrl.engine.distributed import DistributedError, engine_for
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     accel = SimpleNamespace(
@@ -366,8 +366,8 @@ def test_deepspeed_asked_but_another_engine_set_up_is_refused(monkeypatch):
 
 
 def test_deepspeed_config_checks_fills_and_describes():
-    from vlmrl.deepspeed_config import check_config, describe, fill_config
-    from vlmrl.distributed import DistributedError
+    from vlmrl.engine.deepspeed_config import check_config, describe, fill_config
+    from vlmrl.engine.distributed import DistributedError
 
     ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "offload_param": {"device": "cpu"}}}
     check_config(ds, 0.5)
@@ -399,7 +399,7 @@ class Payload:
 def _plant(path: pathlib.Path, name: str, marker: pathlib.Path) -> None:
     """`name` in checkpoint `path` replaced by a pickle payload, and a manifest that vouches for it (what an attacker
     with write access does)."""
-    from vlmrl import checkpoint as ckpt
+    import vlmrl.checkpoints.files as ckpt
 
     if name == "model/pytorch_model.bin":  # pickled weights in place of model.safetensors
         (path / "model" / "model.safetensors").unlink()
@@ -441,7 +441,7 @@ def test_zero3_oom_on_one_process_stops_every_process_with_one_line(setup):
     exports for a ZeRO-3 config; the processes meet at a store this test hosts, so a hang is a timeout, not a block)."""
     from test_oom_multiproc import _launch
 
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     out = setup[0] / "zero3-oom"
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", oom.INJECT_ENV: "rank=1,phase=update,above=2"}
@@ -458,10 +458,11 @@ def test_synced_decoding_runs_every_step_and_returns_the_same_tokens(setup):
     if another process were still decoding), so every process runs the same number of forwards, each of which
     all-gathers under ZeRO-3 / FSDP2 layers mode; the steps after this process's rows finished are dropped."""
     from vlmrl.config import load_config
-    from vlmrl.data import load_dataset_split
-    from vlmrl.models import unwrap
-    from vlmrl.prefix import sample_with_shared_prefix, synced_decoding
-    from vlmrl.runtime import encode_rows, load_policy
+    from vlmrl.data.rows import load_dataset_split
+    from vlmrl.models.loading import unwrap
+    from vlmrl.models.prefix import sample_with_shared_prefix, synced_decoding
+    from vlmrl.run.datasets import encode_rows
+    from vlmrl.models.policy import load_policy
 
     _, model_path, data = setup
     cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])

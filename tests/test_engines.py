@@ -1,13 +1,13 @@
 """The engine seam (engines.py): which class the launcher's accelerate state picks (DeepSpeed's own refusals and
-checkpoints: test_deepspeed.py), and that
-neither the loop nor the checkpoint code branches on the engine's name. One process, fake accelerate states, no model."""
+checkpoints: test_deepspeed.py), and that neither the loop nor the checkpoint code branches on the engine's name.
+One process, fake accelerate states, no model."""
 
 import pathlib
 from types import SimpleNamespace
 
 import pytest
 
-from vlmrl.distributed import DDPEngine, DeepSpeedEngine, Distributed, DistributedError, FSDP2Engine, SingleProcessEngine
+from vlmrl.engine.distributed import DDPEngine, DeepSpeedEngine, Distributed, DistributedError, FSDP2Engine, SingleProcessEngine
 
 SRC = pathlib.Path(__file__).parent.parent / "src" / "vlmrl"
 
@@ -44,6 +44,6 @@ def test_engine_is_picked_from_the_accelerate_state(monkeypatch):
 
 
 def test_loop_and_checkpoint_code_never_ask_which_engine_runs():
-    for name in ("train.py", "run_checkpoint.py", "distributed.py", "collectives.py"):
+    for name in ("train.py", "checkpoints/state.py", "engine/distributed.py", "engine/collectives.py"):
         text = (SRC / name).read_text()
         assert "engine ==" not in text and "engine !=" not in text and "engine in (" not in text, name
