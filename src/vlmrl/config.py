@@ -103,7 +103,21 @@ class DataConfig:
         128 * 28 * 28, "Video rows: frames larger than this many pixels are downscaled (aspect kept); bounds the tokens per frame."
     )
     skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
-    system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
+    system_prompt: Optional[str] = _f(None, "System message put before every prompt (rows with their own system turn keep theirs).")
+    format: str = _f(
+        "auto",
+        "Layout of the data files: auto (recognised from the columns), vlmrl, trl, conversations (VLM-R1 / LLaVA), messages "
+        "(ms-swift), easyr1; `vlmrl check` names the one it read.",
+    )
+    columns: dict[str, str] = _f(
+        {}, "Your column for each field vlmrl reads, e.g. {problem: question, solution: answer} (or data.columns.problem=question)."
+    )
+    image_root: Union[str, list[str]] = _f(
+        "", "Folder(s) relative image paths resolve against (VLM-R1's --image_folders, EasyR1's image_dir); empty = the data file's folder."
+    )
+    prompt_template: Optional[str] = _f(
+        None, "Jinja template (or a .jinja file) applied to each prompt's text as `content` (EasyR1's data.format_prompt)."
+    )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
 
 
@@ -161,10 +175,10 @@ class AlgorithmConfig:
     )
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
-    completion_format: Literal["text", "conversational"] = _f(
-        "text",
+    completion_format: Literal["auto", "text", "conversational"] = _f(
+        "auto",
         "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
-        "read them: completion[0]['content']); built-in rewards take both.",
+        "read them: completion[0]['content']); auto = conversational when the data's prompts are chat messages, as TRL does; built-in rewards take both.",
     )
 
 
@@ -363,6 +377,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        return f"dict[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -403,6 +419,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{where}: {value!r} is not one of {_type_name(tp)}{hint}")
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_tp, value_tp = typing.get_args(tp)
+            return {_coerce(k, key_tp, where): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     elif origin is list:
         if isinstance(value, (list, tuple)):
             (item_tp,) = typing.get_args(tp)
@@ -430,6 +450,12 @@ def _all_field_names() -> dict[str, list[str]]:
 
 def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
     parts = dotted.split(".")
+    if len(parts) == 3 and parts[0] in SECTIONS and typing.get_origin(typing.get_type_hints(SECTIONS[parts[0]]).get(parts[1])) is dict:
+        # `data.columns.problem=question`: one entry of a mapping field
+        section, name, key = parts
+        current = tree.setdefault(section, {}).get(name)
+        tree[section][name] = {**(current if isinstance(current, dict) else {}), key: value}
+        return
     if len(parts) == 1:
         # TRL users write `num_generations: 8` without a section: accept a unique field name.
         owners = _all_field_names().get(parts[0], [])
@@ -628,7 +654,7 @@ def validate(cfg: Config) -> None:
             "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)",
         ),
     ]
-    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a)
+    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a) + _data_layout_problems(d)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -658,6 +684,22 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
             f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
             "aggregation; set only one (loss_type is TRL's name for it)"
         )
+    return problems
+
+
+def _data_layout_problems(d: "DataConfig") -> list[str]:
+    from .formats import FORMATS, MAPPABLE
+
+    problems = []
+    if d.format != "auto" and d.format not in FORMATS:
+        close = difflib.get_close_matches(d.format, list(FORMATS), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(f"data.format={d.format!r} is not one of auto, {', '.join(FORMATS)}{hint}")
+    for key in d.columns:
+        if key not in MAPPABLE:
+            close = difflib.get_close_matches(key, list(MAPPABLE), n=1, cutoff=0.5)
+            hint = f"; did you mean data.columns.{close[0]}?" if close else ""
+            problems.append(f"data.columns.{key}: vlmrl reads no field {key!r} (it maps {', '.join(MAPPABLE)}){hint}")
     return problems
 
 

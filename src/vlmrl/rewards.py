@@ -401,16 +401,27 @@ def reward_inputs(
 ) -> tuple[list, list]:
     """(prompts, completions) for reward functions: ``rows`` repeated ``repeats`` times (one per completion,
     TRL's order) and the decoded ``texts``, in the configured format (see COMPLETION_FORMATS)."""
+    from .formats import prompt_messages_of
+
+    completion_format = resolve_completion_format(completion_format, rows)
     if completion_format not in COMPLETION_FORMATS:
         raise ValueError(f"completion_format must be one of {COMPLETION_FORMATS}, got {completion_format!r}")
     if completion_format == "text":
-        return [row["problem"] for row in rows for _ in range(repeats)], list(texts)
+        return [row.get("_prompt_text", row["problem"]) for row in rows for _ in range(repeats)], list(texts)
     prompts = []
     for row in rows:
         n = len(row.get("images") or [])
-        messages = prompt_messages(row["problem"], min(n, limit_images) if limit_images else n, system_prompt, len(row.get("videos") or []))
+        messages = prompt_messages_of(row, min(n, limit_images) if limit_images else n, len(row.get("videos") or []), system_prompt)
         prompts += [messages] * repeats
     return prompts, conversational_completions(texts)
+
+
+def resolve_completion_format(completion_format: str, rows: list[dict]) -> str:
+    """algorithm.completion_format=auto as TRL decides it: conversational when the data's prompts are chat messages
+    (TRL conversational, VLM-R1 / LLaVA conversations, ms-swift messages), text otherwise."""
+    if completion_format != "auto":
+        return completion_format
+    return "conversational" if any(row.get("_conversational") for row in rows) else "text"
 
 
 def _accepted(fn: RewardFn, names: tuple[str, ...]) -> set[str]:

@@ -138,18 +138,35 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []
     checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
+    layout = data_layout_options(cfg)
     train_rows: list[dict] = []
     if need_train:
-        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
+        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
         reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
+        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
         reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
     refuse_videos_without_support(train_rows, eval_rows, processor, cfg)
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+
+
+def data_layout_options(cfg: Config) -> dict:
+    """How data files are read (formats.py): data.format, data.columns, data.image_root, data.prompt_template (a
+    .jinja file's text, or the template itself)."""
+    d = cfg.data
+    template = d.prompt_template
+    if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
+        from .data import DataError
+
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise DataError(f"data.prompt_template: file not found: {path}")
+        template = path.read_text(encoding="utf-8")
+    roots = [d.image_root] if isinstance(d.image_root, str) else list(d.image_root)
+    return {"layout": d.format, "columns": dict(d.columns), "image_roots": [r for r in roots if r] or None, "prompt_template": template or None}
 
 
 def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:
@@ -212,14 +229,14 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
     from .data import load_images, shared_image_cache
-    from .processing import FIXED_FRAME_PROCESSORS, build_prompt, encode_prompts
+    from .processing import FIXED_FRAME_PROCESSORS, build_row_prompt, encode_prompts
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
     images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
     exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
     videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
-    texts = [build_prompt(processor, r["problem"], len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
+    texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
     try:
         batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
     except ValueError as e:  # what validation could not foresee still names the rows
