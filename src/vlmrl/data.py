@@ -524,6 +524,8 @@ def _problem_message(label: str, report: ValidationReport) -> str:
 def _missing_hint(report: ValidationReport) -> str:
     fields_missing = sorted({p.field for p in report.problems if p.kind == "missing_field"})
     if not fields_missing:
+        if any(p.kind == "missing_image" for p in report.problems):
+            return "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders, EasyR1's image_dir). "
         return ""
     return (
         f"A prompt comes from problem, prompt, messages or conversations; name your own columns with "
@@ -1119,5 +1121,9 @@ class PromptSampler:
 
 def sft_target(row: dict) -> str:
     """The text the model learns to produce (SFT's target, the answer evaluation samples show next to the model's):
-    the row's `response`, else `<answer>solution</answer>`."""
-    return row.get("response") or f"<answer>{row['solution']}</answer>"
+    the row's `response`, else `<answer>solution</answer>` (the solution itself when it already has answer tags, as
+    VLM-R1's and ms-swift's do)."""
+    if row.get("response"):
+        return row["response"]
+    solution = str(row["solution"])
+    return solution if "<answer>" in solution else f"<answer>{solution}</answer>"
