@@ -23,11 +23,13 @@ def peer_case(name, tmp):
     if name == "easyr1":
         template = tmp / "format_prompt.jinja"
         template.write_text("{{ content | trim }} Put the final answer in <answer> </answer>.\n")
-        return peer_files.easyr1(tmp / "data"), "easyr1", [f"data.prompt_template={template}", f"algorithm.reward_funcs=['{PEERS}/easyr1_math.py:compute_score']"]
+        rewards = f"algorithm.reward_funcs=['{PEERS}/easyr1_math.py:compute_score']"
+        return peer_files.easyr1(tmp / "data"), "easyr1", [f"data.prompt_template={template}", rewards]
     if name == "ms-swift":
         return peer_files.ms_swift(tmp), "messages", [f"algorithm.reward_funcs=['{PEERS}/swift_plugin.py:external_count_acc', format]"]
     if name == "llava-instruct":
-        return peer_files.llava_instruct(tmp), "llava-instruct conversations", [f"data.image_root={tmp / 'images'}", "algorithm.reward_funcs=[accuracy]"]
+        extra = [f"data.image_root={tmp / 'images'}", "algorithm.reward_funcs=[accuracy]"]
+        return peer_files.llava_instruct(tmp), "llava-instruct conversations", extra
     return peer_files.imagefolder(tmp / "imgs"), "imagefolder", ["algorithm.reward_funcs=[accuracy]"]
 
 

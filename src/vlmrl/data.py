@@ -525,7 +525,7 @@ def _missing_hint(report: ValidationReport) -> str:
     fields_missing = sorted({p.field for p in report.problems if p.kind == "missing_field"})
     if not fields_missing:
         if any(p.kind == "missing_image" for p in report.problems):
-            return "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders, EasyR1's image_dir). "
+            return "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders). "
         return ""
     return (
         f"A prompt comes from problem, prompt, messages or conversations; name your own columns with "
