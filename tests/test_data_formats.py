@@ -88,6 +88,7 @@ def test_imagefolder_folder_and_its_metadata_file(tmp_path):
     for path in (folder, folder / "metadata.jsonl"):
         rows, report = load(path)
         assert report.num_images == 4 and report.text_only_rows == 0, report.summary()
+        assert report.format == "imagefolder (vlmrl columns)"
         assert rows[0]["images"] == [str(folder / "0.png")]
 
 

@@ -119,6 +119,9 @@ class DataConfig:
         None, "Jinja template (or a .jinja file) applied to each prompt's text as `content` (EasyR1's data.format_prompt)."
     )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
+    max_prompt_length: Optional[int] = _f(
+        None, "A prompt longer than this many tokens (image tokens included) stops the step naming its row; not cut, as that would cut image tokens."
+    )
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,10 @@ class RolloutConfig:
         "Decode loop (with memory.shared_prefix): loop = all rows of a call decode until the longest ends; continuous = at most decode_batch_size rows in flight in a preallocated KV cache, a row leaves at EOS and a queued prompt's row takes its slot, each row sampled from its own stream (seeded by step, prompt position, generation), so samples do not depend on batch size, order or the number of processes (sampling_seed is not used).",
     )
     decode_batch_size: int = _f(0, "Rows decoded together by rollout.engine=continuous (0 = all of a call's rows).")
+    steps_per_generation: Optional[int] = _f(
+        None,
+        "TRL's name for the generation batch: per_device_train_batch_size x this many completions per rollout step (instead of generation_batch_size).",
+    )
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,11 @@ class OptimConfig:
 class TrainingConfig:
     output_dir: str = _f("outputs/run", "Folder for metrics, samples, report and the final model.", resume_harmless=True)
     max_steps: int = _f(100, "Rollout steps to train for.", resume_harmless=True)
+    num_train_epochs: Optional[float] = _f(
+        None,
+        "Passes over the training rows (TRL's num_train_epochs); when set it decides max_steps = ceil(epochs x rows / prompts per step), logged at the start.",
+        resume_harmless=True,
+    )
     per_device_train_batch_size: int = _f(4, "Sequences (completions) per forward/backward micro-batch.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated per optimizer step.")
     seed: int = _f(0, "Seed for data order, sampling and initialisation.")
@@ -329,6 +341,8 @@ class Config:
     @property
     def generation_batch_size(self) -> int:
         r, t = self.rollout, self.training
+        if r.steps_per_generation is not None:
+            return t.per_device_train_batch_size * r.steps_per_generation
         return r.generation_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps
 
     @property
@@ -448,8 +462,45 @@ def _all_field_names() -> dict[str, list[str]]:
     return out
 
 
+# Names TRL (and VLM-R1 / ms-swift, which take TRL's arguments) gives settings that vlmrl names otherwise.
+TRL_ALIASES = {
+    "model_name_or_path": "model.name_or_path",
+    "use_peft": "model.use_lora",
+    "num_train_epochs": "training.num_train_epochs",
+    "max_prompt_length": "data.max_prompt_length",
+    "steps_per_generation": "rollout.steps_per_generation",
+    "eval_strategy": "training.eval_steps",
+    "save_strategy": "training.save_steps",
+}
+# Count fields that TRL spells as booleans: true keeps vlmrl's default count, false is 0.
+BOOLEAN_COUNTS = ("logging.log_completions",)
+
+
+def _trl_value(name: str, value: Any, source: str) -> tuple[bool, Any]:
+    """(whether to set it, the value) for a TRL alias; strategies map to vlmrl's step counts."""
+    if name not in ("eval_strategy", "save_strategy"):
+        return True, value
+    field_name = TRL_ALIASES[name]
+    if value == "no" or value is False:  # YAML reads a bare `no` as false
+        return True, 0
+    if value == "steps":
+        return False, None  # the step count (eval_steps / save_steps) decides, as in TRL
+    raise ConfigError(f"{source}: {name}={value!r}: vlmrl evaluates / saves every {field_name} steps; use 'steps' (and set {field_name}) or 'no'")
+
+
 def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
+    if dotted in TRL_ALIASES:
+        keep, value = _trl_value(dotted, value, source)
+        if not keep:
+            return
+        dotted = TRL_ALIASES[dotted]
     parts = dotted.split(".")
+    if len(parts) == 1 and f"logging.{dotted}" in BOOLEAN_COUNTS:
+        parts = ["logging", dotted]
+    if ".".join(parts) in BOOLEAN_COUNTS and isinstance(value, bool):
+        if value:
+            return  # true: the default count
+        value = 0
     if len(parts) == 3 and parts[0] in SECTIONS and typing.get_origin(typing.get_type_hints(SECTIONS[parts[0]]).get(parts[1])) is dict:
         # `data.columns.problem=question`: one entry of a mapping field
         section, name, key = parts
@@ -558,6 +609,13 @@ def validate(cfg: Config) -> None:
             f"rollout.num_generations={r.num_generations}: GRPO needs at least 2 completions per prompt to compare; set it to 2 or more",
         ),
         (r.generation_batch_size is None or r.generation_batch_size >= 1, "rollout.generation_batch_size must be >= 1 (or null for the default)"),
+        (r.steps_per_generation is None or r.steps_per_generation >= 1, "rollout.steps_per_generation must be >= 1 (or null)"),
+        (
+            r.steps_per_generation is None or r.generation_batch_size is None,
+            "rollout.steps_per_generation and rollout.generation_batch_size both set the generation batch; set only one",
+        ),
+        (t.num_train_epochs is None or t.num_train_epochs > 0, f"training.num_train_epochs={t.num_train_epochs} must be > 0 (or null)"),
+        (d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length must be >= 1 (or null for no limit)"),
         (
             cfg.generation_batch_size % r.num_generations == 0,
             f"generation batch {cfg.generation_batch_size} (rollout.generation_batch_size, default per_device_train_batch_size x gradient_accumulation_steps) "

@@ -1050,6 +1050,9 @@ def load_dataset_split(
         shape_check=shape_check,
         image_roots=image_roots,
     )
+    folder = file_path if file_path.is_dir() else None
+    if (folder is not None and imagefolder_metadata(folder)) or file_path.name in IMAGEFOLDER_METADATA:
+        label = f"imagefolder ({label} columns)"
     report.format = label
     if label.startswith("vlm-r1"):  # VLM-R1's rewards read the resolved image paths as `image_path`
         good = [{**row, "image_path": list(row["images"])} for row in good]

@@ -241,7 +241,46 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
         batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
     except ValueError as e:  # what validation could not foresee still names the rows
         raise _rows_error(rows, images, e) from e
+    if d.max_prompt_length is not None:
+        refuse_long_prompts(rows, batch["attention_mask"].sum(dim=1).tolist(), d.max_prompt_length)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def refuse_long_prompts(rows: list[dict], lengths: list[int], limit: int) -> None:
+    """data.max_prompt_length: DataError naming the first row whose prompt (image tokens included) is longer."""
+    from .data import DataError
+
+    for row, n in zip(rows, lengths):
+        if n > limit:
+            raise DataError(
+                f"{row.get('_source', '?')}: the prompt is {n} tokens (image tokens included), over data.max_prompt_length={limit}; "
+                "raise it, lower data.max_pixels, or drop the row"
+            )
+
+
+def train_row_count(cfg: Config) -> int:
+    """Rows of the training data, read (and kept for the run) unless the preflight already read them."""
+    key = _datasets_key(cfg, True)
+    if key not in _VALIDATED:
+        _VALIDATED.clear()
+        _VALIDATED[key] = _load_datasets(cfg, True)
+    return len(_VALIDATED[key].train)
+
+
+def epochs_as_steps(cfg: Config, log=print) -> Config:
+    """training.num_train_epochs: the config with training.max_steps = ceil(epochs x rows / prompts per step)."""
+    import math
+
+    from .config import replace
+
+    epochs = cfg.training.num_train_epochs
+    if epochs is None:
+        return cfg
+    rows = train_row_count(cfg)
+    steps = max(1, math.ceil(epochs * rows / cfg.prompts_per_step))
+    if steps != cfg.training.max_steps:
+        log(f"training.num_train_epochs={epochs:g}: {rows} rows at {cfg.prompts_per_step} prompts per step -> training.max_steps={steps}")
+    return replace(cfg, training__max_steps=steps)
 
 
 def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):

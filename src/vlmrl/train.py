@@ -177,6 +177,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     from .checkpoint import GracefulStop
     from .memory import reset_peaks
 
+    from .runtime import epochs_as_steps
+
+    cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
     run = start_run(cfg, log)
     final: dict = {}
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
