@@ -96,7 +96,7 @@ def test_check_lines_say_what_each_reward_receives():
         "reward think_length (TRL signature): gets prompts, completions (conversational), solution, answer, "
         "completion_ids, trainer_state, log_extra, log_metric"
     )
-    assert "not VLM-R1's accuracy_reward" in describe_call("accuracy", accuracy, columns, "text")
+    assert "not VLM-R1's accuracy_reward" in describe_call("accuracy", accuracy, columns, "text", builtin=True)
 
 
 def test_builtin_accuracy_compares_math():

@@ -29,6 +29,8 @@ import sys
 import types
 from typing import Any, Callable
 
+from .reward_args import accepted_arguments, completion_text
+
 KINDS = ("trl", "vlm-r1", "easyr1", "swift")
 EXTRA_ARGUMENTS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 
@@ -76,16 +78,12 @@ def _first_parameter(fn: Any) -> str | None:
 
 
 def _text(completion: Any) -> str:
-    from .rewards import completion_text
-
     return completion_text(completion)
 
 
 def _swift_reward(name: str, cls_or_instance: Any, bound: dict) -> Callable[..., list]:
     instance = cls_or_instance(**bound) if isinstance(cls_or_instance, type) else cls_or_instance  # once, as ms-swift does
-    from .rewards import _accepted
-
-    takes = _accepted(instance, EXTRA_ARGUMENTS)
+    takes = accepted_arguments(instance, EXTRA_ARGUMENTS)
 
     def swift_reward(prompts, completions, **kwargs):
         extras = {k: kwargs.pop(k) for k in EXTRA_ARGUMENTS if k in kwargs}
@@ -114,14 +112,13 @@ def _easyr1_reward(name: str, fn: Callable, sequential: bool) -> Callable[..., l
 
 
 def _overall(name: str, scores: list, log_metric) -> list:
-    """EasyR1 scores (floats, or dicts with ``overall``) -> the rewards; the dicts' other keys go to log_metric."""
-    from .rewards import RewardError
-
+    """EasyR1 scores (floats, or dicts with ``overall``) -> the rewards; the dicts' other keys go to log_metric. A dict
+    without ``overall`` raises ValueError, which the reward call reports naming the reward and the sample."""
     out, extra = [], {}
     for i, score in enumerate(scores):
         if isinstance(score, dict):
             if "overall" not in score:
-                raise RewardError(f"reward {name!r} returned a dict without 'overall' for sample {i} (keys: {', '.join(map(str, score))})")
+                raise ValueError(f"an EasyR1 score must hold 'overall'; sample {i} has keys {', '.join(map(str, score))}")
             out.append(score["overall"])
             for key, value in score.items():
                 if key != "overall" and isinstance(value, (int, float)):
@@ -214,12 +211,10 @@ BUILTIN_NOTES = {
 }
 
 
-def describe_call(name: str, fn: Any, columns: list[str], completion_format: str) -> str:
-    """One line: how `name` will be called (its kind, and the arguments it gets)."""
-    from .rewards import BUILTIN_REWARDS, _accepted
-
-    if BUILTIN_REWARDS.get(name) is fn:
-        return f"reward {name}: {BUILTIN_NOTES.get(name, f'vlmrl built-in {name}')}"
+def describe_call(name: str, fn: Any, columns: list[str], completion_format: str, builtin: bool = False) -> str:
+    """One line: how `name` will be called (its kind, and the arguments it gets); `builtin`: one of vlmrl's own."""
+    if builtin:
+        return f"reward {name}: {BUILTIN_NOTES.get(name) or f'vlmrl built-in {name}'}"
     kind = getattr(fn, "__reward_kind__", "trl")
     if kind == "easyr1":
         truth = next((c for c in ("ground_truth", "answer", "solution") if c in columns), None)
@@ -230,7 +225,7 @@ def describe_call(name: str, fn: Any, columns: list[str], completion_format: str
         )
     if kind == "swift":
         return f"reward {name} (ms-swift ORM, one instance): gets completions as strings, trainer_state and the columns {', '.join(columns)}"
-    passed = _accepted(fn, tuple(columns) + EXTRA_ARGUMENTS)
+    passed = accepted_arguments(fn, tuple(columns) + EXTRA_ARGUMENTS)
     form = "conversational" if kind == "vlm-r1" else completion_format
     label = "VLM-R1" if kind == "vlm-r1" else "TRL"
     listed = [c for c in [*columns, *EXTRA_ARGUMENTS] if c in passed]

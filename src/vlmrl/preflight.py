@@ -50,12 +50,12 @@ def preflight(cfg: Config, command: str, log=print):
 def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
     """One line per reward: which definition a built-in name is, or how a user reward is called and with what."""
     from .peer_rewards import describe_call
-    from .rewards import resolve_completion_format
+    from .rewards import BUILTIN_REWARDS, resolve_completion_format
     from .runtime import reward_columns
 
     columns = list(reward_columns(rows, 1))
     form = resolve_completion_format(cfg.algorithm.completion_format, rows)
-    return [describe_call(name, fn, columns, form) for name, fn in funcs.items()]
+    return [describe_call(name, fn, columns, form, builtin=BUILTIN_REWARDS.get(name) is fn) for name, fn in funcs.items()]
 
 
 def check_trackers(cfg: Config) -> None:

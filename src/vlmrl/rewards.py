@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .reward_args import accepted_arguments as _accepted, completion_text  # noqa: F401 - re-exported
+
 RewardFn = Callable[..., list]
 # Rewards become float32 tensors: a larger value (1e39 is a finite Python float) turns into inf, then NaN weights.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -63,26 +65,6 @@ class RewardError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------
 # Text helpers
-
-
-def completion_text(completion: Any) -> str:
-    """The text of one completion: a plain string, or TRL's conversational form.
-
-    Conversational completions are a list of ``{"role", "content"}`` messages; the text is the content of
-    the last message, where a content given as a list of parts (``{"type": "text", "text": ...}``) is
-    joined. Anything else is an error, because silently scoring ``str(obj)`` would hide a bug.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        completion = [completion]
-    if isinstance(completion, (list, tuple)) and completion and all(isinstance(m, dict) for m in completion):
-        content = completion[-1].get("content", "")
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise TypeError(f"completion must be a string or a list of {{'role', 'content'}} messages, got {type(completion).__name__}")
 
 
 def extract_answer(text: Any) -> str | None:
@@ -500,19 +482,6 @@ def resolve_completion_format(completion_format: str, rows: list[dict]) -> str:
     return "conversational" if any(row.get("_conversational") for row in rows) else "text"
 
 
-def _accepted(fn: RewardFn, names: tuple[str, ...]) -> set[str]:
-    """Which of `names` `fn` can take: all of them with ``**kwargs`` (TRL always passes them), else those it names.
-    A callable whose signature cannot be read (some builtins) gets them all, as TRL would pass them."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return set(names)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return set(names)
-    named = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    return set(names) & named
-
-
 def _run_coroutines(coros: list) -> list:
     """Results of the coroutines, run concurrently on a private event loop (exceptions returned, not raised).
     Inside a running loop (a notebook) they run on a loop in a helper thread, since a loop cannot be nested."""
@@ -703,10 +672,12 @@ def _format_hint(error: Exception, completion: Any) -> str:
         )
     if isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", str(error)):
         return (
-            "; if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), "
-            "call it in the spec with its arguments: module:factory(arg=value, ...)"
+            "; if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), call it in the "
+            "spec with its arguments: module:factory(arg=value, ...); an EasyR1 compute_score(reward_inputs) is named "
+            "file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
         )
-    if isinstance(completion, list) and isinstance(error, (AttributeError, TypeError)):
+    text = str(error)
+    if isinstance(completion, list) and ("'list' object has no attribute" in text or "not 'list'" in text or "got 'list'" in text):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
     return ""
 
