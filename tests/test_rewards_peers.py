@@ -104,3 +104,8 @@ def test_builtin_accuracy_compares_math():
     assert accuracy([""] * 3, ["<answer>4</answer>", "<answer>\\boxed{4}</answer>", "<answer>5</answer>"], ["$4$", "4", "$4$"]) == [1.0, 1.0, 0.0]
     pytest.importorskip("math_verify")
     assert accuracy([""], ["<answer>0.5</answer>"], ["$\\frac{1}{2}$"]) == [1.0]
+
+
+def test_latex_wrappers_match_without_math_verify(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # the optional extra not installed: import fails
+    assert accuracy([""] * 2, ["<answer>4</answer>", "<answer>4</answer>"], ["$4$", "$\\boxed{5}$"]) == [1.0, 0.0]
