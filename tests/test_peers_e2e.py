@@ -18,7 +18,7 @@ def peer_case(name, tmp):
         return peer_files.trl_conversational(tmp), "trl conversational", [f"algorithm.reward_funcs=[accuracy, '{PEERS}/trl_rewards.py:think_length']"]
     if name == "vlm-r1":
         data, images = peer_files.vlm_r1(tmp)
-        rewards = f"['{PEERS}/vlmr1_rewards.py:accuracy_reward', '{PEERS}/vlmr1_rewards.py:format_reward']"
+        rewards = f"['{PEERS}/vlmr1_rewards.py:accuracy_reward', '{PEERS}/vlmr1_rewards.py:format_reward', '{PEERS}/vlmr1_rewards.py:grid_reward']"
         return data, "vlm-r1 conversations", [f"data.image_root={images}", f"algorithm.reward_funcs={rewards}"]
     if name == "easyr1":
         template = tmp / "format_prompt.jinja"

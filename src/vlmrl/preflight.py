@@ -102,6 +102,10 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
     from .runtime import reward_columns, row_sources
     from .sft import sft_target
 
+    if any("image_path" in row for row in rows):  # VLM-R1 rows: their rewards also get image_grid_thw (runtime.note_image_grids)
+        from .runtime import configured_processor, encode_rows
+
+        encode_rows(configured_processor(cfg), rows, cfg, "cpu")
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
     try:

@@ -243,7 +243,22 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
         raise _rows_error(rows, images, e) from e
     if d.max_prompt_length is not None:
         refuse_long_prompts(rows, batch["attention_mask"].sum(dim=1).tolist(), d.max_prompt_length)
+    note_image_grids(rows, batch)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def note_image_grids(rows: list[dict], batch: dict) -> None:
+    """VLM-R1's rows (they carry ``image_path``) get ``image_grid_thw``: their first image's [t, h, w] patch grid, as
+    VLM-R1's trainer hands it to rewards (its IoU reward rescales boxes with it). Set on the row itself: the grid of a
+    row's image does not change between steps."""
+    grids = batch.get("image_grid_thw")
+    if grids is None or not any("image_path" in r for r in rows):
+        return
+    start = 0
+    for row, n in zip(rows, batch["images_per_row"].tolist()):
+        if n and "image_path" in row:
+            row["image_grid_thw"] = [int(v) for v in grids[start].tolist()]
+        start += n
 
 
 def refuse_long_prompts(rows: list[dict], lengths: list[int], limit: int) -> None:

@@ -25,3 +25,16 @@ def accuracy_reward(completions, solution, **kwargs):
 def format_reward(completions, **kwargs):
     pattern = r"<think>.*?</think>\s*<answer>.*?</answer>"
     return [1.0 if re.fullmatch(pattern, c[0]["content"], re.DOTALL) else 0.0 for c in completions]
+
+
+def grid_reward(completions, solution, **kwargs):
+    """Reads the per-sample `image_grid_thw` and `image_path` as VLM-R1's REC IoU reward does (input size = grid x 14)."""
+    from PIL import Image
+
+    rewards = []
+    for i, _ in enumerate(completions):
+        grid = kwargs.get("image_grid_thw")[i]
+        with Image.open(kwargs.get("image_path")[i][0]) as image:
+            width = image.size[0]
+        rewards.append(1.0 if int(grid[2] * 14) > 0 and width > 0 else 0.0)
+    return rewards
