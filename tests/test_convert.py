@@ -9,7 +9,7 @@ import yaml
 import peer_files
 from vlmrl.cli import main
 from vlmrl.config import load_config
-from vlmrl.convert import convert, parse_arguments, script_arguments
+from vlmrl.run.convert import convert, parse_arguments, script_arguments
 
 pytestmark = pytest.mark.unit
 CONFIGS = Path(__file__).parent / "peers" / "configs"

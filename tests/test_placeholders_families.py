@@ -5,7 +5,7 @@ import pytest
 from family_fixtures import ALL_FAMILY_FIXTURES
 from PIL import Image
 
-from vlmrl.processing import build_row_prompt, encode_prompts, load_processor
+from vlmrl.models.processing import build_row_prompt, encode_prompts, load_processor
 
 pytestmark = pytest.mark.integration
 

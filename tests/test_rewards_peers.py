@@ -1,12 +1,12 @@
-"""Reward files written for VLM-R1, EasyR1 and ms-swift, loaded unchanged and called their trainer's way (peer_rewards.py)."""
+"""Reward files written for VLM-R1, EasyR1 and ms-swift, loaded unchanged and called their trainer's way (rewards/peers.py)."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-from vlmrl.peer_rewards import describe_call, detect_kind
-from vlmrl.rewards import RewardError, RewardLog, TrainerState, accuracy, compute_rewards, load_reward
+from vlmrl.rewards.peers import describe_call, detect_kind
+from vlmrl.rewards.functions import RewardError, RewardLog, TrainerState, accuracy, compute_rewards, load_reward
 
 pytestmark = pytest.mark.unit
 PEERS = Path(__file__).parent / "peers"

@@ -5,8 +5,8 @@ import torch
 from family_fixtures import ALL_FAMILY_FIXTURES
 
 import peer_files
-from vlmrl.conversations import ConversationError, sft_view, target_tensors
-from vlmrl.processing import load_processor, render_chat
+from vlmrl.data.conversations import ConversationError, sft_view, target_tensors
+from vlmrl.models.processing import load_processor, render_chat
 
 pytestmark = pytest.mark.integration
 
