@@ -5,7 +5,7 @@ import torch
 from family_fixtures import ALL_FAMILY_FIXTURES
 
 import peer_files
-from vlmrl.data.conversations import ConversationError, sft_view, target_tensors
+from vlmrl.models.conversations import ConversationError, sft_view, target_tensors
 from vlmrl.models.processing import load_processor, render_chat
 
 pytestmark = pytest.mark.integration

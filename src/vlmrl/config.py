@@ -30,6 +30,11 @@ AUTO_FIT_ALLOW = ("num_generations", "max_pixels", "effective_batch")
 LOGPROB_CHUNK_TOKENS = 128  # the one default of memory.logprob_chunk_tokens, also used by direct calls of the log-prob functions
 
 
+# data.format's layouts (data/formats.py reads them) and the fields data.columns may map a file's column to.
+DATA_FORMATS = ("vlmrl", "trl", "conversations", "messages", "easyr1")
+MAPPABLE_COLUMNS = ("problem", "solution", "image", "images", "video", "videos", "prompt", "messages", "conversations", "answer")
+
+
 class ConfigError(ValueError):
     """A config problem; the message names the field and the fix."""
 
@@ -746,18 +751,16 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
 
 
 def _data_layout_problems(d: "DataConfig") -> list[str]:
-    from vlmrl.data.formats import FORMATS, MAPPABLE
-
     problems = []
-    if d.format != "auto" and d.format not in FORMATS:
-        close = difflib.get_close_matches(d.format, list(FORMATS), n=1, cutoff=0.5)
+    if d.format != "auto" and d.format not in DATA_FORMATS:
+        close = difflib.get_close_matches(d.format, list(DATA_FORMATS), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(f"data.format={d.format!r} is not one of auto, {', '.join(FORMATS)}{hint}")
+        problems.append(f"data.format={d.format!r} is not one of auto, {', '.join(DATA_FORMATS)}{hint}")
     for key in d.columns:
-        if key not in MAPPABLE:
-            close = difflib.get_close_matches(key, list(MAPPABLE), n=1, cutoff=0.5)
+        if key not in MAPPABLE_COLUMNS:
+            close = difflib.get_close_matches(key, list(MAPPABLE_COLUMNS), n=1, cutoff=0.5)
             hint = f"; did you mean data.columns.{close[0]}?" if close else ""
-            problems.append(f"data.columns.{key}: vlmrl reads no field {key!r} (it maps {', '.join(MAPPABLE)}){hint}")
+            problems.append(f"data.columns.{key}: vlmrl reads no field {key!r} (it maps {', '.join(MAPPABLE_COLUMNS)}){hint}")
     return problems
 
 

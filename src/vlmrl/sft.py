@@ -22,14 +22,14 @@ from vlmrl.engine.device import resolve_device, seed_everything
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, T] right-padded target ids, their attention mask and loss mask: a row's target + EOS (loss on all of it),
     or a conversation's turns after its prompt (loss on the assistant turns only: conversations.py)."""
-    from vlmrl.data.conversations import target_tensors
+    from vlmrl.models.conversations import target_tensors
 
     return target_tensors(tokenizer, rows, sft_target, device)
 
 
 def sft_row(processor, row: dict, cfg: Config) -> dict:
     """A conversation row split into prompt turns and assistant targets (conversations.sft_view); others as they are."""
-    from vlmrl.data.conversations import ConversationError, sft_view
+    from vlmrl.models.conversations import ConversationError, sft_view
     from vlmrl.data.rows import DataError
 
     try:

@@ -27,11 +27,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-FORMATS = ("vlmrl", "trl", "conversations", "messages", "easyr1")
+from vlmrl.config import DATA_FORMATS as FORMATS, MAPPABLE_COLUMNS as MAPPABLE  # noqa: F401 - MAPPABLE re-exported
+
 # Columns that hold a whole prompt; two of them in one row leave the prompt to a guess.
 PROMPT_COLUMNS = ("prompt", "messages", "conversations")
-# What data.columns may map a column of the file to.
-MAPPABLE = ("problem", "solution", "image", "images", "video", "videos", "prompt", "messages", "conversations", "answer")
 PLACEHOLDER_RE = re.compile(r"(<image>|<video>)")
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "bot": "assistant"}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
