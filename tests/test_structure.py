@@ -134,11 +134,11 @@ def test_imports_resolve_relative_and_lazy_ones(tmp_path):
     pkg = tmp_path / "vlmrl" / "models"
     pkg.mkdir(parents=True)
     f = pkg / "x.py"
-    f.write_text("from .y import a\n\ndef g():\n    from vlmrl.run import datasets\n")
+    f.write_text("from .loading import a\n\ndef g():\n    from vlmrl.run import datasets\n")
     global SRC
     saved, SRC = SRC, tmp_path / "vlmrl"
     try:
-        assert imports(f, {"vlmrl.models.y", "vlmrl.run.datasets", "vlmrl.run"}) == {"vlmrl.models.y", "vlmrl.run", "vlmrl.run.datasets"}
+        assert imports(f, {"vlmrl.models.loading", "vlmrl.run.datasets", "vlmrl.run"}) == {"vlmrl.models.loading", "vlmrl.run", "vlmrl.run.datasets"}
     finally:
         SRC = saved
 
