@@ -16,6 +16,7 @@ from vlmrl.plan.deepspeed import (
     zero_config,
     zero_fp32_grad_partition,
     zero_reduce_buckets,
+    zero_terms,
 )
 from vlmrl.plan.spec import PlanError
 
@@ -98,6 +99,18 @@ def test_zero3_persistent_parameters():
     assert zero3_persistent_parameters(SPEC, W, _z(stage=3, model_persistence_threshold=1000), sizes) == 64 * 9 * 2 * 0.75
     assert zero3_persistent_parameters(SPEC, W, _z(stage=3, param_persistence_threshold=10), sizes) == 0
     assert zero3_persistent_parameters(SPEC, W, _z(stage=2), sizes) == 0
+
+
+def test_zero_terms_of_a_deepspeed_config():
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 100_000}}
+    t = zero_terms(SPEC, dataclasses.replace(W, sharding="zero3"), ds, ((64, 9),))
+    assert t == {
+        "zero_reduce_buckets": 64 * 64 * 2,  # auto: hidden^2 elements, one bf16 bucket
+        "zero_fp32_grad_partition": 0,
+        "zero3_fp32_grad_buffer": 250_000 * 4,
+        "zero3_gathered_parameters": (150_000 + 100_000) * 2,
+        "zero3_persistent_parameters": int(64 * 9 * 2 * 0.75),
+    }
 
 
 @pytest.mark.integration  # builds a meta-device model (transformers)

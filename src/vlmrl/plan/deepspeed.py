@@ -167,10 +167,19 @@ def zero3_persistent_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig, par
 
 
 # The device terms of a DeepSpeed ZeRO run beyond the engine-agnostic ones (zero3_persistent_parameters needs the
-# model's parameter sizes and is called on its own).
+# model's parameter sizes: zero_terms).
 ZERO_TERMS = {
     "zero_reduce_buckets": zero_reduce_buckets,
     "zero_fp32_grad_partition": zero_fp32_grad_partition,
     "zero3_fp32_grad_buffer": zero3_fp32_grad_buffer,
     "zero3_gathered_parameters": zero3_gathered_parameters,
 }
+
+
+def zero_terms(spec: ModelSpec, w: Workload, ds: dict, param_sizes: tuple = ()) -> dict:
+    """{term: bytes} of DeepSpeed's own buffers for `w` under the DeepSpeed config dict `ds` (param_sizes:
+    plan.hf.parameter_sizes of the model, for the persistent parameters; () counts none)."""
+    z = zero_config(ds, spec.hidden)
+    out = {name: int(term(spec, w, z)) for name, term in ZERO_TERMS.items()}
+    out["zero3_persistent_parameters"] = int(zero3_persistent_parameters(spec, w, z, param_sizes))
+    return out

@@ -446,6 +446,24 @@ def _quiet():
         yield
 
 
+def _persistent_tracker(model, params: list, opt, inp) -> MemoryTracker:
+    """A MemoryTracker holding what lives through the whole step: weights, buffers, gradients, AdamW states, inputs."""
+    tracker = MemoryTracker()
+    for p in model.parameters():
+        tracker.register(p, "weights")
+    for b in model.buffers():
+        tracker.register(b, "buffers")
+    for p in params:
+        tracker.register(p.grad, "gradients")
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.numel() > 1:
+                tracker.register(v, "optimizer_states")
+    if inp.pixels is not None:
+        tracker.register(inp.pixels, "inputs")
+    return tracker
+
+
 def trace_update(hf_config, setup: TraceSetup) -> TraceResult:
     """Trace scoring + one update micro-batch + the optimizer step of `hf_config` under `setup`."""
     t0 = time.perf_counter()
@@ -460,19 +478,7 @@ def trace_update(hf_config, setup: TraceSetup) -> TraceResult:
     opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=setup.weight_decay, foreach=True)
     opt.step()
     inp = _Inputs(model, setup)
-    tracker = MemoryTracker()
-    for p in model.parameters():
-        tracker.register(p, "weights")
-    for b in model.buffers():
-        tracker.register(b, "buffers")
-    for p in params:
-        tracker.register(p.grad, "gradients")
-    for st in opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v) and v.numel() > 1:
-                tracker.register(v, "optimizer_states")
-    if inp.pixels is not None:
-        tracker.register(inp.pixels, "inputs")
+    tracker = _persistent_tracker(model, params, opt, inp)
     persistent = dict(tracker.by_cat)
     with _quiet(), tracker:
         # Scoring runs in eval mode as in train.py (rollout and scoring under model.eval()): with checkpointing on,
