@@ -214,6 +214,23 @@ def test_a_hanging_tool_times_out_without_blocking(monkeypatch):
     assert run_tool(tools, ToolCall("hang", {"seconds": 1}), timeout_s=5).text == "late"  # usable again
 
 
+def test_a_process_with_a_hung_tool_still_exits():
+    """The worker is a daemon thread: the interpreter does not wait for a tool that never returns."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "from vlmrl.tools.execute import ToolCall, run_tool\n"
+        "from vlmrl.tools.registry import Tool\n"
+        "def forever(): time.sleep(3600)\n"
+        "r = run_tool({'forever': Tool('forever', forever, {})}, ToolCall('forever', {}), timeout_s=0.1)\n"
+        "print(r.error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "tool 'forever' failed: timed out after 0.1 s", out.stderr
+
+
 # ------------------------------------------------------------------ parsing
 
 
