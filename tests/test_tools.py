@@ -8,7 +8,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from vlmrl.tools import execute
-from vlmrl.tools.environment import ToolEnvironment, run_episode
+from vlmrl.tools.environment import ToolEnvironment, TRLEnvironment, run_episode
 from vlmrl.tools.execute import ToolCall, ToolResult, normalise_output, run_tool
 from vlmrl.tools.image_tools import box_pixels, crop, rotate, zoom
 from vlmrl.tools.parsing import parse_tool_calls
@@ -398,6 +398,52 @@ def test_tool_environment_limits_turns_images_and_row_tools():
     assert not done and obs[0]["name"] == "tool_call_parser" and "not valid JSON" in obs[0]["content"]
     with pytest.raises(ToolError, match="row field 'tools' names 'crop'"):
         env.reset({"prompt": "p", "tools": ["crop"]})
+
+
+class TRLStyleCounter:
+    """A TRL environment_factory-style class: reset(**row), public tool methods, get_reward()."""
+
+    def reset(self, **row):
+        self.count, self.target = 0, row["target"]
+        return f"Reach {self.target}."
+
+    def add(self, n: int) -> str:
+        """Add to the counter.
+
+        Args:
+            n: How much to add.
+        """
+        self.count += n
+        return str(self.count)
+
+    def get_reward(self) -> float:
+        return float(self.count == self.target)
+
+
+def test_trl_style_environment_runs_through_the_protocol():
+    env = TRLEnvironment(TRLStyleCounter())
+    assert list(env.tools) == ["add"] and env.tools["add"].schema["function"]["parameters"]["required"] == ["n"]
+    prompt = env.reset({"prompt": "Count.", "target": 5})
+    assert prompt == [{"role": "user", "content": [{"type": "text", "text": "Count."}, {"type": "text", "text": "Reach 5."}]}]
+    assert env.step('<tool_call>{"name": "add", "arguments": {"n": 2}}</tool_call>') == (
+        [{"role": "tool", "name": "add", "content": "2"}],
+        0.0,
+        False,
+    )
+    env.step('<tool_call>{"name": "add", "arguments": {"n": 3}}</tool_call>')
+    assert env.step("done") == ([], 1.0, True)
+
+
+def test_async_tools_are_awaited():
+    async def later(x: int) -> str:
+        """Later.
+
+        Args:
+            x: A number.
+        """
+        return str(x * 2)
+
+    assert run_tool({"later": make_tool(later)}, ToolCall("later", {"x": 4})).text == "8"
 
 
 def test_build_trajectory_rejects_unknown_end_reason():

@@ -1,4 +1,5 @@
-"""Tools and environments for multi-turn rollouts (issue 28, parts 1 and 6).
+"""Tools and environments for multi-turn rollouts: tools as plain functions, built-in image tools, calls with a
+timeout, tool-call parsing, tool turns for chat templates, the environment protocol, trajectories for rewards.
 
 - ``registry``: a tool is a plain Python function; its JSON schema comes from its signature, type hints and
   Google-style docstring (``transformers.utils.get_json_schema``); ``load_tools`` takes built-in names,
@@ -13,5 +14,6 @@
 - ``environment``: the ``reset(row)`` / ``step(action_text)`` protocol and ``ToolEnvironment``.
 - ``trajectory``: a finished multi-turn conversation in TRL's conversational shape, for rewards.
 
-The in-engine multi-turn rollout, loss masks and planner terms are not built yet (see docs/tools.md).
+Issue 28, parts 1 and 6. The in-engine multi-turn rollout, loss masks and planner terms are not built yet
+(see docs/tools.md).
 """

@@ -9,11 +9,12 @@ loop (a policy function in, a Trajectory out); the continuous engine's multi-tur
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Protocol
 
 from vlmrl.tools.execute import DEFAULT_TIMEOUT_S, ToolResult, run_tool
 from vlmrl.tools.parsing import ParsedTurn, parse_tool_calls
-from vlmrl.tools.registry import Tool, ToolContext, ToolError
+from vlmrl.tools.registry import Tool, ToolContext, ToolError, make_tool
 from vlmrl.tools.render import parse_error_message, tool_message
 from vlmrl.tools.trajectory import Trajectory, build_trajectory, images_of
 
@@ -106,6 +107,34 @@ class ToolEnvironment:
 
     def trajectory(self) -> Trajectory:
         return build_trajectory(self._prompt, self._steps, end_reason=self._end or "answered", reward=self._reward)
+
+
+class TRLEnvironment(ToolEnvironment):
+    """A TRL ``environment_factory`` instance run through this protocol: its public methods are the tools,
+    ``reset(**row)`` may return text (or content parts) that is appended to the row's last user message, and
+    ``get_reward()``, when defined, scores the finished rollout (as in TRL 1.16's GRPOTrainer)."""
+
+    def __init__(self, instance, **kwargs):
+        methods = {n: getattr(instance, n) for n, _ in inspect.getmembers(type(instance), inspect.isfunction)}
+        if not callable(methods.get("reset")):
+            raise ToolError(f"{type(instance).__name__}: a TRL environment needs a reset method")
+        tools = {n: make_tool(m) for n, m in methods.items() if not n.startswith("_") and n not in ("reset", "get_reward")}
+        if "get_reward" in methods:
+            kwargs.setdefault("reward_fn", lambda _trajectory: instance.get_reward())
+        super().__init__(tools, **kwargs)
+        self.instance = instance
+
+    def reset(self, row: dict) -> list[dict]:
+        messages = super().reset(row)
+        extra = self.instance.reset(**row)
+        if extra is None:
+            return messages
+        last = messages[-1]
+        content = [{"type": "text", "text": last["content"]}] if isinstance(last["content"], str) else list(last["content"])
+        content += [{"type": "text", "text": extra}] if isinstance(extra, str) else list(extra)
+        self._prompt = messages[:-1] + [{**last, "content": content}]
+        self._context.images = images_of(self._prompt)
+        return list(self._prompt)
 
 
 def run_episode(env: Environment, row: dict, policy: Callable[[list[dict]], str]) -> tuple[list[dict], list[str], float]:

@@ -11,6 +11,7 @@ user passes them, so the thread is the cheap, honest choice.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -110,7 +111,9 @@ def run_tool(tools: dict[str, Tool], call: ToolCall, context: ToolContext | None
 
     def work():
         try:
-            box["out"] = tool.fn(**kwargs)
+            out = tool.fn(**kwargs)
+            # An async tool (as TRL allows) runs to completion on its own event loop in this worker thread.
+            box["out"] = asyncio.run(out) if inspect.iscoroutine(out) else out
         except BaseException as e:  # noqa: BLE001 - anything the tool raises becomes the model's observation
             box["error"] = e
 
