@@ -279,12 +279,46 @@ def qwen_tokenizer():
 
 
 def test_render_tool_turn_on_the_tiny_qwen_template(qwen_tokenizer):
-    assert tool_role_mode(qwen_tokenizer.chat_template) == "tool"  # it prints any role name as given
+    # Qwen2.5-VL's template prints any role as given: "<|im_start|>tool" is a header the model never saw, so the
+    # results go in a user turn of <tool_response> blocks, images inside.
+    assert tool_role_mode(qwen_tokenizer.chat_template) == "user"
     msgs = [tool_message(ToolResult("zoom", "zoomed", [board()])), tool_message(ToolResult("rotate", error="tool 'rotate' failed: x"))]
-    suffix = render_tool_turn(qwen_tokenizer, msgs)
-    assert suffix == (
-        "<|im_start|>tool\n<|vision_start|><|image_pad|><|vision_end|>zoomed<|im_end|>\n"
-        "<|im_start|>tool\ntool 'rotate' failed: x<|im_end|>\n<|im_start|>assistant\n"
+    assert render_tool_turn(qwen_tokenizer, msgs) == (
+        "<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|><|vision_end|>zoomed\n</tool_response>"
+        "<tool_response>\ntool 'rotate' failed: x\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # Asked for explicitly, the tool role is passed through as the template writes it.
+    assert render_tool_turn(qwen_tokenizer, msgs[1:], mode="tool") == "<|im_start|>tool\ntool 'rotate' failed: x<|im_end|>\n<|im_start|>assistant\n"
+
+
+class Templated:
+    """A tokenizer with another chat template."""
+
+    def __init__(self, tokenizer, template):
+        self.tokenizer, self.chat_template = tokenizer, template
+
+    def apply_chat_template(self, messages, **kw):
+        return self.tokenizer.apply_chat_template(messages, **kw)
+
+
+# Our own minimal template with a tool branch of the Qwen text-model kind: consecutive tool results grouped
+# into one user turn of <tool_response> blocks.
+GROUPING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"  # an expression: trim_blocks eats a newline after a tag
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_render_tool_turn_on_a_template_with_a_tool_branch(qwen_tokenizer):
+    proc = Templated(qwen_tokenizer, GROUPING_TEMPLATE)
+    assert tool_role_mode(GROUPING_TEMPLATE) == "tool"
+    msgs = [tool_message(ToolResult("a", "1")), tool_message(ToolResult("b", "2"))]
+    assert render_tool_turn(proc, msgs) == (
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
 
 
@@ -298,9 +332,11 @@ def test_template_without_a_tool_role_falls_back_to_a_user_turn():
         {
             "role": "user",
             "content": [
+                {"type": "text", "text": "<tool_response>\n"},
                 {"type": "image", "image": im},
-                {"type": "text", "text": "<tool_response>\nz\n</tool_response>"},
-                {"type": "text", "text": "<tool_response>\ncould not read a tool call: bad\n</tool_response>"},
+                {"type": "text", "text": "z\n</tool_response>"},
+                {"type": "text", "text": "<tool_response>\n"},
+                {"type": "text", "text": "could not read a tool call: bad\n</tool_response>"},
             ],
         }
     ]

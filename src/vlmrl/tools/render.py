@@ -4,12 +4,13 @@ Messages follow TRL's shape: ``{"role": "tool", "name": ..., "content": ...}`` w
 or, when the tool returned images, a list of parts (``{"type": "image", "image": <PIL>}`` first, then
 ``{"type": "text", "text": ...}``) that VLM chat templates turn into the family's image tokens.
 
-Templates and the tool role: a template either handles ``role == "tool"`` itself (Qwen2.5 / Qwen3 instruct
-templates wrap it as ``<tool_response>``), or prints any role name it is given (the tiny Qwen template in
-``vlmrl.fixtures.tiny``: ``<|im_start|>tool ...``), or knows only user/assistant/system (the LLaVA-1.5 style
-template, which would print a tool message as an ASSISTANT turn). For the last kind, ``tool_role_mode`` says
-``"user"`` and results are sent as a user turn whose text is wrapped in ``<tool_response>...</tool_response>``
-(the convention Qwen's own templates use), so the model never sees tool output dressed as its own words.
+Templates and the tool role: only a template that handles ``role == "tool"`` itself (the Qwen2.5 / Qwen3 text
+templates turn it into a user turn of ``<tool_response>`` blocks) gets ``role: tool`` messages. A template that
+prints any role name as given (Qwen2.5-VL's, and the tiny copy in ``vlmrl.fixtures.tiny``) would write
+``<|im_start|>tool``, a role header the checkpoint never saw in training; one that knows only user / assistant
+(the LLaVA-1.5 style template) would print the result as an ASSISTANT turn, i.e. as the model's own words. For
+both, ``tool_role_mode`` says ``"user"``: a turn's results go in one user message, each wrapped in
+``<tool_response>...</tool_response>`` with its images inside the tags, close to the layout of Qwen's tool templates.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import re
 
 from vlmrl.tools.execute import ToolResult
 
-ROLE_PASSTHROUGH_RE = re.compile(r"""\{\{-?\s*message(?:\[['"]role['"]\]|\.role)\s*-?\}\}""")
 TOOL_ROLE_RE = re.compile(r"""['"]tool['"]""")
 PARSE_ERROR_NAME = "tool_call_parser"
 
@@ -55,8 +55,8 @@ def chat_template_of(processor) -> str:
 
 
 def tool_role_mode(template: str) -> str:
-    """``"tool"`` when the template handles the tool role or prints role names as given, else ``"user"``."""
-    return "tool" if TOOL_ROLE_RE.search(template) or ROLE_PASSTHROUGH_RE.search(template) else "user"
+    """``"tool"`` when the template names the tool role (so handles it), else ``"user"`` (the fallback above)."""
+    return "tool" if TOOL_ROLE_RE.search(template) else "user"
 
 
 def _parts(content) -> list:
@@ -65,7 +65,7 @@ def _parts(content) -> list:
 
 def for_template(tool_messages: list[dict], mode: str) -> list[dict]:
     """Tool messages as the template should see them: unchanged in ``"tool"`` mode; in ``"user"`` mode, all of
-    them in one user message, each result's text wrapped in ``<tool_response>`` tags after its images."""
+    them in one user message, each result (images, then text) wrapped in ``<tool_response>`` tags."""
     if mode == "tool":
         return list(tool_messages)
     if mode != "user":
@@ -74,7 +74,7 @@ def for_template(tool_messages: list[dict], mode: str) -> list[dict]:
     for m in tool_messages:
         images = [p for p in _parts(m["content"]) if p.get("type") == "image"]
         text = "".join(p.get("text", "") for p in _parts(m["content"]) if p.get("type") == "text")
-        parts += images + [{"type": "text", "text": f"<tool_response>\n{text}\n</tool_response>"}]
+        parts += [{"type": "text", "text": "<tool_response>\n"}, *images, {"type": "text", "text": f"{text}\n</tool_response>"}]
     return [{"role": "user", "content": parts}]
 
 
