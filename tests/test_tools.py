@@ -130,6 +130,14 @@ def test_box_pixels_refuses_empty_and_malformed_boxes(box, match):
         box_pixels(box, 40, 30)
 
 
+def test_pixel_boxes_are_scaled_from_the_size_the_model_saw():
+    assert box_pixels([10, 5, 14, 8], 400, 300, seen=(40, 30)) == (100, 50, 140, 80)
+    assert box_pixels([0.25, 0.5, 0.5, 1.0], 400, 300, "normalized", seen=(40, 30)) == (100, 150, 200, 300)  # only pixel boxes
+    big = board().resize((400, 300), Image.Resampling.NEAREST)
+    out, _ = crop([10, 5, 14, 8], context=ToolContext(images=[big], seen_sizes=[(40, 30)]))
+    assert out.size == (40, 30) and set(out.get_flattened_data()) == {(255, 255, 255)}
+
+
 def test_crop_is_pixel_exact():
     im = board()
     out, text = crop([10, 5, 14, 8], context=ctx(im))
@@ -480,6 +488,18 @@ def test_async_tools_are_awaited():
         return str(x * 2)
 
     assert run_tool({"later": make_tool(later)}, ToolCall("later", {"x": 4})).text == "8"
+
+
+def test_a_validated_vlmrl_row_opens_with_its_full_resolution_image(tmp_path):
+    from vlmrl.data.rows import target_size
+
+    path = tmp_path / "big.png"
+    board().resize((400, 300), Image.Resampling.NEAREST).save(path)
+    env = ToolEnvironment(load_tools(["crop"]), seen_size=lambda im: target_size(im.width, im.height, None, 40 * 30))
+    prompt = env.reset({"problem": "What colour?", "images": [str(path)], "solution": "white"})
+    assert prompt[0]["content"][0]["image"].size == (400, 300) and prompt[0]["content"][1] == {"type": "text", "text": "What colour?"}
+    obs, _, _ = env.step('<tool_call>{"name": "crop", "arguments": {"bbox_2d": [10, 5, 14, 8]}}</tool_call>')
+    assert obs[0]["content"][0]["image"].size == (40, 30)  # the model saw 40x30: its box is scaled x10
 
 
 def test_build_trajectory_rejects_unknown_end_reason():

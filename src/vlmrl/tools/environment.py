@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Protocol
 
+from vlmrl.data.rows import load_images
 from vlmrl.tools.execute import DEFAULT_TIMEOUT_S, ToolResult, run_tool
 from vlmrl.tools.parsing import ParsedTurn, parse_tool_calls
 from vlmrl.tools.registry import Tool, ToolContext, ToolError, make_tool
@@ -26,14 +27,16 @@ class Environment(Protocol):
 
 
 def prompt_messages(row: dict) -> list[dict]:
-    """The opening messages of a row: its ``prompt`` (a string, or a list of messages used as is) with the
-    row's ``image`` / ``images`` as image parts before the text."""
-    prompt = row.get("prompt")
+    """The opening messages of a row: its ``prompt`` (or vlmrl's ``problem``; a string, or a list of messages
+    used as is) with the row's ``image`` / ``images`` (PIL images, or paths as in a validated vlmrl row, decoded
+    at full resolution: the processor downsizes for the model, tools crop the original) as image parts first."""
+    prompt = row.get("prompt", row.get("problem"))
     if isinstance(prompt, list):
         return list(prompt)
     if not isinstance(prompt, str):
-        raise ToolError(f"row field 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+        raise ToolError(f"row field 'prompt' (or 'problem') must be a string or a list of messages, got {type(prompt).__name__}")
     images = row.get("images") or ([row["image"]] if row.get("image") is not None else [])
+    images = [load_images([im], None, None)[0] if isinstance(im, str) else im for im in images]
     return [{"role": "user", "content": [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]}]
 
 
@@ -43,6 +46,8 @@ class ToolEnvironment:
     ``reward_fn(trajectory) -> float`` scores a finished rollout (0.0 without one; intermediate steps give 0.0).
     A row may narrow the tools with a ``tools`` field (a list of loaded tool names). ``max_images`` caps the
     images in one rollout, the row's included: a call that would pass it ends the rollout (``image_budget``).
+    ``seen_size(image) -> (width, height)``: the size the model's processor shows an image at (e.g.
+    ``vlmrl.data.rows.target_size`` with the run's pixel bounds), so pixel boxes are scaled to the original.
     """
 
     def __init__(
@@ -52,12 +57,14 @@ class ToolEnvironment:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_images: int = 8,
         reward_fn: Callable[[Trajectory], float] | None = None,
+        seen_size: Callable | None = None,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         self.tools, self.max_turns, self.timeout_s, self.max_images, self.reward_fn = tools, max_turns, timeout_s, max_images, reward_fn
         self._steps: list[tuple[ParsedTurn, str, list[dict]]] = []
         self._prompt: list[dict] = []
+        self.seen_size = seen_size
         self._context = ToolContext()
         self._active: dict[str, Tool] = {}
         self._end: str | None = None
@@ -75,6 +82,7 @@ class ToolEnvironment:
             self._active = {n: self.tools[n] for n in names}
         self._prompt = prompt_messages(row)
         self._context = ToolContext(images=images_of(self._prompt), row=row)
+        self._context.seen_sizes = [self.seen_size(im) for im in self._context.images] if self.seen_size else []
         self._steps, self._end, self._reward = [], None, None
         return list(self._prompt)
 
@@ -86,6 +94,8 @@ class ToolEnvironment:
                 result = ToolResult(name=call.name, error=f"tool {call.name!r} failed: the rollout's image budget ({self.max_images}) is spent")
                 self._end = "image_budget"
             self._context.images.extend(result.images)
+            if self.seen_size:
+                self._context.seen_sizes.extend(self.seen_size(im) for im in result.images)
             observation.append(tool_message(result))
         return observation
 
@@ -134,6 +144,7 @@ class TRLEnvironment(ToolEnvironment):
         content += [{"type": "text", "text": extra}] if isinstance(extra, str) else list(extra)
         self._prompt = messages[:-1] + [{**last, "content": content}]
         self._context.images = images_of(self._prompt)
+        self._context.seen_sizes = [self.seen_size(im) for im in self._context.images] if self.seen_size else []
         return list(self._prompt)
 
 

@@ -18,27 +18,31 @@ MAX_ZOOM = 8.0
 MAX_SIDE = 4096  # a zoomed image is never larger than this on either side (a huge image costs the engine memory)
 
 
-def _pick(context: ToolContext | None, image_index: int) -> Image.Image:
+def _pick(context: ToolContext | None, image_index: int) -> tuple[Image.Image, tuple[int, int] | None]:
+    """The image and the (width, height) the model saw it at (None: as it is)."""
     images = context.images if context is not None else []
     if not images:
         raise ValueError("there is no image in the conversation to work on")
-    if not -len(images) <= image_index < len(images):
-        raise ValueError(f"image_index {image_index} is out of range: the conversation has {len(images)} image(s) (0 is the first, -1 the latest)")
-    return images[image_index]
+    if not isinstance(image_index, int) or isinstance(image_index, bool) or not -len(images) <= image_index < len(images):
+        raise ValueError(f"image_index {image_index!r} is out of range: the conversation has {len(images)} image(s) (0 is the first, -1 the latest)")
+    seen = context.seen_sizes
+    return images[image_index], (seen[image_index] if seen else None)
 
 
-def box_pixels(bbox_2d: list, width: int, height: int, coordinates: str = "pixel") -> tuple[int, int, int, int]:
+def box_pixels(bbox_2d: list, width: int, height: int, coordinates: str = "pixel", seen: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """``[x1, y1, x2, y2]`` as a pixel box ``(left, top, right, bottom)`` for PIL's ``crop`` (right/bottom
     exclusive), covering the requested region (edges rounded outwards), corners put in order, clamped to the
     image. ``coordinates``: ``pixel``, ``normalized`` (0..1 of width/height), ``normalized_1000`` (0..1000, as
-    Qwen2-VL writes boxes). Raises ValueError for a box that is not four finite numbers or is empty once clamped."""
+    Qwen2-VL writes boxes); ``seen``: the (width, height) the model saw the image at, which pixel boxes are
+    written in. Raises ValueError for a box that is not four finite numbers or is empty once clamped."""
     if coordinates not in COORDINATES:
         raise ValueError(f"coordinates must be one of {', '.join(COORDINATES)}, got {coordinates!r}")
     if not isinstance(bbox_2d, (list, tuple)) or len(bbox_2d) != 4:
         raise ValueError(f"bbox_2d must be four numbers [x1, y1, x2, y2], got {bbox_2d!r}")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox_2d):
         raise ValueError(f"bbox_2d must hold four finite numbers, got {bbox_2d!r}")
-    scale = {"pixel": (1.0, 1.0), "normalized": (width, height), "normalized_1000": (width / 1000, height / 1000)}[coordinates]
+    pixel = (width / seen[0], height / seen[1]) if seen else (1.0, 1.0)
+    scale = {"pixel": pixel, "normalized": (width, height), "normalized_1000": (width / 1000, height / 1000)}[coordinates]
     x1, x2 = sorted((bbox_2d[0] * scale[0], bbox_2d[2] * scale[0]))
     y1, y2 = sorted((bbox_2d[1] * scale[1], bbox_2d[3] * scale[1]))
     left, top = max(0, math.floor(x1)), max(0, math.floor(y1))
@@ -59,8 +63,8 @@ def crop(bbox_2d: list[float], image_index: int = 0, coordinates: str = "pixel",
         image_index: Which image of the conversation: 0 is the first, -1 the latest.
         coordinates: How bbox_2d is written (choices: ["pixel", "normalized", "normalized_1000"])
     """
-    image = _pick(context, image_index)
-    box = box_pixels(bbox_2d, image.width, image.height, coordinates)
+    image, seen = _pick(context, image_index)
+    box = box_pixels(bbox_2d, image.width, image.height, coordinates, seen)
     out = image.crop(box)
     return out, f"cropped {list(box)} of the {image.width}x{image.height} image: {out.width}x{out.height}"
 
@@ -92,6 +96,6 @@ def rotate(angle: float, image_index: int = 0, *, context: ToolContext | None = 
     """
     if not isinstance(angle, (int, float)) or isinstance(angle, bool) or not math.isfinite(angle):
         raise ValueError(f"angle must be a finite number of degrees, got {angle!r}")
-    image = _pick(context, image_index)
+    image, _ = _pick(context, image_index)
     out = image.rotate(angle, expand=True)
     return out, f"rotated {angle:g} degrees: {out.width}x{out.height}"
