@@ -355,7 +355,9 @@ def _call_factory(spec: str, factory: Callable, args: str) -> RewardFn:
     return fn
 
 
-def _import_file(target: str, spec: str):
+def _import_file(target: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
+    """The module at ``target`` (a .py path) for the user spec ``spec``; ``what`` names the kind of object in
+    messages and in the module's name (the tool loader shares this), ``error`` is the exception raised."""
     path = Path(target).expanduser().resolve()
     if path.is_file() and "swift" in path.read_text(encoding="utf-8", errors="replace"):
         from vlmrl.rewards.peers import ensure_swift_importable
@@ -365,30 +367,30 @@ def _import_file(target: str, spec: str):
         siblings = [p.name for p in path.parent.glob("*.py")] if path.parent.is_dir() else []
         close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
         hint = f"; did you mean {path.parent / close[0]}?" if close else ""
-        raise RewardError(f"reward {spec!r}: file not found: {path}{hint}")
+        raise error(f"{what} {spec!r}: file not found: {path}{hint}")
     # A stable, unique module name per file, registered in sys.modules so that two specs naming the same
     # file share one module and dataclasses/pickle inside the file work.
-    mod_name = f"vlmrl_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    mod_name = f"vlmrl_user_{what}_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward {spec!r}: cannot import {path}")
+        raise error(f"{what} {spec!r}: cannot import {path}")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[mod_name]
-        raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+        raise error(f"{what} {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
     return module
 
 
-def _import_module(target: str, spec: str):
+def _import_module(target: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
     try:
         return importlib.import_module(target)
     except Exception as e:
-        raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
+        raise error(f"{what} {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------------
