@@ -20,7 +20,8 @@ def test_buckets_are_powers_of_two_then_the_slot_count():
 
 
 def _spy_shapes(monkeypatch):
-    """Record (rows of the forward, active rows, key columns) of every decode step."""
+    """Record (rows of the forward, active rows, key columns, cache columns, padding rows see one column and every
+    row's logits are finite) of every decode step."""
     import vlmrl.continuous as cont
 
     seen = []
@@ -28,8 +29,11 @@ def _spy_shapes(monkeypatch):
 
     def spy(self, tokens, mask, positions):
         full = mask["full_attention"] if isinstance(mask, dict) else mask
-        seen.append((tokens.shape[0], self.cache.n, full.shape[-1], self.cache.columns))
-        return forward(self, tokens, mask, positions)
+        visible = full if full.dtype == torch.bool else full == 0
+        logits = forward(self, tokens, mask, positions)
+        pad_ok = bool((visible[self.cache.n :].sum(-1) == 1).all()) and bool(torch.isfinite(logits).all())
+        seen.append((tokens.shape[0], self.cache.n, full.shape[-1], self.cache.columns, pad_ok))
+        return logits
 
     monkeypatch.setattr(cont.ContinuousDecoder, "forward", spy)
     return seen
@@ -48,8 +52,8 @@ def test_static_step_gives_the_dynamic_steps_tokens(biased, name, monkeypatch): 
         static = _engine(model, processor, prompts, decode_batch_size=batch, prompt_seeds=seeds, decode_step="static")
         monkeypatch.undo()
         assert torch.equal(static, dynamic), (name, batch)
-        assert all(rows == bucket_for(n, min(batch, 9)) and width == columns for rows, n, width, columns in seen)
-        padded += [rows > n for rows, n, _, _ in seen]
+        assert all(rows == bucket_for(n, min(batch, 9)) and width == columns and pad_ok for rows, n, width, columns, pad_ok in seen)
+        padded += [rows > n for rows, n, *_ in seen]
     assert any(padded)  # padding rows were really there
 
 
@@ -94,7 +98,7 @@ def test_train_step_runs_the_static_step_with_the_same_completions(tiny_qwen25vl
         train(grpo_cfg(tiny_qwen25vl, data, out, "training.max_steps=1", "rollout.engine=continuous", f"rollout.decode_step={step}"))
         monkeypatch.undo()
         rows.append(read_metrics(out)[0])
-        widths.append({width == columns for _, _, width, columns in seen})
+        widths.append({width == columns for _, _, width, columns, _ in seen})
     keys = ("loss", "reward", "completions/mean_length")
     assert [rows[0][k] for k in keys] == [rows[1][k] for k in keys]
     assert False in widths[0] and widths[1] == {True}  # dynamic: growing widths; static: always every column
