@@ -15,7 +15,7 @@ after every stage, so a cut-off run still keeps what it measured):
                  and the fraction of the HBM-bandwidth bound (text weights read once per decode step).
   update         GRPO step and update time of the 3B preset (benchmarks/gpu_memory.py's run), and the update's MFU.
   oom            a real CUDA out-of-memory (memory capped with torch.cuda.set_per_process_memory_fraction) recovered
-                 by halving (src/vlmrl/oom.py): the run must finish and log the halving.
+                 by halving (src/vlmrl/engine/oom.py): the run must finish and log the halving.
   planner        the planner's logged prediction (plan/peak_reserved) vs the measured peak reserved of real runs:
                  GRPO and SFT, sdpa / flash_attention_2 / eager, LoRA and full, a new family (Qwen3-VL), a video row.
   memory_engine  benchmarks/memory_engine.py on the GPU: every memory-engine part off vs on (peak, step time).
@@ -151,9 +151,9 @@ def stage_rollout(run: StageRun) -> None:
     import torch
 
     import rollout as rollout_bench
-    from vlmrl.models import load_model
-    from vlmrl.processing import load_processor
-    from vlmrl.rollout import eos_token_ids
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.processing import load_processor
+    from vlmrl.models.rollout import eos_token_ids
 
     if run.smoke:
         models, dtype, prompts_n, G, max_new, repeats = [("tiny-qwen2.5-vl", tiny_folder(run))], "float32", 1, 8, 8, 1
@@ -256,7 +256,7 @@ def _text_params_of(model: str) -> int:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     if model.startswith("embedded:"):
-        from vlmrl.tiny import default_model_path
+        from vlmrl.fixtures.tiny import default_model_path
 
         model = str(default_model_path())
     config = AutoConfig.from_pretrained(model)
@@ -311,7 +311,7 @@ def planner_grid(run: StageRun) -> list[tuple[str, str, str, list[str]]]:
     preset = str(preset_folder(run, "qwen2.5-vl-3b"))
     qwen3 = run.work / "qwen3-vl-mid"
     if not (qwen3 / "config.json").exists():
-        from vlmrl.tiny_families import build_tiny_qwen3vl
+        from vlmrl.fixtures.tiny_families import build_tiny_qwen3vl
 
         build_tiny_qwen3vl(
             qwen3, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=2816, vision_depth=4, vision_hidden=256,

@@ -6,7 +6,7 @@ import torch
 from test_continuous import FAMILIES, _engine, biased  # noqa: F401 (biased: the module fixture)
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.static_decode import bucket_for, buckets
+from vlmrl.models.static_decode import bucket_for, buckets
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ def test_buckets_are_powers_of_two_then_the_slot_count():
 def _spy_shapes(monkeypatch):
     """Record (rows of the forward, active rows, key columns, cache columns, padding rows see one column and every
     row's logits are finite) of every decode step."""
-    import vlmrl.continuous as cont
+    import vlmrl.models.continuous as cont
 
     seen = []
     forward = cont.ContinuousDecoder.forward
@@ -87,7 +87,7 @@ def test_train_step_runs_the_static_step_with_the_same_completions(tiny_qwen25vl
     cache column) and gives the same step as the dynamic one."""
     from test_integration import grpo_cfg, read_metrics
 
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
     from vlmrl.train import train
 
     data = make_count_task(tmp_path / "count", n_train=16, n_test=4, seed=0, image_size=56)
