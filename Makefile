@@ -8,7 +8,7 @@ TORCH_CPU ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-quick lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards reference clean
+.PHONY: install demo demo-quick gpu-suite gpu-suite-plan lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards reference clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +53,14 @@ test-trackers: install
 test-trl-rewards: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m pytest tests/test_trl_rewards_real.py -q -rs
+
+# Every GPU figure in one call, on one GPU (~9 minutes; budgeted stages, a cut-off run keeps what it measured):
+# writes benchmarks/results/gpu_suite_<device>_<date>.json, then README blocks and docs/results.md.
+gpu-suite: install
+	$(PY) benchmarks/gpu_suite.py
+
+gpu-suite-plan:
+	python3 benchmarks/gpu_suite.py --dry-run
 
 reference: install
 	$(PY) scripts/update_reference.py

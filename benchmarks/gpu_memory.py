@@ -271,7 +271,7 @@ def run_config(cfg: dict, model: str, run_dir: Path, steps: int, timeout: int) -
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     overrides = [f"model.name_or_path={model}", *cfg["overrides"], f"training.output_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "vlmrl", "train", *overrides]
+    cmd = [sys.executable, "-m", "vlmrl", cfg.get("command", "train"), *overrides]  # the GPU suite also runs `vlmrl sft`
     log_path = run_dir.parent / f"{run_dir.name}.train.log"  # beside the run folder: vlmrl refuses folders holding foreign files
     t0 = time.perf_counter()
     timed_out = False
@@ -284,7 +284,7 @@ def run_config(cfg: dict, model: str, run_dir: Path, steps: int, timeout: int) -
     text = log_path.read_text(errors="replace")
     tail = "\n".join(text.strip().splitlines()[-15:])
     record = {"name": cfg["name"], "overrides": cfg["overrides"], "returncode": rc, "wall_s": wall}
-    gen = int(_value(cfg["overrides"], "rollout.generation_batch_size"))
+    gen = int(_value(cfg["overrides"], "rollout.generation_batch_size", _value(cfg["overrides"], "sft.batch_size", 0)))
     max_len = int(_value(cfg["overrides"], "rollout.max_completion_length", _value(base_overrides(1, "x"), "rollout.max_completion_length")))
     rows = read_metrics(run_dir / "metrics.jsonl")
     if rc == 0 and rows:

@@ -178,6 +178,14 @@ def run_one(args) -> dict:
     return out
 
 
+def selected_rows(spec: str) -> list[tuple[str, dict]]:
+    """The ROWS picked by --rows: "first,last" (all off, all on: the GPU suite's pair) or indices ("0,2")."""
+    if not spec:
+        return ROWS
+    index = {"first": 0, "last": len(ROWS) - 1}
+    return [ROWS[index[k] if k in index else int(k)] for k in spec.split(",")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -191,8 +199,9 @@ def main() -> int:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--g", type=int, default=8)
-    ap.add_argument("--completion", type=int, default=64)
-    ap.add_argument("--side", type=int, default=448)
+    ap.add_argument("--completion", type=int, default=None, help="forced completion length (default 64; --quick 16)")
+    ap.add_argument("--side", type=int, default=None, help="image side in pixels (default 448; --quick 224)")
+    ap.add_argument("--rows", default="", help="configurations to run: first,last (all off, all on) or indices (default: every row)")
     ap.add_argument("--family", default="qwen2.5-vl", choices=list(FAMILIES), help="tiny model family (vlmrl tiny names)")
     ap.add_argument("--video", type=int, default=0, help="frames of one video per prompt (side x side mp4s) instead of an image")
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -202,14 +211,14 @@ def main() -> int:
         return 0
 
     vocab = 20_000 if a.quick else 151_936
-    if a.quick:
-        a.completion, a.side = 16, 224
+    a.completion = a.completion or (16 if a.quick else 64)
+    a.side = a.side or (224 if a.quick else 448)
     work = Path(a.work)
     model = build_model(work / f"model-{a.family}-v{vocab}", vocab, a.quick, a.family)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     data = write_video_rows(work / f"videos-{a.video}-{a.side}", a.video, a.side) if a.video else None
     results = []
-    for name, flags in ROWS:
+    for name, flags in selected_rows(a.rows):
         cmd = [
             sys.executable,
             __file__,

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 CONFIGS = [dict(prompts=4, G=8), dict(prompts=8, G=4), dict(prompts=2, G=16)]
 QUICK_CONFIGS = [dict(prompts=2, G=4)]
+ENGINE_STEPS = {"engine": "dynamic", "engine-static": "static", "engine-graph": "cuda_graph"}
 PROBLEMS = ["what is shown?", "describe the picture", "count the objects", "what colour dominates?", "is there text?"]
 
 
@@ -91,8 +92,10 @@ def run_once(method: str, model, tokenizer, prompts, G: int, max_new: int, decod
         kw["shared_prefix"] = False
     else:  # loop and engine: the same per-row streams, hence the same completions (the same work, token for token)
         kw["prompt_seeds"] = torch.randint(0, 2**62, (prompts["input_ids"].shape[0],)).tolist()
-    if method == "engine":
-        kw.update(engine="continuous", decode_batch_size=decode_batch)
+    if method in ENGINE_STEPS:  # engine-static / engine-graph: rollout.decode_step=static / cuda_graph (benchmarks/gpu_suite.py)
+        kw.update(engine="continuous", decode_batch_size=decode_batch, decode_step=ENGINE_STEPS[method])
+    elif method != "loop" and method != "hf":
+        raise ValueError(f"unknown method {method!r}: hf, loop, {', '.join(ENGINE_STEPS)}")
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()

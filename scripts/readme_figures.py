@@ -232,7 +232,30 @@ def families_table() -> str | None:
     return module.render(json.loads(module.MATRIX.read_text())) if module.MATRIX.exists() else None
 
 
+def gpu_suite() -> str:
+    """One line: the newest GPU suite run (benchmarks/gpu_suite.py), or that none ran; its tables are in docs/results.md."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_page", Path(__file__).parent / "results_page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    suite = module.newest_suite(RESULTS)
+    if suite is None:
+        return (
+            "GPU figures (rollout tokens/s, update MFU, planner on GPU, memory engine, OOM recovery): **not run** "
+            "(no GPU lent since `benchmarks/gpu_suite.py` exists); see `docs/results.md`.\n"
+        )
+    path, data = suite
+    meta = data["meta"]
+    done = [name for name, stage in data["stages"].items() if stage["status"] == "ok"]
+    return (
+        f"GPU figures: `{meta['command']}` on {meta['device']} ({meta['date']}, commit {meta['commit']}; `benchmarks/results/{path.name}`), "
+        f"stages finished: {', '.join(done) or 'none'}; tables in `docs/results.md`.\n"
+    )
+
+
 BLOCKS = {
+    "gpu-suite": gpu_suite,
     "rollout": rollout,
     "families-table": families_table,
     "make-times": make_times,

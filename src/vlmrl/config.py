@@ -151,6 +151,10 @@ class RolloutConfig:
         "Decode loop (with memory.shared_prefix): loop = all rows of a call decode until the longest ends; continuous = at most decode_batch_size rows in flight in a preallocated KV cache, a row leaves at EOS and a queued prompt's row takes its slot, each row sampled from its own stream (seeded by step, prompt position, generation), so samples do not depend on batch size, order or the number of processes (sampling_seed is not used).",
     )
     decode_batch_size: int = _f(0, "Rows decoded together by rollout.engine=continuous (0 = all of a call's rows).")
+    decode_step: Literal["dynamic", "static", "cuda_graph"] = _f(
+        "dynamic",
+        "Decode step of rollout.engine=continuous: dynamic = shapes follow the active rows; static = fixed batch buckets (powers of two) over every cache column, same tokens; cuda_graph = static, each bucket captured once as a CUDA graph and replayed (CUDA only).",
+    )
     steps_per_generation: Optional[int] = _f(
         None,
         "TRL's name for the generation batch: per_device_train_batch_size x this many completions per rollout step (instead of generation_batch_size).",
@@ -633,6 +637,14 @@ def validate(cfg: Config) -> None:
         ),
         (r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1"),
         (r.decode_batch_size >= 0, f"rollout.decode_batch_size={r.decode_batch_size} must be >= 0 (0 = all rows of a generate call)"),
+        (
+            r.decode_step == "dynamic" or r.engine == "continuous",
+            f"rollout.decode_step={r.decode_step} is a step of the continuous engine: set rollout.engine=continuous, or decode_step=dynamic",
+        ),
+        (
+            r.decode_step != "cuda_graph" or t.device != "cpu",
+            "rollout.decode_step=cuda_graph needs a CUDA device (training.device=cpu): use rollout.decode_step=static",
+        ),
         (r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0"),
         (0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]"),
         (r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)"),

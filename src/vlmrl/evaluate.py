@@ -52,6 +52,7 @@ def evaluate(
                 shared_prefix=opts.shared_prefix,
                 engine=cfg.rollout.engine,
                 decode_batch_size=cfg.rollout.decode_batch_size,
+                decode_step=cfg.rollout.decode_step,
             )
 
     def greedy_from(first: int, size: int):

@@ -414,7 +414,8 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
     with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
         if row_streams(r):  # one stream per row from (seed, step, global prompt position, generation): one call
             seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-            return generate_for(prompts, prompts_per_call, engine=r.engine, decode_batch_size=r.decode_batch_size, prompt_seeds=seeds)
+            engine = dict(engine=r.engine, decode_batch_size=r.decode_batch_size, decode_step=r.decode_step)
+            return generate_for(prompts, prompts_per_call, **engine, prompt_seeds=seeds)
         if not run.per_prompt_seed:  # one stream per step and process (one process: rank 0, W 1)
             torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
             return generate_for(prompts, prompts_per_call)

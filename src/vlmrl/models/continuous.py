@@ -24,6 +24,11 @@ slot is (the prefill is kept until the group's last row has joined).
   prompt's last columns, and those layers get their own mask (columns within the window of the row's column).
 - Linear-attention layers (Qwen3.5's Gated DeltaNet): each slot holds the layer's conv and recurrent state (copied
   from the prefill at join, moved with the row), which the layer's own single-token step reads and updates.
+- Static decode step (rollout.decode_step=static / cuda_graph): the step runs on a fixed batch bucket (the smallest
+  power of two >= n, at most S) over every cache column (P + max_new_tokens), so a bucket's step always has the same
+  shapes; padding rows sit in free slots, see only their own column and are dropped. cuda_graph captures one CUDA
+  graph per bucket (text decoder + LM head, static input buffers) and replays it: one launch per step instead of
+  hundreds of kernel launches. The static step without capture is equality-tested on CPU against the dynamic one.
 - The text decoder is the model's own (`language_model` forward with a 4D mask and this cache), so the
   arithmetic per row is the model's; the logits of a row equal the loop's up to the batch-size dependence
   of the CPU / GPU matmul kernels (bitwise equal in the tests; a flip needs a near tie).
@@ -75,6 +80,7 @@ class SlotCache:
         self.conv: list[torch.Tensor | None] = [None] * num_layers
         self.recurrent: list[torch.Tensor | None] = [None] * num_layers
         self.n = 0  # active rows, in slots 0..n-1
+        self.step_rows = 0  # rows of this step's forward: n, or the bucket of a static step (padding rows in free slots)
         self.length = 0  # columns visible this step
         self.write_col: torch.Tensor | None = None  # [n] column of this step's token
 
@@ -128,13 +134,13 @@ class SlotCache:
 
     # The linear-attention layer's decode step: it updates the conv state in place and hands back the recurrent one.
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.conv[layer_idx][: self.n]
+        return self.conv[layer_idx][: self.step_rows]
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.recurrent[layer_idx][: self.n]
+        return self.recurrent[layer_idx][: self.step_rows]
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        self.recurrent[layer_idx][: self.n] = recurrent_states
+        self.recurrent[layer_idx][: self.step_rows] = recurrent_states
         return recurrent_states
 
     def is_recording_past(self, layer_idx: int) -> bool:
@@ -167,7 +173,9 @@ class _Rows:
 class ContinuousDecoder:
     """One rollout call: queue of prompts, S decode slots, `run()` -> ids [U*G, T]."""
 
-    def __init__(self, model, prompt_batch: dict, *, num_generations, max_new_tokens, decode_batch_size, sampler, prompt_order=None):
+    def __init__(
+        self, model, prompt_batch: dict, *, num_generations, max_new_tokens, decode_batch_size, sampler, prompt_order=None, decode_step="dynamic"
+    ):
         core = unwrap(model)
         self.model, self.core = model, core
         self.text_model = core.model.language_model
@@ -191,6 +199,11 @@ class ContinuousDecoder:
         layer_types = getattr(text_config, "layer_types", None) or []
         self.window = getattr(text_config, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.linear = "linear_attention" in layer_types
+        self.static = None
+        if decode_step != "dynamic":
+            from vlmrl.models.static_decode import StaticStep
+
+            self.static = StaticStep(self, graphs=decode_step == "cuda_graph")
 
     # ------------------------------------------------------------ joining
     def join(self) -> None:
@@ -263,27 +276,42 @@ class ContinuousDecoder:
         """One forward of the n active rows, each fed its last token ([n] on the device); logits -> self.logits."""
         n, r = self.cache.n, self.rows
         t = r.t[:n]
-        cols = self.P + t
-        self.cache.write_col = cols.to(self.device)
-        self.cache.length = self.P + int(t.max()) + 1
-        r.valid[torch.arange(n, device=self.device), cols.to(self.device)] = True
-        visible = r.valid[:n, None, None, : self.cache.length]
+        cols = (self.P + t).to(self.device)
+        r.valid[torch.arange(n, device=self.device), cols] = True
+        if self.static is not None:
+            self.logits[:n] = self.static.step(self, tokens, cols)
+        else:
+            self.cache.step_rows = n
+            self.cache.write_col = cols
+            self.cache.length = self.P + int(t.max()) + 1
+            positions = self.positions((r.next_pos[:n] + t).to(self.device), cols)
+            self.logits[:n] = self.forward(tokens.view(n, 1), self.masks(r.valid[:n, None, None, : self.cache.length], cols), positions)
+        r.t[:n] += 1
+
+    def positions(self, qwen_pos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Position ids of one decode step's rows: M-RoPE rows at their prompt's next position + t on all three axes
+        ([3, n, 1]), the others at their column ([n, 1])."""
+        n = cols.shape[0]
+        return qwen_pos.view(1, n, 1).expand(3, n, 1) if self.qwen else cols.view(n, 1)
+
+    def masks(self, visible: torch.Tensor, cols: torch.Tensor):
+        """The attention mask(s) of one decode step from the visible columns [n, 1, 1, L] and the rows' columns [n]:
+        one mask, or one per layer type (Gemma 3's sliding-window layers, Qwen3.5's linear-attention layers)."""
         mask = self._additive(visible)
         if self.window is not None:  # the model takes one mask per layer type
-            columns = torch.arange(self.cache.length, device=self.device)
-            in_window = columns.view(1, 1, 1, -1) > (cols.to(self.device) - self.window).view(n, 1, 1, 1)
-            mask = {"full_attention": mask, "sliding_attention": self._additive(visible & in_window)}
-        elif self.linear:  # one new token per row: the linear-attention layers need no mask
-            mask = {"full_attention": mask, "linear_attention": None}
-        if self.qwen:
-            positions = (r.next_pos[:n] + t).to(self.device).view(1, n, 1).expand(3, n, 1)
-        else:
-            positions = cols.to(self.device).view(n, 1)
+            columns = torch.arange(visible.shape[-1], device=self.device)
+            in_window = columns.view(1, 1, 1, -1) > (cols - self.window).view(-1, 1, 1, 1)
+            return {"full_attention": mask, "sliding_attention": self._additive(visible & in_window)}
+        if self.linear:  # one new token per row: the linear-attention layers need no mask
+            return {"full_attention": mask, "linear_attention": None}
+        return mask
+
+    def forward(self, tokens: torch.Tensor, mask, positions: torch.Tensor) -> torch.Tensor:
+        """The model's text decoder and LM head on one token per row ([n, 1]) -> float32 logits [n, V]."""
         hidden = self.text_model(
-            input_ids=tokens.view(n, 1), attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+            input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
         ).last_hidden_state
-        self.logits[:n] = self.head(hidden[:, -1]).to(torch.float32)
-        r.t[:n] += 1
+        return self.head(hidden[:, -1]).to(torch.float32)
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """A boolean [n, 1, 1, L] mask as the attention implementation wants it (eager adds it to the scores)."""
@@ -373,13 +401,16 @@ def sample_continuous(
     top_p: float = 1.0,
     top_k: int = 0,
     min_new_tokens: int = 0,
+    decode_step: str = "dynamic",
 ) -> torch.Tensor:
     """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T] padded with pad_id after
     EOS, rows of prompt u at u*G .. u*G+G-1: the layout of `prefix.sample_with_shared_prefix`.
 
     decode_batch_size: rows decoded together (>= 1). prompt_seeds: [U] seeds of the prompts' sampling streams
     (row g of prompt u draws from row_seed(prompt_seeds[u], g)); required when do_sample. prompt_order: the
-    order in which prompts join (default 0..U-1; tokens do not depend on it)."""
+    order in which prompts join (default 0..U-1; tokens do not depend on it). decode_step: dynamic (shapes follow the
+    active rows), static (fixed batch buckets over every cache column) or cuda_graph (static, captured and replayed
+    as CUDA graphs; CUDA only)."""
     G = num_generations if do_sample else 1
     n_prompts = prompt_batch["input_ids"].shape[0]
     if do_sample and (prompt_seeds is None or len(prompt_seeds) != n_prompts):
@@ -404,6 +435,7 @@ def sample_continuous(
         decode_batch_size=max(decode_batch_size, 1),
         sampler=sampler,
         prompt_order=prompt_order,
+        decode_step=decode_step,
     )
     ids = engine.run()
     return ids.masked_fill(ids < 0, pad_id).to(prompt_batch["input_ids"].device)

@@ -95,6 +95,7 @@ def generate(
     engine: str = "loop",
     decode_batch_size: int = 0,
     prompt_seeds: list[int] | None = None,
+    decode_step: str = "dynamic",
 ) -> Completions:
     """Sample `num_generations` completions for each prompt row of `prompt_batch` ([B, P]).
 
@@ -103,7 +104,8 @@ def generate(
     KV cache across its G samples (`prefix.sample_with_shared_prefix`); otherwise HF generate with
     num_return_sequences (prompt and images processed G times). engine="continuous" (with shared_prefix, on a
     family with a fast path) decodes with `continuous.sample_continuous`: at most decode_batch_size rows (0: all;
-    also at most prompts_per_call x G) in flight, finished rows replaced by queued prompts' rows.
+    also at most prompts_per_call x G) in flight, finished rows replaced by queued prompts' rows; decode_step (the
+    engine's step: dynamic, static or cuda_graph, `static_decode`).
     prompt_seeds: [B] seeds of per-row sampling streams (row g of prompt b: `continuous.row_seed`), so a row's
     tokens do not depend on the batch it is decoded in; the continuous engine draws them from the global
     stream when not given. Returns [B*G, T] completions grouped by prompt.
@@ -127,7 +129,7 @@ def generate(
             prompt_seeds = torch.randint(0, 2**62, (n_prompts,)).tolist()
         rows = num_generations if do_sample else 1
         batch = min(decode_batch_size or n_prompts * rows, step * rows)
-        ids = sample_continuous(model, prompt_batch, decode_batch_size=batch, prompt_seeds=prompt_seeds, **fixed, **sampling)
+        ids = sample_continuous(model, prompt_batch, decode_batch_size=batch, prompt_seeds=prompt_seeds, decode_step=decode_step, **fixed, **sampling)
         return _finish(ids, eos, pad)
     pieces = [
         _generate_chunk(model, prompt_batch, range(start, min(start + step, n_prompts)), shared_prefix, prompt_seeds, fixed, sampling)
