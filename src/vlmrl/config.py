@@ -238,7 +238,13 @@ class SFTConfig:
     steps: int = _f(100, "Stage 2 steps: train the language model (and projector).")
     learning_rate: float = _f(2e-5, "Learning rate of stage 2.")
     train_vision_tower: bool = _f(False, "Also train the vision tower in stage 2.")
-    batch_size: int = _f(8, "Rows per SFT optimizer step.")
+    batch_size: int = _f(8, "Rows per SFT optimizer step, over every process (the effective batch).")
+    micro_batch_size: Optional[int] = _f(
+        None,
+        "Rows per forward/backward on each process; gradients accumulate over batch_size / (processes x this) micro-batches (null: a process's whole share at once).",
+        resume_harmless=True,
+    )
+    epochs: Optional[float] = _f(None, "Stage 2 length in passes over the training data (ceil(epochs x rows / batch_size) steps); null: sft.steps.")
 
 
 @dataclass(frozen=True)
@@ -597,6 +603,8 @@ def validate(cfg: Config) -> None:
         ),
         (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
         (s.batch_size >= 1, "sft.batch_size must be >= 1"),
+        (s.micro_batch_size is None or s.micro_batch_size >= 1, "sft.micro_batch_size must be >= 1 (or null for a process's whole share)"),
+        (s.epochs is None or s.epochs > 0, f"sft.epochs={s.epochs} must be > 0 (or null to use sft.steps)"),
         (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
         (
             cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,

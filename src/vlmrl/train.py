@@ -22,6 +22,7 @@ import torch
 from .advantages import ADVANTAGE_ESTIMATORS, group_std
 from .batching import pack_by_tokens, split_by_rows
 from .config import Config
+from .evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
 from .offload import OptimizerParking, parking_enabled
@@ -32,13 +33,10 @@ from .rewards import RewardLog, reward_stats
 from .router import capture_routing, micro_batch_aux_loss, routing_for
 from .rollout import Completions, generate
 from .run_checkpoint import restore, restore_after_wrap, save, save_final
-from .rundir import guard_run_folder, prepare_run
+from .run_end import Ending, finish, finish_left
+from .rundir import EndingLeft, guard_run_folder, prepare_run
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
 from .signals import warn_if_no_learning_signal
-
-
-class EvaluationFailed(RuntimeError):
-    """Raised on the other processes when the main process's evaluation (DDP: the main process evaluates alone) failed."""
 
 
 class NonFiniteStop(RuntimeError):
@@ -178,13 +176,16 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     from .memory import reset_peaks
 
     run = start_run(cfg, log)
+    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)
     final: dict = {}
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
         run.logger.log_eval(0, final)
-    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. The logger stays
-    # open for the final evaluation (trackers get it) unless the loop raised.
-    with GracefulStop() as stop, run.logger.closed_on_error():
+    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. In the ending
+    # the final save finishes and the evaluation stops between batches (run_end.py). The logger is closed on the way
+    # out (trackers told whether the run failed).
+    with GracefulStop() as stop, run.logger:
         for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
             reset_peaks()
             phases: dict[str, float] = {}
@@ -210,8 +211,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 why = stop.signal_name or f"stop_after={stop_after}"
                 run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
                 break
-    with run.logger:
-        return finish_run(run, final)
+        return finish_run(run, final, stop)
 
 
 @contextlib.contextmanager
@@ -244,6 +244,9 @@ def start_run(cfg: Config, log) -> Run:
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
     resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
+    if isinstance(resume_from, EndingLeft):
+        resume_from.dist = dist
+        return resume_from
     t = cfg.training
     shard = dist.shard(cfg.prompts_per_step, cfg.rollout.num_generations, t.per_device_train_batch_size * t.gradient_accumulation_steps)
     if dist.world_size > 1:
@@ -312,37 +315,20 @@ def start_run(cfg: Config, log) -> Run:
     )
 
 
-def finish_run(run: Run, final: dict) -> dict:
-    """After the last step: the final model first, then the last evaluation (whose failure is reported and
-    loses nothing), then the report."""
-    cfg, dist = run.cfg, run.dist
+def finish_run(run: Run, final: dict, stop) -> dict:
+    """After the last step: the final model first, then the last evaluation (whose failure is reported and loses
+    nothing), then the report (run_end.finish). A run stopped early returns: its checkpoint resumes it."""
+    cfg = run.cfg
     if run.state["step"] != cfg.training.max_steps:
-        return final  # stopped early (signal / stop_after): the checkpoint resumes it
-    if cfg.training.save_final_model:
+        return final
+
+    def save(folder: Path) -> None:
         from .models import save_model
 
-        save_final(run.model, run.processor, run.out / "final", dist, save_model, cfg, run.log)
-    try:
-        final.update(maybe_evaluate(run, run.state["step"]))
-    except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
-        run.logger.info(
-            f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); training finished and is saved in "
-            f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause."
-        )
-        final["eval/failed"] = 1.0
-    run.logger.close()  # trackers get the final summary; the bar ends before the report and the summary table
-    if not dist.is_main:
-        return final
-    if cfg.logging.report:
-        from .report import make_report
+        save_final(run.model, run.processor, folder, run.dist, save_model, cfg, run.log)
 
-        make_report(run.out, title=f"GRPO: {run.out.name} ({cfg.model.name_or_path})")
-    if cfg.logging.progress_bar:
-        from .report import summary_table
-
-        shown = {k: v for k, v in final.items() if k in SUMMARY_KEYS or k.startswith("eval/")}
-        summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"GRPO finished: {run.out}")
-    return final
+    end = Ending(cfg, run.out, run.dist, run.logger, run.log, "train", "GRPO", SUMMARY_KEYS, run.state["step"])
+    return finish(end, final, stop, lambda stop: maybe_evaluate(run, run.state["step"], stop), save)
 
 
 SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
@@ -699,12 +685,13 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     return metrics
 
 
-def maybe_evaluate(run: Run, step: int) -> dict:
-    """Evaluate at every training.eval_steps and after the last step; keeps the best metric for rotation."""
+def maybe_evaluate(run: Run, step: int, stop=None) -> dict:
+    """Evaluate at every training.eval_steps and after the last step; keeps the best metric for rotation. `stop`: a
+    GracefulStop that may end the (final) evaluation between batches (evaluate.EvaluationStopped)."""
     t = run.cfg.training
     if not run.data.eval or not (step == t.max_steps or (t.eval_steps and step % t.eval_steps == 0)):
         return {}
-    metrics = evaluate_run(run)
+    metrics = evaluate_run(run, stop)
     run.logger.log_eval(step, metrics)
     value = metrics.get(t.metric_for_best)
     if value is not None and (run.state["best_metric"] is None or value > run.state["best_metric"]):
@@ -712,27 +699,9 @@ def maybe_evaluate(run: Run, step: int) -> dict:
     return metrics
 
 
-def evaluate_run(run: Run) -> dict:
-    """Greedy evaluation: the main process alone (one process, DDP), or every process through the engine
-    when parameters are sharded (they all take part in the all-gathers). Every process gets the metrics."""
-    from .evaluate import evaluate
-
-    dist = run.dist
-    if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
-        with dist.gathered_for_generation(run.cfg.memory.generation_gather):
-            return dist.call(evaluate, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, dist.oom_peers)
-    error, metrics = None, None
-    if dist.is_main:  # alone: its OOM redo involves no other process
-        try:
-            metrics = evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
-        except Exception as e:  # noqa: BLE001 - the others wait in the broadcast below: tell them, then raise on every process
-            error = e
-    metrics, failed = dist.broadcast((metrics, None if error is None else f"{type(error).__name__}: {error}"))
-    if error is not None:
-        raise error
-    if failed is not None:
-        raise EvaluationFailed(f"the evaluation on the main process failed: {failed}")
-    return metrics
+def evaluate_run(run: Run, stop=None) -> dict:
+    """Greedy evaluation of the held-out rows by every process of the run (the protocol: evaluate.evaluate_on)."""
+    return evaluate_on(run.dist, run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, stop=stop)
 
 
 def checkpoint(run: Run, step: int) -> None:
