@@ -200,6 +200,11 @@ class TrainingConfig:
         resume_harmless=True,
     )
     save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.", resume_harmless=True)
+    save_minutes: float = _f(
+        30.0,
+        "Also write a checkpoint when this many minutes have passed since the last one, so a fault or kill loses at most that much; 0 = off.",
+        resume_harmless=True,
+    )
     save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).", resume_harmless=True)
     save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.", resume_harmless=True)
     resume: str = _f("auto", "auto (newest valid checkpoint in output_dir), never, or a checkpoint path.", resume_harmless=True)
@@ -603,6 +608,7 @@ def validate(cfg: Config) -> None:
         ),
         (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
         (s.batch_size >= 1, "sft.batch_size must be >= 1"),
+        (t.save_minutes >= 0, f"training.save_minutes={t.save_minutes} must be >= 0 (0 = no time-based checkpoints)"),
         (s.micro_batch_size is None or s.micro_batch_size >= 1, "sft.micro_batch_size must be >= 1 (or null for a process's whole share)"),
         (s.epochs is None or s.epochs > 0, f"sft.epochs={s.epochs} must be > 0 (or null to use sft.steps)"),
         (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),

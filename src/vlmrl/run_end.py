@@ -18,6 +18,7 @@ from typing import Callable
 
 from .config import Config
 from .evaluate import EvaluationStopped
+from .faults import maybe_signal
 from .rundir import clear_ending, write_complete, write_ending
 
 
@@ -47,6 +48,7 @@ def finish(end: Ending, final: dict, stop, evaluate: Callable[[object], dict], s
         write_ending(end.out, end.step, end.kind)
     if dist.any(stop.requested):
         return stopped(end, final, stop, "the final model was saved" if cfg.training.save_final_model else "the last step")
+    maybe_signal("final-eval")
     try:
         final.update(evaluate(stop))
     except EvaluationStopped:
@@ -60,6 +62,7 @@ def finish(end: Ending, final: dict, stop, evaluate: Callable[[object], dict], s
     end.logger.close()  # trackers get the final summary; the bar ends before the report and the summary table
     if not dist.is_main:
         return final
+    maybe_signal("report")
     if cfg.logging.report:
         from .report import make_report
 
@@ -69,6 +72,7 @@ def finish(end: Ending, final: dict, stop, evaluate: Callable[[object], dict], s
 
         shown = {k: v for k, v in final.items() if k in end.summary_keys or k.startswith("eval/")}
         summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"{end.title} finished: {end.out}")
+    maybe_signal("complete")
     write_complete(end.out, end.step, end.kind)
     clear_ending(end.out)
     return final

@@ -322,9 +322,16 @@ def describe_output_dir(cfg) -> str:
         return f"{head} {complete_message(out, done)}"
     if t.resume not in ("auto", "never"):
         return f"{head} vlmrl train resumes from {t.resume} (training.resume)"
+    ending = read_ending(out)
+    if ending is not None and t.resume != "never":
+        return f"{head} the training is done ({ending['step']} steps); the final evaluation and report are left: the same command finishes them"
     found = list_checkpoints(out) if t.resume == "auto" else []
     if found:
-        return f"{head} vlmrl train resumes from {found[-1].name} (step {checkpoint_step(found[-1])} of {t.max_steps}); vlmrl sft would start over"
+        sft_steps = "" if cfg.sft.epochs is not None else f" of {cfg.sft.projector_steps + cfg.sft.steps}"
+        return (
+            f"{head} resumes from {found[-1].name} (step {checkpoint_step(found[-1])}: of {t.max_steps} for vlmrl train, "
+            f"of its stages' steps{sft_steps} for vlmrl sft)"
+        )
     if (out / "metrics.jsonl").is_file():
         return f"{head} an unfinished run without a checkpoint: it starts over at step 0 (its logged steps are replaced)"
     return f"{head} new run"

@@ -25,6 +25,8 @@ import torch
 from .config import Config
 from .data import sft_target
 from .evaluate import evaluate_on
+from .faults import maybe_signal
+from .last_good import kept_last_good, save_due
 from .planner import measured_vs_predicted, predict_for_sft
 from .run_end import Ending, finish, finish_left
 from .rundir import EndingLeft, guard_run_folder, prepare_run
@@ -124,6 +126,7 @@ class SFTRun:
     stage: Stage | None = None
     optimizer: object = None
     scheduler: object = None
+    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
 
     @property
     def total(self) -> int:
@@ -151,13 +154,18 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
             step = run.state["step"] + 1
             if run.stage is None or not run.stage.first <= step <= run.stage.last:
                 enter_stage(run, run.stage_at(step))
-            final = sft_step(run, step)
+            # A step that raises: the checkpoint of the step before (if it can be), one line naming the step.
+            with kept_last_good(
+                step, run.sampler, run.scheduler, lambda: "the SFT step", lambda s: checkpoint(run, s), run.out, run.dist.world_size, run.logger.info
+            ):
+                final = sft_step(run, step)
             run.state["step"] = step
             last = step == run.total
             if not last and run.data.eval and t.eval_steps and step % t.eval_steps == 0:
                 evaluate_and_log(run, step)
+            maybe_signal("step")
             preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))
-            if (t.save_steps and (step % t.save_steps == 0 or last)) or (preempted and not last):
+            if save_due(t, step, last, preempted, run.saved_at, run.dist):
                 checkpoint(run, step)
             if preempted and not last:
                 why = stop.signal_name or f"stop_after={stop_after}"
@@ -393,6 +401,7 @@ def checkpoint(run: SFTRun, step: int) -> None:
         run.dist,
         rows_per_step=run.cfg.sft.batch_size,
     )
+    run.saved_at = time.monotonic()
 
 
 def finish_sft(run: SFTRun, final: dict, stop) -> dict:

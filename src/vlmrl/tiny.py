@@ -9,6 +9,7 @@ would load a user's checkpoint.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -406,18 +407,22 @@ def build_tiny_llava(
     vision_heads: int = 2,
     image_size: int = 56,
     patch_size: int = 8,
+    text_model: str = "llama",
 ) -> Path:
-    """Tiny LLaVA-1.5 (CLIP ViT + 2-layer MLP projector + Llama decoder) in out_dir.
+    """Tiny LLaVA-1.5 (CLIP ViT + 2-layer MLP projector + Llama decoder) in out_dir; text_model="phi": a Phi decoder
+    instead (LayerNorm, parallel attention/MLP, partial rotary), as MoE-LLaVA's and Bunny's Phi-2 LLaVAs.
 
     Images are resized to image_size x image_size: (image_size/patch_size)^2 <image> tokens each
     (49 with the defaults; the CLS token is dropped by the 'default' feature-select strategy).
     """
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PhiConfig
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
+    if text_model not in ("llama", "phi"):
+        raise ValueError(f"text_model must be llama or phi, got {text_model!r}")
     tokenizer = train_tokenizer(family="llava")
     tid = tokenizer.convert_tokens_to_ids
-    text = LlamaConfig(
+    text = (LlamaConfig if text_model == "llama" else functools.partial(PhiConfig, partial_rotary_factor=0.5))(
         vocab_size=_vocab_size(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,

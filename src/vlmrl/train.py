@@ -22,7 +22,9 @@ import torch
 from .advantages import ADVANTAGE_ESTIMATORS, group_std
 from .batching import pack_by_tokens, split_by_rows
 from .config import Config
+from .faults import maybe_signal
 from .evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
+from .last_good import kept_last_good, save_due
 from .logprobs import group_rows
 from .losses import aggregate, masked_mean, per_token_loss
 from .offload import OptimizerParking, parking_enabled
@@ -98,6 +100,7 @@ class Run:
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
     routing: object  # router.Routing of an MoE model (its load-balancing loss is logged, and added when configured), else None
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
+    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
 
 
 @dataclass
@@ -189,22 +192,34 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
         for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
             reset_peaks()
             phases: dict[str, float] = {}
-            with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
-                with phase("rollout", phases):
-                    samples = rollout(run, step)
-                with phase("rewards", phases):
-                    rewards = reward_and_advantages(run, samples, step)
-                with phase("scoring", phases):
-                    scores = score(run, samples, rewards)
-            with phase("update", phases):
-                stats = update(run, samples, rewards, scores)
-            final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
+            # A step that raises: the checkpoint of the step before (if it can be), one line naming step and phase.
+            with kept_last_good(
+                step,
+                run.sampler,
+                run.scheduler,
+                functools.partial(phase_of, phases),
+                lambda s: checkpoint(run, s),
+                run.out,
+                run.dist.world_size,
+                run.logger.info,
+            ):
+                with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
+                    with phase("rollout", phases):
+                        samples = rollout(run, step)
+                    with phase("rewards", phases):
+                        rewards = reward_and_advantages(run, samples, step)
+                    with phase("scoring", phases):
+                        scores = score(run, samples, rewards)
+                with phase("update", phases):
+                    stats = update(run, samples, rewards, scores)
+                final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
             run.state["step"] = step
             last = step == cfg.training.max_steps
             if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
                 final.update(maybe_evaluate(run, step))
+            maybe_signal("step")
             preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
-            if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
+            if save_due(cfg.training, step, last, preempted, run.saved_at, run.dist):
                 checkpoint(run, step)
             stop_if_nonfinite(run, step)
             if preempted and not last:
@@ -212,6 +227,14 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
                 break
         return finish_run(run, final, stop)
+
+
+PHASES = ("rollout", "rewards", "scoring", "update")
+
+
+def phase_of(phases: dict) -> str:
+    """The phase a step was in: the first without a time in `phases` (all timed: logging)."""
+    return next((f"phase {p}" for p in PHASES if f"time/{p}" not in phases), "logging")
 
 
 @contextlib.contextmanager
@@ -707,6 +730,7 @@ def evaluate_run(run: Run, stop=None) -> dict:
 def checkpoint(run: Run, step: int) -> None:
     run.state["sizes"] = asdict(run.sizes)
     save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
+    run.saved_at = time.monotonic()
 
 
 def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
