@@ -1,6 +1,6 @@
 """Kill-anywhere over the whole run, phase by phase: SIGKILL or SIGTERM delivered at a named moment of GRPO and SFT
 (mid-step, mid-checkpoint, while the final model is written, as the final evaluation starts, before the report, before
-the completion marker: faults.py), then the same command again until it exits 0. The result must be the uninterrupted
+the completion marker: checkpoints/faults.py), then the same command again until it exits 0. The result must be the uninterrupted
 run: bit-identical final weights, each step logged once with the same values, one final evaluation, the completion
 marker. SIGTERM is answered with exit 0 and one line (the step loop: a checkpoint; the ending: the rerun finishes it).
 """
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from vlmrl.config import load_config
 from vlmrl.sft import sft
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 from test_resume import overrides

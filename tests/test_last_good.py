@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 import vlmrl.train
 from vlmrl.config import load_config
-from vlmrl.last_good import StepFailed, save_due
-from vlmrl.tasks import make_count_task
+from vlmrl.run.last_good import StepFailed, save_due
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 from test_resume import overrides

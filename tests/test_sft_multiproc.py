@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # 5 two-process launches: ~1-2 min each on 2 shared cores
 
@@ -26,7 +26,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.tiny import build_tiny_llava
+    from vlmrl.fixtures.tiny import build_tiny_llava
 
     root = tmp_path_factory.mktemp("seed004")
     model = build_tiny_llava(root / "llava-phi", text_model="phi")

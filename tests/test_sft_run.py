@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from vlmrl.config import load_config
 from vlmrl.sft import sft, stages_of
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 
 pytestmark = pytest.mark.integration
 
@@ -137,10 +137,10 @@ def test_epochs_set_the_length_of_stage_2():
 def test_sigterm_during_sft_checkpoints_and_says_so(tiny_qwen25vl, data, tmp_path, monkeypatch, capsys):
     """SIGTERM in stage 2 (`vlmrl sft` used to die with exit 143, nothing saved): the step finishes, a checkpoint
     is written, one line says how to resume, sft returns (the CLI exits 0)."""
-    import vlmrl.faults
+    import vlmrl.checkpoints.faults
 
-    monkeypatch.setattr(vlmrl.faults, "_seen", {})
-    monkeypatch.setenv(vlmrl.faults.ENV, "step@3:SIGTERM")
+    monkeypatch.setattr(vlmrl.checkpoints.faults, "_seen", {})
+    monkeypatch.setenv(vlmrl.checkpoints.faults.ENV, "step@3:SIGTERM")
     out = tmp_path / "run"
     sft(load_config(None, args(tiny_qwen25vl, data, out)))
     said = capsys.readouterr().out

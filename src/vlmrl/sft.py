@@ -3,7 +3,7 @@ full run on the same skeleton as GRPO (train.py):
 
     start (engine, planner, output folder, model, data, rewards, logger) -> per step: the global batch drawn, this
     process's share cut into micro-batches (OOM: halved, the effective batch kept), one optimizer step -> log ->
-    maybe evaluate -> maybe checkpoint -> the shared ending (run_end.py: final model, evaluation, report)
+    maybe evaluate -> maybe checkpoint -> the shared ending (ending.py: final model, evaluation, report)
 
 Every engine (one process, DDP, FSDP2, and DeepSpeed through the same engine seam), `training.save_steps`
 checkpoints with exact resume (the stage whose optimizer a checkpoint holds is in it), SIGTERM / SIGINT: the step
@@ -22,15 +22,18 @@ from pathlib import Path
 
 import torch
 
-from .config import Config
-from .data import sft_target
-from .evaluate import evaluate_on
-from .faults import maybe_signal
-from .last_good import kept_last_good, save_due
-from .planner import measured_vs_predicted, predict_for_sft
-from .run_end import Ending, finish, finish_left
-from .rundir import EndingLeft, guard_run_folder, prepare_run
-from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
+from vlmrl.config import Config
+from vlmrl.data.rows import sft_target
+from vlmrl.evaluate import evaluate_on
+from vlmrl.checkpoints.faults import maybe_signal
+from vlmrl.run.last_good import kept_last_good, save_due
+from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
+from vlmrl.ending import Ending, finish, finish_left
+from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
+from vlmrl.run.datasets import encode_rows, load_datasets
+from vlmrl.models.policy import load_policy
+from vlmrl.rewards.scoring import load_reward_funcs
+from vlmrl.engine.device import resolve_device, seed_everything
 
 SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
 
@@ -62,7 +65,7 @@ def longest_target(tokenizer, rows, sample: int = 512) -> int:
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
     """stage 'projector': only the projector; 'language': language model + projector (+ vision tower)."""
-    from .models import language_model, output_head, projector, vision_tower
+    from vlmrl.models.loading import language_model, output_head, projector, vision_tower
 
     model.requires_grad_(False)
     projector(model).requires_grad_(True)
@@ -136,12 +139,12 @@ class SFTRun:
         return next(s for s in self.stages if s.first <= step <= s.last)
 
 
-@guard_run_folder  # one run per output_dir (a lock); the ending writes the completion marker (run_end.py)
+@guard_run_folder  # one run per output_dir (a lock); the ending writes the completion marker (ending.py)
 def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """Run the configured SFT stages; saves output_dir/final and returns the last metrics. Resumes from the newest
     valid checkpoint unless training.resume says otherwise; SIGTERM / SIGINT finish the step, write a checkpoint and
     return. `stop_after` simulates such a stop after that step (tests)."""
-    from .checkpoint import GracefulStop
+    from vlmrl.checkpoints.files import GracefulStop
 
     run = start_sft(cfg, log)
     if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
@@ -150,6 +153,8 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     t = cfg.training
     with GracefulStop() as stop, run.logger:
         run.model.train()
+        if run.resume_from is not None:  # restored now even when no step is left (killed after the last checkpoint)
+            enter_stage(run, run.stage_at(min(run.state["step"] + 1, run.total)))
         while run.state["step"] < run.total:
             step = run.state["step"] + 1
             if run.stage is None or not run.stage.first <= step <= run.stage.last:
@@ -177,12 +182,12 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     """Engine, output folder (refusals first), model, data, planner, sampler, rewards and logger. The optimizer is
     built per stage (`enter_stage`), where a resumed run's state is restored."""
-    from .checkpoint import is_weights_only, read_trainer_state
-    from .data import PromptSampler
-    from .distributed import Distributed, DistributedError
-    from .prefix import LogprobOptions
-    from .router import routing_for
-    from .tracking import RunLogger, tracker_options
+    from vlmrl.checkpoints.files import is_weights_only, read_trainer_state
+    from vlmrl.data.rows import PromptSampler
+    from vlmrl.engine.distributed import Distributed, DistributedError
+    from vlmrl.models.prefix import LogprobOptions
+    from vlmrl.models.router import routing_for
+    from vlmrl.run.tracking import RunLogger, tracker_options
 
     t, s = cfg.training, cfg.sft
     out = Path(t.output_dir)
@@ -267,9 +272,9 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
 def enter_stage(run: SFTRun, stage: Stage) -> None:
     """The stage's trainable parameters, optimizer and schedule, wrapped by the engine; the first stage a resumed
     run enters restores the checkpoint (weights, sampler, RNG, and the optimizer when it is this stage's)."""
-    from .checkpoint import is_sharded_checkpoint
-    from .optim import allocate_optimizer_state, make_optimizer
-    from .run_checkpoint import restore, restore_after_wrap
+    from vlmrl.checkpoints.files import is_sharded_checkpoint
+    from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer
+    from vlmrl.checkpoints.state import restore, restore_after_wrap
 
     cfg, dist = run.cfg, run.dist
     if not cfg.model.use_lora:
@@ -300,7 +305,7 @@ class StepLoss:
 def sft_step(run: SFTRun, step: int) -> dict:
     """One optimizer step over sft.batch_size rows (every process draws the same batch and takes its share), in
     micro-batches of run.micro rows (halved on OOM: the step redone, partial gradients dropped)."""
-    from .oom import retry_on_oom
+    from vlmrl.engine.oom import retry_on_oom
 
     cfg, dist = run.cfg, run.dist
     t0 = time.perf_counter()
@@ -346,9 +351,9 @@ def sft_step(run: SFTRun, step: int) -> dict:
 def accumulate(run: SFTRun, rows: list[dict], seqs: list[list[int]], tokens: int, size: int) -> StepLoss:
     """Forward/backward of this process's rows in micro-batches of `size`; gradients accumulate in the model.
     `tokens`: target tokens of the whole step over every process (the loss's normaliser)."""
-    from .oom import maybe_inject_oom
-    from .prefix import completion_logps_for
-    from .router import capture_routing, micro_batch_aux_loss
+    from vlmrl.engine.oom import maybe_inject_oom
+    from vlmrl.models.prefix import completion_logps_for
+    from vlmrl.models.router import capture_routing, micro_batch_aux_loss
 
     cfg, dist = run.cfg, run.dist
     out = StepLoss()
@@ -385,7 +390,7 @@ def evaluate_and_log(run: SFTRun, step: int, stop=None) -> dict:
 
 
 def checkpoint(run: SFTRun, step: int) -> None:
-    from .run_checkpoint import save
+    from vlmrl.checkpoints.state import save
 
     run.state.update(sizes={"update": run.micro}, stage=run.stage.name)
     save(
@@ -405,9 +410,9 @@ def checkpoint(run: SFTRun, step: int) -> None:
 
 
 def finish_sft(run: SFTRun, final: dict, stop) -> dict:
-    """The shared ending (run_end.finish): the final model, the last evaluation, report, summary."""
-    from .models import save_model
-    from .run_checkpoint import save_final
+    """The shared ending (ending.finish): the final model, the last evaluation, report, summary."""
+    from vlmrl.models.loading import save_model
+    from vlmrl.checkpoints.state import save_final
 
     step = run.state["step"]
 
