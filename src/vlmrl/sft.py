@@ -150,6 +150,8 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     t = cfg.training
     with GracefulStop() as stop, run.logger:
         run.model.train()
+        if run.resume_from is not None:  # restored now even when no step is left (killed after the last checkpoint)
+            enter_stage(run, run.stage_at(min(run.state["step"] + 1, run.total)))
         while run.state["step"] < run.total:
             step = run.state["step"] + 1
             if run.stage is None or not run.stage.first <= step <= run.stage.last:
