@@ -38,24 +38,23 @@ from vlmrl.engine.device import resolve_device, seed_everything
 SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
 
 
-def target_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
-    """Each row's target token ids, ending in EOS."""
-    return [tokenizer(sft_target(r), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, T] right-padded target ids, their attention mask and loss mask: a row's target + EOS (loss on all of it),
+    or a conversation's turns after its prompt (loss on the assistant turns only: conversations.py)."""
+    from vlmrl.models.conversations import target_tensors
+
+    return target_tensors(tokenizer, rows, sft_target, device)
 
 
-def target_batch(tokenizer, rows: list[dict], device, seqs: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, T] right-padded target ids ending in EOS, and their mask (1 on every target token). `seqs`: the rows'
-    target_ids when already tokenised."""
-    eos = tokenizer.eos_token_id
-    seqs = target_ids(tokenizer, rows) if seqs is None else seqs
-    width = max(len(s) for s in seqs)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
+def sft_row(processor, row: dict, cfg: Config) -> dict:
+    """A conversation row split into prompt turns and assistant targets (conversations.sft_view); others as they are."""
+    from vlmrl.models.conversations import ConversationError, sft_view
+    from vlmrl.data.rows import DataError
+
+    try:
+        return sft_view(processor, row, min(len(row["images"]), cfg.data.limit_images), len(row.get("videos") or []), cfg.data.system_prompt)
+    except ConversationError as e:
+        raise DataError(str(e)) from None
 
 
 def longest_target(tokenizer, rows, sample: int = 512) -> int:
@@ -311,13 +310,13 @@ def sft_step(run: SFTRun, step: int) -> dict:
     t0 = time.perf_counter()
     share = cfg.sft.batch_size // dist.world_size
     batch = run.sampler.next_batch(cfg.sft.batch_size)
-    rows = [run.data.train[i] for i in batch[dist.rank * share : (dist.rank + 1) * share]]
-    seqs = target_ids(run.processor.tokenizer, rows)
-    # The loss is a mean over the target tokens of the whole batch (every process's rows), whatever the micro-batches.
-    tokens = sum(len(q) for q in seqs)
+    rows = [sft_row(run.processor, run.data.train[i], cfg) for i in batch[dist.rank * share : (dist.rank + 1) * share]]
+    targets = target_batch(run.processor.tokenizer, rows, run.device)  # ids, attention, loss mask: [share, T]
+    # The loss is a mean over the trained target tokens of the whole batch (every process's rows), whatever the micro-batches.
+    tokens = int(targets[2].sum())
     tokens = int(dist.all_sum([float(tokens)])[0]) if dist.world_size > 1 else tokens
     result_loss, run.micro = retry_on_oom(
-        lambda size: accumulate(run, rows, seqs, max(1, tokens), size),
+        lambda size: accumulate(run, rows, targets, max(1, tokens), size),
         run.micro,
         "sft",
         run.logger.info,
@@ -348,9 +347,10 @@ def sft_step(run: SFTRun, step: int) -> dict:
     return metrics
 
 
-def accumulate(run: SFTRun, rows: list[dict], seqs: list[list[int]], tokens: int, size: int) -> StepLoss:
+def accumulate(run: SFTRun, rows: list[dict], targets: tuple, tokens: int, size: int) -> StepLoss:
     """Forward/backward of this process's rows in micro-batches of `size`; gradients accumulate in the model.
-    `tokens`: target tokens of the whole step over every process (the loss's normaliser)."""
+    `targets`: the rows' (ids, attention mask, loss mask), [rows, T]; `tokens`: trained target tokens of the whole step
+    over every process (the loss's normaliser)."""
     from vlmrl.engine.oom import maybe_inject_oom
     from vlmrl.models.prefix import completion_logps_for
     from vlmrl.models.router import capture_routing, micro_batch_aux_loss
@@ -360,15 +360,16 @@ def accumulate(run: SFTRun, rows: list[dict], seqs: list[list[int]], tokens: int
     starts = list(range(0, len(rows), size))
     for k, start in enumerate(starts):
         maybe_inject_oom("sft", min(size, len(rows) - start))
-        chunk, chunk_seqs = rows[start : start + size], seqs[start : start + size]
+        chunk = rows[start : start + size]
+        width = int(targets[1][start : start + size].sum(dim=1).max())  # the chunk's longest target
+        ids, mask, loss_mask = (t[start : start + size, :width] for t in targets)
         prompts = encode_rows(run.processor, chunk, cfg, run.device)
-        ids, mask = target_batch(run.processor.tokenizer, chunk, run.device, chunk_seqs)
         row_prompt = torch.arange(len(chunk), device=run.device)
         with dist.no_sync(last=k == len(starts) - 1):  # gradients synced once per optimizer step
             with capture_routing(run.routing) as routed:
                 logps = dist.call(completion_logps_for, prompts, row_prompt, ids, mask, run.opts, grad=True)
             # The batch's token mean (one micro-batch on one process: exactly losses.masked_mean of the batch).
-            weights = mask.to(logps.dtype)
+            weights = loss_mask.to(logps.dtype)
             loss = -((logps * weights).sum() / torch.tensor(float(tokens), dtype=logps.dtype, device=logps.device))
             if run.routing is not None:
                 aux = micro_batch_aux_loss(routed, prompts, row_prompt, ids.shape[1])

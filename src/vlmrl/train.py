@@ -181,6 +181,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     from vlmrl.checkpoints.files import GracefulStop
     from vlmrl.engine.memory import reset_peaks
 
+    from vlmrl.run.datasets import epochs_as_steps
+
+    cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
     run = start_run(cfg, log)
     if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
         return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)

@@ -42,7 +42,21 @@ def preflight(cfg: Config, command: str, log=print):
     rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
+        if command == "check":
+            for line in describe_rewards(cfg, funcs, rows):
+                log(line)
     return data
+
+
+def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
+    """One line per reward: which definition a built-in name is, or how a user reward is called and with what."""
+    from vlmrl.rewards.peers import describe_call
+    from vlmrl.rewards.functions import BUILTIN_REWARDS, resolve_completion_format
+    from vlmrl.rewards.scoring import reward_columns
+
+    columns = list(reward_columns(rows, 1))
+    form = resolve_completion_format(cfg.algorithm.completion_format, rows)
+    return [describe_call(name, fn, columns, form, builtin=BUILTIN_REWARDS.get(name) is fn) for name, fn in funcs.items()]
 
 
 def check_trackers(cfg: Config) -> None:
@@ -89,6 +103,10 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
     from vlmrl.rewards.scoring import reward_columns, row_sources
     from vlmrl.data.rows import sft_target
 
+    if any("image_path" in row for row in rows):  # VLM-R1 rows: their rewards also get image_grid_thw (runtime.note_image_grids)
+        from vlmrl.run.datasets import configured_processor, encode_rows
+
+        encode_rows(configured_processor(cfg), rows, cfg, "cpu")
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
     try:
