@@ -501,12 +501,3 @@ def test_fsdp2_fully_shard_rollout_and_gradients_on_two_gloo_processes(setup):
         # The clip's global norm over the DTensor shards, against a float64 norm of the reference gradients (a float32
         # norm of the concatenated vector is itself 3.7e-5 off here).
         assert fsdp_norm == pytest.approx(expected_norm, rel=1e-5), (fsdp_norm, expected_norm)
-
-
-def test_sft_refuses_a_multi_process_launch(monkeypatch, tmp_path):
-    from vlmrl.config import load_config
-    from vlmrl.sft import sft
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(DistributedError, match="vlmrl sft runs on one process"):
-        sft(load_config(None, [f"training.output_dir={tmp_path}"]))

@@ -163,7 +163,10 @@ def test_resume_is_announced_with_its_step_and_check_predicts_it(tiny_qwen25vl, 
     out = tmp_path / "run"
     cfg = load_config(None, args(tiny_qwen25vl, count_data, out, "training.save_steps=1"))
     train(cfg, stop_after=1)
-    assert describe_output_dir(cfg) == f"output_dir {out}: vlmrl train resumes from checkpoint-1 (step 1 of 2); vlmrl sft would start over"
+    assert (
+        describe_output_dir(cfg)
+        == f"output_dir {out}: resumes from checkpoint-1 (step 1: of 2 for vlmrl train, of its stages' steps of 2 for vlmrl sft)"
+    )
     lines = []
     train(cfg, log=lines.append)
     assert f"resuming from {out / 'checkpoint-1'} at step 1 of 2 (training.overwrite_output_dir=true starts over instead)" in lines

@@ -235,6 +235,11 @@ class TrainingConfig:
         resume_harmless=True,
     )
     save_steps: int = _f(0, "Write a full-state checkpoint every this many steps; 0 = only at a graceful stop.", resume_harmless=True)
+    save_minutes: float = _f(
+        30.0,
+        "Also write a checkpoint when this many minutes have passed since the last one, so a fault or kill loses at most that much; 0 = off.",
+        resume_harmless=True,
+    )
     save_total_limit: Optional[int] = _f(None, "Keep at most this many checkpoints (never the newest valid nor the best).", resume_harmless=True)
     save_only_model: bool = _f(False, "Checkpoints hold weights only (no optimizer/RNG); such a run cannot be resumed exactly.", resume_harmless=True)
     resume: str = _f("auto", "auto (newest valid checkpoint in output_dir), never, or a checkpoint path.", resume_harmless=True)
@@ -273,7 +278,13 @@ class SFTConfig:
     steps: int = _f(100, "Stage 2 steps: train the language model (and projector).")
     learning_rate: float = _f(2e-5, "Learning rate of stage 2.")
     train_vision_tower: bool = _f(False, "Also train the vision tower in stage 2.")
-    batch_size: int = _f(8, "Rows per SFT optimizer step.")
+    batch_size: int = _f(8, "Rows per SFT optimizer step, over every process (the effective batch).")
+    micro_batch_size: Optional[int] = _f(
+        None,
+        "Rows per forward/backward on each process; gradients accumulate over batch_size / (processes x this) micro-batches (null: a process's whole share at once).",
+        resume_harmless=True,
+    )
+    epochs: Optional[float] = _f(None, "Stage 2 length in passes over the training data (ceil(epochs x rows / batch_size) steps); null: sft.steps.")
 
 
 @dataclass(frozen=True)
@@ -698,6 +709,9 @@ def validate(cfg: Config) -> None:
         ),
         (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
         (s.batch_size >= 1, "sft.batch_size must be >= 1"),
+        (t.save_minutes >= 0, f"training.save_minutes={t.save_minutes} must be >= 0 (0 = no time-based checkpoints)"),
+        (s.micro_batch_size is None or s.micro_batch_size >= 1, "sft.micro_batch_size must be >= 1 (or null for a process's whole share)"),
+        (s.epochs is None or s.epochs > 0, f"sft.epochs={s.epochs} must be > 0 (or null to use sft.steps)"),
         (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
         (
             cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,

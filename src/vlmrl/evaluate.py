@@ -12,6 +12,42 @@ from vlmrl.run.datasets import encode_rows
 from vlmrl.rewards.scoring import score_rollout
 
 
+class EvaluationFailed(RuntimeError):
+    """Raised on the other processes when the main process's evaluation (DDP: the main process evaluates alone) failed."""
+
+
+class EvaluationStopped(Exception):
+    """A stop (SIGTERM / SIGINT) was asked for during an evaluation; it ended between batches, nothing logged."""
+
+
+def evaluate_on(
+    dist, model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device, log=print, samples: list | None = None, stop=None
+) -> dict:
+    """`evaluate` with every process of the run (`dist`: distributed.Distributed): the main process alone (one process,
+    DDP), or every process through the engine when parameters are sharded (they all take part in the all-gathers).
+    Every process gets the metrics; a failure on the main process raises on every process. `stop`: a GracefulStop
+    whose request ends the evaluation between batches (EvaluationStopped on every process)."""
+    if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
+        asked = None if stop is None else (lambda: dist.any(stop.requested))  # every process leaves at the same batch
+        with dist.gathered_for_generation(cfg.memory.generation_gather):
+            return dist.call(evaluate, processor, rows, cfg, reward_funcs, device, log, dist.oom_peers, samples, asked)
+    error, metrics = None, None
+    if dist.is_main:  # alone: its OOM redo involves no other process
+        try:
+            asked = None if stop is None else (lambda: stop.requested)
+            metrics = evaluate(model, processor, rows, cfg, reward_funcs, device, log, samples=samples, stop=asked)
+        except Exception as e:  # noqa: BLE001 - the others wait in the broadcast below: tell them, then raise on every process
+            error = e
+    metrics, failed = dist.broadcast((metrics, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    if failed is not None:
+        if failed.startswith(EvaluationStopped.__name__):
+            raise EvaluationStopped(failed)
+        raise EvaluationFailed(f"the evaluation on the main process failed: {failed}")
+    return metrics
+
+
 def evaluate(
     model,
     processor,
@@ -22,12 +58,14 @@ def evaluate(
     log=print,
     peers=None,
     samples: list | None = None,
+    stop=None,
 ) -> dict[str, float]:
     """Greedy completions for `rows`; returns `eval/<reward>` means (e.g. eval/accuracy, eval/iou) and
     eval/reward (the unweighted mean of all rewards per sample, then over samples). Batches of
     training.eval_batch_size prompts, halved on out-of-memory (greedy decoding gives the same tokens). `peers`: the
     processes that evaluate together (oom.Peers; None: this one alone).
-    `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`)."""
+    `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`).
+    `stop`, when given, is asked before every batch; True ends the evaluation (EvaluationStopped)."""
     from vlmrl.engine.oom import ALONE, maybe_inject_oom, retry_on_oom
     from vlmrl.models.prefix import LogprobOptions
     from vlmrl.models.processing import decode
@@ -60,6 +98,9 @@ def evaluate(
 
     bs, start = cfg.training.eval_batch_size, 0
     while start < len(rows):
+        if stop is not None and stop():
+            model.train(was_training)
+            raise EvaluationStopped(f"stopped after {start} of {len(rows)} evaluation rows")
         comp, bs = retry_on_oom(functools.partial(greedy_from, start), bs, "evaluation", log, enabled=cfg.memory.oom_recovery, peers=peers or ALONE)
         chunk = rows[start : start + bs]
         start += bs

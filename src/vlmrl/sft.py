@@ -1,22 +1,41 @@
-"""Supervised fine-tuning on the solutions, with LLaVA's two stages: projector only, then the language model."""
+"""Supervised fine-tuning on the solutions, with LLaVA's two stages (projector only, then the language model), as a
+full run on the same skeleton as GRPO (train.py):
+
+    start (engine, planner, output folder, model, data, rewards, logger) -> per step: the global batch drawn, this
+    process's share cut into micro-batches (OOM: halved, the effective batch kept), one optimizer step -> log ->
+    maybe evaluate -> maybe checkpoint -> the shared ending (ending.py: final model, evaluation, report)
+
+Every engine (one process, DDP, FSDP2, and DeepSpeed through the same engine seam), `training.save_steps`
+checkpoints with exact resume (the stage whose optimizer a checkpoint holds is in it), SIGTERM / SIGINT: the step
+finishes, a checkpoint is written, one line, exit 0. `sft.batch_size` is the effective batch over every process;
+`sft.micro_batch_size` only changes how it is cut (its loss is normalised by the target tokens of the whole batch),
+so 8 x 2, 4 x 4 and 2 x 8 on two processes train the same weights (to float rounding).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config, save_config
+from vlmrl.config import Config
 from vlmrl.data.rows import sft_target
-from vlmrl.algo.losses import masked_mean
+from vlmrl.evaluate import evaluate_on
+from vlmrl.checkpoints.faults import maybe_signal
+from vlmrl.run.last_good import kept_last_good, save_due
 from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
-from vlmrl.run.rundir import guard_sft_folder
+from vlmrl.ending import Ending, finish, finish_left
+from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
+
+SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
 
 
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,115 +75,351 @@ def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
             vision_tower(model).requires_grad_(True)
 
 
-@guard_sft_folder  # output_dir rules: lock, a complete run reported complete, overwrite_output_dir (rundir.py)
-def sft(cfg: Config, log=print) -> dict:
-    """Run the configured SFT stages; saves output_dir/final and returns the last metrics."""
-    from vlmrl.data.rows import PromptSampler
-    from vlmrl.models.loading import save_model
-    from vlmrl.engine.optim import clip_and_step, make_optimizer
-    from vlmrl.models.prefix import LogprobOptions, completion_logps_for
-    from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
-    from vlmrl.run.tracking import RunLogger, tracker_options
-    from vlmrl.engine.distributed import DistributedError
-    from vlmrl.engine.device import env_world
+@dataclass(frozen=True)
+class Stage:
+    """One SFT stage: steps `first`..`last` of the run (1-based, inclusive) at learning rate `lr`."""
 
-    if env_world()[0] > 1:
+    name: str  # "projector" (stage 1) or "language" (stage 2)
+    first: int
+    last: int
+    lr: float
+
+    @property
+    def steps(self) -> int:
+        return self.last - self.first + 1
+
+
+def stages_of(cfg: Config, num_rows: int) -> list[Stage]:
+    """The run's stages with at least one step; stage 2 lasts sft.steps, or ceil(sft.epochs x rows / batch_size)."""
+    s = cfg.sft
+    language = s.steps if s.epochs is None else max(1, math.ceil(s.epochs * num_rows / s.batch_size))
+    out, first = [], 1
+    for name, steps, lr in (("projector", s.projector_steps, s.projector_learning_rate), ("language", language, s.learning_rate)):
+        if steps:
+            out.append(Stage(name, first, first + steps - 1, lr))
+            first += steps
+    return out
+
+
+@dataclass
+class SFTRun:
+    """What lives for the whole SFT run; built once by `start_sft`. The optimizer and scheduler are the current
+    stage's (`enter_stage`)."""
+
+    cfg: Config
+    out: Path
+    dist: object  # distributed.Distributed
+    device: torch.device
+    model: torch.nn.Module
+    processor: object
+    data: object  # runtime.Datasets
+    reward_funcs: dict
+    sampler: object  # data.PromptSampler
+    logger: object  # tracking.RunLogger
+    log: object  # the caller's log function (main process; others: a no-op)
+    opts: object  # prefix.LogprobOptions
+    plan: object  # the planner's prediction, compared with the measured peak every step
+    routing: object  # router.Routing of an MoE model, else None
+    stages: list[Stage]
+    state: dict  # step, best_metric, best_step, stage
+    micro: int  # rows per forward/backward on this process (halved on OOM, kept in checkpoints)
+    resume_from: Path | None = None  # the checkpoint the first stage entered restores from
+    saved_stage: str | None = None  # the stage whose optimizer that checkpoint holds
+    stage: Stage | None = None
+    optimizer: object = None
+    scheduler: object = None
+    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
+
+    @property
+    def total(self) -> int:
+        return self.stages[-1].last if self.stages else 0
+
+    def stage_at(self, step: int) -> Stage:
+        return next(s for s in self.stages if s.first <= step <= s.last)
+
+
+@guard_run_folder  # one run per output_dir (a lock); the ending writes the completion marker (ending.py)
+def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
+    """Run the configured SFT stages; saves output_dir/final and returns the last metrics. Resumes from the newest
+    valid checkpoint unless training.resume says otherwise; SIGTERM / SIGINT finish the step, write a checkpoint and
+    return. `stop_after` simulates such a stop after that step (tests)."""
+    from vlmrl.checkpoints.files import GracefulStop
+
+    run = start_sft(cfg, log)
+    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "sft", "SFT", SFT_SUMMARY_KEYS)
+    final: dict = {}
+    t = cfg.training
+    with GracefulStop() as stop, run.logger:
+        run.model.train()
+        if run.resume_from is not None:  # restored now even when no step is left (killed after the last checkpoint)
+            enter_stage(run, run.stage_at(min(run.state["step"] + 1, run.total)))
+        while run.state["step"] < run.total:
+            step = run.state["step"] + 1
+            if run.stage is None or not run.stage.first <= step <= run.stage.last:
+                enter_stage(run, run.stage_at(step))
+            # A step that raises: the checkpoint of the step before (if it can be), one line naming the step.
+            with kept_last_good(
+                step, run.sampler, run.scheduler, lambda: "the SFT step", lambda s: checkpoint(run, s), run.out, run.dist.world_size, run.logger.info
+            ):
+                final = sft_step(run, step)
+            run.state["step"] = step
+            last = step == run.total
+            if not last and run.data.eval and t.eval_steps and step % t.eval_steps == 0:
+                evaluate_and_log(run, step)
+            maybe_signal("step")
+            preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))
+            if save_due(t, step, last, preempted, run.saved_at, run.dist):
+                checkpoint(run, step)
+            if preempted and not last:
+                why = stop.signal_name or f"stop_after={stop_after}"
+                run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
+                return final
+        return finish_sft(run, final, stop)
+
+
+def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
+    """Engine, output folder (refusals first), model, data, planner, sampler, rewards and logger. The optimizer is
+    built per stage (`enter_stage`), where a resumed run's state is restored."""
+    from vlmrl.checkpoints.files import is_weights_only, read_trainer_state
+    from vlmrl.data.rows import PromptSampler
+    from vlmrl.engine.distributed import Distributed, DistributedError
+    from vlmrl.models.prefix import LogprobOptions
+    from vlmrl.models.router import routing_for
+    from vlmrl.run.tracking import RunLogger, tracker_options
+
+    t, s = cfg.training, cfg.sft
+    out = Path(t.output_dir)
+    dist = Distributed.from_env(cpu=resolve_device(t.device).type == "cpu")
+    log = log if dist.is_main else (lambda *_: None)
+    W = dist.world_size
+    if s.batch_size % W:
+        raise DistributedError(f"sft.batch_size={s.batch_size} must be a multiple of the {W} processes (each takes an equal share of every step)")
+    if W > 1 and not dist.engine.can_redo_oom and s.projector_steps and (s.steps or s.epochs):
         raise DistributedError(
-            f"vlmrl sft runs on one process; this launch has {env_world()[0]} (WORLD_SIZE). Run it without "
-            "accelerate launch / torchrun (only vlmrl train runs on several processes, docs/scaling_out.md)"
+            f"vlmrl sft with both stages in one run is not supported under {dist.engine.name} (the engine wraps the trainable "
+            "parameters once); run stage 1 (sft.steps=0) and then stage 2 from its final/ (sft.projector_steps=0) as two commands"
         )
-    out = Path(cfg.training.output_dir)
-    save_config(cfg, out / "config.yaml")
-    device = resolve_device(cfg.training.device)
-    seed_everything(cfg.training.seed)
+    total = None if s.epochs is not None else s.projector_steps + s.steps
+    resume_from = prepare_run(cfg, log, dist, total, "sft") if total is not None else None
+    if isinstance(resume_from, EndingLeft):
+        resume_from.dist = dist
+        return resume_from
+    if W > 1:
+        log(f"{dist.describe()}: {s.batch_size // W} of {s.batch_size} rows per step on each process")
+    dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
+    dist.check_config(cfg)  # a DeepSpeed config that contradicts this one: one line before anything loads
+    device = dist.device(resolve_device(t.device))
+    seed_everything(t.seed)
     model, processor = load_policy(cfg, device)
     routing = routing_for(model, cfg.algorithm.router_aux_loss_coef)  # MoE: the load-balancing loss, logged (and added)
-    data = load_datasets(cfg, processor=processor)
+    with dist.main_first():  # the built-in task's files are written once
+        data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
+    stages = stages_of(cfg, len(data.train))
+    if total is None:  # sft.epochs: the length is known once the data is
+        resume_from = prepare_run(cfg, log, dist, stages[-1].last, "sft")
+        if isinstance(resume_from, EndingLeft):
+            resume_from.dist = dist
+            return resume_from
     plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train))  # logged; compared each step
-    sampler = PromptSampler(len(data.train), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+    sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     reward_funcs, _ = load_reward_funcs(cfg)
-    s = cfg.sft
-    stages = [("projector", s.projector_steps, s.projector_learning_rate), ("language", s.steps, s.learning_rate)]
-    total = s.projector_steps + s.steps
-    logger = RunLogger(out, total_steps=total, **tracker_options(cfg), progress=cfg.logging.progress_bar, desc="SFT")
-    step, final = 0, {}
+    state = {"step": 0, "best_metric": None, "best_step": None}
+    saved: dict = {}
+    if resume_from is not None and not is_weights_only(resume_from):
+        saved = read_trainer_state(resume_from)
+        state["step"] = int(saved["global_step"])
+    micro = min(s.micro_batch_size or s.batch_size // W, s.batch_size // W)
+    if (saved.get("sizes") or {}).get("update"):  # what OOM recovery settled on, unless configured smaller now
+        micro = min(micro, int(saved["sizes"]["update"]))
+    logger = RunLogger(
+        out,
+        total_steps=stages[-1].last if stages else 0,
+        initial_step=state["step"],
+        logging_steps=cfg.logging.logging_steps,
+        **tracker_options(cfg),
+        progress=cfg.logging.progress_bar,
+        desc="SFT",
+        is_main_process=dist.is_main,
+    )
     # GRPO's log-prob settings; one target per prompt leaves nothing to share, so one forward of prompt + target.
     opts = dataclasses.replace(LogprobOptions.from_config(cfg, device), shared_prefix=False)
-    model.train()
-    for stage, steps, lr in stages:
-        if steps == 0:
-            continue
-        if not cfg.model.use_lora:
-            set_stage_trainable(model, stage, s.train_vision_tower)
-        optimizer, scheduler = make_optimizer(model, cfg, steps, learning_rate=lr)
-        for _ in range(steps):
-            step += 1
-            t0 = time.perf_counter()
-            rows = [sft_row(processor, data.train[i], cfg) for i in sampler.next_batch(s.batch_size)]
-            prompts = encode_rows(processor, rows, cfg, device)
-            ids, mask, loss_mask = target_batch(processor.tokenizer, rows, device)
-            row_prompt = torch.arange(len(rows), device=device)
-            with capture_routing(routing) as routed:
-                logps = completion_logps_for(model, prompts, row_prompt, ids, mask, opts)
-            loss = -masked_mean(logps, loss_mask)
-            aux = {}
-            if routing is not None:
-                aux_loss = micro_batch_aux_loss(routed, prompts, row_prompt, ids.shape[1])
-                aux["router/aux_loss"] = aux_loss.item()
-                loss = loss + cfg.algorithm.router_aux_loss_coef * aux_loss
-            loss.backward()
-            result = clip_and_step([p for p in model.parameters() if p.requires_grad], optimizer, scheduler, cfg.optim.max_grad_norm)
-            if result.skipped:
-                log(f"WARNING: SFT step {step}: loss {loss.item()} / gradient norm {result.grad_norm} not finite; step skipped, nothing changed")
-            final = {
-                "loss": loss.item(),
-                "grad_norm": result.grad_norm,
-                "nonfinite/skipped_steps": float(result.skipped),
-                "lr": scheduler.get_last_lr()[0],
-                "time/step": time.perf_counter() - t0,
-                "stage": 1.0 if stage == "projector" else 2.0,
-                **aux,
-                **measured_vs_predicted(plan, log),
-            }
-            logger.log(step, final)
-            if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
-                evaluate_and_log(logger, step, model, processor, data.eval, cfg, reward_funcs, device)
-    from vlmrl.checkpoints.files import save_folder_atomically
-
-    # Before the last evaluation (its failure must not lose the training); under a temporary name, then renamed: a
-    # full disk leaves no half folder, and is one line (CheckpointSaveError).
-    save_folder_atomically(out / "final", lambda tmp: save_model(model, processor, tmp))
-    if data.eval:
-        try:
-            final.update(evaluate_and_log(logger, step, model, processor, data.eval, cfg, reward_funcs, device, log))
-        except Exception as e:  # noqa: BLE001 - the model is saved; report and keep it
-            log(f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); the trained model is saved in {out / 'final'}")
-            final["eval/failed"] = 1.0
-    logger.close()
-    if cfg.logging.report:  # the same report.png as GRPO runs (loss, eval, memory, step time)
-        from vlmrl.run.report import make_report
-
-        make_report(out, title=f"SFT: {out.name} ({cfg.model.name_or_path})")
-    if cfg.logging.progress_bar:
-        from vlmrl.run.report import summary_table
-
-        shown = {k: v for k, v in final.items() if k in SFT_SUMMARY_KEYS or k.startswith("eval/")}
-        summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"SFT finished: {out}")
-    return final
+    return SFTRun(
+        cfg=cfg,
+        out=out,
+        dist=dist,
+        device=device,
+        model=model,
+        processor=processor,
+        data=data,
+        reward_funcs=reward_funcs,
+        sampler=sampler,
+        logger=logger,
+        log=log,
+        opts=opts,
+        plan=plan,
+        routing=routing,
+        stages=stages,
+        state=state,
+        micro=micro,
+        resume_from=resume_from,
+        saved_stage=saved.get("stage"),
+    )
 
 
-SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+def enter_stage(run: SFTRun, stage: Stage) -> None:
+    """The stage's trainable parameters, optimizer and schedule, wrapped by the engine; the first stage a resumed
+    run enters restores the checkpoint (weights, sampler, RNG, and the optimizer when it is this stage's)."""
+    from vlmrl.checkpoints.files import is_sharded_checkpoint
+    from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer
+    from vlmrl.checkpoints.state import restore, restore_after_wrap
+
+    cfg, dist = run.cfg, run.dist
+    if not cfg.model.use_lora:
+        set_stage_trainable(run.model, stage.name, cfg.sft.train_vision_tower)
+    optimizer, scheduler = make_optimizer(run.model, cfg, stage.steps, learning_rate=stage.lr)
+    path, same = run.resume_from, run.saved_stage == stage.name
+    if path is not None:  # a checkpoint at the end of stage 1 holds stage 1's optimizer: stage 2 starts its own
+        restored = restore(path, cfg, run.model, optimizer if same else None, scheduler if same else None, run.sampler, run.log, dist)
+        run.state.update(best_metric=restored["best_metric"], best_step=restored["best_step"])
+    run.optimizer = dist.prepare(run.model, optimizer, run.micro, oom_recovery=cfg.memory.oom_recovery)
+    run.scheduler = scheduler
+    for line in dist.prepared_report():
+        run.log(line)
+    if path is not None and (same or is_sharded_checkpoint(path)):
+        restore_after_wrap(path, run.optimizer if same else None, dist)
+    allocate_optimizer_state(run.optimizer)  # an OOM for AdamW's moments happens now, not inside optimizer.step
+    run.stage, run.resume_from = stage, None
 
 
-def evaluate_and_log(logger, step: int, model, processor, rows, cfg: Config, reward_funcs: dict, device, log=print) -> dict:
+@dataclass
+class StepLoss:
+    """What one optimizer step's accumulation leaves besides the gradients."""
+
+    loss: float = 0.0
+    router_aux: list[float] = field(default_factory=list)
+
+
+def sft_step(run: SFTRun, step: int) -> dict:
+    """One optimizer step over sft.batch_size rows (every process draws the same batch and takes its share), in
+    micro-batches of run.micro rows (halved on OOM: the step redone, partial gradients dropped)."""
+    from vlmrl.engine.oom import retry_on_oom
+
+    cfg, dist = run.cfg, run.dist
+    t0 = time.perf_counter()
+    share = cfg.sft.batch_size // dist.world_size
+    batch = run.sampler.next_batch(cfg.sft.batch_size)
+    rows = [sft_row(run.processor, run.data.train[i], cfg) for i in batch[dist.rank * share : (dist.rank + 1) * share]]
+    targets = target_batch(run.processor.tokenizer, rows, run.device)  # ids, attention, loss mask: [share, T]
+    # The loss is a mean over the trained target tokens of the whole batch (every process's rows), whatever the micro-batches.
+    tokens = int(targets[2].sum())
+    tokens = int(dist.all_sum([float(tokens)])[0]) if dist.world_size > 1 else tokens
+    result_loss, run.micro = retry_on_oom(
+        lambda size: accumulate(run, rows, targets, max(1, tokens), size),
+        run.micro,
+        "sft",
+        run.logger.info,
+        on_oom=lambda: run.optimizer.zero_grad(set_to_none=True),
+        enabled=cfg.memory.oom_recovery,
+        peers=dist.oom_peers,
+    )
+    dist.sync_gradients()  # DDP with OOM recovery: only now, once every process has its gradients
+    result = dist.optimizer_step(run.optimizer, run.scheduler, cfg.optim.max_grad_norm)
+    if result.skipped:
+        run.logger.info(
+            f"WARNING: SFT step {step}: loss {result_loss.loss} / gradient norm {result.grad_norm} not finite; step skipped, nothing changed"
+        )
+    metrics = {
+        "loss": result_loss.loss,
+        "grad_norm": result.grad_norm,
+        "nonfinite/skipped_steps": float(result.skipped),
+        "lr": run.scheduler.get_last_lr()[0],
+        "time/step": time.perf_counter() - t0,
+        "stage": 1.0 if run.stage.name == "projector" else 2.0,
+        **({"router/aux_loss": sum(result_loss.router_aux) / len(result_loss.router_aux)} if result_loss.router_aux else {}),
+        **measured_vs_predicted(run.plan, run.log),
+    }
+    if run.micro < share:  # accumulating (or OOM recovery cut the micro-batch): worth seeing in the log
+        metrics["micro_batch_size"] = run.micro
+    metrics = dist.reduce_metrics(metrics, sum_keys=("loss",))  # each process holds its share of the batch's loss
+    run.logger.log(step, metrics)
+    return metrics
+
+
+def accumulate(run: SFTRun, rows: list[dict], targets: tuple, tokens: int, size: int) -> StepLoss:
+    """Forward/backward of this process's rows in micro-batches of `size`; gradients accumulate in the model.
+    `targets`: the rows' (ids, attention mask, loss mask), [rows, T]; `tokens`: trained target tokens of the whole step
+    over every process (the loss's normaliser)."""
+    from vlmrl.engine.oom import maybe_inject_oom
+    from vlmrl.models.prefix import completion_logps_for
+    from vlmrl.models.router import capture_routing, micro_batch_aux_loss
+
+    cfg, dist = run.cfg, run.dist
+    out = StepLoss()
+    starts = list(range(0, len(rows), size))
+    for k, start in enumerate(starts):
+        maybe_inject_oom("sft", min(size, len(rows) - start))
+        chunk = rows[start : start + size]
+        width = int(targets[1][start : start + size].sum(dim=1).max())  # the chunk's longest target
+        ids, mask, loss_mask = (t[start : start + size, :width] for t in targets)
+        prompts = encode_rows(run.processor, chunk, cfg, run.device)
+        row_prompt = torch.arange(len(chunk), device=run.device)
+        with dist.no_sync(last=k == len(starts) - 1):  # gradients synced once per optimizer step
+            with capture_routing(run.routing) as routed:
+                logps = dist.call(completion_logps_for, prompts, row_prompt, ids, mask, run.opts, grad=True)
+            # The batch's token mean (one micro-batch on one process: exactly losses.masked_mean of the batch).
+            weights = loss_mask.to(logps.dtype)
+            loss = -((logps * weights).sum() / torch.tensor(float(tokens), dtype=logps.dtype, device=logps.device))
+            if run.routing is not None:
+                aux = micro_batch_aux_loss(routed, prompts, row_prompt, ids.shape[1])
+                out.router_aux.append(aux.item())
+                loss = loss + cfg.algorithm.router_aux_loss_coef * aux * (len(chunk) / cfg.sft.batch_size)
+            dist.backward(loss)
+        out.loss += loss.item()
+    return out
+
+
+def evaluate_and_log(run: SFTRun, step: int, stop=None) -> dict:
     """Greedy evaluation logged to eval.jsonl, with the first logging.log_completions answers (prompt, greedy answer,
     target, rewards, correct) in samples.jsonl, as GRPO logs its completions."""
-    from vlmrl.evaluate import evaluate
-
     samples: list[dict] = []
-    metrics = evaluate(model, processor, rows, cfg, reward_funcs, device, log, samples=samples)
-    logger.log_eval(step, metrics)
-    logger.log_samples(step, [{"kind": "eval", **sample} for sample in samples])
+    metrics = evaluate_on(run.dist, run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, samples, stop)
+    run.logger.log_eval(step, metrics)
+    run.logger.log_samples(step, [{"kind": "eval", **sample} for sample in samples])
     return metrics
+
+
+def checkpoint(run: SFTRun, step: int) -> None:
+    from vlmrl.checkpoints.state import save
+
+    run.state.update(sizes={"update": run.micro}, stage=run.stage.name)
+    save(
+        run.cfg,
+        run.out,
+        step,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        run.sampler,
+        run.state,
+        run.logger.info,
+        run.dist,
+        rows_per_step=run.cfg.sft.batch_size,
+    )
+    run.saved_at = time.monotonic()
+
+
+def finish_sft(run: SFTRun, final: dict, stop) -> dict:
+    """The shared ending (ending.finish): the final model, the last evaluation, report, summary."""
+    from vlmrl.models.loading import save_model
+    from vlmrl.checkpoints.state import save_final
+
+    step = run.state["step"]
+
+    def evaluate(stop) -> dict:
+        return evaluate_and_log(run, step, stop) if run.data.eval else {}
+
+    end = Ending(run.cfg, run.out, run.dist, run.logger, run.log, "sft", "SFT", SFT_SUMMARY_KEYS, step)
+    return finish(end, final, stop, evaluate, lambda folder: save_final(run.model, run.processor, folder, run.dist, save_model, run.cfg, run.log))

@@ -22,6 +22,9 @@ import torch
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_std
 from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 from vlmrl.config import Config
+from vlmrl.checkpoints.faults import maybe_signal
+from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
+from vlmrl.run.last_good import kept_last_good, save_due
 from vlmrl.models.logprobs import group_rows
 from vlmrl.algo.losses import aggregate, masked_mean, per_token_loss
 from vlmrl.engine.offload import OptimizerParking, parking_enabled
@@ -32,16 +35,13 @@ from vlmrl.rewards.functions import RewardLog, reward_stats
 from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
 from vlmrl.models.rollout import Completions, generate
 from vlmrl.checkpoints.state import restore, restore_after_wrap, save, save_final
-from vlmrl.run.rundir import guard_run_folder, prepare_run
+from vlmrl.ending import Ending, finish, finish_left
+from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
-
-
-class EvaluationFailed(RuntimeError):
-    """Raised on the other processes when the main process's evaluation (DDP: the main process evaluates alone) failed."""
 
 
 class NonFiniteStop(RuntimeError):
@@ -103,6 +103,7 @@ class Run:
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
     routing: object  # router.Routing of an MoE model (its load-balancing loss is logged, and added when configured), else None
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
+    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
 
 
 @dataclass
@@ -184,40 +185,62 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
     run = start_run(cfg, log)
+    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)
     final: dict = {}
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
         run.logger.log_eval(0, final)
-    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. The logger stays
-    # open for the final evaluation (trackers get it) unless the loop raised.
-    with GracefulStop() as stop, run.logger.closed_on_error():
+    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. In the ending
+    # the final save finishes and the evaluation stops between batches (ending.py). The logger is closed on the way
+    # out (trackers told whether the run failed).
+    with GracefulStop() as stop, run.logger:
         for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
             reset_peaks()
             phases: dict[str, float] = {}
-            with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
-                with phase("rollout", phases):
-                    samples = rollout(run, step)
-                with phase("rewards", phases):
-                    rewards = reward_and_advantages(run, samples, step)
-                with phase("scoring", phases):
-                    scores = score(run, samples, rewards)
-            with phase("update", phases):
-                stats = update(run, samples, rewards, scores)
-            final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
+            # A step that raises: the checkpoint of the step before (if it can be), one line naming step and phase.
+            with kept_last_good(
+                step,
+                run.sampler,
+                run.scheduler,
+                functools.partial(phase_of, phases),
+                lambda s: checkpoint(run, s),
+                run.out,
+                run.dist.world_size,
+                run.logger.info,
+            ):
+                with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
+                    with phase("rollout", phases):
+                        samples = rollout(run, step)
+                    with phase("rewards", phases):
+                        rewards = reward_and_advantages(run, samples, step)
+                    with phase("scoring", phases):
+                        scores = score(run, samples, rewards)
+                with phase("update", phases):
+                    stats = update(run, samples, rewards, scores)
+                final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
             run.state["step"] = step
             last = step == cfg.training.max_steps
             if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
                 final.update(maybe_evaluate(run, step))
+            maybe_signal("step")
             preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
-            if (cfg.training.save_steps and (step % cfg.training.save_steps == 0 or last)) or (preempted and not last):
+            if save_due(cfg.training, step, last, preempted, run.saved_at, run.dist):
                 checkpoint(run, step)
             stop_if_nonfinite(run, step)
             if preempted and not last:
                 why = stop.signal_name or f"stop_after={stop_after}"
                 run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
                 break
-    with run.logger:
-        return finish_run(run, final)
+        return finish_run(run, final, stop)
+
+
+PHASES = ("rollout", "rewards", "scoring", "update")
+
+
+def phase_of(phases: dict) -> str:
+    """The phase a step was in: the first without a time in `phases` (all timed: logging)."""
+    return next((f"phase {p}" for p in PHASES if f"time/{p}" not in phases), "logging")
 
 
 @contextlib.contextmanager
@@ -250,6 +273,9 @@ def start_run(cfg: Config, log) -> Run:
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
     resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
+    if isinstance(resume_from, EndingLeft):
+        resume_from.dist = dist
+        return resume_from
     t = cfg.training
     shard = dist.shard(cfg.prompts_per_step, cfg.rollout.num_generations, t.per_device_train_batch_size * t.gradient_accumulation_steps)
     if dist.world_size > 1:
@@ -319,37 +345,20 @@ def start_run(cfg: Config, log) -> Run:
     )
 
 
-def finish_run(run: Run, final: dict) -> dict:
-    """After the last step: the final model first, then the last evaluation (whose failure is reported and
-    loses nothing), then the report."""
-    cfg, dist = run.cfg, run.dist
+def finish_run(run: Run, final: dict, stop) -> dict:
+    """After the last step: the final model first, then the last evaluation (whose failure is reported and loses
+    nothing), then the report (ending.finish). A run stopped early returns: its checkpoint resumes it."""
+    cfg = run.cfg
     if run.state["step"] != cfg.training.max_steps:
-        return final  # stopped early (signal / stop_after): the checkpoint resumes it
-    if cfg.training.save_final_model:
+        return final
+
+    def save(folder: Path) -> None:
         from vlmrl.models.loading import save_model
 
-        save_final(run.model, run.processor, run.out / "final", dist, save_model, cfg, run.log)
-    try:
-        final.update(maybe_evaluate(run, run.state["step"]))
-    except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
-        run.logger.info(
-            f"ERROR: the final evaluation failed ({type(e).__name__}: {e}); training finished and is saved in "
-            f"{run.out / 'final' if cfg.training.save_final_model else run.out}. Run `vlmrl eval` on it after fixing the cause."
-        )
-        final["eval/failed"] = 1.0
-    run.logger.close()  # trackers get the final summary; the bar ends before the report and the summary table
-    if not dist.is_main:
-        return final
-    if cfg.logging.report:
-        from vlmrl.run.report import make_report
+        save_final(run.model, run.processor, folder, run.dist, save_model, cfg, run.log)
 
-        make_report(run.out, title=f"GRPO: {run.out.name} ({cfg.model.name_or_path})")
-    if cfg.logging.progress_bar:
-        from vlmrl.run.report import summary_table
-
-        shown = {k: v for k, v in final.items() if k in SUMMARY_KEYS or k.startswith("eval/")}
-        summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"GRPO finished: {run.out}")
-    return final
+    end = Ending(cfg, run.out, run.dist, run.logger, run.log, "train", "GRPO", SUMMARY_KEYS, run.state["step"])
+    return finish(end, final, stop, lambda stop: maybe_evaluate(run, run.state["step"], stop), save)
 
 
 SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
@@ -712,12 +721,13 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     return metrics
 
 
-def maybe_evaluate(run: Run, step: int) -> dict:
-    """Evaluate at every training.eval_steps and after the last step; keeps the best metric for rotation."""
+def maybe_evaluate(run: Run, step: int, stop=None) -> dict:
+    """Evaluate at every training.eval_steps and after the last step; keeps the best metric for rotation. `stop`: a
+    GracefulStop that may end the (final) evaluation between batches (evaluate.EvaluationStopped)."""
     t = run.cfg.training
     if not run.data.eval or not (step == t.max_steps or (t.eval_steps and step % t.eval_steps == 0)):
         return {}
-    metrics = evaluate_run(run)
+    metrics = evaluate_run(run, stop)
     run.logger.log_eval(step, metrics)
     value = metrics.get(t.metric_for_best)
     if value is not None and (run.state["best_metric"] is None or value > run.state["best_metric"]):
@@ -725,32 +735,15 @@ def maybe_evaluate(run: Run, step: int) -> dict:
     return metrics
 
 
-def evaluate_run(run: Run) -> dict:
-    """Greedy evaluation: the main process alone (one process, DDP), or every process through the engine
-    when parameters are sharded (they all take part in the all-gathers). Every process gets the metrics."""
-    from vlmrl.evaluate import evaluate
-
-    dist = run.dist
-    if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
-        with dist.gathered_for_generation(run.cfg.memory.generation_gather):
-            return dist.call(evaluate, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, dist.oom_peers)
-    error, metrics = None, None
-    if dist.is_main:  # alone: its OOM redo involves no other process
-        try:
-            metrics = evaluate(run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info)
-        except Exception as e:  # noqa: BLE001 - the others wait in the broadcast below: tell them, then raise on every process
-            error = e
-    metrics, failed = dist.broadcast((metrics, None if error is None else f"{type(error).__name__}: {error}"))
-    if error is not None:
-        raise error
-    if failed is not None:
-        raise EvaluationFailed(f"the evaluation on the main process failed: {failed}")
-    return metrics
+def evaluate_run(run: Run, stop=None) -> dict:
+    """Greedy evaluation of the held-out rows by every process of the run (the protocol: evaluate.evaluate_on)."""
+    return evaluate_on(run.dist, run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, stop=stop)
 
 
 def checkpoint(run: Run, step: int) -> None:
     run.state["sizes"] = asdict(run.sizes)
     save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
+    run.saved_at = time.monotonic()
 
 
 def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:

@@ -58,6 +58,7 @@ import torch
 import yaml
 
 from vlmrl.config import config_hash
+from vlmrl.checkpoints.faults import maybe_signal
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -223,6 +224,7 @@ def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) ->
             _fsync_file(tmp / rel)
         for dirpath, _dirs, _files in os.walk(tmp):
             _fsync_dir(Path(dirpath))
+        maybe_signal("final-save")
         if folder.exists():
             _rmtree(old)
             os.rename(folder, old)
@@ -416,6 +418,7 @@ def _write_manifest(tmp: Path, step: int) -> None:
 
 def _move_into_place(tmp: Path, final: Path) -> None:
     """Rename the finished folder to its final name; an existing one is parked aside first, then deleted."""
+    maybe_signal("checkpoint-save")
     parent = final.parent
     if final.exists():
         old = parent / f"{_OLD_PREFIX}{checkpoint_step(final)}"
@@ -644,7 +647,11 @@ def load_training_state(path: str | Path, optimizer: Any = None, scheduler: Any 
 def restore_rng(path: str | Path, rank: int = 0, warn: Warn = print) -> None:
     """Restore python, numpy, torch and CUDA RNG streams from a checkpoint (weights_only load)."""
     path = Path(path)
-    state = safe_torch_load(path / rng_file(rank))
+    set_rng_state(safe_torch_load(path / rng_file(rank)), warn, where=str(path / rng_file(rank)))
+
+
+def set_rng_state(state: dict, warn: Warn = print, where: str = "the saved RNG state") -> None:
+    """Set python, numpy, torch and CUDA RNG streams to `state` (as rng_state returns it)."""
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
@@ -652,11 +659,11 @@ def restore_rng(path: str | Path, rank: int = 0, warn: Warn = print) -> None:
     cuda = state.get("cuda")
     if cuda:
         if not torch.cuda.is_available():
-            warn(f"{path / rng_file(rank)} has CUDA RNG states but CUDA is not available; they are not restored")
+            warn(f"{where} has CUDA RNG states but CUDA is not available; they are not restored")
             return
         count = torch.cuda.device_count()
         if count != len(cuda):
-            warn(f"{path / rng_file(rank)} has {len(cuda)} CUDA RNG states for {count} visible devices; restoring the first {min(count, len(cuda))}")
+            warn(f"{where} has {len(cuda)} CUDA RNG states for {count} visible devices; restoring the first {min(count, len(cuda))}")
         for i in range(min(count, len(cuda))):
             torch.cuda.set_rng_state(cuda[i], device=i)
 

@@ -56,6 +56,8 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     out = {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
     if ts.get("sizes"):
         out["sizes"] = ts["sizes"]  # micro-batch sizes that OOM recovery settled on
+    if ts.get("stage"):
+        out["stage"] = ts["stage"]
     return out
 
 
@@ -76,21 +78,25 @@ class CheckpointParts:
     trainer_state: dict = field(default_factory=dict)
 
 
-def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None) -> None:
+def save(
+    cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler, state: dict, log, dist=None, rows_per_step: int | None = None
+) -> None:
     """One atomic checkpoint written by the main process: full model and optimizer (all processes hold the same
     ones under DDP; FSDP2 gathers them to the main process first, so the checkpoint has the single-process layout
-    and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
+    and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt).
+    `rows_per_step`: dataset rows each step draws (default GRPO's prompts per step); state["stage"] (SFT) is kept."""
     from vlmrl.checkpoints.files import CheckpointSaveError, save_checkpoint
     from vlmrl.config import to_dict
 
     t = cfg.training
     trainer_state = {
         "epoch": sampler.epoch,
-        "samples_consumed": step * cfg.prompts_per_step,
+        "samples_consumed": step * (cfg.prompts_per_step if rows_per_step is None else rows_per_step),
         "sampler_state": sampler.state_dict(),
         "best_metric": state["best_metric"],
         "best_step": state["best_step"],
         "sizes": state.get("sizes"),
+        **({"stage": state["stage"]} if state.get("stage") else {}),  # SFT: the stage whose optimizer this holds
     }
     many = dist is not None and dist.world_size > 1
     parts = CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p), optimizer=optimizer)

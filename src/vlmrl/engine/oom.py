@@ -54,6 +54,7 @@ SIZE_SETTINGS = {
     # Not resume-harmless: a smaller update micro-batch needs a new output_dir (a resume keeps the checkpoint's).
     "update": "training.per_device_train_batch_size (gradient_accumulation_steps raised to keep the batch; in a new output_dir)",
     "evaluation": "training.eval_batch_size",
+    "sft": "sft.micro_batch_size",  # resume-harmless: sft.batch_size, the effective batch, stays
 }
 
 

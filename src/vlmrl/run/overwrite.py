@@ -22,6 +22,7 @@ from vlmrl.config import ConfigError
 
 LOCK_FILE = ".vlmrl-run.lock"  # rundir.LOCK_FILE (not imported: rundir imports this module)
 COMPLETE_FILE = "run_complete.json"
+ENDING_FILE = "run_ending.json"  # rundir.ENDING_FILE
 KEPT = {LOCK_FILE, "data"}
 RUN_FILES = {
     "config.yaml",
@@ -32,6 +33,7 @@ RUN_FILES = {
     "report.png",
     "bad_rows.jsonl",
     COMPLETE_FILE,
+    ENDING_FILE,
 }
 RUN_DIRS = {"tb", "final", "wandb"}
 TRASH_PREFIX = ".vlmrl-overwritten-"

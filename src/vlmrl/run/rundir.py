@@ -7,11 +7,14 @@
 - **Start** (`prepare_run`): every refusal comes before anything is written: all checkpoints invalid, config
   changed, a weights-only checkpoint, a finished run. Only then `config.yaml` is written and the log files are cut
   back to the step the run continues from, so each step appears once.
-- **Finish** (`run_complete.json`): written when the last step is done; running the same command again then says
-  the run is complete instead of training it again.
+- **Ending** (`run_ending.json`): written once the last step is done and the final model is on disk; while it is
+  there the evaluation / report of the ending are left (a stop or a kill during them), and running the same command
+  again finishes those instead of training again (ending.py).
+- **Finish** (`run_complete.json`): written when nothing is left (ending.finish); running the same command again then
+  says the run is complete instead of training it again.
 
-`guard_run_folder` wraps `train` with the lock and the completion marker; only the main process (rank 0) holds the
-lock and writes (the other processes of a multi-process run share the main process's decisions).
+`guard_run_folder` wraps `train` and `sft` with the lock; only the main process (rank 0) holds the lock and writes
+(the other processes of a multi-process run share the main process's decisions).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,6 +35,7 @@ from vlmrl.config import ConfigError
 
 LOCK_FILE = ".vlmrl-run.lock"
 COMPLETE_FILE = "run_complete.json"
+ENDING_FILE = "run_ending.json"
 
 
 class RunLockError(ConfigError):
@@ -157,17 +162,6 @@ def read_complete(output_dir: str | Path) -> Optional[dict]:
     return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
 
 
-def mark_complete_if_finished(cfg) -> None:
-    """After train() returned: when metrics.jsonl ends at training.max_steps every step is done (a preempted run
-    stops earlier, and the log is cut back to the resumed step at each start), so write the completion marker."""
-    from vlmrl.run.tracking import read_jsonl
-
-    out = Path(cfg.training.output_dir)
-    steps = [r.get("step") for r in read_jsonl(out / "metrics.jsonl") if isinstance(r.get("step"), int)]
-    if steps and steps[-1] == cfg.training.max_steps:
-        write_complete(out, cfg.training.max_steps, "train")
-
-
 def write_complete(out: Path, step: int, kind: str) -> None:
     """The completion marker: the run (`kind` train or sft) did all its `step` steps."""
     from vlmrl.checkpoints.files import _write_text
@@ -175,9 +169,38 @@ def write_complete(out: Path, step: int, kind: str) -> None:
     _write_text(out / COMPLETE_FILE, json.dumps({"step": step, "kind": kind, "finished": time.time(), "final": (out / "final").is_dir()}))
 
 
+def write_ending(out: Path, step: int, kind: str) -> None:
+    """The ending marker: the run (`kind` train or sft) did all its `step` steps and saved its final model; its
+    evaluation and report are left until the completion marker replaces this."""
+    from vlmrl.checkpoints.files import _write_text
+
+    _write_text(out / ENDING_FILE, json.dumps({"step": step, "kind": kind, "final": (out / "final").is_dir()}))
+
+
+def read_ending(output_dir: str | Path) -> Optional[dict]:
+    """The ending marker of a run whose training is done but whose ending is not, or None."""
+    try:
+        marker = json.loads((Path(output_dir) / ENDING_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
+
+
+def clear_ending(out: Path) -> None:
+    (out / ENDING_FILE).unlink(missing_ok=True)
+
+
+@dataclass
+class EndingLeft:
+    """prepare_run's answer when training is done and only the ending is left (finish it: ending.finish_left)."""
+
+    step: int
+    dist: Any = None  # the run's distributed.Distributed, set by the caller that built it
+
+
 def guard_run_folder(fn: Callable) -> Callable:
-    """Decorator for train(cfg, log=..., ...): the main process holds output_dir's lock for the call and marks the
-    run complete when it reached training.max_steps."""
+    """Decorator for train(cfg, log=..., ...) and sft(...): the main process holds output_dir's lock for the call
+    (the completion marker is the ending's: ending.finish)."""
 
     @functools.wraps(fn)
     def wrapper(cfg, *args: Any, **kwargs: Any) -> Any:
@@ -190,33 +213,38 @@ def guard_run_folder(fn: Callable) -> Callable:
             from vlmrl.run.datasets import epochs_as_steps
 
             cfg = epochs_as_steps(cfg, log)  # the run is complete at the max_steps its epochs give
-            result = fn(cfg, *args, **kwargs)
-            mark_complete_if_finished(cfg)
-            return result
+            return fn(cfg, *args, **kwargs)
 
     return wrapper
 
 
 # ---------------------------------------------------------------- start of a run
-def prepare_run(cfg, log: Callable[[str], Any] = print, dist=None) -> Optional[Path]:
-    """The checkpoint this run resumes from (None: from step 0), decided by the main process and shared with all.
+def prepare_run(
+    cfg, log: Callable[[str], Any] = print, dist=None, total_steps: Optional[int] = None, kind: str = "train"
+) -> Optional[Path] | EndingLeft:
+    """The checkpoint this run resumes from (None: from step 0; EndingLeft: training is done, only the ending is
+    left), decided by the main process and shared with all. `total_steps`: the run's steps (default
+    training.max_steps; SFT: its stages'), `kind`: train or sft.
 
     Everything that can refuse (all checkpoints invalid, config changed, weights-only checkpoint, finished run)
     runs before anything is written; then config.yaml is written and the log files are cut back to the step the
     run continues from. A refusal raises the same exception on every process."""
+    total = cfg.training.max_steps if total_steps is None else total_steps
     if dist is None or dist.world_size == 1:
-        return _prepare(cfg, log)
+        return _prepare(cfg, log, total, kind)
     outcome: Any = None
     if dist.is_main:
         try:
-            path = _prepare(cfg, log)
-            outcome = ("ok", None if path is None else str(path))
+            path = _prepare(cfg, log, total, kind)
+            outcome = ("ending", path.step) if isinstance(path, EndingLeft) else ("ok", None if path is None else str(path))
         except (CheckpointError, RunAlreadyComplete, ConfigError) as e:
-            kinds = {RunAlreadyComplete: "complete", CheckpointError: "error", ConfigError: "config"}
-            outcome = (next(k for cls, k in kinds.items() if isinstance(e, cls)), str(e))
-    kind, value = dist.broadcast(outcome)
-    if kind in ("complete", "error", "config"):
-        raise {"complete": RunAlreadyComplete, "error": CheckpointError, "config": ConfigError}[kind](value)
+            answers = {RunAlreadyComplete: "complete", CheckpointError: "error", ConfigError: "config"}
+            outcome = (next(k for cls, k in answers.items() if isinstance(e, cls)), str(e))
+    answer, value = dist.broadcast(outcome)
+    if answer in ("complete", "error", "config"):
+        raise {"complete": RunAlreadyComplete, "error": CheckpointError, "config": ConfigError}[answer](value)
+    if answer == "ending":
+        return EndingLeft(value)
     return None if value is None else Path(value)
 
 
@@ -231,7 +259,7 @@ def complete_message(out: Path, done: dict) -> str:
     )
 
 
-def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
+def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[Path] | EndingLeft:
     from vlmrl.checkpoints.files import (
         check_resume_compat,
         checkpoint_step,
@@ -253,8 +281,12 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
     path = find_resume_checkpoint(out, resume, warn=log)  # refuses when every checkpoint is invalid
     done = None if t.overwrite_output_dir else read_complete(out)
     # A finished run continues only to train longer, from a checkpoint; anything else would silently train it again.
-    if done is not None and not (t.resume != "never" and path is not None and t.max_steps > done["step"]):
+    if done is not None and not (t.resume != "never" and path is not None and total > done["step"]):
         raise RunAlreadyComplete(complete_message(out, done))
+    ending = None if t.overwrite_output_dir or done is not None else read_ending(out)
+    if ending is not None and ending["step"] == total and ending.get("kind", kind) == kind and t.resume != "never":
+        log(f"the training in {out} is done ({total} steps); its final evaluation and report are left")
+        return EndingLeft(total)
     start = 0
     if path is not None:
         check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
@@ -266,59 +298,17 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
                 )
         else:
             start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
-            log(f"resuming from {path} at step {start} of {t.max_steps} (training.overwrite_output_dir=true starts over instead)")
+            log(f"resuming from {path} at step {start} of {total} (training.overwrite_output_dir=true starts over instead)")
     # Nothing refused: from here on the folder is this run's.
     log(describe(cfg))  # which defaults the fields left unset got (model.defaults), and why
     remove_entries(out, doomed, log)
     if done is not None:
         (out / COMPLETE_FILE).unlink(missing_ok=True)
+    clear_ending(out)  # an ending left for fewer steps: this run trains on and ends anew
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
     cut_logs(out, start, log)
     return path
-
-
-# ---------------------------------------------------------------- vlmrl sft
-def guard_sft_folder(fn: Callable) -> Callable:
-    """Decorator for sft(cfg, log=...): the rules of `vlmrl train` for output_dir, without resume (SFT has no
-    checkpoints): a complete SFT run is reported complete (RunAlreadyComplete) unless
-    training.overwrite_output_dir=true deletes it first; an unfinished one starts over with its logs cut back;
-    the lock is held for the call, and the completion marker written when it returns."""
-
-    @functools.wraps(fn)
-    def wrapper(cfg, *args: Any, **kwargs: Any) -> Any:
-        from vlmrl.engine.device import env_world
-
-        if env_world()[0] > 1:
-            return fn(cfg, *args, **kwargs)  # sft refuses several processes itself, before touching the folder
-        log = kwargs.get("log") or (args[0] if args else print)
-        out = Path(cfg.training.output_dir)
-        with RunLock(out, log):
-            prepare_sft_run(cfg, log)
-            result = fn(cfg, *args, **kwargs)
-            write_complete(out, cfg.sft.projector_steps + cfg.sft.steps, "sft")
-            return result
-
-    return wrapper
-
-
-def prepare_sft_run(cfg, log: Callable[[str], Any] = print) -> None:
-    """Refusals first (a complete run, an overwrite vlmrl will not do), then the folder is this run's."""
-    from vlmrl.config import save_config
-    from vlmrl.defaults import describe
-    from vlmrl.run.overwrite import plan_overwrite, remove_entries
-    from vlmrl.run.tracking import cut_logs
-
-    out = Path(cfg.training.output_dir)
-    doomed = plan_overwrite(cfg) if cfg.training.overwrite_output_dir else []
-    done = None if cfg.training.overwrite_output_dir else read_complete(out)
-    if done is not None:
-        raise RunAlreadyComplete(complete_message(out, done))
-    log(describe(cfg))
-    remove_entries(out, doomed, log)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    cut_logs(out, 0, log)  # an unfinished earlier SFT run: SFT does not resume, its logged steps are replaced
 
 
 # ---------------------------------------------------------------- vlmrl check
@@ -342,9 +332,16 @@ def describe_output_dir(cfg) -> str:
         return f"{head} {complete_message(out, done)}"
     if t.resume not in ("auto", "never"):
         return f"{head} vlmrl train resumes from {t.resume} (training.resume)"
+    ending = read_ending(out)
+    if ending is not None and t.resume != "never":
+        return f"{head} the training is done ({ending['step']} steps); the final evaluation and report are left: the same command finishes them"
     found = list_checkpoints(out) if t.resume == "auto" else []
     if found:
-        return f"{head} vlmrl train resumes from {found[-1].name} (step {checkpoint_step(found[-1])} of {t.max_steps}); vlmrl sft would start over"
+        sft_steps = "" if cfg.sft.epochs is not None else f" of {cfg.sft.projector_steps + cfg.sft.steps}"
+        return (
+            f"{head} resumes from {found[-1].name} (step {checkpoint_step(found[-1])}: of {t.max_steps} for vlmrl train, "
+            f"of its stages' steps{sft_steps} for vlmrl sft)"
+        )
     if (out / "metrics.jsonl").is_file():
         return f"{head} an unfinished run without a checkpoint: it starts over at step 0 (its logged steps are replaced)"
     return f"{head} new run"
