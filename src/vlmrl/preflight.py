@@ -24,6 +24,9 @@ def preflight(cfg: Config, command: str, log=print):
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
+        from .rundir import check_output_dir
+
+        check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
     check_model_folder(cfg)
     from .runtime import env_world
     from .runtime import load_datasets, load_reward_funcs

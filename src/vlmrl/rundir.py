@@ -195,6 +195,21 @@ def guard_run_folder(fn: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------- start of a run
+def check_output_dir(cfg) -> list[Path]:
+    """Whether training.output_dir can hold this run, read-only; returns what training.overwrite_output_dir=true
+    deletes. Raises ConfigError in one line (OverwriteRefused for the overwrite's own refusals) when the folder is
+    a file or not writable, holds a user's entry under a name the run writes, or holds the run's inputs
+    (run_manifest.py). `vlmrl check` and the start of train / sft call it alike."""
+    from .overwrite import plan_overwrite
+    from .run_manifest import output_dir_problem
+
+    doomed = plan_overwrite(cfg) if cfg.training.overwrite_output_dir else []
+    problem = output_dir_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
+    return doomed
+
+
 def prepare_run(cfg, log: Callable[[str], Any] = print, dist=None) -> Optional[Path]:
     """The checkpoint this run resumes from (None: from step 0), decided by the main process and shared with all.
 
@@ -232,12 +247,13 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
     from .checkpoint import check_resume_compat, checkpoint_step, find_resume_checkpoint, is_weights_only, read_checkpoint_config, read_trainer_state
     from .config import Config, save_config, to_dict
     from .model_defaults import describe
-    from .overwrite import plan_overwrite, remove_entries
+    from .overwrite import remove_entries
+    from .run_manifest import claim_run_names
     from .tracking import cut_logs
 
     t = cfg.training
     out = Path(t.output_dir)
-    doomed = plan_overwrite(cfg) if t.overwrite_output_dir else []  # refuses (nothing touched) on foreign files
+    doomed = check_output_dir(cfg)  # refuses (nothing touched): foreign files, the run's inputs inside, not writable
     # With overwrite_output_dir the earlier run's checkpoints and completion marker do not count.
     resume = "never" if t.overwrite_output_dir and t.resume == "auto" else t.resume
     path = find_resume_checkpoint(out, resume, warn=log)  # refuses when every checkpoint is invalid
@@ -262,7 +278,7 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
     remove_entries(out, doomed, log)
     if done is not None:
         (out / COMPLETE_FILE).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_run_names(out)  # every run name is absent or vlmrl's here (check_output_dir): from now on they are listed
     save_config(cfg, out / "config.yaml")
     cut_logs(out, start, log)
     return path
@@ -296,17 +312,18 @@ def prepare_sft_run(cfg, log: Callable[[str], Any] = print) -> None:
     """Refusals first (a complete run, an overwrite vlmrl will not do), then the folder is this run's."""
     from .config import save_config
     from .model_defaults import describe
-    from .overwrite import plan_overwrite, remove_entries
+    from .overwrite import remove_entries
+    from .run_manifest import claim_run_names
     from .tracking import cut_logs
 
     out = Path(cfg.training.output_dir)
-    doomed = plan_overwrite(cfg) if cfg.training.overwrite_output_dir else []
+    doomed = check_output_dir(cfg)
     done = None if cfg.training.overwrite_output_dir else read_complete(out)
     if done is not None:
         raise RunAlreadyComplete(complete_message(out, done))
     log(describe(cfg))
     remove_entries(out, doomed, log)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_run_names(out)
     save_config(cfg, out / "config.yaml")
     cut_logs(out, 0, log)  # an unfinished earlier SFT run: SFT does not resume, its logged steps are replaced
 
