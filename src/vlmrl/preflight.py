@@ -44,7 +44,36 @@ def preflight(cfg: Config, command: str, log=print):
     rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
+        if command in ("train", "sft", "check"):
+            check_chat_template(cfg, rows[0])
     return data
+
+
+def check_chat_template(cfg: Config, row: dict) -> None:
+    """Render the model's chat template on a real row (its problem, image count and data.system_prompt), as step
+    1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
+    in one line instead of after the weights load. Loads the processor (seconds), never the weights."""
+    from .models import ModelLoadError
+    from .processing import build_prompt, load_processor
+
+    name = cfg.model.name_or_path
+    if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
+        return  # vlmrl's own template, or a hub id transformers downloads at load time
+    try:
+        processor = load_processor(
+            name, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
+        )
+    except Exception:  # the load before step 1 reports its own errors; only the template is checked here
+        return
+    images = len((row.get("images") or [])[: cfg.data.limit_images])
+    try:
+        build_prompt(processor, row["problem"], images, cfg.data.system_prompt, len(row.get("videos") or []))
+    except Exception as e:  # any error from the user's template is the template's
+        where = row.get("_source", "the first data row")
+        raise ModelLoadError(
+            f"the chat template of {name} fails on {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "fix chat_template.jinja (or chat_template in tokenizer_config.json)"
+        ) from None
 
 
 def check_trackers(cfg: Config) -> None:

@@ -82,9 +82,11 @@ def save(cfg: Config, out: Path, step: int, model, optimizer, scheduler, sampler
     and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt)."""
     from .checkpoint import CheckpointSaveError, save_checkpoint
     from .config import to_dict
+    from .fingerprints import run_fingerprints
 
     t = cfg.training
     trainer_state = {
+        "fingerprints": run_fingerprints(cfg),  # data files and reward sources: a resume refuses when they changed
         "epoch": sampler.epoch,
         "samples_consumed": step * cfg.prompts_per_step,
         "sampler_state": sampler.state_dict(),

@@ -243,9 +243,36 @@ def complete_message(out: Path, done: dict) -> str:
     )
 
 
+def refuse_resume(cfg, path: Path, log: Callable[[str], Any] = print) -> None:
+    """Every reason resuming `path` is refused (CheckpointError, one message): the config changed in a way that
+    breaks an exact resume, the data files or reward sources changed (fingerprints.py), a weights-only checkpoint
+    without training.resume_weights_only; training.resume_force accepts the first two with a warning. Read-only:
+    `vlmrl check` asks it too."""
+    from .checkpoint import check_resume_compat, is_weights_only, read_checkpoint_config, read_trainer_state
+    from .config import Config, to_dict
+    from .fingerprints import changed_inputs, run_fingerprints
+
+    t = cfg.training
+    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
+    changes = changed_inputs(read_trainer_state(path).get("fingerprints"), run_fingerprints(cfg))
+    if changes:
+        listing = "; ".join(changes)
+        if not t.resume_force:
+            raise CheckpointError(
+                f"the run's inputs changed since {path}: {listing}. Restore them, start a fresh run (training.resume=never "
+                f"or a new training.output_dir), or set training.resume_force=true to resume anyway"
+            )
+        log(f"resuming despite changed inputs (training.resume_force=true): {listing}")
+    if is_weights_only(path) and not t.resume_weights_only:
+        raise CheckpointError(
+            f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
+            "Set training.resume_weights_only=true to start a NEW schedule from its weights."
+        )
+
+
 def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
-    from .checkpoint import check_resume_compat, checkpoint_step, find_resume_checkpoint, is_weights_only, read_checkpoint_config, read_trainer_state
-    from .config import Config, save_config, to_dict
+    from .checkpoint import checkpoint_step, find_resume_checkpoint, is_weights_only, read_trainer_state
+    from .config import save_config
     from .model_defaults import describe
     from .overwrite import remove_entries
     from .run_manifest import claim_run_names
@@ -263,14 +290,8 @@ def _prepare(cfg, log: Callable[[str], Any]) -> Optional[Path]:
         raise RunAlreadyComplete(complete_message(out, done))
     start = 0
     if path is not None:
-        check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
-        if is_weights_only(path):
-            if not t.resume_weights_only:
-                raise CheckpointError(
-                    f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
-                    "Set training.resume_weights_only=true to start a NEW schedule from its weights."
-                )
-        else:
+        refuse_resume(cfg, path, log)
+        if not is_weights_only(path):
             start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
             log(f"resuming from {path} at step {start} of {t.max_steps} (training.overwrite_output_dir=true starts over instead)")
     # Nothing refused: from here on the folder is this run's.
@@ -348,9 +369,12 @@ def describe_output_dir(cfg) -> str:
     if done is not None:
         return f"{head} {complete_message(out, done)}"
     if t.resume not in ("auto", "never"):
+        if Path(t.resume).is_dir():
+            refuse_resume(cfg, Path(t.resume), lambda _: None)
         return f"{head} vlmrl train resumes from {t.resume} (training.resume)"
     found = list_checkpoints(out) if t.resume == "auto" else []
     if found:
+        refuse_resume(cfg, found[-1], lambda _: None)  # the refusal train would meet (config, data, rewards changed): exit 2 now
         return f"{head} vlmrl train resumes from {found[-1].name} (step {checkpoint_step(found[-1])} of {t.max_steps}); vlmrl sft would start over"
     if (out / "metrics.jsonl").is_file():
         return f"{head} an unfinished run without a checkpoint: it starts over at step 0 (its logged steps are replaced)"
