@@ -154,3 +154,20 @@ def test_resume_after_inputs_changed_is_refused_by_check_and_train_and_changes_n
         lines = []
         train.train(load_config(None, [*base, "training.resume_force=true"]), log=lines.append)
         assert any("resuming despite changed inputs (training.resume_force=true): data.train_path" in line for line in lines)
+
+
+# ---------------------------------------------------------------- CPU out of memory
+def test_a_real_cpu_out_of_memory_is_recognised_and_retried_smaller():
+    from vlmrl.oom import is_out_of_memory, retry_on_oom
+
+    def work(size):  # torch's CPU allocator refuses 1 PiB with a plain RuntimeError (as it did a 326 GB prompt)
+        return torch.empty(2**50 if size > 2 else 8, dtype=torch.uint8).numel()
+
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError as e:
+        assert is_out_of_memory(e)
+    else:
+        pytest.skip("this machine's overcommit setting lets 1 PiB be reserved")
+    assert retry_on_oom(work, 8, "test", lambda _: None) == (8, 2)
+    assert is_out_of_memory(MemoryError())
