@@ -133,6 +133,7 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
             trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
             when="the check before training (the row's solution as the completion)",
             sources=row_sources(rows, 1),
+            timeout_s=cfg.algorithm.reward_timeout_s,
         )
     except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
         from .data import DataError

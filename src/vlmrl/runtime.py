@@ -129,6 +129,13 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     train_path, eval_path = d.train_path, d.eval_path
     if (need_train and not train_path) or (not eval_path and not train_path):
         task_dir = Path(cfg.training.output_dir) / "data" / d.task
+        from .run_manifest import is_owned, record
+
+        if task_dir.parent.exists() and not is_owned(task_dir.parent):
+            raise ConfigError(
+                f"{task_dir.parent} was not written by vlmrl; the built-in task writes its files there: move it, or pick another training.output_dir"
+            )
+        record(task_dir.parent.parent, ["data"])  # the built-in task's generated files are vlmrl's
         options = {"distractors": d.task_distractors} if d.task == "count" else {}
         options["colours"] = tuple(d.task_colours)
         files = TASKS[d.task](
@@ -303,6 +310,7 @@ def score_rollout(
         when=when,
         sources=row_sources(rows, repeats),
         reward_log=reward_log,
+        timeout_s=cfg.algorithm.reward_timeout_s,
     )
 
 
