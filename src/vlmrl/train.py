@@ -31,7 +31,7 @@ from .prefix import LogprobOptions, completion_logps_for
 from .rewards import RewardLog, reward_stats
 from .router import capture_routing, micro_batch_aux_loss, routing_for
 from .rollout import Completions, generate
-from .run_checkpoint import restore, restore_after_wrap, save, save_final
+from .run_checkpoint import resolve_sampling_seed, restore, restore_after_wrap, save, save_final
 from .rundir import guard_run_folder, prepare_run
 from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
 from .signals import warn_if_no_learning_signal
@@ -306,7 +306,7 @@ def start_run(cfg: Config, log) -> Run:
         state=state,
         plan=plan,
         pad_id=pad_id,
-        per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1),
+        per_prompt_seed=resolve_sampling_seed(r.sampling_seed, dist.world_size, state, log),  # world-size invariant on resume
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef),
     )
