@@ -86,3 +86,15 @@ def test_a_duplicate_json_key_is_a_bad_row(tmp_path):
     whole.write_text('[{"image": "a.png", "problem": "p", "problem": "q", "solution": "1"}]')
     with pytest.raises(DataError, match="key 'problem' appears twice"):
         load_dataset_split(whole, limit_images=None, skip_bad_rows=False)
+
+
+def test_an_image_broken_after_the_check_names_its_row(tmp_path):
+    from vlmrl.config import load_config
+    from vlmrl.runtime import encode_rows
+
+    Image.new("RGB", (32, 32), "white").save(tmp_path / "a.png")
+    rows, _ = load_dataset_split(write_rows(tmp_path, [{"image": "a.png"}]), limit_images=None, skip_bad_rows=False)
+    (tmp_path / "a.png").write_bytes((tmp_path / "a.png").read_bytes()[:40])  # truncated on disk after validation
+    cfg = load_config(None, ["data.image_cache_mb=0"])
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'rows.jsonl'}:1: .*a.png: cannot read image"):
+        encode_rows(None, rows, cfg, None)

@@ -122,7 +122,7 @@ class RolloutConfig:
     )
     sampling_seed: Literal["auto", "step", "prompt"] = _f(
         "auto",
-        "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several.",
+        "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several (a resume keeps its checkpoint's choice).",
     )
     engine: Literal["loop", "continuous"] = _f(
         "loop",

@@ -218,12 +218,12 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
-    from .data import load_images, shared_image_cache
+    from .data import shared_image_cache
     from .processing import FIXED_FRAME_PROCESSORS, build_prompt, encode_prompts
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
-    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
+    images = [_row_images(r, d, cache) for r in rows]
     exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
     videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
     texts = [build_prompt(processor, r["problem"], len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
@@ -232,6 +232,17 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     except ValueError as e:  # what validation could not foresee still names the rows
         raise _rows_error(rows, images, e) from e
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _row_images(row: dict, d, cache) -> list:
+    """A row's images; a file that broke after the check (truncated, replaced) names the row too."""
+    from .data import DataError, load_images
+
+    try:
+        return load_images(row["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
+    except DataError as e:
+        source = row.get("_source")
+        raise DataError(f"{source}: {e}" if source and not str(e).startswith(str(source)) else str(e)) from e
 
 
 def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):
