@@ -83,16 +83,41 @@ def test_reward_timeout_is_a_clear_error(rewards):
     assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None) or not callable(signal.getsignal(signal.SIGALRM))
 
 
-def test_sigterm_during_a_hung_reward_stops_it_and_records_the_stop(rewards):
+def test_sigterm_during_a_hung_reward_stops_it_and_records_the_stop(rewards, monkeypatch):
+    import vlmrl.rewards
+
+    monkeypatch.setattr(vlmrl.rewards, "STOP_GRACE_S", 0.5)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
     with GracefulStop() as stop:
         timer.start()
         t0 = time.perf_counter()
-        with pytest.raises(RewardStopped, match="stopped by SIGTERM while reward 'r' was running at step 5"):
+        with pytest.raises(RewardStopped, match="stopped by SIGTERM: reward 'r' was still running at step 5 .* 0.5 s later and was abandoned"):
             call(rewards("hangs"))  # no timeout: only the signal ends it
         assert time.perf_counter() - t0 < 10 and stop.requested
         handler = signal.getsignal(signal.SIGTERM)
+        # A second SIGTERM abandons the reward at once.
+        timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGTERM)) for t in (0.2, 0.4)]
+        monkeypatch.setattr(vlmrl.rewards, "STOP_GRACE_S", 60)
+        for t in timers:
+            t.start()
+        t0 = time.perf_counter()
+        with pytest.raises(RewardStopped, match="stopped by a second SIGTERM while reward 'r' was running"):
+            call(rewards("hangs"))
+        assert time.perf_counter() - t0 < 10
     assert handler == stop._handle  # the guard gave the loop's handler back
+
+
+def test_a_reward_that_returns_after_sigterm_lets_the_step_finish(rewards):
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM))
+
+    def slow(completions, **kwargs):
+        time.sleep(0.5)
+        return [1.0] * len(completions)
+
+    with GracefulStop() as stop:
+        timer.start()
+        total, _ = call(slow)
+        assert total == [1.0, 1.0] and stop.requested  # the loop then checkpoints after this step, as before
 
 
 def test_a_batch_only_failure_names_the_step_and_rows(rewards):

@@ -69,18 +69,28 @@ class RewardStopped(RewardError):
     (never re-run sample by sample to locate anything)."""
 
 
+# After a stop signal, how long a running reward may still take before it is abandoned (a second signal: at once).
+STOP_GRACE_S = 30.0
+
+
 @contextlib.contextmanager
 def reward_guard(name: str, timeout_s: float, at: str = ""):
     """While reward `name` runs in the main thread: SIGALRM after `timeout_s` (0: none) raises RewardStopped inside
-    it; SIGTERM / SIGINT first reach the handler that was installed (the loop's GracefulStop records the request),
-    then raise RewardStopped, so a hung reward never keeps the run from stopping. Elsewhere (a helper thread) a
-    no-op: handlers can only be set in the main thread."""
+    it. SIGTERM / SIGINT first reach the handler that was installed (the loop's GracefulStop records the stop, so a
+    reward that returns lets the step finish and checkpoint as usual); a reward still running STOP_GRACE_S later,
+    or a second signal, raises RewardStopped, so a hung reward never keeps the run from stopping. Elsewhere (a
+    helper thread) a no-op: handlers can only be set in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stops: list[str] = []
 
     def on_alarm(signum, frame):
+        if stops:
+            raise RewardStopped(
+                f"stopped by {stops[0]}: reward {name!r} was still running{at} {STOP_GRACE_S:g} s later and was abandoned; the step was not finished"
+            )
         raise RewardStopped(
             f"reward {name!r} ran longer than algorithm.reward_timeout_s={timeout_s:g} s{at}; make it faster or return "
             "None for samples it cannot score in time, or raise algorithm.reward_timeout_s (0: no limit)"
@@ -90,9 +100,13 @@ def reward_guard(name: str, timeout_s: float, at: str = ""):
         before = previous.get(signum)
         if callable(before):
             before(signum, frame)  # GracefulStop: the stop is requested; default_int_handler: KeyboardInterrupt
-        raise RewardStopped(f"stopped by {signal.Signals(signum).name} while reward {name!r} was running{at}; the step was not finished")
+        stops.append(signal.Signals(signum).name)
+        if len(stops) > 1:
+            raise RewardStopped(f"stopped by a second {stops[-1]} while reward {name!r} was running{at}; the step was not finished")
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        signal.setitimer(signal.ITIMER_REAL, min(remaining, STOP_GRACE_S) if remaining > 0 else STOP_GRACE_S)
 
-    old_alarm = signal.signal(signal.SIGALRM, on_alarm) if timeout_s > 0 else None
+    old_alarm = signal.signal(signal.SIGALRM, on_alarm)
     for s in previous:
         signal.signal(s, on_stop)
     if timeout_s > 0:
@@ -100,9 +114,8 @@ def reward_guard(name: str, timeout_s: float, at: str = ""):
     try:
         yield
     finally:
-        if timeout_s > 0:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_alarm)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
