@@ -9,11 +9,12 @@ import shutil
 import pytest
 import torch
 
-from vlmrl import cli, runtime, sft, train
-from vlmrl.checkpoint import CheckpointError
+from vlmrl import cli, sft, train
+from vlmrl.models import policy
+from vlmrl.checkpoints.files import CheckpointError
 from vlmrl.config import load_config
-from vlmrl.fingerprints import changed_inputs, file_fingerprint, path_fingerprint, run_fingerprints
-from vlmrl.tasks import make_count_task
+from vlmrl.checkpoints.fingerprints import changed_inputs, file_fingerprint, path_fingerprint, run_fingerprints
+from vlmrl.data.tasks import make_count_task
 
 REWARDS = pathlib.Path(__file__).parent / "rewards_for_tests.py"
 
@@ -28,7 +29,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the checks failed")
 
-    for module in (runtime, train, sft):
+    for module in (policy, train, sft):
         monkeypatch.setattr(module, "load_policy", refuse)
 
 
@@ -87,7 +88,7 @@ def test_a_chat_template_that_raises_fails_check(tiny_qwen25vl, count_data, tmp_
 
 # ---------------------------------------------------------------- fingerprints
 def test_fingerprint_sees_a_changed_block_of_a_large_file(tmp_path, monkeypatch):
-    import vlmrl.fingerprints as fp
+    import vlmrl.checkpoints.fingerprints as fp
 
     monkeypatch.setattr(fp, "FULL_HASH_BYTES", 4096)
     monkeypatch.setattr(fp, "BLOCK_BYTES", 512)
@@ -158,7 +159,7 @@ def test_resume_after_inputs_changed_is_refused_by_check_and_train_and_changes_n
 
 # ---------------------------------------------------------------- CPU out of memory
 def test_a_real_cpu_out_of_memory_is_recognised_and_retried_smaller():
-    from vlmrl.oom import is_out_of_memory, retry_on_oom
+    from vlmrl.engine.oom import is_out_of_memory, retry_on_oom
 
     def work(size):  # torch's CPU allocator refuses 1 PiB with a plain RuntimeError (as it did a 326 GB prompt)
         return torch.empty(2**50 if size > 2 else 8, dtype=torch.uint8).numel()

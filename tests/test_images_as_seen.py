@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrl.data import DataError, load_dataset_split, load_images
+from vlmrl.data.rows import DataError, load_dataset_split, load_images
 
 
 def load_one(path):
@@ -90,7 +90,7 @@ def test_a_duplicate_json_key_is_a_bad_row(tmp_path):
 
 def test_an_image_broken_after_the_check_names_its_row(tmp_path):
     from vlmrl.config import load_config
-    from vlmrl.runtime import encode_rows
+    from vlmrl.run.datasets import encode_rows
 
     Image.new("RGB", (32, 32), "white").save(tmp_path / "a.png")
     rows, _ = load_dataset_split(write_rows(tmp_path, [{"image": "a.png"}]), limit_images=None, skip_bad_rows=False)

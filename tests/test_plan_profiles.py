@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.planner import GiB, ModelSpec, PlanError, Workload, image_patches, plan
+from vlmrl.plan.planner import GiB, ModelSpec, PlanError, Workload, image_patches, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -166,7 +166,7 @@ def test_cpu_heap_slack_spares_mmapped_blocks():
     """On a CPU run the planned tensors get CPU_ALLOCATOR_RESERVE of heap slack, except the log-prob head's blocks
     when each is above glibc's 32 MiB mmap ceiling (mmapped, unmapped on free): TRL's tile of 528 x 32,768 fp32
     entries (69 MB) at the update peak. A 4-row micro-batch (132 x 32,768 x 4 = 17 MB tiles) keeps the slack on all."""
-    from vlmrl.planner import CPU_ALLOCATOR_RESERVE
+    from vlmrl.plan.planner import CPU_ALLOCATOR_RESERVE
 
     big = dataclasses.replace(SPEC, vocab=151_936)
     w = dataclasses.replace(W, profile="trl", device="cpu", micro_batch=16, prompts_per_step=4)
@@ -180,8 +180,8 @@ def test_cpu_heap_slack_spares_mmapped_blocks():
 
 
 def test_trainer_profiles_use_the_trainer_runtime_floor_on_cpu():
-    from vlmrl.plan_profiles import TRAINER_CPU_RUNTIME_BYTES
-    from vlmrl.planner import HOST_RUNTIME_CPU_BYTES
+    from vlmrl.plan.profiles import TRAINER_CPU_RUNTIME_BYTES
+    from vlmrl.plan.planner import HOST_RUNTIME_CPU_BYTES
 
     cpu = dataclasses.replace(W, device="cpu")
     assert plan(SPEC, cpu).host["runtime_per_process"] == HOST_RUNTIME_CPU_BYTES

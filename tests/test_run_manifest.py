@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from vlmrl import cli
-from vlmrl.checkpoint import CheckpointError, rotate_checkpoints, save_checkpoint, save_folder_atomically
+from vlmrl.checkpoints.files import CheckpointError, rotate_checkpoints, save_checkpoint, save_folder_atomically
 from vlmrl.config import ConfigError, load_config
-from vlmrl.overwrite import OverwriteRefused, plan_overwrite
-from vlmrl.rundir import check_output_dir
-from vlmrl.run_manifest import MANIFEST_FILE, foreign_names, owned_names, record
+from vlmrl.run.overwrite import OverwriteRefused, plan_overwrite
+from vlmrl.run.rundir import check_output_dir
+from vlmrl.checkpoints.run_manifest import MANIFEST_FILE, foreign_names, owned_names, record
 
 
 def snapshot(folder):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
-from .model_defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
+from vlmrl.defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -330,14 +330,14 @@ class Config:
     @property
     def advantage_estimator(self) -> str:
         """algorithm.advantage_estimator, or the one TRL's scale_rewards names."""
-        from .advantages import SCALE_REWARDS_ESTIMATOR
+        from vlmrl.algo.advantages import SCALE_REWARDS_ESTIMATOR
 
         return self.algorithm.advantage_estimator or SCALE_REWARDS_ESTIMATOR[self.algorithm.scale_rewards]
 
     @property
     def loss_aggregation(self) -> str:
         """algorithm.loss_aggregation, or the one TRL's loss_type names."""
-        from .losses import LOSS_TYPE_AGGREGATION
+        from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION
 
         return self.algorithm.loss_aggregation or LOSS_TYPE_AGGREGATION[self.algorithm.loss_type]
 
@@ -518,7 +518,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         key, value = parse_override(text)
         _merge_key(tree, key, value, f"override {text!r}")
-    from .model_defaults import apply_model_defaults
+    from vlmrl.defaults import apply_model_defaults
 
     filled = apply_model_defaults(tree)  # model.defaults resolved once, here: unset fields of the embedded model
     try:
@@ -641,8 +641,8 @@ def validate(cfg: Config) -> None:
 
 def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     """Algorithm names checked against the dicts of functions that implement them (imported here only: torch)."""
-    from .advantages import ADVANTAGE_ESTIMATORS
-    from .losses import AGGREGATIONS, POLICY_LOSSES
+    from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS
+    from vlmrl.algo.losses import AGGREGATIONS, POLICY_LOSSES
 
     problems = []
     for name, value, table in (
@@ -667,11 +667,26 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     return problems
 
 
-def _report_to_problem(report_to: list[str] | str) -> str | None:
-    from .tracking import resolve_report_to
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
 
+
+def report_to_names(report_to: list[str] | str) -> list[str]:
+    """logging.report_to as a list of names, each one of REPORT_TO_CHOICES; ValueError names the field and the fix."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], REPORT_TO_CHOICES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"logging.report_to: unknown tracker {unknown[0]!r}{hint} (choose from {', '.join(REPORT_TO_CHOICES)})")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"logging.report_to={names}: 'none' cannot be combined with trackers")
+    return names
+
+
+def _report_to_problem(report_to: list[str] | str) -> str | None:
     try:
-        resolve_report_to(report_to)
+        report_to_names(report_to)
     except ValueError as e:
         return str(e)
     return None
@@ -685,7 +700,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def save_config(cfg: Config, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from .model_defaults import config_header
+    from vlmrl.defaults import config_header
 
     path.write_text(config_header(cfg) + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return path

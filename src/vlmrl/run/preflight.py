@@ -1,0 +1,184 @@
+"""Checks that need no model weights, run before `train`, `sft` and `eval` load anything heavy.
+
+On a 7B model a typo found after the weights load costs minutes; everything here takes seconds:
+the model folder holds what loading will need (config, weights and every shard an index names, tokenizer
+files, a chat template, an image processor config), the reward specs import and run on a few real rows,
+every data row is validated (the result is kept for the run, so the rows are not read twice), and
+`vlmrl eval` knows which data it scores. Each problem raises the error type cli.py turns into one line
+and exit status 2 (ConfigError, DataError, ModelLoadError, RewardError).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
+
+REWARD_PROBE_ROWS = 2
+
+
+def preflight(cfg: Config, command: str, log=print):
+    """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind.
+    Returns the datasets it read (None on a non-main process)."""
+    if command == "eval":
+        check_eval_data(cfg)
+    elif command in ("train", "sft", "check"):
+        check_trackers(cfg)
+        from vlmrl.run.rundir import check_output_dir
+
+        check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
+    check_model_folder(cfg)
+    from vlmrl.engine.device import env_world
+    from vlmrl.run.datasets import load_datasets
+    from vlmrl.rewards.scoring import load_reward_funcs
+
+    try:
+        funcs, weights = load_reward_funcs(cfg)  # unknown names (RewardError), missing files, import errors
+    except ValueError as e:  # the same reward listed twice
+        raise ConfigError(str(e)) from None
+    if env_world()[1] != 0:
+        return None  # several processes: the main one reads the data (the built-in task's files are written once)
+    data = load_datasets(cfg, need_train=command != "eval", keep_for_run=command != "check")
+    if command == "check":
+        for line in data.reports:
+            log(line)
+    rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
+    if rows:
+        check_rewards_on_rows(cfg, funcs, weights, rows)
+        if command in ("train", "sft", "check"):
+            check_chat_template(cfg, rows[0])
+    return data
+
+
+def check_chat_template(cfg: Config, row: dict) -> None:
+    """Render the model's chat template on a real row (its problem, image count and data.system_prompt), as step
+    1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
+    in one line instead of after the weights load. Loads the processor (seconds), never the weights."""
+    from vlmrl.models.loading import ModelLoadError
+    from vlmrl.models.processing import build_prompt, load_processor
+
+    name = cfg.model.name_or_path
+    if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
+        return  # vlmrl's own template, or a hub id transformers downloads at load time
+    try:
+        processor = load_processor(
+            name, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
+        )
+    except Exception:  # the load before step 1 reports its own errors; only the template is checked here
+        return
+    images = len((row.get("images") or [])[: cfg.data.limit_images])
+    try:
+        build_prompt(processor, row["problem"], images, cfg.data.system_prompt, len(row.get("videos") or []))
+    except Exception as e:  # any error from the user's template is the template's
+        where = row.get("_source", "the first data row")
+        raise ModelLoadError(
+            f"the chat template of {name} fails on {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "fix chat_template.jinja (or chat_template in tokenizer_config.json)"
+        ) from None
+
+
+def check_trackers(cfg: Config) -> None:
+    """ConfigError when a tracker in logging.report_to needs a package that is not installed (found without importing it)."""
+    from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
+
+    missing = missing_tracker_packages(resolve_report_to(cfg.logging.report_to))
+    if missing:
+        raise ConfigError(missing[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model folder
+
+
+def check_model_folder(cfg: Config) -> None:
+    """ModelLoadError listing everything the model folder lacks (models.check_model_folder). The embedded model is
+    built by vlmrl, and a hub id with model.allow_hub_download=true is fetched by transformers: neither is a
+    folder to check."""
+    from vlmrl.models.loading import ModelLoadError, require_complete_model_folder
+
+    name = cfg.model.name_or_path
+    folder = Path(name).expanduser()
+    if name == EMBEDDED_MODEL or (cfg.model.allow_hub_download and not folder.exists()):
+        return
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"model.name_or_path: {folder} {'does not exist' if not folder.exists() else 'is not a folder'} (vlmrl "
+            "loads local folders; model.allow_hub_download=true lets transformers download a hub id)"
+        )
+    require_complete_model_folder(folder)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards
+
+
+def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[dict]) -> None:
+    """Call every reward on a few real rows, with the completion a correct model would write (the SFT target)
+    in algorithm.completion_format, so a reward that cannot take these inputs fails now with its own error
+    (RewardError naming the reward and the sample) instead of after the model loads. ``completion_ids`` are
+    placeholders (no tokenizer is loaded yet)."""
+    from vlmrl.rewards.functions import TrainerState, compute_rewards, reward_inputs
+    from vlmrl.rewards.scoring import reward_columns, row_sources
+    from vlmrl.data.rows import sft_target
+
+    texts = [sft_target(row) for row in rows]
+    prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
+    try:
+        compute_rewards(
+            funcs,
+            weights,
+            prompts,
+            completions,
+            reward_columns(rows, 1),
+            completion_ids=[[0] for _ in rows],
+            trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
+            when="the check before training (the row's solution as the completion)",
+            sources=row_sources(rows, 1),
+            timeout_s=cfg.algorithm.reward_timeout_s,
+        )
+    except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
+        from vlmrl.data.rows import DataError
+
+        raise DataError(f"{rows[0].get('_source', 'data')}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# What eval scores
+
+
+def check_eval_data(cfg: Config) -> None:
+    """`vlmrl eval` scores data.eval_path. Without it, only a run on the built-in task (the embedded model, or a
+    model folder a vlmrl run trained on the built-in task) may fall back to that task's test split; anything
+    else would report the built-in task's score as if it were the user's, so it is refused."""
+    if cfg.data.eval_path:
+        return
+    if cfg.data.train_path:
+        raise ConfigError(
+            f"data.eval_path is empty (data.train_path={cfg.data.train_path} is your data); set "
+            "data.eval_path=<held-out file> so eval scores your data, not the built-in task"
+        )
+    if cfg.model.name_or_path == EMBEDDED_MODEL or trained_on_builtin_task(Path(cfg.model.name_or_path).expanduser()):
+        return
+    raise ConfigError(
+        f"data.eval_path is empty; set data.eval_path=<held-out file> to score "
+        f"{cfg.model.name_or_path} (only the embedded model or a run on the built-in task falls back to the "
+        f"built-in {cfg.data.task!r} task)"
+    )
+
+
+def trained_on_builtin_task(model_folder: Path) -> bool:
+    """Whether `model_folder` is the final model of a vlmrl run (output_dir/final) whose config used the built-in task."""
+    import yaml
+
+    run_config = model_folder.parent / "config.yaml"
+    try:
+        saved = yaml.safe_load(run_config.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    data = saved.get("data") if isinstance(saved, dict) else None
+    return isinstance(data, dict) and not data.get("train_path") and model_folder.name == "final"
+
+
+def eval_data_name(cfg: Config) -> str:
+    """What `vlmrl eval` scores, for the line it prints."""
+    return cfg.data.eval_path or f"the built-in {cfg.data.task!r} task's test split (data.eval_path is empty)"
