@@ -147,3 +147,63 @@ def test_readme_demo_figures_come_from_the_result_file():
     readme = (root / "README.md").read_text()
     block = re.search(r"<!-- demo-figures:start -->\n(.*)<!-- demo-figures:end -->", readme, re.S).group(1)
     assert block == figures_markdown(result), "README demo figures are stale: run `make reference`"
+
+
+def test_trl_names_are_accepted():
+    """The names TRL's GRPOConfig / ModelConfig use (and VLM-R1 / ms-swift pass on) map to vlmrl's fields."""
+    cfg = load_config(
+        None,
+        [
+            "model_name_or_path=/models/x",
+            "use_peft=true",
+            "num_train_epochs=2",
+            "max_prompt_length=512",
+            "steps_per_generation=4",
+            "per_device_train_batch_size=2",
+            "num_generations=4",
+            "log_completions=false",
+            "eval_strategy=no",
+            "save_strategy=steps",
+            "save_steps=7",
+        ],
+    )
+    assert cfg.model.name_or_path == "/models/x" and cfg.model.use_lora
+    assert cfg.training.num_train_epochs == 2.0 and cfg.data.max_prompt_length == 512
+    assert cfg.generation_batch_size == 8 and cfg.prompts_per_step == 2  # per_device x steps_per_generation
+    assert cfg.logging.log_completions == 0 and cfg.training.eval_steps == 0 and cfg.training.save_steps == 7
+    assert load_config(None, ["log_completions=true"]).logging.log_completions == load_config().logging.log_completions
+    with pytest.raises(ConfigError, match="eval_strategy='epoch'"):
+        load_config(None, ["eval_strategy=epoch"])
+    with pytest.raises(ConfigError, match="both set the generation batch"):
+        load_config(None, ["steps_per_generation=2", "rollout.generation_batch_size=8"])
+
+
+def test_data_columns_mapping_and_format():
+    cfg = load_config(None, ["data.columns.problem=question", "data.columns.solution=answer_text", "data.image_root=[a, b]"])
+    assert cfg.data.columns == {"problem": "question", "solution": "answer_text"} and cfg.data.image_root == ["a", "b"]
+    with pytest.raises(ConfigError, match="data.columns.problme: vlmrl reads no field 'problme'.*did you mean data.columns.problem"):
+        load_config(None, ["data.columns.problme=q"])
+    with pytest.raises(ConfigError, match="data.format='sharegpt' is not one of auto, vlmrl, trl"):
+        load_config(None, ["data.format=sharegpt"])
+
+
+def test_epochs_decide_max_steps(tiny_qwen25vl, tmp_path):
+    from vlmrl.run.datasets import epochs_as_steps
+    from vlmrl.data.tasks import make_count_task
+
+    data = make_count_task(tmp_path / "d", n_train=10, n_test=0, seed=0, image_size=56)
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_qwen25vl}",
+            f"data.train_path={data['train']}",
+            "num_train_epochs=1.5",
+            "per_device_train_batch_size=4",
+            "num_generations=2",
+            f"training.output_dir={tmp_path / 'o'}",
+        ],
+    )
+    logged = []
+    resolved = epochs_as_steps(cfg, logged.append)
+    assert resolved.training.max_steps == 8  # ceil(1.5 x 10 rows / 2 prompts per step)
+    assert "training.max_steps=8" in logged[0]

@@ -56,7 +56,7 @@ def test_jsonl_loads_and_resolves_relative_paths(good_dir, tmp_path, monkeypatch
     assert rows[1]["solution"] == "2.5" and rows[1]["extra"] == [1] and rows[1]["response"] == "r"
     assert rows[2]["images"] == []
     assert (report.total_rows, report.kept_rows, report.num_images, report.text_only_rows) == (3, 3, 3, 1)
-    assert report.summary() == "3 of 3 rows kept, 3 images; 1 text-only rows"
+    assert report.summary() == "format vlmrl: 3 of 3 rows kept, 3 images; 1 text-only rows"
 
 
 def test_json_parquet_and_load_from_disk(good_dir):
@@ -161,7 +161,7 @@ def test_skip_bad_rows_keeps_good_rows_and_counts_kinds(tmp_path):
     assert (report.total_rows, report.kept_rows, report.skipped_rows) == (11, 1, 10)
     assert report.problem_counts == {"missing_image": 1, "bad_image": 2, "missing_field": 1, "wrong_type": 4, "malformed": 2, "empty_field": 1}
     assert report.summary() == (
-        "1 of 11 rows kept, 1 images; 10 bad rows skipped (bad_image: 2, empty_field: 1, malformed: 2, "
+        "format vlmrl: 1 of 11 rows kept, 1 images; 10 bad rows skipped (bad_image: 2, empty_field: 1, malformed: 2, "
         f"missing_field: 1, missing_image: 1, wrong_type: 4; rows {path}:2, 3, 4, 5, 6 and 5 more)"
     )
 

@@ -17,6 +17,7 @@ LAYERS = (
     ("config", "defaults"),  # the typed config and the model-aware defaults
     ("data",),  # rows, images, videos, built-in tasks
     ("rewards",),
+    ("tools",),  # tool functions, tool-call parsing, environments, trajectories
     ("fixtures",),  # offline tiny builders, presets, stand-in processors
     ("models",),  # loading, processors, log-probs, prefix, rollout engines
     ("checkpoints",),

@@ -1,4 +1,4 @@
-"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export|tiny`."""
+"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export|tiny|convert`."""
 
 from __future__ import annotations
 
@@ -117,6 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         description="Memory planner: every term of the per-device peak, a verdict, --search, --trace (docs/planner.md).",
     )
     add_plan_arguments(pl)
+    cv = sub.add_parser(
+        "convert",
+        help="Write another trainer's config (TRL, EasyR1, ms-swift, VLM-R1) as a vlmrl YAML.",
+        description="vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 [-o vlmrl.yaml] FILE_OR_ARGS: a YAML config, a launch "
+        "script, or --key value arguments; lists every key with no vlmrl equivalent and why.",
+    )
+    cv.add_argument("--from", dest="peer", required=True, choices=["trl", "easyr1", "ms-swift", "vlm-r1"])
+    cv.add_argument("-o", "--output", default="vlmrl.yaml", help="YAML to write (never overwritten)")
+    cv.add_argument("source", nargs="*", help="config file, launch script, or the --key value arguments themselves")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"] and "-h" not in argv and "--help" not in argv:
+        return _convert(argv[1:])
     ns = parser.parse_args(argv)
     if ns.command == "plan":
         from vlmrl.plan.cli import run_safely
@@ -131,6 +143,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except user_error_types() as e:
         return report_user_error(ns.command, e)
+
+
+def _convert(argv: list[str]) -> int:
+    """`vlmrl convert`: its own options first (--from, -o), everything else is the source (a file or a peer's --key value)."""
+    from vlmrl.run.convert import run_convert
+
+    peer, output, rest, i = None, "vlmrl.yaml", [], 0
+    while i < len(argv):
+        if argv[i] in ("--from", "-o", "--output") and i + 1 < len(argv):
+            peer, output = (argv[i + 1], output) if argv[i] == "--from" else (peer, argv[i + 1])
+            i += 2
+            continue
+        rest.append(argv[i])
+        i += 1
+    try:
+        if peer is None:
+            raise ConfigError("vlmrl convert: say which trainer the config is for: --from trl|easyr1|ms-swift|vlm-r1")
+        return run_convert(peer, rest, output, log=lambda line: print(line, file=sys.stderr))
+    except user_error_types() as e:
+        return report_user_error("convert", e)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -30,6 +30,11 @@ AUTO_FIT_ALLOW = ("num_generations", "max_pixels", "effective_batch")
 LOGPROB_CHUNK_TOKENS = 128  # the one default of memory.logprob_chunk_tokens, also used by direct calls of the log-prob functions
 
 
+# data.format's layouts (data/formats.py reads them) and the fields data.columns may map a file's column to.
+DATA_FORMATS = ("vlmrl", "trl", "conversations", "messages", "easyr1")
+MAPPABLE_COLUMNS = ("problem", "solution", "image", "images", "video", "videos", "prompt", "messages", "conversations", "answer")
+
+
 class ConfigError(ValueError):
     """A config problem; the message names the field and the fix."""
 
@@ -103,8 +108,25 @@ class DataConfig:
         128 * 28 * 28, "Video rows: frames larger than this many pixels are downscaled (aspect kept); bounds the tokens per frame."
     )
     skip_bad_rows: bool = _f(False, "Skip (and count) bad rows instead of stopping with their list.")
-    system_prompt: Optional[str] = _f(None, "System message put before every prompt.")
+    system_prompt: Optional[str] = _f(None, "System message put before every prompt (rows with their own system turn keep theirs).")
+    format: str = _f(
+        "auto",
+        "Layout of the data files: auto (recognised from the columns), vlmrl, trl, conversations (VLM-R1 / LLaVA), messages "
+        "(ms-swift), easyr1; `vlmrl check` names the one it read.",
+    )
+    columns: dict[str, str] = _f(
+        {}, "Your column for each field vlmrl reads, e.g. {problem: question, solution: answer} (or data.columns.problem=question)."
+    )
+    image_root: Union[str, list[str]] = _f(
+        "", "Folder(s) relative image paths resolve against (VLM-R1's --image_folders, EasyR1's image_dir); empty = the data file's folder."
+    )
+    prompt_template: Optional[str] = _f(
+        None, "Jinja template (or a .jinja file) applied to each prompt's text as `content` (EasyR1's data.format_prompt)."
+    )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
+    max_prompt_length: Optional[int] = _f(
+        None, "A prompt longer than this many tokens (image tokens included) stops the step naming its row; not cut, as that would cut image tokens."
+    )
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,10 @@ class RolloutConfig:
         "Decode loop (with memory.shared_prefix): loop = all rows of a call decode until the longest ends; continuous = at most decode_batch_size rows in flight in a preallocated KV cache, a row leaves at EOS and a queued prompt's row takes its slot, each row sampled from its own stream (seeded by step, prompt position, generation), so samples do not depend on batch size, order or the number of processes (sampling_seed is not used).",
     )
     decode_batch_size: int = _f(0, "Rows decoded together by rollout.engine=continuous (0 = all of a call's rows).")
+    steps_per_generation: Optional[int] = _f(
+        None,
+        "TRL's name for the generation batch: per_device_train_batch_size x this many completions per rollout step (instead of generation_batch_size).",
+    )
 
 
 @dataclass(frozen=True)
@@ -167,10 +193,10 @@ class AlgorithmConfig:
         "SIGALRM in the main thread, so a reward that sets its own alarm (math_verify) suspends this one during it.",
         resume_harmless=True,
     )
-    completion_format: Literal["text", "conversational"] = _f(
-        "text",
+    completion_format: Literal["auto", "text", "conversational"] = _f(
+        "auto",
         "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
-        "read them: completion[0]['content']); built-in rewards take both.",
+        "read them: completion[0]['content']); auto = conversational when the data's prompts are chat messages, as TRL does; built-in rewards take both.",
     )
 
 
@@ -190,6 +216,11 @@ class OptimConfig:
 class TrainingConfig:
     output_dir: str = _f("outputs/run", "Folder for metrics, samples, report and the final model.", resume_harmless=True)
     max_steps: int = _f(100, "Rollout steps to train for.", resume_harmless=True)
+    num_train_epochs: Optional[float] = _f(
+        None,
+        "Passes over the training rows (TRL's num_train_epochs); when set it decides max_steps = ceil(epochs x rows / prompts per step), logged at the start.",
+        resume_harmless=True,
+    )
     per_device_train_batch_size: int = _f(4, "Sequences (completions) per forward/backward micro-batch.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated per optimizer step.")
     seed: int = _f(0, "Seed for data order, sampling and initialisation.")
@@ -321,6 +352,8 @@ class Config:
     @property
     def generation_batch_size(self) -> int:
         r, t = self.rollout, self.training
+        if r.steps_per_generation is not None:
+            return t.per_device_train_batch_size * r.steps_per_generation
         return r.generation_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps
 
     @property
@@ -369,6 +402,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        return f"dict[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -409,6 +444,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{where}: {value!r} is not one of {_type_name(tp)}{hint}")
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_tp, value_tp = typing.get_args(tp)
+            return {_coerce(k, key_tp, where): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     elif origin is list:
         if isinstance(value, (list, tuple)):
             (item_tp,) = typing.get_args(tp)
@@ -434,8 +473,51 @@ def _all_field_names() -> dict[str, list[str]]:
     return out
 
 
+# Names TRL (and VLM-R1 / ms-swift, which take TRL's arguments) gives settings that vlmrl names otherwise.
+TRL_ALIASES = {
+    "model_name_or_path": "model.name_or_path",
+    "use_peft": "model.use_lora",
+    "num_train_epochs": "training.num_train_epochs",
+    "max_prompt_length": "data.max_prompt_length",
+    "steps_per_generation": "rollout.steps_per_generation",
+    "eval_strategy": "training.eval_steps",
+    "save_strategy": "training.save_steps",
+}
+# Count fields that TRL spells as booleans: true keeps vlmrl's default count, false is 0.
+BOOLEAN_COUNTS = ("logging.log_completions",)
+
+
+def _trl_value(name: str, value: Any, source: str) -> tuple[bool, Any]:
+    """(whether to set it, the value) for a TRL alias; strategies map to vlmrl's step counts."""
+    if name not in ("eval_strategy", "save_strategy"):
+        return True, value
+    field_name = TRL_ALIASES[name]
+    if value == "no" or value is False:  # YAML reads a bare `no` as false
+        return True, 0
+    if value == "steps":
+        return False, None  # the step count (eval_steps / save_steps) decides, as in TRL
+    raise ConfigError(f"{source}: {name}={value!r}: vlmrl evaluates / saves every {field_name} steps; use 'steps' (and set {field_name}) or 'no'")
+
+
 def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
+    if dotted in TRL_ALIASES:
+        keep, value = _trl_value(dotted, value, source)
+        if not keep:
+            return
+        dotted = TRL_ALIASES[dotted]
     parts = dotted.split(".")
+    if len(parts) == 1 and f"logging.{dotted}" in BOOLEAN_COUNTS:
+        parts = ["logging", dotted]
+    if ".".join(parts) in BOOLEAN_COUNTS and isinstance(value, bool):
+        if value:
+            return  # true: the default count
+        value = 0
+    if len(parts) == 3 and parts[0] in SECTIONS and typing.get_origin(typing.get_type_hints(SECTIONS[parts[0]]).get(parts[1])) is dict:
+        # `data.columns.problem=question`: one entry of a mapping field
+        section, name, key = parts
+        current = tree.setdefault(section, {}).get(name)
+        tree[section][name] = {**(current if isinstance(current, dict) else {}), key: value}
+        return
     if len(parts) == 1:
         # TRL users write `num_generations: 8` without a section: accept a unique field name.
         owners = _all_field_names().get(parts[0], [])
@@ -538,6 +620,13 @@ def validate(cfg: Config) -> None:
             f"rollout.num_generations={r.num_generations}: GRPO needs at least 2 completions per prompt to compare; set it to 2 or more",
         ),
         (r.generation_batch_size is None or r.generation_batch_size >= 1, "rollout.generation_batch_size must be >= 1 (or null for the default)"),
+        (r.steps_per_generation is None or r.steps_per_generation >= 1, "rollout.steps_per_generation must be >= 1 (or null)"),
+        (
+            r.steps_per_generation is None or r.generation_batch_size is None,
+            "rollout.steps_per_generation and rollout.generation_batch_size both set the generation batch; set only one",
+        ),
+        (t.num_train_epochs is None or t.num_train_epochs > 0, f"training.num_train_epochs={t.num_train_epochs} must be > 0 (or null)"),
+        (d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length must be >= 1 (or null for no limit)"),
         (
             cfg.generation_batch_size % r.num_generations == 0,
             f"generation batch {cfg.generation_batch_size} (rollout.generation_batch_size, default per_device_train_batch_size x gradient_accumulation_steps) "
@@ -634,7 +723,7 @@ def validate(cfg: Config) -> None:
             "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)",
         ),
     ]
-    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a)
+    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a) + _data_layout_problems(d)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -664,6 +753,20 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
             f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
             "aggregation; set only one (loss_type is TRL's name for it)"
         )
+    return problems
+
+
+def _data_layout_problems(d: "DataConfig") -> list[str]:
+    problems = []
+    if d.format != "auto" and d.format not in DATA_FORMATS:
+        close = difflib.get_close_matches(d.format, list(DATA_FORMATS), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(f"data.format={d.format!r} is not one of auto, {', '.join(DATA_FORMATS)}{hint}")
+    for key in d.columns:
+        if key not in MAPPABLE_COLUMNS:
+            close = difflib.get_close_matches(key, list(MAPPABLE_COLUMNS), n=1, cutoff=0.5)
+            hint = f"; did you mean data.columns.{close[0]}?" if close else ""
+            problems.append(f"data.columns.{key}: vlmrl reads no field {key!r} (it maps {', '.join(MAPPABLE_COLUMNS)}){hint}")
     return problems
 
 

@@ -19,18 +19,23 @@ from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
 
 
-def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, T] right-padded target ids ending in EOS, and their mask (1 on every target token)."""
-    eos = tokenizer.eos_token_id
-    seqs = [tokenizer(sft_target(r), add_special_tokens=False)["input_ids"] + [eos] for r in rows]
-    width = max(len(s) for s in seqs)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
+def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, T] right-padded target ids, their attention mask and loss mask: a row's target + EOS (loss on all of it),
+    or a conversation's turns after its prompt (loss on the assistant turns only: conversations.py)."""
+    from vlmrl.models.conversations import target_tensors
+
+    return target_tensors(tokenizer, rows, sft_target, device)
+
+
+def sft_row(processor, row: dict, cfg: Config) -> dict:
+    """A conversation row split into prompt turns and assistant targets (conversations.sft_view); others as they are."""
+    from vlmrl.models.conversations import ConversationError, sft_view
+    from vlmrl.data.rows import DataError
+
+    try:
+        return sft_view(processor, row, min(len(row["images"]), cfg.data.limit_images), len(row.get("videos") or []), cfg.data.system_prompt)
+    except ConversationError as e:
+        raise DataError(str(e)) from None
 
 
 def longest_target(tokenizer, rows, sample: int = 512) -> int:
@@ -97,13 +102,13 @@ def sft(cfg: Config, log=print) -> dict:
         for _ in range(steps):
             step += 1
             t0 = time.perf_counter()
-            rows = [data.train[i] for i in sampler.next_batch(s.batch_size)]
+            rows = [sft_row(processor, data.train[i], cfg) for i in sampler.next_batch(s.batch_size)]
             prompts = encode_rows(processor, rows, cfg, device)
-            ids, mask = target_batch(processor.tokenizer, rows, device)
+            ids, mask, loss_mask = target_batch(processor.tokenizer, rows, device)
             row_prompt = torch.arange(len(rows), device=device)
             with capture_routing(routing) as routed:
                 logps = completion_logps_for(model, prompts, row_prompt, ids, mask, opts)
-            loss = -masked_mean(logps, mask)
+            loss = -masked_mean(logps, loss_mask)
             aux = {}
             if routing is not None:
                 aux_loss = micro_batch_aux_loss(routed, prompts, row_prompt, ids.shape[1])

@@ -180,6 +180,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     from vlmrl.checkpoints.files import GracefulStop
     from vlmrl.engine.memory import reset_peaks
 
+    from vlmrl.run.datasets import epochs_as_steps
+
+    cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
     run = start_run(cfg, log)
     final: dict = {}
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:

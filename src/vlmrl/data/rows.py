@@ -99,12 +99,19 @@ def load_rows(
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if path.is_dir():
+        metadata = imagefolder_metadata(path)
+        if metadata is not None:
+            if split is not None:
+                raise DataError(f"{path}: an imagefolder has no splits; drop {SPLIT_SEP}{split}")
+            return load_rows(metadata, keep_malformed=keep_malformed, image_cache=cache)
         rows = _load_from_disk(path, split, cache)
     else:
         if split is not None:
             raise DataError(f"{path}: a split ({split!r}) only applies to a datasets.save_to_disk folder")
         suffix = path.suffix.lower()
-        if suffix == ".jsonl":
+        if path.name in IMAGEFOLDER_METADATA:
+            rows = [spill_embedded_images(row, cache) for row in _imagefolder_rows(path)]
+        elif suffix == ".jsonl":
             rows = [spill_embedded_images(row, cache) for row in _load_jsonl(path)]  # data: URIs
         elif suffix == ".json":
             rows = [spill_embedded_images(row, cache) for row in _load_json(path)]
@@ -117,6 +124,37 @@ def load_rows(
             if "_malformed" in row:
                 raise DataError(f"{row['_source']}: {row['_malformed']}")
     return rows
+
+
+# A `datasets` imagefolder: images beside a metadata file whose `file_name` column names each row's image.
+IMAGEFOLDER_METADATA = ("metadata.jsonl", "metadata.csv")
+
+
+def imagefolder_metadata(folder: Path) -> Path | None:
+    """The metadata file of an imagefolder, None for any other folder (a save_to_disk folder has no metadata file)."""
+    found = [folder / name for name in IMAGEFOLDER_METADATA if (folder / name).is_file()]
+    return found[0] if found else None
+
+
+def _imagefolder_rows(path: Path) -> list[dict]:
+    """Rows of an imagefolder's metadata file, ``file_name`` (one image) or ``file_names`` (a list) turned into
+    ``image`` / ``images`` paths relative to the metadata file's folder, as `datasets` reads them."""
+    if path.suffix == ".csv":
+        import csv
+
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [_object_row(r, f"{path}:{i + 2}") for i, r in enumerate(csv.DictReader(f))]
+    else:
+        rows = _load_jsonl(path)
+    out = []
+    for row in rows:
+        row = dict(row)
+        if isinstance(row.get("file_name"), str) and row.get("image") is None:
+            row["image"] = row["file_name"]
+        elif isinstance(row.get("file_names"), list) and row.get("images") is None:
+            row["images"] = row["file_names"]
+        out.append(row)
+    return out
 
 
 def _load_shards(pattern: Path, keep_malformed: bool, cache: Path) -> list[dict]:
@@ -352,6 +390,7 @@ class ValidationReport:
     text_only_rows: int = 0  # kept rows without any image or video
     num_images: int = 0  # images in kept rows (after truncation)
     num_videos: int = 0  # videos in kept rows
+    format: str = ""  # the layout the rows were read in (formats.py), e.g. "vlm-r1 conversations"
 
     @property
     def problem_counts(self) -> dict[str, int]:
@@ -379,7 +418,8 @@ class ValidationReport:
 
     def summary(self) -> str:
         videos = f", {self.num_videos} videos" if self.num_videos else ""
-        parts = [f"{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images{videos}"]
+        layout = f"format {self.format}: " if self.format else ""
+        parts = [f"{layout}{self.kept_rows} of {self.total_rows} rows kept, {self.num_images} images{videos}"]
         if self.skipped_rows:
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.problem_counts.items()))
             parts.append(f"{self.skipped_rows} bad rows skipped ({kinds}; {self.skipped_sources_text()})")
@@ -405,6 +445,7 @@ def validate_rows(
     name: str | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     shape_check: ShapeCheck | None = None,
+    image_roots: list[str] | None = None,
 ) -> tuple[list[dict], ValidationReport]:
     """Check every row before training and return the good rows, normalised, with a report.
 
@@ -421,6 +462,9 @@ def validate_rows(
     Images are also checked the way training will use them: one with more than ``max_image_pixels`` pixels
     (read from the header, before decoding) is an ``image_too_large`` problem, and ``shape_check`` (see
     `processing.ImageShapeCheck`) turns sizes the model's processor rejects into ``image_shape`` problems.
+    ``image_roots`` (data.image_root): relative image paths resolve against the first of these folders that holds
+    the file (the first one when none does), instead of the data file's folder. A prompt whose ``<image>`` /
+    ``<video>`` placeholders do not match its images is a ``placeholder_mismatch`` problem.
     """
     if limit_images is not None and limit_images < 1:
         raise ValueError(f"limit_images must be >= 1 or None, got {limit_images}")
@@ -431,7 +475,8 @@ def validate_rows(
     report = ValidationReport(total_rows=len(rows))
 
     # Pass 1: structure, and the image paths each row will use.
-    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images) for i, row in enumerate(rows)]
+    roots = [Path(r).expanduser() for r in image_roots] if image_roots else None
+    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows)]
 
     # Pass 2: each distinct image file once, in threads (decoding releases the GIL).
     paths = sorted({p for normal, *_ in checked for p in [*normal["images"], *_frame_paths(normal["videos"])]})
@@ -479,11 +524,25 @@ def _problem_message(label: str, report: ValidationReport) -> str:
     return (
         f"{label}: {report.skipped_rows} of {report.total_rows} rows are bad ({len(report.problems)} problems):\n"
         f"{listed}{tail}\n"
-        "Fix them, or set skip_bad_rows to drop and count them."
+        f"{_missing_hint(report)}Fix them, or set skip_bad_rows to drop and count them."
     )
 
 
-def _check_structure(row: dict, source: str, base: Path, limit_images: int | None) -> tuple[dict, list[Problem], str, int]:
+def _missing_hint(report: ValidationReport) -> str:
+    fields_missing = sorted({p.field for p in report.problems if p.kind == "missing_field"})
+    if not fields_missing:
+        if any(p.kind == "missing_image" for p in report.problems):
+            return "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders). "
+        return ""
+    return (
+        f"A prompt comes from problem, prompt, messages or conversations; name your own columns with "
+        f"{', '.join(f'data.columns.{f}=<column>' for f in fields_missing)}. "
+    )
+
+
+def _check_structure(
+    row: dict, source: str, base: Path, limit_images: int | None, roots: list[Path] | None = None
+) -> tuple[dict, list[Problem], str, int]:
     """(normalised copy, problems, the image field used, images dropped by limit_images) for one row,
     without touching files. The copy's ``images`` holds absolute paths ([] when unusable)."""
     out = {**row, "_source": source}
@@ -519,16 +578,31 @@ def _check_structure(row: dict, source: str, base: Path, limit_images: int | Non
     out.pop("image", None)
     dropped = 0
     if images is not None:
+        _check_placeholders(row, "image", len(images), bad)
         if limit_images is not None and len(images) > limit_images:
             dropped = len(images) - limit_images
             images = images[:limit_images]
-        out["images"] = [_resolve(p, base) for p in images]
+        out["images"] = [_resolve(p, base, roots) for p in images]
     else:
         out["images"] = []
     videos = _video_list(row, bad)
+    if videos is not None:
+        _check_placeholders(row, "video", len(videos), bad)
     out.pop("video", None)
-    out["videos"] = [[_resolve(p, base) for p in v] if isinstance(v, list) else _resolve(v, base) for v in videos or []]
+    out["videos"] = [[_resolve(p, base, roots) for p in v] if isinstance(v, list) else _resolve(v, base, roots) for v in videos or []]
     return out, problems, image_field, dropped
+
+
+def _check_placeholders(row: dict, kind: str, given: int, bad) -> None:
+    """A prompt with `<image>` (or `<video>`) placeholders must have one image per placeholder: which image goes
+    where would otherwise be a guess. No placeholder at all is fine (the images go before the text)."""
+    from vlmrl.data.formats import placeholder_counts
+
+    images, videos = placeholder_counts(row)
+    found = images if kind == "image" else videos
+    if found and found != given:
+        what = "images" if kind == "image" else "videos"
+        bad("prompt", f"found {found} <{kind}> placeholders for {given} {what}", "placeholder_mismatch")
 
 
 def _solution_as_text(value: Any) -> tuple[str | None, str | None]:
@@ -636,9 +710,16 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _resolve(path: str, base: Path) -> str:
+def _resolve(path: str, base: Path, roots: list[Path] | None = None) -> str:
+    """An absolute path: as given, or relative to the data file's folder, or (data.image_root) to the first root
+    that holds it (the first root when none does, so the error names a place the user chose)."""
     p = Path(path).expanduser()
-    return os.path.abspath(p if p.is_absolute() else base / p)
+    if p.is_absolute():
+        return os.path.abspath(p)
+    if roots:
+        found = next((r / p for r in roots if (r / p).exists()), roots[0] / p)
+        return os.path.abspath(found)
+    return os.path.abspath(base / p)
 
 
 def _frame_paths(videos: list) -> list[str]:
@@ -944,18 +1025,29 @@ def load_dataset_split(
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     shape_check: ShapeCheck | None = None,
     image_cache: str | os.PathLike | None = None,
+    layout: str = "auto",
+    columns: dict[str, str] | None = None,
+    image_roots: list[str] | None = None,
+    prompt_template: str | None = None,
 ) -> tuple[list[dict], ValidationReport]:
-    """`load_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
+    """`load_rows` + `formats.normalize_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
 
     ``max_rows`` keeps the first rows before validation, so a quick run does not decode a huge dataset;
-    with ``skip_bad_rows`` fewer rows may remain.
+    with ``skip_bad_rows`` fewer rows may remain. ``layout`` (data.format), ``columns`` (data.columns) and
+    ``prompt_template`` (data.prompt_template) choose how rows are read (formats.py); the report names the layout.
     """
+    from vlmrl.data.formats import FormatError, normalize_rows
+
     file_path, _ = split_path(path)
     rows = load_rows(path, keep_malformed=True, image_cache=image_cache)
     if max_rows is not None:
         rows = rows[:max_rows]
-    base = file_path.resolve().parent
-    return validate_rows(
+    try:
+        rows, label = normalize_rows(rows, os.fspath(path), layout, columns, prompt_template)
+    except FormatError as e:
+        raise DataError(str(e)) from None
+    base = file_path.resolve() if file_path.is_dir() and imagefolder_metadata(file_path) else file_path.resolve().parent
+    good, report = validate_rows(
         rows,
         base,
         limit_images=limit_images,
@@ -964,7 +1056,15 @@ def load_dataset_split(
         name=os.fspath(path),
         max_image_pixels=max_image_pixels,
         shape_check=shape_check,
+        image_roots=image_roots,
     )
+    folder = file_path if file_path.is_dir() else None
+    if (folder is not None and imagefolder_metadata(folder)) or file_path.name in IMAGEFOLDER_METADATA:
+        label = f"imagefolder ({label} columns)"
+    report.format = label
+    if label.startswith("vlm-r1"):  # VLM-R1's rewards read the resolved image paths as `image_path`
+        good = [{**row, "image_path": list(row["images"])} for row in good]
+    return good, report
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1032,5 +1132,9 @@ class PromptSampler:
 
 def sft_target(row: dict) -> str:
     """The text the model learns to produce (SFT's target, the answer evaluation samples show next to the model's):
-    the row's `response`, else `<answer>solution</answer>`."""
-    return row.get("response") or f"<answer>{row['solution']}</answer>"
+    the row's `response`, else `<answer>solution</answer>` (the solution itself when it already has answer tags, as
+    VLM-R1's and ms-swift's do)."""
+    if row.get("response"):
+        return row["response"]
+    solution = str(row["solution"])
+    return solution if "<answer>" in solution else f"<answer>{solution}</answer>"

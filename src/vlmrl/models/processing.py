@@ -275,14 +275,25 @@ def load_processor(
 
 
 def build_prompt(processor, problem: str, num_images: int, system_prompt: str | None = None, num_videos: int = 0) -> str:
-    """Chat-template text: optional system message, one user turn (images, then videos, first), generation prompt."""
-    from vlmrl.rewards.functions import prompt_messages
+    """Chat-template text: optional system message, one user turn (images, then videos, first, unless the text places
+    them with `<image>` / `<video>`), generation prompt."""
+    return build_row_prompt(processor, {"problem": problem}, num_images, system_prompt, num_videos)
 
-    messages = prompt_messages(problem, num_images, system_prompt, num_videos)
+
+def build_row_prompt(processor, row: dict, num_images: int, system_prompt: str | None = None, num_videos: int = 0) -> str:
+    """Chat-template text of a data row's prompt (formats.prompt_messages_of: its own turns and system message, each
+    image where its placeholder stands), with the generation prompt."""
+    from vlmrl.data.formats import prompt_messages_of
+
+    return render_chat(processor, prompt_messages_of(row, num_images, num_videos, system_prompt), add_generation_prompt=True)
+
+
+def render_chat(processor, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The model's chat template applied to `messages` (vlmrl's content blocks), as text."""
     template_owner = processor if getattr(processor, "chat_template", None) else _tokenizer_of(processor)
     if not getattr(template_owner, "chat_template", None):
         raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")
-    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def encode_prompts(processor, texts: list[str], images: list[list], videos: list[list] | None = None) -> dict[str, torch.Tensor]:

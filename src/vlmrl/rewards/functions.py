@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from vlmrl.rewards.args import accepted_arguments as _accepted, completion_text  # noqa: F401 - re-exported
+
 RewardFn = Callable[..., list]
 # Rewards become float32 tensors: a larger value (1e39 is a finite Python float) turns into inf, then NaN weights.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -132,26 +134,6 @@ def _exit_error(name: str, e: SystemExit, fn: "RewardFn", at: str) -> RewardErro
 # Text helpers
 
 
-def completion_text(completion: Any) -> str:
-    """The text of one completion: a plain string, or TRL's conversational form.
-
-    Conversational completions are a list of ``{"role", "content"}`` messages; the text is the content of
-    the last message, where a content given as a list of parts (``{"type": "text", "text": ...}``) is
-    joined. Anything else is an error, because silently scoring ``str(obj)`` would hide a bug.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        completion = [completion]
-    if isinstance(completion, (list, tuple)) and completion and all(isinstance(m, dict) for m in completion):
-        content = completion[-1].get("content", "")
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise TypeError(f"completion must be a string or a list of {{'role', 'content'}} messages, got {type(completion).__name__}")
-
-
 def extract_answer(text: Any) -> str | None:
     """Content of the LAST ``<answer>...</answer>``, stripped; None when there is none.
 
@@ -190,13 +172,45 @@ def _normalise(text: str) -> str:
     return " ".join(text.split()).rstrip(".").casefold()
 
 
+# LaTeX wrappers around a whole answer: $4$, $$4$$, \(4\), \[4\], \boxed{4}.
+MATH_WRAPPER_RE = re.compile(r"^\s*(?:\$\$(.*)\$\$|\$(.*)\$|\\\((.*)\\\)|\\\[(.*)\\\]|\\boxed\{(.*)\})\s*$", re.DOTALL)
+
+
+def strip_math(text: str) -> str:
+    """The inside of LaTeX math wrappers around a whole answer (nested ones too): '$\\boxed{4}$' -> '4'."""
+    while (m := MATH_WRAPPER_RE.match(text)) is not None:
+        text = next(g for g in m.groups() if g is not None)
+    return text.strip()
+
+
 def answers_match(answer: str, solution: str) -> bool:
     """Whether an extracted answer equals a solution.
 
-    Numeric solutions compare numerically ("3" == "3.0" == " 3 "; "three" != "3"); single-letter choices
-    compare case-insensitively with optional parentheses/period ("B" == "(b)" == "b."); anything else
-    compares as text, case-insensitive with whitespace collapsed and a trailing period ignored.
+    LaTeX math wrappers are ignored ("$4$" == "\\boxed{4}" == "4"). Numeric solutions compare numerically
+    ("3" == "3.0" == " 3 "; "three" != "3"); single-letter choices compare case-insensitively with optional
+    parentheses/period ("B" == "(b)" == "b."); anything else compares as text, case-insensitive with whitespace
+    collapsed and a trailing period ignored, and then, when the optional `math-verify` package is installed
+    (``pip install vlmrl[math]``), as mathematics ("\\frac{1}{2}" == "0.5", "x+1" == "1+x").
     """
+    answer, solution = strip_math(answer), strip_math(solution)
+    if _plain_match(answer, solution):
+        return True
+    return _math_verify_match(answer, solution)
+
+
+def _math_verify_match(answer: str, solution: str) -> bool:
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return False
+    try:
+        gold, guess = parse(f"${solution}$"), parse(f"${answer}$")
+        return bool(gold) and bool(guess) and bool(verify(gold, guess))
+    except Exception:  # a parser failure is a non-match, never a crashed step
+        return False
+
+
+def _plain_match(answer: str, solution: str) -> bool:
     sol_num = _as_number(solution)
     if sol_num is not None:
         ans_num = _as_number(answer)
@@ -311,12 +325,47 @@ def load_reward(spec: str) -> RewardFn:
     """A reward function from a spec: a built-in name (see BUILTIN_REWARDS), ``path/to/file.py:function``
     (the file is imported by path, relative to the current directory), or ``package.module:function``.
     ``...:factory(max_len=512)`` calls a factory once with those literal arguments and uses what it returns
-    (TRL's ``get_soft_overlong_punishment``, ``get_repetition_penalty_reward``, ``get_cosine_scaled_reward``)."""
+    (TRL's ``get_soft_overlong_punishment``, ``get_repetition_penalty_reward``, ``get_cosine_scaled_reward``).
+    Rewards written for VLM-R1, EasyR1 or ms-swift are wrapped to be called their trainer's way
+    (rewards/peers.py: the kind is read from the object, or named as ``spec@easyr1``); for EasyR1 and ms-swift the
+    ``(arg=value)`` arguments are bound (EasyR1's reward_function_kwargs) or passed to the ORM class."""
+    from vlmrl.rewards.peers import detect_kind, split_kind
+
+    spec, kind = split_kind(spec)
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     factory = FACTORY_SPEC_RE.fullmatch(spec)
     if factory is not None:
-        return _call_factory(spec, load_reward(f"{factory['target']}:{factory['name']}"), factory["args"])
+        obj, module = _load_object(f"{factory['target']}:{factory['name']}")
+        kind = kind or detect_kind(obj, module)
+        if kind in ("easyr1", "swift"):
+            positional, keyword = factory_arguments(spec, factory["args"])
+            if positional:
+                raise RewardError(f"reward {spec!r}: give {kind} reward arguments by name, e.g. {factory['name']}(format_weight=0.1)")
+            return _adapted(spec, factory["name"], obj, kind, module, keyword)
+        return _adapted(spec, factory["name"], _call_factory(spec, obj, factory["args"]), kind, module)
+    obj, module = _load_object(spec)
+    return _adapted(spec, spec.rsplit(":", 1)[-1], obj, kind or detect_kind(obj, module), module)
+
+
+def _adapted(spec: str, name: str, obj: Any, kind: str, module: Any, bound: dict | None = None) -> RewardFn:
+    from vlmrl.rewards.peers import adapt
+
+    try:
+        fn = adapt(name, obj, kind, module, bound)
+    except Exception as e:  # an ORM class whose __init__ fails (a missing package, an unset endpoint)
+        raise RewardError(f"reward {spec!r}: creating the {kind} reward failed: {type(e).__name__}: {_one_line(e)}") from e
+    try:
+        fn.__reward_kind__ = kind  # for `vlmrl check`'s description of each reward's call
+    except (AttributeError, TypeError):
+        pass
+    return fn
+
+
+def _load_object(spec: str) -> tuple[Any, Any]:
+    """(the object ``target:name`` names, its module); RewardError with a hint when it cannot be had."""
+    from vlmrl.rewards.peers import registered_orm
+
     if spec.count("(") != spec.count(")"):
         raise RewardError(
             f"reward {spec!r}: unbalanced parentheses; an unquoted list item is cut at each comma, so quote a spec whose "
@@ -330,15 +379,20 @@ def load_reward(spec: str) -> RewardFn:
     if not name.isidentifier():
         raise RewardError(f"reward {spec!r}: {name!r} is not a function name")
     module = _import_file(target, spec) if target.endswith(".py") else _import_module(target, spec)
-    if not hasattr(module, name):
+    fn = getattr(module, name, None)
+    if fn is None:
+        fn = registered_orm(module, name)  # ms-swift: `orms["external_r1v_acc"] = MultiModalAccuracyORM`
+    if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        close = difflib.get_close_matches(name, found, n=1, cutoff=0.6)
+        registered = sorted(getattr(module, "orms", {}) or {}) if isinstance(getattr(module, "orms", None), dict) else []
+        close = difflib.get_close_matches(name, found + registered, n=1, cutoff=0.6)
         hint = f"; did you mean {target}:{close[0]}?" if close else ""
-        raise RewardError(f"reward {spec!r}: {target} has no {name!r}{hint} (callables there: {', '.join(found) or 'none'})")
-    fn = getattr(module, name)
+        names = ", ".join(found) or "none"
+        also = f"; names registered in orms: {', '.join(registered)}" if registered else ""
+        raise RewardError(f"reward {spec!r}: {target} has no {name!r}{hint} (callables there: {names}{also})")
     if not callable(fn):
         raise RewardError(f"reward {spec!r}: {target}:{name} is a {type(fn).__name__}, not a function")
-    return fn
+    return fn, module
 
 
 def factory_arguments(spec: str, args: str) -> tuple[list, dict]:
@@ -368,36 +422,42 @@ def _call_factory(spec: str, factory: Callable, args: str) -> RewardFn:
     return fn
 
 
-def _import_file(target: str, spec: str):
+def _import_file(target: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
+    """The module at ``target`` (a .py path) for the user spec ``spec``; ``what`` names the kind of object in
+    messages and in the module's name (the tool loader shares this), ``error`` is the exception raised."""
     path = Path(target).expanduser().resolve()
+    if path.is_file() and "swift" in path.read_text(encoding="utf-8", errors="replace"):
+        from vlmrl.rewards.peers import ensure_swift_importable
+
+        ensure_swift_importable()  # an ms-swift plugin file imports swift.plugin / swift.rewards
     if not path.is_file():
         siblings = [p.name for p in path.parent.glob("*.py")] if path.parent.is_dir() else []
         close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
         hint = f"; did you mean {path.parent / close[0]}?" if close else ""
-        raise RewardError(f"reward {spec!r}: file not found: {path}{hint}")
+        raise error(f"{what} {spec!r}: file not found: {path}{hint}")
     # A stable, unique module name per file, registered in sys.modules so that two specs naming the same
     # file share one module and dataclasses/pickle inside the file work.
-    mod_name = f"vlmrl_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    mod_name = f"vlmrl_user_{what}_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward {spec!r}: cannot import {path}")
+        raise error(f"{what} {spec!r}: cannot import {path}")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[mod_name]
-        raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+        raise error(f"{what} {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
     return module
 
 
-def _import_module(target: str, spec: str):
+def _import_module(target: str, spec: str, what: str = "reward", error: type[Exception] = RewardError):
     try:
         return importlib.import_module(target)
     except Exception as e:
-        raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
+        raise error(f"{what} {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -468,29 +528,27 @@ def reward_inputs(
 ) -> tuple[list, list]:
     """(prompts, completions) for reward functions: ``rows`` repeated ``repeats`` times (one per completion,
     TRL's order) and the decoded ``texts``, in the configured format (see COMPLETION_FORMATS)."""
+    from vlmrl.data.formats import prompt_messages_of
+
+    completion_format = resolve_completion_format(completion_format, rows)
     if completion_format not in COMPLETION_FORMATS:
         raise ValueError(f"completion_format must be one of {COMPLETION_FORMATS}, got {completion_format!r}")
     if completion_format == "text":
-        return [row["problem"] for row in rows for _ in range(repeats)], list(texts)
+        return [row.get("_prompt_text", row["problem"]) for row in rows for _ in range(repeats)], list(texts)
     prompts = []
     for row in rows:
         n = len(row.get("images") or [])
-        messages = prompt_messages(row["problem"], min(n, limit_images) if limit_images else n, system_prompt, len(row.get("videos") or []))
+        messages = prompt_messages_of(row, min(n, limit_images) if limit_images else n, len(row.get("videos") or []), system_prompt)
         prompts += [messages] * repeats
     return prompts, conversational_completions(texts)
 
 
-def _accepted(fn: RewardFn, names: tuple[str, ...]) -> set[str]:
-    """Which of `names` `fn` can take: all of them with ``**kwargs`` (TRL always passes them), else those it names.
-    A callable whose signature cannot be read (some builtins) gets them all, as TRL would pass them."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return set(names)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return set(names)
-    named = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    return set(names) & named
+def resolve_completion_format(completion_format: str, rows: list[dict]) -> str:
+    """algorithm.completion_format=auto as TRL decides it: conversational when the data's prompts are chat messages
+    (TRL conversational, VLM-R1 / LLaVA conversations, ms-swift messages), text otherwise."""
+    if completion_format != "auto":
+        return completion_format
+    return "conversational" if any(row.get("_conversational") for row in rows) else "text"
 
 
 def _run_coroutines(coros: list) -> list:
@@ -733,10 +791,12 @@ def _format_hint(error: Exception, completion: Any) -> str:
         )
     if isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", str(error)):
         return (
-            "; if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), "
-            "call it in the spec with its arguments: module:factory(arg=value, ...)"
+            "; if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), call it in the "
+            "spec with its arguments: module:factory(arg=value, ...); an EasyR1 compute_score(reward_inputs) is named "
+            "file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
         )
-    if isinstance(completion, list) and isinstance(error, (AttributeError, TypeError)):
+    text = str(error)
+    if isinstance(completion, list) and ("'list' object has no attribute" in text or "not 'list'" in text or "got 'list'" in text):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
     return ""
 

@@ -58,12 +58,14 @@ def score_rollout(
 
 
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
+    from vlmrl.rewards.peers import split_kind
     from vlmrl.rewards.functions import FACTORY_SPEC_RE, load_reward
 
     names = cfg.algorithm.reward_funcs
     weights = cfg.algorithm.reward_weights or [1.0] * len(names)
-    # "file.py:name" and "module:factory(max_len=8)" are logged as name / factory.
-    short = [m["name"] if (m := FACTORY_SPEC_RE.fullmatch(n)) else n.rsplit(":", 1)[-1] for n in names]
+    # "file.py:name", "module:factory(max_len=8)" and "file.py:name@easyr1" are logged as name / factory.
+    bare = [split_kind(n)[0] for n in names]
+    short = [m["name"] if (m := FACTORY_SPEC_RE.fullmatch(n)) else n.rsplit(":", 1)[-1] for n in bare]
     # A file reward is logged under its function's name unless two rewards share it.
     keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
     if len(set(keys)) != len(keys):

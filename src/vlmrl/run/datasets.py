@@ -74,18 +74,35 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []
     checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
+    layout = data_layout_options(cfg)
     train_rows: list[dict] = []
     if need_train:
-        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
+        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
         reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
+        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
         reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
     refuse_videos_without_support(train_rows, eval_rows, processor, cfg)
     return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+
+
+def data_layout_options(cfg: Config) -> dict:
+    """How data files are read (formats.py): data.format, data.columns, data.image_root, data.prompt_template (a
+    .jinja file's text, or the template itself)."""
+    d = cfg.data
+    template = d.prompt_template
+    if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
+        from vlmrl.data.rows import DataError
+
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise DataError(f"data.prompt_template: file not found: {path}")
+        template = path.read_text(encoding="utf-8")
+    roots = [d.image_root] if isinstance(d.image_root, str) else list(d.image_root)
+    return {"layout": d.format, "columns": dict(d.columns), "image_roots": [r for r in roots if r] or None, "prompt_template": template or None}
 
 
 def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:
@@ -148,18 +165,21 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
     from vlmrl.data.rows import shared_image_cache
-    from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, build_prompt, encode_prompts
+    from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, build_row_prompt, encode_prompts
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
     images = [_row_images(r, d, cache) for r in rows]
     exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
     videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
-    texts = [build_prompt(processor, r["problem"], len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
+    texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
     try:
         batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
     except ValueError as e:  # what validation could not foresee still names the rows
         raise _rows_error(rows, images, e) from e
+    if d.max_prompt_length is not None:
+        refuse_long_prompts(rows, batch["attention_mask"].sum(dim=1).tolist(), d.max_prompt_length)
+    note_image_grids(rows, batch)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -172,6 +192,57 @@ def _row_images(row: dict, d, cache) -> list:
     except DataError as e:
         source = row.get("_source")
         raise DataError(f"{source}: {e}" if source and not str(e).startswith(str(source)) else str(e)) from e
+
+
+def note_image_grids(rows: list[dict], batch: dict) -> None:
+    """VLM-R1's rows (they carry ``image_path``) get ``image_grid_thw``: their first image's [t, h, w] patch grid, as
+    VLM-R1's trainer hands it to rewards (its IoU reward rescales boxes with it). Set on the row itself: the grid of a
+    row's image does not change between steps."""
+    grids = batch.get("image_grid_thw")
+    if grids is None or not any("image_path" in r for r in rows):
+        return
+    start = 0
+    for row, n in zip(rows, batch["images_per_row"].tolist()):
+        if n and "image_path" in row:
+            row["image_grid_thw"] = [int(v) for v in grids[start].tolist()]
+        start += n
+
+
+def refuse_long_prompts(rows: list[dict], lengths: list[int], limit: int) -> None:
+    """data.max_prompt_length: DataError naming the first row whose prompt (image tokens included) is longer."""
+    from vlmrl.data.rows import DataError
+
+    for row, n in zip(rows, lengths):
+        if n > limit:
+            raise DataError(
+                f"{row.get('_source', '?')}: the prompt is {n} tokens (image tokens included), over data.max_prompt_length={limit}; "
+                "raise it, lower data.max_pixels, or drop the row"
+            )
+
+
+def train_row_count(cfg: Config) -> int:
+    """Rows of the training data, read (and kept for the run) unless the preflight already read them."""
+    key = _datasets_key(cfg, True)
+    if key not in _VALIDATED:
+        _VALIDATED.clear()
+        _VALIDATED[key] = _load_datasets(cfg, True)
+    return len(_VALIDATED[key].train)
+
+
+def epochs_as_steps(cfg: Config, log=print) -> Config:
+    """training.num_train_epochs: the config with training.max_steps = ceil(epochs x rows / prompts per step)."""
+    import math
+
+    from vlmrl.config import replace
+
+    epochs = cfg.training.num_train_epochs
+    if epochs is None:
+        return cfg
+    rows = train_row_count(cfg)
+    steps = max(1, math.ceil(epochs * rows / cfg.prompts_per_step))
+    if steps != cfg.training.max_steps:
+        log(f"training.num_train_epochs={epochs:g}: {rows} rows at {cfg.prompts_per_step} prompts per step -> training.max_steps={steps}")
+    return replace(cfg, training__max_steps=steps)
 
 
 def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):

@@ -47,6 +47,9 @@ def preflight(cfg: Config, command: str, log=print):
         check_rewards_on_rows(cfg, funcs, weights, rows)
         if command in ("train", "sft", "check"):
             check_chat_template(cfg, rows[0])
+        if command == "check":
+            for line in describe_rewards(cfg, funcs, rows):
+                log(line)
     return data
 
 
@@ -55,7 +58,7 @@ def check_chat_template(cfg: Config, row: dict) -> None:
     1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
     in one line instead of after the weights load. Loads the processor (seconds), never the weights."""
     from vlmrl.models.loading import ModelLoadError
-    from vlmrl.models.processing import build_prompt, load_processor
+    from vlmrl.models.processing import build_row_prompt, load_processor
 
     name = cfg.model.name_or_path
     if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
@@ -68,13 +71,24 @@ def check_chat_template(cfg: Config, row: dict) -> None:
         return
     images = len((row.get("images") or [])[: cfg.data.limit_images])
     try:
-        build_prompt(processor, row["problem"], images, cfg.data.system_prompt, len(row.get("videos") or []))
+        build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or []))
     except Exception as e:  # any error from the user's template is the template's
         where = row.get("_source", "the first data row")
         raise ModelLoadError(
             f"the chat template of {name} fails on {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
             "fix chat_template.jinja (or chat_template in tokenizer_config.json)"
         ) from None
+
+
+def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
+    """One line per reward: which definition a built-in name is, or how a user reward is called and with what."""
+    from vlmrl.rewards.peers import describe_call
+    from vlmrl.rewards.functions import BUILTIN_REWARDS, resolve_completion_format
+    from vlmrl.rewards.scoring import reward_columns
+
+    columns = list(reward_columns(rows, 1))
+    form = resolve_completion_format(cfg.algorithm.completion_format, rows)
+    return [describe_call(name, fn, columns, form, builtin=BUILTIN_REWARDS.get(name) is fn) for name, fn in funcs.items()]
 
 
 def check_trackers(cfg: Config) -> None:
@@ -121,6 +135,10 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
     from vlmrl.rewards.scoring import reward_columns, row_sources
     from vlmrl.data.rows import sft_target
 
+    if any("image_path" in row for row in rows):  # VLM-R1 rows: their rewards also get image_grid_thw (runtime.note_image_grids)
+        from vlmrl.run.datasets import configured_processor, encode_rows
+
+        encode_rows(configured_processor(cfg), rows, cfg, "cpu")
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
     try:

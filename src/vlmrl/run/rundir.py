@@ -187,6 +187,9 @@ def guard_run_folder(fn: Callable) -> Callable:
             return fn(cfg, *args, **kwargs)
         log = kwargs.get("log") or (args[0] if args else print)
         with RunLock(cfg.training.output_dir, log):
+            from vlmrl.run.datasets import epochs_as_steps
+
+            cfg = epochs_as_steps(cfg, log)  # the run is complete at the max_steps its epochs give
             result = fn(cfg, *args, **kwargs)
             mark_complete_if_finished(cfg)
             return result

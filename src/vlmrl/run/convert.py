@@ -1,0 +1,541 @@
+"""`vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 FILE_OR_ARGS`: another trainer's config as a vlmrl YAML.
+
+Reads a YAML config (TRL's flat keys, EasyR1's nested sections), a launch script (the ``--key value`` arguments
+of its ``torchrun`` / ``accelerate launch`` / ``swift rlhf`` line, shell variables set in the script filled in),
+or the ``--key value`` arguments themselves. Every key either becomes a vlmrl setting or is listed with why it
+has none (vLLM settings: vlmrl generates in-process; ZeRO / FSDP settings: the accelerate config to launch with).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from vlmrl.config import ConfigError
+
+PEERS = ("trl", "easyr1", "ms-swift", "vlm-r1")
+VLLM = "vLLM: vlmrl generates in-process (rollout.engine, memory.shared_prefix); no separate inference engine"
+ZERO = "ZeRO / FSDP: launch with accelerate and a config from configs/accelerate (docs/scaling_out.md)"
+LAUNCH = "processes and nodes: the launcher's (accelerate launch --num_processes / torchrun), not a config key"
+TRACKER_NAME = "run / project names: the trackers' own environment variables (WANDB_PROJECT, WANDB_NAME, MLFLOW_EXPERIMENT_NAME)"
+NO_HUB = "vlmrl reads local files and folders: download the dataset / model first and give its path"
+
+# TRL's GRPOConfig / ModelConfig names (VLM-R1 and ms-swift take them too) -> vlmrl key, or None with a reason.
+TRL_KEYS: dict[str, str] = {
+    "model_name_or_path": "model.name_or_path",
+    "output_dir": "training.output_dir",
+    "learning_rate": "optim.learning_rate",
+    "weight_decay": "optim.weight_decay",
+    "warmup_ratio": "optim.warmup_ratio",
+    "lr_scheduler_type": "optim.lr_scheduler_type",
+    "max_grad_norm": "optim.max_grad_norm",
+    "adam_beta1": "optim.adam_beta1",
+    "adam_beta2": "optim.adam_beta2",
+    "per_device_train_batch_size": "training.per_device_train_batch_size",
+    "per_device_eval_batch_size": "training.eval_batch_size",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "max_steps": "training.max_steps",
+    "num_train_epochs": "training.num_train_epochs",
+    "seed": "training.seed",
+    "bf16": "training.bf16",
+    "save_steps": "training.save_steps",
+    "save_total_limit": "training.save_total_limit",
+    "save_only_model": "training.save_only_model",
+    "eval_steps": "training.eval_steps",
+    "logging_steps": "logging.logging_steps",
+    "report_to": "logging.report_to",
+    "log_completions": "logging.log_completions",
+    "num_generations": "rollout.num_generations",
+    "generation_batch_size": "rollout.generation_batch_size",
+    "steps_per_generation": "rollout.steps_per_generation",
+    "max_completion_length": "rollout.max_completion_length",
+    "max_prompt_length": "data.max_prompt_length",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "beta": "algorithm.beta",
+    "epsilon": "algorithm.epsilon",
+    "epsilon_high": "algorithm.epsilon_high",
+    "num_iterations": "algorithm.num_iterations",
+    "loss_type": "algorithm.loss_type",
+    "scale_rewards": "algorithm.scale_rewards",
+    "mask_truncated_completions": "algorithm.mask_truncated_completions",
+    "reward_weights": "algorithm.reward_weights",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "attn_implementation": "model.attn_implementation",
+    "torch_dtype": "model.dtype",
+    "dtype": "model.dtype",
+    "use_peft": "model.use_lora",
+    "lora_r": "model.lora_r",
+    "lora_alpha": "model.lora_alpha",
+    "lora_dropout": "model.lora_dropout",
+    "lora_target_modules": "model.lora_target_modules",
+    "trust_remote_code": "model.trust_remote_code",
+    "freeze_vision_modules": "model.freeze_vision_tower",
+    "max_pixels": "data.max_pixels",
+    "min_pixels": "data.min_pixels",
+    "system_prompt": "data.system_prompt",
+    "eval_strategy": "training.eval_steps",
+    "save_strategy": "training.save_steps",
+}
+TRL_REASONS: dict[str, str] = {
+    "use_vllm": VLLM,
+    "deepspeed": ZERO,
+    "fsdp": ZERO,
+    "run_name": TRACKER_NAME,
+    "logging_dir": "logs go to output_dir (metrics.jsonl, tb/)",
+    "push_to_hub": "vlmrl writes output_dir/final; upload it yourself",
+    "resume_from_checkpoint": "vlmrl resumes from output_dir's newest checkpoint by default (training.resume)",
+    "dataloader_num_workers": "images are decoded in threads and cached (data.image_cache_mb)",
+    "data_seed": "one seed (training.seed) orders the data and the sampling",
+    "dataset_name": NO_HUB,
+    "ddp_timeout": LAUNCH,
+    "remove_unused_columns": "every column is kept for the rewards",
+    "sync_ref_model": "vlmrl's reference is the initial policy (algorithm.beta)",
+    "repetition_penalty": "vlmrl samples with temperature / top_p / top_k only",
+    "config_file": "accelerate's own option: keep it on the accelerate launch line (docs/scaling_out.md)",
+    "nproc_per_node": LAUNCH,
+    "nnodes": LAUNCH,
+    "node_rank": LAUNCH,
+    "master_addr": LAUNCH,
+    "master_port": LAUNCH,
+    "num_processes": LAUNCH,
+}
+TRL_REASON_PREFIXES = {"vllm_": VLLM, "hub_": "vlmrl writes output_dir/final; upload it yourself", "wandb_": TRACKER_NAME}
+
+
+class Conversion:
+    """What a conversion produced: the vlmrl settings and the keys left out with why."""
+
+    def __init__(self) -> None:
+        self.settings: dict[str, Any] = {}
+        self.unmapped: dict[str, str] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.settings[key] = value
+
+    def skip(self, key: str, why: str) -> None:
+        self.unmapped[key] = why
+
+    def tree(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for dotted, value in self.settings.items():
+            section, _, name = dotted.partition(".")
+            if "." in name:  # data.columns.problem
+                name, _, key = name.partition(".")
+                out.setdefault(section, {}).setdefault(name, {})[key] = value
+            else:
+                out.setdefault(section, {})[name] = value
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading the input
+
+
+def read_source(args: list[str]) -> dict[str, Any]:
+    """The settings of a YAML file, a launch script, or ``--key value`` arguments, as {key: value} (nested for YAML)."""
+    if not args:
+        raise ConfigError("vlmrl convert: give a config file, a launch script or --key value arguments")
+    first = Path(args[0])
+    if len(args) == 1 and first.suffix in (".yaml", ".yml", ".json") and first.is_file():
+        data = yaml.safe_load(first.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ConfigError(f"{first}: expected a mapping of settings")
+        return data
+    if len(args) == 1 and first.is_file():
+        return parse_arguments(script_arguments(first.read_text(encoding="utf-8")))
+    return parse_arguments(args)
+
+
+def script_arguments(text: str) -> list[str]:
+    """The arguments of a launch script's command: lines joined at trailing backslashes, ``VAR=value`` lines of the
+    script substituted into ``$VAR`` / ``${VAR}``, everything from the first ``--`` option on the longest command line."""
+    joined = re.sub(r"\\\s*\n", " ", text)
+    variables: dict[str, str] = {}
+    best: list[str] = []
+    for line in joined.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        assignment = re.fullmatch(r"(?:export\s+)?([A-Za-z_]\w*)=(.*)", line)
+        if assignment:
+            try:
+                words = shlex.split(assignment[2])
+            except ValueError:
+                words = []
+            if len(words) <= 1:  # `VAR=value` alone; `VAR=value cmd --args` is a command with an environment prefix
+                variables[assignment[1]] = words[0] if words else ""
+                continue
+        line = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), line)
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        options = [i for i, w in enumerate(words) if w.startswith("--")]
+        if options and len(words) - options[0] > len(best):
+            best = words[options[0] :]
+    return best
+
+
+def parse_arguments(words: list[str]) -> dict[str, Any]:
+    """``--key value [value ...]`` -> {key: value or list}; a flag without a value is true; values parsed as YAML."""
+    out: dict[str, Any] = {}
+    key = None
+    for word in words:
+        if word.startswith("--"):
+            key, eq, value = word[2:].replace("-", "_").partition("=")
+            out[key] = _scalar(value) if eq else True
+        elif key is not None:
+            value = _scalar(word.rstrip(","))
+            out[key] = value if out[key] is True else (out[key] if isinstance(out[key], list) else [out[key]]) + [value]
+    return out
+
+
+def _scalar(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+", value):
+        return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+    return value if isinstance(value, (str, int, float, bool)) or value is None else text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mapping
+
+
+def convert_trl_keys(source: dict[str, Any], out: Conversion, handled: set[str] = frozenset()) -> None:
+    """Keys named as TRL names them, each set or listed."""
+    for key, value in source.items():
+        if key in handled:
+            continue
+        if key in TRL_KEYS:
+            target = TRL_KEYS[key]
+            if key in ("eval_strategy", "save_strategy"):
+                if value in ("no", False):
+                    out.set(target, 0)
+                elif value != "steps":
+                    out.skip(key, f"vlmrl evaluates / saves every {target} steps (value {value!r})")
+                continue
+            if key == "lora_target_modules" and isinstance(value, str):
+                value = [value] if value != "all-linear" else value
+            if key in ("torch_dtype", "dtype") and value in ("bf16", "fp16", "fp32", "auto"):
+                value = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "bfloat16"}[value]
+            if key == "report_to" and isinstance(value, str):
+                value = [value]
+            out.set(target, value)
+        elif key in TRL_REASONS:
+            out.skip(key, TRL_REASONS[key])
+        else:
+            prefix = next((p for p in TRL_REASON_PREFIXES if key.startswith(p)), None)
+            out.skip(key, TRL_REASON_PREFIXES[prefix] if prefix else "no vlmrl setting of that meaning")
+
+
+def from_trl(source: dict[str, Any]) -> Conversion:
+    out = Conversion()
+    funcs = source.get("reward_funcs")
+    if funcs is not None:
+        out.skip("reward_funcs", "TRL takes reward functions in Python; name yours in algorithm.reward_funcs as path/to/file.py:function")
+    convert_trl_keys(source, out, {"reward_funcs"})
+    return out
+
+
+def from_vlm_r1(source: dict[str, Any]) -> Conversion:
+    out = Conversion()
+    paths = str(source.get("data_file_paths") or "").split(":")
+    folders = str(source.get("image_folders") or "").split(":")
+    if paths[0]:
+        out.set("data.train_path", paths[0])
+        if len(paths) > 1:
+            out.skip("data_file_paths", f"vlmrl trains on one file: {paths[0]} kept; concatenate the other {len(paths) - 1} into it")
+    if folders[0]:
+        out.set("data.image_root", list(dict.fromkeys(folders)) if len(set(folders)) > 1 else folders[0])
+    if source.get("reward_funcs") is not None:
+        out.skip(
+            "reward_funcs",
+            f"VLM-R1's {source['reward_funcs']} are functions in its grpo_jsonl.py: put them in a file and name them, e.g. "
+            "algorithm.reward_funcs=[my_rewards.py:accuracy_reward, my_rewards.py:format_reward] (vlmrl's own 'accuracy' / 'format' differ)",
+        )
+    for key, why in {
+        "reward_method": "a per-file accu_reward_method: set it as a column of the data (VLM-R1's loader adds 'default')",
+        "task_type": "VLM-R1 picks its question template by task: write the question into the data or data.prompt_template",
+        "is_reward_customized_from_vlm_module": "VLM-R1's module-specific rewards: name the function in algorithm.reward_funcs",
+        "val_split_ratio": "give a held-out file as data.eval_path",
+        "max_anyres_num": "InternVL tiling is the processor's own setting",
+        "arrow_cache_dir": "rows are read directly; embedded images are cached under $VLMRL_CACHE",
+    }.items():
+        if key in source:
+            out.skip(key, why)
+    handled = {"data_file_paths", "image_folders", "reward_funcs", "reward_method", "task_type", "is_reward_customized_from_vlm_module"}
+    convert_trl_keys(source, out, handled | {"val_split_ratio", "max_anyres_num", "arrow_cache_dir"})
+    return out
+
+
+def from_ms_swift(source: dict[str, Any]) -> Conversion:
+    out = Conversion()
+    plugins = source.get("external_plugins")
+    plugin = (plugins[0] if isinstance(plugins, list) else plugins) if plugins else None
+    funcs = source.get("reward_funcs")
+    if funcs is not None:
+        names = funcs if isinstance(funcs, list) else [funcs]
+        out.set("algorithm.reward_funcs", [f"{plugin}:{n}" if plugin and n not in ("accuracy", "format") else n for n in names])
+        if any(n in ("accuracy", "format") for n in names):
+            out.skip("reward_funcs (accuracy, format)", "kept as vlmrl's built-ins of those names (`vlmrl check` says what they compare)")
+    if "model" in source:
+        out.set("model.name_or_path", source["model"])
+    if "dataset" in source:
+        datasets = source["dataset"] if isinstance(source["dataset"], list) else [source["dataset"]]
+        out.set("data.train_path", str(datasets[0]))
+        if len(datasets) > 1:
+            out.skip("dataset", f"vlmrl trains on one file: {datasets[0]} kept")
+    if "val_dataset" in source:
+        out.set("data.eval_path", str(source["val_dataset"]))
+    if "system" in source:
+        system = Path(str(source["system"]))
+        if system.is_file():
+            out.set("data.system_prompt", system.read_text(encoding="utf-8").strip())
+        elif system.suffix in (".txt", ".md"):
+            out.skip("system", f"{system} is not here: set data.system_prompt to its text")
+        else:
+            out.set("data.system_prompt", source["system"])
+    if "train_type" in source:
+        out.set("model.use_lora", source["train_type"] == "lora")
+    if "freeze_vit" in source:
+        out.set("model.freeze_vision_tower", bool(source["freeze_vit"]))
+    reasons = {
+        "rlhf_type": "vlmrl train is GRPO (and its variants: algorithm.*)",
+        "external_plugins": "the plugin file is named in each algorithm.reward_funcs entry",
+        "max_length": "prompts: data.max_prompt_length; completions: rollout.max_completion_length",
+        "async_generate": VLLM,
+        "load_from_cache_file": "rows are read directly",
+        "target_modules": "model.lora_target_modules (module names; all-linear is not a name)",
+    }
+    for key, why in reasons.items():
+        if key in source:
+            out.skip(key, why)
+    handled = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "freeze_vit", *reasons}
+    convert_trl_keys(source, out, handled)
+    return out
+
+
+def from_easyr1(source: dict[str, Any]) -> Conversion:
+    """EasyR1's nested YAML (data / algorithm / worker / trainer)."""
+    out = Conversion()
+    for dotted, value in _flatten(source):
+        handler = EASYR1_KEYS.get(dotted)
+        if handler is None:
+            out.skip(dotted, _easyr1_reason(dotted))
+        elif isinstance(handler, str):
+            if value is not None:
+                out.set(handler, value)
+        else:
+            handler(value, out, source)
+    return out
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted not in ("worker.reward.reward_function_kwargs",):
+            items += _flatten(value, dotted + ".")
+        else:
+            items.append((dotted, value))
+    return items
+
+
+EASYR1_REASONS = {
+    "worker.actor.global_batch_size": "the update batch: training.per_device_train_batch_size x gradient_accumulation_steps (x processes)",
+    "worker.actor.optim.strategy": "vlmrl's optimizer is AdamW (optim.*)",
+    "worker.actor.model.lora.target_modules": "model.lora_target_modules lists module names (all-linear is not one)",
+    "worker.actor.model.lora.exclude_modules": "LoRA goes on the language model unless model.lora_vision",
+    "worker.rollout.limit_images": "data.limit_images (EasyR1's 0 = no limit; vlmrl's default is 4)",
+    "data.val_batch_size": "training.eval_batch_size (prompts per greedy batch)",
+    "data.mini_rollout_batch_size": "one generation batch per step (rollout.generation_batch_size)",
+    "data.override_chat_template": "vlmrl uses the model folder's chat template (chat_template.jinja)",
+    "algorithm.online_filtering": "no DAPO group filtering; groups with equal rewards get zero advantage",
+    "trainer.max_try_make_batch": "no DAPO group filtering",
+    "trainer.val_only": "vlmrl eval scores a model without training",
+    "trainer.val_generations_to_log": "logging.log_completions (training samples); eval samples follow it too",
+    "trainer.load_checkpoint_path": "training.resume=<checkpoint path>",
+    "trainer.find_last_checkpoint": "training.resume=auto (the default) resumes from output_dir's newest checkpoint",
+}
+
+
+def _easyr1_reason(dotted: str) -> str:
+    if dotted in EASYR1_REASONS:
+        return EASYR1_REASONS[dotted]
+    if dotted.startswith("algorithm.filter_"):
+        return "no DAPO group filtering; groups with equal rewards get zero advantage"
+    if dotted.startswith("worker.rollout."):
+        return VLLM
+    if ".fsdp." in dotted or ".offload." in dotted or dotted.endswith(("padding_free", "dynamic_batching", "ulysses_size")):
+        return ZERO
+    if dotted.startswith("worker.ref."):
+        return "vlmrl's reference is the initial policy; where it lives: memory.ref_placement"
+    if dotted in ("trainer.nnodes", "trainer.n_gpus_per_node"):
+        return LAUNCH
+    if dotted in ("trainer.project_name", "trainer.experiment_name"):
+        return TRACKER_NAME
+    return "no vlmrl setting of that meaning"
+
+
+def _files(key: str) -> Callable[[Any, Conversion, dict], None]:
+    def convert(value, out: Conversion, _source) -> None:
+        path, _, split = str(value).partition("@")
+        out.set(key, path if not split or Path(path).suffix else f"{path}::{split}")
+
+    return convert
+
+
+def _column(field_name: str, default: str) -> Callable[[Any, Conversion, dict], None]:
+    def convert(value, out: Conversion, _source) -> None:
+        if value and value != default:
+            out.set(f"data.columns.{field_name}", value)
+
+    return convert
+
+
+def _reward(value, out: Conversion, source: dict) -> None:
+    kwargs = ((source.get("worker") or {}).get("reward") or {}).get("reward_function_kwargs") or {}
+    spec = str(value)
+    if kwargs:
+        spec += "(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+    out.set("algorithm.reward_funcs", [spec])
+
+
+def _kl(value, out: Conversion, source: dict) -> None:
+    algorithm = source.get("algorithm") or {}
+    out.set("algorithm.beta", 0.0 if algorithm.get("disable_kl") else value)
+
+
+def _lora_rank(value, out: Conversion, _source) -> None:
+    if value:
+        out.set("model.use_lora", True)
+        out.set("model.lora_r", value)
+
+
+def _every(key: str) -> Callable[[Any, Conversion, dict], None]:
+    def convert(value, out: Conversion, _source) -> None:
+        out.set(key, 0 if value is None or value < 0 else value)
+
+    return convert
+
+
+def _save_limit(value, out: Conversion, _source) -> None:
+    out.set("training.save_total_limit", None if value is None or value < 0 else value)
+
+
+def _rollout_batch(value, out: Conversion, source: dict) -> None:
+    n = ((source.get("worker") or {}).get("rollout") or {}).get("n") or 1
+    out.set("rollout.generation_batch_size", int(value) * int(n))  # prompts per step x completions per prompt
+
+
+def _logger(value, out: Conversion, _source) -> None:
+    trackers = [t for t in (value if isinstance(value, list) else [value]) if t in ("wandb", "mlflow", "tensorboard")]
+    out.set("logging.report_to", trackers or ["none"])
+
+
+def _estimator(value, out: Conversion, _source) -> None:
+    names = {"grpo": None, "reinforce_plus_plus": "reinforce_pp", "remax": None, "rloo": None}
+    if value in ("grpo",):
+        return
+    if names.get(value):
+        out.set("algorithm.advantage_estimator", names[value])
+    else:
+        out.skip("algorithm.adv_estimator", f"{value!r}: vlmrl's estimators are grpo, grpo_batch_std, dr_grpo, reinforce_pp")
+
+
+def _ignore(_value, _out: Conversion, _source) -> None:
+    return None
+
+
+EASYR1_KEYS: dict[str, Any] = {
+    "data.train_files": _files("data.train_path"),
+    "data.val_files": _files("data.eval_path"),
+    "data.prompt_key": _column("problem", "problem"),
+    "data.answer_key": _column("solution", "answer"),
+    "data.image_key": _column("images", "images"),
+    "data.video_key": _column("videos", "videos"),
+    "data.image_dir": "data.image_root",
+    "data.max_prompt_length": "data.max_prompt_length",
+    "data.max_response_length": "rollout.max_completion_length",
+    "data.rollout_batch_size": _rollout_batch,
+    "data.format_prompt": "data.prompt_template",
+    "data.shuffle": "data.shuffle",
+    "data.seed": "training.seed",
+    "data.min_pixels": "data.min_pixels",
+    "data.max_pixels": "data.max_pixels",
+    "data.video_fps": "data.fps",
+    "data.filter_overlong_prompts": _ignore,  # data.max_prompt_length refuses them instead
+    "algorithm.adv_estimator": _estimator,
+    "algorithm.kl_coef": _kl,
+    "algorithm.disable_kl": _ignore,  # read by _kl
+    "algorithm.use_kl_loss": _ignore,  # vlmrl's KL is a loss term (k3), as use_kl_loss=true with low_var_kl
+    "algorithm.kl_penalty": _ignore,
+    "worker.actor.micro_batch_size_per_device_for_update": "training.per_device_train_batch_size",
+    "worker.actor.micro_batch_size_per_device_for_experience": "memory.scoring_micro_batch_size",
+    "worker.actor.max_grad_norm": "optim.max_grad_norm",
+    "worker.actor.model.model_path": "model.name_or_path",
+    "worker.actor.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "worker.actor.model.trust_remote_code": "model.trust_remote_code",
+    "worker.actor.model.freeze_vision_tower": "model.freeze_vision_tower",
+    "worker.actor.model.lora.rank": _lora_rank,
+    "worker.actor.model.lora.alpha": "model.lora_alpha",
+    "worker.actor.optim.lr": "optim.learning_rate",
+    "worker.actor.optim.weight_decay": "optim.weight_decay",
+    "worker.actor.optim.lr_warmup_ratio": "optim.warmup_ratio",
+    "worker.rollout.n": "rollout.num_generations",
+    "worker.rollout.temperature": "rollout.temperature",
+    "worker.rollout.top_p": "rollout.top_p",
+    "worker.reward.reward_function": _reward,
+    "worker.reward.reward_function_kwargs": _ignore,  # bound in _reward
+    "trainer.total_epochs": "training.num_train_epochs",
+    "trainer.max_steps": "training.max_steps",
+    "trainer.logger": _logger,
+    "trainer.val_freq": _every("training.eval_steps"),
+    "trainer.val_before_train": "training.val_before_train",
+    "trainer.save_freq": _every("training.save_steps"),
+    "trainer.save_limit": _save_limit,
+    "trainer.save_model_only": "training.save_only_model",
+    "trainer.save_checkpoint_path": "training.output_dir",
+}
+
+CONVERTERS: dict[str, Callable[[dict], Conversion]] = {"trl": from_trl, "easyr1": from_easyr1, "ms-swift": from_ms_swift, "vlm-r1": from_vlm_r1}
+
+
+def convert(peer: str, args: list[str]) -> Conversion:
+    """The conversion of `args` (a file or --key value arguments) from `peer`'s names; the result is validated as a
+    vlmrl config (ConfigError names the key) before it is returned."""
+    from vlmrl.config import _merge_key, build_config
+
+    if peer not in CONVERTERS:
+        raise ConfigError(f"vlmrl convert --from {peer}: choose one of {', '.join(PEERS)}")
+    result = CONVERTERS[peer](read_source(args))
+    tree: dict[str, dict[str, Any]] = {}
+    for key, value in result.settings.items():
+        _merge_key(tree, key, value, f"converted {key}")
+    build_config(tree)  # every converted value must be a valid vlmrl value
+    return result
+
+
+def run_convert(peer: str, args: list[str], out_path: str, log=print) -> int:
+    """Write the converted YAML to `out_path` (never over an existing file) and list the keys left out."""
+    target = Path(out_path)
+    if target.exists():
+        raise ConfigError(f"vlmrl convert: {target} exists; give another --output (vlmrl overwrites only what it wrote)")
+    result = convert(peer, args)
+    header = f"# converted by `vlmrl convert --from {peer}` from {' '.join(args)}\n"
+    target.write_text(header + yaml.safe_dump(result.tree(), sort_keys=False), encoding="utf-8")
+    log(f"wrote {target}: {len(result.settings)} settings")
+    if result.unmapped:
+        log(f"{len(result.unmapped)} keys have no vlmrl equivalent:")
+        for key, why in result.unmapped.items():
+            log(f"  {key}: {why}")
+    return 0
