@@ -28,6 +28,7 @@ from vlmrl.checkpoints.files import (
     verify_checkpoint,
 )
 from vlmrl.config import load_config, to_dict
+from vlmrl.checkpoints.run_manifest import MANIFEST_FILE
 
 CONFIG = {"training": {"seed": 0, "max_steps": 10}, "algorithm": {"beta": 0.0}}
 
@@ -158,7 +159,7 @@ def test_resume_modes_and_tmp_leftovers(tmp_path):
     save(tmp_path, 3, model, opt, sched)
     save(tmp_path, 7, model, opt, sched, save_total_limit=5)
     assert not stale.exists()
-    assert [p.name for p in tmp_path.iterdir()] and all(not p.name.startswith(".") for p in tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] and all(not p.name.startswith(".") for p in tmp_path.iterdir() if p.name != MANIFEST_FILE)
 
 
 def test_interrupted_replacement_is_recovered(tmp_path):
@@ -240,7 +241,7 @@ def test_disk_full_leaves_previous_intact(tmp_path, monkeypatch, where):
     assert str(tmp_path / "checkpoint-2") in msg and "No space left" in msg
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     assert verify_checkpoint(good) == (True, "ok")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != MANIFEST_FILE) == ["checkpoint-1"]
 
 
 def test_failed_resave_of_same_step_keeps_old(tmp_path, monkeypatch):

@@ -306,6 +306,35 @@ def _resume_on_one_process(setup, out, reference, name):
     _assert_same_weights(single, reference)
 
 
+@pytest.mark.multiproc
+def test_ddp_run_at_the_default_sampling_seed_resumes_on_one_process_exactly(setup, reference):
+    """rollout.sampling_seed left at auto: the 2-process run draws per-prompt streams, and its checkpoint resumed on
+    ONE process keeps them (resolve_sampling_seed) instead of switching to one stream per step: the same run."""
+    out = setup[0] / "ddp_default_seed"
+    _run(
+        _torchrun("--standalone", "--nproc_per_node", "2")
+        + _args(setup, out, "training.max_steps=2", "training.save_steps=2", "rollout.sampling_seed=auto")
+    )
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["per_prompt_seed"] is True
+    single = setup[0] / "ddp_default_seed_on_one"
+    shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "run_complete.json"))
+    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single, "rollout.sampling_seed=auto")])
+    _assert_same_run(single, reference)
+    _assert_same_weights(single, reference)
+
+
+def test_resolve_sampling_seed_keeps_the_checkpoints_choice():
+    from vlmrl.checkpoints.state import resolve_sampling_seed
+
+    assert resolve_sampling_seed("auto", 1, {}) is False and resolve_sampling_seed("auto", 2, {}) is True
+    state = {"step": 2, "per_prompt_seed": True}
+    assert resolve_sampling_seed("auto", 1, state) is True and state["per_prompt_seed"] is True  # 2 -> 1: kept
+    notes = []
+    assert resolve_sampling_seed("auto", 2, {"step": 2, "per_prompt_seed": False}, notes.append) is False
+    assert "samples differently" in notes[0]  # 1 -> 2 with per-step streams: said, not hidden
+    assert resolve_sampling_seed("prompt", 1, {"step": 2, "per_prompt_seed": False}) is True  # an explicit choice wins
+
+
 def _assert_exports_as(ckpt, exported, expected_weights):
     """`vlmrl export ckpt exported`: a plain HF folder whose weights equal `expected_weights` bit for bit."""
     _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])

@@ -10,6 +10,7 @@ import pytest
 from vlmrl import cli
 from vlmrl.config import load_config
 from vlmrl.run.overwrite import OverwriteRefused, entries_to_delete, foreign_entries, is_run_entry, plan_overwrite, remove_entries
+from vlmrl.checkpoints.run_manifest import MANIFEST_FILE, record
 from vlmrl.run.rundir import COMPLETE_FILE, LOCK_FILE, RunAlreadyComplete, describe_output_dir
 from vlmrl.sft import sft
 from vlmrl.data.tasks import make_count_task
@@ -52,14 +53,18 @@ def steps(path):
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
+RUN_NAMES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "report.png", COMPLETE_FILE)
+
+
 def fake_run(out, *names):
-    """A run folder as vlmrl leaves it (contents are placeholders), plus `names`."""
+    """A run folder as vlmrl leaves it (contents are placeholders, its manifest lists them), plus `names`."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "report.png", COMPLETE_FILE, *names):
+    for name in (*RUN_NAMES, *names):
         (out / name).write_text("{}")
     for name in ("final", "checkpoint-2", "tb", "data/count/images"):
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "x").write_text("x")
+    record(out, [*RUN_NAMES, "final", "checkpoint-2", "tb", "data"])
     return out
 
 
@@ -115,7 +120,7 @@ def test_remove_keeps_the_lock_and_the_builtin_task_data(tmp_path):
     doomed = plan_overwrite(cfg_for(out, f"data.train_path={out / 'data' / 'count' / 'images' / 'x'}"))
     lines = []
     remove_entries(out, doomed, lines.append)
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE, "data"] and (out / "data/count/images/x").is_file()
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_FILE, LOCK_FILE, "data"] and (out / "data/count/images/x").is_file()
     assert lines == [
         f"training.overwrite_output_dir=true: deleted the earlier run in {out} (checkpoint-2, config.yaml, eval.jsonl, final, "
         f"metrics.jsonl, report.png, run_complete.json, samples.jsonl and 1 more); starting over at step 0"

@@ -271,7 +271,11 @@ def run_eval(cfg) -> dict:
     print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows; {describe(cfg)}", file=sys.stderr)
     metrics = evaluate(model, processor, data.eval, cfg, funcs, device)
     out = Path(cfg.training.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from vlmrl.checkpoints.run_manifest import is_owned, record
+
+    if (out / "eval.json").exists() and not is_owned(out / "eval.json"):
+        raise ConfigError(f"{out / 'eval.json'} was not written by vlmrl; move it, or pick another training.output_dir")
+    record(out, ["eval.json"])
     (out / "eval.json").write_text(json.dumps(metrics, indent=1))
     return metrics
 

@@ -144,7 +144,7 @@ class RolloutConfig:
     )
     sampling_seed: Literal["auto", "step", "prompt"] = _f(
         "auto",
-        "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several.",
+        "Rollout randomness: step = one stream per step; prompt = one stream per prompt from (seed, step, its position in the global batch), so samples do not depend on the number of processes (one generate call per prompt); auto = step on one process, prompt on several (a resume keeps its checkpoint's choice).",
     )
     engine: Literal["loop", "continuous"] = _f(
         "loop",
@@ -191,6 +191,12 @@ class AlgorithmConfig:
     )
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
+    reward_timeout_s: float = _f(
+        600.0,
+        "Seconds one reward function may take on one batch before the run stops with an error naming it (0: no limit); "
+        "SIGALRM in the main thread, so a reward that sets its own alarm (math_verify) suspends this one during it.",
+        resume_harmless=True,
+    )
     completion_format: Literal["auto", "text", "conversational"] = _f(
         "auto",
         "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "

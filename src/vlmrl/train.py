@@ -34,7 +34,7 @@ from vlmrl.models.prefix import LogprobOptions, completion_logps_for
 from vlmrl.rewards.functions import RewardLog, reward_stats
 from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
 from vlmrl.models.rollout import Completions, generate
-from vlmrl.checkpoints.state import restore, restore_after_wrap, save, save_final
+from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save, save_final
 from vlmrl.ending import Ending, finish, finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
@@ -339,7 +339,7 @@ def start_run(cfg: Config, log) -> Run:
         state=state,
         plan=plan,
         pad_id=pad_id,
-        per_prompt_seed=r.sampling_seed == "prompt" or (r.sampling_seed == "auto" and dist.world_size > 1),
+        per_prompt_seed=resolve_sampling_seed(r.sampling_seed, dist.world_size, state, log),  # world-size invariant on resume
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef),
     )

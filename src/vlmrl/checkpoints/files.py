@@ -59,6 +59,7 @@ import yaml
 
 from vlmrl.config import config_hash
 from vlmrl.checkpoints.faults import maybe_signal
+from vlmrl.checkpoints.run_manifest import is_owned, record
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -211,10 +212,12 @@ def _storage_reason(e: BaseException, folder: Path) -> str:
 
 def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) -> Path:
     """Write a folder (output_dir/final) by `write(tmp)` into `.tmp-<name>`, fsync it, then swap it in for any
-    previous one. A failure leaves the previous folder as it was; a storage error (is_storage_error) raises
+    previous one (only one vlmrl wrote: run_manifest.py). A failure leaves the previous folder as it was; a storage error (is_storage_error) raises
     CheckpointSaveError naming the folder, anything else propagates."""
     folder = Path(folder)
     tmp, old = folder.parent / f".tmp-{folder.name}", folder.parent / f".old-{folder.name}"
+    if folder.exists() and not is_owned(folder):
+        raise CheckpointError(f"refusing to replace {folder}: vlmrl did not write it (move it out, or pick another training.output_dir)")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _rmtree(tmp)
@@ -230,6 +233,7 @@ def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) ->
             os.rename(folder, old)
         os.rename(tmp, folder)
         _fsync_dir(folder.parent)
+        record(folder.parent, [folder.name])
         _rmtree(old)
     except BaseException as e:
         storage = isinstance(e, Exception) and is_storage_error(e)
@@ -342,6 +346,7 @@ def save_checkpoint(
         )
         _write_manifest(tmp, step)
         _move_into_place(tmp, final)
+        record(output_dir, [final.name])  # rotation and overwrite touch only what the run folder's manifest lists
     except BaseException as e:
         storage = isinstance(e, Exception) and is_storage_error(e)  # full disk, permissions, read-only FS, I/O: any writer's form
         reason = _storage_reason(e, output_dir) if storage else ""  # free space measured before the cleanup frees it
@@ -544,6 +549,8 @@ def rotate_checkpoints(
             deleted.append(p)
     valid = []
     for p in list_checkpoints(output_dir):
+        if not is_owned(p):
+            continue  # e.g. a Hugging Face Trainer checkpoint-500 the user keeps there: not vlmrl's to delete
         ok, reason = verify_checkpoint(p, check_hashes=check_hashes)
         if ok:
             valid.append(p)

@@ -58,7 +58,29 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
         out["sizes"] = ts["sizes"]  # micro-batch sizes that OOM recovery settled on
     if ts.get("stage"):
         out["stage"] = ts["stage"]
+    if isinstance(ts.get("per_prompt_seed"), bool):
+        out["per_prompt_seed"] = ts["per_prompt_seed"]
     return out
+
+
+def resolve_sampling_seed(mode: str, world_size: int, state: dict, log=print) -> bool:
+    """Whether rollouts draw one sampling stream per prompt (True) or one per step and process, recorded in
+    `state` (and so in every checkpoint). `prompt` / `step` say it; `auto` picks per prompt on several processes
+    and per step on one, but a resumed run keeps what its checkpoint used: a 2-process run resumed on 1 process
+    keeps per-prompt streams and continues bit-exact. A per-step run (started on one process) resumed on several
+    cannot: its samples depend on the world size, which is said in one line."""
+    saved = state.get("per_prompt_seed")
+    if mode == "auto" and isinstance(saved, bool):
+        chosen = saved
+    else:
+        chosen = mode == "prompt" or (mode == "auto" and world_size > 1)
+    if not chosen and world_size > 1 and state.get("step"):
+        log(
+            f"note: rollout.sampling_seed={mode} draws one stream per step and process, so this resume on {world_size} "
+            "processes samples differently than the run would have on its own world size (sampling_seed=prompt is world-size invariant)"
+        )
+    state["per_prompt_seed"] = chosen
+    return chosen
 
 
 def restore_after_wrap(path: Path, optimizer, dist) -> None:
@@ -87,9 +109,11 @@ def save(
     `rows_per_step`: dataset rows each step draws (default GRPO's prompts per step); state["stage"] (SFT) is kept."""
     from vlmrl.checkpoints.files import CheckpointSaveError, save_checkpoint
     from vlmrl.config import to_dict
+    from vlmrl.checkpoints.fingerprints import run_fingerprints
 
     t = cfg.training
     trainer_state = {
+        "fingerprints": run_fingerprints(cfg),  # data files and reward sources: a resume refuses when they changed
         "epoch": sampler.epoch,
         "samples_consumed": step * (cfg.prompts_per_step if rows_per_step is None else rows_per_step),
         "sampler_state": sampler.state_dict(),
@@ -97,6 +121,7 @@ def save(
         "best_step": state["best_step"],
         "sizes": state.get("sizes"),
         **({"stage": state["stage"]} if state.get("stage") else {}),  # SFT: the stage whose optimizer this holds
+        "per_prompt_seed": state.get("per_prompt_seed"),  # rollout.sampling_seed as resolved: kept on resume (resolve_sampling_seed)
     }
     many = dist is not None and dist.world_size > 1
     parts = CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p), optimizer=optimizer)

@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterator
 
 from PIL import Image
 
+import vlmrl.data.strict_json as strict_json
+
 MAX_LISTED_PROBLEMS = 20
 SPLIT_SEP = "::"
 # PIL's decompression-bomb guard, read once at import: the default of data.max_image_pixels.
@@ -187,9 +189,12 @@ def _load_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line.rstrip("\r\n"))  # so error columns point into the line
+                value = strict_json.loads(line.rstrip("\r\n"))  # so error columns point into the line
             except json.JSONDecodeError as e:
                 rows.append({"_source": source, "_malformed": f"invalid JSON: {e.msg} (column {e.colno})"})
+                continue
+            except strict_json.DuplicateKeyError as e:
+                rows.append({"_source": source, "_malformed": f"invalid row: {e}"})
                 continue
             rows.append(_object_row(value, source))
     return rows
@@ -201,11 +206,13 @@ def _load_json(path: Path) -> list[dict]:
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
-        value = json.loads(text)
+        value = strict_json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several top-level values: JSON lines in a .json file
             return _load_jsonl(path)
         raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except strict_json.DuplicateKeyError as e:
+        raise DataError(f"{path}: {e}") from None
     if isinstance(value, dict) and isinstance(value.get("data"), list):
         value = value["data"]
     if not isinstance(value, list):
@@ -739,7 +746,12 @@ def _check_image(path: str, decode: bool, max_image_pixels: int = DEFAULT_MAX_IM
             im.load()
             if im.width < 1 or im.height < 1:
                 return "bad_image", f"image has no pixels: {path}"
-            return im.width, im.height
+            from vlmrl.data.images import oriented_size, still_image_problem
+
+            still = still_image_problem(im)
+            if still:
+                return "bad_image", f"{path}: {still}"
+            return oriented_size(im)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         return "bad_image", f"cannot read image {path}: {type(e).__name__}: {e}"
 
@@ -973,13 +985,9 @@ def _video_cache_key(source, max_frames, fps, min_pixels, max_pixels, exact_fram
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode == "P" and "transparency" in im.info:
-        im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA"):
-        rgba = im.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return im.convert("RGB") if im.mode != "RGB" else im.copy()
+    from vlmrl.data.images import to_rgb  # EXIF orientation, 16-bit / float scaling, animated refused, alpha on white
+
+    return to_rgb(im)
 
 
 def target_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:

@@ -87,15 +87,18 @@ ALONE = Peers()
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """torch.OutOfMemoryError, or a RuntimeError whose message is an allocator's / library's out-of-memory."""
-    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and bool(_OOM_MESSAGE.search(str(error))))
+    """torch.OutOfMemoryError, Python's MemoryError, or a RuntimeError whose message is an allocator's / library's
+    out-of-memory (torch's CPU allocator included: it raises a plain RuntimeError)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and bool(_OOM_MESSAGE.search(str(error)))
 
 
 # What CUDA / ROCm allocators and libraries say when memory runs out but raise as a plain RuntimeError (cuBLAS handle
 # creation, some kernels' workspaces): matched exactly, so other RuntimeErrors still surface.
 _OOM_MESSAGE = re.compile(
     r"(CUDA|HIP|XPU) (error: )?out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
-    r"CUSOLVER_STATUS_ALLOC_FAILED|MPS backend out of memory"
+    r"CUSOLVER_STATUS_ALLOC_FAILED|MPS backend out of memory|DefaultCPUAllocator: can't allocate memory"
 )
 
 
@@ -166,7 +169,7 @@ def retry_on_oom(
         result, error = None, None
         try:
             result = fn(size)
-        except RuntimeError as e:  # torch.OutOfMemoryError is one
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             if not is_out_of_memory(e):
                 raise
             if not peers.can_redo:

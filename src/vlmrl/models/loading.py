@@ -42,6 +42,22 @@ def _check_folder(path: str) -> None:
         raise ModelLoadError(f"model folder {folder} has no config.json ({NO_DOWNLOAD})")
     if not any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS):
         raise ModelLoadError(f"model folder {folder} has no weight files (*.safetensors or *.bin) ({NO_DOWNLOAD})")
+    refuse_pickled_weights(folder)
+
+
+def refuse_pickled_weights(folder: Path) -> None:
+    """ModelLoadError when the folder's weights are pickled only (pytorch_model*.bin): unpickling can run code the
+    file ships, so vlmrl loads safetensors only. The message carries the conversion command (for a file you trust)."""
+    if next(folder.glob("*.safetensors"), None) is not None or next(folder.glob("*.bin"), None) is None:
+        return
+    convert = (
+        f"python -c \"from transformers import AutoModelForImageTextToText as M; M.from_pretrained('{folder}', use_safetensors=False)"
+        f".save_pretrained('{folder}-safetensors')\" and copy the tokenizer/processor files beside it"
+    )
+    raise ModelLoadError(
+        f"model folder {folder} holds pickled weights only ({next(folder.glob('*.bin')).name}); vlmrl loads safetensors only "
+        f"(unpickling can run code). If you trust the file, convert it: {convert}"
+    )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
@@ -109,6 +125,8 @@ def _read_json(path: Path) -> dict:
 def require_complete_model_folder(path: str | Path) -> None:
     """ModelLoadError naming everything `check_model_folder` finds missing, before any loading starts."""
     missing = check_model_folder(path)
+    if not missing:
+        refuse_pickled_weights(Path(path).expanduser())
     if missing:
         raise ModelLoadError(f"model folder {Path(path).expanduser()} is incomplete: missing {'; '.join(missing)} ({NO_DOWNLOAD})")
 

@@ -24,6 +24,7 @@ Only the standard library is imported here, so user reward files load fast and a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -34,7 +35,9 @@ import os
 import math
 import numbers
 import re
+import signal
 import sys
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,6 +64,70 @@ BOX_RE = re.compile(rf"\[\s*({_NUM})\s*[,\s]\s*({_NUM})\s*[,\s]\s*({_NUM})\s*[,\
 
 class RewardError(RuntimeError):
     """A reward function could not be loaded, raised, or returned something unusable."""
+
+
+class RewardStopped(RewardError):
+    """A reward ran past algorithm.reward_timeout_s, or a SIGTERM / SIGINT came while it ran: the reward is abandoned
+    (never re-run sample by sample to locate anything)."""
+
+
+# After a stop signal, how long a running reward may still take before it is abandoned (a second signal: at once).
+STOP_GRACE_S = 30.0
+
+
+@contextlib.contextmanager
+def reward_guard(name: str, timeout_s: float, at: str = ""):
+    """While reward `name` runs in the main thread: SIGALRM after `timeout_s` (0: none) raises RewardStopped inside
+    it. SIGTERM / SIGINT first reach the handler that was installed (the loop's GracefulStop records the stop, so a
+    reward that returns lets the step finish and checkpoint as usual); a reward still running STOP_GRACE_S later,
+    or a second signal, raises RewardStopped, so a hung reward never keeps the run from stopping. Elsewhere (a
+    helper thread) a no-op: handlers can only be set in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stops: list[str] = []
+
+    def on_alarm(signum, frame):
+        if stops:
+            raise RewardStopped(
+                f"stopped by {stops[0]}: reward {name!r} was still running{at} {STOP_GRACE_S:g} s later and was abandoned; the step was not finished"
+            )
+        raise RewardStopped(
+            f"reward {name!r} ran longer than algorithm.reward_timeout_s={timeout_s:g} s{at}; make it faster or return "
+            "None for samples it cannot score in time, or raise algorithm.reward_timeout_s (0: no limit)"
+        )
+
+    def on_stop(signum, frame):
+        before = previous.get(signum)
+        if callable(before):
+            before(signum, frame)  # GracefulStop: the stop is requested; default_int_handler: KeyboardInterrupt
+        stops.append(signal.Signals(signum).name)
+        if len(stops) > 1:
+            raise RewardStopped(f"stopped by a second {stops[-1]} while reward {name!r} was running{at}; the step was not finished")
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        signal.setitimer(signal.ITIMER_REAL, min(remaining, STOP_GRACE_S) if remaining > 0 else STOP_GRACE_S)
+
+    old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+    for s in previous:
+        signal.signal(s, on_stop)
+    if timeout_s > 0:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_alarm)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _exit_error(name: str, e: SystemExit, fn: "RewardFn", at: str) -> RewardError:
+    """A reward that called sys.exit() / exit(): an error of that reward, never the end of the run with its code."""
+    return RewardError(
+        f"reward {name!r} called sys.exit({e.code!r}){at}{raised_at(fn, e)}; a reward must return one value per completion "
+        "(None for one it cannot score), not end the process"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -525,6 +592,7 @@ def compute_rewards(
     when: str | None = None,
     sources: list[str] | None = None,
     reward_log: RewardLog | None = None,
+    timeout_s: float = 0.0,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted total reward per completion, and each reward's raw values.
 
@@ -538,7 +606,9 @@ def compute_rewards(
     a value (or weighted total) outside float32's finite range raise RewardError naming the reward and the
     sample. ``when`` (e.g. "step 3") and ``sources`` (the dataset ``file:line`` of each completion's row) make
     those messages say where: the step, the row (with its solution and image paths from ``columns``) and, for
-    a raise, the file:line inside the reward function.
+    a raise, the file:line inside the reward function. ``timeout_s`` (algorithm.reward_timeout_s) bounds each
+    reward's call; it and SIGTERM / SIGINT during a reward raise RewardStopped (reward_guard); a reward's
+    sys.exit() is a RewardError of that reward.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -566,7 +636,7 @@ def compute_rewards(
         return kwargs
 
     where = functools.partial(describe_sample, when=when, sources=sources, columns=columns)
-    raw = _call_all(funcs, arguments, n, where)
+    raw = _call_all(funcs, arguments, n, where, timeout_s, describe_batch(when, sources))
     per_reward = {name: _check_values(name, raw[name], n, where) for name in funcs}
 
     total = []
@@ -582,26 +652,50 @@ def compute_rewards(
     return total, per_reward
 
 
-def _call_all(funcs: dict[str, RewardFn], arguments: Callable[..., dict], n: int, where: Callable[[int], str]) -> dict[str, Any]:
+def _call_all(
+    funcs: dict[str, RewardFn], arguments: Callable[..., dict], n: int, where: Callable[[int], str], timeout_s: float = 0.0, batch: str = ""
+) -> dict[str, Any]:
     """Each reward's raw return: sync ones in order, then every async one at once (they may wait on I/O, e.g.
-    a judge model behind an API). A failure raises RewardError naming the reward and the sample."""
+    a judge model behind an API). A failure raises RewardError naming the reward and the sample; a timeout or a
+    stop signal while a reward runs raises RewardStopped (reward_guard); a reward's sys.exit() is its error."""
     raw: dict[str, Any] = {}
     pending: dict[str, Any] = {}  # name -> coroutine of an async reward
+
+    def close_pending() -> None:
+        for coro in pending.values():  # never started: close them so Python does not warn they were not awaited
+            coro.close()
+
     for name, fn in funcs.items():
         try:
-            result = fn(**arguments(fn))
+            with reward_guard(name, timeout_s, batch):
+                result = fn(**arguments(fn))
+        except RewardStopped:
+            close_pending()
+            raise
+        except SystemExit as e:
+            close_pending()
+            raise _exit_error(name, e, fn, batch) from None
         except Exception as e:
-            for coro in pending.values():  # never started: close them so Python does not warn they were not awaited
-                coro.close()
-            raise _locate_failure(name, fn, arguments, n, e, where) from e
+            close_pending()
+            raise _locate_failure(name, fn, arguments, n, e, where, batch, timeout_s) from e
         if inspect.isawaitable(result):
             pending[name] = result
         else:
             raw[name] = result
-    for name, result in zip(pending, _run_coroutines(list(pending.values())) if pending else []):
+    if not pending:
+        return raw
+    names = ", ".join(pending)
+    try:
+        with reward_guard(names, timeout_s, batch):
+            results = _run_coroutines(list(pending.values()))
+    except SystemExit as e:  # asyncio lets SystemExit out of the loop: one of the async rewards called it
+        raise _exit_error(names, e, next(iter(funcs.values())), batch) from None
+    for name, result in zip(pending, results):
+        if isinstance(result, RewardStopped):
+            raise result
         if isinstance(result, Exception):
-            raise _locate_failure(name, funcs[name], arguments, n, result, where) from result
-        if isinstance(result, BaseException):  # KeyboardInterrupt, SystemExit: not the reward's fault
+            raise _locate_failure(name, funcs[name], arguments, n, result, where, batch, timeout_s) from result
+        if isinstance(result, BaseException):  # KeyboardInterrupt: not the reward's fault
             raise result
         raw[name] = result
     return raw
@@ -645,14 +739,27 @@ def _check_value(name: str, index: int, value: Any, where: Callable[[int], str] 
 
 
 def _locate_failure(
-    name: str, fn: RewardFn, arguments: Callable[..., dict], n: int, error: Exception, where: Callable[[int], str] | None = None
+    name: str,
+    fn: RewardFn,
+    arguments: Callable[..., dict],
+    n: int,
+    error: Exception,
+    where: Callable[[int], str] | None = None,
+    batch: str = "",
+    timeout_s: float = 0.0,
 ) -> RewardError:
-    """Re-run a failing reward one sample at a time to say which sample makes it raise, and where in its code."""
+    """Re-run a failing reward one sample at a time to say which sample makes it raise, and where in its code.
+    When none does alone, the message names the step and the batch's rows (`batch`)."""
     where = where or (lambda i: f"sample {i}")
     for i in range(n):
         kwargs = arguments(fn, i)
         try:
-            _call_once(fn, kwargs)
+            with reward_guard(name, timeout_s, f"{batch}, sample {i}" if batch else f" on sample {i}"):
+                _call_once(fn, kwargs)
+        except RewardStopped:
+            raise
+        except SystemExit as e:
+            return _exit_error(name, e, fn, f" on {where(i)}")
         except Exception as e:
             return RewardError(
                 f"reward {name!r} raised on {where(i)}, prompt {_short(kwargs['prompts'][0])}, completion "
@@ -660,8 +767,18 @@ def _locate_failure(
                 f"{_format_hint(e, kwargs['completions'][0])}"
             )
     return RewardError(
-        f"reward {name!r} raised on the batch of {n} but on no single sample: {type(error).__name__}: {_one_line(error)}{raised_at(fn, error)}"
+        f"reward {name!r} raised on the batch of {n}{batch} but on no single sample alone (it depends on several rows "
+        f"together): {type(error).__name__}: {_one_line(error)}{raised_at(fn, error)}"
     )
+
+
+def describe_batch(when: str | None, sources: list[str] | None) -> str:
+    """' at step 3 (rows data.jsonl:1, data.jsonl:2)': where a batch-level reward failure happened."""
+    text = f" at {when}" if when else ""
+    rows = list(dict.fromkeys(s for s in (sources or []) if s))
+    if rows:
+        text += f" (rows {', '.join(rows[:8])}{f' and {len(rows) - 8} more' if len(rows) > 8 else ''})"
+    return text
 
 
 def _format_hint(error: Exception, completion: Any) -> str:

@@ -53,6 +53,7 @@ def score_rollout(
         when=when,
         sources=row_sources(rows, repeats),
         reward_log=reward_log,
+        timeout_s=cfg.algorithm.reward_timeout_s,
     )
 
 

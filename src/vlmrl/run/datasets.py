@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config
+from vlmrl.config import Config, ConfigError
 from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
 
@@ -58,6 +58,13 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     train_path, eval_path = d.train_path, d.eval_path
     if (need_train and not train_path) or (not eval_path and not train_path):
         task_dir = Path(cfg.training.output_dir) / "data" / d.task
+        from vlmrl.checkpoints.run_manifest import is_owned, record
+
+        if task_dir.parent.exists() and not is_owned(task_dir.parent):
+            raise ConfigError(
+                f"{task_dir.parent} was not written by vlmrl; the built-in task writes its files there: move it, or pick another training.output_dir"
+            )
+        record(task_dir.parent.parent, ["data"])  # the built-in task's generated files are vlmrl's
         options = {"distractors": d.task_distractors} if d.task == "count" else {}
         options["colours"] = tuple(d.task_colours)
         files = TASKS[d.task](
@@ -157,12 +164,12 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
-    from vlmrl.data.rows import load_images, shared_image_cache
+    from vlmrl.data.rows import shared_image_cache
     from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, build_row_prompt, encode_prompts
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
-    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
+    images = [_row_images(r, d, cache) for r in rows]
     exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
     videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
     texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
@@ -174,6 +181,17 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
         refuse_long_prompts(rows, batch["attention_mask"].sum(dim=1).tolist(), d.max_prompt_length)
     note_image_grids(rows, batch)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _row_images(row: dict, d, cache) -> list:
+    """A row's images; a file that broke after the check (truncated, replaced) names the row too."""
+    from vlmrl.data.rows import DataError, load_images
+
+    try:
+        return load_images(row["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
+    except DataError as e:
+        source = row.get("_source")
+        raise DataError(f"{source}: {e}" if source and not str(e).startswith(str(source)) else str(e)) from e
 
 
 def note_image_grids(rows: list[dict], batch: dict) -> None:

@@ -1,6 +1,6 @@
 """`training.overwrite_output_dir=true`: start over in a folder that holds an earlier vlmrl run, safely.
 
-Only what vlmrl writes into a run folder is ever deleted (RUN_FILES, RUN_DIRS, RUN_PREFIXES). The folder is refused,
+Only what vlmrl wrote into a run folder (its manifest, run_manifest.py) is ever deleted. The folder is refused,
 with one line and nothing touched, when it holds anything else (it may be the user's own folder), or when the run's
 own inputs (model.name_or_path, data files, training.resume) lie in what would be deleted (e.g. training again from
 the same folder's final/). Kept: the lock this run holds, and `data/` (the built-in task's generated files, which
@@ -13,39 +13,15 @@ then that folder is removed. A kill in between leaves only that folder, which th
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from vlmrl.config import ConfigError
+from vlmrl.checkpoints.run_manifest import LOCK_FILE, MANIFEST_FILE, forget, foreign_names, is_owned, owned_names
 
-LOCK_FILE = ".vlmrl-run.lock"  # rundir.LOCK_FILE (not imported: rundir imports this module)
-COMPLETE_FILE = "run_complete.json"
-ENDING_FILE = "run_ending.json"  # rundir.ENDING_FILE
-KEPT = {LOCK_FILE, "data"}
-RUN_FILES = {
-    "config.yaml",
-    "metrics.jsonl",
-    "eval.jsonl",
-    "eval.json",
-    "samples.jsonl",
-    "report.png",
-    "bad_rows.jsonl",
-    COMPLETE_FILE,
-    ENDING_FILE,
-}
-RUN_DIRS = {"tb", "final", "wandb"}
+KEPT = {LOCK_FILE, MANIFEST_FILE, "data"}
 TRASH_PREFIX = ".vlmrl-overwritten-"
-# checkpoint-<step>, and the temporary / parked names of atomic writes (checkpoint.py, tracking.py, tasks.py).
-RUN_PATTERNS = (
-    re.compile(r"^checkpoint-\d+$"),
-    re.compile(r"^\.(tmp|old)-.+$"),
-    re.compile(r"^\..+\.tmp$"),
-    re.compile(rf"^{re.escape(TRASH_PREFIX)}.+$"),
-)
-# Files that only a vlmrl run writes: a folder with none of them is not a run folder.
-SIGNATURES = {"config.yaml", "metrics.jsonl", COMPLETE_FILE}
 
 
 class OverwriteRefused(ConfigError):
@@ -53,27 +29,23 @@ class OverwriteRefused(ConfigError):
 
 
 def is_run_entry(path: Path) -> bool:
-    """Whether `path` (a direct child of a run folder) is something a vlmrl run writes there."""
-    name = path.name
-    if path.is_dir() and not path.is_symlink():
-        return name in RUN_DIRS or name in KEPT or any(p.match(name) for p in RUN_PATTERNS)
-    return name in RUN_FILES or name in KEPT or any(p.match(name) for p in RUN_PATTERNS)
+    """Whether `path` (a direct child of a run folder) is something vlmrl wrote there (run_manifest.py)."""
+    return is_owned(path)
 
 
 def foreign_entries(output_dir: str | Path) -> list[str]:
-    """Names of the entries in output_dir that no vlmrl run writes (sorted)."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    return sorted(p.name for p in out.iterdir() if not is_run_entry(p))
+    """Names of the entries in output_dir that vlmrl did not write (sorted)."""
+    return foreign_names(output_dir)
 
 
 def entries_to_delete(output_dir: str | Path) -> list[Path]:
-    """The earlier run's entries an overwrite removes (everything but KEPT), sorted by name."""
+    """The earlier run's entries an overwrite removes: what vlmrl wrote (its manifest) and its temporary names,
+    except KEPT; sorted by name."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    return sorted((p for p in out.iterdir() if p.name not in KEPT), key=lambda p: p.name)
+    owned = owned_names(out)
+    return sorted((p for p in out.iterdir() if p.name not in KEPT and (p.name in owned or is_owned(p))), key=lambda p: p.name)
 
 
 def _inputs(cfg) -> dict[str, str]:
@@ -99,19 +71,17 @@ def plan_overwrite(cfg) -> list[Path]:
     if out.exists() and not out.is_dir():
         raise OverwriteRefused(f"training.output_dir={out} is a file, not a folder; pick another training.output_dir")
     doomed = entries_to_delete(out)
-    if not doomed:
-        return []
     foreign = foreign_entries(out)
+    if foreign and not any(p.name in owned_names(out) for p in doomed):
+        raise OverwriteRefused(
+            f"training.overwrite_output_dir=true: {out} is not a vlmrl run folder (vlmrl wrote none of "
+            f"{', '.join(foreign[:5])}); nothing deleted. Pick another training.output_dir"
+        )
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OverwriteRefused(
             f"training.overwrite_output_dir=true: {out} holds files no vlmrl run writes ({shown}); vlmrl deletes only its "
             "own run folders. Move them out, or pick another training.output_dir"
-        )
-    if not any((out / name).exists() for name in SIGNATURES) and not any(p.name.startswith("checkpoint-") for p in doomed):
-        raise OverwriteRefused(
-            f"training.overwrite_output_dir=true: {out} is not a vlmrl run folder (no config.yaml, metrics.jsonl or "
-            "checkpoint); nothing deleted. Pick another training.output_dir"
         )
     for key, value in _inputs(cfg).items():
         hit = next((p for p in doomed if _inside(value, p)), None)
@@ -134,6 +104,7 @@ def remove_entries(output_dir: str | Path, doomed: list[Path], log: Callable[[st
         if path != trash:
             os.rename(path, trash / path.name)
     shutil.rmtree(trash)
+    forget(out, [p.name for p in doomed])
     names = [p.name for p in doomed if not p.name.startswith(TRASH_PREFIX)]
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     log(f"training.overwrite_output_dir=true: deleted the earlier run in {out} ({shown}); starting over at step 0")

@@ -24,6 +24,9 @@ def preflight(cfg: Config, command: str, log=print):
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
+        from vlmrl.run.rundir import check_output_dir
+
+        check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
     check_model_folder(cfg)
     from vlmrl.engine.device import env_world
     from vlmrl.run.datasets import load_datasets
@@ -42,10 +45,39 @@ def preflight(cfg: Config, command: str, log=print):
     rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
+        if command in ("train", "sft", "check"):
+            check_chat_template(cfg, rows[0])
         if command == "check":
             for line in describe_rewards(cfg, funcs, rows):
                 log(line)
     return data
+
+
+def check_chat_template(cfg: Config, row: dict) -> None:
+    """Render the model's chat template on a real row (its problem, image count and data.system_prompt), as step
+    1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
+    in one line instead of after the weights load. Loads the processor (seconds), never the weights."""
+    from vlmrl.models.loading import ModelLoadError
+    from vlmrl.models.processing import build_row_prompt, load_processor
+
+    name = cfg.model.name_or_path
+    if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
+        return  # vlmrl's own template, or a hub id transformers downloads at load time
+    try:
+        processor = load_processor(
+            name, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
+        )
+    except Exception:  # the load before step 1 reports its own errors; only the template is checked here
+        return
+    images = len((row.get("images") or [])[: cfg.data.limit_images])
+    try:
+        build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or []))
+    except Exception as e:  # any error from the user's template is the template's
+        where = row.get("_source", "the first data row")
+        raise ModelLoadError(
+            f"the chat template of {name} fails on {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "fix chat_template.jinja (or chat_template in tokenizer_config.json)"
+        ) from None
 
 
 def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
@@ -120,6 +152,7 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
             trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
             when="the check before training (the row's solution as the completion)",
             sources=row_sources(rows, 1),
+            timeout_s=cfg.algorithm.reward_timeout_s,
         )
     except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
         from vlmrl.data.rows import DataError

@@ -219,6 +219,21 @@ def guard_run_folder(fn: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------- start of a run
+def check_output_dir(cfg) -> list[Path]:
+    """Whether training.output_dir can hold this run, read-only; returns what training.overwrite_output_dir=true
+    deletes. Raises ConfigError in one line (OverwriteRefused for the overwrite's own refusals) when the folder is
+    a file or not writable, holds a user's entry under a name the run writes, or holds the run's inputs
+    (run_manifest.py). `vlmrl check` and the start of train / sft call it alike."""
+    from vlmrl.run.overwrite import plan_overwrite
+    from vlmrl.checkpoints.run_manifest import output_dir_problem
+
+    doomed = plan_overwrite(cfg) if cfg.training.overwrite_output_dir else []
+    problem = output_dir_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
+    return doomed
+
+
 def prepare_run(
     cfg, log: Callable[[str], Any] = print, dist=None, total_steps: Optional[int] = None, kind: str = "train"
 ) -> Optional[Path] | EndingLeft:
@@ -259,23 +274,44 @@ def complete_message(out: Path, done: dict) -> str:
     )
 
 
+def refuse_resume(cfg, path: Path, log: Callable[[str], Any] = print) -> None:
+    """Every reason resuming `path` is refused (CheckpointError, one message): the config changed in a way that
+    breaks an exact resume, the data files or reward sources changed (fingerprints.py), a weights-only checkpoint
+    without training.resume_weights_only; training.resume_force accepts the first two with a warning. Read-only:
+    `vlmrl check` asks it too."""
+    from vlmrl.checkpoints.files import check_resume_compat, is_weights_only, read_checkpoint_config, read_trainer_state
+    from vlmrl.config import Config, to_dict
+    from vlmrl.checkpoints.fingerprints import changed_inputs, run_fingerprints
+
+    t = cfg.training
+    check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
+    changes = changed_inputs(read_trainer_state(path).get("fingerprints"), run_fingerprints(cfg))
+    if changes:
+        listing = "; ".join(changes)
+        if not t.resume_force:
+            raise CheckpointError(
+                f"the run's inputs changed since {path}: {listing}. Restore them, start a fresh run (training.resume=never "
+                f"or a new training.output_dir), or set training.resume_force=true to resume anyway"
+            )
+        log(f"resuming despite changed inputs (training.resume_force=true): {listing}")
+    if is_weights_only(path) and not t.resume_weights_only:
+        raise CheckpointError(
+            f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
+            "Set training.resume_weights_only=true to start a NEW schedule from its weights."
+        )
+
+
 def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[Path] | EndingLeft:
-    from vlmrl.checkpoints.files import (
-        check_resume_compat,
-        checkpoint_step,
-        find_resume_checkpoint,
-        is_weights_only,
-        read_checkpoint_config,
-        read_trainer_state,
-    )
-    from vlmrl.config import Config, save_config, to_dict
+    from vlmrl.checkpoints.files import checkpoint_step, find_resume_checkpoint, is_weights_only, read_trainer_state
+    from vlmrl.config import save_config
     from vlmrl.defaults import describe
-    from vlmrl.run.overwrite import plan_overwrite, remove_entries
+    from vlmrl.run.overwrite import remove_entries
+    from vlmrl.checkpoints.run_manifest import claim_run_names
     from vlmrl.run.tracking import cut_logs
 
     t = cfg.training
     out = Path(t.output_dir)
-    doomed = plan_overwrite(cfg) if t.overwrite_output_dir else []  # refuses (nothing touched) on foreign files
+    doomed = check_output_dir(cfg)  # refuses (nothing touched): foreign files, the run's inputs inside, not writable
     # With overwrite_output_dir the earlier run's checkpoints and completion marker do not count.
     resume = "never" if t.overwrite_output_dir and t.resume == "auto" else t.resume
     path = find_resume_checkpoint(out, resume, warn=log)  # refuses when every checkpoint is invalid
@@ -289,14 +325,8 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
         return EndingLeft(total)
     start = 0
     if path is not None:
-        check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
-        if is_weights_only(path):
-            if not t.resume_weights_only:
-                raise CheckpointError(
-                    f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
-                    "Set training.resume_weights_only=true to start a NEW schedule from its weights."
-                )
-        else:
+        refuse_resume(cfg, path, log)
+        if not is_weights_only(path):
             start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
             log(f"resuming from {path} at step {start} of {total} (training.overwrite_output_dir=true starts over instead)")
     # Nothing refused: from here on the folder is this run's.
@@ -306,6 +336,7 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
         (out / COMPLETE_FILE).unlink(missing_ok=True)
     clear_ending(out)  # an ending left for fewer steps: this run trains on and ends anew
     out.mkdir(parents=True, exist_ok=True)
+    claim_run_names(out)  # every run name is absent or vlmrl's here (check_output_dir): from now on they are listed
     save_config(cfg, out / "config.yaml")
     cut_logs(out, start, log)
     return path
@@ -331,12 +362,15 @@ def describe_output_dir(cfg) -> str:
     if done is not None:
         return f"{head} {complete_message(out, done)}"
     if t.resume not in ("auto", "never"):
+        if Path(t.resume).is_dir():
+            refuse_resume(cfg, Path(t.resume), lambda _: None)
         return f"{head} vlmrl train resumes from {t.resume} (training.resume)"
     ending = read_ending(out)
     if ending is not None and t.resume != "never":
         return f"{head} the training is done ({ending['step']} steps); the final evaluation and report are left: the same command finishes them"
     found = list_checkpoints(out) if t.resume == "auto" else []
     if found:
+        refuse_resume(cfg, found[-1], lambda _: None)  # the refusal train would meet (config, data, rewards changed): exit 2 now
         sft_steps = "" if cfg.sft.epochs is not None else f" of {cfg.sft.projector_steps + cfg.sft.steps}"
         return (
             f"{head} resumes from {found[-1].name} (step {checkpoint_step(found[-1])}: of {t.max_steps} for vlmrl train, "
