@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import time
 from dataclasses import asdict, dataclass, field
@@ -137,7 +138,7 @@ class Scores:
     """Log-probs the update compares against, scored once per rollout without gradients."""
 
     loss_mask: torch.Tensor  # [P*G, T] completion tokens that count in the loss
-    old_logps: torch.Tensor | None  # [P*G, T] under the rollout policy (only when num_iterations > 1)
+    old_logps: torch.Tensor | None  # [P*G, T] under the policy that sampled the rollout (only when cfg.reuses_rollout)
     ref_logps: torch.Tensor | None  # [P*G, T] under the reference (only when beta > 0)
 
 
@@ -441,7 +442,7 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
     )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
-    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G)
+    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G, cfg.algorithm)
     nonfinite = None
     if not torch.isfinite(rewards).all():
         bad = int((~torch.isfinite(rewards)).nonzero()[0])
@@ -473,11 +474,14 @@ def loss_mask_of(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_tr
 
 
 def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
-    """Old log-probs (only when the rollout is reused: num_iterations > 1) and reference log-probs (only when
-    beta > 0), without gradients, in micro-batches of sizes.scoring (halved on OOM)."""
+    """Old log-probs and reference log-probs (only when beta > 0), without gradients, in micro-batches of
+    sizes.scoring (halved on OOM). Old log-probs are scored once per rollout, before any optimizer step, whenever
+    some optimizer step uses rows sampled before the policy last changed (cfg.reuses_rollout: the rollout spans
+    several optimizer steps, or num_iterations > 1); otherwise every row is used once, by the policy that sampled
+    it, and the update's own detached log-probs are the old ones (ratio 1)."""
     a = run.cfg.algorithm
     loss_mask = loss_mask_of(samples.completions.mask, samples.completions.truncated, a.mask_truncated_completions)
-    old = logps_without_grad(run, run.model, samples, loss_mask) if a.num_iterations > 1 and rewards.nonfinite is None else None
+    old = logps_without_grad(run, run.model, samples, loss_mask) if run.cfg.reuses_rollout and rewards.nonfinite is None else None
     ref = None
     if run.reference is not None and rewards.nonfinite is None:
         with run.reference as ref_model:
@@ -547,11 +551,17 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
         return stats
     run.model.train()
     n_rows, per_step = samples.completions.ids.shape[0], run.shard.rows_per_opt_step
+    rollout_tokens_per_step = 0.0
+    if cfg.loss_aggregation == "token_mean_rollout":  # TRL's dapo normaliser: the rollout's tokens, spread over its steps
+        rollout_tokens_per_step = max(1.0, run.dist.all_sum([float(scores.loss_mask.sum())])[0] / cfg.optimizer_steps_per_rollout)
     for iteration in range(cfg.algorithm.num_iterations):
         for start in range(0, n_rows, per_step):
             step_rows = list(range(start, start + per_step))
             # Counts of the optimizer step over every process (a collective: outside the attempts an OOM may redo).
-            norm = run.dist.step_normaliser([scores.loss_mask[step_rows]], cfg.rollout.max_completion_length)
+            norm = run.dist.step_normaliser(
+                [scores.loss_mask[step_rows]], cfg.rollout.max_completion_length, chunk_rows=cfg.training.per_device_train_batch_size
+            )
+            norm = dataclasses.replace(norm, rollout_tokens_per_step=rollout_tokens_per_step)
             step_stats, run.sizes.update = retry_on_oom(
                 functools.partial(accumulate, run, samples, rewards, scores, step_rows, norm),
                 run.sizes.update,
@@ -609,10 +619,8 @@ def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, ste
                 logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
             old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
             ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
-            tok_loss, parts = per_token_loss(
-                logps, old, rewards.advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta, mask=mb.loss_mask, policy_loss=a.policy_loss
-            )
-            loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm)
+            tok_loss, parts = per_token_loss(logps, old, rewards.advantages[idx], a, ref, mask=mb.loss_mask)
+            loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
             if run.routing is not None:
                 aux = micro_batch_aux_loss(routed, mb.prompts, mb.row_prompt, width)
                 out.router_aux.append(aux.item())
