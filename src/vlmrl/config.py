@@ -202,6 +202,18 @@ class AlgorithmConfig:
         "How token losses become the step's loss: {choices}; default follows loss_type (cispo: always token_mean).",
         choices="losses:AGGREGATIONS",
     )
+    rollout_correction: str = _f(
+        "none",
+        "Importance-sampling correction for the rollout-training mismatch (trainer / sampler probability per token, "
+        "mismatch.py): none, {choices}; scores old log-probs every step.",
+        choices="mismatch:ROLLOUT_CORRECTIONS",
+    )
+    rollout_correction_min: Optional[float] = _f(
+        None, "rollout_correction: lower bound of the ratio (truncate: clamp; mask: drop below); null = none."
+    )
+    rollout_correction_max: Optional[float] = _f(
+        3.0, "rollout_correction: upper bound of the ratio (truncate: clamp; mask: drop above); null = none."
+    )
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
     router_aux_loss_coef: float = _f(
         0.0,
@@ -381,6 +393,12 @@ class Config:
         """Some optimizer step uses rows sampled before the policy last changed (a rollout spanning several optimizer
         steps, num_iterations > 1, or both): the update then needs the sampling policy's (old) log-probs."""
         return self.algorithm.num_iterations * self.optimizer_steps_per_rollout > 1
+
+    @property
+    def scores_old_logps(self) -> bool:
+        """The scoring pass computes old log-probs: the rollout is reused, or the rollout correction compares them with
+        the sampler's."""
+        return self.reuses_rollout or self.algorithm.rollout_correction != "none"
 
     @property
     def advantage_estimator(self) -> str:
@@ -749,6 +767,15 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
         problems.append(f"algorithm.delta={a.delta} must be > 1 + epsilon_high = {1 + epsilon_high(a)} (or null to turn two-sided clipping off)")
     if a.delta is not None and a.policy_loss != "ppo_clip":
         problems.append(f"algorithm.delta applies to policy_loss=ppo_clip only, not {a.policy_loss}; set delta to null")
+    from .mismatch import ROLLOUT_CORRECTIONS
+
+    if a.rollout_correction != "none" and a.rollout_correction not in ROLLOUT_CORRECTIONS:
+        close = difflib.get_close_matches(a.rollout_correction, list(ROLLOUT_CORRECTIONS), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(f"algorithm.rollout_correction={a.rollout_correction!r} is not one of none, {', '.join(ROLLOUT_CORRECTIONS)}{hint}")
+    lo, hi = a.rollout_correction_min, a.rollout_correction_max
+    if (lo is not None and lo < 0) or (lo is not None and hi is not None and hi < lo):
+        problems.append(f"algorithm.rollout_correction_min={lo} / rollout_correction_max={hi}: need 0 <= min <= max (or null)")
     if min(a.sapo_temperature_pos, a.sapo_temperature_neg) <= 0:
         problems.append("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0")
     return problems

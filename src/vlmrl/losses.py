@@ -143,16 +143,20 @@ def per_token_loss(
     algo,
     ref_logps: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss (POLICY_LOSSES[algo.policy_loss]) + algo.beta * the KL estimator (KL_ESTIMATORS), per token.
 
     logps, old_logps, ref_logps, mask: [N, T] per-token log-probs of the sampled tokens under the current, the
     rollout (old) and the reference policy, and the tokens that count (default all). advantages: [N] or [N, T].
-    algo: the algorithm config (config.AlgorithmConfig). Returns (loss [N, T], parts) where parts holds `ratio`,
-    `is_clipped` and, with beta > 0, `kl` ([N, T] each, detached).
+    algo: the algorithm config (config.AlgorithmConfig). is_weights: [N, T] detached rollout-correction weights
+    (mismatch.ROLLOUT_CORRECTIONS) multiplying the policy loss, not the KL, as TRL does. Returns (loss [N, T], parts)
+    where parts holds `ratio`, `is_clipped` and, with beta > 0, `kl` ([N, T] each, detached).
     """
     mask = torch.ones_like(logps) if mask is None else mask
     loss, parts = POLICY_LOSSES[algo.policy_loss](logps, old_logps, advantages, mask, algo)
+    if is_weights is not None:
+        loss = loss * is_weights
     if algo.beta > 0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
