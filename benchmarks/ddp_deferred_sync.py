@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from vlmrl.collectives import Collectives, average_gradients
+    from vlmrl.engine.collectives import Collectives, average_gradients
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(args["threads"])

@@ -25,9 +25,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from vlmrl.logprobs import completion_logps, completion_logps_grouped, vision_encode_counter  # noqa: E402
-from vlmrl.models import load_model  # noqa: E402
-from vlmrl.processing import build_prompt, encode_prompts, load_processor, select_rows  # noqa: E402
+from vlmrl.models.logprobs import completion_logps, completion_logps_grouped, vision_encode_counter  # noqa: E402
+from vlmrl.models.loading import load_model  # noqa: E402
+from vlmrl.models.processing import build_prompt, encode_prompts, load_processor, select_rows  # noqa: E402
 
 
 def main() -> int:
@@ -44,11 +44,11 @@ def main() -> int:
     a = ap.parse_args()
     dev = torch.device(a.device)
     if a.tiny:
-        from vlmrl.tiny import build_tiny_qwen25vl
+        from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
         path, dtype = build_tiny_qwen25vl(Path("/tmp/vlmrl-bench-tiny")), "float32"
     else:
-        from vlmrl.presets import build_preset_model
+        from vlmrl.fixtures.presets import build_preset_model
 
         path = Path(f"/tmp/vlmrl-preset-{a.preset}")
         if not (path / "config.json").exists():
@@ -75,7 +75,7 @@ def main() -> int:
     batch = {k: v.to(dev) for k, v in encode_prompts(proc, texts, images).items()}
     row_prompt = torch.arange(U, device=dev).repeat_interleave(G)
     ids = torch.randint(10, 500, (U * G, T), device=dev)
-    from vlmrl.rollout import vision_token_ids
+    from vlmrl.models.rollout import vision_token_ids
 
     ids[torch.isin(ids, torch.tensor(vision_token_ids(model), device=dev))] = 20  # completions never hold image slots
     mask = torch.ones_like(ids)

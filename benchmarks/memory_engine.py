@@ -55,8 +55,8 @@ FAMILIES = {
 
 
 def build_model(folder: Path, vocab: int, quick: bool, family: str = "qwen2.5-vl") -> Path:
-    from vlmrl.tiny import build_tiny_qwen25vl
-    from vlmrl.tiny_families import build_tiny_llava_onevision, build_tiny_qwen3vl, build_tiny_qwen3vl_moe
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.fixtures.tiny_families import build_tiny_llava_onevision, build_tiny_qwen3vl, build_tiny_qwen3vl_moe
 
     builder = {
         "qwen2.5-vl": build_tiny_qwen25vl,
@@ -108,7 +108,7 @@ def run_one(args) -> dict:
 
     import vlmrl.train as train_mod
     from vlmrl.config import load_config
-    from vlmrl.logprobs import vision_encode_counter
+    from vlmrl.models.logprobs import vision_encode_counter
 
     flags = json.loads(args.flags)
     micro = flags.pop("micro")

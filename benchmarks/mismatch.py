@@ -20,12 +20,12 @@ import tempfile
 import numpy as np
 import torch
 
-from vlmrl.logprobs import group_rows
-from vlmrl.mismatch import log_ratios, mismatch_metrics
-from vlmrl.models import load_model
-from vlmrl.prefix import LogprobOptions, completion_logps_for
-from vlmrl.processing import build_prompt, encode_prompts, load_processor
-from vlmrl.rollout import generate
+from vlmrl.models.logprobs import group_rows
+from vlmrl.algo.mismatch import log_ratios, mismatch_metrics
+from vlmrl.models.loading import load_model
+from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+from vlmrl.models.processing import build_prompt, encode_prompts, load_processor
+from vlmrl.models.rollout import generate
 
 
 def _model_config(path: str):
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--bf16", action="store_true", help="also under bf16 autocast (slow on CPU)")
     args = parser.parse_args()
-    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +106,7 @@ def main() -> None:
         f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items() if v is not False
     )
     cpu = platform.processor() or platform.machine()
-    meta = {"command": command, "torch": torch.__version__, "cpu": cpu, "model": "tiny Qwen2.5-VL (vlmrl.tiny)"}
+    meta = {"command": command, "torch": torch.__version__, "cpu": cpu, "model": "tiny Qwen2.5-VL (vlmrl.fixtures.tiny)"}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     lines = [
         f"# Rollout-training mismatch on CPU ({day})",

@@ -36,7 +36,7 @@ def rss_bytes() -> int:
 def measure(params: int, tensor_mb: float, repeats: int, device: str) -> dict:
     import torch
 
-    from vlmrl.offload import OptimizerParking, device_state_bytes
+    from vlmrl.engine.offload import OptimizerParking, device_state_bytes
 
     per_tensor = max(1, int(tensor_mb * 2**20 / 4))
     sizes = [per_tensor] * (params // per_tensor) + ([params % per_tensor] if params % per_tensor else [])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Accuracy of the memory planner's closed form (vlmrl.planner).
+"""Accuracy of the memory planner's closed form (vlmrl.plan.planner).
 
     python benchmarks/planner_accuracy.py trace        # closed form vs exact meta-device trace, tiny .. 7B (CPU, ~3 min)
     python benchmarks/planner_accuracy.py measured     # closed form vs the GPU peaks in benchmarks/results/gpu_memory_*.json
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vlmrl.planner import (  # noqa: E402 (src/ on the path first)
+from vlmrl.plan.planner import (  # noqa: E402 (src/ on the path first)
     GiB,
     Workload,
     model_spec,
@@ -238,12 +238,12 @@ def tiny_qwen35_config(
 
 
 def tiny_tiled_config(model: str):
-    """The config of the tiny LLaVA-OneVision / InternVL build (vlmrl.tiny_families), built once into a temporary folder."""
+    """The config of the tiny LLaVA-OneVision / InternVL build (vlmrl.fixtures.tiny_families), built once into a temporary folder."""
     import tempfile
 
     from transformers import AutoConfig
 
-    from vlmrl.tiny_families import build_tiny_internvl, build_tiny_llava_onevision
+    from vlmrl.fixtures.tiny_families import build_tiny_internvl, build_tiny_llava_onevision
 
     if model not in _TILED:
         build = build_tiny_llava_onevision if model == "tiny-llava-onevision" else build_tiny_internvl
@@ -285,7 +285,7 @@ def unique_prompts(N: int, G: int) -> int:
 
 
 def _sft_workload(p: GridPoint) -> Workload:
-    from vlmrl.planner import sft_workload
+    from vlmrl.plan.planner import sft_workload
 
     base = Workload(
         dtype="bfloat16",
@@ -349,7 +349,7 @@ def hf_config_for(model: str):
         return tiny_qwen35_config(moe=model.endswith("moe"))
     if model == "mid-qwen35":  # 8 layers at the widths public Qwen3.5 configs of ~4B use (not a published model)
         return tiny_qwen35_config(layers=8, hidden=2560, inter=9216, heads=16, kv=4, head_dim=256, linear_heads=(16, 32), linear_dim=128)
-    from vlmrl.presets import hf_config
+    from vlmrl.fixtures.presets import hf_config
 
     return hf_config(model)
 
@@ -363,7 +363,7 @@ def spec_for(model: str):
 
 
 def compare_trace(p: GridPoint) -> dict:
-    from vlmrl.plan_trace import setup_for, trace_update
+    from vlmrl.plan.trace import setup_for, trace_update
 
     spec = spec_for(p.model)
     w = _sft_workload(p) if p.sft_stage else workload_for(p)
@@ -543,8 +543,8 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
     prediction (plan/*) next to the measured lifetime peak RSS (mem/host_peak_rss) of that process."""
     import subprocess
 
-    from vlmrl.tasks import make_count_task
-    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.data.tasks import make_count_task
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     model = work / f"model-{abs(hash(json.dumps(dims, sort_keys=True))) % 10**8}"
     if not (model / "config.json").exists():
@@ -1086,7 +1086,7 @@ def _profile_verdict(spec, w: Workload, rep: dict) -> dict:
 
 
 def field_verdicts() -> list[dict]:
-    from vlmrl.planner import parse_memory
+    from vlmrl.plan.planner import parse_memory
 
     rows = []
     for rep in FIELD_REPORTS:
@@ -1103,7 +1103,7 @@ def field_verdicts() -> list[dict]:
         )
         base = Workload(**{**kw, **rep["settings"]})
         if rep.get("sft_stage"):
-            from vlmrl.planner import sft_workload
+            from vlmrl.plan.planner import sft_workload
 
             base = sft_workload(
                 dataclasses.replace(base, logprob_chunk_tokens=1024),

@@ -43,7 +43,7 @@ def _vs_trl():
 def workload_for_spec(spec: dict, prompt_text_tokens: int, runtime_bytes: int, profile: str):
     """The planner's Workload of vs_trl's TRL side: fp32, no autocast, full fine-tuning, one micro-batch of all
     completions, one optimizer step per step, beta > 0 with the reference on the device (here: the CPU)."""
-    from vlmrl.planner import Workload
+    from vlmrl.plan.planner import Workload
 
     rows = spec["prompts"] * spec["G"]
     return Workload(
@@ -72,9 +72,9 @@ def child(spec_path: str, result_path: str) -> int:
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # noqa: F401
     from trl import GRPOConfig, GRPOTrainer  # noqa: F401
 
-    from vlmrl.memory import host_peak_rss, host_rss
-    from vlmrl.plan_profiles import TRAINER_CPU_RUNTIME_BYTES
-    from vlmrl.planner import GiB, image_tokens, plan, spec_from_hf_config
+    from vlmrl.engine.memory import host_peak_rss, host_rss
+    from vlmrl.plan.profiles import TRAINER_CPU_RUNTIME_BYTES
+    from vlmrl.plan.planner import GiB, image_tokens, plan, spec_from_hf_config
 
     vs_trl = _vs_trl()
     spec = json.loads(Path(spec_path).read_text())

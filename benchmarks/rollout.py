@@ -41,7 +41,7 @@ PROBLEMS = ["what is shown?", "describe the picture", "count the objects", "what
 
 
 def build_model(folder: Path, vocab: int) -> Path:
-    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     if not (folder / "config.json").exists():
         build_tiny_qwen25vl(folder, seed=0, min_pixels=56 * 56, max_pixels=56 * 56, vocab_size=vocab)
@@ -53,7 +53,7 @@ def add_eos_bias(model, eos_ids: list[int], rate: float) -> float:
     The other logits of a random tiny model are small (|z| ~ 0.1), so logsumexp(others) ~ log(V - 1)."""
     import torch
 
-    from vlmrl.models import unwrap
+    from vlmrl.models.loading import unwrap
 
     core = unwrap(model)
     old = core.lm_head
@@ -71,7 +71,7 @@ def prompts_for(processor, n: int, device):
     import numpy as np
     from PIL import Image
 
-    from vlmrl.processing import build_prompt, encode_prompts
+    from vlmrl.models.processing import build_prompt, encode_prompts
 
     rng = np.random.default_rng(0)
     texts = [build_prompt(processor, PROBLEMS[i % len(PROBLEMS)], 1) for i in range(n)]
@@ -83,7 +83,7 @@ def prompts_for(processor, n: int, device):
 def run_once(method: str, model, tokenizer, prompts, G: int, max_new: int, decode_batch: int, seed: int) -> dict:
     import torch
 
-    from vlmrl.rollout import generate
+    from vlmrl.models.rollout import generate
 
     kw = dict(num_generations=G, max_new_tokens=max_new, temperature=1.0, do_sample=True)
     torch.manual_seed(seed)
@@ -147,9 +147,9 @@ def main() -> int:
     import torch
     import transformers
 
-    from vlmrl.models import load_model
-    from vlmrl.processing import load_processor
-    from vlmrl.rollout import eos_token_ids
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.processing import load_processor
+    from vlmrl.models.rollout import eos_token_ids
 
     torch.set_num_threads(args.threads)
     vocab = 20_000 if args.quick else 151_936

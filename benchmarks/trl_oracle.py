@@ -27,9 +27,9 @@ import types
 
 import torch
 
-from vlmrl.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS_ESTIMATOR
+from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS_ESTIMATOR
 from vlmrl.config import AlgorithmConfig
-from vlmrl.losses import LOSS_TYPE_AGGREGATION, aggregate, per_token_loss, step_normaliser
+from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION, aggregate, per_token_loss, step_normaliser
 
 ROWS_PER_MICRO_BATCH = 3
 G = 4

@@ -1,6 +1,6 @@
-"""The README's benchmark figures, rendered from the result files under benchmarks/results/.
+"""The documentation's benchmark figures, rendered from the result files under benchmarks/results/.
 
-Each function returns the markdown that sits between `<!-- NAME:start -->` and `<!-- NAME:end -->` in README.md;
+Each function returns the markdown that sits between `<!-- NAME:start -->` and `<!-- NAME:end -->` in README.md or a docs page;
 `scripts/update_reference.py` writes them and tests/test_readme_figures.py fails when README and results disagree.
 A block whose result file is absent is left as it is (the function returns None).
 """

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from vlmrl.advantages import ADV_EPS, group_advantages
+from vlmrl.algo.advantages import ADV_EPS, group_advantages
 from vlmrl.config import AlgorithmConfig
-from vlmrl.losses import Normaliser, aggregate, k3_kl, per_token_loss, step_normaliser
+from vlmrl.algo.losses import Normaliser, aggregate, k3_kl, per_token_loss, step_normaliser
 
 
 def algo(**kw):
@@ -154,7 +154,7 @@ def test_pure_modules_import_without_engines():
     import sys
 
     code = (
-        "import sys; import vlmrl.config, vlmrl.advantages, vlmrl.losses, vlmrl.rewards; "
+        "import sys; import vlmrl.config, vlmrl.algo.advantages, vlmrl.algo.losses, vlmrl.rewards.functions; "
         "bad = [m for m in ('accelerate', 'deepspeed', 'vllm', 'transformers', 'peft') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from vlmrl.advantages import ADVANTAGE_ESTIMATORS, group_advantages, reinforce_pp_advantages
+from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_advantages, reinforce_pp_advantages
 from vlmrl.config import AlgorithmConfig, ConfigError, load_config
-from vlmrl.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, per_token_loss, step_normaliser
+from vlmrl.algo.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, per_token_loss, step_normaliser
 from vlmrl.train import loss_mask_of
 
 pytestmark = pytest.mark.unit
@@ -180,19 +180,19 @@ def test_loss_mask_hand_made():
 
 
 def test_the_readme_example_algorithm_plugs_in(monkeypatch):
-    """The README's "Adding an algorithm" diff, taken from the README itself: the function it adds, registered in
+    """The "Adding an algorithm" diff, taken from docs/algorithms.md itself: the function it adds, registered in
     POLICY_LOSSES, is accepted by the config and used by per_token_loss."""
     import pathlib
     import re
 
-    from vlmrl import losses
+    import vlmrl.algo.losses as losses
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    diff = re.search(r"```diff\n(.*?)```", readme, re.S).group(1)
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "algorithms.md").read_text()
+    diff = re.search(r"```diff\n(.*?)```", page, re.S).group(1)
     added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
     code = "\n".join(line for line in added if not line.startswith("POLICY_LOSSES"))
     namespace = {"torch": torch, "_per_token": losses._per_token, "epsilon_high": losses.epsilon_high}
-    exec(code, namespace)  # noqa: S102 - our own README
+    exec(code, namespace)  # noqa: S102 - our own docs
     monkeypatch.setitem(losses.POLICY_LOSSES, "masked_ratio", namespace["masked_ratio_loss"])
     assert load_config(None, ["algorithm.policy_loss=masked_ratio"]).algorithm.policy_loss == "masked_ratio"
     logps = torch.tensor([[-1.0, -1.0]])

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from vlmrl.batching import pack_by_tokens, split_by_rows
+from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 
 
 def test_split_by_rows():

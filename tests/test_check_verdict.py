@@ -4,10 +4,18 @@ import time
 
 import pytest
 
-from vlmrl import cli, plan_check, runtime, sft, train
+from vlmrl import cli
+
+import vlmrl.run.verdict as plan_check
+
+from vlmrl.models import policy
+
+from vlmrl import sft
+
+from vlmrl import train
 from vlmrl.config import load_config
-from vlmrl.planner import GiB
-from vlmrl.tasks import make_count_task
+from vlmrl.plan.planner import GiB
+from vlmrl.data.tasks import make_count_task
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +28,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("vlmrl check loaded the model")
 
-    for module in (runtime, train, sft):
+    for module in (policy, train, sft):
         monkeypatch.setattr(module, "load_policy", refuse)
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlmrl import checkpoint as ckpt
-from vlmrl.checkpoint import (
+import vlmrl.checkpoints.files as ckpt
+from vlmrl.checkpoints.files import (
     CheckpointError,
     CheckpointSaveError,
     GracefulStop,
@@ -191,7 +191,7 @@ def test_module_does_not_import_transformers():
     import subprocess
     import sys
 
-    code = "import sys, vlmrl.checkpoint; assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules"
+    code = "import sys, vlmrl.checkpoints.files; assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

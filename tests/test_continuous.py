@@ -7,11 +7,11 @@ from test_logprobs import FAMILIES as ALL_FAMILIES
 from test_logprobs import model_cfg, prompt_batch
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.continuous import ContinuousDecoder, sample_continuous
-from vlmrl.models import load_model, unwrap
-from vlmrl.prefix import row_seed, sample_rows
-from vlmrl.processing import load_processor
-from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
+from vlmrl.models.continuous import ContinuousDecoder, sample_continuous
+from vlmrl.models.loading import load_model, unwrap
+from vlmrl.models.prefix import row_seed, sample_rows
+from vlmrl.models.processing import load_processor
+from vlmrl.models.rollout import eos_token_ids, generate, vision_token_ids
 
 # The engine's families (continuous.ENGINE_MODEL_TYPES); the others fall back to the loop (test below).
 FAMILIES = dict(ALL_FAMILIES)
@@ -104,7 +104,7 @@ def test_batch_stays_full_and_cache_is_never_reallocated(biased):
                 rows_waiting = len(self.queue) * self.G + (len(self.pending["rows"]) if self.pending else 0)
                 seen.append((self.cache.n, rows_waiting, self.cache.keys[0].data_ptr(), self.cache.values[-1].data_ptr()))
 
-    import vlmrl.continuous as cont
+    import vlmrl.models.continuous as cont
 
     original = cont.ContinuousDecoder
     cont.ContinuousDecoder = Watched
@@ -159,8 +159,8 @@ def test_engine_logits_equal_a_full_forward(biased, name):
     """Logits-level check (tokens can agree by luck on a tiny model): the log-prob the engine's logits give each
     sampled token equals the full forward over prompt + completion (naive path), rows decoded 4 at a time while
     prompts join (positions, masks and cache columns of every row at its own step)."""
-    from vlmrl.logprobs import completion_logps
-    from vlmrl.processing import select_rows
+    from vlmrl.models.logprobs import completion_logps
+    from vlmrl.models.processing import select_rows
 
     model, processor, prompts = biased[name]
     recorded = {}
@@ -179,7 +179,7 @@ def test_engine_logits_equal_a_full_forward(biased, name):
             self.sampler.choose = spy
             return super().run()
 
-    import vlmrl.continuous as cont
+    import vlmrl.models.continuous as cont
 
     original = cont.ContinuousDecoder
     cont.ContinuousDecoder = Recording
@@ -188,7 +188,7 @@ def test_engine_logits_equal_a_full_forward(biased, name):
     finally:
         cont.ContinuousDecoder = original
     eos = eos_token_ids(model, processor.tokenizer)
-    from vlmrl.rollout import completion_mask
+    from vlmrl.models.rollout import completion_mask
 
     mask, _ = completion_mask(ids, eos)
     full = completion_logps(model, select_rows(prompts, torch.arange(3).repeat_interleave(3)), ids, mask)
@@ -203,7 +203,7 @@ def test_planner_rollout_term_follows_the_engine():
     """The continuous engine holds decode_batch_size rows of KV cache (preallocated), the loop every row of the call."""
     from dataclasses import replace
 
-    from vlmrl.planner import Workload, generation_rows, model_spec, plan
+    from vlmrl.plan.planner import Workload, generation_rows, model_spec, plan
 
     spec = model_spec("qwen2.5-vl-3b")
     loop = Workload(num_generations=8, prompts_per_step=8, completion_tokens=1024, gpu_memory_bytes=80 * 2**30)
@@ -220,7 +220,7 @@ def test_grpo_step_with_the_engine_does_not_depend_on_decode_batch_size(tiny_qwe
     same completions (per-row streams), hence the same rewards and loss."""
     from test_integration import grpo_cfg, read_metrics
 
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
     from vlmrl.train import train
 
     data = make_count_task(tmp_path / "count", n_train=16, n_test=4, seed=0, image_size=56)
@@ -251,7 +251,7 @@ def test_bf16_autocast_and_eager_attention(tiny_qwen25vl, attn):
 def test_families_without_the_engine_fall_back_to_the_loop_with_the_same_tokens(tiny_qwen25vl, monkeypatch, caplog):
     """Asking for the engine on a model type it does not reproduce (every family here has it: one is taken off the
     list) gives the loop's tokens (same per-row streams), with a logged reason, never silently different tokens."""
-    import vlmrl.continuous as continuous
+    import vlmrl.models.continuous as continuous
 
     name, path = "tiny_qwen25vl", tiny_qwen25vl
     monkeypatch.setattr(continuous, "ENGINE_MODEL_TYPES", tuple(t for t in continuous.ENGINE_MODEL_TYPES if t != "qwen2_5_vl"))

@@ -8,8 +8,8 @@ import pytest
 from PIL import Image
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.data import DEFAULT_MAX_IMAGE_PIXELS, DataError, ImageCache, load_dataset_split, load_images, shared_image_cache
-from vlmrl.processing import ImageShapeCheck, encode_prompts, load_processor
+from vlmrl.data.rows import DEFAULT_MAX_IMAGE_PIXELS, DataError, ImageCache, load_dataset_split, load_images, shared_image_cache
+from vlmrl.models.processing import ImageShapeCheck, encode_prompts, load_processor
 
 BOUNDS = (28 * 28, 448 * 448)
 
@@ -145,7 +145,7 @@ def test_cache_hits_equal_a_fresh_decode_and_respect_the_budget(tmp_path):
 
 
 def test_training_set_up_validates_with_the_models_processor(tmp_path, tiny_qwen25vl):
-    from vlmrl.runtime import load_datasets
+    from vlmrl.run.datasets import load_datasets
 
     path = _data(tmp_path, [(56, 56), (30000, 1)])
     cfg = load_config(None, [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={path}", "data.eval_path=" + str(path)])
@@ -156,7 +156,7 @@ def test_training_set_up_validates_with_the_models_processor(tmp_path, tiny_qwen
 def test_a_refusal_validation_did_not_foresee_still_names_the_rows(tmp_path, tiny_qwen25vl, qwen_processor):
     import torch
 
-    from vlmrl.runtime import encode_rows
+    from vlmrl.run.datasets import encode_rows
 
     path = _data(tmp_path, [(56, 56), (30000, 1)])
     rows, _ = load_dataset_split(path, limit_images=1, skip_bad_rows=False)  # no shape check: the strip gets through

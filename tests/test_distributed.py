@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.distributed import Distributed, DistributedError, merge_rows, prompt_seed, reduce_metric_dicts, rows_of, shard_prompts
-from vlmrl.rollout import Completions, cat_completions
-from vlmrl.tasks import make_count_task
+from vlmrl.engine.distributed import Distributed, DistributedError, merge_rows, prompt_seed, reduce_metric_dicts, rows_of, shard_prompts
+from vlmrl.models.rollout import Completions, cat_completions
+from vlmrl.data.tasks import make_count_task
 
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
@@ -67,7 +67,7 @@ def test_reduce_metric_dicts():
 
 
 def test_single_process_is_a_pass_through():
-    from vlmrl.losses import step_normaliser
+    from vlmrl.algo.losses import step_normaliser
 
     d = Distributed(None)
     assert (d.world_size, d.rank, d.is_main, d.engine.name, d.sharded) == (1, 0, True, "single", False)
@@ -181,7 +181,7 @@ def test_collectives_on_two_gloo_processes():
 # ---------------------------------------------------------------- whole runs: torchrun / loopback nodes
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     root = tmp_path_factory.mktemp("dist")
     model = build_tiny_qwen25vl(root / "model")
@@ -381,7 +381,7 @@ def test_fsdp2_sharded_checkpoints_resume_on_two_and_one_process_and_export(setu
 
 def test_optimizer_state_layouts_round_trip():
     """Name-keyed (torch.distributed.checkpoint) <-> index-keyed (optimizer.state_dict()) optimizer states."""
-    from vlmrl.distributed import DistributedError, optimizer_state_by_index, optimizer_state_by_name
+    from vlmrl.engine.distributed import DistributedError, optimizer_state_by_index, optimizer_state_by_name
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias], "lr": 0.5}])
@@ -409,13 +409,14 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     from torch.distributed.fsdp import fully_shard
 
     from vlmrl.config import AlgorithmConfig, load_config
-    from vlmrl.data import load_dataset_split
-    from vlmrl.distributed import FSDP2Engine, PolicyCall
-    from vlmrl.logprobs import group_rows
-    from vlmrl.losses import aggregate, per_token_loss
-    from vlmrl.prefix import LogprobOptions, completion_logps_for
-    from vlmrl.rollout import generate
-    from vlmrl.runtime import encode_rows, load_policy
+    from vlmrl.data.rows import load_dataset_split
+    from vlmrl.engine.distributed import FSDP2Engine, PolicyCall
+    from vlmrl.models.logprobs import group_rows
+    from vlmrl.algo.losses import aggregate, per_token_loss
+    from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+    from vlmrl.models.rollout import generate
+    from vlmrl.run.datasets import encode_rows
+    from vlmrl.models.policy import load_policy
 
     os.environ.update(
         RANK=str(rank),

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from vlmrl import cli
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 
 
 def to_datasets(jsonl: Path):

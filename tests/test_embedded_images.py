@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from vlmrl.data import DataError, load_dataset_split, load_rows, load_images
+from vlmrl.data.rows import DataError, load_dataset_split, load_rows, load_images
 
 
 def png_bytes(colour, size=(6, 5)):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vlmrl.distributed import DDPEngine, DeepSpeedEngine, Distributed, DistributedError, FSDP2Engine, SingleProcessEngine
+from vlmrl.engine.distributed import DDPEngine, DeepSpeedEngine, Distributed, DistributedError, FSDP2Engine, SingleProcessEngine
 
 SRC = pathlib.Path(__file__).parent.parent / "src" / "vlmrl"
 
@@ -44,7 +44,7 @@ def test_engine_is_picked_from_the_accelerate_state(monkeypatch):
 
 def test_deepspeed_refuses_what_was_never_run_here(tmp_path):
     from vlmrl.config import load_config
-    from vlmrl.run_checkpoint import save, save_final
+    from vlmrl.checkpoints.state import save, save_final
 
     ds = Distributed(fake_accelerator("DistributedType.DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2)))
     with pytest.raises(DistributedError, match="writing checkpoints and the final model from DeepSpeed states"):

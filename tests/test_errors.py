@@ -12,7 +12,7 @@ import pytest
 from family_fixtures import ALL_FAMILY_FIXTURES
 
 from vlmrl.cli import main
-from vlmrl.models import check_model_folder
+from vlmrl.models.loading import check_model_folder
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 QUICK = [
@@ -108,7 +108,7 @@ def test_incomplete_folder_through_the_cli(tiny_qwen25vl, tmp_path, capsys, dele
 
 
 def test_out_of_memory_at_size_1_is_one_line(tiny_qwen25vl, tmp_path, capsys, monkeypatch):
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     monkeypatch.setitem(oom.INJECT_OOM_ABOVE, "rollout", 0)  # every piece, even one prompt, is "too large"
     assert main(["train", f"model.name_or_path={tiny_qwen25vl}", f"training.output_dir={tmp_path / 'out'}", *QUICK]) == 2

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from vlmrl.cli import main
-from vlmrl.families import log_fallback
-from vlmrl.tiny_families import BUILDERS
+from vlmrl.models.families import log_fallback
+from vlmrl.fixtures.tiny_families import BUILDERS
 
 ROOT = Path(__file__).parents[1]
 MATRIX = json.loads((ROOT / "docs" / "families_matrix.json").read_text())
@@ -63,8 +63,8 @@ def test_tiny_cli_refuses_unknown_family_and_existing_model(tmp_path, capsys):
 def test_tiny_cli_builds_a_folder_the_normal_model_path_loads(tmp_path):
     from transformers import AutoConfig
 
-    from vlmrl.models import check_model_folder
-    from vlmrl.processing import QwenImageProcessor, load_processor
+    from vlmrl.models.loading import check_model_folder
+    from vlmrl.models.processing import QwenImageProcessor, load_processor
 
     out = tmp_path / "q3"
     assert main(["tiny", "--family", "qwen3-vl", str(out)]) == 0
@@ -79,7 +79,7 @@ def test_tiny_cli_builds_a_folder_the_normal_model_path_loads(tmp_path):
 
 
 def test_fallback_is_logged_once_with_its_reason(caplog):
-    with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.models.families"):
         log_fallback("smolvlm")
         log_fallback("smolvlm")
         log_fallback("some_new_vlm")
@@ -93,14 +93,14 @@ def test_unknown_family_takes_the_naive_path_and_says_why(tiny_qwen25vl, monkeyp
     """A model type outside the tested fast families: grouped_family is None (naive path), logged once."""
     from types import SimpleNamespace
 
-    from vlmrl import families
-    from vlmrl.logprobs import grouped_family
-    from vlmrl.models import load_model
+    import vlmrl.models.families as families
+    from vlmrl.models.logprobs import grouped_family
+    from vlmrl.models.loading import load_model
 
     monkeypatch.setattr(families, "_logged", set())
     model = load_model(SimpleNamespace(**{**_model_cfg(tiny_qwen25vl)}))
     model.config.model_type = "qwen2_5_vl_variant"
-    with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.models.families"):
         assert grouped_family(model) is None
         assert grouped_family(model) is None
     assert [r.getMessage() for r in caplog.records] == [
@@ -120,8 +120,8 @@ def test_planner_qwen3_vl_image_tokens_follow_the_processor(side):
     produces for a square image at the pixel cap."""
     from PIL import Image
 
-    from vlmrl.planner import image_tokens, model_spec
-    from vlmrl.tiny import _qwen_image_processor
+    from vlmrl.plan.planner import image_tokens, model_spec
+    from vlmrl.fixtures.tiny import _qwen_image_processor
 
     processor = _qwen_image_processor(min_pixels=32 * 32, max_pixels=side * side, patch_size=16)
     grid = processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")["image_grid_thw"][0]

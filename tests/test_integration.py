@@ -13,7 +13,7 @@ from transformers import AutoModelForImageTextToText
 
 from vlmrl.config import load_config
 from vlmrl.sft import sft
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 
@@ -189,9 +189,10 @@ def test_cli_sft_both_stages_then_eval(family, request, count_data, tmp_path):
 @pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"])
 def test_rollout_never_samples_vision_placeholders(family, request, count_data):
     """A sampled <|image_pad|> would make scoring fail ('image features and image tokens do not match')."""
-    from vlmrl.rollout import generate, vision_token_ids
-    from vlmrl.runtime import encode_rows, load_policy
-    from vlmrl.data import load_dataset_split
+    from vlmrl.models.rollout import generate, vision_token_ids
+    from vlmrl.run.datasets import encode_rows
+    from vlmrl.models.policy import load_policy
+    from vlmrl.data.rows import load_dataset_split
 
     cfg = grpo_cfg(request.getfixturevalue(family), count_data, "unused")
     model, processor = load_policy(cfg, torch.device("cpu"))

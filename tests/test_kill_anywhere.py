@@ -23,7 +23,7 @@ KILLS = int(os.environ.get("VLMRL_KILLS", "20"))
 
 
 def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_path, tmp_path_factory):
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
 
     data = make_count_task(tmp_path_factory.mktemp("count"), n_train=12, n_test=0, seed=0, image_size=56)
     extra = [

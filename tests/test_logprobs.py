@@ -8,15 +8,15 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.logprobs import (
+from vlmrl.models.logprobs import (
     completion_logps,
     completion_logps_grouped,
     grouped_family,
     selective_logps,
     vision_encode_counter,
 )
-from vlmrl.models import load_model, vision_tower
-from vlmrl.processing import build_prompt, encode_prompts, load_processor, select_rows
+from vlmrl.models.loading import load_model, vision_tower
+from vlmrl.models.processing import build_prompt, encode_prompts, load_processor, select_rows
 
 G = 3
 # Completion lengths of the 2 * G rows (right padded to the longest): different per row.
@@ -110,8 +110,8 @@ TILED = ("tiny_llava_onevision", "tiny_internvl")
 def vision_units(model, prompts) -> int:
     """What vision_encode_counter counts when the model's own forward encodes `prompts` once: their images
     (their tiles for the tiled families)."""
-    from vlmrl.logprobs import model_inputs
-    from vlmrl.models import unwrap
+    from vlmrl.models.logprobs import model_inputs
+    from vlmrl.models.loading import unwrap
 
     with torch.no_grad(), vision_encode_counter(model) as calls:
         unwrap(model)(**model_inputs(prompts))
@@ -211,7 +211,7 @@ def test_grouped_lora_checkpointing_qwen(tiny_qwen25vl):
 
 
 def test_grouped_falls_back_for_unknown_family(tiny_llava, monkeypatch):
-    import vlmrl.logprobs as lp
+    import vlmrl.models.logprobs as lp
 
     model = load_model(model_cfg(tiny_llava)).eval()
     processor = load_processor(tiny_llava)
@@ -288,7 +288,7 @@ def test_selective_logps_no_grad_and_bf16_autocast():
 
 
 def test_group_rows():
-    from vlmrl.logprobs import group_rows
+    from vlmrl.models.logprobs import group_rows
 
     unique, row_prompt = group_rows(torch.tensor([5, 2, 5, 5, 2]))
     assert unique.tolist() == [2, 5] and row_prompt.tolist() == [1, 0, 1, 1, 0]

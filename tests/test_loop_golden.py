@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from vlmrl.config import load_config
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 pytestmark = pytest.mark.integration

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.checkpoint import list_checkpoints
+from vlmrl.checkpoints.files import list_checkpoints
 from vlmrl.config import load_config
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import NonFiniteStop, train
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,7 @@ def test_a_failing_final_evaluation_keeps_the_trained_model(tiny_qwen25vl, data,
 
 
 def test_evaluation_out_of_memory_halves_its_batch_with_the_same_result(tiny_qwen25vl, data, tmp_path, monkeypatch, capsys):
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     plain = train(cfg(tiny_qwen25vl, data, tmp_path / "plain", "training.eval_batch_size=6", eval_rows=True), log=lambda *_: None)
     monkeypatch.setattr(oom, "INJECT_OOM_ABOVE", {"eval": 2})
@@ -125,7 +125,7 @@ def test_evaluation_out_of_memory_halves_its_batch_with_the_same_result(tiny_qwe
 def test_update_oom_with_a_reused_rollout_is_exact(tiny_qwen25vl, data, tmp_path, monkeypatch):
     """num_iterations=2: an OOM in the update shrinks only the update's micro-batch; old log-probs stay scored at the
     scoring size, so the run equals one configured with the smaller update and that scoring size, bit for bit."""
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     extra = ["algorithm.num_iterations=2", "algorithm.beta=0.05", "rollout.generation_batch_size=8"]
     small = tmp_path / "small"

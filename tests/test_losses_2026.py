@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlmrl.config import AlgorithmConfig, ConfigError, load_config
-from vlmrl.losses import KL_ESTIMATORS, aggregate, kl_estimator_name, per_token_loss, step_normaliser
+from vlmrl.algo.losses import KL_ESTIMATORS, aggregate, kl_estimator_name, per_token_loss, step_normaliser
 
 pytestmark = pytest.mark.unit
 
@@ -209,7 +209,7 @@ def test_kl_estimator_expected_gradients(name, target):
 # ---------------------------------------------------------------- TRL's normaliser and the trl preset
 def test_token_mean_rollout_hand_computed():
     """TRL's dapo: a rollout of 2 optimizer steps with 5 and 11 tokens divides each step's sum by 16 / 2 = 8."""
-    from vlmrl.losses import Normaliser
+    from vlmrl.algo.losses import Normaliser
 
     loss, mask = torch.ones(2, 4), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
     norm = Normaliser(num_sequences=2, num_tokens=5, max_completion_length=4, rollout_tokens_per_step=8.0)

@@ -10,8 +10,8 @@ import torch
 from test_logprobs import model_cfg, prompt_batch
 
 from vlmrl.config import AlgorithmConfig, ConfigError, load_config
-from vlmrl.losses import per_token_loss
-from vlmrl.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
+from vlmrl.algo.losses import per_token_loss
+from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
 
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
@@ -86,8 +86,8 @@ def test_rollout_correction_config():
 # ---------------------------------------------------------------- the sampler's log-probs against the scoring pass
 @pytest.fixture(scope="module")
 def qwen(tiny_qwen25vl):
-    from vlmrl.models import load_model
-    from vlmrl.processing import load_processor
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.processing import load_processor
 
     processor = load_processor(tiny_qwen25vl)
     return load_model(model_cfg(tiny_qwen25vl)).eval(), processor, prompt_batch(processor, [1, 2, 1], seed=3)
@@ -98,9 +98,9 @@ def qwen(tiny_qwen25vl):
 def test_sampler_logps_equal_the_scoring_pass(qwen, engine, decode_batch_size):
     """fp32 on CPU: the decode step's log-prob of each sampled token equals the scoring forward's to float32
     rounding, whatever the decode batch (the mismatch the metric reports is that rounding)."""
-    from vlmrl.logprobs import group_rows
-    from vlmrl.prefix import LogprobOptions, completion_logps_for
-    from vlmrl.rollout import generate
+    from vlmrl.models.logprobs import group_rows
+    from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+    from vlmrl.models.rollout import generate
 
     model, processor, prompts = qwen
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_sampler_logps_equal_the_scoring_pass(qwen, engine, decode_batch_size):
 
 @pytest.mark.integration
 def test_hf_generate_path_reports_no_sampler_logps(qwen):
-    from vlmrl.rollout import generate
+    from vlmrl.models.rollout import generate
 
     model, processor, prompts = qwen
     comp = generate(model, processor.tokenizer, prompts, num_generations=2, max_new_tokens=3, shared_prefix=False)
@@ -150,7 +150,7 @@ def test_hf_generate_path_reports_no_sampler_logps(qwen):
 def test_train_logs_the_mismatch_every_step(tiny_qwen25vl, tmp_path, extra):
     """The metric is logged with and without scored old log-probs (then from the first step's own forward); with a
     correction the run trains with the weights (near 1 with max 2: nothing masked; all 0 with max 0.5)."""
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
     from vlmrl.train import train
 
     data = make_count_task(tmp_path / "count", n_train=4, n_test=0, seed=0, image_size=56)

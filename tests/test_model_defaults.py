@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError, load_config, save_config, to_dict
-from vlmrl.model_defaults import TINY_DEFAULTS, TINY_MARKER, apply_model_defaults, describe, embedded_reason
+from vlmrl.defaults import TINY_DEFAULTS, TINY_MARKER, apply_model_defaults, describe, embedded_reason
 
 
 def value(cfg, key):
@@ -125,9 +125,9 @@ def test_describe_says_which_and_why(tmp_path):
 
 def test_the_marker_survives_training(tiny_qwen25vl, tmp_path):
     """A model trained from the embedded one (SFT's final/) carries the marker, so GRPO from it gets the same defaults."""
-    from vlmrl.models import save_model
-    from vlmrl.runtime import load_policy
-    from vlmrl.tiny import mark_embedded
+    from vlmrl.models.loading import save_model
+    from vlmrl.models.policy import load_policy
+    from vlmrl.fixtures.tiny import mark_embedded
 
     start = shutil.copytree(tiny_qwen25vl, tmp_path / "embedded")
     mark_embedded(start)

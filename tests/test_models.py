@@ -9,7 +9,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from vlmrl.models import (
+from vlmrl.models.loading import (
     ModelLoadError,
     count_parameters,
     language_model,
@@ -21,7 +21,7 @@ from vlmrl.models import (
     unwrap,
     vision_tower,
 )
-from vlmrl.processing import (
+from vlmrl.models.processing import (
     QwenImageProcessor,
     build_prompt,
     decode,
@@ -30,7 +30,7 @@ from vlmrl.processing import (
     select_rows,
     vision_keys,
 )
-from vlmrl.tiny import build_tiny_qwen2vl, default_model_path, train_tokenizer
+from vlmrl.fixtures.tiny import build_tiny_qwen2vl, default_model_path, train_tokenizer
 
 FAMILIES = ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"]
 # Image placeholder that the chat template writes once per image, per family (the processor expands it).
@@ -368,7 +368,7 @@ def test_real_autoprocessor_is_kept_and_bare_tokenizer_falls_back(tiny_qwen25vl,
 
 
 def test_append_tokens_keeps_mrope_inputs_aligned(tiny_qwen25vl):
-    from vlmrl.processing import append_tokens
+    from vlmrl.models.processing import append_tokens
 
     processor = load_processor(tiny_qwen25vl)
     model = AutoModelForImageTextToText.from_pretrained(tiny_qwen25vl)

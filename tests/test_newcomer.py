@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from vlmrl.config import load_config
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 USER_REWARDS = textwrap.dedent("""

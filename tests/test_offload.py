@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from vlmrl import train as train_module
-from vlmrl.checkpoint import list_checkpoints
+from vlmrl.checkpoints.files import list_checkpoints
 from vlmrl.config import load_config
-from vlmrl.offload import OptimizerParking, device_state_bytes, state_tensors
-from vlmrl.tasks import make_count_task
+from vlmrl.engine.offload import OptimizerParking, device_state_bytes, state_tensors
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 from test_resume import VARIANTS, final_weights, losses, overrides
@@ -114,7 +114,7 @@ def test_training_with_offload_is_bit_exact_and_parks_during_rollout(variant, ti
 
 
 def test_planner_takes_the_parked_states_off_the_rollout_and_scoring_peaks():
-    from vlmrl.planner import Workload, model_spec, plan
+    from vlmrl.plan.planner import Workload, model_spec, plan
 
     spec = model_spec("qwen2.5-vl-3b")
     base = Workload(num_generations=8, prompts_per_step=4, micro_batch=8, completion_tokens=1024, beta=0.04)
@@ -141,7 +141,7 @@ def test_plan_cli_accepts_offload_during_rollout(capsys):
 FSDP2_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from vlmrl.offload import OptimizerParking, device_state_bytes, state_tensors
+from vlmrl.engine.offload import OptimizerParking, device_state_bytes, state_tensors
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
 runs = []
 for park in (False, True):

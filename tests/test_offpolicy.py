@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vlmrl.config import load_config
-from vlmrl.prefix import completion_logps_for
-from vlmrl.processing import select_rows
-from vlmrl.tasks import make_count_task
+from vlmrl.models.prefix import completion_logps_for
+from vlmrl.models.processing import select_rows
+from vlmrl.data.tasks import make_count_task
 from vlmrl import train as loop
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl import oom
-from vlmrl.oom import OutOfMemoryAbort, OutOfMemoryGaveUp, Peers, parse_injection, retry_on_oom
-from vlmrl.tasks import make_count_task
+import vlmrl.engine.oom as oom
+from vlmrl.engine.oom import OutOfMemoryAbort, OutOfMemoryGaveUp, Peers, parse_injection, retry_on_oom
+from vlmrl.data.tasks import make_count_task
 
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
@@ -207,7 +207,7 @@ def _ddp_worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from vlmrl.collectives import average_gradients
+    from vlmrl.engine.collectives import average_gradients
 
     os.environ.update(_worker_env(rank, world, port))
     torch.set_num_threads(1)
@@ -258,7 +258,7 @@ def test_average_gradients_equals_ddp_on_gloo(world):
 # ---------------------------------------------------------------- whole 2-process runs (gloo), no torchrun
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.tiny import build_tiny_qwen25vl
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     root = tmp_path_factory.mktemp("oom-multiproc")
     model = build_tiny_qwen25vl(root / "model")

@@ -4,8 +4,8 @@ front equals its lazy start, a non-finite gradient norm changes nothing; oom.is_
 import pytest
 import torch
 
-from vlmrl.oom import is_out_of_memory, retry_on_oom
-from vlmrl.optim import WarmupSchedule, allocate_optimizer_state, clip_and_step
+from vlmrl.engine.oom import is_out_of_memory, retry_on_oom
+from vlmrl.engine.optim import WarmupSchedule, allocate_optimizer_state, clip_and_step
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,10 @@ import pytest
 
 from vlmrl import cli
 from vlmrl.config import load_config
-from vlmrl.overwrite import OverwriteRefused, entries_to_delete, foreign_entries, is_run_entry, plan_overwrite, remove_entries
-from vlmrl.rundir import COMPLETE_FILE, LOCK_FILE, RunAlreadyComplete, describe_output_dir
+from vlmrl.run.overwrite import OverwriteRefused, entries_to_delete, foreign_entries, is_run_entry, plan_overwrite, remove_entries
+from vlmrl.run.rundir import COMPLETE_FILE, LOCK_FILE, RunAlreadyComplete, describe_output_dir
 from vlmrl.sft import sft
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 

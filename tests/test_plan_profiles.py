@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.planner import GiB, ModelSpec, PlanError, Workload, image_patches, plan
+from vlmrl.plan.planner import GiB, ModelSpec, PlanError, Workload, image_patches, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -71,7 +71,7 @@ def test_naive_profile_adds_exactly_the_expected_terms():
     # G copies of each image through the vision tower: 4 rows x 16 patches x 2 blocks x 2,952 bytes per patch
     # (2 (30 hv + 8 iv) + 4 heads), against one encode of the group's image on vlmrl's path.
     assert naive.terms["activations_vision"] == 2 * N * PATCHES * (2 * (30 * 32 + 8 * 64) + 4 * 2) == 377_856
-    assert vlmrl.terms["activations_vision"] * G == naive.terms["activations_vision"]
+    assert vlmrl.plan.terms["activations_vision"] * G == naive.terms["activations_vision"]
     # HF generate prefills the G copies: the KV cache of prompts x G rows of prompt + completion (24 + 10 tokens).
     assert naive.terms["kv_cache"] == PROMPTS * G * (24 + C) * 2 * SPEC.layers * SPEC.kv_heads * SPEC.head_dim * 4
     changed = {"full_vocab_logits", "logprob_buffers", "pixel_value_copies", "activations_other", "allocator_reserve", "scoring_temporaries"}
@@ -166,7 +166,7 @@ def test_cpu_heap_slack_spares_mmapped_blocks():
     """On a CPU run the planned tensors get CPU_ALLOCATOR_RESERVE of heap slack, except the log-prob head's blocks
     when each is above glibc's 32 MiB mmap ceiling (mmapped, unmapped on free): TRL's tile of 528 x 32,768 fp32
     entries (69 MB) at the update peak. A 4-row micro-batch (132 x 32,768 x 4 = 17 MB tiles) keeps the slack on all."""
-    from vlmrl.planner import CPU_ALLOCATOR_RESERVE
+    from vlmrl.plan.planner import CPU_ALLOCATOR_RESERVE
 
     big = dataclasses.replace(SPEC, vocab=151_936)
     w = dataclasses.replace(W, profile="trl", device="cpu", micro_batch=16, prompts_per_step=4)
@@ -180,8 +180,8 @@ def test_cpu_heap_slack_spares_mmapped_blocks():
 
 
 def test_trainer_profiles_use_the_trainer_runtime_floor_on_cpu():
-    from vlmrl.plan_profiles import TRAINER_CPU_RUNTIME_BYTES
-    from vlmrl.planner import HOST_RUNTIME_CPU_BYTES
+    from vlmrl.plan.profiles import TRAINER_CPU_RUNTIME_BYTES
+    from vlmrl.plan.planner import HOST_RUNTIME_CPU_BYTES
 
     cpu = dataclasses.replace(W, device="cpu")
     assert plan(SPEC, cpu).host["runtime_per_process"] == HOST_RUNTIME_CPU_BYTES

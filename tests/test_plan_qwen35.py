@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.planner import (
+from vlmrl.plan.planner import (
     LINEAR_ATTN_CHUNK,
     Workload,
     linear_layer_bytes,
@@ -105,7 +105,7 @@ def test_qwen35_moe_closed_form_within_10pct_of_trace(point):
 
 def test_eager_scores_only_in_full_attention_layers(spec):
     """Eager attention keeps a score matrix per full-attention layer only (one of the four tiny layers)."""
-    from vlmrl.planner import eager_attention_bytes
+    from vlmrl.plan.planner import eager_attention_bytes
 
     w = Workload(attn_implementation="eager")
     e = eager_attention_bytes(spec, w, 2, ((4, 100, 100),), 0, 0)

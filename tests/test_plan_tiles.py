@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrl.planner import (
+from vlmrl.plan.planner import (
     Workload,
     anyres_image,
     best_pinpoint,
@@ -22,7 +22,7 @@ from vlmrl.planner import (
     spec_from_hf_config,
     tiled_image,
 )
-from vlmrl.processing import build_prompt, encode_prompts, load_processor
+from vlmrl.models.processing import build_prompt, encode_prompts, load_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from planner_accuracy import GridPoint, compare_trace, spec_for  # noqa: E402

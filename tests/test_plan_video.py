@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.planner import PlanError, Workload, plan, prompt_vision, video_grid
+from vlmrl.plan.planner import PlanError, Workload, plan, prompt_vision, video_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -69,7 +69,7 @@ def test_videos_encoded_once_per_prompt_on_the_shared_prefix_else_per_row():
 
 def test_qwen3_video_adds_timestamp_tokens():
     """Qwen3-VL writes `<t seconds>` and a vision start/end pair per temporal patch: 8 text tokens each (an estimate)."""
-    from vlmrl.planner import TIMESTAMP_TEXT_TOKENS, video_text_tokens
+    from vlmrl.plan.planner import TIMESTAMP_TEXT_TOKENS, video_text_tokens
 
     qwen3 = dataclasses.replace(SPEC, family="qwen3_vl")
     w = dataclasses.replace(FP32, video_frames=16, images_per_prompt=0)
@@ -102,7 +102,7 @@ def test_cli_video_flags(tmp_path, capsys):
 
 def test_config_video_max_pixels_is_read(tmp_path):
     from vlmrl.config import load_config
-    from vlmrl.planner import workload_from_config
+    from vlmrl.plan.planner import workload_from_config
 
     cfg = load_config(None, [f"data.video_max_pixels={224 * 224}"])
     assert workload_from_config(cfg).video_max_pixels == 224 * 224
@@ -167,7 +167,7 @@ def test_trace_video_naive_path_holds_row_pixel_copies():
     the shared prefix's do not."""
     from planner_accuracy import hf_config_for, spec_for, workload_for
 
-    from vlmrl.plan_trace import setup_for, trace_update
+    from vlmrl.plan.trace import setup_for, trace_update
 
     spec = spec_for("tiny-qwen2")
     point = GridPoint("x", "tiny-qwen2", 8, 4, False, False, 224 * 224, video_frames=6, images=0, video_max_pixels=112 * 112)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.planner import (
+from vlmrl.plan.planner import (
     COMM_BUCKET_BYTES,
     GiB,
     ModelSpec,
@@ -338,7 +338,7 @@ def test_trace_counts_model_states_exactly():
     """The tracker's persistent categories equal the hand counts (bf16 weights, bf16 grads, 2 bf16 AdamW moments)."""
     import torch
 
-    from vlmrl.plan_trace import TraceSetup, trace_update
+    from vlmrl.plan.trace import TraceSetup, trace_update
 
     cfg = tiny_qwen25_config()
     spec = spec_from_hf_config(cfg.to_dict(), "tiny")
@@ -379,7 +379,7 @@ def _cfg(tmp_path, *extra):
 
 def test_auto_fit_keeps_protected_fields(tmp_path):
     cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2")
-    from vlmrl.planner import plan_for_config
+    from vlmrl.plan.planner import plan_for_config
 
     before = plan_for_config(cfg)
     assert not before.fits  # the test needs a config that does not fit as given
@@ -396,7 +396,7 @@ def test_auto_fit_keeps_protected_fields(tmp_path):
 
 
 def test_auto_fit_may_change_allowed_fields_only(tmp_path):
-    from vlmrl.planner import FIT_FRACTION, spec_for_config, workload_from_config
+    from vlmrl.plan.planner import FIT_FRACTION, spec_for_config, workload_from_config
 
     probe = _cfg(tmp_path)
     spec, base = spec_for_config(probe), workload_from_config(probe, 1, 10**15)
@@ -525,7 +525,7 @@ def test_cli_plan_trace(tmp_path, capsys, flags):
 
 def test_planner_import_is_pure():
     code = (
-        "import sys, vlmrl.planner, vlmrl.plan_cli; "
+        "import sys, vlmrl.plan.planner, vlmrl.plan.cli; "
         "bad = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed', 'vllm') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -547,8 +547,8 @@ def test_cli_plan_config_with_overrides(tmp_path, capsys):
 
 def test_planner_presets_meta_counts_match_published():
     """Planner-only presets (typed from published config.json values): meta-device counts vs published totals."""
-    from vlmrl.planner import model_spec
-    from vlmrl.presets import PLANNER_PRESETS
+    from vlmrl.plan.planner import model_spec
+    from vlmrl.fixtures.presets import PLANNER_PRESETS
 
     for name, d in PLANNER_PRESETS.items():
         n = model_spec(name).total_params
@@ -560,7 +560,7 @@ def test_planner_presets_meta_counts_match_published():
 
 
 def test_run_time_prediction_and_auto_fit_logging(tmp_path):
-    from vlmrl.planner import GiB, apply_auto_fit, predict_for_run, prediction_vs_measured
+    from vlmrl.plan.planner import GiB, apply_auto_fit, predict_for_run, prediction_vs_measured
 
     lines = []
     cfg = _cfg(tmp_path, "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=2")
@@ -594,7 +594,7 @@ def test_run_time_prediction_and_auto_fit_logging(tmp_path):
 def test_workload_from_config_is_per_process():
     """Batch sizes in the config are global: with W processes each rolls out 1/W of the prompts; the run's
     engine reaches the plan as its sharding."""
-    from vlmrl.planner import workload_from_config
+    from vlmrl.plan.planner import workload_from_config
 
     cfg = load_config(None, ["model.defaults=pretrained", "rollout.num_generations=4", "rollout.generation_batch_size=16"])
     assert workload_from_config(cfg).prompts_per_step == 4
@@ -647,7 +647,7 @@ def test_eager_minus_sdpa_is_the_score_matrix():
     family's own eager code vs the sdpa stand-in, frozen vision tower (text only), by hand and in the closed form."""
     import torch
 
-    from vlmrl.plan_trace import TraceSetup, trace_update
+    from vlmrl.plan.trace import TraceSetup, trace_update
 
     cfg = tiny_qwen25_config()  # 2 layers, 4 heads
     rows, S = 4, 32 + 64 + 32  # prompt text + 64 image tokens (256 patches) + completion
@@ -697,7 +697,7 @@ def test_eager_closed_form_vs_trace(point):
 
 
 def test_eager_follows_the_run_config(tmp_path):
-    from vlmrl.planner import workload_from_config
+    from vlmrl.plan.planner import workload_from_config
 
     cfg = load_config(None, ["model.attn_implementation=eager"])
     assert workload_from_config(cfg).attn_implementation == "eager"
@@ -713,7 +713,7 @@ def test_eager_follows_the_run_config(tmp_path):
 
 def test_host_terms_by_hand():
     """Per node (8 processes of a 16-GPU ZeRO-3 run with optimizer+parameter offload, reference on the CPU)."""
-    from vlmrl.planner import HOST_RUNTIME_CUDA_BYTES
+    from vlmrl.plan.planner import HOST_RUNTIME_CUDA_BYTES
 
     P, n = SPEC.total_params, 16
     w = dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=n, offload="optimizer+params", beta=0.04, ref_placement="cpu")
@@ -730,7 +730,7 @@ def test_host_terms_by_hand():
 
 
 def test_host_verdict_flips_at_the_right_size():
-    from vlmrl.planner import FIT_FRACTION
+    from vlmrl.plan.planner import FIT_FRACTION
 
     w = dataclasses.replace(FP32, dtype="bfloat16", sharding="zero3", world_size=8, offload="optimizer")
     need = plan(SPEC, w).host["total"]
@@ -779,7 +779,7 @@ def test_cli_host_memory_and_cpu(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_cpu_run_predicts_its_own_peak_rss(command, tiny_qwen25vl, tmp_path):
     """A real 2-step CPU run in a fresh process logs plan/host_peak_rss next to mem/host_peak_rss, within +/-15%."""
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
 
     data = make_count_task(tmp_path / "count", n_train=16, n_test=4, seed=0, image_size=56)
     out = tmp_path / "run"
@@ -817,7 +817,7 @@ def test_cpu_run_predicts_its_own_peak_rss(command, tiny_qwen25vl, tmp_path):
 
 
 def test_sft_workload_by_hand():
-    from vlmrl.planner import sft_workload
+    from vlmrl.plan.planner import sft_workload
 
     base = dataclasses.replace(FP32, micro_batch=6, completion_tokens=10)
     s1, s2 = sft_workload(base, 1, target_tokens=12), sft_workload(base, 2)
@@ -847,8 +847,8 @@ SFT_GRID = [  # (projector_only, freeze_vision, gc)
 @pytest.mark.parametrize("projector_only, freeze_vision, gc", SFT_GRID)
 def test_sft_closed_form_vs_trace(projector_only, freeze_vision, gc):
     """SFT terms vs the trace of the same step (rows with their own prompt and image, negative log-likelihood loss)."""
-    from vlmrl.plan_trace import setup_for, trace_update
-    from vlmrl.planner import sft_workload
+    from vlmrl.plan.trace import setup_for, trace_update
+    from vlmrl.plan.planner import sft_workload
 
     cfg = tiny_qwen25_config()
     spec = spec_from_hf_config(cfg.to_dict(), "tiny")
@@ -892,7 +892,7 @@ def test_cli_help_states_the_size_rule(capsys):
 
 def test_moe_preset_counts_total_and_active_parameters():
     """Qwen3-VL-30B-A3B: 31.1B parameters in memory, ~3.3B per token in its language model (8 of 128 experts)."""
-    from vlmrl.planner import model_spec, step_time
+    from vlmrl.plan.planner import model_spec, step_time
 
     spec = model_spec("qwen3-vl-30b-a3b")
     assert abs(spec.total_params / 31.1e9 - 1) < 0.03
@@ -913,8 +913,8 @@ def test_moe_preset_counts_total_and_active_parameters():
 def test_gemma3_image_tokens_follow_mm_tokens_per_image(tiny_gemma3):
     """Gemma 3 pools its 64x64 SigLIP patches to 256 tokens per image whatever the image size; the tiny build's
     processor and the planner's closed form agree on its own (smaller) count too."""
-    from vlmrl.planner import model_spec
-    from vlmrl.processing import build_prompt, encode_prompts, load_processor
+    from vlmrl.plan.planner import model_spec
+    from vlmrl.models.processing import build_prompt, encode_prompts, load_processor
 
     assert image_tokens(model_spec("gemma3-4b"), 10**6) == 256
     assert image_tokens(model_spec("gemma3-27b"), 448 * 448) == 256

@@ -5,11 +5,11 @@ import torch
 
 from test_logprobs import FAMILIES, G, LENGTHS, LOOSE_GRADS, assert_grads_close, completions, loss_and_grads, model_cfg, prompt_batch, vision_units
 
-from vlmrl.logprobs import completion_logps, vision_encode_counter
-from vlmrl.models import load_model, vision_tower
-from vlmrl.prefix import LogprobOptions, completion_logps_for, completion_logps_prefix, prefix_supported, sample_with_shared_prefix
-from vlmrl.processing import load_processor, select_rows
-from vlmrl.rollout import eos_token_ids, generate, vision_token_ids
+from vlmrl.models.logprobs import completion_logps, vision_encode_counter
+from vlmrl.models.loading import load_model, vision_tower
+from vlmrl.models.prefix import LogprobOptions, completion_logps_for, completion_logps_prefix, prefix_supported, sample_with_shared_prefix
+from vlmrl.models.processing import load_processor, select_rows
+from vlmrl.models.rollout import eos_token_ids, generate, vision_token_ids
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -24,7 +24,7 @@ class decoder_token_counter:  # noqa: N801 - a context manager
     """Token positions that go through the first decoder layer: .first = the first call (the prefill)."""
 
     def __init__(self, model):
-        from vlmrl.models import unwrap
+        from vlmrl.models.loading import unwrap
 
         self.layer = unwrap(model).model.language_model.layers[0]
         self.first, self.total = None, 0
@@ -87,7 +87,7 @@ def test_sampled_rollout_prefills_once_and_stays_valid(family):
 def test_sample_rows_draws_from_softmax():
     """Inverse-CDF sampling against the exact distribution: 40,000 draws per row, every frequency within
     5 standard errors; banned (-inf) tokens never drawn."""
-    from vlmrl.prefix import sample_rows
+    from vlmrl.models.prefix import sample_rows
 
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 3.0], [0.0, 0.0, 0.0, 0.0, 0.0, float("-inf")]])
@@ -102,7 +102,7 @@ def test_sample_rows_draws_from_softmax():
 
 
 def test_min_new_tokens_blocks_eos_and_suppress_ids_never_sampled(tiny_qwen25vl):
-    from vlmrl.models import unwrap
+    from vlmrl.models.loading import unwrap
 
     model = load_model(model_cfg(tiny_qwen25vl)).eval()
     processor = load_processor(tiny_qwen25vl)

@@ -6,14 +6,21 @@ import time
 
 import pytest
 
-from vlmrl import cli, runtime, sft, train
+from vlmrl import cli
+
+from vlmrl.models import policy
+from vlmrl.run import datasets as run_datasets
+
+from vlmrl import sft
+
+from vlmrl import train
 from vlmrl.config import ConfigError, load_config
-from vlmrl.data import load_dataset_split
-from vlmrl.models import ModelLoadError
-from vlmrl.models import check_model_folder as model_folder_problems
-from vlmrl.preflight import check_eval_data, check_model_folder
-from vlmrl.signals import no_signal_message, update_no_signal_streak, warn_if_no_learning_signal
-from vlmrl.tasks import make_count_task
+from vlmrl.data.rows import load_dataset_split
+from vlmrl.models.loading import ModelLoadError
+from vlmrl.models.loading import check_model_folder as model_folder_problems
+from vlmrl.run.preflight import check_eval_data, check_model_folder
+from vlmrl.run.signals import no_signal_message, update_no_signal_streak, warn_if_no_learning_signal
+from vlmrl.data.tasks import make_count_task
 
 VLMR1_REWARD = """
 def vlmr1_accuracy(completions, solution, **kwargs):
@@ -38,7 +45,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the checks failed")
 
-    for module in (runtime, train, sft):  # train.py and sft.py bind load_policy at import
+    for module in (policy, train, sft):  # train.py and sft.py bind load_policy at import
         monkeypatch.setattr(module, "load_policy", refuse)
 
 
@@ -131,12 +138,12 @@ def test_check_command_passes_without_loading(tiny_qwen25vl, count_data, capsys,
 
 def test_validated_data_is_reused_once(count_data, tmp_path):
     cfg = load_config(None, [f"data.train_path={count_data['train']}", f"training.output_dir={tmp_path}"])
-    first = runtime.load_datasets(cfg, keep_for_run=True)
-    assert runtime.load_datasets(cfg) is first  # the run gets the preflight's rows
-    assert runtime.load_datasets(cfg) is not first  # and only once
+    first = run_datasets.load_datasets(cfg, keep_for_run=True)
+    assert run_datasets.load_datasets(cfg) is first  # the run gets the preflight's rows
+    assert run_datasets.load_datasets(cfg) is not first  # and only once
     other = load_config(None, [f"data.train_path={count_data['train']}", f"training.output_dir={tmp_path}", "data.limit_images=1"])
-    runtime.load_datasets(cfg, keep_for_run=True)
-    assert runtime.load_datasets(other) is not first  # other settings: read again
+    run_datasets.load_datasets(cfg, keep_for_run=True)
+    assert run_datasets.load_datasets(other) is not first  # other settings: read again
 
 
 def test_eval_refuses_to_guess_its_data(tmp_path, capsys, no_model_load, count_data):
@@ -171,15 +178,15 @@ def test_skipped_rows_are_named_and_written(count_data, tmp_path):
     cfg = load_config(
         None, [f"data.train_path={data}", f"data.eval_path={data}", "data.skip_bad_rows=true", f"training.output_dir={tmp_path / 'out'}"]
     )
-    loaded = runtime.load_datasets(cfg)
+    loaded = run_datasets.load_datasets(cfg)
     assert all(line.endswith(f"(all listed in {tmp_path / 'out' / 'bad_rows.jsonl'})") for line in loaded.reports)
     records = [json.loads(x) for x in (tmp_path / "out" / "bad_rows.jsonl").read_text().splitlines()]
     assert [r["source"] for r in records if r["split"] == "train"] == [f"{data}:{i}" for i in range(2, 9)]
     assert len(records) == 14 and records[0]["reason"] == "missing" and records[0]["field"] == "solution"
-    runtime.load_datasets(cfg)  # run again: the file is rewritten, not appended to
+    run_datasets.load_datasets(cfg)  # run again: the file is rewritten, not appended to
     assert len((tmp_path / "out" / "bad_rows.jsonl").read_text().splitlines()) == 14
     data.write_text(lines[0] + "\n")  # data fixed: no stale list left behind
-    runtime.load_datasets(cfg)
+    run_datasets.load_datasets(cfg)
     assert not (tmp_path / "out" / "bad_rows.jsonl").exists()
 
 
@@ -229,7 +236,7 @@ def test_train_warns_when_rewards_are_constant(tiny_qwen25vl, count_data, tmp_pa
             "logging.no_signal_warn_steps=2",
         ],
     )
-    from vlmrl import tracking
+    import vlmrl.run.tracking as tracking
 
     original = tracking.RunLogger.info
     tracking.RunLogger.info = lambda self, msg: logged.append(msg)
@@ -243,8 +250,8 @@ def test_train_warns_when_rewards_are_constant(tiny_qwen25vl, count_data, tmp_pa
 
 
 def test_report_shades_no_signal_steps_and_bar_shows_them(tmp_path):
-    from vlmrl.report import make_report, no_signal_spans
-    from vlmrl.tracking import RunLogger
+    from vlmrl.run.report import make_report, no_signal_spans
+    from vlmrl.run.tracking import RunLogger
 
     rows = [{"step": s, "frac_reward_zero_std": f} for s, f in [(1, 1.0), (2, 1.0), (3, 0.5), (4, 1), (6, 1.0), (7, 1.0)]]
     assert no_signal_spans(rows) == [(1.0, 2.0), (4.0, 4.0), (6.0, 7.0)]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.presets import PRESETS, count_parameters_meta, preset_config, vision_out_size
-from vlmrl.tiny import QWEN_SPECIAL_TOKENS, train_tokenizer
+from vlmrl.fixtures.presets import PRESETS, count_parameters_meta, preset_config, vision_out_size
+from vlmrl.fixtures.tiny import QWEN_SPECIAL_TOKENS, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,8 +65,8 @@ def test_build_preset_model_small_variant_loads(tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl import presets
-    from vlmrl.processing import load_processor
+    import vlmrl.fixtures.presets as presets
+    from vlmrl.models.processing import load_processor
 
     spec = dict(presets.PRESETS["qwen2.5-vl-3b"])
     spec["text_config"] = dict(

@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from vlmrl.config import load_config, save_config, to_dict
-from vlmrl.report import GRPO_LOSS_CAPTION, build_report, make_report, run_settings
-from vlmrl.tasks import chance_levels, make_count_task, write_task_info
-from vlmrl.tracking import RunLogger
+from vlmrl.run.report import GRPO_LOSS_CAPTION, build_report, make_report, run_settings
+from vlmrl.data.tasks import chance_levels, make_count_task, write_task_info
+from vlmrl.run.tracking import RunLogger
 
 
 def fake_run(out, grpo=True, steps=6, **config_overrides):

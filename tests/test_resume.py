@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.checkpoint import CheckpointError, CheckpointSaveError, list_checkpoints, verify_checkpoint
+from vlmrl.checkpoints.files import CheckpointError, CheckpointSaveError, list_checkpoints, verify_checkpoint
 from vlmrl.config import load_config
-from vlmrl.tasks import make_count_task
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
@@ -151,7 +151,7 @@ def test_corrupt_newest_checkpoint_falls_back(tiny_qwen25vl, data, tmp_path):
 
 @pytest.mark.parametrize("policy", ["stop", "continue"])
 def test_save_failure(policy, tiny_qwen25vl, data, tmp_path, monkeypatch):
-    import vlmrl.run_checkpoint as train_mod
+    import vlmrl.checkpoints.state as train_mod
 
     out = tmp_path / "run"
     cfg = load_config(None, overrides(tiny_qwen25vl, data, out, "training.save_steps=1", f"training.on_save_error={policy}"))
@@ -205,7 +205,7 @@ def test_sigterm_finishes_step_saves_and_exits_zero(tiny_qwen25vl, data, tmp_pat
 def test_injected_oom_halves_micro_batch_and_matches_smaller_config(tiny_qwen25vl, data, tmp_path, monkeypatch):
     """An OOM in any phase redoes the same work in halves: the run equals one configured small from the start,
     and no gradient is counted twice."""
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     extra = ["training.per_device_train_batch_size=4", "training.gradient_accumulation_steps=2", "algorithm.num_iterations=2", "algorithm.beta=0.05"]
     small = tmp_path / "small"
@@ -241,7 +241,7 @@ def test_injected_oom_halves_micro_batch_and_matches_smaller_config(tiny_qwen25v
 
 
 def test_oom_at_size_one_names_the_knobs(tiny_qwen25vl, data, tmp_path, monkeypatch):
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     monkeypatch.setattr(oom, "INJECT_OOM_ABOVE", {"update": 0})
     with pytest.raises(oom.OutOfMemoryGaveUp, match="gradient_checkpointing"):
@@ -249,7 +249,7 @@ def test_oom_at_size_one_names_the_knobs(tiny_qwen25vl, data, tmp_path, monkeypa
 
 
 def test_oom_after_a_backward_discards_partial_gradients(tiny_qwen25vl, data, tmp_path, monkeypatch):
-    from vlmrl import oom
+    import vlmrl.engine.oom as oom
 
     small = tmp_path / "small"
     train(

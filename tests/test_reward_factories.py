@@ -7,8 +7,8 @@ import pathlib
 import pytest
 
 from vlmrl.config import load_config
-from vlmrl.rewards import RewardError, RewardLog, compute_rewards, load_reward
-from vlmrl.runtime import load_reward_funcs
+from vlmrl.rewards.functions import RewardError, RewardLog, compute_rewards, load_reward
+from vlmrl.rewards.scoring import load_reward_funcs
 
 HERE = pathlib.Path(__file__).parent
 TEST_REWARDS = str(HERE / "rewards_for_tests.py")
@@ -61,7 +61,7 @@ def test_log_extra_and_log_metric_are_collected():
 
 
 def test_grpo_run_logs_what_rewards_log(tiny_qwen25vl, tmp_path):
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
     from vlmrl.train import train
 
     data = make_count_task(tmp_path / "d", n_train=4, n_test=2, seed=0, image_size=56)

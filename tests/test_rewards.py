@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from vlmrl.rewards import (
+from vlmrl.rewards.functions import (
     BUILTIN_REWARDS,
     RewardError,
     accuracy,

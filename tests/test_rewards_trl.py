@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlmrl.config import load_config
-from vlmrl.rewards import (
+from vlmrl.rewards.functions import (
     RewardError,
     TrainerState,
     accuracy,
@@ -17,8 +17,8 @@ from vlmrl.rewards import (
     load_reward,
     reward_inputs,
 )
-from vlmrl.rollout import Completions
-from vlmrl.runtime import score_rollout
+from vlmrl.models.rollout import Completions
+from vlmrl.rewards.scoring import score_rollout
 
 
 # -- rewards as a VLM-R1 user writes them: conversational completions, solutions with <answer> tags ------------------
@@ -196,7 +196,7 @@ def test_reward_spec_typos_get_did_you_mean(tmp_path):
 
 
 def test_builtin_rewards_give_the_same_values_in_both_forms():
-    from vlmrl.rewards import BUILTIN_REWARDS
+    from vlmrl.rewards.functions import BUILTIN_REWARDS
 
     rows = [{"problem": "Where?", "solution": "[1, 2, 5, 6]"}, {"problem": "How many?", "solution": "3"}]
     texts = ["<think>x</think><answer>[1, 2, 5, 7]</answer>", "<answer>[0,0,1,1]</answer>", "<answer>3</answer>", "3"]

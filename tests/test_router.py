@@ -5,11 +5,11 @@ import pytest
 import torch
 from test_logprobs import G, LENGTHS, completions, model_cfg, prompt_batch
 
-from vlmrl.losses import load_balancing_loss
-from vlmrl.models import load_model
-from vlmrl.prefix import LogprobOptions, completion_logps_for
-from vlmrl.processing import load_processor
-from vlmrl.router import call_weights, capture_routing, find_routing, routed_aux_loss
+from vlmrl.algo.losses import load_balancing_loss
+from vlmrl.models.loading import load_model
+from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+from vlmrl.models.processing import load_processor
+from vlmrl.models.router import call_weights, capture_routing, find_routing, routed_aux_loss
 
 pytestmark = pytest.mark.unit
 
@@ -79,8 +79,8 @@ def _aux(model, prompts, rows, ids, mask, opts):
 def test_aux_loss_same_on_every_path_and_equals_transformers(moe):
     """The naive path's value equals transformers' own aux loss (output_router_logits on the full rows, minus
     the last column); the grouped and shared-prefix paths give the same value and the same router gradients."""
-    from vlmrl.models import unwrap
-    from vlmrl.processing import append_tokens, select_rows
+    from vlmrl.models.loading import unwrap
+    from vlmrl.models.processing import append_tokens, select_rows
 
     model, processor = moe
     routing = find_routing(model)

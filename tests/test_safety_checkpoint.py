@@ -19,12 +19,12 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from vlmrl import checkpoint as ckpt
-from vlmrl.checkpoint import CheckpointError, load_training_state, restore_rng, save_checkpoint
+import vlmrl.checkpoints.files as ckpt
+from vlmrl.checkpoints.files import CheckpointError, load_training_state, restore_rng, save_checkpoint
 from vlmrl.config import ConfigError, load_config
-from vlmrl.export import export_checkpoint
-from vlmrl.run_checkpoint import consolidated_model_state, load_sharded_state
-from vlmrl.tasks import make_count_task
+from vlmrl.run.export import export_checkpoint
+from vlmrl.checkpoints.state import consolidated_model_state, load_sharded_state
+from vlmrl.data.tasks import make_count_task
 from vlmrl.train import train
 
 SRC_ENV = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1] / "src")}
@@ -150,7 +150,7 @@ def test_sharded_payload_is_refused_on_every_process_of_a_two_process_resume(tmp
 def test_sharded_storage_path_outside_the_folder_is_refused(tmp_path):
     model, _ = linear_run()
     folder = dcp_folder(tmp_path / "s", {"model": get_model_state_dict(model)})
-    from vlmrl.safe_load import MetadataUnpickler
+    from vlmrl.checkpoints.safe_load import MetadataUnpickler
 
     metadata = MetadataUnpickler(open(folder / ".metadata", "rb")).load()
     for info in metadata.storage_data.values():
@@ -304,7 +304,9 @@ def test_resume_refuses_a_yaml_payload_in_config(fresh_run, tmp_path, tiny_qwen2
 
 
 # ---------------------------------------------------------------- one run per output_dir
-HOLD_LOCK = "import sys; from vlmrl.rundir import RunLock; lock = RunLock(sys.argv[1]); lock.acquire(); print('locked', flush=True); sys.stdin.read()"
+HOLD_LOCK = (
+    "import sys; from vlmrl.run.rundir import RunLock; lock = RunLock(sys.argv[1]); lock.acquire(); print('locked', flush=True); sys.stdin.read()"
+)
 
 
 def hold_lock_in_child(folder):
@@ -315,7 +317,7 @@ def hold_lock_in_child(folder):
 
 
 def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
-    from vlmrl.rundir import LOCK_FILE, RunLock, RunLockError
+    from vlmrl.run.rundir import LOCK_FILE, RunLock, RunLockError
 
     out = tmp_path / "out"
     child = hold_lock_in_child(out)
@@ -341,7 +343,7 @@ def test_second_run_is_refused_then_a_dead_holders_lock_is_taken_over(tmp_path):
 def test_lock_without_flock_falls_back_to_the_pid_check(tmp_path, monkeypatch):
     import fcntl
 
-    from vlmrl.rundir import LOCK_FILE, RunLock, RunLockError
+    from vlmrl.run.rundir import LOCK_FILE, RunLock, RunLockError
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -394,7 +396,7 @@ def steps_of(path):
 
 def test_rerun_steps_are_logged_once_and_a_finished_run_says_so(fresh_run, tiny_qwen25vl, data):
 
-    from vlmrl.rundir import COMPLETE_FILE, RunAlreadyComplete
+    from vlmrl.run.rundir import COMPLETE_FILE, RunAlreadyComplete
 
     cfg = load_config(None, overrides(tiny_qwen25vl, data, fresh_run))
     train(cfg)  # resumes from checkpoint-1, runs step 2
@@ -500,7 +502,7 @@ def test_real_full_and_read_only_file_system(small_fs):
 
     from safetensors.torch import save_file
 
-    from vlmrl.checkpoint import save_folder_atomically
+    from vlmrl.checkpoints.files import save_folder_atomically
 
     torch.manual_seed(0)
     small = torch.nn.Linear(64, 64)
@@ -532,15 +534,15 @@ def test_real_full_and_read_only_file_system(small_fs):
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_final_model_save_error_follows_on_save_error(fresh_run, tiny_qwen25vl, data, monkeypatch, policy):
 
-    import vlmrl.models
+    import vlmrl.models.loading
 
-    real = vlmrl.models.save_model
+    real = vlmrl.models.loading.save_model
 
     def full_disk(model, processor, folder, *args, **kwargs):
         real(model, processor, folder, *args, **kwargs)  # written, then the disk fills up
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(vlmrl.models, "save_model", full_disk)
+    monkeypatch.setattr(vlmrl.models.loading, "save_model", full_disk)
     cfg = load_config(None, overrides(tiny_qwen25vl, data, fresh_run, f"training.on_save_error={policy}"))
     lines = []
     if policy == "stop":
@@ -557,7 +559,7 @@ def test_storage_error_classification_covers_sharded_writes():
     """DCP's save raises a CheckpointException (a BaseException) holding each rank's (exception, traceback)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from vlmrl.checkpoint import is_storage_error
+    from vlmrl.checkpoints.files import is_storage_error
 
     full = CheckpointException("write_data", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
     bug = CheckpointException("write_data", {0: (KeyError("model.x"), None)})

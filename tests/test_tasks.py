@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 from PIL import Image
 
-from vlmrl.data import load_dataset_split
-from vlmrl.rewards import accuracy, iou, parse_box
-from vlmrl.tasks import BACKGROUNDS, PALETTE, TASKS, make_count_task, make_ground_task
+from vlmrl.data.rows import load_dataset_split
+from vlmrl.rewards.functions import accuracy, iou, parse_box
+from vlmrl.data.tasks import BACKGROUNDS, PALETTE, TASKS, make_count_task, make_ground_task
 
 
 def _digest(folder):

@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 from test_logprobs import completions, model_cfg
 
-from vlmrl.logprobs import completion_logps, grouped_family
-from vlmrl.models import load_model
-from vlmrl.prefix import prefix_supported
-from vlmrl.processing import build_prompt, encode_prompts, load_processor, select_rows
+from vlmrl.models.logprobs import completion_logps, grouped_family
+from vlmrl.models.loading import load_model
+from vlmrl.models.prefix import prefix_supported
+from vlmrl.models.processing import build_prompt, encode_prompts, load_processor, select_rows
 
 # (width, height) of one image per prompt: square, wide, tall, tiny — different anyres grids and unpadding.
 SIZES = [(56, 56), (80, 30), (25, 70), (12, 12), (120, 80)]
@@ -87,9 +87,9 @@ def test_grouped_and_shared_prefix_equal_naive_on_mixed_tiles(tiled):
     with the shared prefix equals HF generate token for token."""
     from test_logprobs import LENGTHS, assert_grads_close, loss_and_grads
 
-    from vlmrl.logprobs import completion_logps_grouped, vision_encode_counter
-    from vlmrl.prefix import completion_logps_prefix
-    from vlmrl.rollout import generate
+    from vlmrl.models.logprobs import completion_logps_grouped, vision_encode_counter
+    from vlmrl.models.prefix import completion_logps_prefix
+    from vlmrl.models.rollout import generate
 
     model, processor = tiled
     assert grouped_family(model) is not None

@@ -8,8 +8,8 @@ import types
 import pytest
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.preflight import check_trackers
-from vlmrl.tracking import RunLogger, TrackerError, resolve_report_to, tracker_options
+from vlmrl.run.preflight import check_trackers
+from vlmrl.run.tracking import RunLogger, TrackerError, resolve_report_to, tracker_options
 
 
 class Calls(list):
@@ -68,7 +68,7 @@ def test_resolve_report_to():
 
 def test_missing_package_is_one_line_before_loading(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails, as when it is not installed
-    monkeypatch.setattr("vlmrl.tracking._installed", lambda package: package != "wandb")
+    monkeypatch.setattr("vlmrl.run.tracking._installed", lambda package: package != "wandb")
     with pytest.raises(ConfigError, match=r"^logging.report_to includes wandb but the wandb package is not installed: pip install wandb"):
         check_trackers(load_config(None, ["logging.report_to=[tensorboard, wandb]"]))
     assert resolve_report_to("all") == ["tensorboard", "mlflow"]
@@ -132,7 +132,7 @@ def test_non_main_process_starts_no_tracker(fake_wandb, tmp_path):
 
 def test_sft_reports_to_wandb(fake_wandb, tiny_qwen25vl, tmp_path):
     from vlmrl.sft import sft
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
 
     data = make_count_task(tmp_path / "d", n_train=4, n_test=2, seed=0, image_size=56)
     sft(
@@ -171,7 +171,7 @@ def test_closed_on_error_closes_only_when_the_block_raises(fake_wandb, tmp_path)
 
 
 def test_grpo_final_evaluation_reaches_the_tracker_before_it_finishes(fake_wandb, tiny_qwen25vl, tmp_path):
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
     from vlmrl.train import train
 
     data = make_count_task(tmp_path / "d", n_train=4, n_test=2, seed=0, image_size=56)

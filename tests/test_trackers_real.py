@@ -11,7 +11,7 @@ import time
 import pytest
 
 from vlmrl.config import load_config
-from vlmrl.tracking import RunLogger, TrackerError, _flat_config, mlflow_key, tracker_options
+from vlmrl.run.tracking import RunLogger, TrackerError, _flat_config, mlflow_key, tracker_options
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (pip install wandb)")
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed (pip install mlflow)")
@@ -208,7 +208,7 @@ def test_mlflow_key():
 @needs_wandb
 @needs_mlflow
 def test_grpo_run_reports_to_wandb_and_mlflow(wandb_offline, mlflow_store, tiny_qwen25vl, tmp_path):
-    from vlmrl.tasks import make_count_task
+    from vlmrl.data.tasks import make_count_task
     from vlmrl.train import train
 
     data = make_count_task(tmp_path / "d", n_train=4, n_test=2, seed=0, image_size=56)

@@ -6,9 +6,9 @@ import math
 import pytest
 from PIL import Image
 
-from vlmrl.memory import memory_stats, phase_memory, reset_peaks
-from vlmrl.report import make_report, summary_table
-from vlmrl.tracking import RunLogger, read_jsonl
+from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
+from vlmrl.run.report import make_report, summary_table
+from vlmrl.run.tracking import RunLogger, read_jsonl
 
 
 def _strict_lines(path):
@@ -136,7 +136,7 @@ def test_summary_table():
 
 
 def test_partial_last_line_from_a_killed_writer_is_cut(tmp_path):
-    from vlmrl.tracking import RunLogger, read_jsonl
+    from vlmrl.run.tracking import RunLogger, read_jsonl
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
     logger = RunLogger(tmp_path, total_steps=3, initial_step=1, tensorboard=False, progress=False)

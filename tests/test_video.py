@@ -10,14 +10,14 @@ import torch
 from test_logprobs import LENGTHS, LOOSE_GRADS, assert_grads_close, completions, images, loss_and_grads, model_cfg
 from video_files import write_frames, write_mp4
 
-from vlmrl.data import DataError, ImageCache, validate_rows
-from vlmrl.logprobs import completion_logps
-from vlmrl.models import load_model, unwrap
-from vlmrl.prefix import completion_logps_prefix
-from vlmrl.processing import build_prompt, encode_prompts, load_processor, select_rows
-from vlmrl.rollout import generate
-from vlmrl.data import load_video
-from vlmrl.video import qwen_video_patches, sample_indices, video_header
+from vlmrl.data.rows import DataError, ImageCache, validate_rows
+from vlmrl.models.logprobs import completion_logps
+from vlmrl.models.loading import load_model, unwrap
+from vlmrl.models.prefix import completion_logps_prefix
+from vlmrl.models.processing import build_prompt, encode_prompts, load_processor, select_rows
+from vlmrl.models.rollout import generate
+from vlmrl.data.rows import load_video
+from vlmrl.data.video import qwen_video_patches, sample_indices, video_header
 
 
 @pytest.mark.unit
@@ -286,7 +286,7 @@ def test_run_on_video_rows_plans_from_the_data(tiny_qwen25vl, tmp_path):
     """The run's planner line before loading the data assumes one image per prompt; once the rows show videos, the
     prediction is made again with one data.max_frames-frame video per prompt (more vision tokens: a larger peak)."""
     from vlmrl.config import load_config
-    from vlmrl.planner import data_shape_of
+    from vlmrl.plan.planner import data_shape_of
     from vlmrl.train import train
 
     data = _video_task(tmp_path)
@@ -300,7 +300,7 @@ def test_run_on_video_rows_plans_from_the_data(tiny_qwen25vl, tmp_path):
     train(cfg, log=lines.append)
     predicted = [x for x in lines if x.startswith("planner: ")]
     assert len(predicted) >= 2 and "from the data (0 images per prompt, a 4-frame video)" in predicted[1], predicted
-    from vlmrl.planner import plan_for_config
+    from vlmrl.plan.planner import plan_for_config
 
     video = plan_for_config(cfg, images_per_prompt=0, video_frames=4).workload
     assert video["video_frames"] == 4 and video["prompt_tokens"] != plan_for_config(cfg).workload["prompt_tokens"]

@@ -10,7 +10,7 @@ import textwrap
 import traceback
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from vlmrl.config import ConfigError, load_config
 
 DEBUG_ENV = "VLMRL_DEBUG"
 CONFIG_HELP = (
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--output-dir", default="outputs/demo")
     d.add_argument("--quick", action="store_true", help="A few steps only (smoke test).")
     sub.add_parser("config", help="Print the config reference (markdown) generated from the field docs.")
-    from .tiny_families import add_tiny_arguments
+    from vlmrl.fixtures.tiny_families import add_tiny_arguments
 
     add_tiny_arguments(sub)
     ex = sub.add_parser(
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "model.name_or_path=<base model folder>; model.trust_remote_code / model.allow_hub_download are "
         "never taken from the checkpoint, only from here (with model.name_or_path)",
     )
-    from .plan_cli import add_arguments as add_plan_arguments
+    from vlmrl.plan.cli import add_arguments as add_plan_arguments
 
     pl = sub.add_parser(
         "plan",
@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_arguments(pl)
     ns = parser.parse_args(argv)
     if ns.command == "plan":
-        from .plan_cli import run_safely
+        from vlmrl.plan.cli import run_safely
 
         return run_safely(ns)
-    from .rundir import RunAlreadyComplete
+    from vlmrl.run.rundir import RunAlreadyComplete
 
     try:
         return _dispatch(ns)
@@ -136,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Failures the user fixes (config, data, model folder, rewards, checkpoints / resume, out of memory at size 1):
     they end the run with one message and exit code 2; anything else is a bug and keeps its traceback."""
-    from . import checkpoint
-    from .data import DataError
-    from .models import ModelLoadError
-    from .oom import OutOfMemoryGaveUp
-    from .rewards import RewardError
-    from .tracking import TrackerError
-    from .train import NonFiniteStop
+    import vlmrl.checkpoints.files as checkpoint
+    from vlmrl.data.rows import DataError
+    from vlmrl.models.loading import ModelLoadError
+    from vlmrl.engine.oom import OutOfMemoryGaveUp
+    from vlmrl.rewards.functions import RewardError
+    from vlmrl.run.tracking import TrackerError
+    from vlmrl.train import NonFiniteStop
 
     extra = tuple(getattr(checkpoint, name) for name in ("ResumeError",) if hasattr(checkpoint, name))
     return (ConfigError, DataError, ModelLoadError, RewardError, TrackerError, checkpoint.CheckpointError, OutOfMemoryGaveUp, NonFiniteStop, *extra)
@@ -158,21 +158,21 @@ def report_user_error(command: str, error: BaseException) -> int:
 
 def _dispatch(ns) -> int:
     if ns.command == "config":
-        from .config import reference_markdown
+        from vlmrl.config import reference_markdown
 
         print(reference_markdown())
         return 0
     if ns.command == "export":
-        from .export import export_checkpoint
+        from vlmrl.run.export import export_checkpoint
 
         export_checkpoint(ns.checkpoint, ns.out, overrides=ns.overrides)
         return 0
     if ns.command == "tiny":
-        from .tiny_families import run_tiny
+        from vlmrl.fixtures.tiny_families import run_tiny
 
         return run_tiny(ns)
     if ns.command == "demo":
-        from .demo import run_demo
+        from vlmrl.demo import run_demo
 
         run_demo(ns.output_dir, quick=ns.quick)
         return 0
@@ -180,29 +180,29 @@ def _dispatch(ns) -> int:
 
 
 def _run(command: str, cfg) -> int:
-    from .preflight import preflight
-    from .runtime import hf_progress_bars
+    from vlmrl.run.preflight import preflight
+    from vlmrl.models.policy import hf_progress_bars
 
     # Errors raised here are the user's (config, data, model folder, rewards): main() prints them in one line, exit 2.
     data = preflight(cfg, command, log=lambda line: print(line, file=sys.stderr))  # before any weights load
     if command == "check":
-        from .plan_check import finish_check
-        from .planner import data_shape_of
+        from vlmrl.run.verdict import finish_check
+        from vlmrl.plan.planner import data_shape_of
 
         shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames) if data is not None else {}
         return finish_check(cfg, log=lambda line: print(line, file=sys.stderr), data_shape=shape)  # output_dir, planner verdict
     with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":
-            from .train import train
+            from vlmrl.train import train
 
             metrics = train(cfg)
         elif command == "sft":
-            from .sft import sft
+            from vlmrl.sft import sft
 
             metrics = sft(cfg)
         else:
             metrics = run_eval(cfg)
-    from .runtime import env_world
+    from vlmrl.engine.device import env_world
 
     if env_world()[1] == 0:  # one line of results, from the main process only
         print(json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}, indent=1))
@@ -210,8 +210,11 @@ def _run(command: str, cfg) -> int:
 
 
 def run_eval(cfg) -> dict:
-    from .evaluate import evaluate
-    from .runtime import load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
+    from vlmrl.evaluate import evaluate
+    from vlmrl.run.datasets import load_datasets
+    from vlmrl.models.policy import load_policy
+    from vlmrl.rewards.scoring import load_reward_funcs
+    from vlmrl.engine.device import resolve_device, seed_everything
 
     device = resolve_device(cfg.training.device)
     seed_everything(cfg.training.seed)
@@ -220,9 +223,9 @@ def run_eval(cfg) -> dict:
     if not data.eval:
         raise ConfigError("data.eval_path is empty and no built-in task test split is configured; set data.eval_path")
     funcs, _ = load_reward_funcs(cfg)
-    from .preflight import eval_data_name
+    from vlmrl.run.preflight import eval_data_name
 
-    from .model_defaults import describe
+    from vlmrl.defaults import describe
 
     print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows; {describe(cfg)}", file=sys.stderr)
     metrics = evaluate(model, processor, data.eval, cfg, funcs, device)

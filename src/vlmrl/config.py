@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
-from .model_defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
+from vlmrl.defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -174,7 +174,7 @@ class AlgorithmConfig:
     kl_estimator: Optional[str] = _f(
         None,
         "Per-token KL estimator added with weight beta: {choices}; default k3, or k3_ratio when use_bias_correction_kl.",
-        choices="losses:KL_ESTIMATORS",
+        choices="algo.losses:KL_ESTIMATORS",
     )
     use_bias_correction_kl: Optional[bool] = _f(
         None, "TRL's name: true = kl_estimator k3_ratio (k3 times the importance ratio, TRL 1.16's default), false = k3; see kl_estimator."
@@ -195,18 +195,20 @@ class AlgorithmConfig:
     scale_rewards: Literal["group", "batch", "none"] = _f(
         "group", "TRL's name for the advantage scaling: divide by the group std, the batch std, or nothing (Dr.GRPO); see advantage_estimator."
     )
-    advantage_estimator: Optional[str] = _f(None, "Advantages: {choices}; default follows scale_rewards.", choices="advantages:ADVANTAGE_ESTIMATORS")
-    policy_loss: str = _f("ppo_clip", "Per-token policy loss: {choices}.", choices="losses:POLICY_LOSSES")
+    advantage_estimator: Optional[str] = _f(
+        None, "Advantages: {choices}; default follows scale_rewards.", choices="algo.advantages:ADVANTAGE_ESTIMATORS"
+    )
+    policy_loss: str = _f("ppo_clip", "Per-token policy loss: {choices}.", choices="algo.losses:POLICY_LOSSES")
     loss_aggregation: Optional[str] = _f(
         None,
         "How token losses become the step's loss: {choices}; default follows loss_type (cispo: always token_mean).",
-        choices="losses:AGGREGATIONS",
+        choices="algo.losses:AGGREGATIONS",
     )
     rollout_correction: str = _f(
         "none",
         "Importance-sampling correction for the rollout-training mismatch (trainer / sampler probability per token, "
-        "mismatch.py): none, {choices}; scores old log-probs every step.",
-        choices="mismatch:ROLLOUT_CORRECTIONS",
+        "algo/mismatch.py): none, {choices}; scores old log-probs every step.",
+        choices="algo.mismatch:ROLLOUT_CORRECTIONS",
     )
     rollout_correction_min: Optional[float] = _f(
         None, "rollout_correction: lower bound of the ratio (truncate: clamp; mask: drop below); null = none."
@@ -403,7 +405,7 @@ class Config:
     @property
     def advantage_estimator(self) -> str:
         """algorithm.advantage_estimator, or the one TRL's scale_rewards names."""
-        from .advantages import SCALE_REWARDS_ESTIMATOR
+        from vlmrl.algo.advantages import SCALE_REWARDS_ESTIMATOR
 
         return self.algorithm.advantage_estimator or SCALE_REWARDS_ESTIMATOR[self.algorithm.scale_rewards]
 
@@ -411,7 +413,7 @@ class Config:
     def loss_aggregation(self) -> str:
         """The one the policy loss fixes (cispo: token_mean), else algorithm.loss_aggregation, else the one TRL's
         loss_type names."""
-        from .losses import LOSS_TYPE_AGGREGATION, POLICY_LOSS_AGGREGATION
+        from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION, POLICY_LOSS_AGGREGATION
 
         a = self.algorithm
         fixed = POLICY_LOSS_AGGREGATION.get(a.policy_loss)
@@ -422,7 +424,7 @@ class Config:
     @property
     def kl_estimator(self) -> str:
         """algorithm.kl_estimator (aliases resolved), or the one TRL's use_bias_correction_kl names (default k3)."""
-        from .losses import kl_estimator_name
+        from vlmrl.algo.losses import kl_estimator_name
 
         return kl_estimator_name(self.algorithm)
 
@@ -603,7 +605,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         key, value = parse_override(text)
         _merge_key(tree, key, value, f"override {text!r}")
-    from .model_defaults import apply_model_defaults
+    from vlmrl.defaults import apply_model_defaults
 
     apply_preset(tree)  # algorithm.preset: TRL's defaults for the fields left unset
     filled = apply_model_defaults(tree)  # model.defaults resolved once, here: unset fields of the embedded model
@@ -727,8 +729,8 @@ def validate(cfg: Config) -> None:
 
 def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     """Algorithm names checked against the dicts of functions that implement them (imported here only: torch)."""
-    from .advantages import ADVANTAGE_ESTIMATORS
-    from .losses import AGGREGATIONS, KL_ALIASES, KL_ESTIMATORS, POLICY_LOSS_AGGREGATION, POLICY_LOSSES, epsilon_high
+    from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS
+    from vlmrl.algo.losses import AGGREGATIONS, KL_ALIASES, KL_ESTIMATORS, POLICY_LOSS_AGGREGATION, POLICY_LOSSES, epsilon_high
 
     problems = []
     for name, value, table in (
@@ -767,7 +769,7 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
         problems.append(f"algorithm.delta={a.delta} must be > 1 + epsilon_high = {1 + epsilon_high(a)} (or null to turn two-sided clipping off)")
     if a.delta is not None and a.policy_loss != "ppo_clip":
         problems.append(f"algorithm.delta applies to policy_loss=ppo_clip only, not {a.policy_loss}; set delta to null")
-    from .mismatch import ROLLOUT_CORRECTIONS
+    from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS
 
     if a.rollout_correction != "none" and a.rollout_correction not in ROLLOUT_CORRECTIONS:
         close = difflib.get_close_matches(a.rollout_correction, list(ROLLOUT_CORRECTIONS), n=1, cutoff=0.5)
@@ -781,11 +783,26 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     return problems
 
 
-def _report_to_problem(report_to: list[str] | str) -> str | None:
-    from .tracking import resolve_report_to
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
 
+
+def report_to_names(report_to: list[str] | str) -> list[str]:
+    """logging.report_to as a list of names, each one of REPORT_TO_CHOICES; ValueError names the field and the fix."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], REPORT_TO_CHOICES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"logging.report_to: unknown tracker {unknown[0]!r}{hint} (choose from {', '.join(REPORT_TO_CHOICES)})")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"logging.report_to={names}: 'none' cannot be combined with trackers")
+    return names
+
+
+def _report_to_problem(report_to: list[str] | str) -> str | None:
     try:
-        resolve_report_to(report_to)
+        report_to_names(report_to)
     except ValueError as e:
         return str(e)
     return None
@@ -799,7 +816,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def save_config(cfg: Config, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from .model_defaults import config_header
+    from vlmrl.defaults import config_header
 
     path.write_text(config_header(cfg) + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return path

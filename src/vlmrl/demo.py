@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from .config import load_config
+from vlmrl.config import load_config
 
 # The demo's settings, as overrides of the default config.
 COMMON = [
@@ -56,10 +56,10 @@ QUICK = ["sft.projector_steps=2", "sft.steps=2", "training.max_steps=2", "data.t
 
 
 def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
-    from .report import summary_table
-    from .sft import sft
-    from .tiny import default_model_path
-    from .train import train
+    from vlmrl.run.report import summary_table
+    from vlmrl.sft import sft
+    from vlmrl.fixtures.tiny import default_model_path
+    from vlmrl.train import train
 
     out = Path(output_dir)
     extra = QUICK if quick else []

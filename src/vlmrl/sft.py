@@ -8,12 +8,15 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, save_config
-from .data import sft_target
-from .losses import masked_mean
-from .planner import measured_vs_predicted, predict_for_sft
-from .rundir import guard_sft_folder
-from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, seed_everything
+from vlmrl.config import Config, save_config
+from vlmrl.data.rows import sft_target
+from vlmrl.algo.losses import masked_mean
+from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
+from vlmrl.run.rundir import guard_sft_folder
+from vlmrl.run.datasets import encode_rows, load_datasets
+from vlmrl.models.policy import load_policy
+from vlmrl.rewards.scoring import load_reward_funcs
+from vlmrl.engine.device import resolve_device, seed_everything
 
 
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +40,7 @@ def longest_target(tokenizer, rows, sample: int = 512) -> int:
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
     """stage 'projector': only the projector; 'language': language model + projector (+ vision tower)."""
-    from .models import language_model, output_head, projector, vision_tower
+    from vlmrl.models.loading import language_model, output_head, projector, vision_tower
 
     model.requires_grad_(False)
     projector(model).requires_grad_(True)
@@ -51,14 +54,14 @@ def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
 @guard_sft_folder  # output_dir rules: lock, a complete run reported complete, overwrite_output_dir (rundir.py)
 def sft(cfg: Config, log=print) -> dict:
     """Run the configured SFT stages; saves output_dir/final and returns the last metrics."""
-    from .data import PromptSampler
-    from .models import save_model
-    from .optim import clip_and_step, make_optimizer
-    from .prefix import LogprobOptions, completion_logps_for
-    from .router import capture_routing, micro_batch_aux_loss, routing_for
-    from .tracking import RunLogger, tracker_options
-    from .distributed import DistributedError
-    from .runtime import env_world
+    from vlmrl.data.rows import PromptSampler
+    from vlmrl.models.loading import save_model
+    from vlmrl.engine.optim import clip_and_step, make_optimizer
+    from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+    from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
+    from vlmrl.run.tracking import RunLogger, tracker_options
+    from vlmrl.engine.distributed import DistributedError
+    from vlmrl.engine.device import env_world
 
     if env_world()[0] > 1:
         raise DistributedError(
@@ -123,7 +126,7 @@ def sft(cfg: Config, log=print) -> dict:
             logger.log(step, final)
             if data.eval and cfg.training.eval_steps and step % cfg.training.eval_steps == 0 and step < total:
                 evaluate_and_log(logger, step, model, processor, data.eval, cfg, reward_funcs, device)
-    from .checkpoint import save_folder_atomically
+    from vlmrl.checkpoints.files import save_folder_atomically
 
     # Before the last evaluation (its failure must not lose the training); under a temporary name, then renamed: a
     # full disk leaves no half folder, and is one line (CheckpointSaveError).
@@ -136,11 +139,11 @@ def sft(cfg: Config, log=print) -> dict:
             final["eval/failed"] = 1.0
     logger.close()
     if cfg.logging.report:  # the same report.png as GRPO runs (loss, eval, memory, step time)
-        from .report import make_report
+        from vlmrl.run.report import make_report
 
         make_report(out, title=f"SFT: {out.name} ({cfg.model.name_or_path})")
     if cfg.logging.progress_bar:
-        from .report import summary_table
+        from vlmrl.run.report import summary_table
 
         shown = {k: v for k, v in final.items() if k in SFT_SUMMARY_KEYS or k.startswith("eval/")}
         summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"SFT finished: {out}")
@@ -153,7 +156,7 @@ SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_rese
 def evaluate_and_log(logger, step: int, model, processor, rows, cfg: Config, reward_funcs: dict, device, log=print) -> dict:
     """Greedy evaluation logged to eval.jsonl, with the first logging.log_completions answers (prompt, greedy answer,
     target, rewards, correct) in samples.jsonl, as GRPO logs its completions."""
-    from .evaluate import evaluate
+    from vlmrl.evaluate import evaluate
 
     samples: list[dict] = []
     metrics = evaluate(model, processor, rows, cfg, reward_funcs, device, log, samples=samples)

@@ -20,23 +20,26 @@ from pathlib import Path
 
 import torch
 
-from .advantages import ADVANTAGE_ESTIMATORS, group_std
-from .batching import pack_by_tokens, split_by_rows
-from .config import Config
-from .logprobs import group_rows
-from .losses import aggregate, masked_mean, per_token_loss
-from .mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
-from .offload import OptimizerParking, parking_enabled
-from .optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
-from .planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
-from .prefix import LogprobOptions, completion_logps_for
-from .rewards import RewardLog, reward_stats
-from .router import capture_routing, micro_batch_aux_loss, routing_for
-from .rollout import Completions, generate
-from .run_checkpoint import restore, restore_after_wrap, save, save_final
-from .rundir import guard_run_folder, prepare_run
-from .runtime import encode_rows, load_datasets, load_policy, load_reward_funcs, resolve_device, score_rollout, seed_everything
-from .signals import warn_if_no_learning_signal
+from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_std
+from vlmrl.algo.batching import pack_by_tokens, split_by_rows
+from vlmrl.config import Config
+from vlmrl.models.logprobs import group_rows
+from vlmrl.algo.losses import aggregate, masked_mean, per_token_loss
+from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
+from vlmrl.engine.offload import OptimizerParking, parking_enabled
+from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
+from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
+from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+from vlmrl.rewards.functions import RewardLog, reward_stats
+from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
+from vlmrl.models.rollout import Completions, generate
+from vlmrl.checkpoints.state import restore, restore_after_wrap, save, save_final
+from vlmrl.run.rundir import guard_run_folder, prepare_run
+from vlmrl.run.datasets import encode_rows, load_datasets
+from vlmrl.models.policy import load_policy
+from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
+from vlmrl.engine.device import resolve_device, seed_everything
+from vlmrl.run.signals import warn_if_no_learning_signal
 
 
 class EvaluationFailed(RuntimeError):
@@ -179,8 +182,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
     a preemption after that step (tests and benchmarks use it).
     """
-    from .checkpoint import GracefulStop
-    from .memory import reset_peaks
+    from vlmrl.checkpoints.files import GracefulStop
+    from vlmrl.engine.memory import reset_peaks
 
     run = start_run(cfg, log)
     final: dict = {}
@@ -222,7 +225,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 @contextlib.contextmanager
 def phase(name: str, into: dict):
     """Time and memory of one phase: time/<name> and mem/<name>/* in `into`."""
-    from .memory import phase_memory
+    from vlmrl.engine.memory import phase_memory
 
     start = time.perf_counter()
     with phase_memory(name, into):
@@ -233,10 +236,10 @@ def phase(name: str, into: dict):
 # ---------------------------------------------------------------- set-up and end
 def start_run(cfg: Config, log) -> Run:
     """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
-    from .data import PromptSampler
-    from .distributed import Distributed
-    from .rollout import eos_token_ids
-    from .tracking import RunLogger, tracker_options
+    from vlmrl.data.rows import PromptSampler
+    from vlmrl.engine.distributed import Distributed
+    from vlmrl.models.rollout import eos_token_ids
+    from vlmrl.run.tracking import RunLogger, tracker_options
 
     out = Path(cfg.training.output_dir)
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
@@ -324,7 +327,7 @@ def finish_run(run: Run, final: dict) -> dict:
     if run.state["step"] != cfg.training.max_steps:
         return final  # stopped early (signal / stop_after): the checkpoint resumes it
     if cfg.training.save_final_model:
-        from .models import save_model
+        from vlmrl.models.loading import save_model
 
         save_final(run.model, run.processor, run.out / "final", dist, save_model, cfg, run.log)
     try:
@@ -339,11 +342,11 @@ def finish_run(run: Run, final: dict) -> dict:
     if not dist.is_main:
         return final
     if cfg.logging.report:
-        from .report import make_report
+        from vlmrl.run.report import make_report
 
         make_report(run.out, title=f"GRPO: {run.out.name} ({cfg.model.name_or_path})")
     if cfg.logging.progress_bar:
-        from .report import summary_table
+        from vlmrl.run.report import summary_table
 
         shown = {k: v for k, v in final.items() if k in SUMMARY_KEYS or k.startswith("eval/")}
         summary_table({k: f"{v:.4g}" for k, v in shown.items()}, title=f"GRPO finished: {run.out}")
@@ -357,8 +360,8 @@ SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", 
 def rollout(run: Run, step: int) -> Rollout:
     """G completions for each of this process's prompts. Every process draws the whole step's prompts (same
     sampler state everywhere) and keeps its shard. OOM -> fewer prompts per generate call, the same samples."""
-    from .oom import retry_on_oom
-    from .processing import decode
+    from vlmrl.engine.oom import retry_on_oom
+    from vlmrl.models.processing import decode
 
     cfg = run.cfg
     batch_indices = run.sampler.next_batch(cfg.prompts_per_step)
@@ -385,10 +388,10 @@ def rollout(run: Run, step: int) -> Rollout:
 
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
     """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
-    from .collectives import prompt_seed
-    from .rollout import cat_completions, row_streams
-    from .oom import maybe_inject_oom
-    from .processing import select_rows
+    from vlmrl.engine.collectives import prompt_seed
+    from vlmrl.models.rollout import cat_completions, row_streams
+    from vlmrl.engine.oom import maybe_inject_oom
+    from vlmrl.models.processing import select_rows
 
     maybe_inject_oom("rollout", prompts_per_call)
     cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
@@ -510,7 +513,7 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
 def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor) -> torch.Tensor:
     """[P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
     frozen reference copy directly)."""
-    from .oom import maybe_inject_oom, retry_on_oom
+    from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 
     comp = samples.completions
     call = run.dist.call if scoring_model is run.model else (lambda fn, *args: fn(scoring_model, *args))
@@ -539,7 +542,7 @@ def micro_batches(run: Run, samples: Rollout, rows: list[int], size: int) -> lis
 
 
 def micro_batch(run: Run, samples: Rollout, loss_mask: torch.Tensor, idx: list[int]) -> MicroBatch:
-    from .processing import select_rows
+    from vlmrl.models.processing import select_rows
 
     comp = samples.completions
     width = max(1, int(comp.lengths[idx].max()))
@@ -559,7 +562,7 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
     gradient_accumulation_steps rows (with several processes, each its 1/W share: shard.rows_per_opt_step), cut
     into micro-batches of sizes.update rows or tokens (halved on OOM: the same step redone, partial gradients
     dropped). A step whose gradient norm is not finite changes nothing (optim.clip_and_step)."""
-    from .oom import retry_on_oom
+    from vlmrl.engine.oom import retry_on_oom
 
     cfg = run.cfg
     stats = UpdateStats(ratio_dev=[0.0] * cfg.algorithm.num_iterations, mismatch=dict(scores.mismatch))
@@ -629,7 +632,7 @@ def accumulate(
 ) -> StepGradients:
     """Forward/backward of one optimizer step's rows in micro-batches of `size`; gradients accumulate in the model.
     `norm`: the step's loss normaliser over every process (losses.Normaliser), so the gradient is the global batch's."""
-    from .oom import maybe_inject_oom
+    from vlmrl.engine.oom import maybe_inject_oom
 
     cfg, dist = run.cfg, run.dist
     a = cfg.algorithm
@@ -684,7 +687,7 @@ def stop_if_nonfinite(run: Run, step: int) -> None:
 # ---------------------------------------------------------------- 5. log, 6. evaluate, 7. save
 def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: UpdateStats, phases: dict) -> dict:
     """One metrics line (reduced over processes), the planner's prediction next to the measured peak, samples."""
-    from .memory import memory_stats
+    from vlmrl.engine.memory import memory_stats
 
     cfg, G = run.cfg, run.cfg.rollout.num_generations
     for why in stats.skipped:
@@ -754,7 +757,7 @@ def maybe_evaluate(run: Run, step: int) -> dict:
 def evaluate_run(run: Run) -> dict:
     """Greedy evaluation: the main process alone (one process, DDP), or every process through the engine
     when parameters are sharded (they all take part in the all-gathers). Every process gets the metrics."""
-    from .evaluate import evaluate
+    from vlmrl.evaluate import evaluate
 
     dist = run.dist
     if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
@@ -801,7 +804,7 @@ class _Reference:
     def __enter__(self):
         if self._copy is not None:
             return self._copy.to(self.device) if self.offload else self._copy
-        from .models import reference_disabled_adapter
+        from vlmrl.models.loading import reference_disabled_adapter
 
         self._ctx = reference_disabled_adapter(self.model)
         self._ctx.__enter__()
@@ -810,7 +813,7 @@ class _Reference:
     def __exit__(self, *exc):
         if self._copy is not None and self.offload:
             self._copy.to("cpu")
-            from .oom import free_memory
+            from vlmrl.engine.oom import free_memory
 
             free_memory()
         if self._ctx is not None:

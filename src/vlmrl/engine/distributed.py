@@ -1,0 +1,210 @@
+"""Many processes, one node or many: a thin layer over accelerate's `Accelerator` and torch.distributed.
+
+Launch with `accelerate launch [--config_file configs/accelerate/<engine>.yaml] -m vlmrl train ...` or
+`torchrun --nproc_per_node N -m vlmrl train ...` (docs/scaling_out.md). With one process none of this
+does anything: `Distributed.world_size == 1`, no Accelerator is built, and the loop runs exactly the
+single-process code (bit for bit).
+
+Two parts behind one object (`Distributed`, what the loop holds as `run.dist`): the processes and their
+collective operations (collectives.py: `Collectives`, inherited) and the engine (engines.py: one class per
+backend, `SingleProcessEngine`, `DDPEngine`, `FSDP2Engine`, `DeepSpeedEngine`, picked once by `engine_for`
+and reached as `dist.engine`). Neither the loop nor the checkpoint code branches on the engine's name.
+
+What the loop gets from here
+----------------------------
+- **The batch sizes in the config are global.** `prompts_per_step` prompts per step in total and
+  `per_device_train_batch_size x gradient_accumulation_steps` completions per optimizer step in total,
+  whatever the number of processes W; W only changes how that work is split (each process runs 1/W of
+  every optimizer step in micro-batches of at most per_device_train_batch_size rows). So a W-process run
+  computes what one process computes with the same config, and the LR schedule does not depend on W.
+- **Group-aware sharding** (`shard_prompts`): every process gets different whole prompts (all G
+  completions of a prompt live on one process) and each optimizer step's prompts are split evenly.
+- **Whole-group advantages**: `gather_rows` collects every process's rewards in global order, so the
+  advantages (and the logged reward statistics) are those of the whole batch.
+- **Loss normalisation** (`step_normaliser`): sequence and token counts of an optimizer step are summed
+  over processes, and the loss is multiplied by W before backward because DDP / FSDP / DeepSpeed average
+  gradients: the gradient equals the one-process gradient of the same global batch.
+- **Gradient sync once per optimizer step**: `no_sync` on every micro-batch but the last one; with OOM recovery
+  (memory.oom_recovery, the default) DDP runs every micro-batch under `no_sync` and averages the gradients
+  (`sync_gradients`, bit-identical to DDP's reducer) only after all processes agreed that none ran out of memory.
+- **Out of memory on some processes** (`oom_peers`, oom.py): each attempt is settled by one all-reduce, so every
+  process halves to the same size and redoes (one process, DDP); FSDP2 / DeepSpeed, whose forward and backward hold
+  collectives, stop every process with one message instead (abort.py: the rendezvous store, exit code 2).
+- **Metrics** (`reduce_metrics`): reduced across processes (sums for the loss, max for memory peaks and
+  times, mean otherwise) plus per-process memory peaks (`mem/<key>/rank<r>`); only the main process
+  writes files and shows the progress bar.
+- **RNG per process** (`gather_rng_states`, `restore_rng`): `rng_state_<rank>.pt` in every checkpoint.
+
+Engines (from the accelerate config / env): DDP (accelerate's default for several processes), FSDP2
+(`fully_shard` through accelerate's FSDP plugin, fsdp_version 2) and DeepSpeed (experimental: never run here,
+checkpoints and the final model refused). Every forward that needs
+the engine goes through `PolicyCall`, a root module that runs a function of the policy inside its own
+forward, so DDP's reducer and FSDP's unshard hooks see the shared-prefix and grouped log-prob paths.
+
+accelerate enables FSDP on GPUs only; when the launcher asks for FSDP2 on CPU (accelerate launch with
+configs/accelerate/fsdp2.yaml, or ACCELERATE_USE_FSDP=true FSDP_VERSION=2), vlmrl applies fully_shard itself
+(`shard_fsdp2`). FSDP2 checkpoints gather full states to the main process (`FSDP2Engine.full_state_dicts`), so they have
+the single-process layout; the optimizer state goes back into the shards after sharding.
+
+Tested on CPU/gloo (tests/test_distributed.py): DDP through torchrun, two nodes on loopback, FSDP2 training,
+checkpoint, resume (2 processes and 1) and export. Not run: accelerate's GPU FSDP2 preparation, DeepSpeed
+(no GPU, not installed). docs/scaling_out.md has the commands and the limits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from vlmrl.engine.collectives import (
+    PER_RANK_MEMORY,
+    Collectives,
+    DistributedError,
+    Shard,
+    merge_rows,
+    prompt_seed,
+    reduce_metric_dicts,
+    rows_of,
+    shard_prompts,
+)
+from vlmrl.engine.engines import (
+    ENGINES,
+    DDPEngine,
+    DeepSpeedEngine,
+    Engine,
+    FSDP2Engine,
+    PolicyCall,
+    SingleProcessEngine,
+    engine_for,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    shard_fsdp2,
+)
+from vlmrl.checkpoints.state import raw_optimizer
+from vlmrl.engine.device import env_world
+
+# Re-exported: the collectives, the engines and their helpers are imported from here by callers and tests.
+__all__ = [
+    "PER_RANK_MEMORY",
+    "Collectives",
+    "DistributedError",
+    "Shard",
+    "merge_rows",
+    "prompt_seed",
+    "reduce_metric_dicts",
+    "rows_of",
+    "shard_prompts",
+    "ENGINES",
+    "DDPEngine",
+    "DeepSpeedEngine",
+    "Engine",
+    "FSDP2Engine",
+    "PolicyCall",
+    "SingleProcessEngine",
+    "engine_for",
+    "optimizer_state_by_index",
+    "optimizer_state_by_name",
+    "shard_fsdp2",
+    "raw_optimizer",
+    "env_world",
+    "Distributed",
+]
+
+
+class Distributed(Collectives):
+    """This run's processes (the collectives, inherited) and its engine (`engine`: one class per backend, picked once
+    by `engine_for`). The loop's engine calls go through the one-line forwards below; nothing here asks which
+    engine runs."""
+
+    def __init__(self, accelerator=None):
+        super().__init__(accelerator)
+        self.engine: Engine = engine_for(self, accelerator)
+        if self.world_size > 1 and not self.engine.can_redo_oom:
+            from vlmrl.engine.abort import watch_for_abort
+
+            watch_for_abort(self.rank)  # another process's abort_everyone ends this one (oom_peers)
+
+    @classmethod
+    def from_env(cls, cpu: bool = False) -> "Distributed":
+        """One process -> no Accelerator at all. Several (WORLD_SIZE > 1) -> an Accelerator that joins the process
+        group the launcher set up (gloo on CPU, nccl on CUDA), with DDP kwargs the loop needs."""
+        world, _, _ = env_world()
+        if world == 1:
+            return cls(None)
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        # find_unused_parameters: frozen / adapter-disabled parts and text-only micro-batches leave some trainable
+        # parameters without a gradient. broadcast_buffers=False: ranks may run different numbers of forwards
+        # (token packing, OOM redo); buffers (rotary tables) are constants here anyway.
+        kwargs = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+        return cls(Accelerator(cpu=cpu, kwargs_handlers=[kwargs]))
+
+    # -- the engine's part, forwarded ----------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Parameters / optimizer states split across processes (FSDP2, DeepSpeed)."""
+        return self.engine.sharded
+
+    @property
+    def planner_sharding(self) -> str:
+        return self.engine.planner_sharding
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    def check_supported(self, save_steps: int, save_final_model: bool) -> None:
+        self.engine.check_supported(save_steps, save_final_model)
+
+    def prepare(self, model, optimizer, micro_batch_size: int = 1, oom_recovery: bool = False):
+        """The engine's wrap. Several processes with OOM recovery on an engine that can redo (DDP): gradients synced
+        after every process's accumulation (Engine.defer_gradient_sync), so that the processes can agree on an OOM first."""
+        self.engine.defer_gradient_sync = oom_recovery and self.world_size > 1 and self.engine.can_redo_oom
+        return self.engine.prepare(model, optimizer, micro_batch_size)
+
+    def sync_gradients(self) -> None:
+        self.engine.sync_gradients()
+
+    @property
+    def oom_peers(self):
+        """How an out-of-memory is settled with the other processes (oom.Peers): agreed by one all-reduce and redone
+        by all (one process, DDP), or every process stopped with one message (FSDP2, DeepSpeed)."""
+        from vlmrl.engine.oom import ALONE, OutOfMemoryAbort, Peers
+
+        if self.world_size == 1:
+            return ALONE
+        from vlmrl.engine.abort import abort_everyone
+
+        def abort(message: str):
+            abort_everyone(message, self.world_size, OutOfMemoryAbort)
+
+        def note(message: str) -> None:
+            print(f"[process {self.rank}] {message}", file=sys.stderr, flush=True)
+
+        return Peers(
+            who=self.ranks_where,
+            can_redo=self.engine.can_redo_oom,
+            abort=abort,
+            note=None if self.is_main else note,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def prepared_report(self) -> list[str]:
+        return self.engine.prepared_report()
+
+    def call(self, fn, *args, grad: bool = False, **kwargs):
+        return self.engine.call(fn, *args, grad=grad, **kwargs)
+
+    def no_sync(self, last: bool):
+        return self.engine.no_sync(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
+        return self.engine.optimizer_step(optimizer, scheduler, max_grad_norm)
+
+    def gathered_for_generation(self, mode: str = "full"):
+        return self.engine.gathered_for_generation(mode)

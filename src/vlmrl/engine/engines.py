@@ -1,0 +1,520 @@
+"""One class per engine: how the policy is wrapped, run, stepped and saved with one process, DDP, FSDP2 or DeepSpeed.
+
+Every engine has the same methods (`prepare`, `call`, `no_sync`, `backward`, `optimizer_step`,
+`gathered_for_generation`, `save_state`, `load_state`, `write_final`) and the loop and the checkpoint code never ask
+which engine runs: `engine_for` picks the class once, from the accelerate state the launcher set up.
+
+- `SingleProcessEngine`: nothing is wrapped; the loop runs the plain single-process code (bit for bit).
+- `DDPEngine`: accelerate's DDP around `PolicyCall(policy)`; every process holds the whole model and optimizer.
+- `FSDP2Engine`: `fully_shard` through accelerate's FSDP plugin (fsdp_version 2), or applied by vlmrl itself on CPU
+  (`shard_fsdp2`, accelerate enables FSDP on GPUs only). Checkpoints hold gathered full states (the single-process
+  layout) or, with `fsdp_state_dict_type: SHARDED_STATE_DICT`, torch.distributed.checkpoint shards.
+- `DeepSpeedEngine`: experimental, never run in this repository (no GPU, not installed); it refuses checkpoints and
+  the final model with a message that says so.
+
+Every forward that needs the engine goes through `PolicyCall`, a root module that runs a function of the policy
+inside its own forward, so DDP's reducer and FSDP's unshard hooks see the shared-prefix and grouped log-prob paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from vlmrl.engine.collectives import Collectives, DistributedError
+from vlmrl.checkpoints.state import raw_optimizer
+from vlmrl.checkpoints.state import CheckpointParts, FullState, load_sharded_state, move_sharded_state, save_trainable_weights
+
+ENGINES = ("single", "ddp", "fsdp2", "deepspeed")
+
+
+def fsdp2_asked_on_cpu(distributed_type: str) -> bool:
+    """The launcher asked for FSDP2 (accelerate config / env) but accelerate set up plain multi-CPU."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION", "1") == "2"
+    return asked and "multi_cpu" in distributed_type
+
+
+def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
+    """The engine the launcher set up: none (one process) -> single; accelerate's distributed type otherwise."""
+    if accelerator is None:
+        return SingleProcessEngine(collectives)
+    state = accelerator.state
+    dt = str(getattr(state, "distributed_type", "")).lower()
+    if "deepspeed" in dt:
+        return DeepSpeedEngine(collectives, accelerator)
+    if "fsdp" in dt:
+        plugin = getattr(state, "fsdp_plugin", None)
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
+            raise DistributedError(
+                "the accelerate config asks for FSDP version 1; vlmrl supports FSDP2 only: set fsdp_version: 2 (configs/accelerate/fsdp2.yaml)"
+            )
+        return FSDP2Engine(collectives, accelerator)
+    if fsdp2_asked_on_cpu(dt):
+        # accelerate enables FSDP on accelerators only (never for MULTI_CPU); torch's fully_shard works on CPU
+        # with gloo, so vlmrl applies it itself, the way accelerate's TRANSFORMER_BASED_WRAP would (prepare).
+        return FSDP2Engine(collectives, accelerator, by_hand=True)
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # accelerate enables FSDP / DeepSpeed only on accelerators (MULTI_GPU, ...), never for MULTI_CPU.
+        import warnings
+
+        warnings.warn(
+            f"the accelerate config asks for FSDP version 1 / DeepSpeed but accelerate set up {dt or 'no engine'} "
+            "(it enables them on GPUs only): this run uses DDP, every process holds the whole model",
+            stacklevel=3,
+        )
+    return DDPEngine(collectives, accelerator)
+
+
+# ---------------------------------------------------------------- the root module every engine wraps
+class PolicyCall(nn.Module):
+    """`PolicyCall(model)(fn, *args)` runs `fn(model, *args)` inside this module's forward.
+
+    The loop's forwards call submodules of the policy directly (shared-prefix prefill, then the text
+    model on the cache; the grouped vision path), which would bypass the hooks DDP and FSDP put on the
+    module they wrap. Wrapping this root instead makes every such call one forward of the wrapped module.
+    """
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        # accelerate's FSDP auto-wrap reads the transformer block classes from here.
+        from vlmrl.models.loading import unwrap
+
+        self._no_split_modules = getattr(unwrap(policy), "_no_split_modules", None)
+
+    def forward(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        return fn(self.policy, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- the engines
+class Engine:
+    """What every engine shares: the policy wrapped by accelerate in a `PolicyCall` root (`runner`), a backward
+    scaled by W, accelerate's global gradient norm, full states held by every process (DDP's layout)."""
+
+    name = "?"
+    sharded = False  # parameters / optimizer states split across processes
+    optimizer_loads_after_wrap = False  # the checkpoint's optimizer state goes in after prepare (load_state)
+    # Every micro-batch's backward under no_sync and the gradients averaged by `sync_gradients` only once every process
+    # has finished its accumulation (OOM agreement, oom.retry_on_oom): set by Distributed.prepare for DDP with OOM recovery.
+    defer_gradient_sync = False
+
+    @property
+    def can_redo_oom(self) -> bool:
+        """Whether one process's out-of-memory can be settled by every process redoing its piece (oom.Peers): only
+        when no forward or backward holds a collective (one process, DDP with deferred gradient sync)."""
+        return not self.sharded
+
+    def __init__(self, collectives: Collectives, accelerator=None):
+        self.collectives, self.accelerator = collectives, accelerator
+        self.model: nn.Module | None = None
+        self.runner: nn.Module | None = None
+
+    # -- identity ----------------------------------------------------------------------------------------
+    @property
+    def planner_sharding(self) -> str:
+        """This engine in the memory planner's terms (planner.Workload.sharding)."""
+        return "ddp"
+
+    def describe(self) -> str:
+        c = self.collectives
+        return f"{c.world_size} processes ({self.name}), rank {c.rank}, local rank {c.local_rank}"
+
+    def unsupported(self, what: str) -> DistributedError:
+        return DistributedError(
+            f"{what} is not supported yet with {self.name} ({self.collectives.world_size} processes); "
+            "see docs/scaling_out.md for what runs on which engine"
+        )
+
+    def check_supported(self, save_steps: int, save_final_model: bool) -> None:
+        """Refuse, before any model is loaded, what this engine cannot do."""
+
+    def prepared_report(self) -> list[str]:
+        """Lines worth logging once the model is wrapped."""
+        return []
+
+    def local_parameter_fraction(self) -> float:
+        """Share of the policy's parameter elements this process holds (1.0 unsharded, ~1/W under FSDP2)."""
+        params = list((self.model or nn.Module()).parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        return local / max(1, sum(p.numel() for p in params))
+
+    # -- prepare, forward, backward, step ------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
+        """Wrap the policy for the engine; returns the optimizer to step (prepared by accelerate)."""
+        self.model = model
+        self.runner, optimizer = self.accelerator.prepare(PolicyCall(model), optimizer)
+        return optimizer
+
+    def call(self, fn: Callable, *args: Any, grad: bool = False, **kwargs: Any) -> Any:
+        """`fn(policy, *args, **kwargs)` through the wrapped root, whose hooks gather sharded parameters."""
+        if self.runner is None:
+            return fn(self.model, *args, **kwargs)
+        return self.runner(fn, *args, **kwargs)
+
+    def no_sync(self, last: bool):
+        """Context for one micro-batch's backward: gradient sync only on the last micro-batch of an optimizer step
+        (never, with defer_gradient_sync: `sync_gradients` does it after the OOM agreement)."""
+        if self.runner is None or (last and not self.defer_gradient_sync):
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.runner)
+
+    def sync_gradients(self) -> None:
+        """With defer_gradient_sync: the locally accumulated gradients averaged over processes, as DDP's reducer would
+        (collectives.average_gradients). Otherwise nothing: the engine synced them in the last backward."""
+        if self.defer_gradient_sync and self.runner is not None:
+            from vlmrl.engine.collectives import average_gradients
+
+            average_gradients([p for p in self.runner.parameters() if p.requires_grad], self.collectives.world_size)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The loss scaled by W first, because every engine averages gradients over processes while the loss already
+        carries the global normaliser."""
+        if self.runner is None:
+            loss.backward()
+            return
+        self.accelerator.backward(loss * self.collectives.world_size)
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> float:
+        """The global gradient norm over every process (DTensor gradients included), clipped to max_norm."""
+        if self.runner is None:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
+        """optim.clip_and_step with this engine's global norm: a non-finite norm skips the step on every process
+        alike (the norm is global)."""
+        from vlmrl.engine.optim import clip_and_step
+
+        model = self.runner if self.runner is not None else self.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        return clip_and_step(params, optimizer, scheduler, max_grad_norm, self.clip_grad_norm)
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self, mode: str = "full"):
+        """Parameters gathered for the rollout under a sharded engine (see FSDP2Engine); a no-op otherwise."""
+        yield
+
+    # -- state on disk ---------------------------------------------------------------------------------------
+    def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts | None:
+        """What checkpoint `step` in `out` holds when it is not this process's own model and optimizer (those are
+        what run_checkpoint.save writes when this returns None: one process, DDP). Every process calls it."""
+        return None
+
+    def load_state(self, path: Path, optimizer) -> None:
+        """What loads from checkpoint `path` after prepare: a SHARDED checkpoint's torch.distributed.checkpoint files
+        (weights and optimizer, re-sharded for any world size). Nothing otherwise (run_checkpoint.restore loaded it)."""
+        from vlmrl.checkpoints.files import SHARDED_DIR, is_sharded_checkpoint, is_weights_only
+
+        if is_sharded_checkpoint(path):
+            load_sharded_state(self.model, path / SHARDED_DIR, None if is_weights_only(path) else optimizer)
+
+    def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
+        """output_dir/final written by the main process from its own (full) model, atomically."""
+        from vlmrl.checkpoints.files import save_folder_atomically
+
+        if self.collectives.is_main:
+            save_folder_atomically(folder, lambda tmp: save_model(model, processor, tmp))
+
+
+class SingleProcessEngine(Engine):
+    """One process: nothing is wrapped, the policy is called directly, gradients are not synced."""
+
+    name = "single"
+
+    @property
+    def planner_sharding(self) -> str:
+        return "none"
+
+    def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
+        self.model = model
+        return optimizer
+
+
+class DDPEngine(Engine):
+    """accelerate's DDP around the PolicyCall root; every process holds the whole model and optimizer."""
+
+    name = "ddp"
+
+    def call(self, fn: Callable, *args: Any, grad: bool = False, **kwargs: Any) -> Any:
+        """Through the DDP wrapper when gradients are needed; no-grad calls skip it (no collective there)."""
+        if not grad:
+            return fn(self.model, *args, **kwargs)
+        return super().call(fn, *args, **kwargs)
+
+
+class FSDP2Engine(Engine):
+    """fully_shard by accelerate (GPU) or by vlmrl itself (`by_hand`, CPU); full states gathered for checkpoints."""
+
+    name = "fsdp2"
+    sharded = True
+    optimizer_loads_after_wrap = True  # its state must follow the sharded parameters
+
+    def __init__(self, collectives: Collectives, accelerator=None, by_hand: bool = False):
+        super().__init__(collectives, accelerator)
+        self.by_hand = by_hand
+
+    @property
+    def planner_sharding(self) -> str:
+        return "fsdp"
+
+    def prepared_report(self) -> list[str]:
+        how = "fully_shard applied by vlmrl (accelerate enables FSDP on GPUs only)" if self.by_hand else "accelerate"
+        return [f"FSDP2 via {how}: this process holds {100 * self.local_parameter_fraction():.1f}% of the parameters"]
+
+    def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
+        if not self.by_hand:
+            return super().prepare(model, optimizer, micro_batch_size)
+        self.model = model
+        self.runner = shard_fsdp2(PolicyCall(model), optimizer)
+        return optimizer
+
+    def no_sync(self, last: bool):
+        if self.by_hand and self.runner is not None:
+            self.runner.set_requires_gradient_sync(last)  # reduce-scatter only after the last micro-batch
+            return contextlib.nullcontext()
+        return super().no_sync(last)
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self, mode: str = "full"):
+        """full: all-gather every FSDP2 unit once, keep them for the whole rollout, release after (peak = the full
+        model per process, fast); layers: leave it to the per-module hooks, one layer gathered per forward and
+        released after it (peak = one layer; an all-gather per layer per generated token)."""
+        if self.runner is None or mode == "layers":
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.runner.modules() if isinstance(m, FSDPModule)]
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in units:
+                m.reshard()
+                m.set_reshard_after_forward(True, recurse=False)
+
+    # -- full and sharded states (checkpoints and the final model) ---------------------------------------------
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """`fsdp_state_dict_type: SHARDED_STATE_DICT` in the accelerate config (env FSDP_STATE_DICT_TYPE): checkpoints
+        as torch.distributed.checkpoint files, each process writing its own shards."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.accelerator is not None else None
+        kind = getattr(plugin, "state_dict_type", None) or os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+        return "SHARDED" in str(kind).upper()
+
+    def full_state_dicts(self, optimizer) -> tuple[dict | None, dict | None]:
+        """The whole model and optimizer states gathered to the main process's CPU, every process taking part; the
+        optimizer's in torch's own layout, so the checkpoint is the one a single process writes and any world size
+        resumes it. Other processes get (None, None)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optim_state = get_optimizer_state_dict(self.model, raw_optimizer(optimizer), options=options) if optimizer is not None else None
+        if not self.collectives.is_main:
+            return None, None
+        return model_state, optimizer_state_by_index(optim_state) if optim_state is not None else None
+
+    def save_sharded_state(self, folder, optimizer) -> None:
+        """Every process writes its shards of the model (and optimizer, when given) into `folder`
+        (torch.distributed.checkpoint: one file per process plus metadata); returns when all are done."""
+        import shutil
+
+        import torch.distributed as tdist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        if self.collectives.is_main:
+            shutil.rmtree(folder, ignore_errors=True)  # a stale folder of a killed save
+        self.collectives.barrier()
+        state = {"model": get_model_state_dict(self.model)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, raw_optimizer(optimizer))
+        dcp.save(state, checkpoint_id=str(folder), no_dist=not tdist.is_initialized())
+        self.collectives.barrier()
+
+    def load_full_optimizer_state(self, optimizer, state: dict | None) -> None:
+        """A saved full optimizer state (torch's layout; read by the main process only, None elsewhere) into the
+        sharded optimizer: the main process broadcasts it and every process keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        opt = raw_optimizer(optimizer)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        by_name = optimizer_state_by_name(state, [[names[id(p)] for p in g["params"]] for g in opt.param_groups]) if self.collectives.is_main else {}
+        set_optimizer_state_dict(self.model, opt, by_name, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts:
+        """SHARDED_STATE_DICT: every process writes its shards into a staging folder, which then moves into the
+        checkpoint (a storage error: CheckpointSaveError on every process, as DCP raises on every process). Otherwise
+        the full states gathered to the main process (every process takes part), in the single-process layout."""
+        import shutil
+
+        from vlmrl.checkpoints.files import CheckpointSaveError, is_storage_error
+
+        if self.sharded_checkpoints:
+            staging = out / f".tmp-sharded-{step}"
+            try:
+                self.save_sharded_state(staging, None if weights_only else optimizer)
+            except BaseException as e:  # DCP raises the same CheckpointException (a BaseException) on every process
+                if not is_storage_error(e):
+                    raise
+                if self.collectives.is_main:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointSaveError(
+                    f"could not write the sharded state of checkpoint {step} to {staging}: "
+                    f"{str(e).splitlines()[0]}; earlier checkpoints in {out} are intact"
+                ) from e
+            return CheckpointParts(
+                save_weights=lambda p: move_sharded_state(staging, p, model), optimizer=None, trainer_state={"state_format": "sharded"}
+            )
+        model_state, optim_state = self.full_state_dicts(None if weights_only else optimizer)
+        return CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p, model_state), optimizer=FullState(optim_state))
+
+    def load_state(self, path: Path, optimizer) -> None:
+        """A SHARDED checkpoint's files (Engine.load_state), or the full optimizer state (read by the main process)
+        scattered into the shards."""
+        from vlmrl.checkpoints.files import OPTIMIZER_FILE, is_sharded_checkpoint, is_weights_only, safe_torch_load
+
+        if is_sharded_checkpoint(path):
+            super().load_state(path, optimizer)
+        elif not is_weights_only(path):
+            self.load_full_optimizer_state(optimizer, safe_torch_load(path / OPTIMIZER_FILE) if self.collectives.is_main else None)
+
+    def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
+        """The weights gathered to the main process, which loads them into an unsharded CPU copy of the policy (LoRA
+        merged from there) and writes that."""
+        from vlmrl.checkpoints.files import save_folder_atomically
+        from vlmrl.models.policy import load_policy
+
+        state, _ = self.full_state_dicts(None)
+        if self.collectives.is_main:
+            plain, _ = load_policy(cfg, torch.device("cpu"))
+            plain.load_state_dict(state)
+            save_folder_atomically(folder, lambda tmp: save_model(plain, processor, tmp))
+
+
+class DeepSpeedEngine(Engine):
+    """Experimental: written against accelerate's DeepSpeed integration but never run here (no GPU, not installed);
+    checkpoints and the final model are refused."""
+
+    name = "deepspeed"
+    sharded = True
+
+    def _zero_stage(self) -> int:
+        plugin = self.accelerator.state.deepspeed_plugin
+        return plugin.zero_stage if plugin else 0
+
+    @property
+    def planner_sharding(self) -> str:
+        return {1: "zero1", 2: "zero2", 3: "zero3"}.get(self._zero_stage(), "ddp")
+
+    def check_supported(self, save_steps: int, save_final_model: bool) -> None:
+        if save_steps or save_final_model:
+            raise self.unsupported(
+                "writing checkpoints and the final model from DeepSpeed states (set training.save_steps=0 and "
+                "training.save_final_model=false, or use FSDP2 / DDP)"
+            )
+
+    def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+            # There is no dataloader for accelerate to read it from; DeepSpeed uses it for bookkeeping only.
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        return super().prepare(model, optimizer, micro_batch_size)
+
+    def no_sync(self, last: bool):
+        if self.runner is None:
+            return contextlib.nullcontext()
+        # DeepSpeed accumulates until accelerate tells it the boundary (accelerator.backward reads sync_gradients).
+        self.accelerator.gradient_state._set_sync_gradients(last)
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
+        """DeepSpeed clips inside its own step; a non-finite norm is not skipped here."""
+        from vlmrl.engine.optim import StepResult
+
+        params = [p for p in self.runner.parameters() if p.requires_grad]
+        norm = self.accelerator.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
+        optimizer.step()
+        norm = self.runner.get_global_grad_norm() if norm is None else norm
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(float(norm) if norm is not None else float("nan"), skipped=False)
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self, mode: str = "full"):
+        """ZeRO-3: every parameter gathered once for the whole rollout (mode full); ZeRO-1/2 hold them whole already."""
+        if self.runner is None or mode == "layers" or self._zero_stage() != 3:
+            yield
+            return
+        import deepspeed  # not run in this repository's tests (no GPU); see docs/scaling_out.md
+
+        with deepspeed.zero.GatheredParameters(list(self.runner.parameters()), modifier_rank=None):
+            yield
+
+    def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts:
+        raise self.unsupported("checkpoints of DeepSpeed engines")
+
+    def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
+        raise self.unsupported("saving the final model of DeepSpeed engines")
+
+
+# ---------------------------------------------------------------- FSDP2 sharding and optimizer-state layouts
+def shard_fsdp2(root: nn.Module, optimizer) -> nn.Module:
+    """fully_shard every transformer block (the model's _no_split_modules), then the root, as accelerate's FSDP2
+    TRANSFORMER_BASED_WRAP does; the optimizer is pointed at the sharded (DTensor) parameters. Its state is
+    loaded after this (FSDP2Engine.load_full_optimizer_state), so it must be empty here."""
+    from torch.distributed.fsdp import fully_shard
+
+    if optimizer.state:
+        raise DistributedError("internal: FSDP2 sharding needs an optimizer without state (it is restored after sharding)")
+    names = {id(p): n for n, p in root.named_parameters()}
+    blocks = set(getattr(root, "_no_split_modules", None) or ())
+    # fsdp_reshard_after_forward of the accelerate config (exported as FSDP_RESHARD_AFTER_FORWARD): false keeps
+    # each block gathered from forward to backward (ZeRO-2-like), true (default) frees it after the forward.
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip().lower() not in ("false", "0", "no")
+    for module in root.policy.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, reshard_after_forward=reshard)
+    fully_shard(root, reshard_after_forward=reshard)
+    params = dict(root.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [params[names[id(p)]] for p in group["params"]]
+    return root
+
+
+def optimizer_state_by_index(state: dict) -> dict:
+    """A parameter-name-keyed optimizer state dict (torch.distributed.checkpoint's full layout) in torch's own
+    layout: integer ids numbered in param-group order, as `optimizer.state_dict()` numbers them."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            index[name] = len(index)
+            ids.append(index[name])
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: v for name, v in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_name(state: dict, names_per_group: list[list[str]]) -> dict:
+    """Inverse of optimizer_state_by_index for an optimizer whose param groups hold the parameters `names_per_group`."""
+    if len(names_per_group) != len(state["param_groups"]) or any(
+        len(names) != len(g["params"]) for names, g in zip(names_per_group, state["param_groups"])
+    ):
+        raise DistributedError("the checkpoint's optimizer state has other param groups than this run's optimizer (different trainable parameters?)")
+    name_of = {i: n for names, g in zip(names_per_group, state["param_groups"]) for i, n in zip(g["params"], names)}
+    return {
+        "state": {name_of[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": names} for names, g in zip(names_per_group, state["param_groups"])],
+    }

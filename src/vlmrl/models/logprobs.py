@@ -1,0 +1,401 @@
+"""Per-token log-probs of completions under a VLM, without materialising full-vocabulary logits.
+
+The decoder runs once over prompt + completion; only the hidden states that predict completion
+tokens go through the LM head, a chunk of tokens at a time, and each chunk is recomputed in backward
+(torch.utils.checkpoint), so at most one [chunk, V] logits block is alive at any moment.
+
+Two entry points: `completion_logps` (one prompt row per completion: the reference path) and
+`completion_logps_grouped` (unique prompts + a row -> prompt map: the vision tower runs once per
+unique prompt and its features are shared by that prompt's completions; same values and gradients).
+`vision_encode_counter` counts vision-tower calls and encoded images (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from vlmrl.config import LOGPROB_CHUNK_TOKENS
+from vlmrl.models.loading import unwrap
+
+# Keys of an encoded prompt batch that are bookkeeping, not model inputs.
+NON_MODEL_KEYS = ("images_per_row", "videos_per_row", "image_num_patches")
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+
+
+def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """hidden [n, H], targets [n] -> log p(target) [n] in float32 (softmax upcast for bf16 safety)."""
+    logits = lm_head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.gather(F.log_softmax(logits, dim=-1), 1, targets.unsqueeze(1)).squeeze(1)
+
+
+def selective_logps(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+) -> torch.Tensor:
+    """hidden [N, T, H] predicting targets [N, T] -> [N, T] log-probs, chunked over N*T tokens.
+
+    chunk_tokens <= 0 turns the memory engine off: one [N*T, V] logits block, kept for backward
+    (the naive path; benchmarks and equivalence tests compare against it)."""
+    n, t, h = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(n * t, h), targets.reshape(n * t)
+    if chunk_tokens <= 0:
+        return _chunk_logps(flat_hidden, lm_head, flat_targets, temperature).view(n, t)
+    out = []
+    for start in range(0, n * t, chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled() and flat_hidden.requires_grad:
+            out.append(checkpoint(_chunk_logps, flat_hidden[sl], lm_head, flat_targets[sl], temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_logps(flat_hidden[sl], lm_head, flat_targets[sl], temperature))
+    return torch.cat(out).view(n, t)
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    prompt_batch: dict,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Log-probs of each completion token given its prompt.
+
+    prompt_batch: encoded prompts, one row per completion (input_ids/attention_mask [N, P], left
+    padded, plus vision inputs). completion_ids, completion_mask: [N, T] (right padded).
+    Returns [N, T] float32; values at masked positions are meaningless (mask them).
+    """
+    from vlmrl.models.processing import append_tokens
+
+    core = unwrap(model)
+    prompt_len = prompt_batch["input_ids"].shape[1]
+    # append_tokens also extends per-token side inputs (Qwen-VL's mm_token_type_ids).
+    inputs = model_inputs(append_tokens(prompt_batch, completion_ids, completion_mask))
+    hidden = core.model(**inputs, use_cache=False).last_hidden_state
+    # Position i predicts token i+1: the completion's T tokens are predicted by positions P-1 .. P+T-2.
+    t = completion_ids.shape[1]
+    predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
+    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+
+
+# ---------------------------------------------------------------- grouped path: one vision pass per prompt
+
+QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+GEMMA3_GROUPED_TYPES = ("gemma3",)
+# Tiled families: variable features per image (OneVision: anyres tiles + newline tokens, a tuple per image; InternVL:
+# 1-12 tiles + thumbnail, [tiles, tokens, H] with image_num_patches tiles per image).
+TILED_GROUPED_TYPES = {"llava_onevision": "onevision", "internvl": "internvl"}
+LLAVA_GROUPED_TYPES = ("llava",)
+# Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
+MROPE_FAMILIES = ("qwen", "qwen3")
+# Families whose grouped path hands the shared image features to the model's own forward (mm_encoder_outputs).
+ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3", "onevision", "internvl")
+
+
+def grouped_family(model: torch.nn.Module) -> str | None:
+    """'qwen', 'qwen3', 'gemma3' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
+
+    Decided by config.model_type (the families whose forward this module re-implements and tests)
+    and checked against the structure it needs (model.model.get_image_features, get_rope_index).
+    None is logged once per model type with the reason (`families.log_fallback`).
+    """
+    from vlmrl.models.families import log_fallback
+
+    core = unwrap(model)
+    inner = getattr(core, "model", None)
+    model_type = getattr(getattr(core, "config", None), "model_type", None)
+    if inner is None or not hasattr(inner, "get_image_features") or not hasattr(inner, "get_input_embeddings"):
+        log_fallback(model_type, "the model has no model.get_image_features / get_input_embeddings")
+        return None
+    mrope = hasattr(inner, "get_rope_index") and hasattr(inner, "visual")
+    if model_type in QWEN_GROUPED_TYPES and mrope:
+        return "qwen"
+    if model_type in QWEN3_GROUPED_TYPES and mrope:
+        return "qwen3"
+    if model_type in GEMMA3_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+        return "gemma3"
+    if model_type in LLAVA_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+        return "llava"
+    if model_type in TILED_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+        return TILED_GROUPED_TYPES[model_type]
+    log_fallback(model_type)
+    return None
+
+
+def _image_features(out, n_images: int, sizes: list[int] | None) -> torch.Tensor:
+    """get_image_features' result (ModelOutput with pooler_output, tuple/list per image, or a tensor)
+    -> all images' features concatenated, [sum of tokens, H], image after image."""
+    feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, tuple, list)) else out
+    if feats is None:
+        raise TypeError(f"get_image_features returned {type(out).__name__} without pooler_output")
+    if isinstance(feats, torch.Tensor):
+        # One tensor: [n_images, tokens, H] (LLaVA, older transformers) or already [sum tokens, H].
+        if feats.ndim == 3:
+            feats = list(feats.unbind(0))
+        else:
+            return feats
+    feats = list(feats)
+    if len(feats) != n_images:
+        raise ValueError(f"get_image_features returned features for {len(feats)} images, expected {n_images}")
+    if sizes is not None and [int(f.shape[0]) for f in feats] != sizes:
+        raise ValueError(f"image feature lengths {[int(f.shape[0]) for f in feats]} != expected {sizes}")
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats], dim=0)
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    """The kwargs `fn` accepts (all of them when it takes **kwargs)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def group_rows(prompt_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt index per row [N] -> (unique prompt indices [U] sorted, row_prompt [N] into them).
+
+    For a micro-batch: `unique, row_prompt = group_rows(prompt_of_row[idx])`, then
+    `completion_logps_grouped(model, select_rows(prompts, unique), row_prompt, ...)`.
+    """
+    unique, row_prompt = torch.unique(torch.as_tensor(prompt_of_row, dtype=torch.long).reshape(-1), return_inverse=True)
+    return unique, row_prompt
+
+
+def completion_logps_grouped(
+    model: torch.nn.Module,
+    prompt_batch: dict,
+    row_prompt: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """`completion_logps` for rows that share prompts, running the vision tower once per unique prompt.
+
+    prompt_batch: the U unique prompts of this micro-batch (an encode_prompts batch or
+    `select_rows(prompts, unique_ids)`: input_ids/attention_mask [U, P] + their vision inputs).
+    row_prompt: LongTensor [N], row i continues prompt row_prompt[i] (0 <= row_prompt[i] < U).
+    completion_ids, completion_mask: [N, T] right padded. Returns [N, T] float32, equal (values and
+    gradients, vision tower and projector included) to
+    `completion_logps(model, select_rows(prompt_batch, row_prompt), ...)`.
+
+    How: the U prompts' images go through `get_image_features` once; each row's image-token
+    embeddings are an index_select of its prompt's features (so backward sums the rows' gradients
+    into one vision pass, as the naive path's repeated passes sum them into the weights); the decoder
+    gets `inputs_embeds`, and for Qwen-VL explicit M-RoPE `position_ids` from the model's own
+    `get_rope_index` on the N rows (text-only work). Every prompt in prompt_batch is encoded, so pass
+    only prompts some row uses.
+
+    | family (config.model_type)          | grouped path                                          |
+    |-------------------------------------|-------------------------------------------------------|
+    | qwen2_vl, qwen2_5_vl                | yes: shared features + get_rope_index position ids    |
+    | qwen3_vl, qwen3_vl_moe, qwen3_5,    | yes: shared features (+ Qwen3-VL's DeepStack) handed to|
+    |  qwen3_5_moe                        |  the model as mm_encoder_outputs (it builds           |
+    |                                     |  visual_pos_masks and its own M-RoPE positions)       |
+    | gemma3                              | yes: shared features as mm_encoder_outputs (the model |
+    |                                     |  builds its bidirectional image-block mask)           |
+    | llava_onevision, internvl           | yes: per-image (anyres) / per-tile features as        |
+    |                                     |  mm_encoder_outputs, gathered to the rows             |
+    | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
+    | anything else (idefics, smolvlm...) | no: falls back to the naive path on                   |
+    |                                     |  select_rows(prompt_batch, row_prompt) (same values), |
+    |                                     |  reason logged once (families.FALLBACK_REASONS)       |
+    | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
+    |  with videos (pixel_values_videos)  |                                                       |
+    """
+    from vlmrl.models.processing import append_tokens, select_rows
+
+    row_prompt = torch.as_tensor(row_prompt, dtype=torch.long).reshape(-1)
+    n_prompts = prompt_batch["input_ids"].shape[0]
+    if row_prompt.numel() != completion_ids.shape[0]:
+        raise ValueError(f"row_prompt has {row_prompt.numel()} rows but completion_ids has {completion_ids.shape[0]}")
+    if row_prompt.numel() and (int(row_prompt.min()) < 0 or int(row_prompt.max()) >= n_prompts):
+        raise IndexError(f"row_prompt {row_prompt.tolist()} out of range for {n_prompts} prompts")
+    family = grouped_family(model)
+    if family is None or prompt_batch.get("pixel_values") is None or prompt_batch.get("pixel_values_videos") is not None:
+        return completion_logps(model, select_rows(prompt_batch, row_prompt), completion_ids, completion_mask, temperature, chunk_tokens)
+
+    core = unwrap(model)
+    inner = core.model
+    device = prompt_batch["input_ids"].device
+    rows = row_prompt.to(device)
+    per_prompt = prompt_batch.get("images_per_row")
+    if per_prompt is None:
+        raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; build it with encode_prompts")
+    per_prompt = per_prompt.to("cpu").long()
+    if family in ENCODER_OUTPUT_FAMILIES:
+        hidden = _encoder_outputs_grouped_hidden(inner, prompt_batch, row_prompt, per_prompt, completion_ids, completion_mask)
+        prompt_len, t = prompt_batch["input_ids"].shape[1], completion_ids.shape[1]
+        predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
+        return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+    n_images = int(per_prompt.sum())
+
+    # 1. Vision: all images of the U prompts, once.
+    if family == "qwen":
+        grid = prompt_batch["image_grid_thw"]
+        merge = inner.visual.spatial_merge_size**2
+        sizes = (grid.prod(-1) // merge).tolist()
+        out = inner.get_image_features(
+            **_accepted(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], "image_grid_thw": grid, "return_dict": True})
+        )
+    else:
+        extra = {k: prompt_batch[k] for k in ("image_sizes",) if k in prompt_batch}
+        sizes = None
+        out = inner.get_image_features(
+            **_accepted(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], **extra, "return_dict": True})
+        )
+    feats = _image_features(out, n_images, sizes)
+    if sizes is None:
+        per_image = feats.shape[0] // max(n_images, 1)
+        if per_image * n_images != feats.shape[0]:
+            raise ValueError(f"{feats.shape[0]} image feature tokens do not split evenly over {n_images} images")
+        sizes = [per_image] * n_images
+
+    # 2. Token index of each row's image features inside `feats` (row order, image order).
+    token_start = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
+    image_start = torch.cat([torch.zeros(1, dtype=torch.long), per_prompt.cumsum(0)])
+    row_images = [i for p in row_prompt.tolist() for i in range(int(image_start[p]), int(image_start[p + 1]))]
+    if row_images:
+        token_idx = torch.cat([torch.arange(int(token_start[i]), int(token_start[i + 1])) for i in row_images])
+    else:
+        token_idx = torch.zeros(0, dtype=torch.long)
+
+    # 3. Text of the N rows (prompt gathered + completion) and its embeddings with image features scattered in.
+    text = {
+        k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    }
+    text = append_tokens(text, completion_ids, completion_mask)
+    input_ids, attention_mask = text["input_ids"], text["attention_mask"]
+    embeds = inner.get_input_embeddings()(input_ids)
+    image_mask = input_ids == core.config.image_token_id
+    n_tokens = int(image_mask.sum())
+    if n_tokens != token_idx.numel():
+        raise ValueError(f"{n_tokens} image tokens in the rows but {token_idx.numel()} image features for them")
+    row_feats = feats.index_select(0, token_idx.to(feats.device)).to(embeds.device, embeds.dtype)
+    embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), row_feats)
+
+    # 4. Decoder over inputs_embeds; Qwen-VL positions exactly as the model derives them from input_ids.
+    position_ids = None
+    if family == "qwen":
+        row_image_idx = torch.tensor(row_images, dtype=torch.long, device=grid.device)
+        grid_rows = grid.index_select(0, row_image_idx)
+        mm_types = text.get("mm_token_type_ids")
+        if mm_types is None:
+            mm_types = image_mask.long()
+        rope_kwargs = _accepted(
+            inner.get_rope_index,
+            {
+                "input_ids": input_ids,
+                "mm_token_type_ids": mm_types,
+                "image_grid_thw": grid_rows,
+                "video_grid_thw": None,
+                "attention_mask": attention_mask,
+            },
+        )
+        position_ids, _ = inner.get_rope_index(**rope_kwargs)
+    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    prompt_len = prompt_batch["input_ids"].shape[1]
+    t = completion_ids.shape[1]
+    predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
+    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+
+
+def _row_images(row_prompt: torch.Tensor, per_prompt: torch.Tensor) -> list[int]:
+    """Image indices (into the prompt batch's images) of every row, row after row: [sum of the rows' images]."""
+    image_start = torch.cat([torch.zeros(1, dtype=torch.long), per_prompt.cumsum(0)])
+    return [i for p in row_prompt.tolist() for i in range(int(image_start[p]), int(image_start[p + 1]))]
+
+
+def _gather_images(features, row_images: list[int]):
+    """Per-image features (a tensor [n_images, ...] or a tuple with one tensor per image) -> the same kind, for row_images."""
+    if torch.is_tensor(features):
+        return features.index_select(0, torch.tensor(row_images, dtype=torch.long, device=features.device))
+    return tuple(features[i] for i in row_images)
+
+
+def _encoder_outputs_grouped_hidden(
+    inner: torch.nn.Module,
+    prompt_batch: dict,
+    row_prompt: torch.Tensor,
+    per_prompt: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Decoder hidden states [N, P+T, H] of the N rows, with each prompt's images encoded once (Qwen3-VL, Gemma 3).
+
+    The U prompts' images go through `get_image_features` once; every row gets its prompt's per-image
+    features (and Qwen3-VL's DeepStack features) as the model's own `mm_encoder_outputs`: gathered views of
+    one pass, so backward sums the rows' gradients into it. The model's forward then does the rest as on
+    the naive path: scatters them, builds Qwen3-VL's visual_pos_masks and M-RoPE positions (get_rope_index)
+    or Gemma 3's bidirectional image-block mask (token_type_ids)."""
+    from vlmrl.models.processing import _item_order, append_tokens
+
+    grid = prompt_batch.get("image_grid_thw")
+    vision_in = {"pixel_values": prompt_batch["pixel_values"], "return_dict": True}
+    if grid is not None:
+        vision_in["image_grid_thw"] = grid
+    if prompt_batch.get("image_sizes") is not None:  # LLaVA-OneVision: anyres unpadding needs each image's size
+        vision_in["image_sizes"] = prompt_batch["image_sizes"]
+        vision_in["batch_num_images"] = per_prompt.tolist()
+    out = inner.get_image_features(**vision_in)
+    row_images = _row_images(row_prompt, per_prompt)
+    tiles = prompt_batch.get("image_num_patches")  # InternVL: features are per tile; an image is its run of tiles
+    if tiles is not None:
+        row_images = _item_order(tiles.reshape(-1), torch.tensor(row_images, dtype=torch.long))  # their tiles, image after image
+    out.pooler_output = _gather_images(out.pooler_output, row_images)
+    if getattr(out, "deepstack_features", None) is not None:
+        out.deepstack_features = [_gather_images(layer, row_images) for layer in out.deepstack_features]
+    rows = row_prompt.to(prompt_batch["input_ids"].device)
+    text_keys = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    text = append_tokens({k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in text_keys}, completion_ids, completion_mask)
+    if grid is not None:
+        if "mm_token_type_ids" not in text:
+            text["mm_token_type_ids"] = (text["input_ids"] == inner.config.image_token_id).long()
+        text["image_grid_thw"] = grid.index_select(0, torch.tensor(row_images, dtype=torch.long, device=grid.device))
+    return inner(**text, mm_encoder_outputs={"image": out}, use_cache=False).last_hidden_state
+
+
+class VisionCounter:
+    """Counts vision-tower forward calls and the images they encode (see `vision_encode_counter`)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.images = 0
+
+
+def _images_in_call(args: tuple, kwargs: dict) -> int:
+    grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+    if torch.is_tensor(grid):  # Qwen-VL: one grid row per image
+        return int(grid.shape[0])
+    pixels = kwargs.get("pixel_values", args[0] if args else None)
+    return int(pixels.shape[0]) if torch.is_tensor(pixels) and pixels.ndim == 4 else 0
+
+
+class vision_encode_counter:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """`with vision_encode_counter(model) as c: ...` -> c.calls forward calls of the vision tower and
+    c.images images encoded by them (Qwen-VL: rows of grid_thw; LLaVA-style: pixel_values batch)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from vlmrl.models.loading import vision_tower
+
+        self.tower = vision_tower(model)
+        self.counter = VisionCounter()
+        self._handle = None
+
+    def _hook(self, module, args, kwargs):
+        self.counter.calls += 1
+        self.counter.images += _images_in_call(args, kwargs)
+
+    def __enter__(self) -> VisionCounter:
+        self._handle = self.tower.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self.counter
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()

@@ -1,0 +1,141 @@
+"""The memory planner over a vlmrl Config: the Workload a config runs, its ModelSpec, device memory sizes (GPU names,
+'80GiB'), and the plans of a GRPO run and of `vlmrl sft`'s stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from vlmrl.plan.estimate import Plan, plan
+from vlmrl.plan.hf import model_spec, spec_from_hf_config
+from vlmrl.plan.spec import GiB, ModelSpec, PlanError, Workload, sft_workload
+
+
+# What torch.cuda.get_device_properties().total_memory reports (the memory a run can have), by marketing name.
+# A card sold as "80GB" is neither 80e9 nor 80 x 2^30 bytes to PyTorch. h100-80gb was measured here (benchmarks/results/
+# gpu_memory_*.json: 79.18 GiB; nvidia-smi shows 81559 MiB = 79.6 GiB, part of it the driver's); the others are the
+# "total capacity" PyTorch prints in out-of-memory messages on those cards as commonly reported (not measured here).
+GPU_MEMORY_GIB = {
+    "h100-80gb": 79.18,
+    "h100": 79.18,
+    "h200": 139.8,
+    "a100-80gb": 79.15,
+    "a100-40gb": 39.39,
+    "l40s": 44.53,
+    "a6000": 47.54,
+    "rtx4090": 23.65,
+    "rtx3090": 23.69,
+    "a10g": 22.2,
+    "l4": 22.04,
+    "v100-32gb": 31.75,
+    "v100-16gb": 15.77,
+    "t4": 14.75,
+}
+
+
+def parse_memory(text: str | float) -> int:
+    """'80GiB', '80GB', '79.2 GiB', '81920MiB', '8e10', or a GPU name ('h100-80gb', GPU_MEMORY_GIB) -> bytes.
+    GB = 10^9 (decimal, so '80GB' = 74.5 GiB), GiB = 2^30; a bare number is GiB."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    if str(text).strip().lower() in GPU_MEMORY_GIB:
+        return int(GPU_MEMORY_GIB[str(text).strip().lower()] * GiB)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise PlanError(
+            f"cannot read GPU memory {text!r}: write a size such as 80GiB, 80GB, 24GiB or 81920MiB, or a GPU name ({', '.join(GPU_MEMORY_GIB)})"
+        )
+    value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
+    if unit == "B":
+        return int(value)
+    scale = {"K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    base = 1024 if "I" in unit else 1000
+    return int(value * base**scale)
+
+
+def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Workload:
+    m, t, r, a, d, mem = cfg.model, cfg.training, cfg.rollout, cfg.algorithm, cfg.data, cfg.memory
+    kw = dict(
+        dtype=m.dtype,
+        autocast=t.bf16,
+        use_lora=m.use_lora,
+        lora_r=m.lora_r,
+        lora_targets=tuple(m.lora_target_modules),
+        freeze_vision=m.freeze_vision_tower,
+        projector_only=m.train_projector_only,
+        gradient_checkpointing=m.gradient_checkpointing,
+        # The config's batch sizes are global (docs/scaling_out.md): each of W processes rolls out 1/W of the prompts.
+        num_generations=r.num_generations,
+        prompts_per_step=max(1, cfg.prompts_per_step // max(1, world_size)),
+        micro_batch=mem.max_tokens_per_micro_batch and max(1, mem.max_tokens_per_micro_batch // 512) or t.per_device_train_batch_size,
+        grad_accum=t.gradient_accumulation_steps,
+        prompts_per_call=mem.generation_prompts_per_call,
+        rollout_engine=r.engine,
+        decode_batch_size=r.decode_batch_size,
+        max_pixels=d.max_pixels,
+        images_per_prompt=1,
+        video_max_pixels=d.video_max_pixels,
+        completion_tokens=r.max_completion_length,
+        logprob_chunk_tokens=mem.logprob_chunk_tokens,
+        group_vision=mem.group_vision,
+        shared_prefix=mem.shared_prefix,
+        generation_gather=mem.generation_gather,
+        attn_implementation=m.attn_implementation,
+        beta=a.beta,
+        num_iterations=a.num_iterations,
+        ref_placement=mem.ref_placement,
+        offload_during_rollout=mem.offload_optimizer_during_rollout,
+        world_size=world_size,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    host_gib = getattr(t, "auto_fit_host_memory_gib", None)
+    if host_gib:
+        kw["host_memory_bytes"] = int(host_gib * GiB)
+    kw.update(extra)
+    return Workload(**kw)
+
+
+def spec_for_config(cfg) -> ModelSpec:
+    name = cfg.model.name_or_path
+    if name.startswith("embedded:"):
+        from vlmrl.fixtures.tiny import default_model_path
+
+        path = default_model_path()
+        if not (Path(path) / "config.json").is_file():
+            raise PlanError(f"{name}: the embedded tiny model is not built yet ({path}); run vlmrl demo once, or plan with --model")
+        return spec_from_hf_config(path, name)
+    return model_spec(name)
+
+
+def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Plan:
+    """Plan of a vlmrl Config (training.auto_fit_gpu_memory_gib is used when gpu_memory_bytes is None)."""
+    if gpu_memory_bytes is None:
+        gib = getattr(cfg.training, "auto_fit_gpu_memory_gib", None)
+        gpu_memory_bytes = int(gib * GiB) if gib else None
+    return plan(spec_for_config(cfg), workload_from_config(cfg, world_size, gpu_memory_bytes, **extra))
+
+
+def sft_plans_for_config(cfg, gpu_memory_bytes: int | None = None, target_tokens: int | None = None, **extra) -> dict:
+    """{stage: Plan} for the stages cfg.sft runs (sft.projector_steps > 0: stage 1, sft.steps > 0: stage 2). The
+    target length is `target_tokens` (vlmrl sft measures its data) or rollout.max_completion_length."""
+    s = cfg.sft
+    base = workload_from_config(cfg, 1, gpu_memory_bytes, **extra)
+    base = dataclasses.replace(base, micro_batch=s.batch_size)
+    spec = spec_for_config(cfg)
+    stages = [k for k, steps in ((1, s.projector_steps), (2, s.steps)) if steps > 0]
+    return {k: plan(spec, sft_workload(base, k, s.train_vision_tower, target_tokens)) for k in stages}
+
+
+def device_memory_bytes(cfg) -> int:
+    """training.auto_fit_gpu_memory_gib, else the capacity of the CUDA device the run will use."""
+    gib = getattr(cfg.training, "auto_fit_gpu_memory_gib", None)
+    if gib is not None:
+        return int(gib * GiB)
+    import torch
+
+    dev = cfg.training.device
+    if dev != "cpu" and torch.cuda.is_available():
+        index = int(dev.split(":", 1)[1]) if dev.startswith("cuda:") else 0
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    raise PlanError("auto_fit needs the device memory: set training.auto_fit_gpu_memory_gib (required without CUDA)")

@@ -1,0 +1,185 @@
+"""DeepSpeed ZeRO's own buffers as memory-planner terms (issue 23 part 5, the model side), read from a DeepSpeed config.
+
+`zero_config(ds_json, hidden)` reads the `zero_optimization` section of a DeepSpeed JSON (or accelerate's deepspeed
+section) into a `ZeroConfig`: DeepSpeed 0.19's defaults where a key is unset (deepspeed/runtime/zero/config.py),
+accelerate's fill for "auto" (reduce_bucket_size = h^2, stage3_prefetch_bucket_size = 0.9 h^2,
+stage3_param_persistence_threshold = 10 h; accelerate/accelerator.py). Each term below is a pure function
+(spec, w, z) -> bytes on one device; what DeepSpeed allocates, read off its source (stage_1_and_2.py, stage3.py):
+
+  ZeRO-1/2  reduce buckets: with contiguous_gradients (default on) the gradients are copied into a flat buffer of
+            reduce_bucket_size elements as backward produces them, two of them with overlap_comm (default off
+            below stage 3); allocated whole (torch.empty), so on a GPU the caching allocator holds all of it while
+            on the CPU only the pages written (at most the gradients' size) become resident.
+            fp32 gradient partition: at the optimizer step the partition's gradients are flattened (gradient dtype)
+            and converted to float32 (single_grad_partition): partition x (4 + gradient bytes), transient.
+  ZeRO-3    one reduce bucket of reduce_bucket_size elements (contiguous_gradients);
+            the float32 gradient buffer of the largest optimizer sub-group (min(sub_group_size, partition)
+            elements), allocated at initialisation and kept;
+            parameters gathered at once: the module running plus up to stage3_prefetch_bucket_size elements
+            prefetched, at most stage3_max_live_parameters;
+            persistent parameters: parameters of at most stage3_param_persistence_threshold elements are not
+            partitioned (every rank keeps them whole, up to model_persistence_threshold elements in all).
+
+Offloaded optimizers keep these on the host instead (0 here). These terms are not yet summed by plan(): the
+DeepSpeed engine's measured peaks (the `deepspeed` helper's runs) decide how they combine with the engine-agnostic
+terms (terms) before they do. Pure arithmetic; nothing here imports deepspeed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+from vlmrl.plan.spec import DTYPE_BYTES, ModelSpec, PlanError, Workload
+from vlmrl.plan.terms import trainable_params
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The ZeRO settings that size DeepSpeed's buffers (element counts, as DeepSpeed's config takes them)."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000  # stage3_prefetch_bucket_size
+    param_persistence_threshold: int = 100_000  # stage3_param_persistence_threshold
+    model_persistence_threshold: int = sys.maxsize
+    max_live_parameters: int = 1_000_000_000  # stage3_max_live_parameters
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+    @property
+    def overlap(self) -> bool:
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+# DeepSpeed config key -> ZeroConfig field (the stage3_ names are DeepSpeed's aliases).
+_KEYS = {
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "param_persistence_threshold": "param_persistence_threshold",
+    "model_persistence_threshold": "model_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "max_live_parameters": "max_live_parameters",
+    "sub_group_size": "sub_group_size",
+}
+
+
+def _auto(key: str, hidden: int) -> int:
+    """accelerate's value for an "auto" size (from the model's hidden size)."""
+    fill = {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+    if key not in fill:
+        raise PlanError(f"zero_optimization.{key}: 'auto' is filled by accelerate only for {', '.join(fill)}; give a number")
+    return fill[key]
+
+
+def _size(key: str, value, hidden: int) -> int:
+    if value == "auto":
+        return _auto(key, hidden)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
+        raise PlanError(f"zero_optimization.{key}: {value!r} is not an element count; give a number such as 5e8 (or 'auto')")
+    return int(value)
+
+
+def zero_config(ds: dict, hidden: int) -> ZeroConfig:
+    """The ZeroConfig of a DeepSpeed config dict (its zero_optimization section); unset keys take DeepSpeed's defaults."""
+    z = ds.get("zero_optimization") or {}
+    if not isinstance(z, dict):
+        raise PlanError("zero_optimization: expected a section of key: value settings")
+    stage = z.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_optimization.stage: {stage!r}; use 0, 1, 2 or 3")
+    kw: dict = {"stage": stage}
+    for key, name in _KEYS.items():
+        if key in z:
+            kw[name] = _size(key, z[key], hidden)
+    for key in ("overlap_comm", "contiguous_gradients"):
+        if key in z and z[key] is not None:
+            kw[key] = bool(z[key])
+    kw["offload_optimizer"] = (z.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    kw["offload_param"] = (z.get("offload_param") or {}).get("device", "none") not in ("none", None)
+    return ZeroConfig(**kw)
+
+
+def _partition(spec: ModelSpec, w: Workload) -> int:
+    """Trainable elements of one rank's partition (DeepSpeed pads the flat group to a multiple of the world size)."""
+    return math.ceil(trainable_params(spec, w)[0] / w.world_size)
+
+
+def zero_reduce_buckets(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """Flat gradient buckets of reduce_bucket_size elements in the gradients' dtype: stage 1/2 two with overlap_comm
+    (one without), stage 3 one; none without contiguous_gradients (an offloaded optimizer forces them on at 1/2)."""
+    contiguous = z.contiguous_gradients or (z.offload_optimizer and z.stage in (1, 2))
+    if z.stage == 0 or not contiguous:
+        return 0
+    buffers = 1 if z.stage == 3 else (2 if z.overlap else 1)
+    return buffers * z.reduce_bucket_size * trainable_params(spec, w)[1]
+
+
+def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-1/2 optimizer step: the partition's gradients flattened (their dtype) and converted to float32."""
+    if z.stage not in (1, 2) or z.offload_optimizer:
+        return 0
+    return _partition(spec, w) * (4 + trainable_params(spec, w)[1])
+
+
+def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-3: the float32 gradient buffer of the largest optimizer sub-group, kept from initialisation on."""
+    if z.stage != 3 or z.offload_optimizer:
+        return 0
+    return min(z.sub_group_size, _partition(spec, w)) * 4
+
+
+def zero3_gathered_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-3: parameters gathered at once, in the weights' dtype: the largest module running (a layer's share of the
+    non-embedding parameters, or the embedding / LM head) plus up to prefetch_bucket_size elements fetched ahead,
+    at most max_live_parameters and at most the whole model."""
+    if z.stage != 3:
+        return 0
+    per_layer = (spec.total_params - spec.embed_params - spec.lm_head_params) // max(spec.layers + spec.v_layers, 1)
+    running = max(per_layer, spec.embed_params, spec.lm_head_params)
+    live = min(running + z.prefetch_bucket_size, max(z.max_live_parameters, running), spec.total_params)
+    return live * DTYPE_BYTES[w.dtype]
+
+
+def zero3_persistent_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig, param_sizes: tuple) -> float:
+    """ZeRO-3: parameters of at most param_persistence_threshold elements stay whole on every rank (in the weights'
+    dtype), up to model_persistence_threshold elements in all, taken in the order given; beyond the 1/n share the
+    sharded weights already count. param_sizes: ((elements, count), ...) of the model's parameters."""
+    if z.stage != 3:
+        return 0
+    kept = 0
+    for numel, count in param_sizes:
+        if numel <= z.param_persistence_threshold:
+            kept += min(count, max(0, z.model_persistence_threshold - kept) // max(numel, 1)) * numel
+    return kept * DTYPE_BYTES[w.dtype] * (1 - 1 / w.world_size)
+
+
+# The device terms of a DeepSpeed ZeRO run beyond the engine-agnostic ones (zero3_persistent_parameters needs the
+# model's parameter sizes: zero_terms).
+ZERO_TERMS = {
+    "zero_reduce_buckets": zero_reduce_buckets,
+    "zero_fp32_grad_partition": zero_fp32_grad_partition,
+    "zero3_fp32_grad_buffer": zero3_fp32_grad_buffer,
+    "zero3_gathered_parameters": zero3_gathered_parameters,
+}
+
+
+def zero_terms(spec: ModelSpec, w: Workload, ds: dict, param_sizes: tuple = ()) -> dict:
+    """{term: bytes} of DeepSpeed's own buffers for `w` under the DeepSpeed config dict `ds` (param_sizes:
+    plan.hf.parameter_sizes of the model, for the persistent parameters; () counts none)."""
+    z = zero_config(ds, spec.hidden)
+    out = {name: int(term(spec, w, z)) for name, term in ZERO_TERMS.items()}
+    out["zero3_persistent_parameters"] = int(zero3_persistent_parameters(spec, w, z, param_sizes))
+    return out

@@ -1,0 +1,196 @@
+"""The memory planner's closed form: `plan(spec, workload)` sums the named device terms (terms.TERMS) into the
+peaks of the step's three phases (rollout, scoring, update), adds the allocator's reserve and the CUDA context, and
+puts the host terms (host) and a verdict beside them. Pure arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from vlmrl.plan.geometry import MicroBatch, micro_batch, naive_fallback
+from vlmrl.plan.host import host_terms, host_verdict, mmapped_at_peak, parks
+from vlmrl.plan.profiles import profile_workload
+from vlmrl.plan.spec import ALLOCATOR_RESERVE, CUDA_CONTEXT_BYTES, FIT_FRACTION, GiB, ModelSpec, Workload, check_workload
+from vlmrl.plan.steptime import step_time
+from vlmrl.plan.terms import (
+    TERMS,
+    head_gradient_temporary,
+    logprob_head,
+    model_states,
+    pixel_inputs,
+    prefix_backward_activations,
+    rollout_buffers,
+    scores,
+    scoring_transient,
+    generation_gather_bytes,
+)
+
+
+@dataclass
+class Plan:
+    terms: dict  # name -> bytes (per device)
+    phases: dict  # rollout / scoring / update -> peak bytes allocated
+    peak_allocated: int
+    reserved: int  # peak_allocated x (1 + ALLOCATOR_RESERVE): compare with torch.cuda.max_memory_reserved
+    total: int  # reserved + CUDA context: what must fit on the device
+    host: dict  # host RAM terms per node (bytes)
+    gpu_memory_bytes: int | None
+    verdict: str
+    headroom: int | None
+    notes: list = field(default_factory=list)
+    workload: dict = field(default_factory=dict)
+    step_time_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        """Fits on the device and, when a host size is given, in host RAM (on a CPU run: in host RAM only)."""
+        host_ok = self.host_fits is not False
+        if self.workload.get("device") == "cpu":
+            return bool(self.host_fits)
+        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes and host_ok
+
+    @property
+    def host_fits(self) -> bool | None:
+        size = self.workload.get("host_memory_bytes")
+        return None if not size else self.host["total"] <= FIT_FRACTION * size
+
+    def to_dict(self) -> dict:
+        gib = lambda b: round(b / GiB, 3)
+        return {
+            "verdict": self.verdict,
+            "fits": self.fits if (self.gpu_memory_bytes or self.host_fits is not None) else None,
+            "host_fits": self.host_fits,
+            "host_total_gib": gib(self.host["total"]),
+            "total_gib": gib(self.total),
+            "reserved_gib": gib(self.reserved),
+            "peak_allocated_gib": gib(self.peak_allocated),
+            "gpu_memory_gib": gib(self.gpu_memory_bytes) if self.gpu_memory_bytes else None,
+            "headroom_gib": gib(self.headroom) if self.headroom is not None else None,
+            "phases_gib": {k: gib(v) for k, v in self.phases.items()},
+            "terms_gib": {k: gib(v) for k, v in self.terms.items()},
+            "host_gib": {k: gib(v) for k, v in self.host.items()},
+            "step_time_s": round(self.step_time_s, 3),
+            "notes": list(self.notes),
+            "workload": self.workload,
+        }
+
+
+def plan(spec: ModelSpec, w: Workload) -> Plan:
+    """The closed form. All figures are bytes on one device (the busiest rank). w.profile naive / trl: another
+    trainer's data path for the same work (plan_profiles)."""
+    check_workload(w)
+    w, fallback, notes = naive_fallback(spec, profile_workload(w))
+    mb = micro_batch(spec, w, fallback)
+    raw = {name: term(spec, w, mb) for name, term in TERMS.items()}
+    phases, fwd_bwd = phase_peaks(spec, w, mb, raw)
+    peak = max(phases.values())
+    reserved = int(peak * (1 + ALLOCATOR_RESERVE))
+    total = reserved + CUDA_CONTEXT_BYTES
+    terms = {k: int(v) for k, v in raw.items()} | {"allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES}
+    st = model_states(spec, w)
+    if w.offload != "none":
+        notes.append(f"optimizer states ({(st['moments'] + st['master']) / GiB:.2f} GiB) live in host RAM")
+    buffers = pixel_inputs(spec, w, mb) + rollout_buffers(spec, w, mb)
+    mmapped = _mmapped(spec, w, mb, raw, phases, fwd_bwd)
+    host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped)
+    headroom, verdict = _verdict(int(total), w, host)
+    return Plan(
+        terms=terms,
+        phases=phases,
+        peak_allocated=int(peak),
+        reserved=reserved,
+        total=int(total),
+        host=host,
+        gpu_memory_bytes=w.gpu_memory_bytes if w.device != "cpu" else None,
+        verdict=verdict,
+        headroom=headroom,
+        notes=notes,
+        workload=_workload_record(w, mb),
+        step_time_s=step_time(spec, w, st["trainable"]),
+    )
+
+
+def _workload_record(w: Workload, mb: MicroBatch) -> dict:
+    """The workload as planned (after the profile / fallback) with its prompt's token counts."""
+    extra = {"image_tokens_per_prompt": mb.vision_tokens - mb.video_tokens, "video_tokens_per_prompt": mb.video_tokens, "prompt_tokens": mb.P}
+    # fields one by one: Workload holds scalars and tuples of strings (asdict's deep copy was half of plan()'s time in search)
+    return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)} | extra
+
+
+def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> float:
+    """What stays on the device through the whole step: weights, master copy and optimizer states (when on the
+    device), the reference, the step's inputs and rollout buffers, the engine's buckets."""
+    return (
+        t["weights"]
+        + t["master_weights"]
+        + t["optimizer_states"]
+        + t["reference_model"]
+        + pixel_inputs(spec, w, mb)
+        + rollout_buffers(spec, w, mb)
+        + t["comm_buffers"]
+    )
+
+
+def phase_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> tuple[dict, float]:
+    """({rollout, scoring, update}: peak bytes allocated, the forward/backward peak) from the terms `t` (unrounded).
+    With memory.offload_optimizer_during_rollout the states are parked in host RAM for rollout and scoring."""
+    persistent = persistent_bytes(spec, w, mb, t)
+    parked = t["master_weights"] + t["optimizer_states"] if parks(w) else 0
+    rollout = persistent - parked + t["kv_cache"] + t["generation_temporaries"] + generation_gather_bytes(spec, w, mb)
+    scored = t["reference_moved_in_for_scoring"] + scoring_transient(spec, w, mb) + t["gathered_parameters"] if scores(w) else 0
+    scoring = persistent - parked + scored
+    fwd_bwd, update = update_peaks(spec, w, mb, t, persistent)
+    return {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}, fwd_bwd
+
+
+def update_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, persistent: float) -> tuple[float, float]:
+    """(forward/backward peak, update peak: the largest of forward/backward, the end of backward, the optimizer step).
+
+    Gradients are set to None after every optimizer step. With one micro-batch per optimizer step (grad_accum 1) a
+    backward never finds gradients already there: each fresh gradient becomes .grad (no accumulation temporaries),
+    and the decoder gradients held on the shared-prefix path are the gradients. From the second micro-batch of a
+    step on (grad_accum > 1, the trace's steady state) they coexist. The shared prefix's backward peaks at one end:
+    at the far end the prompt pass's activations and the vision tower's are still alive beside the held gradients."""
+    steady = w.grad_accum > 1
+    grads, gathered, emb = t["gradients"], t["gathered_parameters"], t["embedding_grad_temporaries"]
+    held = grads if steady else 0
+    activations = t["activations_text"] + t["activations_vision"] + t["activations_other"] + t["eager_attention_scores"] + t["full_vocab_logits"]
+    bwd_transient = max(t["logprob_buffers"] + head_gradient_temporary(spec, w, mb), t["checkpoint_recompute"])
+    fwd_bwd = persistent + held + activations + bwd_transient + gathered
+    fwd_end = persistent + held + activations + t["naive_row_pixel_copies"] + gathered
+    fwd_bwd = max(fwd_bwd, fwd_end)
+    bwd_end = persistent + grads + (emb if steady else 0) + gathered
+    if t["prefix_held_gradients"]:
+        prefix_end = persistent + held + emb * steady + t["prefix_held_gradients"] + prefix_backward_activations(spec, w, mb) + gathered
+        bwd_end = max(bwd_end, prefix_end)
+    opt_step = persistent + grads + t["optimizer_step_temporary"]
+    return fwd_bwd, max(fwd_bwd, bwd_end, opt_step)
+
+
+def _mmapped(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, phases: dict, fwd_bwd: float) -> int:
+    """mmapped_at_peak of this step's log-prob head."""
+    head = logprob_head(spec, w, mb)
+    head_bwd = t["logprob_buffers"] + head_gradient_temporary(spec, w, mb)
+    return mmapped_at_peak(
+        phases, head["unit"], head["kept"], head_bwd, fwd_bwd, t["checkpoint_recompute"], head["no_grad"], scoring_transient(spec, w, mb)
+    )
+
+
+def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
+    """(device headroom, the verdict line): the device's, and the host's when a host size is given (on CPU: only it)."""
+    gpu = w.gpu_memory_bytes
+    if w.device == "cpu":
+        return None, "CPU run: no device memory; " + host_verdict(host, w.host_memory_bytes)
+    if gpu:
+        headroom = int(gpu - total)
+        verdict = (
+            f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"
+            if total <= FIT_FRACTION * gpu
+            else f"does NOT fit: {total / GiB:.1f} GiB needed on a {gpu / GiB:.1f} GiB device"
+            + (f" ({-headroom / GiB:.1f} GiB over)" if headroom < 0 else f" (within {(1 - FIT_FRACTION):.0%} margin)")
+        )
+    else:
+        headroom, verdict = None, f"needs {total / GiB:.1f} GiB per device (no device size given)"
+    if w.host_memory_bytes:
+        verdict += "; " + host_verdict(host, w.host_memory_bytes)
+    return headroom, verdict

@@ -1,0 +1,207 @@
+"""The memory planner's inputs: `ModelSpec` (an architecture as numbers), `Workload` (what one step does on one
+device), the choices they accept, the device constants, and the check of a workload (one line per bad field).
+Plain dataclasses; nothing here imports torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from vlmrl.plan.profiles import LOGITS_POSITIONS, PROFILES
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+ATTENTIONS = ("sdpa", "flash_attention_2", "eager")
+MASTER_WEIGHTS = ("auto", "none", "fp32")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+# Device constants (global, documented in docs/planner.md).
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces outside torch's allocator (typical, not measured)
+ALLOCATOR_RESERVE = 0.06  # reserved / allocated - 1: mean of the ten Qwen2.5-VL-3B H100 runs in benchmarks/results (0.046 .. 0.089)
+COMM_BUCKET_BYTES = 2 * 25 * 2**20  # DDP / ZeRO gradient buckets (2 x 25 MiB)
+FIT_FRACTION = 0.95  # a config "fits" when its predicted device total is <= this fraction of the memory
+
+
+class PlanError(ValueError):
+    """Nothing fits / bad planner input; the message names the knobs."""
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An architecture as numbers. Parameter counts come from meta-device instantiation (spec_from_hf_config)."""
+
+    name: str
+    family: str
+    total_params: int
+    vision_params: int  # vision encoder including the projector / merger
+    projector_params: int
+    embed_params: int  # input token embedding
+    lm_head_params: int  # 0 when tied to the input embedding
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    v_hidden: int = 0
+    v_intermediate: int = 0
+    v_layers: int = 0
+    v_heads: int = 1
+    patch_size: int = 14
+    merge_size: int = 1  # spatial merge (Qwen-VL 2): image tokens = patches / merge^2
+    temporal_patch: int = 1
+    image_size: int = 0  # fixed-resolution towers (CLIP/SigLIP): side in pixels; 0 = dynamic resolution
+    v_full_attn_blocks: int = -1  # vision blocks attending over the whole image (-1 = all); the others attend within windows
+    v_window_patches: int = 0  # patches per attention window of the windowed blocks (Qwen2.5-VL: (112 / 14)^2 = 64)
+    lora_linears: tuple = ()  # ((suffix, in_features, out_features, count), ...) of the language model's Linear layers
+    tiling: str = ""  # "" (one tile per image), "anyres" (LLaVA-OneVision: base + pinpoint grid, unpadded, a newline per row), "dynamic" (InternVL)
+    tile_pinpoints: tuple = ()  # anyres: the (height, width) canvases a grid of tiles may form (config.image_grid_pinpoints)
+    anyres_max_tiles: int = 9  # anyres: above this many tiles' worth of features they are pooled down (config.vision_aspect_ratio anyres_max_N)
+    max_tiles: int = 12  # dynamic: most tiles per image (the InternVL processor's max_patches; min 1; a thumbnail when more than one)
+    v_block_hidden: int = 30  # vision block bytes per patch per hidden unit (c/2 units): 30 with 2-D RoPE (Qwen-VL), 20 without (InternViT, SigLIP)
+    v_mlp_gated: bool = True  # vision MLP gated (SwiGLU: gate, up, act, product kept = 8 iv bytes per patch) or fc1 -> act -> fc2 (4 iv; Qwen2-VL)
+    norms_per_layer: int = 2  # RMSNorms per decoder layer (Gemma 3: 4, around attention and around the MLP)
+    gated_attention: bool = False  # Qwen3.5: (1 + weight) float32 RMSNorms, q/k norms and a sigmoid output gate from q_proj (see text_layer_bytes)
+    linear_attn_layers: int = 0  # Qwen3.5: Gated DeltaNet (linear attention) layers among `layers`; the others are full attention
+    linear_k_heads: int = 0  # Gated DeltaNet query / key heads
+    linear_v_heads: int = 0  # Gated DeltaNet value heads (query / key heads are repeated to these in the chunked rule)
+    linear_k_dim: int = 0  # Gated DeltaNet key head dim
+    linear_v_dim: int = 0  # Gated DeltaNet value head dim
+    linear_conv_kernel: int = 4  # Gated DeltaNet causal conv width (its cache keeps this many columns per channel)
+    first_layer_linear: bool = False  # Qwen3.5: layer 0 is a linear-attention layer (see first_linear_layer_bytes)
+    routed_expert_params: int = 0  # MoE: parameters of all routed experts (counted in total_params)
+    experts_active_fraction: float = 1.0  # MoE: experts routed per token / experts (top_k / E)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: the total less the routed experts it is not sent to (MoE)."""
+        return int(self.total_params - self.routed_expert_params * (1 - self.experts_active_fraction))
+
+    @property
+    def dynamic_resolution(self) -> bool:
+        return self.image_size == 0
+
+    def lora_params(self, r: int, targets: tuple | list, vision_linear_in_out: int = 0) -> int:
+        all_linear = "all-linear" in targets
+        n = sum(r * (i + o) * c for s, i, o, c in self.lora_linears if all_linear or s in targets)
+        return n + r * vision_linear_in_out
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GRPO step (mode sft: one `vlmrl sft` step, see sft_workload) on one device. Token counts are per prompt;
+    rows are completions."""
+
+    dtype: str = "bfloat16"
+    autocast: bool = True  # bf16 autocast on the device (training.bf16)
+    use_lora: bool = False
+    lora_r: int = 16
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    freeze_vision: bool = False
+    projector_only: bool = False
+    gradient_checkpointing: bool = False
+    num_generations: int = 4
+    prompts_per_step: int = 2  # prompts per rollout step on this device
+    micro_batch: int = 4  # rows per forward/backward
+    grad_accum: int = 1
+    prompts_per_call: int | None = None
+    rollout_engine: str = "loop"  # rollout.engine: continuous holds the KV cache of decode_batch_size rows, not of every row
+    decode_batch_size: int = 0  # rollout.decode_batch_size (0 = every row of a generate call)
+    prompt_text_tokens: int = 64
+    max_pixels: int = 448 * 448
+    images_per_prompt: int = 1
+    video_frames: int = 0  # frames of one video per prompt (data.max_frames); 0 = image prompts only (Qwen2-VL / Qwen2.5-VL)
+    video_max_pixels: int = 128 * 28 * 28  # pixel cap per video frame (data.video_max_pixels)
+    completion_tokens: int = 64
+    logprob_chunk_tokens: int = 128
+    group_vision: bool = True
+    shared_prefix: bool = True
+    beta: float = 0.0
+    num_iterations: int = 1
+    ref_placement: str = "device"
+    sharding: str = "none"
+    master_weights: str = "auto"  # auto | none | fp32: see master_weights_scheme
+    attn_implementation: str = "sdpa"  # model.attn_implementation: sdpa / flash_attention_2 (fused) or eager ([B, heads, S, S] kept)
+    generation_gather: str = "full"  # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
+    offload: str = "none"
+    offload_during_rollout: bool = False  # memory.offload_optimizer_during_rollout: states in host RAM for rollout + scoring
+    world_size: int = 1
+    gpu_memory_bytes: int | None = None
+    host_memory_bytes: int | None = None  # host RAM per node; None = no host verdict
+    device: str = "cuda"  # training.device: cpu puts every tensor in host RAM (the host plan is the plan)
+    mode: str = "grpo"  # grpo | sft (vlmrl sft: no rollout; one row per prompt; see sft_workload)
+    host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
+    profile: str = "vlmrl"  # vlmrl | naive | trl: whose step is planned (plan_profiles: a plain / TRL-style trainer's data path)
+    logits_positions: str = "completion"  # profile naive: completion (logits_to_keep) | sequence (the LM head projects every position)
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+def check_workload(w: Workload) -> None:
+    """PlanError listing every field of `w` outside its choices, each with the values it takes."""
+    problems = []
+    if w.sharding not in SHARDINGS:
+        problems.append(f"sharding={w.sharding!r}: use one of {', '.join(SHARDINGS)}")
+    if w.offload not in OFFLOADS:
+        problems.append(f"offload={w.offload!r}: use one of {', '.join(OFFLOADS)}")
+    if w.offload == "optimizer+params" and w.sharding not in ("zero3", "fsdp"):
+        problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
+    if w.offload != "none" and w.sharding in ("none", "ddp"):
+        problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    if w.mode not in ("grpo", "sft"):
+        problems.append(f"mode={w.mode!r}: use grpo or sft")
+    if w.attn_implementation not in ATTENTIONS:
+        problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
+    if w.profile not in PROFILES:
+        problems.append(f"profile={w.profile!r}: use one of {', '.join(PROFILES)}")
+    if w.logits_positions not in LOGITS_POSITIONS:
+        problems.append(f"logits_positions={w.logits_positions!r}: use one of {', '.join(LOGITS_POSITIONS)}")
+    if w.profile != "vlmrl" and w.mode == "sft":
+        problems.append(f"profile={w.profile} plans another trainer's GRPO step: use mode grpo (SFT is planned for vlmrl sft only)")
+    if w.master_weights not in MASTER_WEIGHTS:
+        problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
+    if w.dtype not in DTYPE_BYTES:
+        problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if w.video_frames < 0 or w.video_max_pixels < 1:
+        problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
+    if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
+        problems.append("micro_batch, grad_accum and world_size must be >= 1")
+    if problems:
+        raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
+
+
+def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, target_tokens: int | None = None) -> Workload:
+    """What one `vlmrl sft` step of `stage` does (src/vlmrl/sft.py): base.micro_batch rows (sft.batch_size), each with
+    its own prompt and image (one vision pass per row, no shared prefix), the target's tokens as the completion,
+    log-probs in base.logprob_chunk_tokens chunks (memory.logprob_chunk_tokens, as GRPO), one micro-batch per optimizer step, no rollout,
+    no reference. Stage 1 trains the projector only; stage 2 the language model + projector (+ the vision tower with
+    sft.train_vision_tower). With LoRA the stages train the same adapters (sft.py leaves them as they are)."""
+    if stage not in (1, 2):
+        raise PlanError(f"SFT stage {stage}: use 1 (projector only) or 2 (language model)")
+    n = base.micro_batch
+    stage_kw = {} if base.use_lora else {"projector_only": stage == 1, "freeze_vision": stage == 2 and not train_vision_tower}
+    return dataclasses.replace(
+        base,
+        mode="sft",
+        num_generations=1,
+        prompts_per_step=n,
+        micro_batch=n,
+        grad_accum=1,
+        prompts_per_call=None,
+        group_vision=False,
+        shared_prefix=False,
+        beta=0.0,
+        num_iterations=1,
+        completion_tokens=target_tokens or base.completion_tokens,
+        **stage_kw,
+    )

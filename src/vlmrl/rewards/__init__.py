@@ -1,0 +1,1 @@
+"""Reward functions: the built-in ones, loading a user's, and scoring a rollout the way TRL calls rewards."""

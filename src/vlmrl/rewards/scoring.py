@@ -1,0 +1,71 @@
+"""Rewards of a rollout: dataset columns and completions handed to the reward functions as TRL hands them."""
+
+from __future__ import annotations
+
+from vlmrl.config import Config, ConfigError
+
+
+def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
+    """Dataset columns for reward functions, each row repeated once per completion (TRL's convention)."""
+    keys = [k for k in rows[0] if not k.startswith("_")]
+    return {k: [r.get(k) for r in rows for _ in range(repeats)] for k in keys}
+
+
+def row_sources(rows: list[dict], repeats: int) -> list[str]:
+    """Each completion's dataset row as ``file:line`` (the rows' ``_source``), aligned with `reward_columns`, for messages."""
+    return [str(r.get("_source", "")) for r in rows for _ in range(repeats)]
+
+
+def score_rollout(
+    cfg: Config,
+    funcs: dict,
+    weights: dict,
+    rows: list[dict],
+    repeats: int,
+    texts: list[str],
+    comp=None,
+    step: int = 0,
+    num_rows: int | None = None,
+    when: str | None = None,
+    reward_log=None,
+) -> tuple[list[float], dict]:
+    """Rewards of `texts` (``repeats`` completions per row, in order), called the way TRL calls them: prompts and
+    completions in algorithm.completion_format, the dataset columns, ``completion_ids`` (each completion's ids up
+    to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
+    ``num_rows`` training rows), and TRL's ``log_extra`` / ``log_metric`` into ``reward_log`` (rewards.RewardLog).
+    Returns `compute_rewards`' (total, per_reward)."""
+    from vlmrl.rewards.functions import TrainerState, compute_rewards, reward_inputs
+
+    prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
+    completion_ids = None
+    if comp is not None:
+        completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
+    epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
+    state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
+    return compute_rewards(
+        funcs,
+        weights,
+        prompts,
+        completions,
+        reward_columns(rows, repeats),
+        completion_ids=completion_ids,
+        trainer_state=state,
+        when=when,
+        sources=row_sources(rows, repeats),
+        reward_log=reward_log,
+    )
+
+
+def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
+    from vlmrl.rewards.functions import FACTORY_SPEC_RE, load_reward
+
+    names = cfg.algorithm.reward_funcs
+    weights = cfg.algorithm.reward_weights or [1.0] * len(names)
+    # "file.py:name" and "module:factory(max_len=8)" are logged as name / factory.
+    short = [m["name"] if (m := FACTORY_SPEC_RE.fullmatch(n)) else n.rsplit(":", 1)[-1] for n in names]
+    # A file reward is logged under its function's name unless two rewards share it.
+    keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"algorithm.reward_funcs lists the same reward twice: {names}")
+    funcs = {k: load_reward(n) for k, n in zip(keys, names)}
+    return funcs, dict(zip(keys, weights))

@@ -1,0 +1,184 @@
+"""A run's datasets: the validated train and eval rows (the built-in task written when no path is set), and prompt
+batches encoded from rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlmrl.config import Config
+from vlmrl.engine.device import env_world
+from vlmrl.models.loading import resolve_model_path
+
+
+@dataclass
+class Datasets:
+    train: list[dict]
+    eval: list[dict]
+    reports: list[str]
+
+
+# Datasets validated by the preflight (cli.py), handed once to the run's own load_datasets call with the same settings.
+_VALIDATED: dict[str, Datasets] = {}
+
+
+def _datasets_key(cfg: Config, need_train: bool) -> str:
+    import json
+
+    from vlmrl.config import to_dict
+
+    return json.dumps(
+        [to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train], sort_keys=True, default=str
+    )
+
+
+def load_datasets(cfg: Config, need_train: bool = True, keep_for_run: bool = False, processor=None) -> Datasets:
+    """Validated train and eval rows; the built-in task is generated under output_dir/data when no path is set.
+
+    ``keep_for_run``: the preflight validated them; the next call with the same settings gets them without
+    reading every row again (once: they are not held after that). Images are checked against what the model's
+    processor accepts (`image_shape_check`); without `processor` the model folder's processor is loaded for that."""
+    key = _datasets_key(cfg, need_train)
+    if key in _VALIDATED:
+        return _VALIDATED.pop(key)
+    data = _load_datasets(cfg, need_train, processor)
+    if keep_for_run:
+        _VALIDATED.clear()
+        _VALIDATED[key] = data
+    return data
+
+
+def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
+    from vlmrl.data.rows import load_dataset_split
+    from vlmrl.data.tasks import TASKS
+
+    d = cfg.data
+    train_path, eval_path = d.train_path, d.eval_path
+    if (need_train and not train_path) or (not eval_path and not train_path):
+        task_dir = Path(cfg.training.output_dir) / "data" / d.task
+        options = {"distractors": d.task_distractors} if d.task == "count" else {}
+        options["colours"] = tuple(d.task_colours)
+        files = TASKS[d.task](
+            task_dir, n_train=d.task_train_size, n_test=d.task_test_size, seed=cfg.training.seed, image_size=d.task_image_size, **options
+        )
+        train_path = train_path or str(files["train"])
+        eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
+    reports = []
+    checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
+    train_rows: list[dict] = []
+    if need_train:
+        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
+        reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
+    eval_rows: list[dict] = []
+    if eval_path:
+        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks)
+        if cfg.training.eval_max_samples:
+            eval_rows = eval_rows[: cfg.training.eval_max_samples]
+        reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
+    refuse_videos_without_support(train_rows, eval_rows, processor, cfg)
+    return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+
+
+def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:
+    """Video rows for a model whose processor vlmrl cannot feed videos: one line before any training, naming a row."""
+    from vlmrl.data.rows import DataError
+    from vlmrl.models.processing import video_support
+
+    with_video = [r for r in [*train_rows, *eval_rows] if r.get("videos")]
+    if not with_video:
+        return
+    reason = video_support(processor if processor is not None else configured_processor(cfg))
+    if reason:
+        raise DataError(f"{with_video[0].get('_source', '?')} and {len(with_video) - 1} more rows have videos, but {reason}")
+
+
+def image_shape_check(cfg: Config, processor=None):
+    """The check of image sizes against the model's image processor (processing.ImageShapeCheck)."""
+    from vlmrl.models.processing import ImageShapeCheck
+
+    processor = processor if processor is not None else configured_processor(cfg)
+    return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
+
+
+def configured_processor(cfg: Config):
+    """The model folder's processor with the configured pixel bounds."""
+    from vlmrl.models.processing import load_processor
+
+    return load_processor(
+        resolve_model_path(cfg.model.name_or_path),
+        trust_remote_code=cfg.model.trust_remote_code,
+        min_pixels=cfg.data.min_pixels,
+        max_pixels=cfg.data.max_pixels,
+        local_files_only=not cfg.model.allow_hub_download,
+    )
+
+
+def record_bad_rows(cfg: Config, split: str, report) -> str:
+    """Every problem of the rows data.skip_bad_rows dropped, one JSON line each (``split``, ``source`` = file:line,
+    ``field``, ``kind``, ``reason``), in output_dir/bad_rows.jsonl (rewritten per split each run, main process only).
+    Returns the text that points the report line to that file ('' when nothing was dropped)."""
+    import json
+
+    from vlmrl.data.rows import bad_rows_records
+
+    path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
+    if env_world()[1] == 0:
+        from vlmrl.run.tracking import read_jsonl
+
+        # The other split's lines stay (train and eval load one after the other); unreadable lines go.
+        kept = [json.dumps(r, ensure_ascii=False) for r in read_jsonl(path) if isinstance(r, dict) and r.get("split") != split]
+        lines = kept + [json.dumps({"split": split, **r}, ensure_ascii=False) for r in bad_rows_records(report)]
+        if lines:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        elif path.exists():
+            path.unlink()
+    return f" (all listed in {path})" if report.skipped_rows else ""
+
+
+def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
+    """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
+    from vlmrl.data.rows import load_images, shared_image_cache
+    from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, build_prompt, encode_prompts
+
+    d = cfg.data
+    cache = shared_image_cache(d.image_cache_mb)
+    images = [load_images(r["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache) for r in rows]
+    exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
+    videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
+    texts = [build_prompt(processor, r["problem"], len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
+    try:
+        batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
+    except ValueError as e:  # what validation could not foresee still names the rows
+        raise _rows_error(rows, images, e) from e
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):
+    """One video of a row (data.load_video under data.max_frames / fps / video_max_pixels); errors name the row."""
+    from vlmrl.data.rows import DataError, load_video
+    from vlmrl.data.video import VideoError
+
+    try:
+        return load_video(
+            source,
+            max_frames=d.max_frames,
+            fps=d.fps,
+            min_pixels=None,
+            max_pixels=d.video_max_pixels,
+            cache=cache,
+            exact_frames=exact_frames,
+            max_image_pixels=d.max_image_pixels,
+        )
+    except (VideoError, DataError) as e:
+        raise DataError(f"{row.get('_source', '?')}: video: {e}") from e
+
+
+def _rows_error(rows: list[dict], images: list[list], error: Exception):
+    """DataError naming each row of a batch the processor refused, with its image sizes after resizing."""
+    from vlmrl.data.rows import DataError
+
+    described = "; ".join(f"{r.get('_source', '?')} (images {[f'{im.width}x{im.height}' for im in imgs]})" for r, imgs in zip(rows, images))
+    return DataError(f"the processor refused a batch of rows: {described}: {type(error).__name__}: {' '.join(str(error).split())}")

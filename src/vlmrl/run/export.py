@@ -1,0 +1,89 @@
+"""`vlmrl export`: a checkpoint as a plain Hugging Face folder, on one process.
+
+Nothing read from the checkpoint can run code, and the settings that decide which code loads come only from the
+user's command line (export_config)."""
+
+from __future__ import annotations
+
+import torch
+
+CODE_LOADING_KEYS = ("trust_remote_code", "allow_hub_download")
+
+
+def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=print):
+    """The Config `vlmrl export` loads the base model with: the checkpoint's config tree, except that the
+    code-loading settings (model.trust_remote_code, model.allow_hub_download) come only from the user's
+    `overrides` (key=value, as on the command line; off otherwise), and with any of them on, the model path
+    they load code from must come from the overrides too."""
+    from vlmrl.config import ConfigError, _merge_key, build_config, parse_override
+
+    tree = {section: dict(values) for section, values in (tree or {}).items() if isinstance(values, dict)}
+    model = tree.setdefault("model", {})
+    ignored = [f"model.{k}" for k in CODE_LOADING_KEYS if model.pop(k, False)]
+    if ignored:
+        log(
+            f"ignoring {', '.join(ignored)}=true from the checkpoint's config.yaml: code-loading settings come only from "
+            f"the command line (add them there, with model.name_or_path, if you trust that code)"
+        )
+    given: dict = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _merge_key(given, key, value, f"argument {text!r}")
+    for section, values in given.items():
+        tree.setdefault(section, {}).update(values)
+    tree.setdefault("training", {})["device"] = "cpu"
+    user_model = given.get("model", {})
+    if any(user_model.get(k) for k in CODE_LOADING_KEYS) and "name_or_path" not in user_model:
+        raise ConfigError(
+            "model.trust_remote_code / model.allow_hub_download load code from model.name_or_path: give "
+            "model.name_or_path=<folder you trust> on the command line too (vlmrl export never takes it from "
+            "the checkpoint folder when code loading is on)"
+        )
+    return build_config(tree)
+
+
+def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
+    transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
+    also under out/adapter), plus the processor. Checkpoints hold full states (one process, DDP, FSDP2 with
+    FULL_STATE_DICT: gathered when written) or, with SHARDED_STATE_DICT, per-process shards consolidated here.
+    Nothing read from the checkpoint can run code: weights through safetensors / code-free DCP reading, configs
+    as JSON / safe YAML, and code-loading settings only from `overrides` (export_config)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from vlmrl.checkpoints.files import (
+        SHARDED_DIR,
+        CheckpointError,
+        find_resume_checkpoint,
+        is_sharded_checkpoint,
+        read_checkpoint_config,
+        read_trainer_state,
+        verify_checkpoint,
+    )
+    from vlmrl.models.loading import save_model
+    from vlmrl.models.policy import load_policy
+    from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
+
+    path = Path(checkpoint)
+    if not (path / "manifest.json").exists():
+        found = find_resume_checkpoint(path, "auto", warn=log)
+        if found is None:
+            raise CheckpointError(f"{path} is neither a checkpoint nor a run folder holding a valid one")
+        path = found
+    ok, reason = verify_checkpoint(path)
+    if not ok:
+        raise CheckpointError(f"checkpoint {path} is invalid: {reason}")
+    engine = read_trainer_state(path).get("engine", "single")
+    if engine == "deepspeed":  # vlmrl does not write these (train refuses); a hand-made folder would hold ZeRO partitions
+        raise CheckpointError(f"{path} holds DeepSpeed states; exporting them is not supported")
+    cfg = export_config(read_checkpoint_config(path), overrides, log)
+    model, processor = load_policy(cfg, torch.device("cpu"))
+    if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process
+        model.load_state_dict(consolidated_model_state(path / SHARDED_DIR))
+    else:
+        load_trainable_weights(model, path / "model", load_file)
+    save_model(model, processor, out)
+    log(f"exported {path} to {out}")
+    return out

@@ -1,0 +1,151 @@
+"""Checks that need no model weights, run before `train`, `sft` and `eval` load anything heavy.
+
+On a 7B model a typo found after the weights load costs minutes; everything here takes seconds:
+the model folder holds what loading will need (config, weights and every shard an index names, tokenizer
+files, a chat template, an image processor config), the reward specs import and run on a few real rows,
+every data row is validated (the result is kept for the run, so the rows are not read twice), and
+`vlmrl eval` knows which data it scores. Each problem raises the error type cli.py turns into one line
+and exit status 2 (ConfigError, DataError, ModelLoadError, RewardError).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
+
+REWARD_PROBE_ROWS = 2
+
+
+def preflight(cfg: Config, command: str, log=print):
+    """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind.
+    Returns the datasets it read (None on a non-main process)."""
+    if command == "eval":
+        check_eval_data(cfg)
+    elif command in ("train", "sft", "check"):
+        check_trackers(cfg)
+    check_model_folder(cfg)
+    from vlmrl.engine.device import env_world
+    from vlmrl.run.datasets import load_datasets
+    from vlmrl.rewards.scoring import load_reward_funcs
+
+    try:
+        funcs, weights = load_reward_funcs(cfg)  # unknown names (RewardError), missing files, import errors
+    except ValueError as e:  # the same reward listed twice
+        raise ConfigError(str(e)) from None
+    if env_world()[1] != 0:
+        return None  # several processes: the main one reads the data (the built-in task's files are written once)
+    data = load_datasets(cfg, need_train=command != "eval", keep_for_run=command != "check")
+    if command == "check":
+        for line in data.reports:
+            log(line)
+    rows = (data.train or data.eval)[:REWARD_PROBE_ROWS]
+    if rows:
+        check_rewards_on_rows(cfg, funcs, weights, rows)
+    return data
+
+
+def check_trackers(cfg: Config) -> None:
+    """ConfigError when a tracker in logging.report_to needs a package that is not installed (found without importing it)."""
+    from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
+
+    missing = missing_tracker_packages(resolve_report_to(cfg.logging.report_to))
+    if missing:
+        raise ConfigError(missing[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model folder
+
+
+def check_model_folder(cfg: Config) -> None:
+    """ModelLoadError listing everything the model folder lacks (models.check_model_folder). The embedded model is
+    built by vlmrl, and a hub id with model.allow_hub_download=true is fetched by transformers: neither is a
+    folder to check."""
+    from vlmrl.models.loading import ModelLoadError, require_complete_model_folder
+
+    name = cfg.model.name_or_path
+    folder = Path(name).expanduser()
+    if name == EMBEDDED_MODEL or (cfg.model.allow_hub_download and not folder.exists()):
+        return
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"model.name_or_path: {folder} {'does not exist' if not folder.exists() else 'is not a folder'} (vlmrl "
+            "loads local folders; model.allow_hub_download=true lets transformers download a hub id)"
+        )
+    require_complete_model_folder(folder)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards
+
+
+def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[dict]) -> None:
+    """Call every reward on a few real rows, with the completion a correct model would write (the SFT target)
+    in algorithm.completion_format, so a reward that cannot take these inputs fails now with its own error
+    (RewardError naming the reward and the sample) instead of after the model loads. ``completion_ids`` are
+    placeholders (no tokenizer is loaded yet)."""
+    from vlmrl.rewards.functions import TrainerState, compute_rewards, reward_inputs
+    from vlmrl.rewards.scoring import reward_columns, row_sources
+    from vlmrl.data.rows import sft_target
+
+    texts = [sft_target(row) for row in rows]
+    prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
+    try:
+        compute_rewards(
+            funcs,
+            weights,
+            prompts,
+            completions,
+            reward_columns(rows, 1),
+            completion_ids=[[0] for _ in rows],
+            trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
+            when="the check before training (the row's solution as the completion)",
+            sources=row_sources(rows, 1),
+        )
+    except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
+        from vlmrl.data.rows import DataError
+
+        raise DataError(f"{rows[0].get('_source', 'data')}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# What eval scores
+
+
+def check_eval_data(cfg: Config) -> None:
+    """`vlmrl eval` scores data.eval_path. Without it, only a run on the built-in task (the embedded model, or a
+    model folder a vlmrl run trained on the built-in task) may fall back to that task's test split; anything
+    else would report the built-in task's score as if it were the user's, so it is refused."""
+    if cfg.data.eval_path:
+        return
+    if cfg.data.train_path:
+        raise ConfigError(
+            f"data.eval_path is empty (data.train_path={cfg.data.train_path} is your data); set "
+            "data.eval_path=<held-out file> so eval scores your data, not the built-in task"
+        )
+    if cfg.model.name_or_path == EMBEDDED_MODEL or trained_on_builtin_task(Path(cfg.model.name_or_path).expanduser()):
+        return
+    raise ConfigError(
+        f"data.eval_path is empty; set data.eval_path=<held-out file> to score "
+        f"{cfg.model.name_or_path} (only the embedded model or a run on the built-in task falls back to the "
+        f"built-in {cfg.data.task!r} task)"
+    )
+
+
+def trained_on_builtin_task(model_folder: Path) -> bool:
+    """Whether `model_folder` is the final model of a vlmrl run (output_dir/final) whose config used the built-in task."""
+    import yaml
+
+    run_config = model_folder.parent / "config.yaml"
+    try:
+        saved = yaml.safe_load(run_config.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    data = saved.get("data") if isinstance(saved, dict) else None
+    return isinstance(data, dict) and not data.get("train_path") and model_folder.name == "final"
+
+
+def eval_data_name(cfg: Config) -> str:
+    """What `vlmrl eval` scores, for the line it prints."""
+    return cfg.data.eval_path or f"the built-in {cfg.data.task!r} task's test split (data.eval_path is empty)"

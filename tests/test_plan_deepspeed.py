@@ -1,0 +1,130 @@
+"""DeepSpeed ZeRO's buffers as planner terms (deepspeed), by hand, on the hand-made architecture of
+tests/test_planner.py (1,000,000 parameters, embedding 100,000, 4 + 2 layers), bfloat16 weights on 4 ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_planner import FP32, SPEC
+
+from vlmrl.plan.deepspeed import (
+    ZeroConfig,
+    zero3_fp32_grad_buffer,
+    zero3_gathered_parameters,
+    zero3_persistent_parameters,
+    zero_config,
+    zero_fp32_grad_partition,
+    zero_reduce_buckets,
+    zero_terms,
+)
+from vlmrl.plan.spec import PlanError
+
+W = dataclasses.replace(FP32, dtype="bfloat16", world_size=4, sharding="zero2")
+
+
+def _z(**kw):
+    return ZeroConfig(**kw)
+
+
+def test_unset_keys_take_deepspeeds_defaults():
+    z = zero_config({"zero_optimization": {"stage": 2}}, hidden=64)
+    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.contiguous_gradients, z.overlap) == (500_000_000, 500_000_000, True, False)
+    z3 = zero_config({"zero_optimization": {"stage": 3}}, hidden=64)
+    assert (z3.prefetch_bucket_size, z3.param_persistence_threshold, z3.max_live_parameters, z3.overlap) == (50_000_000, 100_000, 10**9, True)
+    assert zero_config({}, hidden=64).stage == 0
+
+
+def test_sizes_as_written_and_auto_as_accelerate_fills_it():
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": True, "offload_optimizer": {"device": "cpu"}}}
+    z = zero_config(ds, hidden=64)
+    assert (z.reduce_bucket_size, z.overlap, z.offload_optimizer, z.offload_param) == (50_000_000, True, True, False)
+    auto = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
+    z3 = zero_config({"zero_optimization": auto}, hidden=64)
+    assert (z3.reduce_bucket_size, z3.prefetch_bucket_size, z3.param_persistence_threshold) == (64 * 64, int(0.9 * 64 * 64), 640)
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"stage": 4}, "zero_optimization.stage"),
+        ({"stage": 2, "reduce_bucket_size": "big"}, "zero_optimization.reduce_bucket_size"),
+        ({"stage": 2, "reduce_bucket_size": -1}, "zero_optimization.reduce_bucket_size"),
+        ({"stage": 2, "allgather_bucket_size": "auto"}, "zero_optimization.allgather_bucket_size"),
+        ({"stage": 3, "stage3_max_live_parameters": True}, "zero_optimization.stage3_max_live_parameters"),
+    ],
+)
+def test_a_bad_value_is_one_error_naming_the_key(section, key):
+    with pytest.raises(PlanError, match=key.replace(".", r"\.")):
+        zero_config({"zero_optimization": section}, hidden=64)
+
+
+def test_reduce_buckets():
+    assert zero_reduce_buckets(SPEC, W, _z(stage=2)) == 500_000_000 * 2  # one bf16 bucket, allocated whole
+    assert zero_reduce_buckets(SPEC, W, _z(stage=2, overlap_comm=True)) == 2 * 500_000_000 * 2  # double-buffered
+    assert zero_reduce_buckets(SPEC, W, _z(stage=3)) == 500_000_000 * 2  # stage 3: one, overlap or not
+    assert zero_reduce_buckets(SPEC, W, _z(stage=2, contiguous_gradients=False)) == 0
+    assert zero_reduce_buckets(SPEC, W, _z(stage=2, contiguous_gradients=False, offload_optimizer=True)) == 500_000_000 * 2
+    assert zero_reduce_buckets(SPEC, dataclasses.replace(W, use_lora=True), _z(stage=1, reduce_bucket_size=1000)) == 1000 * 4
+    assert zero_reduce_buckets(SPEC, W, _z(stage=0)) == 0
+
+
+def test_fp32_gradient_partition_at_the_step():
+    assert zero_fp32_grad_partition(SPEC, W, _z(stage=2)) == 250_000 * (4 + 2)  # flat bf16 copy + float32
+    three = dataclasses.replace(W, world_size=3)
+    assert zero_fp32_grad_partition(SPEC, three, _z(stage=1)) == 333_334 * 6  # padded to a multiple of the ranks
+    assert zero_fp32_grad_partition(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0  # on the host
+    assert zero_fp32_grad_partition(SPEC, W, _z(stage=3)) == 0
+
+
+def test_zero3_fp32_gradient_buffer():
+    assert zero3_fp32_grad_buffer(SPEC, W, _z(stage=3)) == 250_000 * 4
+    assert zero3_fp32_grad_buffer(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * 4  # the largest sub-group
+    assert zero3_fp32_grad_buffer(SPEC, W, _z(stage=2)) == 0
+
+
+def test_zero3_gathered_parameters():
+    # a layer's share: (1,000,000 - 100,000) / (4 + 2) = 150,000 elements; the embedding 100,000
+    assert zero3_gathered_parameters(SPEC, W, _z(stage=3)) == 1_000_000 * 2  # the default prefetch exceeds the model
+    assert zero3_gathered_parameters(SPEC, W, _z(stage=3, prefetch_bucket_size=100_000)) == (150_000 + 100_000) * 2
+    assert zero3_gathered_parameters(SPEC, W, _z(stage=3, prefetch_bucket_size=100_000, max_live_parameters=200_000)) == 200_000 * 2
+    assert zero3_gathered_parameters(SPEC, W, _z(stage=3, max_live_parameters=1000)) == 150_000 * 2  # the running layer always
+    assert zero3_gathered_parameters(SPEC, W, _z(stage=2)) == 0
+
+
+def test_zero3_persistent_parameters():
+    sizes = ((64, 9), (1000, 2), (200_000, 3))  # norms, biases, matrices
+    kept = 64 * 9 + 1000 * 2  # at most 100,000 elements each
+    assert zero3_persistent_parameters(SPEC, W, _z(stage=3), sizes) == kept * 2 * (1 - 1 / 4)
+    assert zero3_persistent_parameters(SPEC, W, _z(stage=3, model_persistence_threshold=1000), sizes) == 64 * 9 * 2 * 0.75
+    assert zero3_persistent_parameters(SPEC, W, _z(stage=3, param_persistence_threshold=10), sizes) == 0
+    assert zero3_persistent_parameters(SPEC, W, _z(stage=2), sizes) == 0
+
+
+def test_zero_terms_of_a_deepspeed_config():
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 100_000}}
+    t = zero_terms(SPEC, dataclasses.replace(W, sharding="zero3"), ds, ((64, 9),))
+    assert t == {
+        "zero_reduce_buckets": 64 * 64 * 2,  # auto: hidden^2 elements, one bf16 bucket
+        "zero_fp32_grad_partition": 0,
+        "zero3_fp32_grad_buffer": 250_000 * 4,
+        "zero3_gathered_parameters": (150_000 + 100_000) * 2,
+        "zero3_persistent_parameters": int(64 * 9 * 2 * 0.75),
+    }
+
+
+@pytest.mark.integration  # builds a meta-device model (transformers)
+def test_parameter_sizes_count_every_parameter_in_order():
+    import torch
+    from planner_accuracy import tiny_qwen25_config
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.plan.hf import parameter_sizes, spec_from_hf_config
+
+    cfg = tiny_qwen25_config()
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+    sizes = parameter_sizes(model)
+    assert sum(n * c for n, c in sizes) == spec_from_hf_config(cfg.to_dict(), "tiny").total_params
+    assert sum(c for _, c in sizes) == len(list(model.parameters()))
+    assert all(a[0] != b[0] for a, b in zip(sizes, sizes[1:]))  # runs merged

@@ -1,0 +1,54 @@
+"""The closed form's every figure, unchanged: each (ModelSpec, Workload) the planner tests plan and each configuration
+of `benchmarks/planner_accuracy.py trace`'s grid, replayed against tests/golden/plan_golden.json.gz (written by
+scripts/make_plan_golden.py before the planner was split into one function per term): the split changed no figure,
+and the closed form vs trace comparison of the grid is therefore the one recorded before it."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from plan_golden import outcome, rebuild
+
+from vlmrl.plan.planner import ModelSpec, Workload, plan
+
+GOLDEN = Path(__file__).parent / "golden" / "plan_golden.json.gz"
+CASES = json.loads(gzip.decompress(GOLDEN.read_bytes()))["cases"]
+
+
+def test_the_golden_file_covers_the_trace_grid_and_the_planner_tests():
+    families = {c["spec"]["family"] for c in CASES}
+    assert len(CASES) > 200
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl", "llava_onevision"} <= families
+    assert any("error" in c["expected"] for c in CASES)  # PlanError messages are part of the answer too
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_every_figure_equals_the_golden_file(chunk):
+    """Every term, phase, host term, verdict, note and step time, exactly (ints and float bits), in 8 slices."""
+    mismatches = []
+    for case in CASES[chunk::8]:
+        spec, w = rebuild(ModelSpec, case["spec"]), rebuild(Workload, case["workload"])
+        got = outcome(plan, spec, w)
+        if got != case["expected"]:
+            diff = {k: (case["expected"].get(k), got.get(k)) for k in set(got) | set(case["expected"]) if got.get(k) != case["expected"].get(k)}
+            mismatches.append((spec.name, diff))
+    assert not mismatches, mismatches[:3]
+
+
+@pytest.mark.slow
+def test_model_specs_read_from_the_configs_are_unchanged():
+    """The specs of the trace grid's models (meta-device parameter counts, dimensions) as plan.hf reads them now."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from planner_accuracy import spec_for, trace_grid
+
+    stored = {c["spec"]["name"]: c["spec"] for c in CASES}
+    models = sorted({p.model for p in trace_grid()})
+    assert set(models) <= set(stored)
+    changed = [m for m in models if json.loads(json.dumps(dataclasses.asdict(spec_for(m)))) != stored[m]]
+    assert not changed
