@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from vlmrl.algo.advantages import ADV_EPS, group_advantages
+from vlmrl.config import AlgorithmConfig
 from vlmrl.algo.losses import Normaliser, aggregate, k3_kl, per_token_loss, step_normaliser
+
+
+def algo(**kw):
+    """The algorithm config the losses read their hyperparameters from (defaults: epsilon 0.2, beta 0, ppo_clip)."""
+    return AlgorithmConfig(**kw)
 
 
 def test_group_advantages_hand_computed():
@@ -49,11 +55,11 @@ def test_k3_hand_computed():
 def test_clipped_surrogate_hand_computed():
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.7]]))  # ratios
-    loss_pos, parts = per_token_loss(logp, old, torch.tensor([1.0]), 0.2, 0.28)
+    loss_pos, parts = per_token_loss(logp, old, torch.tensor([1.0]), algo(epsilon_high=0.28))
     # A > 0: min(r, clip(r, 0.8, 1.28)) -> [1.28, 0.5, 1.1, 0.7]
     assert torch.allclose(loss_pos, -torch.tensor([[1.28, 0.5, 1.1, 0.7]]))
     assert parts["is_clipped"].tolist() == [[True, False, False, False]]
-    loss_neg, parts = per_token_loss(logp, old, torch.tensor([-2.0]), 0.2, 0.28)
+    loss_neg, parts = per_token_loss(logp, old, torch.tensor([-2.0]), algo(epsilon_high=0.28))
     # A < 0: min(-2r, -2 clip(r)) = -2 max(r, clip(r)) -> [1.5, 0.8, 1.1, 0.8]
     assert torch.allclose(loss_neg, 2 * torch.tensor([[1.5, 0.8, 1.1, 0.8]]))
     assert parts["is_clipped"].tolist() == [[False, True, False, True]]
@@ -62,10 +68,10 @@ def test_clipped_surrogate_hand_computed():
 def test_kl_term_added_with_beta():
     logp = torch.log(torch.tensor([[0.5]]))
     ref = torch.log(torch.tensor([[0.25]]))
-    loss, parts = per_token_loss(logp, logp.detach(), torch.tensor([0.0]), 0.2, 0.2, ref, beta=0.1)
+    loss, parts = per_token_loss(logp, logp.detach(), torch.tensor([0.0]), algo(beta=0.1), ref)
     assert loss.item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1))
     with pytest.raises(ValueError):
-        per_token_loss(logp, logp, torch.tensor([0.0]), 0.2, 0.2, None, beta=0.1)
+        per_token_loss(logp, logp, torch.tensor([0.0]), algo(beta=0.1), None)
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -135,7 +141,7 @@ def test_vectorised_matches_naive_loop_and_microbatching(loss_type, beta):
     norm = step_normaliser([mask[m] for m in micro], max_len)
     total = 0.0
     for m in micro:
-        tok, _ = per_token_loss(logps[m], old[m], adv[m], 0.2, 0.28, ref[m], beta)
+        tok, _ = per_token_loss(logps[m], old[m], adv[m], algo(epsilon_high=0.28, beta=beta), ref[m])
         total = total + aggregate(tok, mask[m], loss_type, norm)
     (g_fast,) = torch.autograd.grad(total, logps)
     assert total.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_advantages, reinforce_pp_advantages
-from vlmrl.config import ConfigError, load_config
+from vlmrl.config import AlgorithmConfig, ConfigError, load_config
 from vlmrl.algo.losses import AGGREGATIONS, POLICY_LOSSES, aggregate, per_token_loss, step_normaliser
 from vlmrl.train import loss_mask_of
 
@@ -32,7 +32,7 @@ def test_reinforce_pp_matches_naive_loop():
     mean = sum(rewards.tolist()) / n
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards.tolist()) / (n - 1))
     naive = [(r - mean) / (std + 1e-4) for r in rewards.tolist()]
-    assert ADVANTAGE_ESTIMATORS["reinforce_pp"](rewards, 4).tolist() == pytest.approx(naive, rel=1e-5)
+    assert ADVANTAGE_ESTIMATORS["reinforce_pp"](rewards, 4, AlgorithmConfig()).tolist() == pytest.approx(naive, rel=1e-5)
 
 
 # ---------------------------------------------------------------- GSPO
@@ -44,13 +44,17 @@ def test_gspo_hand_computed_value_and_gradient():
     s = math.exp(0.5)
     # A = +1: min(s, 1.2) = 1.2 (clipped): loss -1.2 and no gradient.
     logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss = aggregate(per_token_loss(logps, old, torch.tensor([1.0]), 0.2, 0.2, mask=mask, policy_loss="gspo")[0], mask, "seq_mean_token_mean", norm)
+    loss = aggregate(
+        per_token_loss(logps, old, torch.tensor([1.0]), AlgorithmConfig(policy_loss="gspo"), mask=mask)[0], mask, "seq_mean_token_mean", norm
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-1.2)
     assert logps.grad.abs().max().item() == 0
     # A = -1: min(-s, -1.2) = -s (unclipped): loss s, d loss / d logp_t = s / 2 per token (the sequence mean's 1/|y|).
     logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    loss = aggregate(per_token_loss(logps, old, torch.tensor([-1.0]), 0.2, 0.2, mask=mask, policy_loss="gspo")[0], mask, "seq_mean_token_mean", norm)
+    loss = aggregate(
+        per_token_loss(logps, old, torch.tensor([-1.0]), AlgorithmConfig(policy_loss="gspo"), mask=mask)[0], mask, "seq_mean_token_mean", norm
+    )
     loss.backward()
     assert loss.item() == pytest.approx(s, rel=1e-6)
     assert logps.grad[0].tolist() == pytest.approx([s / 2, s / 2], rel=1e-6)
@@ -67,7 +71,7 @@ def test_gspo_matches_naive_sequence_loop_values_and_gradients():
     eps_lo, eps_hi = 0.03, 0.04
 
     logps = logps0.clone().requires_grad_(True)
-    tok, _ = per_token_loss(logps, old, adv, eps_lo, eps_hi, mask=mask, policy_loss="gspo")
+    tok, _ = per_token_loss(logps, old, adv, AlgorithmConfig(epsilon=eps_lo, epsilon_high=eps_hi, policy_loss="gspo"), mask=mask)
     fast = aggregate(tok, mask, "seq_mean_token_mean", step_normaliser([mask], t))
     fast.backward()
 
@@ -89,7 +93,7 @@ def test_cispo_hand_computed():
     logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -2.0]])  # ratios e^0.5, 1
     mask = torch.ones(1, 2)
-    tok, parts = per_token_loss(logps, old, torch.tensor([2.0]), 0.2, 0.28, mask=mask, policy_loss="cispo")
+    tok, parts = per_token_loss(logps, old, torch.tensor([2.0]), AlgorithmConfig(epsilon_high=0.28, policy_loss="cispo"), mask=mask)
     assert tok[0].tolist() == pytest.approx([-1.28 * 2 * -1.0, -1.0 * 2 * -2.0])
     assert parts["is_clipped"].tolist() == [[True, False]]
     tok.sum().backward()
@@ -104,7 +108,12 @@ def test_cispo_matches_naive_token_loop():
     adv = torch.randn(n)
     mask = (torch.rand(n, t) > 0.2).float()
     logps = logps0.clone().requires_grad_(True)
-    fast = aggregate(per_token_loss(logps, old, adv, 0.2, 0.28, mask=mask, policy_loss="cispo")[0], mask, "token_mean", step_normaliser([mask], t))
+    fast = aggregate(
+        per_token_loss(logps, old, adv, AlgorithmConfig(epsilon_high=0.28, policy_loss="cispo"), mask=mask)[0],
+        mask,
+        "token_mean",
+        step_normaliser([mask], t),
+    )
     fast.backward()
     ref_logps = logps0.clone().requires_grad_(True)
     total, count = 0.0, 0
@@ -126,8 +135,8 @@ def test_policy_losses_accept_per_token_advantages():
     adv_tok = adv_seq.unsqueeze(1).expand(2, 3)
     mask = torch.ones(2, 3)
     for name, fn in POLICY_LOSSES.items():
-        a, _ = fn(logps, logps + 0.1, adv_seq, mask, 0.2, 0.2)
-        b, _ = fn(logps, logps + 0.1, adv_tok, mask, 0.2, 0.2)
+        a, _ = fn(logps, logps + 0.1, adv_seq, mask, AlgorithmConfig())
+        b, _ = fn(logps, logps + 0.1, adv_tok, mask, AlgorithmConfig())
         torch.testing.assert_close(a, b, msg=name)
 
 
@@ -137,7 +146,8 @@ def test_trl_names_are_aliases_of_the_explicit_ones():
     assert (cfg.loss_aggregation, cfg.advantage_estimator) == ("token_mean", "dr_grpo")
     cfg = load_config(None, ["algorithm.advantage_estimator=reinforce_pp", "algorithm.policy_loss=cispo", "algorithm.loss_aggregation=token_mean"])
     assert (cfg.advantage_estimator, cfg.algorithm.policy_loss, cfg.loss_aggregation) == ("reinforce_pp", "cispo", "token_mean")
-    assert set(AGGREGATIONS) == {"seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"}
+    assert set(AGGREGATIONS) == {"seq_mean_token_mean", "token_mean", "token_mean_rollout", "seq_mean_token_sum_norm", "local_token_mean"}
+    assert load_config(None, ["algorithm.loss_type=bnpo"]).loss_aggregation == "local_token_mean"
 
 
 @pytest.mark.parametrize(
@@ -181,11 +191,11 @@ def test_the_readme_example_algorithm_plugs_in(monkeypatch):
     diff = re.search(r"```diff\n(.*?)```", page, re.S).group(1)
     added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
     code = "\n".join(line for line in added if not line.startswith("POLICY_LOSSES"))
-    namespace = {"torch": torch, "_per_token": losses._per_token}
+    namespace = {"torch": torch, "_per_token": losses._per_token, "epsilon_high": losses.epsilon_high}
     exec(code, namespace)  # noqa: S102 - our own docs
     monkeypatch.setitem(losses.POLICY_LOSSES, "masked_ratio", namespace["masked_ratio_loss"])
     assert load_config(None, ["algorithm.policy_loss=masked_ratio"]).algorithm.policy_loss == "masked_ratio"
     logps = torch.tensor([[-1.0, -1.0]])
     old = torch.tensor([[-1.0, -2.0]])  # ratios 1 (inside) and e (outside)
-    loss, parts = per_token_loss(logps, old, torch.tensor([2.0]), 0.2, 0.2, policy_loss="masked_ratio")
+    loss, parts = per_token_loss(logps, old, torch.tensor([2.0]), AlgorithmConfig(policy_loss="masked_ratio"))
     assert loss[0].tolist() == pytest.approx([-2.0, 0.0]) and parts["is_clipped"].tolist() == [[False, True]]

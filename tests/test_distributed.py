@@ -437,7 +437,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from vlmrl.config import load_config
+    from vlmrl.config import AlgorithmConfig, load_config
     from vlmrl.data.rows import load_dataset_split
     from vlmrl.engine.distributed import FSDP2Engine, PolicyCall
     from vlmrl.models.logprobs import group_rows
@@ -486,7 +486,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
 
     def loss_of(fn_model_call, norm):
         logps = fn_model_call(completion_logps_for, prompts, row_prompt, comp.ids, comp.mask, LogprobOptions(chunk_tokens=1024))
-        return aggregate(per_token_loss(logps, logps.detach(), advantages, 0.2, 0.2)[0], comp.mask, "grpo", norm)
+        return aggregate(per_token_loss(logps, logps.detach(), advantages, AlgorithmConfig())[0], comp.mask, "grpo", norm)
 
     norm = d.step_normaliser([comp.mask], 5)
     # Reference: the unsharded model's gradient of the same global loss (sum of the processes' parts).

@@ -2,6 +2,11 @@
 through train() for two steps. The golden file was recorded from the loop before it was restructured into
 phase functions; a change in what gradient the loop computes shows up here as a changed loss, grad norm or weight.
 
+Every case's rollout (generation_batch_size 8, 4 rows per optimizer step) spans two optimizer steps, so the second
+step's rows were sampled before the first step changed the policy. The cases that do so with num_iterations=1 were
+re-recorded when old log-probs started being scored for them (issue 25, part 1: before, the second step took its
+ratio against itself, 1); with that change reverted, the loop reproduces the earlier values of all of them.
+
 Re-record (only when the math is meant to change): VLMRL_RECORD_GOLDEN=1 pytest tests/test_loop_golden.py
 """
 
@@ -30,6 +35,17 @@ CASES = {
 # Long enough that some completions are truncated and some are not: the mask then changes the loss.
 CASES["mask_truncated"] = ["algorithm.mask_truncated_completions=true", "rollout.max_completion_length=3"]
 CASES["iterations_kl"] = ["algorithm.num_iterations=2", "algorithm.beta=0.1", "training.per_device_train_batch_size=2"]
+# Rollouts spanning several optimizer steps with the 2026 pieces: bnpo's per-micro-batch normaliser (2 micro-batches of
+# 2 rows per step), TRL's ratio-corrected KL, SAPO's gate and two-sided clipping.
+CASES["span_bnpo_k3_ratio"] = [
+    "algorithm.loss_type=bnpo",
+    "algorithm.beta=0.1",
+    "algorithm.use_bias_correction_kl=true",
+    "training.per_device_train_batch_size=2",
+    "training.gradient_accumulation_steps=2",
+]
+CASES["span_sapo_iterations"] = ["algorithm.policy_loss=sapo", "algorithm.num_iterations=2"]
+CASES["span_delta"] = ["algorithm.delta=1.5", "algorithm.epsilon=0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +110,16 @@ def test_golden_cases_differ():
     The three loss types coincide when every completion has the maximum length, as with this random model (their
     differences are unit-tested in test_algorithm.py), so the distinct cases are the advantage scalings and options."""
     golden = json.loads(GOLDEN.read_text())
-    distinct = ["grpo-group", "grpo-batch", "grpo-none", "mask_truncated", "iterations_kl"]
+    distinct = [
+        "grpo-group",
+        "grpo-batch",
+        "grpo-none",
+        "mask_truncated",
+        "iterations_kl",
+        "span_bnpo_k3_ratio",
+        "span_sapo_iterations",
+        "span_delta",
+    ]
     sums = {case: round(golden[case]["weight_abs_sum"], 3) for case in distinct}
     assert len(set(sums.values())) == len(sums), sums
     # Every completion of mask_truncated hit the length limit, so nothing is left in the loss: no update at all.

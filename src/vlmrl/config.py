@@ -35,14 +35,42 @@ DATA_FORMATS = ("vlmrl", "trl", "conversations", "messages", "easyr1")
 MAPPABLE_COLUMNS = ("problem", "solution", "image", "images", "video", "videos", "prompt", "messages", "conversations", "answer")
 
 
+# algorithm.preset -> {field: (value, fields that choose the same thing)}: each value fills its field when the config
+# sets neither it nor any of those fields. Applied before model.defaults, so the preset's values count as set.
+ALGORITHM_PRESETS: dict[str, dict[str, tuple[Any, tuple[str, ...]]]] = {
+    "vlmrl": {},
+    # TRL 1.16's GRPOConfig / TrainingArguments defaults where they differ from vlmrl's (docs/vs_trl.md says why).
+    "trl": {
+        "algorithm.loss_aggregation": ("token_mean_rollout", ("algorithm.loss_type",)),  # TRL's loss_type=dapo
+        "algorithm.use_bias_correction_kl": (True, ("algorithm.kl_estimator",)),
+        "optim.adam_beta2": (0.999, ()),
+        "optim.lr_scheduler_type": ("linear", ()),
+    },
+}
+
+
+def apply_preset(tree: dict[str, dict[str, Any]]) -> list[str]:
+    """Fill the fields algorithm.preset gives that the tree leaves unset (in place); returns the keys filled."""
+    name = tree.get("algorithm", {}).get("preset", "vlmrl")
+    filled = []
+    for key, (value, alternatives) in ALGORITHM_PRESETS.get(name, {}).items():
+        if any(k.split(".")[1] in tree.get(k.split(".")[0], {}) for k in (key, *alternatives)):
+            continue
+        section, field_name = key.split(".")
+        tree.setdefault(section, {})[field_name] = value
+        filled.append(key)
+    return filled
+
+
 class ConfigError(ValueError):
     """A config problem; the message names the field and the fix."""
 
 
-def _f(default: Any, doc: str, resume_harmless: bool = False, **kw: Any) -> Any:
+def _f(default: Any, doc: str, resume_harmless: bool = False, choices: str | None = None, **kw: Any) -> Any:
     """A config field with its one-line doc. resume_harmless: changing it between a checkpoint and its resume does not
-    change what is computed (where things live, how often to save / evaluate, logging), so resume does not refuse."""
-    metadata = {"doc": doc, "resume_harmless": resume_harmless}
+    change what is computed (where things live, how often to save / evaluate, logging), so resume does not refuse.
+    choices: "module:DICT" whose keys (with each function's first docstring line) replace {choices} in the doc."""
+    metadata = {"doc": doc, "resume_harmless": resume_harmless, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
@@ -163,25 +191,60 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = _f(
-        "grpo",
-        "TRL's name for the token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length); see loss_aggregation.",
+    preset: Literal["vlmrl", "trl"] = _f(
+        "vlmrl",
+        "Defaults for the algorithm and optimizer fields you leave unset: vlmrl = each field's own; trl = TRL 1.16's GRPOConfig "
+        "(config.ALGORITHM_PRESETS: loss_type dapo with TRL's normaliser, use_bias_correction_kl, AdamW beta2 0.999, linear schedule), so a migrating run gets TRL's math.",
     )
-    beta: float = _f(0.0, "Weight of the k3 KL to the reference policy; 0 loads no reference.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = _f(
+        "grpo",
+        "TRL's name for the token aggregation: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (sum / max length), bnpo (token mean per micro-batch); see loss_aggregation.",
+    )
+    beta: float = _f(0.0, "Weight of the KL to the reference policy (kl_estimator); 0 loads no reference.")
+    kl_estimator: Optional[str] = _f(
+        None,
+        "Per-token KL estimator added with weight beta: {choices}; default k3, or k3_ratio when use_bias_correction_kl.",
+        choices="algo.losses:KL_ESTIMATORS",
+    )
+    use_bias_correction_kl: Optional[bool] = _f(
+        None, "TRL's name: true = kl_estimator k3_ratio (k3 times the importance ratio, TRL 1.16's default), false = k3; see kl_estimator."
+    )
     epsilon: float = _f(0.2, "Lower clip range of the importance ratio.")
-    epsilon_high: Optional[float] = _f(None, "Upper clip range (DAPO clip-higher); default epsilon.")
-    num_iterations: int = _f(1, "Updates per rollout (mu); >1 reuses the rollout against stored old log-probs.")
+    epsilon_high: Optional[float] = _f(
+        None,
+        "Upper clip range (DAPO clip-higher); default epsilon. cispo caps its weight at 1 + epsilon_high (TRL's cispo epsilon_high is the cap itself).",
+    )
+    delta: Optional[float] = _f(
+        None, "ppo_clip: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta (> 1 + epsilon_high); null = off."
+    )
+    sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for tokens with a positive advantage.")
+    sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for tokens with a zero or negative advantage.")
+    num_iterations: int = _f(
+        1, "Updates per rollout (mu); old log-probs are scored once per rollout when > 1 or when the rollout spans several optimizer steps."
+    )
     scale_rewards: Literal["group", "batch", "none"] = _f(
         "group", "TRL's name for the advantage scaling: divide by the group std, the batch std, or nothing (Dr.GRPO); see advantage_estimator."
     )
     advantage_estimator: Optional[str] = _f(
-        None, "advantages.ADVANTAGE_ESTIMATORS key: grpo, grpo_batch_std, dr_grpo, reinforce_pp (batch baseline); default follows scale_rewards."
+        None, "Advantages: {choices}; default follows scale_rewards.", choices="algo.advantages:ADVANTAGE_ESTIMATORS"
     )
-    policy_loss: str = _f(
-        "ppo_clip", "losses.POLICY_LOSSES key: ppo_clip (GRPO/DAPO), gspo (sequence-level ratio and clip), cispo (clipped IS-weight REINFORCE)."
-    )
+    policy_loss: str = _f("ppo_clip", "Per-token policy loss: {choices}.", choices="algo.losses:POLICY_LOSSES")
     loss_aggregation: Optional[str] = _f(
-        None, "losses.AGGREGATIONS key: seq_mean_token_mean, token_mean, seq_mean_token_sum_norm; default follows loss_type."
+        None,
+        "How token losses become the step's loss: {choices}; default follows loss_type (cispo: always token_mean).",
+        choices="algo.losses:AGGREGATIONS",
+    )
+    rollout_correction: str = _f(
+        "none",
+        "Importance-sampling correction for the rollout-training mismatch (trainer / sampler probability per token, "
+        "algo/mismatch.py): none, {choices}; scores old log-probs every step.",
+        choices="algo.mismatch:ROLLOUT_CORRECTIONS",
+    )
+    rollout_correction_min: Optional[float] = _f(
+        None, "rollout_correction: lower bound of the ratio (truncate: clamp; mask: drop below); null = none."
+    )
+    rollout_correction_max: Optional[float] = _f(
+        3.0, "rollout_correction: upper bound of the ratio (truncate: clamp; mask: drop above); null = none."
     )
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
     router_aux_loss_coef: float = _f(
@@ -376,6 +439,24 @@ class Config:
         return self.generation_batch_size // self.rollout.num_generations
 
     @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps one pass over a rollout takes (rollout.generation_batch_size / rows of one optimizer step)."""
+        t = self.training
+        return self.generation_batch_size // (t.per_device_train_batch_size * t.gradient_accumulation_steps)
+
+    @property
+    def reuses_rollout(self) -> bool:
+        """Some optimizer step uses rows sampled before the policy last changed (a rollout spanning several optimizer
+        steps, num_iterations > 1, or both): the update then needs the sampling policy's (old) log-probs."""
+        return self.algorithm.num_iterations * self.optimizer_steps_per_rollout > 1
+
+    @property
+    def scores_old_logps(self) -> bool:
+        """The scoring pass computes old log-probs: the rollout is reused, or the rollout correction compares them with
+        the sampler's."""
+        return self.reuses_rollout or self.algorithm.rollout_correction != "none"
+
+    @property
     def advantage_estimator(self) -> str:
         """algorithm.advantage_estimator, or the one TRL's scale_rewards names."""
         from vlmrl.algo.advantages import SCALE_REWARDS_ESTIMATOR
@@ -384,10 +465,22 @@ class Config:
 
     @property
     def loss_aggregation(self) -> str:
-        """algorithm.loss_aggregation, or the one TRL's loss_type names."""
-        from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION
+        """The one the policy loss fixes (cispo: token_mean), else algorithm.loss_aggregation, else the one TRL's
+        loss_type names."""
+        from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION, POLICY_LOSS_AGGREGATION
 
-        return self.algorithm.loss_aggregation or LOSS_TYPE_AGGREGATION[self.algorithm.loss_type]
+        a = self.algorithm
+        fixed = POLICY_LOSS_AGGREGATION.get(a.policy_loss)
+        if fixed:
+            return a.loss_aggregation if a.loss_aggregation in fixed else fixed[0]
+        return a.loss_aggregation or LOSS_TYPE_AGGREGATION[a.loss_type]
+
+    @property
+    def kl_estimator(self) -> str:
+        """algorithm.kl_estimator (aliases resolved), or the one TRL's use_bias_correction_kl names (default k3)."""
+        from vlmrl.algo.losses import kl_estimator_name
+
+        return kl_estimator_name(self.algorithm)
 
     @property
     def epsilon_high(self) -> float:
@@ -617,6 +710,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _merge_key(tree, key, value, f"override {text!r}")
     from vlmrl.defaults import apply_model_defaults
 
+    apply_preset(tree)  # algorithm.preset: TRL's defaults for the fields left unset
     filled = apply_model_defaults(tree)  # model.defaults resolved once, here: unset fields of the embedded model
     try:
         return build_config(tree)
@@ -757,13 +851,14 @@ def validate(cfg: Config) -> None:
 def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     """Algorithm names checked against the dicts of functions that implement them (imported here only: torch)."""
     from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS
-    from vlmrl.algo.losses import AGGREGATIONS, POLICY_LOSSES
+    from vlmrl.algo.losses import AGGREGATIONS, KL_ALIASES, KL_ESTIMATORS, POLICY_LOSS_AGGREGATION, POLICY_LOSSES, epsilon_high
 
     problems = []
     for name, value, table in (
         ("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS),
         ("policy_loss", a.policy_loss, POLICY_LOSSES),
         ("loss_aggregation", a.loss_aggregation, AGGREGATIONS),
+        ("kl_estimator", a.kl_estimator, {**KL_ESTIMATORS, **KL_ALIASES}),
     ):
         if value is not None and value not in table:
             close = difflib.get_close_matches(value, list(table), n=1, cutoff=0.5)
@@ -779,6 +874,33 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
             f"algorithm.loss_aggregation={a.loss_aggregation!r} and algorithm.loss_type={a.loss_type!r} both choose the "
             "aggregation; set only one (loss_type is TRL's name for it)"
         )
+    if a.kl_estimator is not None and a.use_bias_correction_kl is not None:
+        problems.append(
+            f"algorithm.kl_estimator={a.kl_estimator!r} and algorithm.use_bias_correction_kl={a.use_bias_correction_kl} both choose "
+            "the KL estimator; set only one (use_bias_correction_kl is TRL's name for k3_ratio)"
+        )
+    fixed = POLICY_LOSS_AGGREGATION.get(a.policy_loss)
+    if fixed and (a.loss_aggregation not in (None, *fixed) or a.loss_type not in ("grpo", "dapo")):
+        problems.append(
+            f"algorithm.policy_loss={a.policy_loss} is always aggregated by {' or '.join(fixed)} (its paper's normalisation), but "
+            f"{'loss_aggregation=' + repr(a.loss_aggregation) if a.loss_aggregation else 'loss_type=' + repr(a.loss_type)} asks for "
+            "another; leave it unset"
+        )
+    if a.delta is not None and a.delta <= 1 + epsilon_high(a):
+        problems.append(f"algorithm.delta={a.delta} must be > 1 + epsilon_high = {1 + epsilon_high(a)} (or null to turn two-sided clipping off)")
+    if a.delta is not None and a.policy_loss != "ppo_clip":
+        problems.append(f"algorithm.delta applies to policy_loss=ppo_clip only, not {a.policy_loss}; set delta to null")
+    from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS
+
+    if a.rollout_correction != "none" and a.rollout_correction not in ROLLOUT_CORRECTIONS:
+        close = difflib.get_close_matches(a.rollout_correction, list(ROLLOUT_CORRECTIONS), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(f"algorithm.rollout_correction={a.rollout_correction!r} is not one of none, {', '.join(ROLLOUT_CORRECTIONS)}{hint}")
+    lo, hi = a.rollout_correction_min, a.rollout_correction_max
+    if (lo is not None and lo < 0) or (lo is not None and hi is not None and hi < lo):
+        problems.append(f"algorithm.rollout_correction_min={lo} / rollout_correction_max={hi}: need 0 <= min <= max (or null)")
+    if min(a.sapo_temperature_pos, a.sapo_temperature_neg) <= 0:
+        problems.append("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0")
     return problems
 
 
@@ -860,6 +982,19 @@ def replace(cfg: Config, **dotted: Any) -> Config:
     return build_config(tree)
 
 
+def field_doc(f: dataclasses.Field) -> str:
+    """A field's doc, its {choices} filled with the keys of the dict of functions that implements them (the module
+    is imported only here: torch), so the help text cannot miss a new entry."""
+    doc, choices = f.metadata["doc"], f.metadata.get("choices")
+    if not choices:
+        return doc
+    import importlib
+
+    module, name = choices.split(":")
+    table = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    return doc.replace("{choices}", f"{', '.join(table)} ({module}.{name})")
+
+
 def reference_markdown() -> str:
     """The config reference, generated from the field docs."""
     lines = []
@@ -870,7 +1005,7 @@ def reference_markdown() -> str:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = json.dumps(default) if not isinstance(default, str) else default
             shown = shown.replace("|", "\\|")
-            lines.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace('|', 'or')} | `{shown}` | {f.metadata['doc']} |")
+            lines.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace('|', 'or')} | `{shown}` | {field_doc(f)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - Evaluat
 from vlmrl.run.last_good import kept_last_good, save_due
 from vlmrl.models.logprobs import group_rows
 from vlmrl.algo.losses import aggregate, masked_mean, per_token_loss
+from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
 from vlmrl.engine.offload import OptimizerParking, parking_enabled
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
 from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
@@ -141,8 +143,10 @@ class Scores:
     """Log-probs the update compares against, scored once per rollout without gradients."""
 
     loss_mask: torch.Tensor  # [P*G, T] completion tokens that count in the loss
-    old_logps: torch.Tensor | None  # [P*G, T] under the rollout policy (only when num_iterations > 1)
+    old_logps: torch.Tensor | None  # [P*G, T] under the policy that sampled the rollout (only when cfg.scores_old_logps)
     ref_logps: torch.Tensor | None  # [P*G, T] under the reference (only when beta > 0)
+    is_weights: torch.Tensor | None = None  # [P*G, T] algorithm.rollout_correction's weights (old vs the sampler's log-probs)
+    mismatch: dict = field(default_factory=dict)  # mismatch/* of the old log-probs against the sampler's (mismatch.py)
 
 
 @dataclass
@@ -165,6 +169,7 @@ class UpdateStats:
     clip_ratio: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     ratio_dev: list[float] = field(default_factory=list)  # max |ratio - 1| per iteration: 0 on-policy, > 0 when reused
+    mismatch: dict = field(default_factory=dict)  # mismatch/* (mismatch.py): the sampler's log-probs vs the trainer's
     skipped: list[str] = field(default_factory=list)  # why each skipped optimizer step was skipped
     router_aux: list[float] = field(default_factory=list)  # MoE load-balancing loss per micro-batch (before its coefficient)
 
@@ -458,7 +463,7 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
     )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
-    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G)
+    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G, cfg.algorithm)
     nonfinite = None
     if not torch.isfinite(rewards).all():
         bad = int((~torch.isfinite(rewards)).nonzero()[0])
@@ -490,16 +495,33 @@ def loss_mask_of(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_tr
 
 
 def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
-    """Old log-probs (only when the rollout is reused: num_iterations > 1) and reference log-probs (only when
-    beta > 0), without gradients, in micro-batches of sizes.scoring (halved on OOM)."""
+    """Old log-probs and reference log-probs (only when beta > 0), without gradients, in micro-batches of
+    sizes.scoring (halved on OOM). Old log-probs are scored once per rollout, before any optimizer step, whenever
+    some optimizer step uses rows sampled before the policy last changed (cfg.reuses_rollout: the rollout spans
+    several optimizer steps, or num_iterations > 1); otherwise every row is used once, by the policy that sampled
+    it, and the update's own detached log-probs are the old ones (ratio 1)."""
     a = run.cfg.algorithm
     loss_mask = loss_mask_of(samples.completions.mask, samples.completions.truncated, a.mask_truncated_completions)
-    old = logps_without_grad(run, run.model, samples, loss_mask) if a.num_iterations > 1 and rewards.nonfinite is None else None
+    old = logps_without_grad(run, run.model, samples, loss_mask) if run.cfg.scores_old_logps and rewards.nonfinite is None else None
     ref = None
     if run.reference is not None and rewards.nonfinite is None:
         with run.reference as ref_model:
             ref = logps_without_grad(run, ref_model, samples, loss_mask)
-    return Scores(loss_mask=loss_mask, old_logps=old, ref_logps=ref)
+    scores = Scores(loss_mask=loss_mask, old_logps=old, ref_logps=ref)
+    sampling = samples.completions.sampling_logps
+    if old is not None and sampling is not None:
+        sampling = sampling.to(old.device)
+        scores.mismatch = mismatch_metrics(log_ratios(sampling, old, samples.completions.mask.to(old.device)))
+        if a.rollout_correction != "none":
+            correct = ROLLOUT_CORRECTIONS[a.rollout_correction]
+            scores.is_weights = correct(old, sampling, loss_mask.to(old.device), a.rollout_correction_min, a.rollout_correction_max)
+    elif old is not None and a.rollout_correction != "none":
+        raise ValueError(
+            f"algorithm.rollout_correction={a.rollout_correction} needs the sampler's log-probs, which this decode path "
+            "(HF generate: memory.shared_prefix=false, or a model without the shared-prefix path) does not report; "
+            "set memory.shared_prefix=true or algorithm.rollout_correction=none"
+        )
+    return scores
 
 
 def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -562,20 +584,28 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
     from vlmrl.engine.oom import retry_on_oom
 
     cfg = run.cfg
-    stats = UpdateStats(ratio_dev=[0.0] * cfg.algorithm.num_iterations)
+    stats = UpdateStats(ratio_dev=[0.0] * cfg.algorithm.num_iterations, mismatch=dict(scores.mismatch))
     if rewards.nonfinite is not None:
         stats.skipped.append(rewards.nonfinite)
         run.nonfinite_streak += 1
         return stats
     run.model.train()
     n_rows, per_step = samples.completions.ids.shape[0], run.shard.rows_per_opt_step
+    rollout_tokens_per_step = 0.0
+    if cfg.loss_aggregation == "token_mean_rollout":  # TRL's dapo normaliser: the rollout's tokens, spread over its steps
+        rollout_tokens_per_step = max(1.0, run.dist.all_sum([float(scores.loss_mask.sum())])[0] / cfg.optimizer_steps_per_rollout)
     for iteration in range(cfg.algorithm.num_iterations):
         for start in range(0, n_rows, per_step):
             step_rows = list(range(start, start + per_step))
             # Counts of the optimizer step over every process (a collective: outside the attempts an OOM may redo).
-            norm = run.dist.step_normaliser([scores.loss_mask[step_rows]], cfg.rollout.max_completion_length)
+            norm = run.dist.step_normaliser(
+                [scores.loss_mask[step_rows]], cfg.rollout.max_completion_length, chunk_rows=cfg.training.per_device_train_batch_size
+            )
+            norm = dataclasses.replace(norm, rollout_tokens_per_step=rollout_tokens_per_step)
+            # Without scored old log-probs, the first step's own forward is the trainer's side of the mismatch.
+            measure = not stats.mismatch and iteration == 0 and start == 0 and samples.completions.sampling_logps is not None
             step_stats, run.sizes.update = retry_on_oom(
-                functools.partial(accumulate, run, samples, rewards, scores, step_rows, norm),
+                functools.partial(accumulate, run, samples, rewards, scores, step_rows, norm, measure_mismatch=measure),
                 run.sizes.update,
                 "update",
                 run.logger.info,
@@ -598,6 +628,8 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
             stats.kl += step_stats.kl
             stats.clip_ratio += step_stats.clip_ratio
             stats.ratio_dev[iteration] = max(stats.ratio_dev[iteration], step_stats.ratio_dev)
+            if step_stats.log_ratios:
+                stats.mismatch = mismatch_metrics(torch.cat(step_stats.log_ratios))
     return stats
 
 
@@ -611,9 +643,12 @@ class StepGradients:
     ratio_dev: float = 0.0
     router_aux: list[float] = field(default_factory=list)
     nonfinite_where: str | None = None  # the first micro-batch whose loss or log-probs were not finite
+    log_ratios: list[torch.Tensor] = field(default_factory=list)  # measure_mismatch: trainer vs sampler, per micro-batch
 
 
-def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, step_rows: list[int], norm, size: int) -> StepGradients:
+def accumulate(
+    run: Run, samples: Rollout, rewards: Rewards, scores: Scores, step_rows: list[int], norm, size: int, measure_mismatch: bool = False
+) -> StepGradients:
     """Forward/backward of one optimizer step's rows in micro-batches of `size`; gradients accumulate in the model.
     `norm`: the step's loss normaliser over every process (losses.Normaliser), so the gradient is the global batch's."""
     from vlmrl.engine.oom import maybe_inject_oom
@@ -631,10 +666,9 @@ def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, ste
                 logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
             old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
             ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
-            tok_loss, parts = per_token_loss(
-                logps, old, rewards.advantages[idx], a.epsilon, cfg.epsilon_high, ref, a.beta, mask=mb.loss_mask, policy_loss=a.policy_loss
-            )
-            loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm)
+            weights = scores.is_weights[idx, :width] if scores.is_weights is not None else None
+            tok_loss, parts = per_token_loss(logps, old, rewards.advantages[idx], a, ref, mask=mb.loss_mask, is_weights=weights)
+            loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
             if run.routing is not None:
                 aux = micro_batch_aux_loss(routed, mb.prompts, mb.row_prompt, width)
                 out.router_aux.append(aux.item())
@@ -649,6 +683,9 @@ def accumulate(run: Run, samples: Rollout, rewards: Rewards, scores: Scores, ste
         out.ratio_dev = max(out.ratio_dev, float(((parts["ratio"] - 1).abs() * mb.loss_mask).max()))
         if "kl" in parts:
             out.kl.append(masked_mean(parts["kl"], mb.loss_mask).item())
+        if measure_mismatch:
+            sampling = samples.completions.sampling_logps[idx, :width].to(logps.device)
+            out.log_ratios.append(log_ratios(sampling, logps.detach(), mb.completion_mask).cpu())
     return out
 
 
@@ -688,6 +725,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "grad_norm": _mean([g for g in stats.grad_norm if g == g and abs(g) != float("inf")]),
         "nonfinite/skipped_steps": float(len(stats.skipped)),
         **({"router/aux_loss": _mean(stats.router_aux)} if run.routing is not None else {}),
+        **stats.mismatch,
         "lr": run.scheduler.get_last_lr()[0],
         "completions/mean_length": rewards.lengths.float().mean().item(),
         "completions/truncated_frac": rewards.truncated.float().mean().item(),
@@ -698,7 +736,8 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         **memory_stats(),
     }
     # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
-    metrics = run.dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=tuple(k for k in metrics if k.startswith("ratio_dev/")))
+    maxed = tuple(k for k in metrics if k.startswith("ratio_dev/") or k in ("mismatch/max_ratio", "mismatch/max_abs_logp_diff"))
+    metrics = run.dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=maxed)
     metrics.update(prediction_vs_measured(run.plan, metrics, run.logger.info))
     warn_if_near_capacity(metrics, cfg.memory.warn_fraction, run.logger.info)
     warn_if_no_learning_signal(metrics, cfg, run.state, run.logger.info)

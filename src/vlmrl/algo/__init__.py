@@ -1,3 +1,3 @@
-"""The GRPO-family math: advantages, policy losses and their aggregation, micro-batching.
+"""The GRPO-family math: advantages, policy losses and their aggregation, micro-batching, the rollout-training mismatch.
 
 Pure tensor functions over config values; nothing here loads a model or touches a process group."""

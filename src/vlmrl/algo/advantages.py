@@ -29,7 +29,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     return centred.reshape(-1)
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int, algo=None) -> torch.Tensor:
     """REINFORCE++: the baseline is the whole batch, not the group: (r - batch mean) / (batch std + eps).
     rewards: [B*G] (the global batch: every process's rows). Returns [B*G]."""
     if rewards.dim() != 1 or rewards.numel() % num_generations:
@@ -37,12 +37,28 @@ def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int) -> torc
     return (rewards - rewards.mean()) / (rewards.std() + ADV_EPS)
 
 
-# algorithm.advantage_estimator -> fn(rewards [B*G], num_generations) -> advantages [B*G] (or [B*G, T] per token).
+# algorithm.advantage_estimator -> fn(rewards [B*G], num_generations, algo) -> advantages [B*G] (or [B*G, T] per
+# token); algo is the algorithm config (config.AlgorithmConfig), where an estimator reads its own hyperparameters.
 # TRL's scale_rewards picks among the first three: group -> grpo, batch -> grpo_batch_std, none -> dr_grpo.
+def grpo_advantages(rewards: torch.Tensor, num_generations: int, algo=None) -> torch.Tensor:
+    """(r - group mean) / (group std + eps): GRPO."""
+    return group_advantages(rewards, num_generations, "group")
+
+
+def grpo_batch_std_advantages(rewards: torch.Tensor, num_generations: int, algo=None) -> torch.Tensor:
+    """(r - group mean) / (batch std + eps)."""
+    return group_advantages(rewards, num_generations, "batch")
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int, algo=None) -> torch.Tensor:
+    """r - group mean, unscaled: Dr.GRPO."""
+    return group_advantages(rewards, num_generations, "none")
+
+
 ADVANTAGE_ESTIMATORS = {
-    "grpo": lambda rewards, g: group_advantages(rewards, g, "group"),
-    "grpo_batch_std": lambda rewards, g: group_advantages(rewards, g, "batch"),
-    "dr_grpo": lambda rewards, g: group_advantages(rewards, g, "none"),
+    "grpo": grpo_advantages,
+    "grpo_batch_std": grpo_batch_std_advantages,
+    "dr_grpo": dr_grpo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
 }
 SCALE_REWARDS_ESTIMATOR = {"group": "grpo", "batch": "grpo_batch_std", "none": "dr_grpo"}

@@ -214,14 +214,18 @@ class Collectives:
         dist.all_reduce(t)
         return t.tolist()
 
-    def step_normaliser(self, masks: list[torch.Tensor], max_completion_length: int):
-        """One optimizer step's loss normaliser over the rows of every process (losses.step_normaliser for one)."""
-        from vlmrl.algo.losses import Normaliser, step_normaliser
+    def step_normaliser(self, masks: list[torch.Tensor], max_completion_length: int, chunk_rows: int | None = None):
+        """One optimizer step's loss normaliser over the rows of every process (losses.step_normaliser for one); the
+        nominal micro-batches' token counts (bnpo) stay this process's own, their number is the global one."""
+        import dataclasses
 
+        from vlmrl.algo.losses import step_normaliser
+
+        local = step_normaliser(masks, max_completion_length, chunk_rows)
         if self.world_size == 1:
-            return step_normaliser(masks, max_completion_length)
-        seqs, toks = self.all_sum([sum(int(m.shape[0]) for m in masks), sum(int(m.sum()) for m in masks)])
-        return Normaliser(num_sequences=int(seqs), num_tokens=max(1, int(toks)), max_completion_length=max_completion_length)
+            return local
+        seqs, toks, chunks = self.all_sum([local.num_sequences, sum(int(m.sum()) for m in masks), local.num_chunks])
+        return dataclasses.replace(local, num_sequences=int(seqs), num_tokens=max(1, int(toks)), num_chunks=int(chunks))
 
     def reduce_metrics(self, metrics: dict, sum_keys: tuple[str, ...] = (), max_keys: tuple[str, ...] = ()) -> dict:
         if self.world_size == 1:

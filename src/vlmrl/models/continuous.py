@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from vlmrl.models.loading import unwrap
-from vlmrl.models.prefix import _prefill, draw_uniforms, prefix_positions, row_seed, sample_rows
+from vlmrl.models.prefix import _prefill, chosen_logps, draw_uniforms, prefix_positions, row_seed, sample_rows
 from vlmrl.models.processing import select_rows
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py); any
@@ -192,6 +192,7 @@ class ContinuousDecoder:
         self.logits: torch.Tensor | None = None  # [S, V] float32, rows 0..n-1 pending a draw
         self.pending: dict | None = None  # the last prefilled prompts while some of their rows wait for a slot
         self.out = torch.full((n_prompts * num_generations, max_new_tokens), -1, dtype=torch.long)
+        self.out_logps = torch.zeros((n_prompts * num_generations, max_new_tokens), dtype=torch.float32)  # sampler's log-probs
         eager = getattr(core.config, "_attn_implementation", "sdpa") == "eager"
         self.mask_value = torch.finfo(self.head.weight.dtype).min if eager else None
         # Gemma 3: sliding-window layers see only the last `window` columns (HF's rule: key column > query column - window).
@@ -325,7 +326,9 @@ class ContinuousDecoder:
         self.join()
         while self.cache.n:
             n, r = self.cache.n, self.rows
-            chosen = self.sampler.choose(self.logits[:n], r.t[:n], r.gens[:n]).cpu()
+            chosen = self.sampler.choose(self.logits[:n], r.t[:n], r.gens[:n])
+            self.out_logps[r.row[:n], r.t[:n]] = chosen_logps(self.logits[:n].float(), chosen, self.sampler.temperature).cpu()
+            chosen = chosen.cpu()
             self.out[r.row[:n], r.t[:n]] = chosen
             finished = self.sampler.is_eos(chosen) | (r.t[:n] + 1 >= self.T)
             tokens = chosen[self.leave(finished)]
@@ -333,6 +336,7 @@ class ContinuousDecoder:
                 self.decode(tokens.to(self.device))
             self.join()
         width = int((self.out >= 0).sum(dim=1).max()) if self.out.numel() else 0
+        self.out_logps = self.out_logps[:, : max(width, 1)]
         return self.out[:, : max(width, 1)]
 
 
@@ -351,6 +355,7 @@ class RowSampler:
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.warpers = LogitsProcessorList()
+        self.temperature = temperature if do_sample else 1.0
         if do_sample:
             if temperature != 1.0:
                 self.warpers.append(TemperatureLogitsWarper(temperature))
@@ -402,9 +407,11 @@ def sample_continuous(
     top_k: int = 0,
     min_new_tokens: int = 0,
     decode_step: str = "dynamic",
-) -> torch.Tensor:
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T] padded with pad_id after
-    EOS, rows of prompt u at u*G .. u*G+G-1: the layout of `prefix.sample_with_shared_prefix`.
+    EOS, rows of prompt u at u*G .. u*G+G-1: the layout of `prefix.sample_with_shared_prefix`. return_logps: also the
+    sampler's [U*G, T] log-probs of the chosen tokens (`prefix.chosen_logps`).
 
     decode_batch_size: rows decoded together (>= 1). prompt_seeds: [U] seeds of the prompts' sampling streams
     (row g of prompt u draws from row_seed(prompt_seeds[u], g)); required when do_sample. prompt_order: the
@@ -438,4 +445,5 @@ def sample_continuous(
         decode_step=decode_step,
     )
     ids = engine.run()
-    return ids.masked_fill(ids < 0, pad_id).to(prompt_batch["input_ids"].device)
+    ids = ids.masked_fill(ids < 0, pad_id).to(prompt_batch["input_ids"].device)
+    return (ids, engine.out_logps.to(ids.device)) if return_logps else ids

@@ -271,9 +271,12 @@ def sample_with_shared_prefix(
     top_k: int = 0,
     min_new_tokens: int = 0,
     row_seeds: list[int] | None = None,
-) -> torch.Tensor:
+    return_logps: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T], rows of prompt u
     at u*G .. u*G+G-1, padded with pad_id after EOS (the layout HF generate returns after the prompt).
+    return_logps: also [U*G, T] float32 log_softmax(logits / temperature) of each chosen token at the decode step
+    that chose it (the sampler's side of the rollout-training mismatch, mismatch.py).
 
     The prompts are prefilled once ([U, P]: one vision pass per prompt), the cache is repeated G times,
     then all U*G rows decode one token per forward. row_seeds: [U*G] seeds of per-row sampling streams
@@ -310,6 +313,7 @@ def sample_with_shared_prefix(
     unfinished = torch.ones(n, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
     done_at = None
+    logps: list[torch.Tensor] = []
     for t in range(max_new_tokens):
         scores = logits
         if suppress.numel():
@@ -323,6 +327,8 @@ def sample_with_shared_prefix(
             chosen = scores.argmax(dim=-1)
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad_id))
         tokens.append(chosen)
+        if return_logps:
+            logps.append(chosen_logps(logits, chosen, temperature))
         unfinished &= ~torch.isin(chosen, eos)
         local = bool(unfinished.any())
         if not local and done_at is None:
@@ -342,7 +348,15 @@ def sample_with_shared_prefix(
         if positions is not None:
             step["position_ids"] = positions
         logits = core(**step).logits[:, -1].to(torch.float32)
-    return torch.stack(tokens[:done_at], dim=1)
+    ids = torch.stack(tokens[:done_at], dim=1)
+    return (ids, torch.stack(logps[:done_at], dim=1)) if return_logps else ids
+
+
+def chosen_logps(logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [n, V] float32, chosen [n] -> [n] log_softmax(logits / temperature) at the chosen ids (the quantity the
+    scoring pass computes for the same token)."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    return scaled.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
 
 def completion_logps_prefix(

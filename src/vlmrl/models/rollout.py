@@ -12,11 +12,14 @@ from vlmrl.models.logprobs import model_inputs
 @dataclass
 class Completions:
     """ids, mask: [B*G, T] right-padded; completions of prompt b at rows b*G .. b*G+G-1.
-    truncated: [B*G] bool, True where no EOS came within max_new_tokens."""
+    truncated: [B*G] bool, True where no EOS came within max_new_tokens.
+    sampling_logps: [B*G, T] float32 log_softmax(logits / temperature) of each token at the decode step that chose
+    it (0 outside the mask), or None where the decode path does not report it (HF generate)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     truncated: torch.Tensor
+    sampling_logps: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -64,10 +67,12 @@ def cat_completions(pieces: list[Completions], pad_id: int) -> Completions:
     """Per-prompt rollouts concatenated into one, ids right-padded with pad_id (masks with 0)."""
     if len(pieces) == 1:
         return pieces[0]
+    logps = [p.sampling_logps for p in pieces]
     return Completions(
         ids=cat_right_padded([p.ids for p in pieces], pad_id),
         mask=cat_right_padded([p.mask for p in pieces], 0),
         truncated=torch.cat([p.truncated for p in pieces]),
+        sampling_logps=None if any(lp is None for lp in logps) else cat_right_padded(logps, 0.0),
     )
 
 
@@ -129,22 +134,28 @@ def generate(
             prompt_seeds = torch.randint(0, 2**62, (n_prompts,)).tolist()
         rows = num_generations if do_sample else 1
         batch = min(decode_batch_size or n_prompts * rows, step * rows)
-        ids = sample_continuous(model, prompt_batch, decode_batch_size=batch, prompt_seeds=prompt_seeds, decode_step=decode_step, **fixed, **sampling)
-        return _finish(ids, eos, pad)
+        ids, logps = sample_continuous(
+            model, prompt_batch, decode_batch_size=batch, prompt_seeds=prompt_seeds, decode_step=decode_step, return_logps=True, **fixed, **sampling
+        )
+        return _finish(ids, eos, pad, logps)
     pieces = [
         _generate_chunk(model, prompt_batch, range(start, min(start + step, n_prompts)), shared_prefix, prompt_seeds, fixed, sampling)
         for start in range(0, n_prompts, step)
     ]
-    return _finish(cat_right_padded(pieces, pad), eos, pad)
+    logps = None if any(lp is None for _, lp in pieces) else cat_right_padded([lp for _, lp in pieces], 0.0)
+    return _finish(cat_right_padded([ids for ids, _ in pieces], pad), eos, pad, logps)
 
 
-def _finish(ids: torch.Tensor, eos: list[int], pad: int) -> Completions:
+def _finish(ids: torch.Tensor, eos: list[int], pad: int, logps: torch.Tensor | None = None) -> Completions:
     mask, truncated = completion_mask(ids, eos)
-    return Completions(ids=ids.masked_fill(mask == 0, pad), mask=mask, truncated=truncated)
+    if logps is not None:
+        logps = logps[:, : ids.shape[1]].masked_fill(mask == 0, 0.0)
+    return Completions(ids=ids.masked_fill(mask == 0, pad), mask=mask, truncated=truncated, sampling_logps=logps)
 
 
-def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool, prompt_seeds, fixed: dict, sampling: dict) -> torch.Tensor:
-    """Completion ids [len(rows)*G, T] of prompts `rows` by the loop (shared prefix) or by HF generate."""
+def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool, prompt_seeds, fixed: dict, sampling: dict):
+    """(completion ids [len(rows)*G, T], the sampler's log-probs [len(rows)*G, T] or None) of prompts `rows` by the
+    loop (shared prefix) or by HF generate (no log-probs)."""
     from vlmrl.models.prefix import decoding_is_synced, prefix_supported, sample_with_shared_prefix
     from vlmrl.models.processing import select_rows
 
@@ -156,7 +167,7 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
             from vlmrl.models.prefix import row_seed
 
             row_seeds = [row_seed(prompt_seeds[p], g) for p in rows for g in range(fixed["num_generations"])]
-        return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds)
+        return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds, return_logps=True)
     do_sample = sampling["do_sample"]
     chunk = model_inputs(chunk)
     out = model.generate(
@@ -173,7 +184,7 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
         min_new_tokens=sampling["min_new_tokens"] or None,
         synced_gpus=decoding_is_synced() or None,  # HF's own "decode until every process is done"
     )
-    return out[:, chunk["input_ids"].shape[1] :]
+    return out[:, chunk["input_ids"].shape[1] :], None
 
 
 def _engine_supported(model) -> bool:
