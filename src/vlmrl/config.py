@@ -626,15 +626,22 @@ def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
         current = tree.setdefault(section, {}).get(name)
         tree[section][name] = {**(current if isinstance(current, dict) else {}), key: value}
         return
-    if len(parts) == 1:
-        # TRL users write `num_generations: 8` without a section: accept a unique field name.
-        owners = _all_field_names().get(parts[0], [])
-        if len(owners) > 1 and "sft" in owners:  # TRL's names mean the RL run: learning_rate -> optim.learning_rate
-            owners = [o for o in owners if o != "sft"]
-        if len(owners) == 1:
-            parts = [owners[0], parts[0]]
-        elif len(owners) > 1:
-            raise ConfigError(f"{source}: {dotted!r} is ambiguous; write one of {', '.join(o + '.' + dotted for o in owners)}")
+    section, name = _known_key(parts if len(parts) != 1 else _owner_section(parts[0], source), dotted, source)
+    tree.setdefault(section, {})[name] = value
+
+
+def _owner_section(name: str, source: str) -> list[str]:
+    """TRL users write `num_generations: 8` without a section: a unique field name gets its section."""
+    owners = _all_field_names().get(name, [])
+    if len(owners) > 1 and "sft" in owners:  # TRL's names mean the RL run: learning_rate -> optim.learning_rate
+        owners = [o for o in owners if o != "sft"]
+    if len(owners) > 1:
+        raise ConfigError(f"{source}: {name!r} is ambiguous; write one of {', '.join(o + '.' + name for o in owners)}")
+    return [owners[0], name] if owners else [name]
+
+
+def _known_key(parts: list[str], dotted: str, source: str) -> tuple[str, str]:
+    """(section, field) of a key, or ConfigError naming the closest valid key."""
     if len(parts) != 2:
         flat = [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in fields(c)]
         raise ConfigError(f"{source}: unknown key {dotted!r}{_closest(dotted, flat + list(SECTIONS))}")
@@ -644,7 +651,7 @@ def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
     valid = [f.name for f in fields(SECTIONS[section])]
     if name not in valid:
         raise ConfigError(f"{source}: unknown key {section}.{name}{_closest(name, valid)}")
-    tree.setdefault(section, {})[name] = value
+    return section, name
 
 
 def _flatten_yaml(data: Any, source: str) -> list[tuple[str, Any]]:
@@ -722,8 +729,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def validate(cfg: Config) -> None:
     """Cross-field rules; each message names the field and how to fix it."""
-    r, a, t, d, o, m, s = cfg.rollout, cfg.algorithm, cfg.training, cfg.data, cfg.optim, cfg.model, cfg.sft
-    rules: list[tuple[bool, str]] = [
+    rules = [*_rollout_rules(cfg), *_algorithm_rules(cfg), *_training_rules(cfg), *_data_rules(cfg), *_other_rules(cfg)]
+    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(cfg.algorithm) + _data_layout_problems(cfg.data)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, message) for rollout.* and the generation batch."""
+    r, t = cfg.rollout, cfg.training
+    return [
         (
             r.num_generations >= 2,
             f"rollout.num_generations={r.num_generations}: GRPO needs at least 2 completions per prompt to compare; set it to 2 or more",
@@ -734,8 +749,6 @@ def validate(cfg: Config) -> None:
             r.steps_per_generation is None or r.generation_batch_size is None,
             "rollout.steps_per_generation and rollout.generation_batch_size both set the generation batch; set only one",
         ),
-        (t.num_train_epochs is None or t.num_train_epochs > 0, f"training.num_train_epochs={t.num_train_epochs} must be > 0 (or null)"),
-        (d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length must be >= 1 (or null for no limit)"),
         (
             cfg.generation_batch_size % r.num_generations == 0,
             f"generation batch {cfg.generation_batch_size} (rollout.generation_batch_size, default per_device_train_batch_size x gradient_accumulation_steps) "
@@ -763,10 +776,14 @@ def validate(cfg: Config) -> None:
             0 <= r.min_completion_length <= r.max_completion_length,
             f"rollout.min_completion_length={r.min_completion_length} must be in [0, max_completion_length={r.max_completion_length}]",
         ),
+    ]
+
+
+def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, message) for algorithm.*."""
+    a = cfg.algorithm
+    return [
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
-        (d.max_frames >= 1, f"data.max_frames={d.max_frames} must be >= 1"),
-        (d.fps > 0, f"data.fps={d.fps} must be > 0"),
-        (d.video_max_pixels >= 28 * 28, f"data.video_max_pixels={d.video_max_pixels} must be >= 784 (one 28x28 patch)"),
         (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
         (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
@@ -776,6 +793,14 @@ def validate(cfg: Config) -> None:
             a.reward_weights is None or len(a.reward_weights) == len(a.reward_funcs),
             f"algorithm.reward_weights has {len(a.reward_weights or [])} entries but reward_funcs has {len(a.reward_funcs)}; give one weight per reward",
         ),
+    ]
+
+
+def _training_rules(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, message) for training.* and optim.*."""
+    t, o, s = cfg.training, cfg.optim, cfg.sft
+    return [
+        (t.num_train_epochs is None or t.num_train_epochs > 0, f"training.num_train_epochs={t.num_train_epochs} must be > 0 (or null)"),
         (o.learning_rate >= 0, "optim.learning_rate must be >= 0"),
         (0 <= o.warmup_ratio < 1, f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1)"),
         (o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 disables clipping)"),
@@ -786,46 +811,13 @@ def validate(cfg: Config) -> None:
         (t.eval_batch_size >= 1, "training.eval_batch_size must be >= 1"),
         (t.save_steps >= 0, "training.save_steps must be >= 0"),
         (t.max_nonfinite_steps >= 0, "training.max_nonfinite_steps must be >= 0 (0 = never stop)"),
-        (
-            cfg.memory.scoring_micro_batch_size is None or cfg.memory.scoring_micro_batch_size >= 1,
-            "memory.scoring_micro_batch_size must be >= 1 (or null for the update's size)",
-        ),
         (t.save_total_limit is None or t.save_total_limit >= 1, "training.save_total_limit must be >= 1 (or null for no limit)"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), f"training.device={t.device!r}: use auto, cpu, cuda or cuda:N"),
-        (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
-        (
-            d.min_pixels <= d.max_pixels,
-            f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels",
-        ),
-        (d.limit_images >= 1, "data.limit_images must be >= 1"),
-        (d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels} must be >= 1 (pixels; default {89_478_485:,})"),
-        (d.image_cache_mb >= 0, f"data.image_cache_mb={d.image_cache_mb} must be >= 0 (MiB; 0 = no cache)"),
-        (d.task_train_size >= 1 and d.task_test_size >= 0, "data.task_train_size must be >= 1 and data.task_test_size >= 0"),
-        (d.task_image_size >= 28, "data.task_image_size must be >= 28"),
-        (m.lora_r >= 1, "model.lora_r must be >= 1"),
-        (
-            not (m.use_lora and m.train_projector_only),
-            "model.use_lora and model.train_projector_only exclude each other; the projector is trained in full",
-        ),
         (s.projector_steps >= 0 and s.steps >= 0, "sft.projector_steps and sft.steps must be >= 0"),
         (s.batch_size >= 1, "sft.batch_size must be >= 1"),
         (t.save_minutes >= 0, f"training.save_minutes={t.save_minutes} must be >= 0 (0 = no time-based checkpoints)"),
         (s.micro_batch_size is None or s.micro_batch_size >= 1, "sft.micro_batch_size must be >= 1 (or null for a process's whole share)"),
         (s.epochs is None or s.epochs > 0, f"sft.epochs={s.epochs} must be > 0 (or null to use sft.steps)"),
-        (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
-        (
-            cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,
-            "memory.generation_prompts_per_call must be >= 1 (or null for all prompts at once)",
-        ),
-        (cfg.memory.logprob_chunk_tokens >= 0, "memory.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
-        (
-            cfg.memory.max_tokens_per_micro_batch is None or cfg.memory.max_tokens_per_micro_batch >= 1,
-            "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)",
-        ),
-        (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
-        (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
-        (_report_to_problem(cfg.logging.report_to) is None, f"{_report_to_problem(cfg.logging.report_to)}"),
-        (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
         (
             all(k in AUTO_FIT_ALLOW for k in t.auto_fit_allow),
             f"training.auto_fit_allow={t.auto_fit_allow}: entries must be among {', '.join(AUTO_FIT_ALLOW)}",
@@ -843,9 +835,57 @@ def validate(cfg: Config) -> None:
             "training.auto_fit=true on training.device=cpu needs training.auto_fit_gpu_memory_gib (there is no CUDA device to read the size from)",
         ),
     ]
-    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(a) + _data_layout_problems(d)
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _data_rules(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, message) for data.*."""
+    d = cfg.data
+    return [
+        (d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length must be >= 1 (or null for no limit)"),
+        (d.max_frames >= 1, f"data.max_frames={d.max_frames} must be >= 1"),
+        (d.fps > 0, f"data.fps={d.fps} must be > 0"),
+        (d.video_max_pixels >= 28 * 28, f"data.video_max_pixels={d.video_max_pixels} must be >= 784 (one 28x28 patch)"),
+        (d.min_pixels >= 1, "data.min_pixels must be >= 1"),
+        (
+            d.min_pixels <= d.max_pixels,
+            f"data.min_pixels={d.min_pixels} is larger than data.max_pixels={d.max_pixels}; lower min_pixels or raise max_pixels",
+        ),
+        (d.limit_images >= 1, "data.limit_images must be >= 1"),
+        (d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels} must be >= 1 (pixels; default {89_478_485:,})"),
+        (d.image_cache_mb >= 0, f"data.image_cache_mb={d.image_cache_mb} must be >= 0 (MiB; 0 = no cache)"),
+        (d.task_train_size >= 1 and d.task_test_size >= 0, "data.task_train_size must be >= 1 and data.task_test_size >= 0"),
+        (d.task_image_size >= 28, "data.task_image_size must be >= 28"),
+    ]
+
+
+def _other_rules(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, message) for model.*, sft.*, memory.* and logging.*."""
+    m = cfg.model
+    return [
+        (
+            cfg.memory.scoring_micro_batch_size is None or cfg.memory.scoring_micro_batch_size >= 1,
+            "memory.scoring_micro_batch_size must be >= 1 (or null for the update's size)",
+        ),
+        (m.lora_r >= 1, "model.lora_r must be >= 1"),
+        (
+            not (m.use_lora and m.train_projector_only),
+            "model.use_lora and model.train_projector_only exclude each other; the projector is trained in full",
+        ),
+        (cfg.logging.logging_steps >= 1, "logging.logging_steps must be >= 1"),
+        (
+            cfg.memory.generation_prompts_per_call is None or cfg.memory.generation_prompts_per_call >= 1,
+            "memory.generation_prompts_per_call must be >= 1 (or null for all prompts at once)",
+        ),
+        (cfg.memory.logprob_chunk_tokens >= 0, "memory.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
+        (
+            cfg.memory.max_tokens_per_micro_batch is None or cfg.memory.max_tokens_per_micro_batch >= 1,
+            "memory.max_tokens_per_micro_batch must be >= 1 (or null to cut by per_device_train_batch_size rows)",
+        ),
+        (0 < cfg.memory.warn_fraction <= 1, "memory.warn_fraction must be in (0, 1]"),
+        (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
+        (_report_to_problem(cfg.logging.report_to) is None, f"{_report_to_problem(cfg.logging.report_to)}"),
+        (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
+    ]
 
 
 def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
@@ -853,17 +893,16 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS
     from vlmrl.algo.losses import AGGREGATIONS, KL_ALIASES, KL_ESTIMATORS, POLICY_LOSS_AGGREGATION, POLICY_LOSSES, epsilon_high
 
-    problems = []
-    for name, value, table in (
-        ("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS),
-        ("policy_loss", a.policy_loss, POLICY_LOSSES),
-        ("loss_aggregation", a.loss_aggregation, AGGREGATIONS),
-        ("kl_estimator", a.kl_estimator, {**KL_ESTIMATORS, **KL_ALIASES}),
-    ):
-        if value is not None and value not in table:
-            close = difflib.get_close_matches(value, list(table), n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append(f"algorithm.{name}={value!r} is not one of {', '.join(table)}{hint}")
+    problems = [
+        problem
+        for name, value, table in (
+            ("advantage_estimator", a.advantage_estimator, ADVANTAGE_ESTIMATORS),
+            ("policy_loss", a.policy_loss, POLICY_LOSSES),
+            ("loss_aggregation", a.loss_aggregation, AGGREGATIONS),
+            ("kl_estimator", a.kl_estimator, {**KL_ESTIMATORS, **KL_ALIASES}),
+        )
+        if value is not None and (problem := _not_one_of(f"algorithm.{name}", value, list(table)))
+    ]
     if a.advantage_estimator is not None and a.scale_rewards != "group":
         problems.append(
             f"algorithm.advantage_estimator={a.advantage_estimator!r} and algorithm.scale_rewards={a.scale_rewards!r} both "
@@ -886,16 +925,22 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
             f"{'loss_aggregation=' + repr(a.loss_aggregation) if a.loss_aggregation else 'loss_type=' + repr(a.loss_type)} asks for "
             "another; leave it unset"
         )
-    if a.delta is not None and a.delta <= 1 + epsilon_high(a):
-        problems.append(f"algorithm.delta={a.delta} must be > 1 + epsilon_high = {1 + epsilon_high(a)} (or null to turn two-sided clipping off)")
-    if a.delta is not None and a.policy_loss != "ppo_clip":
-        problems.append(f"algorithm.delta applies to policy_loss=ppo_clip only, not {a.policy_loss}; set delta to null")
+    return problems + _algorithm_value_problems(a, epsilon_high(a))
+
+
+def _algorithm_value_problems(a: "AlgorithmConfig", eps_high: float) -> list[str]:
+    """The algorithm's numeric settings and the rollout correction's name."""
     from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS
 
-    if a.rollout_correction != "none" and a.rollout_correction not in ROLLOUT_CORRECTIONS:
-        close = difflib.get_close_matches(a.rollout_correction, list(ROLLOUT_CORRECTIONS), n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(f"algorithm.rollout_correction={a.rollout_correction!r} is not one of none, {', '.join(ROLLOUT_CORRECTIONS)}{hint}")
+    problems = []
+    if a.delta is not None and a.delta <= 1 + eps_high:
+        problems.append(f"algorithm.delta={a.delta} must be > 1 + epsilon_high = {1 + eps_high} (or null to turn two-sided clipping off)")
+    if a.delta is not None and a.policy_loss != "ppo_clip":
+        problems.append(f"algorithm.delta applies to policy_loss=ppo_clip only, not {a.policy_loss}; set delta to null")
+    if a.rollout_correction != "none" and (
+        problem := _not_one_of("algorithm.rollout_correction", a.rollout_correction, ["none", *ROLLOUT_CORRECTIONS])
+    ):
+        problems.append(problem)
     lo, hi = a.rollout_correction_min, a.rollout_correction_max
     if (lo is not None and lo < 0) or (lo is not None and hi is not None and hi < lo):
         problems.append(f"algorithm.rollout_correction_min={lo} / rollout_correction_max={hi}: need 0 <= min <= max (or null)")
@@ -904,12 +949,19 @@ def _algorithm_problems(a: "AlgorithmConfig") -> list[str]:
     return problems
 
 
+def _not_one_of(field_name: str, value: str, choices: list[str]) -> str | None:
+    """The problem line of a name that is not among `choices`, with the closest one as a hint (None: it is)."""
+    if value in choices:
+        return None
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{field_name}={value!r} is not one of {', '.join(choices)}{hint}"
+
+
 def _data_layout_problems(d: "DataConfig") -> list[str]:
     problems = []
-    if d.format != "auto" and d.format not in DATA_FORMATS:
-        close = difflib.get_close_matches(d.format, list(DATA_FORMATS), n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(f"data.format={d.format!r} is not one of auto, {', '.join(DATA_FORMATS)}{hint}")
+    if d.format != "auto" and (problem := _not_one_of("data.format", d.format, ["auto", *DATA_FORMATS])):
+        problems.append(problem)
     for key in d.columns:
         if key not in MAPPABLE_COLUMNS:
             close = difflib.get_close_matches(key, list(MAPPABLE_COLUMNS), n=1, cutoff=0.5)

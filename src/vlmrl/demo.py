@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 from vlmrl.config import load_config
+from vlmrl.fixtures.tiny import default_model_path
+from vlmrl.sft import sft
+from vlmrl.train import train
 
 # The demo's settings, as overrides of the default config.
 COMMON = [
@@ -57,9 +60,6 @@ QUICK = ["sft.projector_steps=2", "sft.steps=2", "training.max_steps=2", "data.t
 
 def run_demo(output_dir: str = "outputs/demo", quick: bool = False) -> dict:
     from vlmrl.run.report import summary_table
-    from vlmrl.sft import sft
-    from vlmrl.fixtures.tiny import default_model_path
-    from vlmrl.train import train
 
     out = Path(output_dir)
     extra = QUICK if quick else []

@@ -20,6 +20,12 @@ from vlmrl.config import Config
 from vlmrl.evaluate import EvaluationStopped
 from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.run.rundir import clear_ending, write_complete, write_ending
+from vlmrl.checkpoints.files import GracefulStop
+from vlmrl.engine.device import resolve_device
+from vlmrl.evaluate import evaluate_on
+from vlmrl.rewards.scoring import load_reward_funcs
+from vlmrl.run.datasets import load_datasets
+from vlmrl.run.tracking import RunLogger, read_jsonl, tracker_options
 
 
 @dataclass
@@ -89,12 +95,7 @@ def stopped(end: Ending, final: dict, stop, after: str) -> dict:
 def finish_left(cfg: Config, log, left, kind: str, title: str, summary_keys: tuple[str, ...]) -> dict:
     """A rerun of a run whose training is done but whose ending was stopped or killed (`left`: rundir.EndingLeft):
     the evaluation (of `final/`), report, summary and completion marker, without training again."""
-    from vlmrl.checkpoints.files import GracefulStop
-    from vlmrl.run.datasets import load_datasets
     from vlmrl.models.policy import load_policy
-    from vlmrl.rewards.scoring import load_reward_funcs
-    from vlmrl.engine.device import resolve_device
-    from vlmrl.run.tracking import RunLogger, read_jsonl, tracker_options
 
     out, dist, step = Path(cfg.training.output_dir), left.dist, left.step
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("step") == step]
@@ -112,8 +113,6 @@ def finish_left(cfg: Config, log, left, kind: str, title: str, summary_keys: tup
         reward_funcs, _ = load_reward_funcs(cfg)
 
     def evaluate(stop) -> dict:
-        from vlmrl.evaluate import evaluate_on
-
         if model is None or not data.eval:
             return {}
         samples: list = []

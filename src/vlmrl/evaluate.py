@@ -10,6 +10,10 @@ from vlmrl.config import Config
 from vlmrl.models.rollout import generate
 from vlmrl.run.datasets import encode_rows
 from vlmrl.rewards.scoring import score_rollout
+from vlmrl.data.rows import sft_target
+from vlmrl.engine.oom import ALONE, maybe_inject_oom, retry_on_oom
+from vlmrl.models.prefix import LogprobOptions
+from vlmrl.models.processing import decode
 
 
 class EvaluationFailed(RuntimeError):
@@ -66,9 +70,6 @@ def evaluate(
     processes that evaluate together (oom.Peers; None: this one alone).
     `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`).
     `stop`, when given, is asked before every batch; True ends the evaluation (EvaluationStopped)."""
-    from vlmrl.engine.oom import ALONE, maybe_inject_oom, retry_on_oom
-    from vlmrl.models.prefix import LogprobOptions
-    from vlmrl.models.processing import decode
 
     was_training = model.training
     model.eval()
@@ -125,7 +126,6 @@ def eval_sample(row: dict, completion: str, rewards: dict) -> dict:
     """One samples.jsonl record of an evaluation: the prompt, the model's greedy answer, the target (the row's
     response or <answer>solution</answer>, what SFT trains towards), each reward, and `correct` when an
     accuracy reward scored it (None where it does not apply)."""
-    from vlmrl.data.rows import sft_target
 
     target = sft_target(row) if row.get("response") or row.get("solution") is not None else None
     record = {"prompt": row["problem"], "completion": completion, "target": target, "solution": row.get("solution"), "rewards": rewards}

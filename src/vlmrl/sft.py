@@ -34,6 +34,17 @@ from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
+from vlmrl.checkpoints.files import GracefulStop, is_sharded_checkpoint, is_weights_only, read_trainer_state
+from vlmrl.checkpoints.state import restore, restore_after_wrap, save_final
+from vlmrl.data.rows import DataError, PromptSampler
+from vlmrl.engine.distributed import Distributed, DistributedError
+from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
+from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer
+from vlmrl.models.conversations import ConversationError, sft_view, target_tensors
+from vlmrl.models.loading import language_model, output_head, projector, save_model, vision_tower
+from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
+from vlmrl.run.tracking import RunLogger, tracker_options
 
 SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
 
@@ -41,15 +52,12 @@ SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_rese
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, T] right-padded target ids, their attention mask and loss mask: a row's target + EOS (loss on all of it),
     or a conversation's turns after its prompt (loss on the assistant turns only: conversations.py)."""
-    from vlmrl.models.conversations import target_tensors
 
     return target_tensors(tokenizer, rows, sft_target, device)
 
 
 def sft_row(processor, row: dict, cfg: Config) -> dict:
     """A conversation row split into prompt turns and assistant targets (conversations.sft_view); others as they are."""
-    from vlmrl.models.conversations import ConversationError, sft_view
-    from vlmrl.data.rows import DataError
 
     try:
         return sft_view(processor, row, min(len(row["images"]), cfg.data.limit_images), len(row.get("videos") or []), cfg.data.system_prompt)
@@ -64,7 +72,6 @@ def longest_target(tokenizer, rows, sample: int = 512) -> int:
 
 def set_stage_trainable(model, stage: str, train_vision_tower: bool) -> None:
     """stage 'projector': only the projector; 'language': language model + projector (+ vision tower)."""
-    from vlmrl.models.loading import language_model, output_head, projector, vision_tower
 
     model.requires_grad_(False)
     projector(model).requires_grad_(True)
@@ -143,7 +150,6 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """Run the configured SFT stages; saves output_dir/final and returns the last metrics. Resumes from the newest
     valid checkpoint unless training.resume says otherwise; SIGTERM / SIGINT finish the step, write a checkpoint and
     return. `stop_after` simulates such a stop after that step (tests)."""
-    from vlmrl.checkpoints.files import GracefulStop
 
     run = start_sft(cfg, log)
     if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
@@ -181,12 +187,6 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     """Engine, output folder (refusals first), model, data, planner, sampler, rewards and logger. The optimizer is
     built per stage (`enter_stage`), where a resumed run's state is restored."""
-    from vlmrl.checkpoints.files import is_weights_only, read_trainer_state
-    from vlmrl.data.rows import PromptSampler
-    from vlmrl.engine.distributed import Distributed, DistributedError
-    from vlmrl.models.prefix import LogprobOptions
-    from vlmrl.models.router import routing_for
-    from vlmrl.run.tracking import RunLogger, tracker_options
 
     t, s = cfg.training, cfg.sft
     out = Path(t.output_dir)
@@ -272,9 +272,6 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
 def enter_stage(run: SFTRun, stage: Stage) -> None:
     """The stage's trainable parameters, optimizer and schedule, wrapped by the engine; the first stage a resumed
     run enters restores the checkpoint (weights, sampler, RNG, and the optimizer when it is this stage's)."""
-    from vlmrl.checkpoints.files import is_sharded_checkpoint
-    from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer
-    from vlmrl.checkpoints.state import restore, restore_after_wrap
 
     cfg, dist = run.cfg, run.dist
     if not cfg.model.use_lora:
@@ -305,7 +302,6 @@ class StepLoss:
 def sft_step(run: SFTRun, step: int) -> dict:
     """One optimizer step over sft.batch_size rows (every process draws the same batch and takes its share), in
     micro-batches of run.micro rows (halved on OOM: the step redone, partial gradients dropped)."""
-    from vlmrl.engine.oom import retry_on_oom
 
     cfg, dist = run.cfg, run.dist
     t0 = time.perf_counter()
@@ -352,9 +348,6 @@ def accumulate(run: SFTRun, rows: list[dict], targets: tuple, tokens: int, size:
     """Forward/backward of this process's rows in micro-batches of `size`; gradients accumulate in the model.
     `targets`: the rows' (ids, attention mask, loss mask), [rows, T]; `tokens`: trained target tokens of the whole step
     over every process (the loss's normaliser)."""
-    from vlmrl.engine.oom import maybe_inject_oom
-    from vlmrl.models.prefix import completion_logps_for
-    from vlmrl.models.router import capture_routing, micro_batch_aux_loss
 
     cfg, dist = run.cfg, run.dist
     out = StepLoss()
@@ -413,8 +406,6 @@ def checkpoint(run: SFTRun, step: int) -> None:
 
 def finish_sft(run: SFTRun, final: dict, stop) -> dict:
     """The shared ending (ending.finish): the final model, the last evaluation, report, summary."""
-    from vlmrl.models.loading import save_model
-    from vlmrl.checkpoints.state import save_final
 
     step = run.state["step"]
 

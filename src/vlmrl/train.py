@@ -44,6 +44,17 @@ from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
+from vlmrl.checkpoints.files import GracefulStop
+from vlmrl.data.rows import PromptSampler
+from vlmrl.engine.collectives import prompt_seed
+from vlmrl.engine.distributed import Distributed
+from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
+from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
+from vlmrl.models.loading import reference_disabled_adapter, save_model
+from vlmrl.models.processing import decode, select_rows
+from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
+from vlmrl.run.datasets import epochs_as_steps
+from vlmrl.run.tracking import RunLogger, tracker_options
 
 
 class NonFiniteStop(RuntimeError):
@@ -183,10 +194,6 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
     a preemption after that step (tests and benchmarks use it).
     """
-    from vlmrl.checkpoints.files import GracefulStop
-    from vlmrl.engine.memory import reset_peaks
-
-    from vlmrl.run.datasets import epochs_as_steps
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
     run = start_run(cfg, log)
@@ -251,7 +258,6 @@ def phase_of(phases: dict) -> str:
 @contextlib.contextmanager
 def phase(name: str, into: dict):
     """Time and memory of one phase: time/<name> and mem/<name>/* in `into`."""
-    from vlmrl.engine.memory import phase_memory
 
     start = time.perf_counter()
     with phase_memory(name, into):
@@ -262,10 +268,6 @@ def phase(name: str, into: dict):
 # ---------------------------------------------------------------- set-up and end
 def start_run(cfg: Config, log) -> Run:
     """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
-    from vlmrl.data.rows import PromptSampler
-    from vlmrl.engine.distributed import Distributed
-    from vlmrl.models.rollout import eos_token_ids
-    from vlmrl.run.tracking import RunLogger, tracker_options
 
     out = Path(cfg.training.output_dir)
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
@@ -358,8 +360,6 @@ def finish_run(run: Run, final: dict, stop) -> dict:
         return final
 
     def save(folder: Path) -> None:
-        from vlmrl.models.loading import save_model
-
         save_final(run.model, run.processor, folder, run.dist, save_model, cfg, run.log)
 
     end = Ending(cfg, run.out, run.dist, run.logger, run.log, "train", "GRPO", SUMMARY_KEYS, run.state["step"])
@@ -373,8 +373,6 @@ SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", 
 def rollout(run: Run, step: int) -> Rollout:
     """G completions for each of this process's prompts. Every process draws the whole step's prompts (same
     sampler state everywhere) and keeps its shard. OOM -> fewer prompts per generate call, the same samples."""
-    from vlmrl.engine.oom import retry_on_oom
-    from vlmrl.models.processing import decode
 
     cfg = run.cfg
     batch_indices = run.sampler.next_batch(cfg.prompts_per_step)
@@ -401,10 +399,6 @@ def rollout(run: Run, step: int) -> Rollout:
 
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
     """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
-    from vlmrl.engine.collectives import prompt_seed
-    from vlmrl.models.rollout import cat_completions, row_streams
-    from vlmrl.engine.oom import maybe_inject_oom
-    from vlmrl.models.processing import select_rows
 
     maybe_inject_oom("rollout", prompts_per_call)
     cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
@@ -527,7 +521,6 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
 def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor) -> torch.Tensor:
     """[P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
     frozen reference copy directly)."""
-    from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 
     comp = samples.completions
     if scoring_model is run.model:
@@ -561,7 +554,6 @@ def micro_batches(run: Run, samples: Rollout, rows: list[int], size: int) -> lis
 
 
 def micro_batch(run: Run, samples: Rollout, loss_mask: torch.Tensor, idx: list[int]) -> MicroBatch:
-    from vlmrl.models.processing import select_rows
 
     comp = samples.completions
     width = max(1, int(comp.lengths[idx].max()))
@@ -581,7 +573,6 @@ def update(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> Upda
     gradient_accumulation_steps rows (with several processes, each its 1/W share: shard.rows_per_opt_step), cut
     into micro-batches of sizes.update rows or tokens (halved on OOM: the same step redone, partial gradients
     dropped). A step whose gradient norm is not finite changes nothing (optim.clip_and_step)."""
-    from vlmrl.engine.oom import retry_on_oom
 
     cfg = run.cfg
     stats = UpdateStats(ratio_dev=[0.0] * cfg.algorithm.num_iterations, mismatch=dict(scores.mismatch))
@@ -651,7 +642,6 @@ def accumulate(
 ) -> StepGradients:
     """Forward/backward of one optimizer step's rows in micro-batches of `size`; gradients accumulate in the model.
     `norm`: the step's loss normaliser over every process (losses.Normaliser), so the gradient is the global batch's."""
-    from vlmrl.engine.oom import maybe_inject_oom
 
     cfg, dist = run.cfg, run.dist
     a = cfg.algorithm
@@ -706,7 +696,6 @@ def stop_if_nonfinite(run: Run, step: int) -> None:
 # ---------------------------------------------------------------- 5. log, 6. evaluate, 7. save
 def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: UpdateStats, phases: dict) -> dict:
     """One metrics line (reduced over processes), the planner's prediction next to the measured peak, samples."""
-    from vlmrl.engine.memory import memory_stats
 
     cfg, G = run.cfg, run.cfg.rollout.num_generations
     for why in stats.skipped:
@@ -808,7 +797,6 @@ class _Reference:
     def __enter__(self):
         if self._copy is not None:
             return self._copy.to(self.device) if self.offload and self.runner is None else self._copy
-        from vlmrl.models.loading import reference_disabled_adapter
 
         self._ctx = reference_disabled_adapter(self.model)
         self._ctx.__enter__()
@@ -817,7 +805,6 @@ class _Reference:
     def __exit__(self, *exc):
         if self._copy is not None and self.offload and self.runner is None:
             self._copy.to("cpu")
-            from vlmrl.engine.oom import free_memory
 
             free_memory()
         if self._ctx is not None:

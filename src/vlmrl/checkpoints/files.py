@@ -60,6 +60,7 @@ import yaml
 from vlmrl.config import config_hash
 from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.checkpoints.run_manifest import is_owned, record
+from vlmrl.config import resume_harmless
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -702,7 +703,6 @@ def _fmt(v: Any) -> str:
 
 
 def _is_harmless(key: str) -> bool:
-    from vlmrl.config import resume_harmless  # marked on the config fields themselves
 
     return resume_harmless(key)
 

@@ -15,14 +15,27 @@ from typing import Any, Callable
 import torch
 
 from vlmrl.config import Config
+from vlmrl.checkpoints.files import (
+    CheckpointError,
+    CheckpointSaveError,
+    SHARDED_DIR,
+    is_sharded_checkpoint,
+    is_weights_only,
+    load_training_state,
+    read_trainer_state,
+    restore_rng,
+    save_checkpoint,
+)
+from vlmrl.checkpoints.fingerprints import run_fingerprints
+from vlmrl.checkpoints.safe_load import dcp_load, dcp_read_all
+from vlmrl.config import to_dict
+from vlmrl.models.loading import unwrap
 
 
 def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
     """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state.
     Every process loads the same full state (output_dir on a file system they all see); each its own RNG."""
     from safetensors.torch import load_file
-
-    from vlmrl.checkpoints.files import CheckpointError, is_sharded_checkpoint, is_weights_only, load_training_state, read_trainer_state, restore_rng
 
     # The config compatibility check ran in rundir.prepare_run, before anything was written.
     saved_world = int(read_trainer_state(path).get("world_size", 1))
@@ -107,9 +120,6 @@ def save(
     ones under DDP; FSDP2 gathers them to the main process first, so the checkpoint has the single-process layout
     and resumes on any world size), the global sampler, and every process's RNG stream (rng_state_<rank>.pt).
     `rows_per_step`: dataset rows each step draws (default GRPO's prompts per step); state["stage"] (SFT) is kept."""
-    from vlmrl.checkpoints.files import CheckpointSaveError, save_checkpoint
-    from vlmrl.config import to_dict
-    from vlmrl.checkpoints.fingerprints import run_fingerprints
 
     t = cfg.training
     trainer_state = {
@@ -166,8 +176,6 @@ def on_save_error(error, training, log, what: str = "the previous checkpoint sta
 
 def move_sharded_state(staging: Path, model_dir: Path, model) -> None:
     """Into a checkpoint being written: the processes' shards as <checkpoint>/sharded, the model config in model/."""
-    from vlmrl.checkpoints.files import SHARDED_DIR
-    from vlmrl.models.loading import unwrap
 
     staging.rename(model_dir.parent / SHARDED_DIR)
     unwrap(model).config.save_pretrained(model_dir)
@@ -188,7 +196,6 @@ def save_final(model, processor, folder: Path, dist, save_model, cfg: Config | N
     main process, which loads them into an unsharded CPU copy of the policy (LoRA merged from there). Written
     under a temporary name and swapped in (a failure leaves no half folder); a storage error follows
     training.on_save_error on every process (stop: CheckpointSaveError; continue: a warning, no final model)."""
-    from vlmrl.checkpoints.files import CheckpointSaveError
 
     error = None
     try:
@@ -220,7 +227,6 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
 
         set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         return
-    from vlmrl.checkpoints.files import CheckpointError
 
     # safetensors only (no pickled .bin), from this folder only; the concrete class never runs code the folder ships.
     try:
@@ -240,8 +246,6 @@ def load_sharded_state(model: torch.nn.Module, folder, optimizer=None) -> None:
     import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
-    from vlmrl.checkpoints.safe_load import dcp_load
-
     opt = raw_optimizer(optimizer) if optimizer is not None else None
     state = {"model": get_model_state_dict(model)}
     if opt is not None:
@@ -255,7 +259,6 @@ def load_sharded_state(model: torch.nn.Module, folder, optimizer=None) -> None:
 def consolidated_model_state(folder) -> dict:
     """The model part of a torch.distributed.checkpoint folder as one plain state dict, on one process (read
     code-free: safe_load.py)."""
-    from vlmrl.checkpoints.safe_load import dcp_read_all
 
     return dcp_read_all(folder, keys={"model"})["model"]
 

@@ -435,6 +435,29 @@ def bad_rows_records(report: ValidationReport) -> list[dict]:
     return [{"source": p.source, "field": p.field, "kind": p.kind, "reason": p.reason} for p in report.problems]
 
 
+def _media_errors(checked: list, check_images: bool, max_image_pixels: int, shape_check) -> tuple[dict, dict]:
+    """(image path -> (kind, reason) or None, video file -> the same) for every file the rows use, each read once;
+    images in threads (decoding releases the GIL)."""
+    paths = sorted({p for normal, *_ in checked for p in [*normal["images"], *_frame_paths(normal["videos"])]})
+    workers = min(8, (os.cpu_count() or 1) + 1, max(1, len(paths)))
+    with own_pixel_limit(), ThreadPoolExecutor(max_workers=workers) as pool:
+        image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, check_images, max_image_pixels), paths)))
+    image_errors = _apply_shape_check(image_errors, shape_check)
+    video_files = sorted({v for normal, *_ in checked for v in normal["videos"] if isinstance(v, str)})
+    return image_errors, {v: _check_video_file(v, check_images) for v in video_files}
+
+
+def _media_problems(normal: dict, image_field: str, image_errors: dict, video_errors: dict) -> list[Problem]:
+    """A row's problems with its images (each bad one) and videos (the first bad frame or file of each)."""
+    problems = [
+        Problem(normal["_source"], image_field, image_errors[p][1], image_errors[p][0]) for p in normal["images"] if image_errors[p] is not None
+    ]
+    for v in normal["videos"]:
+        errors = [video_errors[v]] if isinstance(v, str) else [image_errors[p] for p in v]
+        problems += [Problem(normal["_source"], "video", e[1], e[0]) for e in errors if e is not None][:1]
+    return problems
+
+
 def validate_rows(
     rows: list[dict],
     base_dir: str | os.PathLike,
@@ -478,25 +501,13 @@ def validate_rows(
     roots = [Path(r).expanduser() for r in image_roots] if image_roots else None
     checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows)]
 
-    # Pass 2: each distinct image file once, in threads (decoding releases the GIL).
-    paths = sorted({p for normal, *_ in checked for p in [*normal["images"], *_frame_paths(normal["videos"])]})
-    workers = min(8, (os.cpu_count() or 1) + 1, max(1, len(paths)))
-    with own_pixel_limit(), ThreadPoolExecutor(max_workers=workers) as pool:
-        image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, check_images, max_image_pixels), paths)))
-    image_errors = _apply_shape_check(image_errors, shape_check)
-    video_files = sorted({v for normal, *_ in checked for v in normal["videos"] if isinstance(v, str)})
-    video_errors = {v: _check_video_file(v, check_images) for v in video_files}
+    # Pass 2: each distinct image and video file once.
+    image_errors, video_errors = _media_errors(checked, check_images, max_image_pixels, shape_check)
 
     good = []
     for normal, problems, image_field, dropped in checked:
         imgs = normal["images"]
-        for p in imgs:
-            if image_errors[p] is not None:
-                kind, reason = image_errors[p]
-                problems.append(Problem(normal["_source"], image_field, reason, kind))
-        for v in normal["videos"]:
-            errors = [video_errors[v]] if isinstance(v, str) else [image_errors[p] for p in v]
-            problems += [Problem(normal["_source"], "video", e[1], e[0]) for e in errors if e is not None][:1]
+        problems += _media_problems(normal, image_field, image_errors, video_errors)
         if problems:
             report.problems.extend(problems)
             report.skipped_rows += 1

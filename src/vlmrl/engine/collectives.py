@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 from vlmrl.config import ConfigError
+from vlmrl.algo.losses import step_normaliser
+from vlmrl.checkpoints.files import restore_rng, rng_file, rng_state
+from vlmrl.engine.device import seed_everything
 
 # Memory keys whose per-process values are also logged (`mem/<key>/rank<r>`); the plain key is the max.
 PER_RANK_MEMORY = ("mem/host_peak_rss", "mem/gpu_peak_allocated", "mem/gpu_peak_reserved")
@@ -219,8 +222,6 @@ class Collectives:
         nominal micro-batches' token counts (bnpo) stay this process's own, their number is the global one."""
         import dataclasses
 
-        from vlmrl.algo.losses import step_normaliser
-
         local = step_normaliser(masks, max_completion_length, chunk_rows)
         if self.world_size == 1:
             return local
@@ -279,7 +280,6 @@ class Collectives:
     # -- RNG ---------------------------------------------------------------------------------------------
     def gather_rng_states(self) -> dict[int, dict] | None:
         """{rank: RNG state} of every process on the main process (None elsewhere); one process: {0: its state}."""
-        from vlmrl.checkpoints.files import rng_state
 
         mine = rng_state()
         if self.world_size == 1:
@@ -294,9 +294,6 @@ class Collectives:
         """This rank's RNG streams from `rng_state_<rank>.pt`; a rank the checkpoint has no file for (more processes
         than when it was saved) is seeded from (seed, rank) instead, with a warning."""
         from pathlib import Path
-
-        from vlmrl.checkpoints.files import restore_rng, rng_file
-        from vlmrl.engine.device import seed_everything
 
         if (Path(path) / rng_file(self.rank)).exists():
             restore_rng(path, rank=self.rank, warn=warn)

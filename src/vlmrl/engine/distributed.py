@@ -86,6 +86,8 @@ from vlmrl.engine.engines import (
 )
 from vlmrl.checkpoints.state import raw_optimizer
 from vlmrl.engine.device import env_world
+from vlmrl.engine.abort import abort_everyone, watch_for_abort
+from vlmrl.engine.oom import ALONE, OutOfMemoryAbort, Peers
 
 # Re-exported: the collectives, the engines and their helpers are imported from here by callers and tests.
 __all__ = [
@@ -124,8 +126,6 @@ class Distributed(Collectives):
         super().__init__(accelerator)
         self.engine: Engine = engine_for(self, accelerator)
         if self.world_size > 1 and not self.engine.can_redo_oom:
-            from vlmrl.engine.abort import watch_for_abort
-
             watch_for_abort(self.rank)  # another process's abort_everyone ends this one (oom_peers)
 
     @classmethod
@@ -201,11 +201,9 @@ class Distributed(Collectives):
     def oom_peers(self):
         """How an out-of-memory is settled with the other processes (oom.Peers): agreed by one all-reduce and redone
         by all (one process, DDP), or every process stopped with one message (FSDP2, DeepSpeed)."""
-        from vlmrl.engine.oom import ALONE, OutOfMemoryAbort, Peers
 
         if self.world_size == 1:
             return ALONE
-        from vlmrl.engine.abort import abort_everyone
 
         def abort(message: str):
             abort_everyone(message, self.world_size, OutOfMemoryAbort)

@@ -29,6 +29,21 @@ from torch import nn
 from vlmrl.engine.collectives import Collectives, DistributedError
 from vlmrl.checkpoints.state import raw_optimizer
 from vlmrl.checkpoints.state import CheckpointParts, FullState, load_sharded_state, move_sharded_state, save_trainable_weights
+from vlmrl.checkpoints.files import (
+    CheckpointSaveError,
+    OPTIMIZER_FILE,
+    SHARDED_DIR,
+    is_sharded_checkpoint,
+    is_storage_error,
+    is_weights_only,
+    safe_torch_load,
+    save_folder_atomically,
+)
+from vlmrl.engine.collectives import average_gradients
+from vlmrl.engine.deepspeed_config import check_config, describe, fill_config, precision
+from vlmrl.engine.optim import StepResult, allocate_optimizer_state, clip_and_step
+from vlmrl.models.loading import unwrap
+from vlmrl.models.prefix import synced_decoding
 
 ENGINES = ("single", "ddp", "fsdp2", "deepspeed")
 
@@ -105,7 +120,6 @@ class PolicyCall(nn.Module):
         super().__init__()
         self.policy = policy
         # accelerate's FSDP auto-wrap reads the transformer block classes from here.
-        from vlmrl.models.loading import unwrap
 
         self._no_split_modules = getattr(unwrap(policy), "_no_split_modules", None)
 
@@ -197,8 +211,6 @@ class Engine:
         """With defer_gradient_sync: the locally accumulated gradients averaged over processes, as DDP's reducer would
         (collectives.average_gradients). Otherwise nothing: the engine synced them in the last backward."""
         if self.defer_gradient_sync and self.runner is not None:
-            from vlmrl.engine.collectives import average_gradients
-
             average_gradients([p for p in self.runner.parameters() if p.requires_grad], self.collectives.world_size)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -221,7 +233,6 @@ class Engine:
     def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
         """optim.clip_and_step with this engine's global norm: a non-finite norm skips the step on every process
         alike (the norm is global)."""
-        from vlmrl.engine.optim import clip_and_step
 
         model = self.runner if self.runner is not None else self.model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -241,14 +252,12 @@ class Engine:
     def load_state(self, path: Path, optimizer) -> None:
         """What loads from checkpoint `path` after prepare: a SHARDED checkpoint's torch.distributed.checkpoint files
         (weights and optimizer, re-sharded for any world size). Nothing otherwise (run_checkpoint.restore loaded it)."""
-        from vlmrl.checkpoints.files import SHARDED_DIR, is_sharded_checkpoint, is_weights_only
 
         if is_sharded_checkpoint(path):
             load_sharded_state(self.model, path / SHARDED_DIR, None if is_weights_only(path) else optimizer)
 
     def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
         """output_dir/final written by the main process from its own (full) model, atomically."""
-        from vlmrl.checkpoints.files import save_folder_atomically
 
         if self.collectives.is_main:
             save_folder_atomically(folder, lambda tmp: save_model(model, processor, tmp))
@@ -322,8 +331,6 @@ class FSDP2Engine(Engine):
             yield
             return
         if mode == "layers":
-            from vlmrl.models.prefix import synced_decoding
-
             with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
                 yield
             return
@@ -396,8 +403,6 @@ class FSDP2Engine(Engine):
         the full states gathered to the main process (every process takes part), in the single-process layout."""
         import shutil
 
-        from vlmrl.checkpoints.files import CheckpointSaveError, is_storage_error
-
         if self.sharded_checkpoints:
             staging = out / f".tmp-sharded-{step}"
             try:
@@ -420,7 +425,6 @@ class FSDP2Engine(Engine):
     def load_state(self, path: Path, optimizer) -> None:
         """A SHARDED checkpoint's files (Engine.load_state), or the full optimizer state (read by the main process)
         scattered into the shards."""
-        from vlmrl.checkpoints.files import OPTIMIZER_FILE, is_sharded_checkpoint, is_weights_only, safe_torch_load
 
         if is_sharded_checkpoint(path):
             super().load_state(path, optimizer)
@@ -430,7 +434,6 @@ class FSDP2Engine(Engine):
     def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
         """The weights gathered to the main process, which loads them into an unsharded CPU copy of the policy (LoRA
         merged from there) and writes that."""
-        from vlmrl.checkpoints.files import save_folder_atomically
         from vlmrl.models.policy import load_policy
 
         state, _ = self.full_state_dicts(None)
@@ -467,12 +470,10 @@ class DeepSpeedEngine(Engine):
         return {1: "zero1", 2: "zero2", 3: "zero3"}.get(self._zero_stage(), "ddp")
 
     def check_config(self, cfg) -> None:
-        from vlmrl.engine.deepspeed_config import check_config
 
         check_config(self.plugin.deepspeed_config, cfg.optim.max_grad_norm)
 
     def prepared_report(self) -> list[str]:
-        from vlmrl.engine.deepspeed_config import describe
 
         return [f"{describe(self.plugin.deepspeed_config)}: this process holds {100 * self.local_parameter_fraction():.1f}% of the parameters"]
 
@@ -482,8 +483,6 @@ class DeepSpeedEngine(Engine):
         return local / max(1, sum(getattr(p, "ds_numel", p.numel()) for p in params))
 
     def prepare(self, model: nn.Module, optimizer, micro_batch_size: int = 1):
-        from vlmrl.engine.deepspeed_config import fill_config, precision
-        from vlmrl.models.loading import unwrap
 
         config = getattr(unwrap(model), "config", None)
         text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
@@ -553,7 +552,6 @@ class DeepSpeedEngine(Engine):
     def optimizer_step(self, optimizer, scheduler, max_grad_norm: float):
         """DeepSpeed clipped (gradient_clipping = optim.max_grad_norm) and stepped inside the last backward; here the
         schedule advances and the norm is read. DeepSpeed does not skip a step on a non-finite norm in fp32/bf16."""
-        from vlmrl.engine.optim import StepResult
 
         optimizer.step()  # accelerate's DeepSpeed wrapper: a no-op, the engine stepped in backward
         norm = self.runner.get_global_grad_norm()
@@ -571,8 +569,6 @@ class DeepSpeedEngine(Engine):
             yield
             return
         if mode == "layers":
-            from vlmrl.models.prefix import synced_decoding
-
             with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
                 yield
             return
@@ -660,7 +656,6 @@ class DeepSpeedEngine(Engine):
     def load_state(self, path: Path, optimizer) -> None:
         """The checkpoint's full optimizer state (read code-free by every process) scattered into the partitions. The
         weights loaded before deepspeed.initialize (run_checkpoint.restore), which partitioned them."""
-        from vlmrl.checkpoints.files import OPTIMIZER_FILE, is_sharded_checkpoint, is_weights_only, safe_torch_load
 
         if is_sharded_checkpoint(path):
             raise DistributedError(
@@ -672,7 +667,6 @@ class DeepSpeedEngine(Engine):
     def write_final(self, model, processor, folder: Path, save_model, cfg) -> None:
         """The full weights gathered to the main process, which loads them into an unpartitioned CPU copy of the
         policy (LoRA merged from there) and writes that as a plain HF folder."""
-        from vlmrl.checkpoints.files import save_folder_atomically
         from vlmrl.models.policy import load_policy
 
         state = self.full_model_state()
@@ -686,7 +680,6 @@ def allocate_zero_moments(zero) -> None:
     """AdamW's moments for DeepSpeed's flat fp32 partitions created now (zeros, as its first step would), so that an
     OOM happens at start and a resume has partitions to scatter the saved moments into; ZeRO-1/2 then link their
     per-parameter views of them (what the tensor-fragment API reads and writes)."""
-    from vlmrl.engine.optim import allocate_optimizer_state
 
     flats = getattr(zero, "fp32_partitioned_groups_flat", None)
     if flats:  # ZeRO-3: torch's param groups are empty between steps; each sub-group's partition joins its group per step

@@ -41,6 +41,7 @@ import torch
 from vlmrl.models.loading import unwrap
 from vlmrl.models.prefix import _prefill, chosen_logps, draw_uniforms, prefix_positions, row_seed, sample_rows
 from vlmrl.models.processing import select_rows
+from vlmrl.models.static_decode import StaticStep
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py); any
 # other model type uses the loop, with a logged reason.
@@ -202,8 +203,6 @@ class ContinuousDecoder:
         self.linear = "linear_attention" in layer_types
         self.static = None
         if decode_step != "dynamic":
-            from vlmrl.models.static_decode import StaticStep
-
             self.static = StaticStep(self, graphs=decode_step == "cuda_graph")
 
     # ------------------------------------------------------------ joining

@@ -13,6 +13,8 @@ is refused naming the row, never trained on a guess.
 from __future__ import annotations
 
 import torch
+from vlmrl.data.formats import prompt_messages_of
+from vlmrl.models.processing import render_chat
 
 
 class ConversationError(ValueError):
@@ -24,8 +26,6 @@ def sft_view(processor, row: dict, num_images: int, num_videos: int = 0, system_
     of the rest; any other row is returned as it is (its target is data.sft_target)."""
     if not row.get("_conversation"):
         return row
-    from vlmrl.data.formats import prompt_messages_of
-    from vlmrl.models.processing import render_chat
 
     source = row.get("_source", "?")
     messages = prompt_messages_of({"_messages": row["_conversation"]}, num_images, num_videos, system_prompt)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vlmrl.config import EMBEDDED_MODEL
+from vlmrl.fixtures.tiny import default_model_path
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 NO_DOWNLOAD = "vlmrl never downloads models unless model.allow_hub_download=true"
@@ -379,7 +380,5 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def resolve_model_path(name_or_path: str) -> str:
     if name_or_path == EMBEDDED_MODEL:
-        from vlmrl.fixtures.tiny import default_model_path
-
         return str(default_model_path())
     return name_or_path

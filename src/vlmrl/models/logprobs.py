@@ -18,6 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
 from vlmrl.models.loading import unwrap
+from vlmrl.models.families import log_fallback
+from vlmrl.models.loading import vision_tower
+from vlmrl.models.processing import _item_order, append_tokens, select_rows
 
 # Keys of an encoded prompt batch that are bookkeeping, not model inputs.
 NON_MODEL_KEYS = ("images_per_row", "videos_per_row", "image_num_patches")
@@ -70,7 +73,6 @@ def completion_logps(
     padded, plus vision inputs). completion_ids, completion_mask: [N, T] (right padded).
     Returns [N, T] float32; values at masked positions are meaningless (mask them).
     """
-    from vlmrl.models.processing import append_tokens
 
     core = unwrap(model)
     prompt_len = prompt_batch["input_ids"].shape[1]
@@ -105,7 +107,6 @@ def grouped_family(model: torch.nn.Module) -> str | None:
     and checked against the structure it needs (model.model.get_image_features, get_rope_index).
     None is logged once per model type with the reason (`families.log_fallback`).
     """
-    from vlmrl.models.families import log_fallback
 
     core = unwrap(model)
     inner = getattr(core, "model", None)
@@ -210,7 +211,6 @@ def completion_logps_grouped(
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
     |  with videos (pixel_values_videos)  |                                                       |
     """
-    from vlmrl.models.processing import append_tokens, select_rows
 
     row_prompt = torch.as_tensor(row_prompt, dtype=torch.long).reshape(-1)
     n_prompts = prompt_batch["input_ids"].shape[0]
@@ -335,7 +335,6 @@ def _encoder_outputs_grouped_hidden(
     one pass, so backward sums the rows' gradients into it. The model's forward then does the rest as on
     the naive path: scatters them, builds Qwen3-VL's visual_pos_masks and M-RoPE positions (get_rope_index)
     or Gemma 3's bidirectional image-block mask (token_type_ids)."""
-    from vlmrl.models.processing import _item_order, append_tokens
 
     grid = prompt_batch.get("image_grid_thw")
     vision_in = {"pixel_values": prompt_batch["pixel_values"], "return_dict": True}
@@ -383,7 +382,6 @@ class vision_encode_counter:  # noqa: N801 - used as a context manager, like tor
     c.images images encoded by them (Qwen-VL: rows of grid_thw; LLaVA-style: pixel_values batch)."""
 
     def __init__(self, model: torch.nn.Module):
-        from vlmrl.models.loading import vision_tower
 
         self.tower = vision_tower(model)
         self.counter = VisionCounter()

@@ -41,6 +41,8 @@ import torch
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
 from vlmrl.models.logprobs import MROPE_FAMILIES, _accepted, grouped_family, model_inputs, selective_logps
 from vlmrl.models.loading import unwrap
+from vlmrl.models.logprobs import completion_logps, completion_logps_grouped
+from vlmrl.models.processing import select_rows
 
 
 def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: bool = False) -> bool:
@@ -99,8 +101,6 @@ def completion_logps_for(
     path (one vision pass per prompt; it falls back to the naive path per family), else the naive path
     (each row's prompt repeated: group_vision off). prompt_batch: the U unique prompts [U, P];
     row_prompt: [N] which prompt each completion row continues; completion_ids, completion_mask: [N, T]."""
-    from vlmrl.models.logprobs import completion_logps, completion_logps_grouped
-    from vlmrl.models.processing import select_rows
 
     needs_grad = torch.is_grad_enabled()
     args = (completion_ids, completion_mask, opts.temperature, opts.chunk_tokens)

@@ -26,6 +26,10 @@ import torch
 from PIL import Image
 
 from vlmrl.models.loading import ModelLoadError
+from vlmrl.data.formats import prompt_messages_of
+from vlmrl.data.rows import target_size
+from vlmrl.data.video import qwen_video_patches
+from vlmrl.fixtures.standin_processors import STANDIN_LOADERS
 
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
@@ -76,8 +80,6 @@ class QwenImageProcessor:
         patch of each video (Qwen2.5-VL's time-aligned M-RoPE), returned as given; video_timestamps: each video's
         patch mid-times (Qwen3-VL, Qwen3.5: `<t seconds>` and a vision start/end pair around each patch's tokens)."""
         from transformers import BatchFeature
-
-        from vlmrl.data.video import qwen_video_patches
 
         texts = [text] if isinstance(text, str) else list(text)
         flat = _flatten_images(images)
@@ -252,8 +254,6 @@ def load_processor(
         elif _model_type(path) in ("llava_onevision", "internvl"):  # video processors need torchvision: image-only stand-ins
             from transformers import AutoTokenizer
 
-            from vlmrl.fixtures.standin_processors import STANDIN_LOADERS
-
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
             processor = STANDIN_LOADERS[_model_type(path)](path, tokenizer, _read_chat_template(path) or tokenizer.chat_template)
         else:
@@ -283,7 +283,6 @@ def build_prompt(processor, problem: str, num_images: int, system_prompt: str | 
 def build_row_prompt(processor, row: dict, num_images: int, system_prompt: str | None = None, num_videos: int = 0) -> str:
     """Chat-template text of a data row's prompt (formats.prompt_messages_of: its own turns and system message, each
     image where its placeholder stands), with the generation prompt."""
-    from vlmrl.data.formats import prompt_messages_of
 
     return render_chat(processor, prompt_messages_of(row, num_images, num_videos, system_prompt), add_generation_prompt=True)
 
@@ -501,7 +500,6 @@ class ImageShapeCheck:
         return self._memo[(width, height)]
 
     def _reason(self, width: int, height: int) -> str | None:
-        from vlmrl.data.rows import target_size
 
         if self.image_processor is None:
             return None

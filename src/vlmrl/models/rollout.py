@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl.models.logprobs import model_inputs
+from vlmrl.models.continuous import engine_supported, sample_continuous
+from vlmrl.models.prefix import decoding_is_synced, prefix_supported, row_seed, sample_with_shared_prefix
+from vlmrl.models.processing import select_rows
 
 
 @dataclass
@@ -115,7 +118,6 @@ def generate(
     tokens do not depend on the batch it is decoded in; the continuous engine draws them from the global
     stream when not given. Returns [B*G, T] completions grouped by prompt.
     """
-    from vlmrl.models.prefix import prefix_supported
 
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -123,13 +125,10 @@ def generate(
     step = prompts_per_call or n_prompts
     sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)
     fixed = dict(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad, suppress_ids=vision_token_ids(model))
-    from vlmrl.models.prefix import decoding_is_synced
 
     # The continuous engine's decode steps depend on this process's rows only: not used when processes decode in step.
     continuous = engine == "continuous" and not decoding_is_synced()
     if continuous and shared_prefix and prefix_supported(model, prompt_batch) and _engine_supported(model):
-        from vlmrl.models.continuous import sample_continuous
-
         if do_sample and prompt_seeds is None:
             prompt_seeds = torch.randint(0, 2**62, (n_prompts,)).tolist()
         rows = num_generations if do_sample else 1
@@ -156,16 +155,12 @@ def _finish(ids: torch.Tensor, eos: list[int], pad: int, logps: torch.Tensor | N
 def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool, prompt_seeds, fixed: dict, sampling: dict):
     """(completion ids [len(rows)*G, T], the sampler's log-probs [len(rows)*G, T] or None) of prompts `rows` by the
     loop (shared prefix) or by HF generate (no log-probs)."""
-    from vlmrl.models.prefix import decoding_is_synced, prefix_supported, sample_with_shared_prefix
-    from vlmrl.models.processing import select_rows
 
     n_prompts = prompt_batch["input_ids"].shape[0]
     chunk = select_rows(prompt_batch, list(rows)) if len(rows) < n_prompts else prompt_batch
     if shared_prefix and prefix_supported(model, chunk):
         row_seeds = None
         if prompt_seeds is not None and sampling["do_sample"]:
-            from vlmrl.models.prefix import row_seed
-
             row_seeds = [row_seed(prompt_seeds[p], g) for p in rows for g in range(fixed["num_generations"])]
         return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds, return_logps=True)
     do_sample = sampling["do_sample"]
@@ -188,6 +183,5 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
 
 
 def _engine_supported(model) -> bool:
-    from vlmrl.models.continuous import engine_supported
 
     return engine_supported(model)

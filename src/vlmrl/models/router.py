@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vlmrl.models.loading import unwrap
+from vlmrl.algo.losses import load_balancing_loss
+from vlmrl.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,6 @@ def find_routing(model: torch.nn.Module) -> Routing | None:
 
 def routing_for(model: torch.nn.Module, aux_loss_coef: float) -> Routing | None:
     """The run's routing; a load-balancing coefficient on a model without routers is a config error."""
-    from vlmrl.config import ConfigError
 
     routing = find_routing(model)
     if routing is None and aux_loss_coef > 0:
@@ -120,7 +121,6 @@ def call_weights(mask: torch.Tensor, rows_per_prompt: torch.Tensor, prompt_width
 
 def routed_aux_loss(capture: capture_routing, rows_per_prompt: torch.Tensor, prompt_width: int, completion_width: int) -> torch.Tensor:
     """The load-balancing loss of the calls `capture` recorded (losses.load_balancing_loss)."""
-    from vlmrl.algo.losses import load_balancing_loss
 
     logits, weights = [], []
     for call in capture.calls:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from vlmrl.config import Config, ConfigError
+from vlmrl.rewards.functions import FACTORY_SPEC_RE, TrainerState, compute_rewards, load_reward, reward_inputs
+from vlmrl.rewards.peers import split_kind
 
 
 def reward_columns(rows: list[dict], repeats: int) -> dict[str, list]:
@@ -34,7 +36,6 @@ def score_rollout(
     to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
     ``num_rows`` training rows), and TRL's ``log_extra`` / ``log_metric`` into ``reward_log`` (rewards.RewardLog).
     Returns `compute_rewards`' (total, per_reward)."""
-    from vlmrl.rewards.functions import TrainerState, compute_rewards, reward_inputs
 
     prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
     completion_ids = None
@@ -58,8 +59,6 @@ def score_rollout(
 
 
 def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
-    from vlmrl.rewards.peers import split_kind
-    from vlmrl.rewards.functions import FACTORY_SPEC_RE, load_reward
 
     names = cfg.algorithm.reward_funcs
     weights = cfg.algorithm.reward_weights or [1.0] * len(names)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import yaml
 
 from vlmrl.config import ConfigError
+from vlmrl.config import _merge_key, build_config
 
 PEERS = ("trl", "easyr1", "ms-swift", "vlm-r1")
 VLLM = "vLLM: vlmrl generates in-process (rollout.engine, memory.shared_prefix); no separate inference engine"
@@ -513,7 +514,6 @@ CONVERTERS: dict[str, Callable[[dict], Conversion]] = {"trl": from_trl, "easyr1"
 def convert(peer: str, args: list[str]) -> Conversion:
     """The conversion of `args` (a file or --key value arguments) from `peer`'s names; the result is validated as a
     vlmrl config (ConfigError names the key) before it is returned."""
-    from vlmrl.config import _merge_key, build_config
 
     if peer not in CONVERTERS:
         raise ConfigError(f"vlmrl convert --from {peer}: choose one of {', '.join(PEERS)}")

@@ -11,6 +11,13 @@ import torch
 from vlmrl.config import Config, ConfigError
 from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
+from vlmrl.checkpoints.run_manifest import is_owned, record
+from vlmrl.config import replace, to_dict
+from vlmrl.data.rows import DataError, bad_rows_records, load_dataset_split, load_images, load_video, shared_image_cache
+from vlmrl.data.tasks import TASKS
+from vlmrl.data.video import VideoError
+from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, ImageShapeCheck, build_row_prompt, encode_prompts, load_processor, video_support
+from vlmrl.run.tracking import read_jsonl
 
 
 @dataclass
@@ -26,8 +33,6 @@ _VALIDATED: dict[str, Datasets] = {}
 
 def _datasets_key(cfg: Config, need_train: bool) -> str:
     import json
-
-    from vlmrl.config import to_dict
 
     return json.dumps(
         [to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train], sort_keys=True, default=str
@@ -51,14 +56,11 @@ def load_datasets(cfg: Config, need_train: bool = True, keep_for_run: bool = Fal
 
 
 def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
-    from vlmrl.data.rows import load_dataset_split
-    from vlmrl.data.tasks import TASKS
 
     d = cfg.data
     train_path, eval_path = d.train_path, d.eval_path
     if (need_train and not train_path) or (not eval_path and not train_path):
         task_dir = Path(cfg.training.output_dir) / "data" / d.task
-        from vlmrl.checkpoints.run_manifest import is_owned, record
 
         if task_dir.parent.exists() and not is_owned(task_dir.parent):
             raise ConfigError(
@@ -95,8 +97,6 @@ def data_layout_options(cfg: Config) -> dict:
     d = cfg.data
     template = d.prompt_template
     if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
-        from vlmrl.data.rows import DataError
-
         path = Path(template).expanduser()
         if not path.is_file():
             raise DataError(f"data.prompt_template: file not found: {path}")
@@ -107,8 +107,6 @@ def data_layout_options(cfg: Config) -> dict:
 
 def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:
     """Video rows for a model whose processor vlmrl cannot feed videos: one line before any training, naming a row."""
-    from vlmrl.data.rows import DataError
-    from vlmrl.models.processing import video_support
 
     with_video = [r for r in [*train_rows, *eval_rows] if r.get("videos")]
     if not with_video:
@@ -120,7 +118,6 @@ def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict],
 
 def image_shape_check(cfg: Config, processor=None):
     """The check of image sizes against the model's image processor (processing.ImageShapeCheck)."""
-    from vlmrl.models.processing import ImageShapeCheck
 
     processor = processor if processor is not None else configured_processor(cfg)
     return ImageShapeCheck(processor, cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
@@ -128,7 +125,6 @@ def image_shape_check(cfg: Config, processor=None):
 
 def configured_processor(cfg: Config):
     """The model folder's processor with the configured pixel bounds."""
-    from vlmrl.models.processing import load_processor
 
     return load_processor(
         resolve_model_path(cfg.model.name_or_path),
@@ -145,12 +141,8 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
     Returns the text that points the report line to that file ('' when nothing was dropped)."""
     import json
 
-    from vlmrl.data.rows import bad_rows_records
-
     path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
     if env_world()[1] == 0:
-        from vlmrl.run.tracking import read_jsonl
-
         # The other split's lines stay (train and eval load one after the other); unreadable lines go.
         kept = [json.dumps(r, ensure_ascii=False) for r in read_jsonl(path) if isinstance(r, dict) and r.get("split") != split]
         lines = kept + [json.dumps({"split": split, **r}, ensure_ascii=False) for r in bad_rows_records(report)]
@@ -164,8 +156,6 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 
 def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) -> dict:
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
-    from vlmrl.data.rows import shared_image_cache
-    from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, build_row_prompt, encode_prompts
 
     d = cfg.data
     cache = shared_image_cache(d.image_cache_mb)
@@ -185,7 +175,6 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
 
 def _row_images(row: dict, d, cache) -> list:
     """A row's images; a file that broke after the check (truncated, replaced) names the row too."""
-    from vlmrl.data.rows import DataError, load_images
 
     try:
         return load_images(row["images"][: d.limit_images], d.min_pixels, d.max_pixels, max_image_pixels=d.max_image_pixels, cache=cache)
@@ -210,7 +199,6 @@ def note_image_grids(rows: list[dict], batch: dict) -> None:
 
 def refuse_long_prompts(rows: list[dict], lengths: list[int], limit: int) -> None:
     """data.max_prompt_length: DataError naming the first row whose prompt (image tokens included) is longer."""
-    from vlmrl.data.rows import DataError
 
     for row, n in zip(rows, lengths):
         if n > limit:
@@ -233,8 +221,6 @@ def epochs_as_steps(cfg: Config, log=print) -> Config:
     """training.num_train_epochs: the config with training.max_steps = ceil(epochs x rows / prompts per step)."""
     import math
 
-    from vlmrl.config import replace
-
     epochs = cfg.training.num_train_epochs
     if epochs is None:
         return cfg
@@ -247,8 +233,6 @@ def epochs_as_steps(cfg: Config, log=print) -> Config:
 
 def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):
     """One video of a row (data.load_video under data.max_frames / fps / video_max_pixels); errors name the row."""
-    from vlmrl.data.rows import DataError, load_video
-    from vlmrl.data.video import VideoError
 
     try:
         return load_video(
@@ -267,7 +251,6 @@ def _load_row_video(row: dict, source, d, cache, exact_frames: bool = False):
 
 def _rows_error(rows: list[dict], images: list[list], error: Exception):
     """DataError naming each row of a batch the processor refused, with its image sizes after resizing."""
-    from vlmrl.data.rows import DataError
 
     described = "; ".join(f"{r.get('_source', '?')} (images {[f'{im.width}x{im.height}' for im in imgs]})" for r, imgs in zip(rows, images))
     return DataError(f"the processor refused a batch of rows: {described}: {type(error).__name__}: {' '.join(str(error).split())}")

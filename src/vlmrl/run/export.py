@@ -6,6 +6,17 @@ user's command line (export_config)."""
 from __future__ import annotations
 
 import torch
+from vlmrl.checkpoints.files import (
+    CheckpointError,
+    SHARDED_DIR,
+    find_resume_checkpoint,
+    is_sharded_checkpoint,
+    read_checkpoint_config,
+    verify_checkpoint,
+)
+from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
+from vlmrl.config import ConfigError, _merge_key, build_config, parse_override
+from vlmrl.models.loading import save_model
 
 CODE_LOADING_KEYS = ("trust_remote_code", "allow_hub_download")
 
@@ -15,7 +26,6 @@ def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=p
     code-loading settings (model.trust_remote_code, model.allow_hub_download) come only from the user's
     `overrides` (key=value, as on the command line; off otherwise), and with any of them on, the model path
     they load code from must come from the overrides too."""
-    from vlmrl.config import ConfigError, _merge_key, build_config, parse_override
 
     tree = {section: dict(values) for section, values in (tree or {}).items() if isinstance(values, dict)}
     model = tree.setdefault("model", {})
@@ -53,17 +63,7 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
 
     from safetensors.torch import load_file
 
-    from vlmrl.checkpoints.files import (
-        SHARDED_DIR,
-        CheckpointError,
-        find_resume_checkpoint,
-        is_sharded_checkpoint,
-        read_checkpoint_config,
-        verify_checkpoint,
-    )
-    from vlmrl.models.loading import save_model
     from vlmrl.models.policy import load_policy
-    from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
 
     path = Path(checkpoint)
     if not (path / "manifest.json").exists():

@@ -20,6 +20,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from vlmrl.checkpoints.files import rng_state, set_rng_state
 
 
 class StepFailed(RuntimeError):
@@ -37,12 +38,10 @@ class StepStart:
 
     @classmethod
     def take(cls, step: int, sampler, scheduler) -> "StepStart":
-        from vlmrl.checkpoints.files import rng_state
 
         return cls(step, copy.deepcopy(sampler.state_dict()), rng_state(), scheduler.last_epoch)
 
     def rewind(self, sampler) -> None:
-        from vlmrl.checkpoints.files import set_rng_state
 
         sampler.load_state_dict(copy.deepcopy(self.sampler))
         set_rng_state(self.rng)

@@ -13,6 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
+from vlmrl.data.rows import DataError, sft_target
+from vlmrl.engine.device import env_world
+from vlmrl.models.loading import ModelLoadError, require_complete_model_folder
+from vlmrl.models.processing import build_row_prompt, load_processor
+from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
+from vlmrl.rewards.peers import describe_call
+from vlmrl.rewards.scoring import load_reward_funcs, reward_columns, row_sources
+from vlmrl.run.datasets import configured_processor, encode_rows, load_datasets
+from vlmrl.run.rundir import check_output_dir
+from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
 
 REWARD_PROBE_ROWS = 2
 
@@ -24,13 +34,9 @@ def preflight(cfg: Config, command: str, log=print):
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
-        from vlmrl.run.rundir import check_output_dir
 
         check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
     check_model_folder(cfg)
-    from vlmrl.engine.device import env_world
-    from vlmrl.run.datasets import load_datasets
-    from vlmrl.rewards.scoring import load_reward_funcs
 
     try:
         funcs, weights = load_reward_funcs(cfg)  # unknown names (RewardError), missing files, import errors
@@ -57,8 +63,6 @@ def check_chat_template(cfg: Config, row: dict) -> None:
     """Render the model's chat template on a real row (its problem, image count and data.system_prompt), as step
     1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
     in one line instead of after the weights load. Loads the processor (seconds), never the weights."""
-    from vlmrl.models.loading import ModelLoadError
-    from vlmrl.models.processing import build_row_prompt, load_processor
 
     name = cfg.model.name_or_path
     if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
@@ -82,9 +86,6 @@ def check_chat_template(cfg: Config, row: dict) -> None:
 
 def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
     """One line per reward: which definition a built-in name is, or how a user reward is called and with what."""
-    from vlmrl.rewards.peers import describe_call
-    from vlmrl.rewards.functions import BUILTIN_REWARDS, resolve_completion_format
-    from vlmrl.rewards.scoring import reward_columns
 
     columns = list(reward_columns(rows, 1))
     form = resolve_completion_format(cfg.algorithm.completion_format, rows)
@@ -93,7 +94,6 @@ def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
 
 def check_trackers(cfg: Config) -> None:
     """ConfigError when a tracker in logging.report_to needs a package that is not installed (found without importing it)."""
-    from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
 
     missing = missing_tracker_packages(resolve_report_to(cfg.logging.report_to))
     if missing:
@@ -108,7 +108,6 @@ def check_model_folder(cfg: Config) -> None:
     """ModelLoadError listing everything the model folder lacks (models.check_model_folder). The embedded model is
     built by vlmrl, and a hub id with model.allow_hub_download=true is fetched by transformers: neither is a
     folder to check."""
-    from vlmrl.models.loading import ModelLoadError, require_complete_model_folder
 
     name = cfg.model.name_or_path
     folder = Path(name).expanduser()
@@ -131,13 +130,8 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
     in algorithm.completion_format, so a reward that cannot take these inputs fails now with its own error
     (RewardError naming the reward and the sample) instead of after the model loads. ``completion_ids`` are
     placeholders (no tokenizer is loaded yet)."""
-    from vlmrl.rewards.functions import TrainerState, compute_rewards, reward_inputs
-    from vlmrl.rewards.scoring import reward_columns, row_sources
-    from vlmrl.data.rows import sft_target
 
     if any("image_path" in row for row in rows):  # VLM-R1 rows: their rewards also get image_grid_thw (runtime.note_image_grids)
-        from vlmrl.run.datasets import configured_processor, encode_rows
-
         encode_rows(configured_processor(cfg), rows, cfg, "cpu")
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
@@ -155,8 +149,6 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
             timeout_s=cfg.algorithm.reward_timeout_s,
         )
     except ValueError as e:  # the data's columns do not fit the reward call, e.g. a column named completion_ids
-        from vlmrl.data.rows import DataError
-
         raise DataError(f"{rows[0].get('_source', 'data')}: {e}") from None
 
 

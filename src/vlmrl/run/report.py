@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from vlmrl.run.tracking import read_jsonl
+from vlmrl.data.tasks import chance_levels
 
 # Eval keys that are bookkeeping, not quality: plotted elsewhere or not at all.
 _EVAL_SKIP = {"eval/num_samples", "eval/mean_length"}
@@ -106,8 +107,6 @@ def run_settings(output_dir: str | Path) -> tuple[float | None, dict[str, float]
     """(algorithm.beta, {eval metric: chance level}) of the run in `output_dir`, from its saved config.yaml and the
     task.json beside its eval data (tasks.chance_levels); (None, {}) when there is no readable config."""
     import yaml
-
-    from vlmrl.data.tasks import chance_levels
 
     out = Path(output_dir)
     try:

@@ -32,6 +32,24 @@ from typing import Any, Callable, Optional
 
 from vlmrl.checkpoints.files import CheckpointError
 from vlmrl.config import ConfigError
+from vlmrl.checkpoints.files import (
+    _write_text,
+    check_resume_compat,
+    checkpoint_step,
+    find_resume_checkpoint,
+    is_weights_only,
+    list_checkpoints,
+    read_checkpoint_config,
+    read_trainer_state,
+)
+from vlmrl.checkpoints.fingerprints import changed_inputs, run_fingerprints
+from vlmrl.checkpoints.run_manifest import claim_run_names, output_dir_problem
+from vlmrl.config import Config, save_config, to_dict
+from vlmrl.defaults import describe
+from vlmrl.engine.device import env_world
+from vlmrl.run.datasets import epochs_as_steps
+from vlmrl.run.overwrite import OverwriteRefused, plan_overwrite, remove_entries
+from vlmrl.run.tracking import cut_logs
 
 LOCK_FILE = ".vlmrl-run.lock"
 COMPLETE_FILE = "run_complete.json"
@@ -164,7 +182,6 @@ def read_complete(output_dir: str | Path) -> Optional[dict]:
 
 def write_complete(out: Path, step: int, kind: str) -> None:
     """The completion marker: the run (`kind` train or sft) did all its `step` steps."""
-    from vlmrl.checkpoints.files import _write_text
 
     _write_text(out / COMPLETE_FILE, json.dumps({"step": step, "kind": kind, "finished": time.time(), "final": (out / "final").is_dir()}))
 
@@ -172,7 +189,6 @@ def write_complete(out: Path, step: int, kind: str) -> None:
 def write_ending(out: Path, step: int, kind: str) -> None:
     """The ending marker: the run (`kind` train or sft) did all its `step` steps and saved its final model; its
     evaluation and report are left until the completion marker replaces this."""
-    from vlmrl.checkpoints.files import _write_text
 
     _write_text(out / ENDING_FILE, json.dumps({"step": step, "kind": kind, "final": (out / "final").is_dir()}))
 
@@ -204,14 +220,10 @@ def guard_run_folder(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(cfg, *args: Any, **kwargs: Any) -> Any:
-        from vlmrl.engine.device import env_world
-
         if env_world()[1] != 0:
             return fn(cfg, *args, **kwargs)
         log = kwargs.get("log") or (args[0] if args else print)
         with RunLock(cfg.training.output_dir, log):
-            from vlmrl.run.datasets import epochs_as_steps
-
             cfg = epochs_as_steps(cfg, log)  # the run is complete at the max_steps its epochs give
             return fn(cfg, *args, **kwargs)
 
@@ -224,8 +236,6 @@ def check_output_dir(cfg) -> list[Path]:
     deletes. Raises ConfigError in one line (OverwriteRefused for the overwrite's own refusals) when the folder is
     a file or not writable, holds a user's entry under a name the run writes, or holds the run's inputs
     (run_manifest.py). `vlmrl check` and the start of train / sft call it alike."""
-    from vlmrl.run.overwrite import plan_overwrite
-    from vlmrl.checkpoints.run_manifest import output_dir_problem
 
     doomed = plan_overwrite(cfg) if cfg.training.overwrite_output_dir else []
     problem = output_dir_problem(cfg)
@@ -279,9 +289,6 @@ def refuse_resume(cfg, path: Path, log: Callable[[str], Any] = print) -> None:
     breaks an exact resume, the data files or reward sources changed (fingerprints.py), a weights-only checkpoint
     without training.resume_weights_only; training.resume_force accepts the first two with a warning. Read-only:
     `vlmrl check` asks it too."""
-    from vlmrl.checkpoints.files import check_resume_compat, is_weights_only, read_checkpoint_config, read_trainer_state
-    from vlmrl.config import Config, to_dict
-    from vlmrl.checkpoints.fingerprints import changed_inputs, run_fingerprints
 
     t = cfg.training
     check_resume_compat(read_checkpoint_config(path), to_dict(cfg), t.resume_force, warn=log, defaults=to_dict(Config()))
@@ -302,12 +309,6 @@ def refuse_resume(cfg, path: Path, log: Callable[[str], Any] = print) -> None:
 
 
 def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[Path] | EndingLeft:
-    from vlmrl.checkpoints.files import checkpoint_step, find_resume_checkpoint, is_weights_only, read_trainer_state
-    from vlmrl.config import save_config
-    from vlmrl.defaults import describe
-    from vlmrl.run.overwrite import remove_entries
-    from vlmrl.checkpoints.run_manifest import claim_run_names
-    from vlmrl.run.tracking import cut_logs
 
     t = cfg.training
     out = Path(t.output_dir)
@@ -346,8 +347,6 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
 def describe_output_dir(cfg) -> str:
     """What `vlmrl train` / `sft` would do with training.output_dir, read-only (checkpoints are verified when the run
     starts, not here: hashing a large one takes minutes)."""
-    from vlmrl.checkpoints.files import checkpoint_step, list_checkpoints
-    from vlmrl.run.overwrite import OverwriteRefused, plan_overwrite
 
     t = cfg.training
     out = Path(t.output_dir)

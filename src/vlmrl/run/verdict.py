@@ -16,6 +16,9 @@ import os
 from pathlib import Path
 
 from vlmrl.plan.planner import GiB, Plan, _run_context, describe_data_shape, plan_for_config, sft_plans_for_config
+from vlmrl.defaults import describe
+from vlmrl.plan.planner import FIT_FRACTION
+from vlmrl.run.rundir import describe_output_dir
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -59,7 +62,6 @@ def _summary(p: Plan, cpu: bool) -> str:
 def planner_verdict(cfg, data_shape: dict | None = None) -> Verdict:
     """The verdict for the device `cfg` would run on (see the module docstring). data_shape: Workload fields read from
     the training rows (planner.data_shape_of: images per prompt, video frames)."""
-    from vlmrl.plan.planner import FIT_FRACTION
 
     try:
         cpu, gpu, extra = _run_context(cfg)
@@ -96,8 +98,6 @@ def planner_verdict(cfg, data_shape: dict | None = None) -> Verdict:
 def finish_check(cfg, log, data_shape: dict | None = None) -> int:
     """The end of `vlmrl check`, after every other check passed: what the run would do with output_dir, the
     planner's verdict and plan, and the last line. Exit status 0, or 1 when the planner predicts it does not fit."""
-    from vlmrl.defaults import describe
-    from vlmrl.run.rundir import describe_output_dir
 
     log(describe(cfg))
     log(describe_output_dir(cfg))
