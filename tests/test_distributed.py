@@ -243,7 +243,9 @@ def _assert_same_run(out, ref, steps=(1, 2, 3)):
     a, b = _metrics(out), _metrics(ref)
     for s in steps:
         assert a[s]["reward"] == b[s]["reward"], s  # the same completions were sampled
-        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-6, abs=1e-9), s
+        # After the first update the loss carries the weights' rounding (sharded reductions sum in another order)
+        # through the old log-probs of a rollout spanning two optimizer steps: 3.1e-5 relative measured (FSDP2, step 2).
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4, abs=1e-8), s
         assert a[s]["kl"] == pytest.approx(b[s]["kl"], rel=1e-5, abs=1e-9), s
 
 

@@ -216,3 +216,14 @@ def test_builtins_through_compute_rewards():
     )
     assert per == {"accuracy": [1.0, 1.0], "answer_format": [1.0, 0.0]}
     assert total == [1.5, 1.0]
+
+
+def test_a_number_written_as_text_is_not_read_as_mathematics():
+    """math-verify reads "4 apples" as 4; a numeric or choice solution keeps its plain rules unless the answer is
+    written as mathematics (the demo's count task scored such answers 0 before math-verify and must still)."""
+    from vlmrl.rewards.functions import answers_match
+
+    assert not answers_match("4 apples", "4") and not answers_match("4 7", "4") and not answers_match("B or C", "B")
+    assert answers_match("$4$", "4") and answers_match("4.0", "4")
+    pytest.importorskip("math_verify", reason="math-verify (the `math` extra) not installed")
+    assert answers_match("\\frac{8}{2}", "4") and answers_match("1/2", "0.5")

@@ -195,7 +195,13 @@ def answers_match(answer: str, solution: str) -> bool:
     answer, solution = strip_math(answer), strip_math(solution)
     if _plain_match(answer, solution):
         return True
+    if (_as_number(solution) is not None or _as_choice(solution) is not None) and not MATH_MARKUP_RE.search(answer):
+        return False  # a number or a choice written as text has its plain rules: math-verify would read "4 apples" as 4
     return _math_verify_match(answer, solution)
+
+
+# What makes an answer mathematics rather than text: LaTeX commands, braces, powers, subscripts, a fraction a/b.
+MATH_MARKUP_RE = re.compile(r"[\\^{}_]|\d\s*/\s*\d")
 
 
 def _math_verify_match(answer: str, solution: str) -> bool:
