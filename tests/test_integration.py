@@ -81,9 +81,11 @@ def test_two_grpo_steps_change_weights_and_reload(family, request, count_data, t
 
 def test_num_iterations_reuses_old_logps(tiny_qwen25vl, count_data, tmp_path):
     out1 = tmp_path / "mu1"
-    train(grpo_cfg(tiny_qwen25vl, count_data, out1, "training.max_steps=1"))
+    # One optimizer step per rollout (8 rows = 4 x 2 accumulation): on-policy, the ratio is exactly 1. (Without the
+    # accumulation the rollout feeds two optimizer steps and the second one's ratio is rightly not 1: test_offpolicy.py.)
+    train(grpo_cfg(tiny_qwen25vl, count_data, out1, "training.max_steps=1", "training.gradient_accumulation_steps=2"))
     (m1,) = read_metrics(out1)
-    assert m1["ratio_dev/iter1"] == 0.0  # on-policy: ratio is exactly 1
+    assert m1["ratio_dev/iter1"] == 0.0
     out2 = tmp_path / "mu2"
     # One optimizer step per pass (8 rows = 4 x 2 accumulation), so pass 1 sees the rollout policy.
     train(grpo_cfg(tiny_qwen25vl, count_data, out2, "training.max_steps=1", "algorithm.num_iterations=2", "training.gradient_accumulation_steps=2"))

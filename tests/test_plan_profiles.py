@@ -71,7 +71,7 @@ def test_naive_profile_adds_exactly_the_expected_terms():
     # G copies of each image through the vision tower: 4 rows x 16 patches x 2 blocks x 2,952 bytes per patch
     # (2 (30 hv + 8 iv) + 4 heads), against one encode of the group's image on vlmrl's path.
     assert naive.terms["activations_vision"] == 2 * N * PATCHES * (2 * (30 * 32 + 8 * 64) + 4 * 2) == 377_856
-    assert vlmrl.plan.terms["activations_vision"] * G == naive.terms["activations_vision"]
+    assert vlmrl.terms["activations_vision"] * G == naive.terms["activations_vision"]
     # HF generate prefills the G copies: the KV cache of prompts x G rows of prompt + completion (24 + 10 tokens).
     assert naive.terms["kv_cache"] == PROMPTS * G * (24 + C) * 2 * SPEC.layers * SPEC.kv_heads * SPEC.head_dim * 4
     changed = {"full_vocab_logits", "logprob_buffers", "pixel_value_copies", "activations_other", "allocator_reserve", "scoring_temporaries"}
