@@ -138,7 +138,7 @@ def _interrupted_copy(out, name):
 # ---------------------------------------------------------------- GRPO under ZeRO-2 and ZeRO-3
 @needs_deepspeed
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # ZeRO-3 in the slow tier: make test stays near 10 min
 def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp, stage):
     out, log = _zero_run(setup, stage)
     assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log
@@ -312,6 +312,7 @@ def _two_nodes(setup, out, *extra):
 
 @needs_deepspeed
 @pytest.mark.multiproc
+@pytest.mark.slow  # ~1-3 min of 2 launches; DDP keeps its two-node test in the default tier
 def test_zero3_two_nodes_on_loopback_checkpoint_and_resume(setup, ddp):
     out = setup[0] / "zero3_nodes"
     logs = _two_nodes(setup, out, "training.max_steps=2", "training.save_steps=2")
