@@ -41,7 +41,7 @@ from vlmrl.engine.distributed import Distributed, DistributedError
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer
 from vlmrl.models.conversations import ConversationError, sft_view, target_tensors
-from vlmrl.models.loading import language_model, output_head, projector, save_model, vision_tower
+from vlmrl.models.loading import language_model, output_head, projector, vision_tower
 from vlmrl.models.prefix import LogprobOptions, completion_logps_for
 from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
 from vlmrl.run.tracking import RunLogger, tracker_options
@@ -406,6 +406,7 @@ def checkpoint(run: SFTRun, step: int) -> None:
 
 def finish_sft(run: SFTRun, final: dict, stop) -> dict:
     """The shared ending (ending.finish): the final model, the last evaluation, report, summary."""
+    from vlmrl.models.loading import save_model
 
     step = run.state["step"]
 

@@ -50,7 +50,7 @@ from vlmrl.engine.collectives import prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
 from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
-from vlmrl.models.loading import reference_disabled_adapter, save_model
+from vlmrl.models.loading import reference_disabled_adapter
 from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
 from vlmrl.run.datasets import epochs_as_steps
@@ -360,6 +360,8 @@ def finish_run(run: Run, final: dict, stop) -> dict:
         return final
 
     def save(folder: Path) -> None:
+        from vlmrl.models.loading import save_model
+
         save_final(run.model, run.processor, folder, run.dist, save_model, cfg, run.log)
 
     end = Ending(cfg, run.out, run.dist, run.logger, run.log, "train", "GRPO", SUMMARY_KEYS, run.state["step"])

@@ -16,10 +16,6 @@ import sys
 
 from vlmrl.plan.profiles import PROFILES
 from vlmrl.plan.planner import ATTENTIONS, GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
-from vlmrl.config import ConfigError, load_config
-from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS, hf_config
-from vlmrl.plan.planner import Workload, model_spec, plan, search, sft_workload, spec_for_config, workload_from_config
-from vlmrl.plan.trace import setup_for, trace_update
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,10 +143,13 @@ def _output_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(ns, spec):
+    from vlmrl.plan.planner import Workload, workload_from_config
 
     gpu = parse_memory(ns.gpu_memory) if ns.gpu_memory else None
     world = ns.gpus or 1
     if ns.config:
+        from vlmrl.config import load_config
+
         cfg = load_config(ns.config, ns.overrides)
         if gpu is None and cfg.training.auto_fit_gpu_memory_gib:
             gpu = int(cfg.training.auto_fit_gpu_memory_gib * GiB)
@@ -206,8 +205,11 @@ def _workload(ns, spec):
 
 def _sft_stages(ns, w) -> dict:
     """{stage: Workload} of `vlmrl sft`: with --config the stages it runs (sft.*), else --sft-stage (default 2)."""
+    from vlmrl.plan.planner import sft_workload
 
     if ns.config:
+        from vlmrl.config import load_config
+
         cfg = load_config(ns.config, ns.overrides)
         s = cfg.sft
         base = dataclasses.replace(w, micro_batch=ns.micro_batch or s.batch_size)
@@ -271,12 +273,17 @@ def _check_flags(ns) -> None:
 
 
 def run(ns) -> int:
+    from vlmrl.plan.planner import model_spec, plan, search, spec_for_config
 
     if ns.list_models:
+        from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS
+
         print("\n".join(sorted(PRESETS) + sorted(PLANNER_PRESETS)))
         return 0
     _check_flags(ns)
     if ns.config:
+        from vlmrl.config import load_config
+
         source = load_config(ns.config, ns.overrides).model.name_or_path
         spec = spec_for_config(load_config(ns.config, ns.overrides))
     else:
@@ -312,6 +319,7 @@ def run(ns) -> int:
 def _vlmrl_alternative(spec, w) -> dict:
     """vlmrl's plan of the same work as a plain trainer's workload `w`, and (when that does not fit either) the
     fastest vlmrl configuration predicted to fit, G / pixels / effective batch kept."""
+    from vlmrl.plan.planner import plan, search
 
     v = dataclasses.replace(w, profile="vlmrl")  # the profile is applied inside plan(): w keeps vlmrl's own memory settings
     p = plan(spec, v)
@@ -368,6 +376,10 @@ def _trace(spec, w, source: str) -> dict:
     """Trace the update micro-batch of `w` (unsharded, one device) and compare with the closed form's update
     peak under the trace's semantics (no autocast; weights dtype)."""
 
+    from vlmrl.plan.trace import setup_for, trace_update
+    from vlmrl.plan.planner import plan
+    from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS, hf_config
+
     if w.sharding not in ("none", "ddp") or w.offload != "none":
         raise PlanError("--trace traces one unsharded device; drop --sharding/--offload")
     config = hf_config(source) if (source in PRESETS or source in PLANNER_PRESETS) else _config_from_path(source)
@@ -417,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_safely(ns) -> int:
+    from vlmrl.config import ConfigError
 
     try:
         return run(ns)

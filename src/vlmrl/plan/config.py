@@ -10,7 +10,6 @@ from pathlib import Path
 from vlmrl.plan.estimate import Plan, plan
 from vlmrl.plan.hf import model_spec, spec_from_hf_config
 from vlmrl.plan.spec import GiB, ModelSpec, PlanError, Workload, sft_workload
-from vlmrl.fixtures.tiny import default_model_path
 
 
 # What torch.cuda.get_device_properties().total_memory reports (the memory a run can have), by marketing name.
@@ -100,6 +99,8 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
 def spec_for_config(cfg) -> ModelSpec:
     name = cfg.model.name_or_path
     if name.startswith("embedded:"):
+        from vlmrl.fixtures.tiny import default_model_path
+
         path = default_model_path()
         if not (Path(path) / "config.json").is_file():
             raise PlanError(f"{name}: the embedded tiny model is not built yet ({path}); run vlmrl demo once, or plan with --model")

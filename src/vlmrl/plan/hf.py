@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.plan.spec import ModelSpec, PlanError
-from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS, hf_config
-from vlmrl.models.loading import ModelLoadError, output_head, projector, unwrap, vision_tower
 
 
 def _dims(obj, *names, default=None):
@@ -84,6 +82,8 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from vlmrl.models.loading import output_head, unwrap
+
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(cfg)
     core = unwrap(model)
@@ -117,6 +117,7 @@ def _spec_from_config_object(cfg, name: str) -> ModelSpec:
 def _param_counts(model) -> tuple[dict, Any]:
     """({total_params, vision_params, projector_params}, the vision tower or None) of a meta-device model: a
     LLaVA-style projector outside the tower counts with vision."""
+    from vlmrl.models.loading import ModelLoadError, projector, vision_tower
 
     total = sum(p.numel() for p in model.parameters())
     try:
@@ -245,6 +246,7 @@ def _moe_dims(text_config, core) -> dict:
 
 def model_spec(model: str) -> ModelSpec:
     """A bundled preset name, or a path to a model folder / config.json."""
+    from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS
 
     if model in PRESETS or model in PLANNER_PRESETS:
         return _preset_spec(model)
@@ -256,6 +258,7 @@ def model_spec(model: str) -> ModelSpec:
 
 @lru_cache(maxsize=32)
 def _preset_spec(name: str) -> ModelSpec:
+    from vlmrl.fixtures.presets import hf_config
 
     return spec_from_hf_config(hf_config(name), name)
 

@@ -9,7 +9,6 @@ from vlmrl.plan.estimate import Plan
 from vlmrl.plan.host import HOST_RUNTIME_CPU_BYTES
 from vlmrl.plan.search import auto_fit
 from vlmrl.plan.spec import GiB, PlanError
-from vlmrl.engine.memory import host_rss, memory_stats
 
 PREDICTION_WARN_FRACTION = 0.25  # a measured GPU peak this far from the prediction is worth a warning
 
@@ -45,6 +44,8 @@ def _run_context(cfg, world_size: int = 1) -> tuple[bool, int | None, dict]:
             gpu = None
     extra: dict = {}
     if cpu:
+        from vlmrl.engine.memory import host_rss
+
         # libraries imported later in the run (the model family, tokenizer, data) count from the start
         extra.update(device="cpu", host_runtime_bytes=max(int(host_rss() * GiB), HOST_RUNTIME_CPU_BYTES))
     return cpu, gpu, extra
@@ -119,6 +120,7 @@ def measured_vs_predicted(p: Plan | None, warn) -> dict:
     """memory_stats() now plus the plan/* comparison (for loops that do not collect memory metrics themselves)."""
     if p is None:
         return {}
+    from vlmrl.engine.memory import memory_stats
 
     stats = memory_stats()
     return {**stats, **prediction_vs_measured(p, stats, warn)}

@@ -12,7 +12,6 @@ from typing import Any
 from vlmrl.plan.config import device_memory_bytes, spec_for_config, workload_from_config
 from vlmrl.plan.estimate import Plan, plan
 from vlmrl.plan.spec import OFFLOADS, GiB, ModelSpec, PlanError, Workload
-from vlmrl.config import replace
 
 
 def _divisors(n: int) -> list[int]:
@@ -163,6 +162,7 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
     with the effective batch kept, generation prompts per call, gradient checkpointing, reference placement; and
     num_generations / max_pixels / effective batch only when listed in training.auto_fit_allow). Raises PlanError
     naming the knobs when nothing fits."""
+    from vlmrl.config import replace
 
     if gpu_memory_bytes is None:
         gpu_memory_bytes = device_memory_bytes(cfg)

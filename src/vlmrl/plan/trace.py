@@ -38,10 +38,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from vlmrl.models.loading import prepare_trainable, unwrap
-from vlmrl.models.logprobs import selective_logps
-from vlmrl.models.prefix import _cache_rows
-from vlmrl.plan.planner import image_patches, naive_fallback, square_image, tiled_image, video_grid, video_text_tokens
 
 
 # Families whose vision bookkeeping (grids, window / interpolation indices) the trace precomputes. Qwen3-VL's DeepStack
@@ -176,6 +172,7 @@ class TraceSetup:
 def setup_for(spec, w) -> TraceSetup:
     """The micro-batch a planner Workload `w` describes, as the trace runs it: the one mapping from the closed form's
     description to the trace's (vlmrl plan --trace and benchmarks/planner_accuracy.py both use it)."""
+    from vlmrl.plan.planner import image_patches, naive_fallback, square_image, tiled_image, video_grid, video_text_tokens
 
     w = naive_fallback(spec, w)[0]  # families without vlmrl's fast paths run the naive path
 
@@ -211,6 +208,8 @@ def build_meta_model(hf_config, setup: TraceSetup):
     """The model of `hf_config` on the meta device in setup.dtype, frozen / checkpointed / LoRA as vlmrl does it."""
     from transformers import AutoModelForImageTextToText
 
+    from vlmrl.models.loading import prepare_trainable
+
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(hf_config, dtype=setup.dtype)
     mcfg = types.SimpleNamespace(
@@ -242,6 +241,7 @@ class _Inputs:
     """Meta tensors for one micro-batch, with Qwen-VL vision bookkeeping computed on the CPU."""
 
     def __init__(self, model, setup: TraceSetup):
+        from vlmrl.models.loading import unwrap
 
         core = unwrap(model)
         self.core, self.inner = core, core.model
@@ -376,6 +376,8 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
     """[N, C] log-probs the way vlmrl computes them: vision once per unique prompt (group_vision), then either the
     shared-prefix path (prompt once per unique prompt, KV cache gathered to the rows; not under gradient
     checkpointing in training) or prompt + completion per row; chunked LM-head log-probs."""
+    from vlmrl.models.logprobs import selective_logps
+    from vlmrl.models.prefix import _cache_rows
 
     core, inner = inp.core, inp.inner
     N, C, U, P = inp.N, inp.C, inp.U, inp.P

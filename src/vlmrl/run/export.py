@@ -16,7 +16,6 @@ from vlmrl.checkpoints.files import (
 )
 from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
 from vlmrl.config import ConfigError, _merge_key, build_config, parse_override
-from vlmrl.models.loading import save_model
 
 CODE_LOADING_KEYS = ("trust_remote_code", "allow_hub_download")
 
@@ -63,6 +62,7 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
 
     from safetensors.torch import load_file
 
+    from vlmrl.models.loading import save_model
     from vlmrl.models.policy import load_policy
 
     path = Path(checkpoint)
