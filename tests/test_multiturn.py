@@ -250,3 +250,90 @@ def test_budgets_end_rows_with_a_reason(tiny_qwen25vl, case):
     assert n <= kw.get("total", 1200)
     if case == "turn_tokens":
         assert n == 10 and int(out.loss_mask[0].sum()) == 10
+
+
+TOOL_REWARD = '''
+def tool_calls(completions, trajectory, **kwargs):
+    """The number of tool calls, read from the TRL-shaped completion (checked against the Trajectory it came from)."""
+    out = []
+    for completion, traj in zip(completions, trajectory):
+        assert completion is traj.completion and completion[0]["role"] == "assistant"
+        # + something that differs between rows (the last turn's length), so advantages and the loss are not 0
+        out.append(float(sum(len(m.get("tool_calls", [])) for m in completion)) + len(traj.turn_texts[-1]) / 100)
+    return out
+'''
+
+
+@pytest.mark.integration
+def test_grpo_trains_on_multiturn_rollouts(tiny_qwen25vl, tmp_path, monkeypatch):
+    """vlmrl train with tools.tools=[zoom]: every rollout's first turn is a scripted zoom call (the random model would
+    never write one), the rest is sampled. Rewards get the trajectory; the old and reference log-probs (num_iterations=2,
+    beta > 0) score the whole multi-turn sequence with the tool image, and agree with the sampler's on the model's tokens."""
+    import json
+    import math
+
+    import vlmrl.run.tool_rollout as tool_rollout
+    from vlmrl.config import load_config
+    from vlmrl.data.tasks import make_count_task
+    from vlmrl.train import train
+
+    processor = load_processor(tiny_qwen25vl)
+    call = '<tool_call>{"name": "zoom", "arguments": {"bbox_2d": [0, 0, 28, 28]}}</tool_call>'
+    script = _scripts(processor, [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")], [call])[0]
+    import vlmrl.train as train_module
+
+    real, real_loss, seen = tool_rollout.sample_multiturn, train_module.per_token_loss, {"rollout": [], "update": []}
+
+    def scripted(*args, **kwargs):
+        out = real(*args, **kwargs, force=lambda row, turn, j: script[j] if turn == 0 and j < len(script) else None)
+        seen["rollout"].append(out)
+        return out
+
+    def recording_loss(*args, mask, **kwargs):
+        seen["update"].append(mask.detach().clone())
+        return real_loss(*args, mask=mask, **kwargs)
+
+    monkeypatch.setattr(tool_rollout, "sample_multiturn", scripted)
+    monkeypatch.setattr(train_module, "per_token_loss", recording_loss)
+    (tmp_path / "tool_reward.py").write_text(TOOL_REWARD)
+    data = make_count_task(tmp_path / "count", n_train=4, n_test=0, seed=0, image_size=56)
+    out = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_qwen25vl}",
+            f"data.train_path={data['train']}",
+            "data.eval_path=",
+            f"training.output_dir={out}",
+            "training.max_steps=1",
+            "rollout.num_generations=2",
+            "training.per_device_train_batch_size=4",
+            "rollout.max_completion_length=8",
+            "rollout.engine=continuous",
+            "tools.tools=[zoom]",
+            f"tools.max_turn_tokens={len(script) + 4}",
+            "tools.max_total_tokens=400",
+            "algorithm.num_iterations=2",
+            "algorithm.beta=0.04",
+            "algorithm.mask_truncated_completions=false",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "training.save_final_model=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            f"algorithm.reward_funcs=['{tmp_path / 'tool_reward.py'}:tool_calls']",
+        ],
+    )
+    train(cfg, log=lambda *_: None)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+    for r in rows:
+        assert r["tools/calls_mean"] == 1.0 and r["tools/turns_mean"] == 2.0, r
+        assert r["reward"] > 1.0 and r["reward_std"] > 0 and r["loss"] != 0 and r["grad_norm"] > 0 and math.isfinite(r["kl"]), r
+        # Sampler vs scoring over the model's tokens only (tool tokens have no sampler log-prob).
+        assert r["mismatch/max_abs_logp_diff"] < 1e-4, r
+    # The update's loss mask is the rollout's: the model's tokens, not the tool turns (2 iterations per rollout).
+    for step, rollout in enumerate(seen["rollout"]):
+        used = sum(int(m.sum()) for m in seen["update"][2 * step : 2 * step + 2])
+        assert used == 2 * int(rollout.loss_mask.sum()) < 2 * int(rollout.attention_mask.sum())

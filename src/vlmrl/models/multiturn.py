@@ -520,6 +520,17 @@ def sequence_logps(
     return selective_logps(predicting, core.get_output_embeddings(), ids.to(hidden.device), temperature, chunk_tokens)
 
 
+def logps_for_rows(model, prompt_batch: dict, row_prompt, ids, completion_mask, opts, tool_vision: list | None = None) -> torch.Tensor:
+    """The trainer's per-token log-probs: `prefix.completion_logps_for` for single-turn rows (tool_vision None), else
+    `sequence_logps` over the whole multi-turn sequence (completion_mask: every real token, model and tool)."""
+    from vlmrl.models.prefix import completion_logps_for
+
+    if tool_vision is None:
+        return completion_logps_for(model, prompt_batch, row_prompt, ids, completion_mask, opts)
+    with opts.autocast():
+        return sequence_logps(model, prompt_batch, row_prompt, ids, completion_mask, tool_vision, opts.temperature, opts.chunk_tokens)
+
+
 def rendered_conversation(processor, trajectory: Trajectory) -> str:
     """The chat template's rendering of a finished rollout (no generation prompt): what exactness tests compare the
     engine's tokens with."""
