@@ -337,3 +337,89 @@ def test_grpo_trains_on_multiturn_rollouts(tiny_qwen25vl, tmp_path, monkeypatch)
     for step, rollout in enumerate(seen["rollout"]):
         used = sum(int(m.sum()) for m in seen["update"][2 * step : 2 * step + 2])
         assert used == 2 * int(rollout.loss_mask.sum()) < 2 * int(rollout.attention_mask.sum())
+
+
+def test_sampled_rows_do_not_depend_on_batch_size_or_tool_timing(tiny_qwen25vl):
+    """Each row samples from its own stream and resumes on its own K/V: G=2 sampled rollouts of two prompts (a scripted
+    call on the first turn, then sampled turns) give the same tokens with 1 or 4 rows in flight, and when one row's tool is
+    slow (the others decode meanwhile)."""
+    import time
+
+    from vlmrl.tools.registry import make_tool
+
+    model = load_model(model_cfg(tiny_qwen25vl)).eval()
+    processor = load_processor(tiny_qwen25vl)
+    eos = eos_token_ids(model, processor.tokenizer)
+    scripts = [_scripts(processor, eos, [ZOOM])] * 4
+    rows = _rows(2)
+
+    def run(decode_batch_size, slow_row=None):
+        envs = [_env() for _ in range(4)]
+        if slow_row is not None:
+            zoom = envs[slow_row].tools["zoom"]
+
+            def slow_zoom(bbox_2d: list[float], factor: float = 2.0, image_index: int = 0, coordinates: str = "pixel", *, context=None):
+                """Zoom, slowly.
+
+                Args:
+                    bbox_2d: The region.
+                    factor: How much.
+                    image_index: Which image.
+                    coordinates: How bbox_2d is written.
+                """
+                time.sleep(0.5)
+                return zoom.fn(bbox_2d, factor, image_index, coordinates, context=context)
+
+            envs[slow_row].tools = {"zoom": make_tool(slow_zoom, name="zoom"), "crop": envs[slow_row].tools["crop"]}
+        prompts = [envs[2 * u].reset(row) for u, row in enumerate(rows)]
+        for u, row in enumerate(rows):
+            envs[2 * u + 1].reset(row)
+        batch = encode_prompts(processor, [render_chat(processor, m, True) for m in prompts], [images_of(m) for m in prompts])
+        return sample_multiturn(
+            model,
+            processor,
+            batch,
+            envs,
+            num_generations=2,
+            limits=TurnLimits(max_turn_tokens=90, max_total_tokens=175),  # the sampled turn: at most ~20 tokens
+            eos_ids=eos,
+            pad_id=processor.tokenizer.pad_token_id,
+            suppress_ids=vision_token_ids(model),
+            decode_batch_size=decode_batch_size,
+            prompt_seeds=[11, 22],
+            temperature=0.9,
+            force=_force(scripts),
+        )
+
+    a, b, c = run(0), run(1), run(4, slow_row=0)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.ids, c.ids) and torch.equal(a.loss_mask, c.loss_mask)
+    assert a.num_tool_calls.tolist() == [1, 1, 1, 1]
+    second = [a.ids[i, s:e].tolist() for i in range(4) for kind, s, e in a.spans[i][2:3]]
+    assert len({tuple(t) for t in second}) == 4, "the sampled second turns differ between rows"
+
+
+def test_tools_config_is_validated():
+    from vlmrl.config import ConfigError, load_config
+
+    ok = load_config(None, ["tools.tools=[zoom]", "rollout.engine=continuous", "tools.max_turn_tokens=16", "tools.max_total_tokens=64"])
+    assert ok.multiturn and ok.max_turn_tokens == 16 and not load_config(None, []).multiturn
+    bad = {
+        "tools.tools=[zoom]": "rollout.engine=continuous",
+        "tools.max_turns=0": "tools.max_turns=0",
+        "tools.max_total_tokens=4": "tools.max_total_tokens=4",
+        "tools.max_images=0": "tools.max_images=0",
+        "tools.timeout_s=0": "tools.timeout_s=0",
+        "tools.workers=0": "tools.workers=0",
+    }
+    for override, needle in bad.items():
+        with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
+            load_config(None, [override, "rollout.max_completion_length=8"])
+
+
+def test_a_bad_tool_spec_names_the_field():
+    from vlmrl.config import ConfigError, load_config
+    from vlmrl.run.tool_rollout import load_run_tools
+
+    cfg = load_config(None, ["tools.tools=[zooom]", "rollout.engine=continuous"])
+    with pytest.raises(ConfigError, match=r"tools\.tools: unknown tool 'zooom': did you mean 'zoom'"):
+        load_run_tools(cfg)
