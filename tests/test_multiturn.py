@@ -32,7 +32,14 @@ from vlmrl.tools.registry import load_tools
 from vlmrl.tools.render import chat_template_of, for_template, tool_role_mode
 from vlmrl.tools.trajectory import images_of
 
-FAMILIES = ["tiny_qwen25vl", "tiny_qwen3vl", "tiny_llava"]
+# The issue's three families in the default tier; the engine's other multi-turn families in the slow tier.
+FAMILIES = [
+    "tiny_qwen25vl",
+    "tiny_qwen3vl",
+    "tiny_llava",
+    pytest.param("tiny_qwen2vl", marks=pytest.mark.slow),
+    pytest.param("tiny_qwen3vl_moe", marks=pytest.mark.slow),
+]
 ZOOM = '<tool_call>{"name": "zoom", "arguments": {"bbox_2d": [4, 4, 36, 28], "factor": 2}}</tool_call>'
 CROP = '<tool_call>{"name": "crop", "arguments": {"bbox_2d": [10, 0, 40, 30], "image_index": -1}}</tool_call>'
 ANSWER = "the answer is 7"
@@ -341,8 +348,8 @@ def test_grpo_trains_on_multiturn_rollouts(tiny_qwen25vl, tmp_path, monkeypatch)
 
 def test_sampled_rows_do_not_depend_on_batch_size_or_tool_timing(tiny_qwen25vl):
     """Each row samples from its own stream and resumes on its own K/V: G=2 sampled rollouts of two prompts (a scripted
-    call on the first turn, then sampled turns) give the same tokens with 1 or 4 rows in flight, and when one row's tool is
-    slow (the others decode meanwhile)."""
+    call on the first turn, then sampled turns) give the same tokens with 1 row in flight and with all 4 in flight while
+    one row's tool is slow (the others decode meanwhile)."""
     import time
 
     from vlmrl.tools.registry import make_tool
@@ -391,8 +398,8 @@ def test_sampled_rows_do_not_depend_on_batch_size_or_tool_timing(tiny_qwen25vl):
             force=_force(scripts),
         )
 
-    a, b, c = run(0), run(1), run(4, slow_row=0)
-    assert torch.equal(a.ids, b.ids) and torch.equal(a.ids, c.ids) and torch.equal(a.loss_mask, c.loss_mask)
+    a, c = run(1), run(4, slow_row=0)
+    assert torch.equal(a.ids, c.ids) and torch.equal(a.loss_mask, c.loss_mask)
     assert a.num_tool_calls.tolist() == [1, 1, 1, 1]
     second = [a.ids[i, s:e].tolist() for i in range(4) for kind, s, e in a.spans[i][2:3]]
     assert len({tuple(t) for t in second}) == 4, "the sampled second turns differ between rows"
