@@ -16,13 +16,14 @@ from PIL import Image
 from test_logprobs import model_cfg
 
 from vlmrl.models.loading import load_model
-from vlmrl.models.logprobs import model_inputs
+from vlmrl.models.logprobs import model_inputs, vision_encode_counter
 from vlmrl.models.multiturn import (
     TurnLimits,
     content_prefix,
     rendered_conversation,
     sample_multiturn,
     sequence_logps,
+    sequence_logps_prefix,
     turn_end,
 )
 from vlmrl.models.processing import _tokenizer_of, encode_prompts, load_processor, render_chat
@@ -230,12 +231,24 @@ def test_sampler_logps_equal_the_whole_sequence_scored_once(family):
     name, model, processor, eos = family
     rows = _rows(2)
     scripts = [_scripts(processor, eos, [ZOOM]), _scripts(processor, eos, [CROP, ZOOM])]
-    batch, out = _engine(model, processor, eos, rows, scripts)
+    with vision_encode_counter(model) as rollout_count:
+        batch, out = _engine(model, processor, eos, rows, scripts)
+    assert out.tool_images_per_row.tolist() == [1, 2] and rollout_count.images == 2 + 3  # each image encoded once
     with torch.no_grad():
         logps = sequence_logps(model, batch, torch.arange(2), out.ids, out.attention_mask, out.tool_vision)
     m = out.loss_mask.bool()
     # Scripted tokens were forced: their sampler log-prob is still the model's (unforced logits).
     assert torch.allclose(logps[m], out.sampling_logps[m], atol=2e-4), (logps[m] - out.sampling_logps[m]).abs().max()
+    # Each prompt prefilled once, the turns on top with the tool images only: the same values on every real token.
+    with torch.no_grad():
+        shared = sequence_logps_prefix(model, batch, torch.arange(2), out.ids, out.attention_mask, out.tool_vision)
+    real = out.attention_mask.bool()
+    assert torch.allclose(shared[real], logps[real], atol=2e-4), (shared[real] - logps[real]).abs().max()
+    # Two rows per prompt (a GRPO group): the prompts' images are encoded once each, the tool images once per row.
+    twice = torch.tensor([0, 0, 1, 1])
+    with torch.no_grad(), vision_encode_counter(model) as grouped:
+        again = sequence_logps_prefix(model, batch, twice, out.ids[twice], out.attention_mask[twice], [out.tool_vision[i] for i in twice])
+    assert grouped.images == 2 + 2 * 3 and torch.allclose(again, shared[twice], atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["max_turns", "turn_tokens", "total_tokens", "image_budget"])
