@@ -349,7 +349,7 @@ def test_grpo_trains_on_multiturn_rollouts(tiny_qwen25vl, tmp_path, monkeypatch)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     for r in rows:
-        assert r["tools/calls_mean"] == 1.0 and r["tools/turns_mean"] == 2.0, r
+        assert r["tools/calls_mean"] == 1.0 and r["tools/turns_mean"] == 2.0 and r["tools/call_success_rate"] == 1.0, r
         assert r["reward"] > 1.0 and r["reward_std"] > 0 and r["loss"] != 0 and r["grad_norm"] > 0 and math.isfinite(r["kl"]), r
         # Sampler vs scoring over the model's tokens only (tool tokens have no sampler log-prob).
         assert r["mismatch/max_abs_logp_diff"] < 1e-4, r
@@ -443,3 +443,20 @@ def test_a_bad_tool_spec_names_the_field():
     cfg = load_config(None, ["tools.tools=[zooom]", "rollout.engine=continuous"])
     with pytest.raises(ConfigError, match=r"tools\.tools: unknown tool 'zooom': did you mean 'zoom'"):
         load_run_tools(cfg)
+
+
+def test_call_success_rate_counts_failed_calls():
+    from vlmrl.models.rollout import Completions
+    from vlmrl.run.tool_rollout import multiturn_metrics
+    from vlmrl.tools.environment import ToolEnvironment
+    from vlmrl.tools.registry import load_tools
+
+    env = ToolEnvironment(load_tools(["zoom"]), max_turns=3)
+    env.reset(_rows(1)[0])
+    env.step(ZOOM)  # works
+    env.step(ZOOM.replace("[4, 4, 36, 28]", "[400, 400, 500, 500]"))  # outside the image: the tool's error
+    env.step("<tool_call>{not json</tool_call>")  # cannot be read
+    comp = Completions(ids=torch.zeros(1, 4), mask=torch.ones(1, 4), truncated=torch.zeros(1, dtype=torch.bool))
+    comp.loss_mask, comp.trajectories = torch.ones(1, 4), [env.trajectory()]
+    m = multiturn_metrics(comp)
+    assert m["tools/call_success_rate"] == pytest.approx(1 / 3) and m["tools/calls_mean"] == 2.0 and m["tools/end_max_turns"] == 1.0

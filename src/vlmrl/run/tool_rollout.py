@@ -17,6 +17,7 @@ from vlmrl.models.multiturn import TurnLimits, multiturn_supported, sample_multi
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.tools.environment import ToolEnvironment
 from vlmrl.tools.registry import ToolError, load_tools
+from vlmrl.tools.render import PARSE_ERROR_NAME
 
 
 def load_run_tools(cfg: Config, model=None) -> dict:
@@ -94,8 +95,16 @@ def sample_with_tools(model, processor, cfg: Config, tools: dict, rows: list[dic
     )
 
 
+def _failed(message: dict) -> bool:
+    """A tool message that reports a failure (`execute.ToolResult.error`, or a tool call that could not be read)."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return message.get("name") == PARSE_ERROR_NAME or text.startswith(f"tool {message.get('name')!r} failed:")
+
+
 def multiturn_metrics(comp: Completions) -> dict:
-    """tools/* of one step: turns and tool calls per rollout, the share of each end reason, model tokens per rollout."""
+    """tools/* of one step: turns and tool calls per rollout, the share of calls that worked, the share of each end
+    reason, model tokens per rollout."""
     if comp.trajectories is None:
         return {}
     trajs = comp.trajectories
@@ -105,6 +114,9 @@ def multiturn_metrics(comp: Completions) -> dict:
         "tools/calls_mean": sum(len(t.tool_calls) for t in trajs) / n,
         "tools/model_tokens_mean": float(comp.loss_mask.sum()) / n,
     }
+    results = [m for t in trajs for m in t.completion if m.get("role") == "tool"]
+    if results:
+        out["tools/call_success_rate"] = sum(not _failed(m) for m in results) / len(results)
     for reason in sorted({t.end_reason for t in trajs}):
         out[f"tools/end_{reason}"] = sum(t.end_reason == reason for t in trajs) / n
     return out
