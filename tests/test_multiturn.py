@@ -251,17 +251,24 @@ def test_sampler_logps_equal_the_whole_sequence_scored_once(family):
     assert grouped.images == 2 + 2 * 3 and torch.allclose(again, shared[twice], atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["max_turns", "turn_tokens", "total_tokens", "image_budget"])
+@pytest.mark.parametrize("case", ["max_turns", "turn_tokens", "total_tokens", "image_budget", "stop_token"])
 def test_budgets_end_rows_with_a_reason(tiny_qwen25vl, case):
+    """Each limit ends the row with its reason; stop_token: a turn ended by an eos that is not the template's turn end
+    (here <|endoftext|>) cannot be continued in the template's shape."""
     model = load_model(model_cfg(tiny_qwen25vl)).eval()
     processor = load_processor(tiny_qwen25vl)
     eos = eos_token_ids(model, processor.tokenizer)
     scripts = [_scripts(processor, eos, [ZOOM, ZOOM, ZOOM, ANSWER])]
+    if case == "stop_token":
+        other = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        eos = eos + [other]
+        scripts[0][0][-1] = other
     kw = {
         "max_turns": dict(max_turns=2),
         "turn_tokens": dict(turn_tokens=10),
         "total_tokens": dict(total=len(scripts[0][0]) + 8),
         "image_budget": dict(max_images=2),
+        "stop_token": {},
     }[case]
     _, out = _engine(model, processor, eos, _rows(1), scripts, **kw)
     assert out.end_reasons == [case] and out.trajectories[0].end_reason == case
@@ -460,3 +467,16 @@ def test_call_success_rate_counts_failed_calls():
     comp.loss_mask, comp.trajectories = torch.ones(1, 4), [env.trajectory()]
     m = multiturn_metrics(comp)
     assert m["tools/call_success_rate"] == pytest.approx(1 / 3) and m["tools/calls_mean"] == 2.0 and m["tools/end_max_turns"] == 1.0
+
+
+def test_families_without_a_plain_kv_cache_are_refused():
+    from types import SimpleNamespace
+
+    from vlmrl.models.multiturn import MultiTurnDecoder, multiturn_supported
+
+    for model_type in ("gemma3", "qwen3_5"):
+        model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+        assert model_type in multiturn_supported(model)
+        with pytest.raises(ValueError, match=f"model_type {model_type}: multi-turn rollouts are built and tested for qwen2_vl"):
+            MultiTurnDecoder(model, None, {}, [], limits=None, eos_ids=[0], sampler=None)
+    assert multiturn_supported(SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl"))) is None
