@@ -480,3 +480,13 @@ def test_families_without_a_plain_kv_cache_are_refused():
         with pytest.raises(ValueError, match=f"model_type {model_type}: multi-turn rollouts are built and tested for qwen2_vl"):
             MultiTurnDecoder(model, None, {}, [], limits=None, eos_ids=[0], sampler=None)
     assert multiturn_supported(SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl"))) is None
+
+
+def test_processes_decoding_in_step_are_refused():
+    from vlmrl.config import ConfigError, load_config
+    from vlmrl.models.prefix import synced_decoding
+    from vlmrl.run.tool_rollout import sample_with_tools
+
+    cfg = load_config(None, ["tools.tools=[zoom]", "rollout.engine=continuous"])
+    with synced_decoding(lambda local: local), pytest.raises(ConfigError, match="memory.generation_gather=layers"):
+        sample_with_tools(None, None, cfg, {}, [], {}, [])
