@@ -307,7 +307,7 @@ class MultiTurnDecoder(ContinuousDecoder):
         kwargs = {
             "input_ids": chunk,
             "mm_token_type_ids": (chunk == self.image_token_id).long(),
-            "image_grid_thw": suffix.get("image_grid_thw"),
+            "image_grid_thw": suffix["image_grid_thw"].to(chunk.device) if "image_grid_thw" in suffix else None,
             "attention_mask": torch.ones_like(chunk),
         }
         position_ids, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, kwargs))
@@ -535,9 +535,9 @@ def _row_grids(prompt_batch: dict, rows: torch.Tensor, tool_vision: list[dict]) 
     starts = [sum(per_row[:i]) for i in range(len(per_row))]
     grids = []
     for r, vision in zip(rows.tolist(), tool_vision):
-        grids += prompt[starts[r] : starts[r] + per_row[r]]
+        grids += [g.cpu() for g in prompt[starts[r] : starts[r] + per_row[r]]]
         if vision and "image_grid_thw" in vision:
-            grids += list(vision["image_grid_thw"].unbind(0))
+            grids += list(vision["image_grid_thw"].cpu().unbind(0))
     return torch.stack(grids) if grids else None
 
 
@@ -583,7 +583,8 @@ def sequence_logps_prefix(
         inner = core.model
         full = torch.cat([prompt_batch["input_ids"].index_select(0, rows), turns], dim=1)
         kwargs = {"input_ids": full, "mm_token_type_ids": (full == image_token).long(), "attention_mask": mask}
-        kwargs["image_grid_thw"] = _row_grids(prompt_batch, rows, tool_vision)
+        grids = _row_grids(prompt_batch, rows, tool_vision)
+        kwargs["image_grid_thw"] = grids.to(rows.device) if grids is not None else None
         positions, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, kwargs))
         step["position_ids"] = positions[..., P:]
         if "mm_token_type_ids" in prompt_batch:
