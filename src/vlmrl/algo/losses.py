@@ -266,8 +266,8 @@ def entropy_quantile_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quant
     values = (entropies[keep] if pooled is None else pooled).float()
     if values.numel() == 0:
         return torch.zeros_like(keep)
-    threshold = torch.quantile(values, 1.0 - top_quantile)
-    return keep & (entropies.float() >= threshold)
+    threshold = torch.quantile(values, 1.0 - top_quantile)  # float32, compared in the entropies' dtype (as TRL)
+    return keep & (entropies >= threshold)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
