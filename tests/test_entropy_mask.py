@@ -105,3 +105,11 @@ def test_training_keeps_the_top_fraction_per_step(tiny_qwen25vl, tmp_path, monke
     for k, n in kept:
         assert n > 0 and abs(k - 0.25 * n) <= max(2, 0.1 * n), (k, n)
     assert losses[0.25] != losses[1.0]
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1", "1.5"])
+def test_quantile_outside_0_1_refused(value):
+    from vlmrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"algorithm.top_entropy_quantile={float(value)} must be in \\(0, 1\\]"):
+        load_config(None, [f"algorithm.top_entropy_quantile={value}"])

@@ -170,3 +170,27 @@ def test_replay_refused_where_it_cannot_record(tiny_qwen25vl, tmp_path):
         train(grpo_cfg(tiny_qwen25vl, data, tmp_path / "run", "algorithm.routing_replay=experts"))
     with pytest.raises(ConfigError, match="routing_replay=experts records expert choices in the shared-prefix decode loop"):
         grpo_cfg(tiny_qwen25vl, data, tmp_path / "run2", "algorithm.routing_replay=experts", "rollout.engine=continuous")
+
+
+def test_replay_under_gradient_checkpointing_spans_backward(tiny_qwen3vl_moe):
+    """Checkpointed layers run their routers again in backward: with a moved router, the replayed gradients under
+    gradient checkpointing equal those without it (the replay is still in force when the layers recompute)."""
+    processor = load_processor(tiny_qwen3vl_moe)
+    prompts = prompt_batch(processor, [1, 2], seed=3)
+    grads = {}
+    for checkpointing in (False, True):
+        model = load_model(model_cfg(tiny_qwen3vl_moe, gradient_checkpointing=checkpointing))
+        routing = find_routing(model)
+        with record_routing(routing, keep_weights=True) as recorder:
+            comp = generate(model.eval(), processor.tokenizer, prompts, num_generations=G, max_new_tokens=6, prompt_seeds=[5, 6])
+        routes = recorder.routes(G)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for r in routing.routers:
+                r.weight.add_(torch.randn(r.weight.shape, generator=g) * r.weight.std() * 0.5)
+        model.train()
+        _logps(model, prompts, comp, routes, "experts", opts=PATHS["grouped"], grad=True)
+        grads[checkpointing] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys()
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
