@@ -19,6 +19,9 @@ after every stage, so a cut-off run still keeps what it measured):
   planner        the planner's logged prediction (plan/peak_reserved) vs the measured peak reserved of real runs:
                  GRPO and SFT, sdpa / flash_attention_2 / eager, LoRA and full, a new family (Qwen3-VL), a video row.
   memory_engine  benchmarks/memory_engine.py on the GPU: every memory-engine part off vs on (peak, step time).
+  mismatch       the rollout-training mismatch in bf16 (benchmarks/mismatch.py's measure): the sampler's per-token
+                 log-probs against the scoring pass's, bf16 weights and fp32 weights under bf16 autocast, for the
+                 decode loop and the continuous engine at several decode batch sizes (smoke: the tiny model on CPU).
 Then README blocks (scripts/update_reference.py) and docs/results.md (scripts/results_page.py) are regenerated.
 """
 
@@ -59,11 +62,12 @@ class Stage:
 
 
 STAGES = [
-    Stage("rollout", 170, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
+    Stage("rollout", 160, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
     Stage("update", 60, 60, "GRPO step and update time of qwen2.5-vl-3b (bf16, G 8, gradient checkpointing); update MFU"),
     Stage("oom", 45, 60, "real CUDA OOM (memory fraction capped) recovered by halving; the run finishes"),
-    Stage("planner", 170, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
+    Stage("planner", 150, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
     Stage("memory_engine", 80, 90, "benchmarks/memory_engine.py all off vs all on (GPU peak allocated, step time)"),
+    Stage("mismatch", 30, 60, "rollout-training mismatch (sampler vs scoring log-probs) in bf16: loop and continuous decode batches"),
 ]
 RENDER_S = 15  # README blocks and docs/results.md at the end
 DEFAULT_BUDGET_S = 540
@@ -354,6 +358,35 @@ def stage_memory_engine(run: StageRun) -> None:
     run.add(dict(returncode=0, file=Path(written[0]).name, rows=result["rows"], summary=result["summary"]))
 
 
+def stage_mismatch(run: StageRun) -> None:
+    import torch
+
+    import mismatch as mismatch_bench
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.processing import load_processor
+
+    if run.smoke:
+        label, folder, prompts_n, G, max_new = "tiny-qwen2.5-vl", tiny_folder(run), 2, 4, 8
+    else:
+        label, folder, prompts_n, G, max_new = "qwen2.5-vl-3b", preset_folder(run, "qwen2.5-vl-3b"), 4, 8, 64
+    rows = prompts_n * G
+    settings = [("loop", 0)] + [("continuous", b) for b in (1, rows // 4, rows)]
+    # bf16 weights (model.dtype=bfloat16) and fp32 weights under bf16 autocast (training.bf16): the two bf16 setups.
+    for weights, autocast in (("bfloat16", False), ("float32", True)):
+        model = load_model(_model_cfg(folder, weights)).to(run.device).eval()
+        processor = load_processor(folder)
+        prompts = mismatch_bench.prompts_on(processor, prompts_n, run.device)
+        for engine, batch in settings:
+            r = mismatch_bench.measure(
+                model, processor, prompts, engine=engine, decode_batch_size=batch, bf16=autocast, G=G, max_new=max_new, temperature=1.0
+            )
+            run.add(dict(model=label, weights=weights, bf16_autocast=autocast, engine=engine, decode_batch_size=batch or rows, **r))
+            print(f"[gpu_suite] mismatch {weights} autocast={autocast} {engine} {batch}: kl {r['mismatch/kl']:.2e}", flush=True)
+        del model
+        if run.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def stage_budget_check(run: StageRun) -> None:
     """Test-only stage: one item, then longer than any budget (the suite must stop it and keep the item)."""
     run.add({"kept": True})
@@ -367,6 +400,7 @@ STAGE_FUNCTIONS = {
     "oom": stage_oom,
     "planner": stage_planner,
     "memory_engine": stage_memory_engine,
+    "mismatch": stage_mismatch,
 }
 
 

@@ -1,6 +1,7 @@
 """Rollout-training mismatch on CPU: the sampler's per-token log-probs (recorded at the decode step that chose each
 token) against the scoring pass's (`completion_logps_for`, as train.py scores old log-probs), for the decode loop
-(all rows in one batch) and the continuous engine at several decode batch sizes, in fp32 and under bf16 autocast.
+(all rows in one batch) and the continuous engine at several decode batch sizes, in fp32 and (--bf16) in bf16: fp32
+weights under bf16 autocast (training.bf16) and bf16 weights (model.dtype=bfloat16).
 
     python benchmarks/mismatch.py [--bf16]     # writes benchmarks/results/mismatch_cpu_<date>.md and .json
 
@@ -28,10 +29,10 @@ from vlmrl.models.processing import build_prompt, encode_prompts, load_processor
 from vlmrl.models.rollout import generate
 
 
-def _model_config(path: str):
+def _model_config(path: str, dtype: str = "float32"):
     from vlmrl.config import ModelConfig
 
-    return ModelConfig(name_or_path=path, dtype="float32", attn_implementation="sdpa")
+    return ModelConfig(name_or_path=path, dtype=dtype, attn_implementation="sdpa")
 
 
 def _prompts(processor, n: int, seed: int) -> dict:
@@ -43,10 +44,16 @@ def _prompts(processor, n: int, seed: int) -> dict:
     return encode_prompts(processor, texts, images)
 
 
+def prompts_on(processor, n: int, device, seed: int = 0) -> dict:
+    """`n` one-image prompts on `device`."""
+    return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in _prompts(processor, n, seed).items()}
+
+
 def measure(model, processor, prompts, *, engine: str, decode_batch_size: int, bf16: bool, G: int, max_new: int, temperature: float) -> dict:
     n = prompts["input_ids"].shape[0]
     seeds = [1000 + i for i in range(n)]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    device_type = prompts["input_ids"].device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
         comp = generate(
             model,
             processor.tokenizer,
@@ -59,10 +66,10 @@ def measure(model, processor, prompts, *, engine: str, decode_batch_size: int, b
             prompt_seeds=seeds,
         )
     _, row_prompt = group_rows(torch.arange(n).repeat_interleave(G))
-    opts = LogprobOptions(temperature=temperature, bf16_autocast=bf16)
+    opts = LogprobOptions(temperature=temperature, bf16_autocast=bf16, device_type=device_type)
     with torch.no_grad():
         scored = completion_logps_for(model, prompts, row_prompt, comp.ids, comp.mask, opts)
-    metrics = mismatch_metrics(log_ratios(comp.sampling_logps, scored, comp.mask))
+    metrics = mismatch_metrics(log_ratios(comp.sampling_logps.to(scored.device), scored, comp.mask.to(scored.device)))
     return {"tokens": int(comp.mask.sum()), **metrics}
 
 
@@ -72,19 +79,24 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--bf16", action="store_true", help="also under bf16 autocast (slow on CPU)")
+    parser.add_argument("--bf16", action="store_true", help="also in bf16: autocast and bf16 weights (slow on CPU)")
     args = parser.parse_args()
     from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_qwen25vl(pathlib.Path(tmp) / "tiny")
-        model, processor = load_model(_model_config(str(path))).eval(), load_processor(path)
+        processor = load_processor(path)
         prompts = _prompts(processor, args.prompts, seed=0)
         rows = args.prompts * args.generations
         settings = [("loop", 0)] + [("continuous", b) for b in (1, 2, 4, 8, rows)]
         results = []
-        for bf16 in (False, True) if args.bf16 else (False,):
+        # (label, weights dtype, bf16 autocast): fp32; training.bf16's autocast over fp32 weights; bf16 weights.
+        dtypes = [("fp32", "float32", False)]
+        if args.bf16:
+            dtypes += [("bf16 autocast", "float32", True), ("bf16 weights", "bfloat16", False)]
+        for label_dtype, weights, bf16 in dtypes:
+            model = load_model(_model_config(str(path), weights)).eval()
             for engine, batch in settings:
                 r = measure(
                     model,
@@ -98,7 +110,7 @@ def main() -> None:
                     temperature=args.temperature,
                 )
                 label = "loop (all rows in one decode batch)" if engine == "loop" else f"continuous, decode_batch_size={batch}"
-                results.append({"dtype": "bf16 autocast" if bf16 else "fp32", "engine": label, **r})
+                results.append({"dtype": label_dtype, "engine": label, **r})
                 print(results[-1])
     day = datetime.date.today().isoformat()
     out = pathlib.Path(__file__).parent / "results" / f"mismatch_cpu_{day}"

@@ -29,7 +29,7 @@ import torch
 
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS_ESTIMATOR
 from vlmrl.config import AlgorithmConfig
-from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION, aggregate, per_token_loss, step_normaliser
+from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION, aggregate, entropy_quantile_mask, per_token_loss, step_normaliser
 
 ROWS_PER_MICRO_BATCH = 3
 G = 4
@@ -47,10 +47,12 @@ class Setting:
     steps: int = 1  # optimizer steps per rollout
     inject_old: bool = True  # False: on-policy, neither side gets old log-probs (TRL: old_per_token_logps absent)
     claimed_same: bool = True  # False: a known difference (docs/vs_trl.md), reported, not asserted
+    rows: int = ROWS_PER_MICRO_BATCH  # rows per micro-batch
 
 
 def _trl_base(**kw) -> dict:
-    return {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "scale_rewards": "group", "use_bias_correction_kl": False} | kw
+    base = {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "scale_rewards": "group", "use_bias_correction_kl": False}
+    return base | {"top_entropy_quantile": 1.0} | kw
 
 
 def settings() -> list[Setting]:
@@ -121,6 +123,32 @@ def settings() -> list[Setting]:
             2,
             steps=2,
         ),
+        # Entropy-quantile masking: the same injected entropies on both sides. TRL takes the quantile per micro-batch,
+        # vlmrl per optimizer step (micro-batch independent): the same with one micro-batch per step.
+        Setting("grpo top_entropy_quantile=0.2", _trl_base(loss_type="grpo", top_entropy_quantile=0.2), {"top_entropy_quantile": 0.2}, 1, rows=8),
+        Setting(
+            "dapo top_entropy_quantile=0.5 beta=0.04",
+            _trl_base(top_entropy_quantile=0.5, beta=0.04),
+            {"loss_aggregation": "token_mean", "top_entropy_quantile": 0.5, "beta": 0.04},
+            1,
+            rows=8,
+        ),
+        Setting(
+            "bnpo top_entropy_quantile=0.2 rollout of 2 steps",
+            _trl_base(loss_type="bnpo", top_entropy_quantile=0.2),
+            {"loss_type": "bnpo", "top_entropy_quantile": 0.2},
+            1,
+            steps=2,
+            rows=8,
+        ),
+        Setting(
+            "grpo top_entropy_quantile=0.2, 2 micro-batches (TRL: quantile per micro-batch)",
+            _trl_base(loss_type="grpo", top_entropy_quantile=0.2),
+            {"top_entropy_quantile": 0.2},
+            2,
+            claimed_same=False,
+            rows=6,
+        ),
         Setting(
             "grpo beta=0.04, vlmrl k3 vs TRL default use_bias_correction_kl",
             _trl_base(loss_type="grpo", **kl),
@@ -140,6 +168,7 @@ class Batch:
     old: torch.Tensor  # [R, T] sampling policy
     ref: torch.Tensor  # [R, T]
     current: list[torch.Tensor]  # per optimizer step: [R, T] current log-probs (leaf values; only its rows are used)
+    entropies: torch.Tensor  # [R, T] per-token policy entropies (top_entropy_quantile)
 
 
 def make_batch(rows: int, steps: int, seed: int = 0) -> Batch:
@@ -151,7 +180,8 @@ def make_batch(rows: int, steps: int, seed: int = 0) -> Batch:
     old = -torch.rand(rows, MAX_LEN, generator=g, dtype=torch.float64) * 3
     ref = old + 0.3 * torch.randn(rows, MAX_LEN, generator=g, dtype=torch.float64)
     current = [old + 0.4 * torch.randn(rows, MAX_LEN, generator=g, dtype=torch.float64) for _ in range(steps)]
-    return Batch(rewards, mask, old, ref, current)
+    entropies = torch.rand(rows, MAX_LEN, generator=g, dtype=torch.float64) * torch.rand(rows, 1, generator=g, dtype=torch.float64) * 8  # rows differ
+    return Batch(rewards, mask, old, ref, current, entropies)
 
 
 # ---------------------------------------------------------------- TRL's side
@@ -202,10 +232,10 @@ def trl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int
     a = setting.trl
     ga = setting.micro_batches
     current = batch.current[step].clone().requires_grad_(True)
-    rows_per_step = ROWS_PER_MICRO_BATCH * ga
+    rows_per_step = setting.rows * ga
     rows_in_generation = rows_per_step * setting.steps
     stand_in = types.SimpleNamespace(
-        top_entropy_quantile=1.0,
+        top_entropy_quantile=a["top_entropy_quantile"],
         off_policy_mask_threshold=None,
         importance_sampling_level=a.get("importance_sampling_level", "token"),
         beta=a["beta"],
@@ -229,15 +259,16 @@ def trl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int
             steps_per_generation=ga * setting.steps,
         ),
     )
+    stand_in.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, stand_in)
     total = 0.0
     num_items = batch.mask[:rows_in_generation].sum()  # TRL: the generation batch's tokens
     for k in range(ga):
-        rows = slice(step * rows_per_step + k * ROWS_PER_MICRO_BATCH, step * rows_per_step + (k + 1) * ROWS_PER_MICRO_BATCH)
-        stand_in._get_per_token_logps_and_entropies = lambda *args, _r=rows, **kw: (current[_r], torch.zeros_like(current[_r]), None)
+        rows = slice(step * rows_per_step + k * setting.rows, step * rows_per_step + (k + 1) * setting.rows)
+        stand_in._get_per_token_logps_and_entropies = lambda *args, _r=rows, **kw: (current[_r], batch.entropies[_r], None)
         inputs = {
-            "prompt_ids": torch.zeros(ROWS_PER_MICRO_BATCH, 1, dtype=torch.long),
-            "prompt_mask": torch.ones(ROWS_PER_MICRO_BATCH, 1, dtype=torch.long),
-            "completion_ids": torch.zeros(ROWS_PER_MICRO_BATCH, MAX_LEN, dtype=torch.long),
+            "prompt_ids": torch.zeros(setting.rows, 1, dtype=torch.long),
+            "prompt_mask": torch.ones(setting.rows, 1, dtype=torch.long),
+            "completion_ids": torch.zeros(setting.rows, MAX_LEN, dtype=torch.long),
             "completion_mask": batch.mask[rows],
             "advantages": advantages[rows],
             "ref_per_token_logps": batch.ref[rows],
@@ -265,18 +296,21 @@ def vlmrl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: i
     from vlmrl.config import Config
 
     cfg = Config(algorithm=algo)
-    rows_per_step = ROWS_PER_MICRO_BATCH * setting.micro_batches
+    rows_per_step = setting.rows * setting.micro_batches
     step_rows = list(range(step * rows_per_step, (step + 1) * rows_per_step))
     current = batch.current[step].clone().requires_grad_(True)
-    norm = step_normaliser([batch.mask[step_rows]], MAX_LEN, chunk_rows=ROWS_PER_MICRO_BATCH)
+    norm = step_normaliser([batch.mask[step_rows]], MAX_LEN, chunk_rows=setting.rows)
     rollout_tokens = float(batch.mask[: rows_per_step * setting.steps].sum())
     norm = dataclasses.replace(norm, rollout_tokens_per_step=max(1.0, rollout_tokens / setting.steps))
+    # train.step_entropy_masks: one quantile over the optimizer step's tokens.
+    keep = entropy_quantile_mask(batch.entropies[step_rows], batch.mask[step_rows], algo.top_entropy_quantile).double()
     total = 0.0
     for k in range(setting.micro_batches):
-        idx = step_rows[k * ROWS_PER_MICRO_BATCH : (k + 1) * ROWS_PER_MICRO_BATCH]
+        idx = step_rows[k * setting.rows : (k + 1) * setting.rows]
         logps = current[idx]
         old = batch.old[idx] if setting.inject_old else logps.detach()
-        tok, _ = per_token_loss(logps, old, advantages[idx], algo, batch.ref[idx], mask=batch.mask[idx])
+        weights = keep[[i - step_rows[0] for i in idx]] if algo.top_entropy_quantile < 1.0 else None
+        tok, _ = per_token_loss(logps, old, advantages[idx], algo, batch.ref[idx], mask=batch.mask[idx], is_weights=weights)
         total = total + aggregate(tok, batch.mask[idx], cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
     total.backward()
     return float(total), current.grad[step_rows]
@@ -296,7 +330,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(setting: Setting, seed: int = 0) -> dict:
     """Max relative differences of advantages, loss (per optimizer step) and gradient between TRL and vlmrl."""
-    rows = ROWS_PER_MICRO_BATCH * setting.micro_batches * setting.steps
+    rows = setting.rows * setting.micro_batches * setting.steps
     rows += (-rows) % G  # whole groups
     batch = make_batch(rows, setting.steps, seed)
     adv_trl = trl_advantages(batch.rewards, G, setting.trl["scale_rewards"])

@@ -153,6 +153,28 @@ def oom_table(suite) -> list[str]:
     return head + rows + ["", _source(path, meta, stage)]
 
 
+def mismatch_table(suite) -> list[str]:
+    head = [
+        "## Rollout-training mismatch in bf16",
+        "",
+        "The sampler's log-prob of each sampled token (its decode step) against the scoring pass's (`completion_logps_for`, "
+        "as train.py scores old log-probs), qwen2.5-vl-3b, 4 prompts x G 8, up to 64 tokens (`benchmarks/mismatch.py`'s measure). "
+        "kl: k3 estimate of KL(sampler || trainer) per token. CPU figures (fp32 and bf16): `benchmarks/results/mismatch_cpu_*.md`.",
+        "",
+        "| weights | bf16 autocast | engine | decode batch | tokens | kl | max ratio | min ratio | max abs log-prob diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    path, meta, stage = _stage(suite, "mismatch")
+    if not stage or not stage["items"]:
+        return head + [f"| {NOT_RUN} | | | | | | | | |"] + ([] if stage is None else ["", _source(path, meta, stage)])
+    rows = [
+        f"| {i['weights']} | {'yes' if i['bf16_autocast'] else 'no'} | {i['engine']} | {i['decode_batch_size']} | {i['tokens']} | "
+        f"{i['mismatch/kl']:.2e} | {i['mismatch/max_ratio']:.4f} | {i['mismatch/min_ratio']:.4f} | {i['mismatch/max_abs_logp_diff']:.2e} |"
+        for i in stage["items"]
+    ]
+    return head + rows + ["", _source(path, meta, stage)]
+
+
 def earlier_gpu_runs(results: Path) -> list[str]:
     """The figures of earlier lent GPUs that the suite does not replace (benchmarks/gpu_memory.py on an H100)."""
     lines = ["## Earlier GPU runs", ""]
@@ -185,7 +207,7 @@ def render(results: Path = RESULTS, smoke: bool = False) -> str:
         status,
         "",
     ]
-    for table in (rollout_table, update_table, planner_table, memory_engine_table, oom_table):
+    for table in (rollout_table, update_table, planner_table, memory_engine_table, oom_table, mismatch_table):
         lines += table(suite) + [""]
     lines += earlier_gpu_runs(results)
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -76,6 +76,10 @@ def test_smoke_runs_every_stage_and_renders_the_page(tmp_path):
     assert "needs CUDA" in stages["rollout"]["notes"][0]
     (update,) = stages["update"]["items"]
     assert update["time_update_s"] > 0 and update["text_parameters"] > 0 and update["mfu"] is None  # no peak FLOP/s for a CPU
+    mismatch = stages["mismatch"]["items"]
+    assert [(i["weights"], i["bf16_autocast"]) for i in mismatch[::4]] == [("bfloat16", False), ("float32", True)]
+    assert [i["engine"] for i in mismatch[:4]] == ["loop"] + ["continuous"] * 3 and all(i["tokens"] > 0 for i in mismatch)
+    assert all(i["mismatch/kl"] >= 0 and i["mismatch/max_ratio"] >= i["mismatch/min_ratio"] for i in mismatch)
     (oom,) = stages["oom"]["items"]
     assert oom["recovered"] and oom["injected"] and "out of memory in update at size 32" in oom["halvings"][0]
     (planner,) = stages["planner"]["items"]

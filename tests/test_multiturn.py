@@ -441,6 +441,8 @@ def test_tools_config_is_validated():
     for override, needle in bad.items():
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
             load_config(None, [override, "rollout.max_completion_length=8"])
+    with pytest.raises(ConfigError, match=r"entropy-quantile masking is not built for multi-turn"):
+        load_config(None, ["tools.tools=[zoom]", "rollout.engine=continuous", "algorithm.top_entropy_quantile=0.2"])
 
 
 def test_a_bad_tool_spec_names_the_field():

@@ -247,6 +247,17 @@ class AlgorithmConfig:
         3.0, "rollout_correction: upper bound of the ratio (truncate: clamp; mask: drop above); null = none."
     )
     mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
+    top_entropy_quantile: float = _f(
+        1.0,
+        "TRL's name: the policy loss keeps only the top fraction of each optimizer step's loss tokens by policy entropy "
+        "(Beyond the 80/20 rule: 0.2); 1.0 = off. Entropies come from the scoring pass, so < 1 scores every rollout.",
+    )
+    routing_replay: Literal["off", "experts", "experts_and_weights"] = _f(
+        "off",
+        "MoE models: replay the rollout's expert choices in the scoring and update forwards (Rollout Routing Replay): "
+        "experts = its top-k experts, weights recomputed by the current router (it still learns); experts_and_weights = "
+        "its weights too. Needs rollout.engine=loop and memory.shared_prefix=true.",
+    )
     router_aux_loss_coef: float = _f(
         0.0,
         "MoE models: weight of the router load-balancing loss added to the update's loss (router/aux_loss is logged "
@@ -483,7 +494,7 @@ class Config:
     def scores_old_logps(self) -> bool:
         """The scoring pass computes old log-probs: the rollout is reused, or the rollout correction compares them with
         the sampler's."""
-        return self.reuses_rollout or self.algorithm.rollout_correction != "none"
+        return self.reuses_rollout or self.algorithm.rollout_correction != "none" or self.algorithm.top_entropy_quantile < 1.0
 
     @property
     def advantage_estimator(self) -> str:
@@ -815,6 +826,11 @@ def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
     return [
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
         (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
+        (
+            a.routing_replay == "off" or (cfg.rollout.engine == "loop" and cfg.memory.shared_prefix),
+            f"algorithm.routing_replay={a.routing_replay} records expert choices in the shared-prefix decode loop: set "
+            f"rollout.engine=loop (is {cfg.rollout.engine}) and memory.shared_prefix=true (is {str(cfg.memory.shared_prefix).lower()}), or routing_replay=off",
+        ),
         (a.epsilon >= 0, f"algorithm.epsilon={a.epsilon} must be >= 0"),
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
         (a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations} must be >= 1"),
@@ -939,6 +955,12 @@ def _tools_rules(cfg: Config) -> list[tuple[bool, str]]:
         ),
         (not on or r.decode_step == "dynamic", f"tools.tools: multi-turn rollouts use rollout.decode_step=dynamic (it is {r.decode_step})"),
         (not on or cfg.memory.shared_prefix, "tools.tools: multi-turn rollouts need memory.shared_prefix=true (the continuous engine)"),
+        (
+            # Multi-turn scoring (models.multiturn.sequence_logps*) does not collect the LM head's entropies.
+            not on or cfg.algorithm.top_entropy_quantile == 1.0,
+            f"tools.tools: entropy-quantile masking is not built for multi-turn rollouts: set algorithm.top_entropy_quantile=1.0 "
+            f"(it is {cfg.algorithm.top_entropy_quantile}) or drop tools.tools",
+        ),
     ]
 
 
@@ -1000,6 +1022,8 @@ def _algorithm_value_problems(a: "AlgorithmConfig", eps_high: float) -> list[str
         problems.append(f"algorithm.rollout_correction_min={lo} / rollout_correction_max={hi}: need 0 <= min <= max (or null)")
     if min(a.sapo_temperature_pos, a.sapo_temperature_neg) <= 0:
         problems.append("algorithm.sapo_temperature_pos and sapo_temperature_neg must be > 0")
+    if not 0.0 < a.top_entropy_quantile <= 1.0:
+        problems.append(f"algorithm.top_entropy_quantile={a.top_entropy_quantile} must be in (0, 1] (1.0 = every token)")
     return problems
 
 

@@ -26,8 +26,8 @@ from vlmrl.config import Config
 from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
 from vlmrl.run.last_good import kept_last_good, save_due
-from vlmrl.models.logprobs import group_rows
-from vlmrl.algo.losses import aggregate, masked_mean, per_token_loss
+from vlmrl.models.logprobs import entropies_collected, group_rows
+from vlmrl.algo.losses import aggregate, entropy_quantile_mask, masked_mean, per_token_loss
 from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
 from vlmrl.engine.offload import OptimizerParking, parking_enabled
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
@@ -35,7 +35,7 @@ from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shap
 from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.multiturn import logps_for_rows
 from vlmrl.rewards.functions import RewardLog, reward_stats
-from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
+from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
 from vlmrl.models.rollout import Completions, generate
 from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save, save_final
 from vlmrl.ending import Ending, finish, finish_left
@@ -132,6 +132,7 @@ class Rollout:
     completions: Completions  # ids, mask [P*G, T]; truncated [P*G]
     texts: list[str]  # [P*G] decoded completions
     prompt_texts: list[str]  # [P*G] the problem each row answers
+    routes: RecordedRoutes | None = None  # algorithm.routing_replay: the experts the rollout chose (MoE), else None
 
     @property
     def prompt_of_row(self) -> torch.Tensor:
@@ -161,6 +162,7 @@ class Scores:
     old_logps: torch.Tensor | None  # [P*G, T] under the policy that sampled the rollout (only when cfg.scores_old_logps)
     ref_logps: torch.Tensor | None  # [P*G, T] under the reference (only when beta > 0)
     is_weights: torch.Tensor | None = None  # [P*G, T] algorithm.rollout_correction's weights (old vs the sampler's log-probs)
+    entropy_mask: torch.Tensor | None = None  # [P*G, T] algorithm.top_entropy_quantile's kept tokens (per optimizer step), or None
     mismatch: dict = field(default_factory=dict)  # mismatch/* of the old log-probs against the sampler's (mismatch.py)
 
 
@@ -354,7 +356,7 @@ def start_run(cfg: Config, log) -> Run:
         pad_id=pad_id,
         per_prompt_seed=resolve_sampling_seed(r.sampling_seed, dist.world_size, state, log),  # world-size invariant on resume
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
-        routing=routing_for(model, cfg.algorithm.router_aux_loss_coef),
+        routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
     )
 
@@ -389,8 +391,17 @@ def rollout(run: Run, step: int) -> Rollout:
     run.current_rows = [batch_indices[p] for p in run.shard.prompts]
     prompts = encode_rows(run.processor, rows, cfg, run.device)
     run.model.eval()
+    replay = cfg.algorithm.routing_replay
+    recorded: dict = {}
+
+    def sample_recorded(per_call: int) -> Completions:
+        with record_routing(run.routing if replay != "off" else None, keep_weights=replay == "experts_and_weights") as recorder:
+            out = sample(run, step, prompts, per_call)
+        recorded["routes"] = recorder.routes(cfg.rollout.num_generations) if replay != "off" else None
+        return out
+
     completions, run.sizes.generation = retry_on_oom(
-        lambda per_call: sample(run, step, prompts, per_call),
+        sample_recorded,
         run.sizes.generation or len(rows),
         "rollout",
         run.logger.info,
@@ -404,6 +415,7 @@ def rollout(run: Run, step: int) -> Rollout:
         completions=completions,
         texts=decode(run.processor, completions.ids),
         prompt_texts=[row["problem"] for row in rows for _ in range(G)],
+        routes=recorded["routes"],
     )
 
 
@@ -512,12 +524,17 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
     a = run.cfg.algorithm
     comp = samples.completions
     loss_mask = loss_mask_of(comp.mask if comp.loss_mask is None else comp.loss_mask, comp.truncated, a.mask_truncated_completions)
-    old = logps_without_grad(run, run.model, samples, loss_mask) if run.cfg.scores_old_logps and rewards.nonfinite is None else None
+    entropies = None
+    old = None
+    if run.cfg.scores_old_logps and rewards.nonfinite is None:
+        old, entropies = logps_without_grad(run, run.model, samples, loss_mask, entropies=a.top_entropy_quantile < 1.0, replay=True)
     ref = None
     if run.reference is not None and rewards.nonfinite is None:
         with run.reference as ref_model:
-            ref = logps_without_grad(run, ref_model, samples, loss_mask)
+            ref, _ = logps_without_grad(run, ref_model, samples, loss_mask)
     scores = Scores(loss_mask=loss_mask, old_logps=old, ref_logps=ref)
+    if entropies is not None:
+        scores.entropy_mask = step_entropy_masks(run, entropies, loss_mask.to(entropies.device))
     sampling = samples.completions.sampling_logps
     if old is not None and sampling is not None:
         sampling = sampling.to(old.device)
@@ -535,9 +552,25 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
     return scores
 
 
-def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor) -> torch.Tensor:
-    """[P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
-    frozen reference copy directly)."""
+def step_entropy_masks(run: Run, entropies: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[P*G, T] algorithm.top_entropy_quantile's tokens: for each optimizer step's rows, the loss tokens whose entropy
+    (under the policy that sampled them) is in the top quantile of the step's loss tokens on every process; one
+    threshold per step, so the kept tokens do not depend on how the step is cut into micro-batches."""
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    per_step, q = run.shard.rows_per_opt_step, run.cfg.algorithm.top_entropy_quantile
+    for start in range(0, loss_mask.shape[0], per_step):
+        rows = slice(start, start + per_step)
+        pooled = run.dist.all_values(entropies[rows][loss_mask[rows].bool()])
+        out[rows] = entropy_quantile_mask(entropies[rows], loss_mask[rows], q, pooled=pooled)
+    return out
+
+
+def logps_without_grad(
+    run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor, entropies: bool = False, replay: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
+    frozen reference copy directly), and with `entropies` their [P*G, T] entropies from the same LM-head chunks).
+    replay: the policy's own forward, which replays the rollout's expert choices when algorithm.routing_replay is on."""
 
     comp = samples.completions
     if scoring_model is run.model:
@@ -547,20 +580,33 @@ def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: tor
     else:
         call = lambda fn, *args: fn(scoring_model, *args)  # noqa: E731
 
-    def attempt(size: int) -> torch.Tensor:
+    def attempt(size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.zeros(tuple(comp.ids.shape), dtype=torch.float32, device=run.device)
+        ent = torch.zeros_like(out) if entropies else None
         with torch.no_grad():
             for idx in micro_batches(run, samples, list(range(comp.ids.shape[0])), size):
                 maybe_inject_oom("scoring", len(idx))
                 mb = micro_batch(run, samples, loss_mask, idx)
-                logps = call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision)
+                with entropies_collected() as collected, replayed_routing(run, samples, idx, mb, replay):
+                    logps = call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision)
                 out[idx, : mb.ids.shape[1]] = logps.to(out.device)
-        return out
+                if ent is not None:
+                    ent[idx, : mb.ids.shape[1]] = collected[-1].to(out.device)
+        return out, ent
 
-    logps, run.sizes.scoring = retry_on_oom(
+    (logps, ent), run.sizes.scoring = retry_on_oom(
         attempt, run.sizes.scoring, "scoring", run.logger.info, enabled=run.cfg.memory.oom_recovery, peers=run.dist.oom_peers
     )
-    return logps
+    return logps, ent
+
+
+def replayed_routing(run: Run, samples: Rollout, idx: list[int], mb: MicroBatch, on: bool = True):
+    """algorithm.routing_replay's context for the policy's forward over rows `idx` (router.replay_routing), or a no-op."""
+    if not on or samples.routes is None:
+        return contextlib.nullcontext()
+    unique, _ = group_rows(samples.prompt_of_row[idx])
+    routes = samples.routes.for_rows(unique.tolist(), idx, mb.ids.shape[1])
+    return replay_routing(run.routing, routes, mb.row_prompt, run.cfg.algorithm.routing_replay)
 
 
 def model_tokens(completion_mask: torch.Tensor, comp: Completions, idx: list[int], width: int) -> torch.Tensor:
@@ -675,19 +721,22 @@ def accumulate(
         mb = micro_batch(run, samples, scores.loss_mask, idx)
         width = mb.ids.shape[1]
         with dist.no_sync(last=k == len(micro) - 1):  # gradients synced once: in the last backward, or by sync_gradients
-            with capture_routing(run.routing) as routed:  # MoE routers' logits (dense models: nothing recorded)
-                logps = dist.call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision, grad=True)
-            old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
-            ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
-            weights = scores.is_weights[idx, :width] if scores.is_weights is not None else None
-            tok_loss, parts = per_token_loss(logps, old, rewards.advantages[idx], a, ref, mask=mb.loss_mask, is_weights=weights)
-            loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
-            if run.routing is not None:
-                aux = micro_batch_aux_loss(routed, mb.prompts, mb.row_prompt, width)
-                out.router_aux.append(aux.item())
-                # This micro-batch's share of the step's mean over rows (every process's rows).
-                loss = loss + a.router_aux_loss_coef * aux * (len(idx) / norm.num_sequences)
-            dist.backward(loss)
+            # Routing replay spans backward too: checkpointed layers run their routers again there.
+            with replayed_routing(run, samples, idx, mb):
+                with capture_routing(run.routing) as routed:  # MoE routers' logits (dense models: nothing recorded)
+                    logps = dist.call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision, grad=True)
+                old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
+                ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
+                tok_loss, parts = per_token_loss(
+                    logps, old, rewards.advantages[idx], a, ref, mask=mb.loss_mask, is_weights=policy_weights(scores, idx, width)
+                )
+                loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
+                if run.routing is not None:
+                    aux = micro_batch_aux_loss(routed, mb.prompts, mb.row_prompt, width)
+                    out.router_aux.append(aux.item())
+                    # This micro-batch's share of the step's mean over rows (every process's rows).
+                    loss = loss + a.router_aux_loss_coef * aux * (len(idx) / norm.num_sequences)
+                dist.backward(loss)
         value = loss.item()
         if out.nonfinite_where is None and not (torch.isfinite(loss) and torch.isfinite(logps[mb.loss_mask.bool()]).all()):
             out.nonfinite_where = f"micro-batch {k + 1} of {len(micro)} (rows {idx[0]}-{idx[-1]}): loss {value}"
@@ -700,6 +749,16 @@ def accumulate(
             sampling = samples.completions.sampling_logps[idx, :width].to(logps.device)
             out.log_ratios.append(log_ratios(sampling, logps.detach(), model_tokens(mb.completion_mask, samples.completions, idx, width)).cpu())
     return out
+
+
+def policy_weights(scores: Scores, idx: list[int], width: int) -> torch.Tensor | None:
+    """[n, width] per-token factors of the policy loss (not the KL): the rollout correction's weights times the
+    entropy-quantile mask, or None when neither is on."""
+    weights = scores.is_weights[idx, :width] if scores.is_weights is not None else None
+    if scores.entropy_mask is not None:
+        keep = scores.entropy_mask[idx, :width].float()
+        weights = keep if weights is None else weights * keep
+    return weights
 
 
 def stop_if_nonfinite(run: Run, step: int) -> None:

@@ -253,6 +253,23 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, aggregation: str, norm: No
     return AGGREGATIONS[name](loss, mask.to(loss.dtype), norm)
 
 
+def entropy_quantile_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float, pooled: torch.Tensor | None = None) -> torch.Tensor:
+    """The high-entropy "forking" tokens (Wang et al. 2025, Beyond the 80/20 rule; TRL's top_entropy_quantile):
+    entropies, mask: [N, T] (mask 1 on the tokens that count). Returns [N, T] bool, true on the tokens under the mask
+    whose entropy is >= the (1 - top_quantile) quantile of the masked entropies (torch.quantile's linear
+    interpolation, as TRL), so about top_quantile of them; ties at the threshold are all kept. top_quantile 1.0
+    returns the mask; an empty mask returns all false. pooled: the 1-D entropies the quantile is taken over when
+    they are more than these rows' (every process's tokens of the optimizer step); default entropies[mask]."""
+    keep = mask.bool()
+    if top_quantile >= 1.0:
+        return keep
+    values = (entropies[keep] if pooled is None else pooled).float()
+    if values.numel() == 0:
+        return torch.zeros_like(keep)
+    threshold = torch.quantile(values, 1.0 - top_quantile)  # float32, compared in the entropies' dtype (as TRL)
+    return keep & (entropies >= threshold)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over mask==1 entries (0 when the mask is empty)."""
     mask = mask.to(x.dtype)

@@ -201,6 +201,16 @@ class Collectives:
         cols = self.gather_rows(shard, total, comp.lengths.tolist(), comp.truncated.tolist(), *(per_reward[n] for n in names))
         return cols[0], dict(zip(names, cols[3:])), torch.tensor(cols[1]), torch.tensor(cols[2], dtype=torch.bool)
 
+    def all_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's 1-D `values` concatenated (rank order, on this process's device); one process: `values`."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, values.detach().cpu())
+        return torch.cat(gathered).to(values.device)
+
     def local(self, shard: Shard, global_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor in global row order; one process: the tensor itself."""
         if self.world_size == 1:

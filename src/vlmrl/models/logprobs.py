@@ -12,6 +12,9 @@ unique prompt and its features are shared by that prompt's completions; same val
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -30,12 +33,35 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
 
 
-def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """hidden [n, H], targets [n] -> log p(target) [n] in float32 (softmax upcast for bf16 safety)."""
+# `with entropies_collected() as out:` -> every selective_logps call inside appends its [N, T] entropies to out.
+_ENTROPY_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("vlmrl_entropy_sink", default=None)
+
+
+@contextlib.contextmanager
+def entropies_collected():
+    """Collects the per-token entropies (nats, of softmax(logits / temperature), detached, float32) that every
+    selective_logps call inside the block computes from the same LM-head chunks as its log-probs: one [chunk, V]
+    block at a time, no extra forward. Yields a list that gets one [N, T] tensor per call."""
+    out: list[torch.Tensor] = []
+    token = _ENTROPY_SINK.set(out)
+    try:
+        yield out
+    finally:
+        _ENTROPY_SINK.reset(token)
+
+
+def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float, entropy: bool = False):
+    """hidden [n, H], targets [n] -> log p(target) [n] in float32 (softmax upcast for bf16 safety); with entropy, also
+    the [n] entropies of the distributions, without gradient (one more pass over the chunk's logits, nothing kept)."""
     logits = lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), 1, targets.unsqueeze(1)).squeeze(1)
+    log_probs = F.log_softmax(logits, dim=-1)
+    chosen = torch.gather(log_probs, 1, targets.unsqueeze(1)).squeeze(1)
+    if not entropy:
+        return chosen
+    with torch.no_grad():
+        return chosen, -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
 def selective_logps(
@@ -47,16 +73,22 @@ def selective_logps(
     (the naive path; benchmarks and equivalence tests compare against it)."""
     n, t, h = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(n * t, h), targets.reshape(n * t)
+    sink = _ENTROPY_SINK.get()
+    entropy = sink is not None
     if chunk_tokens <= 0:
-        return _chunk_logps(flat_hidden, lm_head, flat_targets, temperature).view(n, t)
-    out = []
-    for start in range(0, n * t, chunk_tokens):
-        sl = slice(start, start + chunk_tokens)
-        if torch.is_grad_enabled() and flat_hidden.requires_grad:
-            out.append(checkpoint(_chunk_logps, flat_hidden[sl], lm_head, flat_targets[sl], temperature, use_reentrant=False))
-        else:
-            out.append(_chunk_logps(flat_hidden[sl], lm_head, flat_targets[sl], temperature))
-    return torch.cat(out).view(n, t)
+        chunks = [_chunk_logps(flat_hidden, lm_head, flat_targets, temperature, entropy)]
+    else:
+        chunks = []
+        for start in range(0, n * t, chunk_tokens):
+            sl = slice(start, start + chunk_tokens)
+            if torch.is_grad_enabled() and flat_hidden.requires_grad:
+                chunks.append(checkpoint(_chunk_logps, flat_hidden[sl], lm_head, flat_targets[sl], temperature, entropy, use_reentrant=False))
+            else:
+                chunks.append(_chunk_logps(flat_hidden[sl], lm_head, flat_targets[sl], temperature, entropy))
+    if not entropy:
+        return torch.cat(chunks).view(n, t)
+    sink.append(torch.cat([e for _, e in chunks]).view(n, t).detach())
+    return torch.cat([lp for lp, _ in chunks]).view(n, t)
 
 
 def completion_logps(
