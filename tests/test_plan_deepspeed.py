@@ -15,10 +15,12 @@ from vlmrl.plan.deepspeed import (
     zero3_persistent_parameters,
     zero_config,
     zero_fp32_grad_partition,
+    zero_master_copy,
     zero_reduce_buckets,
+    zero_step_temporary,
     zero_terms,
 )
-from vlmrl.plan.spec import PlanError
+from vlmrl.plan.spec import COMM_BUCKET_BYTES, PlanError
 
 W = dataclasses.replace(FP32, dtype="bfloat16", world_size=4, sharding="zero2")
 
@@ -106,11 +108,70 @@ def test_zero_terms_of_a_deepspeed_config():
     t = zero_terms(SPEC, dataclasses.replace(W, sharding="zero3"), ds, ((64, 9),))
     assert t == {
         "zero_reduce_buckets": 64 * 64 * 2,  # auto: hidden^2 elements, one bf16 bucket
+        "zero_master_copy": 0,  # bf16 weights: the optimizer states' float32 master is the only one
         "zero_fp32_grad_partition": 0,
+        "zero_step_temporary": 250_000 * 4,  # one sub-group (the whole partition), foreach on a GPU
         "zero3_fp32_grad_buffer": 250_000 * 4,
         "zero3_gathered_parameters": (150_000 + 100_000) * 2,
         "zero3_persistent_parameters": int(64 * 9 * 2 * 0.75),
     }
+
+
+def test_a_cpu_bucket_holds_only_the_pages_gradients_are_written_to():
+    cpu = dataclasses.replace(W, device="cpu")
+    assert zero_reduce_buckets(SPEC, cpu, _z(stage=2)) == 1_000_000 * 2  # 5e8 elements allocated, 1e6 gradients written
+    assert zero_reduce_buckets(SPEC, cpu, _z(stage=2, reduce_bucket_size=1000)) == 1000 * 2
+    assert zero_reduce_buckets(SPEC, cpu, _z(stage=3, reduce_bucket_size=2_000_000)) == 1_000_000 * 2
+
+
+def test_master_clone_of_float32_trainables():
+    fp32 = dataclasses.replace(W, dtype="float32")
+    assert zero_master_copy(SPEC, fp32, _z(stage=2)) == 250_000 * 4  # DeepSpeed clones the float32 partition
+    assert zero_master_copy(SPEC, fp32, _z(stage=1)) == 250_000 * 4
+    assert zero_master_copy(SPEC, W, _z(stage=2)) == 0  # bf16: the optimizer states' master is the copy
+    assert zero_master_copy(SPEC, fp32, _z(stage=3)) == 0  # ZeRO-3 updates float32 partitions in place
+    assert zero_master_copy(SPEC, fp32, _z(stage=2, offload_optimizer=True)) == 0
+    lora = dataclasses.replace(W, use_lora=True, lora_r=4, lora_targets=("q_proj",))
+    assert zero_master_copy(SPEC, lora, _z(stage=2)) == -(-SPEC.lora_params(4, ("q_proj",)) // 4) * 4  # float32 adapters
+
+
+def test_optimizer_step_over_one_flat_partition():
+    assert zero_fp32_grad_partition(SPEC, dataclasses.replace(W, dtype="float32"), _z(stage=2)) == 250_000 * 4  # no conversion copy
+    assert zero_step_temporary(SPEC, W, _z(stage=2)) == 250_000 * 4  # foreach: sqrt(exp_avg_sq)
+    assert zero_step_temporary(SPEC, dataclasses.replace(W, device="cpu"), _z(stage=2)) == 2 * 250_000 * 4  # per tensor: sqrt and quotient
+    assert zero_step_temporary(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * 4
+    assert zero_step_temporary(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0
+    assert zero_step_temporary(SPEC, W, _z(stage=0)) == 0
+
+
+def _planned(w, zero=None):
+    from vlmrl.plan.planner import plan
+
+    return plan(SPEC, dataclasses.replace(w, zero=zero))
+
+
+def test_plan_adds_zero2_buffers_to_backward_and_step():
+    w = dataclasses.replace(W, grad_accum=1)
+    z = _z(stage=2, reduce_bucket_size=10_000_000)
+    base, ds = _planned(w), _planned(w, z)
+    assert base.terms["comm_buffers"] == COMM_BUCKET_BYTES and ds.terms["comm_buffers"] == 0  # ZeRO's buckets replace it
+    assert ds.terms["zero_reduce_buckets"] == 10_000_000 * 2
+    # the peak is backward's: the bf16 gradient partition (250,000 x 2) is held from the first backward on, the bucket
+    # of 10^7 bf16 elements lives in it, and the generic 25 MiB bucket is gone
+    assert ds.phases["update"] - base.phases["update"] == 250_000 * 2 + 10_000_000 * 2 - COMM_BUCKET_BYTES
+    assert ds.workload["zero"]["reduce_bucket_size"] == 10_000_000 and "zero" not in base.workload
+
+
+def test_plan_zero3_gathers_the_configured_window():
+    w = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers")
+    ds = _planned(w, _z(stage=3, prefetch_bucket_size=100_000, reduce_bucket_size=1000))
+    assert ds.terms["gathered_parameters"] == (150_000 + 100_000) * 2
+    assert ds.terms["zero_master_copy"] == 0 and ds.terms["zero_fp32_grad_partition"] == 0
+
+
+def test_a_zero_config_must_match_the_sharding():
+    with pytest.raises(PlanError, match="asks for ZeRO-3: use sharding zero3"):
+        _planned(W, _z(stage=3))
 
 
 @pytest.mark.integration  # builds a meta-device model (transformers)
