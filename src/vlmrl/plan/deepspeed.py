@@ -135,12 +135,32 @@ def zero_reduce_buckets(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     return buffers * _resident(z.reduce_bucket_size, spec, w) * trainable_params(spec, w)[1]
 
 
+def zero3_reduce_scatter_copies(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-3 backward, as a full bucket is reduce-scattered: its gradients concatenated into one padded flat tensor
+    (reduce_scatter_coalesced's torch.cat), plus on the CPU gloo's staging copy of it (NCCL reduces in place)."""
+    if z.stage != 3 or not z.contiguous_gradients:
+        return 0
+    return _resident(z.reduce_bucket_size, spec, w) * trainable_params(spec, w)[1] * (2 if w.device == "cpu" else 1)
+
+
 def zero_master_copy(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-1/2 clone the partition of float32 trainables as their float32 master (the planner's optimizer states count
     float32 trainables as their own master); ZeRO-3 updates float32 partitions in place; offloaded: on the host."""
     if z.stage not in (1, 2) or z.offload_optimizer or trainable_params(spec, w)[1] != 4:
         return 0
     return _partition(spec, w) * 4
+
+
+def zero_checkpoint_pages(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """CPU, ZeRO-1/2, full-parameter training with some weights frozen (e.g. SFT stage 2's vision tower): the weights
+    load as views of the memory-mapped checkpoint; ZeRO copies the trainable ones into its flat buffer, but the frozen
+    ones keep the mapping alive, so the checkpoint pages of the trainable weights, read while flattening, stay
+    resident beside their copy (measured as RssFile). Everything trainable (the mapping is released), LoRA (the
+    checkpoint pages are the weights) and ZeRO-3 (every weight partitioned): none."""
+    trainable, tb = trainable_params(spec, w)
+    if w.device != "cpu" or z.stage not in (1, 2) or w.use_lora or trainable >= spec.total_params:
+        return 0
+    return trainable * tb
 
 
 def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
@@ -199,7 +219,9 @@ def zero3_persistent_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig, par
 # model's parameter sizes: zero_terms).
 ZERO_TERMS = {
     "zero_reduce_buckets": zero_reduce_buckets,
+    "zero3_reduce_scatter_copies": zero3_reduce_scatter_copies,
     "zero_master_copy": zero_master_copy,
+    "zero_checkpoint_pages": zero_checkpoint_pages,
     "zero_fp32_grad_partition": zero_fp32_grad_partition,
     "zero_step_temporary": zero_step_temporary,
     "zero3_fp32_grad_buffer": zero3_fp32_grad_buffer,
@@ -230,7 +252,7 @@ def with_zero_terms(spec: ModelSpec, w: Workload, raw: dict) -> dict:
     out["optimizer_step_temporary"] = zero_step_temporary(spec, w, z)
     if z.stage == 3:
         out["gathered_parameters"] = zero3_gathered_parameters(spec, w, z)
-    for name in ("zero_reduce_buckets", "zero_master_copy", "zero_fp32_grad_partition"):
+    for name in ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition"):
         out[name] = ZERO_TERMS[name](spec, w, z)
     return out
 
@@ -247,7 +269,14 @@ def zero_flat_at_peak(spec: ModelSpec, w: Workload, t: dict, phases: dict, fwd_b
         return b if b >= GLIBC_MMAP_MAX_BYTES else 0
 
     z = w.zero
-    flat = big(t["weights"]) + big(t["master_weights"]) + 2 * big(t["optimizer_states"] / 2) + big(t["zero_master_copy"]) + big(t["gradients"])
+    flat = (
+        t["zero_checkpoint_pages"]
+        + big(t["weights"])
+        + big(t["master_weights"])
+        + 2 * big(t["optimizer_states"] / 2)
+        + big(t["zero_master_copy"])
+        + big(t["gradients"])
+    )
     top = max(phases, key=phases.get)
     if z.stage == 3:
         flat += big(t["zero_reduce_buckets"])

@@ -141,11 +141,12 @@ def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> f
 
 
 def _zero_persistent(w: Workload, t: dict) -> float:
-    """DeepSpeed (with_zero_terms): its float32 master clone, and from the first backward on the gradient partition
-    (ZeRO-2 keeps it, ZeRO-3 allocates it at initialisation) and ZeRO-3's bucket (allocated once). 0 otherwise."""
+    """DeepSpeed (with_zero_terms): its float32 master clone, the checkpoint pages a CPU run keeps, and from the
+    first backward on the gradient partition (ZeRO-2 keeps it, ZeRO-3 allocates it at initialisation) and ZeRO-3's
+    bucket (allocated once). 0 otherwise."""
     if not plans_zero(w):
         return 0
-    return t["zero_master_copy"] + t["gradients"] + (t["zero_reduce_buckets"] if w.zero.stage == 3 else 0)
+    return t["zero_master_copy"] + t["zero_checkpoint_pages"] + t["gradients"] + (t["zero_reduce_buckets"] if w.zero.stage == 3 else 0)
 
 
 def phase_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> tuple[dict, float]:
@@ -172,9 +173,10 @@ def update_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, persiste
     grads, gathered, emb = t["gradients"], t["gathered_parameters"], t["embedding_grad_temporaries"]
     held = grads if steady else 0
     buckets = 0
-    if plans_zero(w):  # the gradient partition is persistent (_zero_persistent); ZeRO-1/2's buckets live in backward
+    if plans_zero(w):  # the gradient partition is persistent (_zero_persistent); in backward ZeRO-1/2's buckets live,
+        # ZeRO-3's (persistent) bucket is copied for its reduce-scatter
         grads = held = 0
-        buckets = t["zero_reduce_buckets"] if w.zero.stage < 3 else 0
+        buckets = t["zero_reduce_buckets"] if w.zero.stage < 3 else t["zero3_reduce_scatter_copies"]
     activations = t["activations_text"] + t["activations_vision"] + t["activations_other"] + t["eager_attention_scores"] + t["full_vocab_logits"]
     bwd_transient = max(t["logprob_buffers"] + head_gradient_temporary(spec, w, mb), t["checkpoint_recompute"])
     fwd_bwd = persistent + held + activations + bwd_transient + gathered + buckets
