@@ -859,9 +859,11 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
     if args.reuse:
         old = json.loads(Path(args.reuse).read_text())
         runs, machine, date = old["rows"], old["machine"], old["date"]
-        runs = [{k: v for k, v in r.items() if k in (*measured_keys, "ranks", "seconds", "load_at_start", "load_at_end", "config")} for r in runs]
+        kept = (*measured_keys, "malloc_env", "ranks", "seconds", "load_at_start", "load_at_end", "config")
+        runs = [{k: v for k, v in r.items() if k in kept} for r in runs]
+        extra = {k: old[k] for k in ("exploratory", "note") if k in old}
     else:
-        machine, date = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)", today
+        machine, date, extra = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)", today, {}
         with tempfile.TemporaryDirectory() as tmp:
             runs = measure(Path(tmp), args.only)
             for r in runs:  # predict needs the run's config.yaml: keep it in the results
@@ -870,9 +872,11 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
     for r in rows:
         m, p = r["measured_peak_rss_gib"], r["predicted_peak_rss_gib"]
         print(f"{r['name']:<26} measured {m:.3f} predicted {p:.3f} GiB {r['difference_pct']:+6.1f}%")
-    data = {"date": date, "predicted_on": today, "machine": machine, "rows": rows}
+    if args.note:
+        extra["note"] = args.note
+    data = {"date": date, "predicted_on": today, "machine": machine, "rows": rows, **extra}
     (out / f"planner_deepspeed_cpu_{date}.json").write_text(json.dumps(data, indent=1))
-    (out / f"planner_deepspeed_cpu_{date}.md").write_text(markdown(data) + (f"\n{args.note}\n" if args.note else ""))
+    (out / f"planner_deepspeed_cpu_{date}.md").write_text(markdown(data))
     return 0 if all(abs(r["difference_pct"]) <= 10 for r in rows) else 1
 
 

@@ -275,9 +275,15 @@ def markdown(data: dict) -> str:
         "deepspeed.initialize and at each DeepSpeed backward / optimizer step (`peak in`: the segment of the larger rank's peak; "
         "`other` is the rollout, scoring and forward passes). Predicted: plan() of the run's config.yaml with the DeepSpeed config "
         "and the runtime RSS the run measured when it predicted (Plan.host process_peak). Peak RSS counts bytes, not time: the "
-        "machine's load (recorded per run in the JSON, 15-25 on 2 cores) changes run times only.",
+        f"machine's load (1-minute load average {min(r['load_at_start'] for r in rows):.0f}-{max(r['load_at_start'] for r in rows):.0f} "
+        "at the runs' starts, on 2 cores shared with other jobs) changes run times only.",
         "",
         planner_deepspeed_table(rows),
         "Per rank (GiB): " + "; ".join(f"{r['name']} {r['ranks']['0']['peak_gib']:.3f} / {r['ranks']['1']['peak_gib']:.3f}" for r in rows) + ".",
     ]
+    for r in data.get("exploratory", []):
+        peaks = " / ".join(f"{r['ranks'][k]['peak_gib']:.3f}" for k in ("0", "1"))
+        lines.append(f"\nExploratory run (not in the table): {r['name']}, peak RSS rank 0 / 1 {peaks} GiB; {r['why']}")
+    if data.get("note"):
+        lines.append("\n" + data["note"])
     return "\n".join(lines) + "\n"

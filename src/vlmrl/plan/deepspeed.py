@@ -20,9 +20,10 @@ stage3_param_persistence_threshold = 10 h; accelerate/accelerator.py). Each term
             persistent parameters: parameters of at most stage3_param_persistence_threshold elements are not
             partitioned (every rank keeps them whole, up to model_persistence_threshold elements in all).
 
-Offloaded optimizers keep these on the host instead (0 here). These terms are not yet summed by plan(): the
-DeepSpeed engine's measured peaks (the `deepspeed` helper's runs) decide how they combine with the engine-agnostic
-terms (terms) before they do. Pure arithmetic; nothing here imports deepspeed.
+Offloaded optimizers keep these on the host instead (0 here). plan() adds them (with_zero_terms) when the workload
+carries the DeepSpeed config's ZeroConfig (Workload.zero: a run's own config, or `vlmrl plan --deepspeed-config`);
+without one a zero1/2/3 plan keeps the generic terms. Checked against 2-process CPU runs
+(benchmarks/planner_deepspeed.py). Pure arithmetic; nothing here imports deepspeed.
 """
 
 from __future__ import annotations
