@@ -859,7 +859,7 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
     if args.reuse:
         old = json.loads(Path(args.reuse).read_text())
         runs, machine, date = old["rows"], old["machine"], old["date"]
-        kept = (*measured_keys, "malloc_env", "ranks", "seconds", "load_at_start", "load_at_end", "config")
+        kept = (*measured_keys, "malloc_env", "ranks", "seconds", "load_at_start", "load_at_end", "config", "pass")
         runs = [{k: v for k, v in r.items() if k in kept} for r in runs]
         extra = {k: old[k] for k in ("exploratory", "note") if k in old}
     else:

@@ -46,6 +46,19 @@ DS_GRID = [
     # the same ZeRO-3 run with glibc's mmap threshold fixed at 1 MiB: every larger block is mmapped and returned when
     # freed, so the peak RSS shows the live tensors without the heap's retention (diagnostic row)
     ("z3-grpo-full-defaults-mmap1m", "train", {"stage": 3}, [], {"MALLOC_MMAP_THRESHOLD_": str(2**20)}),
+    (
+        "z3-grpo-full-small-mmap1m",
+        "train",
+        {
+            "stage": 3,
+            "reduce_bucket_size": 5_000_000,
+            "stage3_prefetch_bucket_size": 5_000_000,
+            "stage3_max_live_parameters": 10_000_000,
+            "stage3_param_persistence_threshold": 10_000,
+        },
+        [],
+        {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
+    ),
 ]
 
 COMMON = [
@@ -265,6 +278,7 @@ def markdown(data: dict) -> str:
     from readme_figures import planner_deepspeed_table
 
     rows = data["rows"]
+    loads = [r["load_at_start"] for r in rows if r.get("load_at_start") is not None]
     lines = [
         f"# Planner vs DeepSpeed ZeRO on 2 CPU processes ({data['date']}, {data['machine']})",
         "",
@@ -275,12 +289,15 @@ def markdown(data: dict) -> str:
         "deepspeed.initialize and at each DeepSpeed backward / optimizer step (`peak in`: the segment of the larger rank's peak; "
         "`other` is the rollout, scoring and forward passes). Predicted: plan() of the run's config.yaml with the DeepSpeed config "
         "and the runtime RSS the run measured when it predicted (Plan.host process_peak). Peak RSS counts bytes, not time: the "
-        f"machine's load (1-minute load average {min(r['load_at_start'] for r in rows):.0f}-{max(r['load_at_start'] for r in rows):.0f} "
+        f"machine's load (1-minute load average {min(loads):.0f}-{max(loads):.0f} "
         "at the runs' starts, on 2 cores shared with other jobs) changes run times only.",
         "",
         planner_deepspeed_table(rows),
         "Per rank (GiB): " + "; ".join(f"{r['name']} {r['ranks']['0']['peak_gib']:.3f} / {r['ranks']['1']['peak_gib']:.3f}" for r in rows) + ".",
     ]
+    for r in rows:
+        if r.get("pass"):
+            lines.append(f"\n{r['name']}: measured in {r['pass']}.")
     for r in data.get("exploratory", []):
         peaks = " / ".join(f"{r['ranks'][k]['peak_gib']:.3f}" for k in ("0", "1"))
         lines.append(f"\nExploratory run (not in the table): {r['name']}, peak RSS rank 0 / 1 {peaks} GiB; {r['why']}")

@@ -189,6 +189,15 @@ def planner_deepspeed_table(rows: list[dict]) -> str:
     scored = [row for row in rows if not row.get("malloc_env")]
     within = sum(abs(row["difference_pct"]) <= 10 for row in scored)
     lines += ["", f"Within +/-10%: {within} of {len(scored)} configs (the glibc diagnostic row not counted)."]
+    by_name = {row["name"]: row for row in rows}
+    for row in rows:
+        base = by_name.get(row["name"].removesuffix("-mmap1m")) if row.get("malloc_env") else None
+        if base is not None:
+            env = " ".join(f"{k}={v}" for k, v in row["malloc_env"].items())
+            lines.append(
+                f"With {env} the {base['name']} run peaks at {row['measured_peak_rss_gib']:.2f} GiB instead of "
+                f"{base['measured_peak_rss_gib']:.2f} (planner {row['difference_pct']:+.1f}% instead of {base['difference_pct']:+.1f}%)."
+            )
     return "\n".join(lines) + "\n"
 
 
