@@ -80,7 +80,7 @@ def test_fp32_gradient_partition_at_the_step():
     three = dataclasses.replace(W, world_size=3)
     assert zero_fp32_grad_partition(SPEC, three, _z(stage=1)) == 333_334 * 6  # padded to a multiple of the ranks
     assert zero_fp32_grad_partition(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0  # on the host
-    assert zero_fp32_grad_partition(SPEC, W, _z(stage=3)) == 0
+    assert zero_fp32_grad_partition(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * (2 + 4)  # one sub-group
 
 
 def test_zero3_fp32_gradient_buffer():
@@ -115,7 +115,7 @@ def test_zero_terms_of_a_deepspeed_config():
         "zero3_reduce_scatter_copies": 64 * 64 * 2,  # the bucket concatenated for its reduce-scatter
         "zero_checkpoint_pages": 0,  # a GPU run
         "zero_master_copy": 0,  # bf16 weights: the optimizer states' float32 master is the only one
-        "zero_fp32_grad_partition": 0,
+        "zero_fp32_grad_partition": 250_000 * (2 + 4),  # the sub-group (the whole partition) flattened + float32
         "zero_step_temporary": 250_000 * 4,  # one sub-group (the whole partition), foreach on a GPU
         "zero3_fp32_grad_buffer": 250_000 * 4,
         "zero3_gathered_parameters": (150_000 + 100_000) * 2,
@@ -172,7 +172,7 @@ def test_plan_zero3_gathers_the_configured_window():
     w = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers")
     ds = _planned(w, _z(stage=3, prefetch_bucket_size=100_000, reduce_bucket_size=1000))
     assert ds.terms["gathered_parameters"] == (150_000 + 100_000) * 2
-    assert ds.terms["zero_master_copy"] == 0 and ds.terms["zero_fp32_grad_partition"] == 0
+    assert ds.terms["zero_master_copy"] == 0 and ds.terms["zero_fp32_grad_partition"] == 250_000 * (2 + 4)
 
 
 def test_a_zero_config_must_match_the_sharding():

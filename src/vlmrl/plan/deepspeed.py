@@ -165,12 +165,13 @@ def zero_checkpoint_pages(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
 
 
 def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """ZeRO-1/2 optimizer step: the partition's gradients flattened (their dtype) and converted to float32 (no copy
-    when they are float32 already)."""
-    if z.stage not in (1, 2) or z.offload_optimizer:
+    """The optimizer step: the partition's gradients flattened (their dtype) and converted to float32 (no copy when
+    they are float32 already); ZeRO-3 one sub-group (at most sub_group_size elements) at a time."""
+    if z.stage == 0 or z.offload_optimizer:
         return 0
     tb = trainable_params(spec, w)[1]
-    return _partition(spec, w) * (tb + (4 if tb < 4 else 0))
+    elements = min(z.sub_group_size, _partition(spec, w)) if z.stage == 3 else _partition(spec, w)
+    return elements * (tb + (4 if tb < 4 else 0))
 
 
 def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
