@@ -59,7 +59,6 @@ DS_GRID = [
         [],
         {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     ),
-    ("z3-grpo-lora-defaults-mmap1m", "train", {"stage": 3}, ["model.use_lora=true", "model.lora_r=16"], {"MALLOC_MMAP_THRESHOLD_": str(2**20)}),
 ]
 
 COMMON = [
