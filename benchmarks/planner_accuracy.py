@@ -6,6 +6,7 @@
     python benchmarks/planner_accuracy.py cpu          # prediction each real CPU run logs vs its peak RSS (10 runs, ~5 min)
     python benchmarks/planner_accuracy.py field        # public OOM reports: the planner's verdicts (planner_field_reports.json)
     python benchmarks/planner_accuracy.py trl          # --profile naive / trl vs TRL GRPOTrainer's peak RSS (planner_vs_trl.py)
+    python benchmarks/planner_accuracy.py deepspeed    # ZeRO-2/3 runs on 2 CPU processes vs the planner (planner_deepspeed.py, ~20 min)
 
 `trace` writes benchmarks/results/planner_accuracy_cpu_trace_<date>.json/.md: for each configuration the traced
 update-step peak (plan_trace.trace_update: real modules on the meta device, bytes counted per storage) and the
@@ -753,13 +754,14 @@ def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu", "trl", "_trl_child"))
+    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu", "trl", "deepspeed", "_trl_child"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="trace: comma-separated grid names")
     ap.add_argument("--inputs", nargs="*", default=None, help="measured: gpu_memory_*.json files (default: all in benchmarks/results)")
     ap.add_argument("--rounds", type=int, default=1, help="trl: fresh TRL processes per config (peak RSS varies between them)")
     ap.add_argument("--python", default=None, help="trl: a Python with TRL installed (default /work/venv-extras/bin/python)")
-    ap.add_argument("--note", default=None, help="cpu / trl: a paragraph added to the results file (machine state, context)")
+    ap.add_argument("--note", default=None, help="cpu / trl / deepspeed: a paragraph added to the results file (machine state, context)")
+    ap.add_argument("--reuse", default=None, help="deepspeed: predict again for the runs measured in this planner_deepspeed_cpu_*.json")
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -783,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode == "trl":
         return _trl_mode(args, out, today)
+    if args.mode == "deepspeed":
+        return _deepspeed_mode(args, out, today)
     if args.mode == "cpu":
         import platform
         import tempfile
@@ -841,6 +845,39 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     (out / f"{stem}.md").write_text(_md_measured(rows, meta, today))
     return 0
+
+
+def _deepspeed_mode(args, out: Path, today: str) -> int:
+    """ZeRO-2/3 runs on 2 CPU processes vs the planner (benchmarks/planner_deepspeed.py); --reuse predicts again for
+    the runs a results file holds (their measurements kept as they are)."""
+    import platform
+    import tempfile
+
+    from planner_deepspeed import markdown, measure, predict
+
+    measured_keys = ("name", "command", "deepspeed_config", "overrides", "output_dir", "runtime_at_prediction_gib", "logged_prediction_gib")
+    if args.reuse:
+        old = json.loads(Path(args.reuse).read_text())
+        runs, machine, date = old["rows"], old["machine"], old["date"]
+        kept = (*measured_keys, "malloc_env", "ranks", "seconds", "load_at_start", "load_at_end", "config", "pass")
+        runs = [{k: v for k, v in r.items() if k in kept} for r in runs]
+        extra = {k: old[k] for k in ("exploratory", "note") if k in old}
+    else:
+        machine, date, extra = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)", today, {}
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = measure(Path(tmp), args.only)
+            for r in runs:  # predict needs the run's config.yaml: keep it in the results
+                r["config"] = (Path(r["output_dir"]) / "config.yaml").read_text()
+    rows = [r | predict(r) for r in runs]
+    for r in rows:
+        m, p = r["measured_peak_rss_gib"], r["predicted_peak_rss_gib"]
+        print(f"{r['name']:<26} measured {m:.3f} predicted {p:.3f} GiB {r['difference_pct']:+6.1f}%")
+    if args.note:
+        extra["note"] = args.note
+    data = {"date": date, "predicted_on": today, "machine": machine, "rows": rows, **extra}
+    (out / f"planner_deepspeed_cpu_{date}.json").write_text(json.dumps(data, indent=1))
+    (out / f"planner_deepspeed_cpu_{date}.md").write_text(markdown(data))
+    return 0 if all(abs(r["difference_pct"]) <= 10 for r in rows) else 1
 
 
 def _trl_mode(args, out: Path, today: str) -> int:
@@ -1111,11 +1148,20 @@ def field_verdicts() -> list[dict]:
                 train_vision_tower=not rep["settings"].get("freeze_vision", False),
             )
             base = dataclasses.replace(base, logprob_chunk_tokens=0, attn_implementation="flash_attention_2")
+        without = plan(spec, base)
+        if base.sharding in ("zero1", "zero2", "zero3"):  # DeepSpeed's own buffers at its default sizes
+            from vlmrl.plan.deepspeed import ZeroConfig
+
+            base = dataclasses.replace(base, zero=ZeroConfig(stage=int(base.sharding[-1])))
         p = plan(spec, base)
         row = {k: rep[k] for k in ("id", "url", "model", "gpus", "gpu_memory", "outcome", "assumed")}
         row.update(
             settings=rep["settings"],
+            deepspeed_defaults=base.zero is not None,
             predicted_total_gib=round(p.total / GiB, 1),
+            without_zero_buffers_gib=round(without.total / GiB, 1),
+            fits_without_zero_buffers=without.fits,
+            zero_terms_gib={k: round(v / GiB, 2) for k, v in p.terms.items() if k.startswith("zero") or k in ("gathered_parameters", "comm_buffers")},
             verdict=p.verdict,
             fits=p.fits,
             host_total_gib=round(p.host["total"] / GiB, 1),

@@ -157,6 +157,50 @@ def planner_accuracy() -> str | None:
     )
 
 
+def planner_deepspeed() -> str | None:
+    """The planner against 2-process DeepSpeed ZeRO-2/3 runs on the CPU (benchmarks/planner_deepspeed.py)."""
+    path = _newest("planner_deepspeed_cpu_*.json")
+    data = _load(path)
+    if data is None:
+        return None
+    intro = (
+        f"`python benchmarks/planner_accuracy.py deepspeed` ({data['date']}, {data['machine']}; "
+        f"`benchmarks/results/{path.with_suffix('.md').name}`): "
+        "`accelerate launch` with a DeepSpeed JSON (unset keys at DeepSpeed 0.19.8's defaults), 2 processes over gloo, 2 steps of "
+        "the mid tiny Qwen2.5-VL (0.10 B parameters, float32). Measured: the larger per-process peak RSS of the two ranks; predicted: "
+        "plan() of the run's config with its DeepSpeed config."
+    )
+    return intro + "\n\n" + planner_deepspeed_table(data["rows"])
+
+
+def planner_deepspeed_table(rows: list[dict]) -> str:
+    lines = [
+        "| config | run | zero_optimization | measured GiB | peak in | predicted GiB | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        zero = ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in row["deepspeed_config"]["zero_optimization"].items())
+        run = ("GRPO" if row["command"] == "train" else "SFT") + (" LoRA" if "model.use_lora=true" in row["overrides"] else " full")
+        malloc = " ".join(f"{k}={v}" for k, v in row.get("malloc_env", {}).items())
+        lines.append(
+            f"| {row['name']} | {run}{' (' + malloc + ')' if malloc else ''} | {zero} | {row['measured_peak_rss_gib']:.2f} | "
+            f"{row['peak_segment']} | {row['predicted_peak_rss_gib']:.2f} | {row['difference_pct']:+.1f}% |"
+        )
+    scored = [row for row in rows if not row.get("malloc_env")]
+    within = sum(abs(row["difference_pct"]) <= 10 for row in scored)
+    lines += ["", f"Within +/-10%: {within} of {len(scored)} configs (the glibc diagnostic rows, `-mmap1m`, not counted)."]
+    by_name = {row["name"]: row for row in rows}
+    for row in rows:
+        base = by_name.get(row["name"].removesuffix("-mmap1m")) if row.get("malloc_env") else None
+        if base is not None:
+            env = " ".join(f"{k}={v}" for k, v in row["malloc_env"].items())
+            lines.append(
+                f"With {env} the {base['name']} run peaks at {row['measured_peak_rss_gib']:.2f} GiB instead of "
+                f"{base['measured_peak_rss_gib']:.2f} (planner {row['difference_pct']:+.1f}% instead of {base['difference_pct']:+.1f}%)."
+            )
+    return "\n".join(lines) + "\n"
+
+
 def _trainer_profiles() -> str:
     """The --profile naive / trl predictions against TRL GRPOTrainer's measured peak RSS on CPU."""
     path = _newest("planner_accuracy_trl_cpu_*.json")
@@ -264,6 +308,7 @@ BLOCKS = {
     "vs-trl": vs_trl,
     "gpu-memory": gpu_memory,
     "planner-accuracy": planner_accuracy,
+    "planner-deepspeed": planner_deepspeed,
 }
 
 

@@ -4,21 +4,27 @@ tests/test_planner.py (1,000,000 parameters, embedding 100,000, 4 + 2 layers), b
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from test_planner import FP32, SPEC
 
 from vlmrl.plan.deepspeed import (
     ZeroConfig,
+    zero3_reduce_scatter_copies,
+    zero_checkpoint_pages,
+    zero_flat_at_peak,
     zero3_fp32_grad_buffer,
     zero3_gathered_parameters,
     zero3_persistent_parameters,
     zero_config,
     zero_fp32_grad_partition,
+    zero_master_copy,
     zero_reduce_buckets,
+    zero_step_temporary,
     zero_terms,
 )
-from vlmrl.plan.spec import PlanError
+from vlmrl.plan.spec import COMM_BUCKET_BYTES, PlanError
 
 W = dataclasses.replace(FP32, dtype="bfloat16", world_size=4, sharding="zero2")
 
@@ -74,7 +80,7 @@ def test_fp32_gradient_partition_at_the_step():
     three = dataclasses.replace(W, world_size=3)
     assert zero_fp32_grad_partition(SPEC, three, _z(stage=1)) == 333_334 * 6  # padded to a multiple of the ranks
     assert zero_fp32_grad_partition(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0  # on the host
-    assert zero_fp32_grad_partition(SPEC, W, _z(stage=3)) == 0
+    assert zero_fp32_grad_partition(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * (2 + 4)  # one sub-group
 
 
 def test_zero3_fp32_gradient_buffer():
@@ -106,11 +112,72 @@ def test_zero_terms_of_a_deepspeed_config():
     t = zero_terms(SPEC, dataclasses.replace(W, sharding="zero3"), ds, ((64, 9),))
     assert t == {
         "zero_reduce_buckets": 64 * 64 * 2,  # auto: hidden^2 elements, one bf16 bucket
-        "zero_fp32_grad_partition": 0,
+        "zero3_reduce_scatter_copies": 64 * 64 * 2,  # the bucket concatenated for its reduce-scatter
+        "zero_checkpoint_pages": 0,  # a GPU run
+        "zero_master_copy": 0,  # bf16 weights: the optimizer states' float32 master is the only one
+        "zero_fp32_grad_partition": 250_000 * (2 + 4),  # the sub-group (the whole partition) flattened + float32
+        "zero_step_temporary": 250_000 * 4,  # one sub-group (the whole partition), foreach on a GPU
         "zero3_fp32_grad_buffer": 250_000 * 4,
         "zero3_gathered_parameters": (150_000 + 100_000) * 2,
         "zero3_persistent_parameters": int(64 * 9 * 2 * 0.75),
     }
+
+
+def test_a_cpu_bucket_holds_only_the_pages_gradients_are_written_to():
+    cpu = dataclasses.replace(W, device="cpu")
+    assert zero_reduce_buckets(SPEC, cpu, _z(stage=2)) == 1_000_000 * 2  # 5e8 elements allocated, 1e6 gradients written
+    assert zero_reduce_buckets(SPEC, cpu, _z(stage=2, reduce_bucket_size=1000)) == 1000 * 2
+    assert zero_reduce_buckets(SPEC, cpu, _z(stage=3, reduce_bucket_size=2_000_000)) == 1_000_000 * 2
+
+
+def test_master_clone_of_float32_trainables():
+    fp32 = dataclasses.replace(W, dtype="float32")
+    assert zero_master_copy(SPEC, fp32, _z(stage=2)) == 250_000 * 4  # DeepSpeed clones the float32 partition
+    assert zero_master_copy(SPEC, fp32, _z(stage=1)) == 250_000 * 4
+    assert zero_master_copy(SPEC, W, _z(stage=2)) == 0  # bf16: the optimizer states' master is the copy
+    assert zero_master_copy(SPEC, fp32, _z(stage=3)) == 0  # ZeRO-3 updates float32 partitions in place
+    assert zero_master_copy(SPEC, fp32, _z(stage=2, offload_optimizer=True)) == 0
+    lora = dataclasses.replace(W, use_lora=True, lora_r=4, lora_targets=("q_proj",))
+    assert zero_master_copy(SPEC, lora, _z(stage=2)) == -(-SPEC.lora_params(4, ("q_proj",)) // 4) * 4  # float32 adapters
+
+
+def test_optimizer_step_over_one_flat_partition():
+    assert zero_fp32_grad_partition(SPEC, dataclasses.replace(W, dtype="float32"), _z(stage=2)) == 250_000 * 4  # no conversion copy
+    assert zero_step_temporary(SPEC, W, _z(stage=2)) == 250_000 * 4  # foreach: sqrt(exp_avg_sq)
+    assert zero_step_temporary(SPEC, dataclasses.replace(W, device="cpu"), _z(stage=2)) == 2 * 250_000 * 4  # per tensor: sqrt and quotient
+    assert zero_step_temporary(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * 4
+    assert zero_step_temporary(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0
+    assert zero_step_temporary(SPEC, W, _z(stage=0)) == 0
+
+
+def _planned(w, zero=None):
+    from vlmrl.plan.planner import plan
+
+    return plan(SPEC, dataclasses.replace(w, zero=zero))
+
+
+def test_plan_adds_zero2_buffers_to_backward_and_step():
+    w = dataclasses.replace(W, grad_accum=1)
+    z = _z(stage=2, reduce_bucket_size=10_000_000)
+    base, ds = _planned(w), _planned(w, z)
+    assert base.terms["comm_buffers"] == COMM_BUCKET_BYTES and ds.terms["comm_buffers"] == 0  # ZeRO's buckets replace it
+    assert ds.terms["zero_reduce_buckets"] == 10_000_000 * 2
+    # the peak is backward's: the bf16 gradient partition (250,000 x 2) is held from the first backward on, the bucket
+    # of 10^7 bf16 elements lives in it, and the generic 25 MiB bucket is gone
+    assert ds.phases["update"] - base.phases["update"] == 250_000 * 2 + 10_000_000 * 2 - COMM_BUCKET_BYTES
+    assert ds.workload["zero"]["reduce_bucket_size"] == 10_000_000 and "zero" not in base.workload
+
+
+def test_plan_zero3_gathers_the_configured_window():
+    w = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers")
+    ds = _planned(w, _z(stage=3, prefetch_bucket_size=100_000, reduce_bucket_size=1000))
+    assert ds.terms["gathered_parameters"] == (150_000 + 100_000) * 2
+    assert ds.terms["zero_master_copy"] == 0 and ds.terms["zero_fp32_grad_partition"] == 250_000 * (2 + 4)
+
+
+def test_a_zero_config_must_match_the_sharding():
+    with pytest.raises(PlanError, match="asks for ZeRO-3: use sharding zero3"):
+        _planned(W, _z(stage=3))
 
 
 @pytest.mark.integration  # builds a meta-device model (transformers)
@@ -128,3 +195,75 @@ def test_parameter_sizes_count_every_parameter_in_order():
     assert sum(n * c for n, c in sizes) == spec_from_hf_config(cfg.to_dict(), "tiny").total_params
     assert sum(c for _, c in sizes) == len(list(model.parameters()))
     assert all(a[0] != b[0] for a, b in zip(sizes, sizes[1:]))  # runs merged
+
+
+def test_zero3_reduce_scatter_copies_the_bucket():
+    z3 = dataclasses.replace(W, sharding="zero3")
+    assert zero3_reduce_scatter_copies(SPEC, z3, _z(stage=3)) == 500_000_000 * 2  # torch.cat of the bucket (NCCL in place)
+    cpu = dataclasses.replace(z3, device="cpu")
+    assert zero3_reduce_scatter_copies(SPEC, cpu, _z(stage=3)) == 2 * 1_000_000 * 2  # + gloo's staging, pages written only
+    assert zero3_reduce_scatter_copies(SPEC, cpu, _z(stage=3, reduce_bucket_size=1000)) == 2 * 1000 * 2
+    assert zero3_reduce_scatter_copies(SPEC, z3, _z(stage=2)) == 0
+
+
+def test_checkpoint_pages_stay_mapped_beside_the_flat_copy_when_some_weights_are_frozen():
+    cpu = dataclasses.replace(W, device="cpu", freeze_vision=True)
+    # trainable: 1,000,000 - 200,000 (tower) + 10,000 (projector) = 810,000 bf16 weights whose file pages stay resident
+    assert zero_checkpoint_pages(SPEC, cpu, _z(stage=2)) == 810_000 * 2
+    assert zero_checkpoint_pages(SPEC, dataclasses.replace(cpu, freeze_vision=False), _z(stage=2)) == 0  # all trainable: unmapped
+    assert zero_checkpoint_pages(SPEC, dataclasses.replace(cpu, use_lora=True), _z(stage=2)) == 0  # the pages are the weights
+    assert zero_checkpoint_pages(SPEC, dataclasses.replace(cpu, sharding="zero3"), _z(stage=3)) == 0  # every weight partitioned
+    assert zero_checkpoint_pages(SPEC, dataclasses.replace(cpu, device="cuda"), _z(stage=2)) == 0
+
+
+def test_flat_buffers_at_the_peak_leave_no_heap_slack():
+    mib = 2**20
+    t = {
+        "weights": 64 * mib,
+        "master_weights": 0,
+        "optimizer_states": 128 * mib,  # two moments of 64 MiB
+        "zero_master_copy": 40 * mib,
+        "gradients": 10 * mib,  # under glibc's 32 MiB ceiling: heap
+        "zero_reduce_buckets": 48 * mib,
+        "zero_checkpoint_pages": 5,  # file pages: never heap
+        "optimizer_step_temporary": 80 * mib,  # two temporaries of 40 MiB on the CPU
+        "zero_fp32_grad_partition": 40 * mib,
+    }
+    w = dataclasses.replace(W, device="cpu", zero=_z(stage=2))
+    backward = {"rollout": 1, "scoring": 1, "update": 1000 * mib}
+    assert zero_flat_at_peak(SPEC, w, t, backward, 1000 * mib) == 5 + (64 + 128 + 40 + 48) * mib
+    step = {"rollout": 1, "scoring": 1, "update": 1000 * mib}
+    assert zero_flat_at_peak(SPEC, w, t, step, 900 * mib) == 5 + (64 + 128 + 40 + 80 + 40) * mib
+    rollout = {"rollout": 2000 * mib, "scoring": 1, "update": 1000 * mib}
+    assert zero_flat_at_peak(SPEC, w, t, rollout, 1000 * mib) == 5 + (64 + 128 + 40) * mib
+
+
+def test_plan_cli_reads_the_deepspeed_json(tmp_path, capsys):
+    from vlmrl.plan.cli import main
+
+    ds = tmp_path / "zero3.json"
+    ds.write_text('{"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}')
+    args = ["--model", "qwen2.5-vl-3b", "--gpus", "8", "--json"]
+    assert main([*args, "--deepspeed-config", str(ds)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["workload"]["sharding"] == "zero3" and got["workload"]["zero"]["reduce_bucket_size"] == 1000
+    assert got["terms_gib"]["zero_reduce_buckets"] == round(1000 * 2 / 2**30, 3)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "cannot read it as JSON"),
+        ("[1]", "expected a JSON object"),
+        ('{"zero_optimization": {"stage": 0}}', "stage is 0"),
+        ('{"zero_optimization": {"stage": 2, "reduce_bucket_size": "huge"}}', "zero_optimization.reduce_bucket_size"),
+    ],
+)
+def test_plan_cli_refuses_a_bad_deepspeed_json_in_one_line(tmp_path, capsys, text, message):
+    from vlmrl.plan.cli import main
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(text)
+    assert main(["--model", "qwen2.5-vl-3b", "--gpus", "8", "--deepspeed-config", str(ds)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err

@@ -223,7 +223,8 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
         if isinstance(resume_from, EndingLeft):
             resume_from.dist = dist
             return resume_from
-    plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train))  # logged; compared each step
+    # logged; compared each step
+    plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train), dist.world_size, dist.planner_sharding, dist.planner_deepspeed)
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     reward_funcs, _ = load_reward_funcs(cfg)
     state = {"step": 0, "best_metric": None, "best_step": None}

@@ -283,7 +283,7 @@ def start_run(cfg: Config, log) -> Run:
     log = log if dist.is_main else (lambda *_: None)
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
         cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
-    plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
+    plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
     resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
@@ -305,7 +305,8 @@ def start_run(cfg: Config, log) -> Run:
         log(line)
     shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames)
     if shape:  # the data is not the planner's default of one image per prompt: predict again from it
-        plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, f"from the data ({describe_data_shape(shape)}): ", **shape) or plan
+        what = f"from the data ({describe_data_shape(shape)}): "
+        plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, what, dist.planner_deepspeed, **shape) or plan
     reward_funcs, reward_weights = load_reward_funcs(cfg)
     optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)

@@ -178,6 +178,10 @@ class Distributed(Collectives):
     def planner_sharding(self) -> str:
         return self.engine.planner_sharding
 
+    @property
+    def planner_deepspeed(self) -> dict | None:
+        return self.engine.planner_deepspeed
+
     def describe(self) -> str:
         return self.engine.describe()
 

@@ -156,6 +156,11 @@ class Engine:
         """This engine in the memory planner's terms (planner.Workload.sharding)."""
         return "ddp"
 
+    @property
+    def planner_deepspeed(self) -> dict | None:
+        """The DeepSpeed config this engine runs (the planner sizes ZeRO's buffers from it); None: not DeepSpeed."""
+        return None
+
     def describe(self) -> str:
         c = self.collectives
         return f"{c.world_size} processes ({self.name}), rank {c.rank}, local rank {c.local_rank}"
@@ -468,6 +473,10 @@ class DeepSpeedEngine(Engine):
     @property
     def planner_sharding(self) -> str:
         return {1: "zero1", 2: "zero2", 3: "zero3"}.get(self._zero_stage(), "ddp")
+
+    @property
+    def planner_deepspeed(self) -> dict | None:
+        return self.plugin.deepspeed_config if self.plugin else None
 
     def check_config(self, cfg) -> None:
 

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from vlmrl.plan.profiles import PROFILES
 from vlmrl.plan.planner import ATTENTIONS, GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
@@ -73,6 +74,12 @@ def _workload_arguments(p: argparse.ArgumentParser) -> None:
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine, precision, attention, offload and the step's mode / profile."""
     p.add_argument("--sharding", choices=SHARDINGS, help="engine of the accelerate config: ddp, zero1/2/3 (DeepSpeed), fsdp (FSDP2)")
+    p.add_argument(
+        "--deepspeed-config",
+        metavar="JSON",
+        help="the DeepSpeed JSON of the run: ZeRO's own buffers (buckets, gather window, flat-partition step) are planned "
+        "from its zero_optimization section, DeepSpeed's defaults where a key is unset; sets --sharding zero<stage>",
+    )
     p.add_argument(
         "--generation-gather",
         choices=("full", "layers"),
@@ -196,11 +203,29 @@ def _workload(ns, spec):
     if ns.profile != "vlmrl":
         changes["profile"] = ns.profile
     w = dataclasses.replace(base, **changes)
+    if ns.deepspeed_config:
+        w = _with_deepspeed(w, ns.deepspeed_config, ns.sharding, spec.hidden)
     if w.sharding == "none" and world > 1 and ns.sharding is None:
         w = dataclasses.replace(w, sharding="ddp")
     if ns.micro_batch is not None and ns.grad_accum is None:
         w = dataclasses.replace(w, grad_accum=max(1, w.rows_per_step // w.micro_batch))
     return w
+
+
+def _with_deepspeed(w, path: str, sharding: str | None, hidden: int):
+    """w planned under the DeepSpeed JSON at `path` (Workload.zero; sharding zero<stage> unless --sharding says)."""
+    from vlmrl.plan.deepspeed import zero_config
+
+    try:
+        ds = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--deepspeed-config {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise PlanError(f"--deepspeed-config {path}: expected a JSON object (a DeepSpeed config)")
+    z = zero_config(ds, hidden)
+    if z.stage == 0:
+        raise PlanError(f"--deepspeed-config {path}: zero_optimization.stage is 0 (no ZeRO): plan it with --sharding ddp")
+    return dataclasses.replace(w, zero=z, sharding=sharding or f"zero{z.stage}")
 
 
 def _sft_stages(ns, w) -> dict:
@@ -413,7 +438,6 @@ def _trace(spec, w, source: str) -> dict:
 
 
 def _config_from_path(path: str):
-    from pathlib import Path
 
     from transformers import AutoConfig
 

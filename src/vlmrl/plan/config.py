@@ -108,21 +108,37 @@ def spec_for_config(cfg) -> ModelSpec:
     return model_spec(name)
 
 
-def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Plan:
-    """Plan of a vlmrl Config (training.auto_fit_gpu_memory_gib is used when gpu_memory_bytes is None)."""
+def _zero_extra(spec: ModelSpec, deepspeed: dict | None, extra: dict) -> dict:
+    """extra + the ZeroConfig of the DeepSpeed config in use (its "auto" sizes from the model's hidden size)."""
+    if deepspeed is None:
+        return extra
+    from vlmrl.plan.deepspeed import zero_config
+
+    return extra | {"zero": zero_config(deepspeed, spec.hidden)}
+
+
+def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, deepspeed: dict | None = None, **extra) -> Plan:
+    """Plan of a vlmrl Config (training.auto_fit_gpu_memory_gib is used when gpu_memory_bytes is None). deepspeed: the
+    DeepSpeed config dict of a ZeRO run (with sharding zero1/2/3): ZeRO's own buffers are planned from it."""
     if gpu_memory_bytes is None:
         gib = getattr(cfg.training, "auto_fit_gpu_memory_gib", None)
         gpu_memory_bytes = int(gib * GiB) if gib else None
-    return plan(spec_for_config(cfg), workload_from_config(cfg, world_size, gpu_memory_bytes, **extra))
-
-
-def sft_plans_for_config(cfg, gpu_memory_bytes: int | None = None, target_tokens: int | None = None, **extra) -> dict:
-    """{stage: Plan} for the stages cfg.sft runs (sft.projector_steps > 0: stage 1, sft.steps > 0: stage 2). The
-    target length is `target_tokens` (vlmrl sft measures its data) or rollout.max_completion_length."""
-    s = cfg.sft
-    base = workload_from_config(cfg, 1, gpu_memory_bytes, **extra)
-    base = dataclasses.replace(base, micro_batch=s.batch_size)
     spec = spec_for_config(cfg)
+    return plan(spec, workload_from_config(cfg, world_size, gpu_memory_bytes, **_zero_extra(spec, deepspeed, extra)))
+
+
+def sft_plans_for_config(
+    cfg, gpu_memory_bytes: int | None = None, target_tokens: int | None = None, world_size: int = 1, deepspeed: dict | None = None, **extra
+) -> dict:
+    """{stage: Plan} for the stages cfg.sft runs (sft.projector_steps > 0: stage 1, sft.steps > 0: stage 2). The
+    target length is `target_tokens` (vlmrl sft measures its data) or rollout.max_completion_length. With several
+    processes each runs sft.batch_size / world_size rows (sft.micro_batch_size when smaller); deepspeed as in
+    plan_for_config."""
+    s = cfg.sft
+    spec = spec_for_config(cfg)
+    base = workload_from_config(cfg, world_size, gpu_memory_bytes, **_zero_extra(spec, deepspeed, extra))
+    micro = min(s.micro_batch_size or s.batch_size // world_size, s.batch_size // world_size) if world_size > 1 else s.batch_size
+    base = dataclasses.replace(base, micro_batch=max(1, micro))
     stages = [k for k, steps in ((1, s.projector_steps), (2, s.steps)) if steps > 0]
     return {k: plan(spec, sft_workload(base, k, s.train_vision_tower, target_tokens)) for k in stages}
 

@@ -20,9 +20,10 @@ stage3_param_persistence_threshold = 10 h; accelerate/accelerator.py). Each term
             persistent parameters: parameters of at most stage3_param_persistence_threshold elements are not
             partitioned (every rank keeps them whole, up to model_persistence_threshold elements in all).
 
-Offloaded optimizers keep these on the host instead (0 here). These terms are not yet summed by plan(): the
-DeepSpeed engine's measured peaks (the `deepspeed` helper's runs) decide how they combine with the engine-agnostic
-terms (terms) before they do. Pure arithmetic; nothing here imports deepspeed.
+Offloaded optimizers keep these on the host instead (0 here). plan() adds them (with_zero_terms) when the workload
+carries the DeepSpeed config's ZeroConfig (Workload.zero: a run's own config, or `vlmrl plan --deepspeed-config`);
+without one a zero1/2/3 plan keeps the generic terms. Checked against 2-process CPU runs
+(benchmarks/planner_deepspeed.py). Pure arithmetic; nothing here imports deepspeed.
 """
 
 from __future__ import annotations
@@ -117,28 +118,78 @@ def _partition(spec: ModelSpec, w: Workload) -> int:
     return math.ceil(trainable_params(spec, w)[0] / w.world_size)
 
 
+def _resident(elements: int, spec: ModelSpec, w: Workload) -> int:
+    """Elements of a buffer allocated whole (torch.empty) that hold memory: all of them on a GPU (the caching allocator
+    keeps the block); on the CPU only the pages written, and a gradient bucket is written at most up to the trainable
+    elements (it is filled from its start after each flush)."""
+    return min(elements, trainable_params(spec, w)[0]) if w.device == "cpu" else elements
+
+
 def zero_reduce_buckets(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """Flat gradient buckets of reduce_bucket_size elements in the gradients' dtype: stage 1/2 two with overlap_comm
-    (one without), stage 3 one; none without contiguous_gradients (an offloaded optimizer forces them on at 1/2)."""
+    (one without), stage 3 one; none without contiguous_gradients (an offloaded optimizer forces them on at 1/2).
+    Each gradient is copied into the bucket as backward produces it and its own tensor freed."""
     contiguous = z.contiguous_gradients or (z.offload_optimizer and z.stage in (1, 2))
     if z.stage == 0 or not contiguous:
         return 0
     buffers = 1 if z.stage == 3 else (2 if z.overlap else 1)
-    return buffers * z.reduce_bucket_size * trainable_params(spec, w)[1]
+    return buffers * _resident(z.reduce_bucket_size, spec, w) * trainable_params(spec, w)[1]
+
+
+def zero3_reduce_scatter_copies(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-3 backward, as a full bucket is reduce-scattered: its gradients concatenated into one padded flat tensor
+    (reduce_scatter_coalesced's torch.cat), plus on the CPU gloo's staging copy of it (NCCL reduces in place)."""
+    if z.stage != 3 or not z.contiguous_gradients:
+        return 0
+    return _resident(z.reduce_bucket_size, spec, w) * trainable_params(spec, w)[1] * (2 if w.device == "cpu" else 1)
+
+
+def zero_master_copy(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-1/2 clone the partition of float32 trainables as their float32 master (the planner's optimizer states count
+    float32 trainables as their own master); ZeRO-3 updates float32 partitions in place; offloaded: on the host."""
+    if z.stage not in (1, 2) or z.offload_optimizer or trainable_params(spec, w)[1] != 4:
+        return 0
+    return _partition(spec, w) * 4
+
+
+def zero_checkpoint_pages(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """CPU, ZeRO-1/2, full-parameter training with some weights frozen (e.g. SFT stage 2's vision tower): the weights
+    load as views of the memory-mapped checkpoint; ZeRO copies the trainable ones into its flat buffer, but the frozen
+    ones keep the mapping alive, so the checkpoint pages of the trainable weights, read while flattening, stay
+    resident beside their copy (measured as RssFile). Everything trainable (the mapping is released), LoRA (the
+    checkpoint pages are the weights) and ZeRO-3 (every weight partitioned): none."""
+    trainable, tb = trainable_params(spec, w)
+    if w.device != "cpu" or z.stage not in (1, 2) or w.use_lora or trainable >= spec.total_params:
+        return 0
+    return trainable * tb
 
 
 def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """ZeRO-1/2 optimizer step: the partition's gradients flattened (their dtype) and converted to float32."""
-    if z.stage not in (1, 2) or z.offload_optimizer:
+    """The optimizer step: the partition's gradients flattened (their dtype) and converted to float32 (no copy when
+    they are float32 already); ZeRO-3 one sub-group (at most sub_group_size elements) at a time."""
+    if z.stage == 0 or z.offload_optimizer:
         return 0
-    return _partition(spec, w) * (4 + trainable_params(spec, w)[1])
+    tb = trainable_params(spec, w)[1]
+    elements = min(z.sub_group_size, _partition(spec, w)) if z.stage == 3 else _partition(spec, w)
+    return elements * (tb + (4 if tb < 4 else 0))
 
 
 def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """ZeRO-3: the float32 gradient buffer of the largest optimizer sub-group, kept from initialisation on."""
+    """ZeRO-3 initialisation: the float32 gradient buffer of the largest optimizer sub-group (min(sub_group_size,
+    partition) elements, zeroed) while it creates AdamW's states; released before training."""
     if z.stage != 3 or z.offload_optimizer:
         return 0
     return min(z.sub_group_size, _partition(spec, w)) * 4
+
+
+def zero_step_temporary(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """AdamW's step over one flat float32 partition (ZeRO-3: one sub-group of at most sub_group_size elements):
+    torch's per-tensor CPU step holds sqrt(exp_avg_sq) and its quotient at once (2 x 4 bytes per element), the
+    foreach step on a GPU one temporary (4 bytes); none when the optimizer is offloaded."""
+    if z.stage == 0 or z.offload_optimizer:
+        return 0
+    elements = min(z.sub_group_size, _partition(spec, w)) if z.stage == 3 else _partition(spec, w)
+    return elements * 4 * (2 if w.device == "cpu" else 1)
 
 
 def zero3_gathered_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
@@ -170,7 +221,11 @@ def zero3_persistent_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig, par
 # model's parameter sizes: zero_terms).
 ZERO_TERMS = {
     "zero_reduce_buckets": zero_reduce_buckets,
+    "zero3_reduce_scatter_copies": zero3_reduce_scatter_copies,
+    "zero_master_copy": zero_master_copy,
+    "zero_checkpoint_pages": zero_checkpoint_pages,
     "zero_fp32_grad_partition": zero_fp32_grad_partition,
+    "zero_step_temporary": zero_step_temporary,
     "zero3_fp32_grad_buffer": zero3_fp32_grad_buffer,
     "zero3_gathered_parameters": zero3_gathered_parameters,
 }
@@ -183,3 +238,53 @@ def zero_terms(spec: ModelSpec, w: Workload, ds: dict, param_sizes: tuple = ()) 
     out = {name: int(term(spec, w, z)) for name, term in ZERO_TERMS.items()}
     out["zero3_persistent_parameters"] = int(zero3_persistent_parameters(spec, w, z, param_sizes))
     return out
+
+
+def plans_zero(w: Workload) -> bool:
+    """plan() adds ZeRO's buffers: the workload carries the DeepSpeed config's ZeroConfig of a ZeRO-1/2/3 sharding."""
+    return w.zero is not None and w.sharding in ("zero1", "zero2", "zero3")
+
+
+def with_zero_terms(spec: ModelSpec, w: Workload, raw: dict) -> dict:
+    """The device terms of `w` (terms.TERMS, unrounded) under its DeepSpeed config (plans_zero): ZeRO's buckets replace
+    the generic gradient buckets (comm_buffers), its gather window the generic two layers (gathered_parameters),
+    AdamW's step over the flat partition the per-parameter step temporary; ZeRO's own terms are added."""
+    z = w.zero
+    out = dict(raw, comm_buffers=0)
+    out["optimizer_step_temporary"] = zero_step_temporary(spec, w, z)
+    if z.stage == 3:
+        out["gathered_parameters"] = zero3_gathered_parameters(spec, w, z)
+    for name in ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition"):
+        out[name] = ZERO_TERMS[name](spec, w, z)
+    return out
+
+
+def zero_flat_at_peak(spec: ModelSpec, w: Workload, t: dict, phases: dict, fwd_bwd: float) -> int:
+    """Bytes of the device peak in DeepSpeed's flat buffers, each one allocation (on the CPU above glibc's mmap
+    ceiling they are mmapped and leave no heap slack): the weights (the trainable ones flattened, ZeRO-3 every weight's
+    partition; frozen weights stay the checkpoint's file-backed pages: no heap either), the master clone, each AdamW
+    moment, the gradient partition, the buckets, and at an optimizer-step peak its float32 gradient partition and each
+    of its two step temporaries; those under the ceiling count as heap."""
+    from vlmrl.plan.host import GLIBC_MMAP_MAX_BYTES
+
+    def big(b: float) -> float:
+        return b if b >= GLIBC_MMAP_MAX_BYTES else 0
+
+    z = w.zero
+    flat = (
+        t["zero_checkpoint_pages"]
+        + big(t["weights"])
+        + big(t["master_weights"])
+        + 2 * big(t["optimizer_states"] / 2)
+        + big(t["zero_master_copy"])
+        + big(t["gradients"])
+    )
+    top = max(phases, key=phases.get)
+    if z.stage == 3:
+        flat += big(t["zero_reduce_buckets"])
+    elif top == "update" and phases["update"] == int(fwd_bwd):
+        flat += big(t["zero_reduce_buckets"])
+    if top == "update" and phases["update"] != int(fwd_bwd):  # the optimizer step (or the end of backward)
+        steps = 2 if w.device == "cpu" else 1
+        flat += steps * big(t["optimizer_step_temporary"] / steps) + big(t["zero_fp32_grad_partition"])
+    return int(flat)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from vlmrl.plan.deepspeed import plans_zero, with_zero_terms, zero_flat_at_peak
 from vlmrl.plan.geometry import MicroBatch, micro_batch, naive_fallback
 from vlmrl.plan.host import host_terms, host_verdict, mmapped_at_peak, parks
 from vlmrl.plan.profiles import profile_workload
@@ -82,6 +83,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     w, fallback, notes = naive_fallback(spec, profile_workload(w))
     mb = micro_batch(spec, w, fallback)
     raw = {name: term(spec, w, mb) for name, term in TERMS.items()}
+    if plans_zero(w):  # a DeepSpeed run: ZeRO's own buffers from its config
+        raw = with_zero_terms(spec, w, raw)
     phases, fwd_bwd = phase_peaks(spec, w, mb, raw)
     peak = max(phases.values())
     reserved = int(peak * (1 + ALLOCATOR_RESERVE))
@@ -92,6 +95,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         notes.append(f"optimizer states ({(st['moments'] + st['master']) / GiB:.2f} GiB) live in host RAM")
     buffers = pixel_inputs(spec, w, mb) + rollout_buffers(spec, w, mb)
     mmapped = _mmapped(spec, w, mb, raw, phases, fwd_bwd)
+    if plans_zero(w):
+        mmapped += zero_flat_at_peak(spec, w, raw, phases, fwd_bwd)
     host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped)
     headroom, verdict = _verdict(int(total), w, host)
     return Plan(
@@ -114,7 +119,10 @@ def _workload_record(w: Workload, mb: MicroBatch) -> dict:
     """The workload as planned (after the profile / fallback) with its prompt's token counts."""
     extra = {"image_tokens_per_prompt": mb.vision_tokens - mb.video_tokens, "video_tokens_per_prompt": mb.video_tokens, "prompt_tokens": mb.P}
     # fields one by one: Workload holds scalars and tuples of strings (asdict's deep copy was half of plan()'s time in search)
-    return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)} | extra
+    record = {f.name: getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "zero"}
+    if w.zero is not None:  # the DeepSpeed config's ZeRO settings (absent for other engines)
+        record["zero"] = dataclasses.asdict(w.zero)
+    return record | extra
 
 
 def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> float:
@@ -128,7 +136,17 @@ def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> f
         + pixel_inputs(spec, w, mb)
         + rollout_buffers(spec, w, mb)
         + t["comm_buffers"]
+        + _zero_persistent(w, t)
     )
+
+
+def _zero_persistent(w: Workload, t: dict) -> float:
+    """DeepSpeed (with_zero_terms): its float32 master clone, the checkpoint pages a CPU run keeps, and from the
+    first backward on the gradient partition (ZeRO-2 keeps it, ZeRO-3 allocates it at initialisation) and ZeRO-3's
+    bucket (allocated once). 0 otherwise."""
+    if not plans_zero(w):
+        return 0
+    return t["zero_master_copy"] + t["zero_checkpoint_pages"] + t["gradients"] + (t["zero_reduce_buckets"] if w.zero.stage == 3 else 0)
 
 
 def phase_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> tuple[dict, float]:
@@ -154,16 +172,21 @@ def update_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, persiste
     steady = w.grad_accum > 1
     grads, gathered, emb = t["gradients"], t["gathered_parameters"], t["embedding_grad_temporaries"]
     held = grads if steady else 0
+    buckets = 0
+    if plans_zero(w):  # the gradient partition is persistent (_zero_persistent); in backward ZeRO-1/2's buckets live,
+        # ZeRO-3's (persistent) bucket is copied for its reduce-scatter
+        grads = held = 0
+        buckets = t["zero_reduce_buckets"] if w.zero.stage < 3 else t["zero3_reduce_scatter_copies"]
     activations = t["activations_text"] + t["activations_vision"] + t["activations_other"] + t["eager_attention_scores"] + t["full_vocab_logits"]
     bwd_transient = max(t["logprob_buffers"] + head_gradient_temporary(spec, w, mb), t["checkpoint_recompute"])
-    fwd_bwd = persistent + held + activations + bwd_transient + gathered
+    fwd_bwd = persistent + held + activations + bwd_transient + gathered + buckets
     fwd_end = persistent + held + activations + t["naive_row_pixel_copies"] + gathered
     fwd_bwd = max(fwd_bwd, fwd_end)
-    bwd_end = persistent + grads + (emb if steady else 0) + gathered
+    bwd_end = persistent + grads + (emb if steady else 0) + gathered + buckets
     if t["prefix_held_gradients"]:
-        prefix_end = persistent + held + emb * steady + t["prefix_held_gradients"] + prefix_backward_activations(spec, w, mb) + gathered
+        prefix_end = persistent + held + emb * steady + t["prefix_held_gradients"] + prefix_backward_activations(spec, w, mb) + gathered + buckets
         bwd_end = max(bwd_end, prefix_end)
-    opt_step = persistent + grads + t["optimizer_step_temporary"]
+    opt_step = persistent + grads + t["optimizer_step_temporary"] + t.get("zero_fp32_grad_partition", 0)
     return fwd_bwd, max(fwd_bwd, bwd_end, opt_step)
 
 

@@ -65,9 +65,12 @@ def _log_prediction(p: Plan, log, what: str = "") -> None:
         )
 
 
-def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None, what: str = "", **data_shape) -> Plan | None:
+def predict_for_run(
+    cfg, log, world_size: int = 1, sharding: str | None = None, what: str = "", deepspeed: dict | None = None, **data_shape
+) -> Plan | None:
     """The planner's prediction for this run, logged once; None (with the reason) when the model cannot be
-    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3).
+    planned. Never stops a run: the prediction is advice. `sharding`: the engine's (ddp, fsdp, zero2, zero3);
+    `deepspeed`: its DeepSpeed config (ZeRO's buffers are planned from it).
     `data_shape`: Workload fields read from the data (images_per_prompt, video_frames: `data_shape_of`).
     On a CPU run every tensor lives in host RAM: the prediction is this process's peak RSS, from the RSS it has
     now (libraries loaded, measured) plus the planned tensors, loading and buffers (Plan.host["process_peak"])."""
@@ -75,7 +78,8 @@ def predict_for_run(cfg, log, world_size: int = 1, sharding: str | None = None, 
         _, gpu, extra = _run_context(cfg, world_size)
         if sharding and world_size > 1:
             extra["sharding"] = sharding
-        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, **extra, **data_shape)
+        ds = deepspeed if extra.get("sharding") in ("zero1", "zero2", "zero3") else None
+        p = plan_for_config(cfg, world_size=world_size, gpu_memory_bytes=gpu, deepspeed=ds, **extra, **data_shape)
     except Exception as e:  # noqa: BLE001 - any model the planner cannot read must not stop training
         log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
         return None
@@ -103,11 +107,16 @@ def data_shape_of(rows: list[dict], limit_images: int | None, max_frames: int) -
     return shape
 
 
-def predict_for_sft(cfg, log, target_tokens: int | None = None) -> Plan | None:
+def predict_for_sft(
+    cfg, log, target_tokens: int | None = None, world_size: int = 1, sharding: str | None = None, deepspeed: dict | None = None
+) -> Plan | None:
     """`predict_for_run` for `vlmrl sft`: each configured stage planned and logged; returns the larger one."""
     try:
-        _, gpu, extra = _run_context(cfg)
-        plans = sft_plans_for_config(cfg, gpu, target_tokens, **extra)
+        _, gpu, extra = _run_context(cfg, world_size)
+        if sharding and world_size > 1:
+            extra["sharding"] = sharding
+        ds = deepspeed if extra.get("sharding") in ("zero1", "zero2", "zero3") else None
+        plans = sft_plans_for_config(cfg, gpu, target_tokens, world_size=world_size, deepspeed=ds, **extra)
     except Exception as e:  # noqa: BLE001 - advice only
         log(f"planner: no prediction for this run ({type(e).__name__}: {e})")
         return None

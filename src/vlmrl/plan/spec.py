@@ -132,6 +132,9 @@ class Workload:
     attn_implementation: str = "sdpa"  # model.attn_implementation: sdpa / flash_attention_2 (fused) or eager ([B, heads, S, S] kept)
     generation_gather: str = "full"  # zero3/fsdp rollout: full = whole model gathered once, layers = one block at a time
     offload: str = "none"
+    # DeepSpeed ZeRO settings of the run (plan.deepspeed.ZeroConfig, from the DeepSpeed config in use): plan() adds
+    # ZeRO's own buffers; None plans a zero1/2/3 sharding without them
+    zero: object = None
     offload_during_rollout: bool = False  # memory.offload_optimizer_during_rollout: states in host RAM for rollout + scoring
     world_size: int = 1
     gpu_memory_bytes: int | None = None
@@ -158,6 +161,7 @@ def check_workload(w: Workload) -> None:
         problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
     if w.offload != "none" and w.sharding in ("none", "ddp"):
         problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    problems += _zero_problems(w)
     if w.mode not in ("grpo", "sft"):
         problems.append(f"mode={w.mode!r}: use grpo or sft")
     if w.attn_implementation not in ATTENTIONS:
@@ -178,6 +182,14 @@ def check_workload(w: Workload) -> None:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
         raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
+
+
+def _zero_problems(w: Workload) -> list[str]:
+    """A DeepSpeed config (w.zero) whose ZeRO stage is not the sharding planned."""
+    stage = getattr(w.zero, "stage", None)
+    if stage and w.sharding != f"zero{stage}":
+        return [f"sharding={w.sharding!r} but the DeepSpeed config (zero) asks for ZeRO-{stage}: use sharding zero{stage}"]
+    return []
 
 
 def sft_workload(base: Workload, stage: int, train_vision_tower: bool = False, target_tokens: int | None = None) -> Workload:

@@ -1,0 +1,306 @@
+"""The memory planner vs real DeepSpeed ZeRO-2/3 runs on this CPU (`planner_accuracy.py deepspeed`).
+
+Each config: `accelerate launch --config_file <configs/accelerate/deepspeed_json.yaml pointing at a DeepSpeed JSON
+written for the config> --num_processes 2 -m vlmrl train|sft` for 2 steps on the mid-size tiny Qwen2.5-VL
+(planner_accuracy.MID: 8 layers x 1024 hidden, 0.10 B parameters, float32 weights), gloo, DeepSpeed's CPU
+accelerator. Measured: each process's lifetime peak RSS (VmHWM), cut in three by this module's wrapper around the
+vlmrl CLI (`_child`): up to deepspeed.initialize (loading), inside it (ZeRO's flattening / partitioning), and after it
+(training); the process's peak is the largest. Predicted: plan() of the run's own config (its config.yaml) with the
+DeepSpeed config's ZeroConfig, the world size, and the runtime RSS the run measured when it predicted
+(plan/host_runtime in metrics.jsonl): Plan.host["process_peak"].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+# name, command, DeepSpeed zero_optimization section, vlmrl overrides. Bucket sizes in elements (DeepSpeed's unit).
+DS_GRID = [
+    ("z2-grpo-full-defaults", "train", {"stage": 2}, []),
+    ("z2-grpo-full-bucket2e7", "train", {"stage": 2, "reduce_bucket_size": 20_000_000, "allgather_bucket_size": 20_000_000}, []),
+    ("z2-grpo-lora-defaults", "train", {"stage": 2}, ["model.use_lora=true", "model.lora_r=16"]),
+    ("z2-sft-full-bucket5e6", "sft", {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}, []),
+    ("z3-grpo-full-defaults", "train", {"stage": 3}, []),
+    (
+        "z3-grpo-full-small",
+        "train",
+        {
+            "stage": 3,
+            "reduce_bucket_size": 5_000_000,
+            "stage3_prefetch_bucket_size": 5_000_000,
+            "stage3_max_live_parameters": 10_000_000,
+            "stage3_param_persistence_threshold": 10_000,
+        },
+        [],
+    ),
+    ("z3-sft-full-defaults", "sft", {"stage": 3}, []),
+    ("z3-grpo-lora-defaults", "train", {"stage": 3}, ["model.use_lora=true", "model.lora_r=16"]),
+    # the same ZeRO-3 run with glibc's mmap threshold fixed at 1 MiB: every larger block is mmapped and returned when
+    # freed, so the peak RSS shows the live tensors without the heap's retention (diagnostic row)
+    ("z3-grpo-full-defaults-mmap1m", "train", {"stage": 3}, [], {"MALLOC_MMAP_THRESHOLD_": str(2**20)}),
+    (
+        "z3-grpo-full-small-mmap1m",
+        "train",
+        {
+            "stage": 3,
+            "reduce_bucket_size": 5_000_000,
+            "stage3_prefetch_bucket_size": 5_000_000,
+            "stage3_max_live_parameters": 10_000_000,
+            "stage3_param_persistence_threshold": 10_000,
+        },
+        [],
+        {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
+    ),
+]
+
+COMMON = [
+    "training.device=cpu",
+    "training.max_steps=2",
+    "rollout.num_generations=4",
+    "rollout.generation_batch_size=8",
+    "training.per_device_train_batch_size=8",
+    "training.gradient_accumulation_steps=1",
+    "rollout.max_completion_length=16",
+    "sft.batch_size=8",
+    "sft.projector_steps=0",
+    "sft.steps=2",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.report=false",
+    "data.min_pixels=3136",
+    "data.max_pixels=3136",
+    "training.resume=never",
+    "training.overwrite_output_dir=true",
+    "training.save_final_model=false",
+]
+
+_ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+rdzv_backend: static
+same_network: true
+use_cpu: false
+deepspeed_config:
+  deepspeed_config_file: {json}
+  zero3_init_flag: false
+"""
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def child(argv: list[str]) -> None:
+    """Run the vlmrl CLI in this process with VmHWM read and reset at the edges of deepspeed.initialize and of each
+    DeepSpeed backward and optimizer step: the exact peak of each segment (loading, initialize, backward, step, other:
+    forward passes, rollout, scoring, saving)."""
+    import atexit
+    import runpy
+
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    trace = Path(os.environ["DSPLAN_TRACE"])
+    rank = os.environ.get("RANK", "0")
+    seg: dict = {}
+    label = ["loading"]
+
+    def cut(next_label: str) -> None:
+        key = f"{label[0]}_kib"
+        seg[key] = max(seg.get(key, 0), _status_kib("VmHWM"))
+        # what the process holds as the segment ends: anonymous memory (tensors, heap) vs mapped file pages
+        files = seg.setdefault("file_pages_at_end", {})
+        files[label[0]] = max(files.get(label[0], 0), _status_kib("RssFile"))
+        _reset_peak()
+        label[0] = next_label
+
+    def write():
+        cut("end")
+        seg["training_kib"] = max(v for k, v in seg.items() if k.endswith("_kib") and k not in ("loading_kib", "initialize_kib"))
+        (trace / f"rank{rank}.json").write_text(json.dumps(seg))
+
+    def around(fn, name):
+        def wrapped(*a, **k):
+            cut(name)
+            try:
+                return fn(*a, **k)
+            finally:
+                cut("other")
+
+        return wrapped
+
+    deepspeed.initialize = around(deepspeed.initialize, "initialize")
+    DeepSpeedEngine.backward = around(DeepSpeedEngine.backward, "backward")
+    DeepSpeedEngine.step = around(DeepSpeedEngine.step, "step")
+    atexit.register(write)
+    sys.argv = ["vlmrl", *argv]
+    runpy.run_module("vlmrl", run_name="__main__")
+
+
+def ds_run(name: str, command: str, zero: dict, overrides: list[str], work: Path, port: int, malloc: dict | None = None) -> dict:
+    """One 2-process DeepSpeed run; its measured segments per rank and what the run logged."""
+    from planner_accuracy import MID
+
+    from vlmrl.data.tasks import make_count_task
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+
+    model, data = work / "model-mid", work / "count"
+    if not (model / "config.json").exists():
+        build_tiny_qwen25vl(model, **MID)
+    if not (data / "train.jsonl").exists():
+        make_count_task(data, n_train=32, n_test=8, seed=0, image_size=56)
+    ds = {
+        "zero_optimization": zero,
+        "gradient_clipping": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+    }
+    cfg_json, cfg_yaml, out, trace = work / f"{name}.json", work / f"{name}.yaml", work / name, work / f"{name}-trace"
+    cfg_json.write_text(json.dumps(ds))
+    cfg_yaml.write_text(_ACCELERATE_YAML.format(json=cfg_json))
+    trace.mkdir(exist_ok=True)
+    args = [f"model.name_or_path={model}", f"data.train_path={data / 'train.jsonl'}", "data.eval_path=", f"training.output_dir={out}"]
+    args += COMMON + overrides
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DSPLAN_TRACE=str(trace), **(malloc or {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg_yaml), "--num_processes", "2"]
+    launch += ["--main_process_port", str(port), str(Path(__file__)), "_child", command, *args]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(launch, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: exit {proc.returncode}: {proc.stdout[-1500:]} {proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "plan/host_runtime" in r][-1]
+    ranks = {}
+    for r in (0, 1):
+        seg = json.loads((trace / f"rank{r}.json").read_text())
+        files = seg.pop("file_pages_at_end", {})
+        ranks[r] = {k.replace("_kib", "_gib"): round(v / 2**20, 4) for k, v in seg.items()}
+        ranks[r]["file_pages_at_end_gib"] = {k: round(v / 2**20, 4) for k, v in files.items()}
+        ranks[r]["logged_peak_gib"] = round(last[f"mem/host_peak_rss/rank{r}"], 4)
+        ranks[r]["peak_gib"] = max(ranks[r]["loading_gib"], ranks[r]["initialize_gib"], ranks[r]["training_gib"])
+    return {
+        "name": name,
+        "command": command,
+        "deepspeed_config": ds,
+        "overrides": overrides,
+        "malloc_env": malloc or {},
+        "output_dir": str(out),
+        "runtime_at_prediction_gib": round(last["plan/host_runtime"], 4),
+        "logged_prediction_gib": round(last["plan/host_peak_rss"], 4),
+        "ranks": ranks,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "load_at_start": round(load, 2),
+        "load_at_end": round(os.getloadavg()[0], 2),
+    }
+
+
+def measure(work: Path, only: str = "", log=print) -> list[dict]:
+    """Every DS_GRID run (or the comma-separated `only`), one after another."""
+    runs = []
+    for i, (name, command, zero, overrides, *malloc) in enumerate(DS_GRID):
+        if only and name not in only.split(","):
+            continue
+        r = ds_run(name, command, zero, overrides, work, 29731 + i, *malloc)
+        runs.append(r)
+        peaks = " / ".join(f"{r['ranks'][k]['peak_gib']:.3f}" for k in (0, 1))
+        log(f"{name:<26} peak RSS rank 0 / 1: {peaks} GiB ({r['seconds']} s, load {r['load_at_start']})")
+    return runs
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "_child":
+    child(sys.argv[2:])
+
+
+def predict(run: dict) -> dict:
+    """plan() of the run's own config.yaml on 2 processes under its DeepSpeed config, with the runtime RSS the run
+    measured when it predicted; the prediction next to each rank's measured peak."""
+    from vlmrl.config import load_config
+    from vlmrl.plan.config import plan_for_config, sft_plans_for_config
+
+    if "config" in run:  # the config.yaml the run wrote, kept in the results file
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.yaml").write_text(run["config"])
+            cfg = load_config(Path(tmp) / "config.yaml")
+    else:
+        cfg = load_config(Path(run["output_dir"]) / "config.yaml")
+    ds = run["deepspeed_config"]
+    sharding = f"zero{ds['zero_optimization']['stage']}"
+    extra = {"device": "cpu", "host_runtime_bytes": int(run["runtime_at_prediction_gib"] * GiB), "sharding": sharding}
+    if run["command"] == "sft":
+        p = max(sft_plans_for_config(cfg, None, None, world_size=2, deepspeed=ds, **extra).values(), key=lambda p: p.host["process_peak"])
+    else:
+        p = plan_for_config(cfg, world_size=2, deepspeed=ds, **extra)
+    # the runs save nothing (training.save_final_model=false, no checkpoints): the planner's saving moment (rank 0
+    # gathering the whole model) is left out; loading and training are what the run does. On a CPU run every host term
+    # but the save is per process (x 2 on this node): one process's peak is half the node's
+    predicted = max(p.host["peak_loading"], p.host["peak_training"]) / 2 / GiB
+    top = max(run["ranks"].values(), key=lambda r: r["peak_gib"])
+    measured = top["peak_gib"]
+    segments = [k for k in top if k.endswith("_gib") and k not in ("peak_gib", "logged_peak_gib", "training_gib", "file_pages_at_end_gib")]
+    shown = ("gradients", "optimizer_states", "optimizer_step_temporary", "gathered_parameters")
+    zero_keys = [k for k in p.terms if k.startswith("zero") or k in shown]
+    return {
+        "predicted_peak_rss_gib": round(predicted, 4),
+        "measured_peak_rss_gib": round(measured, 4),
+        "difference_pct": round(100 * (predicted / measured - 1), 2),
+        "peak_segment": max(segments, key=top.get).removesuffix("_gib"),
+        "predicted_phases_gib": {k: round(v / GiB, 4) for k, v in p.phases.items()},
+        "predicted_host_gib": {k: round(v / GiB, 4) for k, v in p.host.items() if v},
+        "zero_terms_gib": {k: round(p.terms[k] / GiB, 4) for k in zero_keys},
+    }
+
+
+def markdown(data: dict) -> str:
+    """The results page: what was run and how, then the table docs/planner.md shows (scripts/readme_figures.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from readme_figures import planner_deepspeed_table
+
+    rows = data["rows"]
+    loads = [r["load_at_start"] for r in rows if r.get("load_at_start") is not None]
+    lines = [
+        f"# Planner vs DeepSpeed ZeRO on 2 CPU processes ({data['date']}, {data['machine']})",
+        "",
+        "Each row: `accelerate launch` with a DeepSpeed JSON (its zero_optimization section below; every key not written takes "
+        "DeepSpeed 0.19.8's default), 2 processes over gloo, `vlmrl train` (GRPO) or `vlmrl sft` (stage 2) for 2 steps on the mid "
+        "tiny Qwen2.5-VL (8 layers x 1024 hidden, 0.10 B parameters, float32), count task, 56 px images, G=4, 16 completion "
+        "tokens (`python benchmarks/planner_accuracy.py deepspeed`). Measured: each process's lifetime peak RSS (VmHWM), cut at "
+        "deepspeed.initialize and at each DeepSpeed backward / optimizer step (`peak in`: the segment of the larger rank's peak; "
+        "`other` is the rollout, scoring and forward passes). Predicted: plan() of the run's config.yaml with the DeepSpeed config "
+        "and the runtime RSS the run measured when it predicted (Plan.host process_peak). Peak RSS counts bytes, not time: the "
+        f"machine's load (1-minute load average {min(loads):.0f}-{max(loads):.0f} "
+        "at the runs' starts, on 2 cores shared with other jobs) changes run times only.",
+        "",
+        planner_deepspeed_table(rows),
+        "Per rank (GiB): " + "; ".join(f"{r['name']} {r['ranks']['0']['peak_gib']:.3f} / {r['ranks']['1']['peak_gib']:.3f}" for r in rows) + ".",
+    ]
+    for r in rows:
+        if r.get("pass"):
+            lines.append(f"\n{r['name']}: measured in {r['pass']}.")
+    for r in data.get("exploratory", []):
+        peaks = " / ".join(f"{r['ranks'][k]['peak_gib']:.3f}" for k in ("0", "1"))
+        lines.append(f"\nExploratory run (not in the table): {r['name']}, peak RSS rank 0 / 1 {peaks} GiB; {r['why']}")
+    if data.get("note"):
+        lines.append("\n" + data["note"])
+    return "\n".join(lines) + "\n"
