@@ -78,7 +78,7 @@ def test_single_process_is_a_pass_through():
     masks = [torch.ones(2, 3), torch.zeros(1, 3)]
     assert d.step_normaliser(masks, 5) == step_normaliser(masks, 5)
     metrics = {"loss": 1.0}
-    assert d.reducestep_metrics(metrics) is metrics and d.broadcast("x") == "x" and d.any(True) and not d.any(False)
+    assert d.reduce_metrics(metrics) is metrics and d.broadcast("x") == "x" and d.any(True) and not d.any(False)
     assert list(d.gather_rng_states()) == [0]
     opt = object()
     assert d.prepare(torch.nn.Linear(2, 2), opt) is opt and d.engine.runner is None
@@ -106,7 +106,7 @@ def _collectives_worker(rank: int, world: int, port: int, queue) -> None:
     comp = Completions(ids=torch.zeros(4, 2, dtype=torch.long), mask=torch.ones(4, 2, dtype=torch.long), truncated=torch.tensor([rank == 1] * 4))
     all_total, per_reward, lengths, truncated = d.gather_rollout(shard, total, {"acc": [rank] * 4}, comp)
     norm = d.step_normaliser([torch.ones(2, 3) * rank], 7)  # rank 0: 0 tokens, rank 1: 6 tokens
-    metrics = d.reducestep_metrics({"loss": 0.5 + rank, "mem/host_peak_rss": 1.0 + rank, "same": 3.0}, sum_keys=("loss",))
+    metrics = d.reduce_metrics({"loss": 0.5 + rank, "mem/host_peak_rss": 1.0 + rank, "same": 3.0}, sum_keys=("loss",))
     rng = d.gather_rng_states()
     queue.put(
         (
