@@ -354,15 +354,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     from vlmrl.run.datasets import encode_rows
     from vlmrl.models.policy import load_policy
 
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    os.environ.update(worker_env(rank, world, port), HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
     d = Distributed.from_env(cpu=True)
