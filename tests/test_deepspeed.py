@@ -23,64 +23,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.data.tasks import make_count_task
+from multiproc_runs import ROOT, grpo_args, launch_env, run_launcher, step_metrics, tiny_run_setup, torchrun, two_nodes
 
-ROOT = pathlib.Path(__file__).parents[1]
-LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed (pip install -e '.[deepspeed]'; `make test` installs it)")
 
 
-def _env(**extra):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED"):
-        env.pop(key, None)
-    return {**env, **extra}
-
-
-def _run(cmd, expect=0, timeout=420, **extra_env):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(**extra_env), timeout=timeout, cwd=ROOT)
-    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
+def _run(cmd, expect=0):
+    return run_launcher(cmd, expect, timeout=420)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
-
-    root = tmp_path_factory.mktemp("ds")
-    model = build_tiny_qwen25vl(root / "model")
-    data = make_count_task(root / "count", n_train=16, n_test=0, seed=0, image_size=56)
-    return root, model, data
+    return tiny_run_setup(tmp_path_factory, "ds")
 
 
 def _args(setup, out, *extra):
-    _, model, data = setup
     # 4 prompts x G=2 per step, optimizer steps of 4 completions: each of 2 processes holds one prompt of every
-    # optimizer step; beta > 0 scores the reference too.
-    return [
-        f"model.name_or_path={model}",
-        f"data.train_path={data['train']}",
-        "data.eval_path=",
-        f"training.output_dir={out}",
-        "training.max_steps=3",
-        "rollout.num_generations=2",
-        "training.per_device_train_batch_size=2",
-        "training.gradient_accumulation_steps=2",
-        "rollout.generation_batch_size=8",
-        "rollout.max_completion_length=5",
-        "optim.learning_rate=1e-3",
-        "algorithm.beta=0.05",
-        "rollout.sampling_seed=prompt",
-        "training.device=cpu",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
-        f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
-        *extra,
-    ]
+    # optimizer step.
+    return grpo_args(setup, out, *extra)
 
 
 # The accelerate config each stage's runs use. ZeRO-3: the shipped deepspeed_zero3.yaml (accelerate's own deepspeed
@@ -96,11 +57,7 @@ def _accelerate(stage, *args) -> list[str]:
 
 
 def _torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vlmrl", "train", *args]
-
-
-def _metrics(out):
-    return {r["step"]: r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())}
+    return torchrun("--standalone", "--nproc_per_node", "2") + list(args)
 
 
 def _worst_difference(a_file, b_file, skip=lambda k: False):
@@ -145,7 +102,7 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
     if stage == 2:
         assert "reduce_bucket_size 50000000, allgather_bucket_size 50000000" in log  # the user's JSON, as it is
     assert "unknown inputs or outputs type" not in log  # ZeRO-3's hooks see tensors (Completions travel as a tuple)
-    a, b = _metrics(out), _metrics(ddp)
+    a, b = step_metrics(out), step_metrics(ddp)
     for s in (1, 2, 3):
         assert a[s]["reward"] == b[s]["reward"], s  # the same completions were sampled
         # Losses after the first update carry the weights' rounding (ZeRO reduces gradients in another order than DDP)
@@ -189,7 +146,7 @@ def test_lora_under_zero3_with_layer_by_layer_generation_trains_like_ddp(setup):
     _run(_torchrun(*_args(setup, ddp_out, *lora)))
     log = _run(_accelerate(3, *_args(setup, out, *lora, "training.save_steps=2")))
     assert "DeepSpeed ZeRO-3" in log and "unknown inputs or outputs type" not in log
-    a, b = _metrics(out), _metrics(ddp_out)
+    a, b = step_metrics(out), step_metrics(ddp_out)
     assert [a[s]["reward"] for s in (1, 2)] == [b[s]["reward"] for s in (1, 2)]
     assert (out / "checkpoint-2" / "model" / "adapter_model.safetensors").exists()  # LoRA checkpoints hold the adapter
     worst = _worst_difference(out / "final" / "model.safetensors", ddp_out / "final" / "model.safetensors", skip=lambda k: "k_proj.bias" in k)
@@ -243,7 +200,7 @@ def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
     rng, kills, mid_saves, finished, history = random.Random(1234), 0, 0, False, []
     while kills < kills_wanted:
         start = newest()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch_env(), cwd=ROOT)
         t0 = time.time()
         while proc.poll() is None and newest() <= start and time.time() - t0 < 600:
             time.sleep(0.005)
@@ -273,41 +230,15 @@ def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
         row = json.loads(line)
         by_step.setdefault(row["step"], set()).add(row["loss"])
     assert sorted(by_step) == list(range(1, 13)) and all(len(v) == 1 for v in by_step.values())
-    assert {k: next(iter(v)) for k, v in by_step.items()} == {k: r["loss"] for k, r in _metrics(straight).items()}
+    assert {k: next(iter(v)) for k, v in by_step.items()} == {k: r["loss"] for k, r in step_metrics(straight).items()}
 
 
 # ---------------------------------------------------------------- two nodes on loopback
-def _free_port() -> int:
-    """A port that was free a moment ago: the two launchers must agree on one port in advance."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(setup, out, *extra):
-    """Two torchrun launches, node ranks 0 and 1, one process each, meeting at 127.0.0.1, with the environment
-    `accelerate launch` exports for a ZeRO-3 config (its multi-node DeepSpeed launch goes through pdsh by default)."""
-    port = str(_free_port())
-    env = _env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1"]
-            + ["--master_addr", "127.0.0.1", "--master_port", port, "-m", "vlmrl", "train", *_args(setup, out, *extra)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for n in range(2)
-    ]
-    logs = []
-    for p in procs:
-        text, _ = p.communicate(timeout=420)
-        assert p.returncode == 0, text[-6000:]
-        logs.append(text)
-    return logs
+    """Two torchrun launches (node ranks 0 and 1, one process each) with the environment `accelerate launch` exports
+    for a ZeRO-3 config (its multi-node DeepSpeed launch goes through pdsh by default)."""
+    env = launch_env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+    return two_nodes(_args(setup, out, *extra), env, timeout=420)
 
 
 @needs_deepspeed

@@ -10,21 +10,16 @@ processes, ~1e-7 relative, and Adam's normalisation amplifies that for parameter
 
 import json
 import os
-import pathlib
 import shutil
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+from multiproc_runs import grpo_args, launch_env, rendezvous_store, run_launcher, step_metrics, tiny_run_setup, torchrun, two_nodes, worker_env
 from safetensors.torch import load_file
 
 from vlmrl.engine.distributed import Distributed, DistributedError, merge_rows, prompt_seed, reduce_metric_dicts, rows_of, shard_prompts
 from vlmrl.models.rollout import Completions, cat_completions
-from vlmrl.data.tasks import make_count_task
-
-LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
 
 # ---------------------------------------------------------------- one process: pure helpers
@@ -103,33 +98,8 @@ def test_cat_completions_pads_to_the_longest():
 
 
 # ---------------------------------------------------------------- two processes, no model: the collectives
-def _free_port() -> int:
-    """A port that was free a moment ago (bind, read, close): only for the two-node test, whose two launchers must
-    agree on one port in advance. A single torchrun uses --standalone and spawned workers use `_rendezvous_store`,
-    which hold their port from the moment it is chosen."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rendezvous_store():
-    """A TCPStore this test process hosts on a port the OS picks (bound at once: no other process can take it in
-    between). Workers join it as clients (TORCHELASTIC_USE_AGENT_STORE=True, as under torchrun's agent); keep the
-    returned store alive until they are done."""
-    from torch.distributed import TCPStore
-
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
 def _collectives_worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    os.environ.update(worker_env(rank, world, port))
     d = Distributed.from_env(cpu=True)
     shard = d.shard(4, 2, 4)  # 2 optimizer steps of 2 prompts: rank 0 gets prompts 0 and 2, rank 1 gets 1 and 3
     total = [float(i) for i in shard.rows]  # each row's value is its global index
@@ -160,7 +130,7 @@ def test_collectives_on_two_gloo_processes():
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    store = _rendezvous_store()
+    store = rendezvous_store()
     queue, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_collectives_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
@@ -181,66 +151,17 @@ def test_collectives_on_two_gloo_processes():
 # ---------------------------------------------------------------- whole runs: torchrun / loopback nodes
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
-
-    root = tmp_path_factory.mktemp("dist")
-    model = build_tiny_qwen25vl(root / "model")
-    data = make_count_task(root / "count", n_train=16, n_test=0, seed=0, image_size=56)
-    return root, model, data
+    return tiny_run_setup(tmp_path_factory, "dist")
 
 
 def _args(setup, out, *extra):
-    _, model, data = setup
     # 4 prompts x G=2 per step; optimizer steps of 4 completions (2 prompts): with 2 processes each holds one prompt
-    # of every optimizer step. beta > 0: the reference is scored too.
-    return [
-        f"model.name_or_path={model}",
-        f"data.train_path={data['train']}",
-        "data.eval_path=",
-        f"training.output_dir={out}",
-        "training.max_steps=3",
-        "rollout.num_generations=2",
-        "training.per_device_train_batch_size=2",
-        "training.gradient_accumulation_steps=2",
-        "rollout.generation_batch_size=8",
-        "rollout.max_completion_length=5",
-        "optim.learning_rate=1e-3",
-        "algorithm.beta=0.05",
-        "rollout.sampling_seed=prompt",
-        "training.device=cpu",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
-        f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
-        *extra,
-    ]
-
-
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    return env
-
-
-def _run(cmd, timeout=240, **extra_env):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), **extra_env}, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
-
-
-def _torchrun(*args):
-    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "vlmrl", "train"]
-
-
-def _metrics(out):
-    return {r["step"]: r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())}
+    # of every optimizer step.
+    return grpo_args(setup, out, *extra)
 
 
 def _assert_same_run(out, ref, steps=(1, 2, 3)):
-    a, b = _metrics(out), _metrics(ref)
+    a, b = step_metrics(out), step_metrics(ref)
     for s in steps:
         assert a[s]["reward"] == b[s]["reward"], s  # the same completions were sampled
         # After the first update the loss carries the weights' rounding (sharded reductions sum in another order)
@@ -259,42 +180,24 @@ def _assert_same_weights(out, ref, atol=5e-5):
 @pytest.fixture(scope="module")
 def reference(setup):
     out = setup[0] / "one"
-    _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, out)])
+    run_launcher([sys.executable, "-m", "vlmrl", "train", *_args(setup, out)])
     return out
 
 
 def test_ddp_two_processes_match_one_process(setup, reference):
     out = setup[0] / "ddp"
-    log = _run(_torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out))
+    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out))
     assert "2 processes (ddp)" in log
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
-    row = _metrics(out)[1]
+    row = step_metrics(out)[1]
     assert {"mem/host_peak_rss/rank0", "mem/host_peak_rss/rank1"} <= row.keys()  # per-process peaks; the plain key is the max
     assert row["mem/host_peak_rss"] == max(row["mem/host_peak_rss/rank0"], row["mem/host_peak_rss/rank1"])
     assert not list(out.glob("rank*"))  # only the main process writes
 
 
 def _two_nodes(setup, out, *extra):
-    """Two torchrun launches, node ranks 0 and 1, one process each, meeting at 127.0.0.1."""
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            _torchrun("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port)
-            + _args(setup, out, *extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(),
-        )
-        for n in range(2)
-    ]
-    logs = []
-    for p in procs:
-        text, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, text[-6000:]
-        logs.append(text)
-    return logs
+    return two_nodes(_args(setup, out, *extra), launch_env(), timeout=240)
 
 
 def _resume_on_one_process(setup, out, reference, name):
@@ -303,7 +206,7 @@ def _resume_on_one_process(setup, out, reference, name):
     single = setup[0] / name
     shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "checkpoint-3", "run_complete.json"))
     (single / "metrics.jsonl").write_text("".join(x + "\n" for x in (out / "metrics.jsonl").read_text().splitlines()[:2]))
-    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
+    assert "saved by 2 process(es)) on 1" in run_launcher([sys.executable, "-m", "vlmrl", "train", *_args(setup, single)])
     _assert_same_run(single, reference)
     _assert_same_weights(single, reference)
 
@@ -313,14 +216,15 @@ def test_ddp_run_at_the_default_sampling_seed_resumes_on_one_process_exactly(set
     """rollout.sampling_seed left at auto: the 2-process run draws per-prompt streams, and its checkpoint resumed on
     ONE process keeps them (resolve_sampling_seed) instead of switching to one stream per step: the same run."""
     out = setup[0] / "ddp_default_seed"
-    _run(
-        _torchrun("--standalone", "--nproc_per_node", "2")
+    run_launcher(
+        torchrun("--standalone", "--nproc_per_node", "2")
         + _args(setup, out, "training.max_steps=2", "training.save_steps=2", "rollout.sampling_seed=auto")
     )
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["per_prompt_seed"] is True
     single = setup[0] / "ddp_default_seed_on_one"
     shutil.copytree(out, single, ignore=shutil.ignore_patterns("final", "run_complete.json"))
-    assert "saved by 2 process(es)) on 1" in _run([sys.executable, "-m", "vlmrl", "train", *_args(setup, single, "rollout.sampling_seed=auto")])
+    log = run_launcher([sys.executable, "-m", "vlmrl", "train", *_args(setup, single, "rollout.sampling_seed=auto")])
+    assert "saved by 2 process(es)) on 1" in log
     _assert_same_run(single, reference)
     _assert_same_weights(single, reference)
 
@@ -339,7 +243,7 @@ def test_resolve_sampling_seed_keeps_the_checkpoints_choice():
 
 def _assert_exports_as(ckpt, exported, expected_weights):
     """`vlmrl export ckpt exported`: a plain HF folder whose weights equal `expected_weights` bit for bit."""
-    _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
+    run_launcher([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
     a, b = load_file(exported / "model.safetensors"), load_file(expected_weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (exported / "config.json").exists() and list(exported.glob("*token*"))
@@ -353,7 +257,7 @@ def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
     assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
     logs = _two_nodes(setup, out)  # max_steps 2 -> 3 is a harmless change: resume from checkpoint-2
     assert "resumed from" in logs[0] and "checkpoint-2" in logs[0]
-    assert sorted(_metrics(out)) == [1, 2, 3]
+    assert sorted(step_metrics(out)) == [1, 2, 3]
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
 
@@ -364,7 +268,8 @@ def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
 # ---------------------------------------------------------------- FSDP2
 def _launch_fsdp2(setup, out, env: dict, *extra) -> str:
     """torchrun x2 with the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports."""
-    return _run(_torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out, *extra), ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", **env)
+    cmd = torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out, *extra)
+    return run_launcher(cmd, ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", **env)
 
 
 def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, reference):
@@ -383,7 +288,7 @@ def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, referenc
     assert len(saved["state"]) == n_trainable and all(v["exp_avg"].dim() >= 1 for v in saved["state"].values())  # full, not shards
     log = _launch_fsdp2(setup, out, {})  # max_steps 2 -> 3: resume from checkpoint-2, optimizer state restored into the shards
     assert "resumed from" in log and "checkpoint-2" in log
-    assert sorted(_metrics(out)) == [1, 2, 3]
+    assert sorted(step_metrics(out)) == [1, 2, 3]
     _assert_same_run(out, reference)
     _assert_same_weights(out, reference)
 
@@ -449,15 +354,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, model_path: str, data_path: 
     from vlmrl.run.datasets import encode_rows
     from vlmrl.models.policy import load_policy
 
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    os.environ.update(worker_env(rank, world, port), HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
     d = Distributed.from_env(cpu=True)
@@ -516,7 +413,7 @@ def test_fsdp2_fully_shard_rollout_and_gradients_on_two_gloo_processes(setup):
 
     _, model, data = setup
     ctx = mp.get_context("spawn")
-    store = _rendezvous_store()
+    store = rendezvous_store()
     queue, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_fsdp2_worker, args=(r, 2, port, str(model), str(data["train"]), queue)) for r in range(2)]
     for p in procs:

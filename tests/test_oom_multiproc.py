@@ -9,20 +9,17 @@ a hang fails the test by its timeout instead of blocking.
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import threading
 
 import pytest
 import torch
+from multiproc_runs import grpo_args, rendezvous_store, tiny_run_setup, worker_env
 from safetensors.torch import load_file
 
 import vlmrl.engine.oom as oom
 from vlmrl.engine.oom import OutOfMemoryAbort, OutOfMemoryGaveUp, Peers, parse_injection, retry_on_oom
-from vlmrl.data.tasks import make_count_task
-
-LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
 
 # ---------------------------------------------------------------- the agreement loop, fake processes
@@ -171,25 +168,6 @@ def test_injection_from_the_environment_follows_rank(monkeypatch):
 
 
 # ---------------------------------------------------------------- gradients synced after the agreement == DDP's own
-def _rendezvous_store():
-    """A TCPStore this test process hosts (the port is bound at once); workers join it as torchrun's workers do."""
-    from torch.distributed import TCPStore
-
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
-def _worker_env(rank: int, world: int, port: int) -> dict:
-    return dict(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-
-
 class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -209,7 +187,7 @@ def _ddp_worker(rank: int, world: int, port: int, queue) -> None:
 
     from vlmrl.engine.collectives import average_gradients
 
-    os.environ.update(_worker_env(rank, world, port))
+    os.environ.update(worker_env(rank, world, port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -238,7 +216,7 @@ def test_average_gradients_equals_ddp_on_gloo(world):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    store = _rendezvous_store()
+    store = rendezvous_store()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_ddp_worker, args=(r, world, store.port, queue)) for r in range(world)]
     for p in procs:
@@ -258,42 +236,13 @@ def test_average_gradients_equals_ddp_on_gloo(world):
 # ---------------------------------------------------------------- whole 2-process runs (gloo), no torchrun
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
-
-    root = tmp_path_factory.mktemp("oom-multiproc")
-    model = build_tiny_qwen25vl(root / "model")
-    data = make_count_task(root / "count", n_train=16, n_test=4, seed=0, image_size=56)
-    return root, model, data
+    return tiny_run_setup(tmp_path_factory, "oom-multiproc", n_test=4)
 
 
 def _args(setup, out, *extra):
-    _, model, data = setup
     # 8 prompts x G=2 per step (4 prompts, 8 rows per process); optimizer steps of 8 rows (4 per process) in
-    # micro-batches of 4; beta > 0 so the reference is scored; 4 held-out rows evaluated at the end (main process).
-    return [
-        f"model.name_or_path={model}",
-        f"data.train_path={data['train']}",
-        f"data.eval_path={data['test']}",
-        f"training.output_dir={out}",
-        "training.max_steps=1",
-        "rollout.num_generations=2",
-        "rollout.generation_batch_size=16",
-        "training.per_device_train_batch_size=4",
-        "training.gradient_accumulation_steps=2",
-        "training.eval_batch_size=4",
-        "rollout.max_completion_length=4",
-        "optim.learning_rate=1e-3",
-        "algorithm.beta=0.05",
-        "rollout.sampling_seed=prompt",
-        "training.device=cpu",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
-        f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
-        *extra,
-    ]
+    # micro-batches of 4; 4 held-out rows evaluated at the end (main process).
+    return grpo_args(setup, out, *extra, steps=1, micro_batch=4, generation_batch=16, completion_tokens=4, held_out=True)
 
 
 # The same run configured at the sizes the injected OOMs lead to.
@@ -311,13 +260,13 @@ def _launch(setup, out, *extra, env: dict | None = None, world: int = 2, timeout
     hang is a timeout here. Returns [(exit code, output)] per rank."""
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", oom.INJECT_ENV)}
     base.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    store = _rendezvous_store()
+    store = rendezvous_store()
     logs = [out.parent / f"{out.name}.rank{r}.log" for r in range(world)]
     procs = []
     for r in range(world):
         with open(logs[r], "w") as f:
             cmd = [sys.executable, "-m", "vlmrl", "train", *_args(setup, out, *extra)]
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**base, **_worker_env(r, world, store.port)}))
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**base, **worker_env(r, world, store.port)}))
     try:
         for p in procs:
             p.wait(timeout=timeout)

@@ -120,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     cv = sub.add_parser(
         "convert",
         help="Write another trainer's config (TRL, EasyR1, ms-swift, VLM-R1) as a vlmrl YAML.",
-        description="vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 [-o vlmrl.yaml] FILE_OR_ARGS: a YAML config, a launch "
+        description="vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 [-o vlmrl.yaml] [--processes N] FILE_OR_ARGS: a YAML config, a launch "
         "script, or --key value arguments; lists every key with no vlmrl equivalent and why.",
     )
     cv.add_argument("--from", dest="peer", required=True, choices=["trl", "easyr1", "ms-swift", "vlm-r1"])
     cv.add_argument("-o", "--output", default="vlmrl.yaml", help="YAML to write (never overwritten)")
+    cv.add_argument("--processes", type=int, help="GPUs the source ran on, when it does not say (its per-GPU batch sizes become vlmrl's global ones)")
     cv.add_argument("source", nargs="*", help="config file, launch script, or the --key value arguments themselves")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["convert"] and "-h" not in argv and "--help" not in argv:
@@ -158,18 +159,24 @@ def _convert(argv: list[str]) -> int:
     """`vlmrl convert`: its own options first (--from, -o), everything else is the source (a file or a peer's --key value)."""
     from vlmrl.run.convert import run_convert
 
-    peer, output, rest, i = None, "vlmrl.yaml", [], 0
+    own = {"--from": None, "-o": "vlmrl.yaml", "--processes": None}
+    rest, i = [], 0
     while i < len(argv):
-        if argv[i] in ("--from", "-o", "--output") and i + 1 < len(argv):
-            peer, output = (argv[i + 1], output) if argv[i] == "--from" else (peer, argv[i + 1])
+        name = "-o" if argv[i] == "--output" else argv[i]
+        if name in own and i + 1 < len(argv):
+            own[name] = argv[i + 1]
             i += 2
             continue
         rest.append(argv[i])
         i += 1
     try:
-        if peer is None:
+        if own["--from"] is None:
             raise ConfigError("vlmrl convert: say which trainer the config is for: --from trl|easyr1|ms-swift|vlm-r1")
-        return run_convert(peer, rest, output, log=lambda line: print(line, file=sys.stderr))
+        processes = own["--processes"]
+        if processes is not None and not processes.isdigit():
+            raise ConfigError(f"vlmrl convert: --processes takes the number of GPUs the source ran on, got {processes!r}")
+        log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        return run_convert(own["--from"], rest, own["-o"], log=log, processes=int(processes) if processes else None)
     except user_error_types() as e:
         return report_user_error("convert", e)
 

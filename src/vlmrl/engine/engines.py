@@ -245,8 +245,26 @@ class Engine:
 
     @contextlib.contextmanager
     def gathered_for_generation(self, mode: str = "full"):
-        """Parameters gathered for the rollout under a sharded engine (see FSDP2Engine); a no-op otherwise."""
-        yield
+        """Parameters gathered for the rollout where the engine shards them (a no-op otherwise). full: gathered once
+        for the whole rollout (_gathered_whole: peak = the full model per process, fast); layers: each module's
+        gathered by the engine's hooks for its forward (peak = one layer; an all-gather per layer per generated
+        token), the processes decoding in step (prefix.synced_decoding: the same number of forwards everywhere)."""
+        if not self._shards_parameters():
+            yield
+        elif mode == "layers":
+            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
+                yield
+        else:
+            with self._gathered_whole():
+                yield
+
+    def _shards_parameters(self) -> bool:
+        """Whether each process holds only part of the parameters (FSDP2, ZeRO-3)."""
+        return False
+
+    def _gathered_whole(self) -> contextlib.AbstractContextManager:
+        """Every parameter gathered until the context ends (gathered_for_generation's full mode)."""
+        return contextlib.nullcontext()
 
     # -- state on disk ---------------------------------------------------------------------------------------
     def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts | None:
@@ -326,19 +344,12 @@ class FSDP2Engine(Engine):
             return contextlib.nullcontext()
         return super().no_sync(last)
 
+    def _shards_parameters(self) -> bool:
+        return self.runner is not None
+
     @contextlib.contextmanager
-    def gathered_for_generation(self, mode: str = "full"):
-        """full: all-gather every FSDP2 unit once, keep them for the whole rollout, release after (peak = the full
-        model per process, fast); layers: leave it to the per-module hooks, one layer gathered per forward and
-        released after it (peak = one layer; an all-gather per layer per generated token), the processes decoding
-        in step (prefix.synced_decoding)."""
-        if self.runner is None:
-            yield
-            return
-        if mode == "layers":
-            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
-                yield
-            return
+    def _gathered_whole(self):
+        """Every FSDP2 unit all-gathered once and kept until the context ends, then released."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in self.runner.modules() if isinstance(m, FSDPModule)]
@@ -568,19 +579,13 @@ class DeepSpeedEngine(Engine):
         optimizer.zero_grad(set_to_none=True)
         return StepResult(float(norm) if norm is not None else float("nan"), skipped=False)
 
+    def _shards_parameters(self) -> bool:
+        return self.runner is not None and self._zero_stage() == 3  # ZeRO-1/2 hold the parameters whole already
+
     @contextlib.contextmanager
-    def gathered_for_generation(self, mode: str = "full"):
-        """ZeRO-3, mode full: every parameter gathered once for the whole rollout and the engine's hooks removed
-        (DeepSpeed's own unwrap_model_for_generation), the policy called directly; layers: the hooks gather each
-        module's parameters for its forward, and the processes decode in step (prefix.synced_decoding: the same
-        number of forwards everywhere). ZeRO-1/2 hold the parameters whole already."""
-        if self.runner is None or self._zero_stage() != 3:
-            yield
-            return
-        if mode == "layers":
-            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
-                yield
-            return
+    def _gathered_whole(self):
+        """ZeRO-3: every parameter gathered and the engine's hooks removed (DeepSpeed's own
+        unwrap_model_for_generation); the policy is called directly meanwhile (self.gathered)."""
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         with unwrap_model_for_generation(self.runner):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from vlmrl.models.loading import unwrap
-from vlmrl.models.prefix import _prefill, chosen_logps, draw_uniforms, prefix_positions, row_seed, sample_rows
+from vlmrl.models.prefix import _prefill, chosen_logps, draw_uniforms, mrope_positions, prefix_positions, row_seed, sample_rows, uses_mrope
 from vlmrl.models.processing import select_rows
 from vlmrl.models.static_decode import StaticStep
 
@@ -185,7 +185,7 @@ class ContinuousDecoder:
         self.model, self.core = model, core
         self.text_model = core.model.language_model
         self.head = core.get_output_embeddings()
-        self.qwen = _is_qwen(model)
+        self.qwen = uses_mrope(model)
         self.batch, self.G, self.T = prompt_batch, num_generations, max_new_tokens
         self.sampler = sampler
         n_prompts, self.P = prompt_batch["input_ids"].shape
@@ -297,8 +297,7 @@ class ContinuousDecoder:
     def positions(self, qwen_pos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Position ids of one decode step's rows: M-RoPE rows at their prompt's next position + t on all three axes
         ([3, n, 1]), the others at their column ([n, 1])."""
-        n = cols.shape[0]
-        return qwen_pos.view(1, n, 1).expand(3, n, 1) if self.qwen else cols.view(n, 1)
+        return mrope_positions(qwen_pos, 1) if self.qwen else cols.view(-1, 1)
 
     def masks(self, visible: torch.Tensor, cols: torch.Tensor):
         """The attention mask(s) of one decode step from the visible columns [n, 1, 1, L] and the rows' columns [n]:
@@ -343,13 +342,6 @@ class ContinuousDecoder:
         width = int((self.out >= 0).sum(dim=1).max()) if self.out.numel() else 0
         self.out_logps = self.out_logps[:, : max(width, 1)]
         return self.out[:, : max(width, 1)]
-
-
-def _is_qwen(model) -> bool:
-    """M-RoPE families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each row continues at its prompt's next position on all axes."""
-    from vlmrl.models.logprobs import MROPE_FAMILIES, grouped_family
-
-    return grouped_family(model) in MROPE_FAMILIES
 
 
 class RowSampler:

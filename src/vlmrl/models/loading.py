@@ -132,7 +132,8 @@ def require_complete_model_folder(path: str | Path) -> None:
         raise ModelLoadError(f"model folder {Path(path).expanduser()} is incomplete: missing {'; '.join(missing)} ({NO_DOWNLOAD})")
 
 
-def _check_attention(name: str) -> None:
+def check_attention(name: str) -> None:
+    """ModelLoadError when model.attn_implementation names a kernel whose package is not installed."""
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ModelLoadError(
             "model.attn_implementation=flash_attention_2 but the flash-attn package is not installed; "
@@ -148,7 +149,7 @@ def load_model(cfg):
     local_only = not getattr(cfg, "allow_hub_download", False)
     if local_only:
         _check_folder(path)
-    _check_attention(cfg.attn_implementation)
+    check_attention(cfg.attn_implementation)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if dtype is None:
         raise ModelLoadError(f"model.dtype={cfg.dtype!r} is not one of float32, bfloat16, float16")

@@ -120,7 +120,7 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     model's default positions 0..P-1, so the next one is P."""
     core = unwrap(model)
     input_ids = prompt_batch["input_ids"]
-    if grouped_family(model) not in MROPE_FAMILIES:
+    if not uses_mrope(model):
         return None, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
     inner = core.model
     mm_types = prompt_batch.get("mm_token_type_ids")
@@ -143,12 +143,23 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     return position_ids, masked.amax(dim=(0, 2)) + 1
 
 
+def uses_mrope(model) -> bool:
+    """M-RoPE families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each row's completion continues at its prompt's next
+    position on all three axes; the others take the cache position."""
+    return grouped_family(model) in MROPE_FAMILIES
+
+
+def mrope_positions(start: torch.Tensor, length: int) -> torch.Tensor:
+    """M-RoPE position ids [3, N, length] of `length` tokens per row from `start` [N] on, the same on every axis."""
+    pos = start.unsqueeze(1) + torch.arange(length, device=start.device)
+    return pos.unsqueeze(0).expand(3, -1, -1)
+
+
 def _continuation_positions(model, next_pos: torch.Tensor, offset: int, length: int) -> torch.Tensor | None:
     """Position ids of `length` tokens starting `offset` after the prompt, per row ([3, N, length] for Qwen)."""
-    if grouped_family(model) not in MROPE_FAMILIES:
+    if not uses_mrope(model):
         return None  # default: cache_position
-    pos = next_pos.unsqueeze(1) + offset + torch.arange(length, device=next_pos.device)
-    return pos.unsqueeze(0).expand(3, -1, -1)
+    return mrope_positions(next_pos + offset, length)
 
 
 def _cache_rows(cache, rows: torch.Tensor | None = None, repeats: int | None = None) -> None:

@@ -770,7 +770,7 @@ def _locate_failure(
             return RewardError(
                 f"reward {name!r} raised on {where(i)}, prompt {_short(kwargs['prompts'][0])}, completion "
                 f"{_short(kwargs['completions'][0])}: {type(e).__name__}: {_one_line(e)}{raised_at(fn, e)}"
-                f"{_format_hint(e, kwargs['completions'][0])}"
+                f"{_format_hint(e, kwargs['completions'][0], fn, kwargs)}"
             )
     return RewardError(
         f"reward {name!r} raised on the batch of {n}{batch} but on no single sample alone (it depends on several rows "
@@ -787,24 +787,55 @@ def describe_batch(when: str | None, sources: list[str] | None) -> str:
     return text
 
 
-def _format_hint(error: Exception, completion: Any) -> str:
-    """A pointer to algorithm.completion_format when the error is the one indexing the other form gives
-    (``completion[0]["content"]`` on a string, or string methods on a list of messages)."""
-    if isinstance(completion, str) and isinstance(error, TypeError) and "indices must be integers" in str(error):
+def _format_hint(error: Exception, completion: Any, fn: RewardFn | None = None, given: dict | None = None) -> str:
+    """A pointer to what most likely went wrong, only where the error says so: a completion of the other form
+    (algorithm.completion_format), a function that is not called TRL's way (an EasyR1 compute_score, a factory), or a
+    column the reward reads from ``**kwargs`` that these rows do not have (VLM-R1's, which vlmrl adds to VLM-R1 rows)."""
+    text = str(error)
+    if isinstance(completion, str) and isinstance(error, TypeError) and "indices must be integers" in text:
         return (
             "; a reward written for TRL's conversational completions (completion[0]['content'], as VLM-R1's) "
             "needs algorithm.completion_format=conversational"
         )
-    if isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", str(error)):
-        return (
-            "; if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), call it in the "
-            "spec with its arguments: module:factory(arg=value, ...); an EasyR1 compute_score(reward_inputs) is named "
-            "file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
+    if isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", text):
+        easyr1 = "name it file.py:compute_score@easyr1 (EasyR1 calls compute_score(reward_inputs) with a list of dicts)"
+        factory = (
+            "if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), call it in the spec "
+            "with its arguments: module:factory(arg=value, ...)"
         )
-    text = str(error)
+        if getattr(_innermost(fn), "__name__", "") == "compute_score":  # EasyR1's name for its reward: its way first
+            return f"; an EasyR1 reward? {easyr1}; {factory}"
+        return f"; {factory}; an EasyR1 compute_score(reward_inputs) is named file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
     if isinstance(completion, list) and ("'list' object has no attribute" in text or "not 'list'" in text or "got 'list'" in text):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
+    if "'NoneType'" in text and given is not None:
+        missing = [c for c in _kwargs_read(fn) if c not in given]
+        if missing:
+            return (
+                f"; the reward reads {', '.join(missing)} from **kwargs, which these rows do not have (it gets: "
+                f"{', '.join(k for k in given if k not in ('prompts', 'completions'))}); vlmrl adds image_path, "
+                "accu_reward_method and image_grid_thw to VLM-R1 conversations rows only: add the column to the data"
+            )
     return ""
+
+
+def _innermost(fn: Any) -> Any:
+    """The user's own function under vlmrl's wrappers (peers.py's __wrapped_reward__, functools.wraps' __wrapped__)."""
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped_reward__", None) or getattr(fn, "__wrapped__", None)
+        if inner is None:
+            return fn
+        fn = inner
+    return fn
+
+
+def _kwargs_read(fn: Any) -> list[str]:
+    """Names the reward's source reads as ``kwargs.get("name")`` / ``kwargs["name"]`` (in order, once each)."""
+    try:
+        source = inspect.getsource(_innermost(fn))
+    except (OSError, TypeError):
+        return []
+    return list(dict.fromkeys(re.findall(r"""kwargs(?:\.get\(|\[)\s*["'](\w+)["']""", source)))
 
 
 def describe_sample(index: int, when: str | None = None, sources: list[str] | None = None, columns: dict[str, list] | None = None) -> str:

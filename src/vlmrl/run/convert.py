@@ -16,7 +16,7 @@ from typing import Any, Callable
 import yaml
 
 from vlmrl.config import ConfigError
-from vlmrl.config import _merge_key, build_config
+from vlmrl.config import TRACKERS, _merge_key, build_config
 
 PEERS = ("trl", "easyr1", "ms-swift", "vlm-r1")
 VLLM = "vLLM: vlmrl generates in-process (rollout.engine, memory.shared_prefix); no separate inference engine"
@@ -115,6 +115,7 @@ class Conversion:
     def __init__(self) -> None:
         self.settings: dict[str, Any] = {}
         self.unmapped: dict[str, str] = {}
+        self.notes: list[str] = []  # lines `vlmrl convert` prints besides the unmapped keys (defaults filled, batch scaling)
 
     def set(self, key: str, value: Any) -> None:
         self.settings[key] = value
@@ -139,7 +140,8 @@ class Conversion:
 
 
 def read_source(args: list[str]) -> dict[str, Any]:
-    """The settings of a YAML file, a launch script, or ``--key value`` arguments, as {key: value} (nested for YAML)."""
+    """The settings of a YAML file, a launch script, or ``--key value`` arguments, as {key: value} (nested for YAML).
+    A script's ``VAR=value cmd`` environment prefixes come back as UPPERCASE keys (no option is spelled so)."""
     if not args:
         raise ConfigError("vlmrl convert: give a config file, a launch script or --key value arguments")
     first = Path(args[0])
@@ -149,16 +151,24 @@ def read_source(args: list[str]) -> dict[str, Any]:
             raise ConfigError(f"{first}: expected a mapping of settings")
         return data
     if len(args) == 1 and first.is_file():
-        return parse_arguments(script_arguments(first.read_text(encoding="utf-8")))
+        environment, words = launch_command(first.read_text(encoding="utf-8"))
+        return {**{k: _scalar(v) for k, v in environment.items()}, **parse_arguments(words)}
     return parse_arguments(args)
 
 
 def script_arguments(text: str) -> list[str]:
-    """The arguments of a launch script's command: lines joined at trailing backslashes, ``VAR=value`` lines of the
-    script substituted into ``$VAR`` / ``${VAR}``, everything from the first ``--`` option on the longest command line."""
-    joined = re.sub(r"\\\s*\n", " ", text)
+    """The ``--key value`` words of a launch script's command (see launch_command)."""
+    return launch_command(text)[1]
+
+
+def launch_command(text: str) -> tuple[dict[str, str], list[str]]:
+    """(environment prefixes, arguments) of a launch script's command: lines joined at a trailing backslash (one
+    newline: an empty line after it ends the command, as in bash), ``VAR=value`` lines of the script substituted into
+    ``$VAR`` / ``${VAR}``, and of the longest command line its ``VAR=value`` prefixes and everything from its first
+    ``--`` option on."""
+    joined = re.sub(r"\\[ \t]*\n", " ", text)
     variables: dict[str, str] = {}
-    best: list[str] = []
+    best: tuple[dict[str, str], list[str]] = ({}, [])
     for line in joined.splitlines():
         line = line.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
@@ -170,17 +180,31 @@ def script_arguments(text: str) -> list[str]:
             except ValueError:
                 words = []
             if len(words) <= 1:  # `VAR=value` alone; `VAR=value cmd --args` is a command with an environment prefix
-                variables[assignment[1]] = words[0] if words else ""
+                variables[assignment[1]] = _substitute(words[0], variables) if words else ""
                 continue
-        line = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), line)
         try:
-            words = shlex.split(line)
+            words = shlex.split(_substitute(line, variables))
         except ValueError:
             continue
         options = [i for i, w in enumerate(words) if w.startswith("--")]
-        if options and len(words) - options[0] > len(best):
-            best = words[options[0] :]
+        if options and len(words) - options[0] > len(best[1]):
+            prefix = dict(re.fullmatch(r"([A-Za-z_]\w*)=(.*)", w, re.DOTALL).groups() for w in _env_prefix(words))
+            best = (prefix, words[options[0] :])
     return best
+
+
+def _substitute(text: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), text)
+
+
+def _env_prefix(words: list[str]) -> list[str]:
+    """The leading ``VAR=value`` words of a command (its environment)."""
+    out = []
+    for word in words:
+        if not re.fullmatch(r"[A-Za-z_]\w*=.*", word, re.DOTALL):
+            break
+        out.append(word)
+    return out
 
 
 def parse_arguments(words: list[str]) -> dict[str, Any]:
@@ -228,8 +252,8 @@ def convert_trl_keys(source: dict[str, Any], out: Conversion, handled: set[str] 
                 value = [value] if value != "all-linear" else value
             if key in ("torch_dtype", "dtype") and value in ("bf16", "fp16", "fp32", "auto"):
                 value = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "bfloat16"}[value]
-            if key == "report_to" and isinstance(value, str):
-                value = [value]
+            if key == "report_to":
+                value = _trackers(value, out, key)
             out.set(target, value)
         elif key in TRL_REASONS:
             out.skip(key, TRL_REASONS[key])
@@ -238,13 +262,60 @@ def convert_trl_keys(source: dict[str, Any], out: Conversion, handled: set[str] 
             out.skip(key, TRL_REASON_PREFIXES[prefix] if prefix else "no vlmrl setting of that meaning")
 
 
+def _trackers(value: Any, out: Conversion, key: str) -> list[str]:
+    """report_to's trackers that vlmrl has; the others (swanlab, clearml, ...) listed, "none" when nothing is left."""
+    names = [str(v) for v in (value if isinstance(value, list) else [value])]
+    known = [n for n in names if n in (*TRACKERS, "all", "none")]
+    if len(known) < len(names):
+        out.skip(f"{key} ({', '.join(n for n in names if n not in known)})", f"vlmrl reports to {', '.join(TRACKERS)} only")
+    return known or ["none"]
+
+
+# TRL's defaults (GRPOConfig / TrainingArguments) that shape a run and differ from vlmrl's: a TRL command that leaves
+# them out ran with these. algorithm.preset=trl gives TRL's loss, KL and optimizer defaults.
+TRL_DEFAULTS = {
+    "training.per_device_train_batch_size": 8,
+    "rollout.num_generations": 8,
+    "rollout.max_completion_length": 512,
+    "algorithm.preset": "trl",
+}
+
+
 def from_trl(source: dict[str, Any]) -> Conversion:
     out = Conversion()
     funcs = source.get("reward_funcs")
     if funcs is not None:
         out.skip("reward_funcs", "TRL takes reward functions in Python; name yours in algorithm.reward_funcs as path/to/file.py:function")
-    convert_trl_keys(source, out, {"reward_funcs"})
+    handled = convert_environment(source, out)
+    convert_trl_keys(source, out, {"reward_funcs", *handled})
+    filled = [f"{k}={v}" for k, v in TRL_DEFAULTS.items() if k not in out.settings]
+    for key, value in TRL_DEFAULTS.items():
+        out.settings.setdefault(key, value)
+    if filled:
+        out.notes.append(f"TRL's defaults for what the source leaves unset: {', '.join(filled)}")
+    if "reward_funcs" not in source:
+        out.notes.append(
+            "the source names no reward (TRL's scripts pass them in Python): set algorithm.reward_funcs, "
+            "e.g. [trl.rewards:accuracy_reward, trl.rewards:think_format_reward] as examples/scripts/grpo_vlm.py uses"
+        )
     return out
+
+
+# Launch-line environment variables that carry a setting; the others are the shell's (listed, left to it).
+ENV_KEYS = {"MAX_PIXELS": "data.max_pixels", "MIN_PIXELS": "data.min_pixels"}
+ENV_PROCESSES = ("NPROC_PER_NODE", "NNODES")
+
+
+def convert_environment(source: dict[str, Any], out: Conversion) -> set[str]:
+    """The UPPERCASE keys (a launch line's ``VAR=value`` prefixes): ENV_KEYS set, the process counts read by
+    process_count, the rest listed. Returns the keys handled."""
+    handled = {k for k in source if k.isupper()}
+    for key in sorted(handled):
+        if key in ENV_KEYS:
+            out.set(ENV_KEYS[key], source[key])
+        elif key not in ENV_PROCESSES:
+            out.skip(key, "an environment variable of the launch: set it in the shell that runs vlmrl if it still applies")
+    return handled
 
 
 def from_vlm_r1(source: dict[str, Any]) -> Conversion:
@@ -274,22 +345,67 @@ def from_vlm_r1(source: dict[str, Any]) -> Conversion:
         if key in source:
             out.skip(key, why)
     handled = {"data_file_paths", "image_folders", "reward_funcs", "reward_method", "task_type", "is_reward_customized_from_vlm_module"}
+    handled |= convert_environment(source, out)
     convert_trl_keys(source, out, handled | {"val_split_ratio", "max_anyres_num", "arrow_cache_dir"})
     return out
 
 
+SWIFT_REASONS = {
+    "rlhf_type": "vlmrl train is GRPO (and its variants: algorithm.*)",
+    "external_plugins": "the plugin file is named in each algorithm.reward_funcs entry",
+    "max_length": "prompts: data.max_prompt_length; completions: rollout.max_completion_length",
+    "async_generate": VLLM,
+    "load_from_cache_file": "rows are read directly",
+    "target_modules": "model.lora_target_modules (module names; all-linear is not a name)",
+    "sleep_level": VLLM,
+    "importance_sampling_level": "vlmrl's ratios are per token (GRPO); no sequence-level (GSPO) ratio",
+    "offload_model": "moves the model aside while vLLM generates: " + VLLM,
+    "offload_optimizer": "moves the optimizer aside while vLLM generates: " + VLLM,
+}
+SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
+SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", *SWIFT_REASONS}
+
+
 def from_ms_swift(source: dict[str, Any]) -> Conversion:
     out = Conversion()
+    _swift_rewards(source, out)
+    if "model" in source:
+        out.set("model.name_or_path", source["model"])
+    _swift_data(source, out)
+    for key in ("train_type", "tuner_type"):  # ms-swift 4 renamed train_type to tuner_type
+        if key in source:
+            out.set("model.use_lora", source[key] == "lora")
+    estimator = source.get("advantage_estimator")
+    if estimator == "reinforce_plus_plus":
+        out.set("algorithm.advantage_estimator", "reinforce_pp")
+    elif estimator not in (None, "grpo"):
+        out.skip("advantage_estimator", f"{estimator!r}: vlmrl's estimators are grpo, grpo_batch_std, dr_grpo, reinforce_pp")
+    if "overlong_filter" in source:
+        out.set("algorithm.mask_truncated_completions", bool(source["overlong_filter"]))
+    if "freeze_vit" in source:
+        out.set("model.freeze_vision_tower", bool(source["freeze_vit"]))
+    for key, why in SWIFT_REASONS.items():
+        if key in source:
+            out.skip(key, why)
+    convert_trl_keys(source, out, SWIFT_HANDLED | convert_environment(source, out))
+    return out
+
+
+def _swift_rewards(source: dict[str, Any], out: Conversion) -> None:
+    """--reward_funcs: plugin names as plugin.py:name; accuracy / format stay vlmrl's built-ins (and say so)."""
     plugins = source.get("external_plugins")
     plugin = (plugins[0] if isinstance(plugins, list) else plugins) if plugins else None
     funcs = source.get("reward_funcs")
-    if funcs is not None:
-        names = funcs if isinstance(funcs, list) else [funcs]
-        out.set("algorithm.reward_funcs", [f"{plugin}:{n}" if plugin and n not in ("accuracy", "format") else n for n in names])
-        if any(n in ("accuracy", "format") for n in names):
-            out.skip("reward_funcs (accuracy, format)", "kept as vlmrl's built-ins of those names (`vlmrl check` says what they compare)")
-    if "model" in source:
-        out.set("model.name_or_path", source["model"])
+    if funcs is None:
+        return
+    names = funcs if isinstance(funcs, list) else [funcs]
+    out.set("algorithm.reward_funcs", [f"{plugin}:{n}" if plugin and n not in ("accuracy", "format") else n for n in names])
+    if any(n in ("accuracy", "format") for n in names):
+        out.skip("reward_funcs (accuracy, format)", "kept as vlmrl's built-ins of those names (`vlmrl check` says what they compare)")
+
+
+def _swift_data(source: dict[str, Any], out: Conversion) -> None:
+    """--dataset / --val_dataset / --system (a prompt file is read when it is here)."""
     if "dataset" in source:
         datasets = source["dataset"] if isinstance(source["dataset"], list) else [source["dataset"]]
         out.set("data.train_path", str(datasets[0]))
@@ -305,24 +421,6 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
             out.skip("system", f"{system} is not here: set data.system_prompt to its text")
         else:
             out.set("data.system_prompt", source["system"])
-    if "train_type" in source:
-        out.set("model.use_lora", source["train_type"] == "lora")
-    if "freeze_vit" in source:
-        out.set("model.freeze_vision_tower", bool(source["freeze_vit"]))
-    reasons = {
-        "rlhf_type": "vlmrl train is GRPO (and its variants: algorithm.*)",
-        "external_plugins": "the plugin file is named in each algorithm.reward_funcs entry",
-        "max_length": "prompts: data.max_prompt_length; completions: rollout.max_completion_length",
-        "async_generate": VLLM,
-        "load_from_cache_file": "rows are read directly",
-        "target_modules": "model.lora_target_modules (module names; all-linear is not a name)",
-    }
-    for key, why in reasons.items():
-        if key in source:
-            out.skip(key, why)
-    handled = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "freeze_vit", *reasons}
-    convert_trl_keys(source, out, handled)
-    return out
 
 
 def from_easyr1(source: dict[str, Any]) -> Conversion:
@@ -352,7 +450,6 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 EASYR1_REASONS = {
-    "worker.actor.global_batch_size": "the update batch: training.per_device_train_batch_size x gradient_accumulation_steps (x processes)",
     "worker.actor.optim.strategy": "vlmrl's optimizer is AdamW (optim.*)",
     "worker.actor.model.lora.target_modules": "model.lora_target_modules lists module names (all-linear is not one)",
     "worker.actor.model.lora.exclude_modules": "LoRA goes on the language model unless model.lora_vision",
@@ -381,7 +478,7 @@ def _easyr1_reason(dotted: str) -> str:
     if dotted.startswith("worker.ref."):
         return "vlmrl's reference is the initial policy; where it lives: memory.ref_placement"
     if dotted in ("trainer.nnodes", "trainer.n_gpus_per_node"):
-        return LAUNCH
+        return LAUNCH + "; EasyR1's batch sizes are global, as vlmrl's"
     if dotted in ("trainer.project_name", "trainer.experiment_name"):
         return TRACKER_NAME
     return "no vlmrl setting of that meaning"
@@ -438,6 +535,19 @@ def _rollout_batch(value, out: Conversion, source: dict) -> None:
     out.set("rollout.generation_batch_size", int(value) * int(n))  # prompts per step x completions per prompt
 
 
+def _update_batch(value, out: Conversion, source: dict) -> None:
+    """EasyR1's global_batch_size (prompts per optimizer step, all GPUs; x rollout.n completions) as vlmrl's optimizer
+    batch, per_device_train_batch_size x gradient_accumulation_steps completions (global too)."""
+    worker = source.get("worker") or {}
+    n = int((worker.get("rollout") or {}).get("n") or 1)
+    micro = int((worker.get("actor") or {}).get("micro_batch_size_per_device_for_update") or 1)
+    completions = int(value) * n
+    if completions % micro:
+        out.skip("worker.actor.global_batch_size", f"{value} x rollout.n={n} completions is not a multiple of the micro-batch {micro}")
+    else:
+        out.set("training.gradient_accumulation_steps", completions // micro)
+
+
 def _logger(value, out: Conversion, _source) -> None:
     trackers = [t for t in (value if isinstance(value, list) else [value]) if t in ("wandb", "mlflow", "tensorboard")]
     out.set("logging.report_to", trackers or ["none"])
@@ -480,6 +590,7 @@ EASYR1_KEYS: dict[str, Any] = {
     "algorithm.disable_kl": _ignore,  # read by _kl
     "algorithm.use_kl_loss": _ignore,  # vlmrl's KL is a loss term (k3), as use_kl_loss=true with low_var_kl
     "algorithm.kl_penalty": _ignore,
+    "worker.actor.global_batch_size": _update_batch,
     "worker.actor.micro_batch_size_per_device_for_update": "training.per_device_train_batch_size",
     "worker.actor.micro_batch_size_per_device_for_experience": "memory.scoring_micro_batch_size",
     "worker.actor.max_grad_norm": "optim.max_grad_norm",
@@ -511,29 +622,104 @@ EASYR1_KEYS: dict[str, Any] = {
 CONVERTERS: dict[str, Callable[[dict], Conversion]] = {"trl": from_trl, "easyr1": from_easyr1, "ms-swift": from_ms_swift, "vlm-r1": from_vlm_r1}
 
 
-def convert(peer: str, args: list[str]) -> Conversion:
+PER_DEVICE_PEERS = ("trl", "ms-swift", "vlm-r1")  # their batch sizes are per GPU; vlmrl's and EasyR1's are global
+
+
+def process_count(source: dict[str, Any]) -> tuple[int | None, str]:
+    """(processes the source's run used, where that was read), or (None, why not): torchrun's --nproc_per_node x
+    --nnodes, accelerate's --num_processes (or the num_processes of its --config_file when that file is here),
+    ms-swift's NPROC_PER_NODE x NNODES."""
+    for per_node, nodes, where in (("nproc_per_node", "nnodes", "torchrun"), ("NPROC_PER_NODE", "NNODES", "ms-swift")):
+        if per_node in source:
+            try:
+                return int(source[per_node]) * int(source.get(nodes, 1) or 1), f"{where}'s {per_node} x {nodes}"
+            except (TypeError, ValueError):
+                return None, f"{per_node}={source[per_node]!r} is not a number"
+    if "num_processes" in source:
+        return int(source["num_processes"]), "--num_processes"
+    accelerate = source.get("config_file")
+    if isinstance(accelerate, list):  # `--config_file x.yaml script.py`: the launched script follows accelerate's options
+        accelerate = next((a for a in accelerate if isinstance(a, str) and a.endswith((".yaml", ".yml", ".json"))), None)
+    if isinstance(accelerate, str):
+        path = Path(accelerate)
+        if path.is_file():
+            found = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("num_processes")
+            if isinstance(found, int):
+                return found, f"num_processes of {path}"
+        return None, f"the accelerate config {accelerate} is not here"
+    return None, "the source names no process count"
+
+
+def scale_batches(result: Conversion, source: dict[str, Any], processes: int | None) -> None:
+    """A per-GPU trainer's batches as vlmrl's global ones: gradient accumulation (and steps_per_generation, TRL's
+    generation batch in per-device batches) x processes, so each optimizer step and each rollout sees the same number
+    of completions as the source's run. TRL's generation_batch_size is global already."""
+    where = "--processes"
+    if processes is None:
+        processes, where = process_count(source)
+    if processes is None:
+        result.notes.append(f"batch sizes: the source's per-GPU sizes as for 1 process ({where}); give --processes N for the GPUs it ran on")
+        return
+    if processes < 1:
+        raise ConfigError(f"vlmrl convert: --processes must be >= 1, got {processes}")
+    if processes > 1:
+        for key in ("training.gradient_accumulation_steps", "rollout.steps_per_generation"):
+            if key in result.settings or key == "training.gradient_accumulation_steps":
+                result.set(key, int(result.settings.get(key, 1)) * processes)
+    result.notes.append(f"batch sizes: per-GPU sizes x {processes} processes ({where}) in gradient_accumulation_steps, as vlmrl's are global")
+
+
+UNRESOLVED = re.compile(r"\$\{?(\w+)")
+
+
+def drop_unresolved(result: Conversion) -> None:
+    """Settings whose value still holds a shell variable the script computes when it runs (``${REPO_HOME}``):
+    left out and listed, rather than written as a path with ``$`` in it."""
+    for key, value in list(result.settings.items()):
+        found = [UNRESOLVED.search(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+        found = [m for m in found if m]
+        if found:
+            del result.settings[key]
+            result.skip(key, f"{value!r} uses ${found[0][1]}, which the script sets when it runs: give {key} yourself")
+
+
+def convert(peer: str, args: list[str], processes: int | None = None) -> Conversion:
     """The conversion of `args` (a file or --key value arguments) from `peer`'s names; the result is validated as a
-    vlmrl config (ConfigError names the key) before it is returned."""
+    vlmrl config (ConfigError names the key) before it is returned. `processes`: the GPUs the source ran on when it
+    does not say (per-GPU batch sizes become vlmrl's global ones)."""
 
     if peer not in CONVERTERS:
         raise ConfigError(f"vlmrl convert --from {peer}: choose one of {', '.join(PEERS)}")
-    result = CONVERTERS[peer](read_source(args))
+    source = read_source(args)
+    result = CONVERTERS[peer](source)
+    drop_unresolved(result)
+    if peer in PER_DEVICE_PEERS:
+        scale_batches(result, source, processes)
     tree: dict[str, dict[str, Any]] = {}
     for key, value in result.settings.items():
         _merge_key(tree, key, value, f"converted {key}")
-    build_config(tree)  # every converted value must be a valid vlmrl value
+    try:
+        build_config(tree)  # every converted value must be a valid vlmrl value
+    except ConfigError as e:
+        unsure = next((n for n in result.notes if n.startswith("batch sizes: the source's per-GPU sizes as for 1")), None)
+        if unsure and "generation batch" in str(e):  # per-GPU batches read as one process's: the process count is missing
+            why = unsure.split("(", 1)[1].split(")")[0]
+            raise ConfigError(f"{e}\n  (the source's batch sizes are per GPU and {why}: give vlmrl convert --processes N)") from None
+        raise
     return result
 
 
-def run_convert(peer: str, args: list[str], out_path: str, log=print) -> int:
+def run_convert(peer: str, args: list[str], out_path: str, log=print, processes: int | None = None) -> int:
     """Write the converted YAML to `out_path` (never over an existing file) and list the keys left out."""
     target = Path(out_path)
     if target.exists():
         raise ConfigError(f"vlmrl convert: {target} exists; give another --output (vlmrl overwrites only what it wrote)")
-    result = convert(peer, args)
+    result = convert(peer, args, processes)
     header = f"# converted by `vlmrl convert --from {peer}` from {' '.join(args)}\n"
     target.write_text(header + yaml.safe_dump(result.tree(), sort_keys=False), encoding="utf-8")
     log(f"wrote {target}: {len(result.settings)} settings")
+    for note in result.notes:
+        log(f"  {note}")
     if result.unmapped:
         log(f"{len(result.unmapped)} keys have no vlmrl equivalent:")
         for key, why in result.unmapped.items():

@@ -15,7 +15,7 @@ from pathlib import Path
 from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
 from vlmrl.data.rows import DataError, sft_target
 from vlmrl.engine.device import env_world
-from vlmrl.models.loading import ModelLoadError, require_complete_model_folder
+from vlmrl.models.loading import ModelLoadError, check_attention, require_complete_model_folder
 from vlmrl.models.processing import build_row_prompt, load_processor
 from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
 from vlmrl.rewards.peers import describe_call
@@ -109,6 +109,7 @@ def check_model_folder(cfg: Config) -> None:
     built by vlmrl, and a hub id with model.allow_hub_download=true is fetched by transformers: neither is a
     folder to check."""
 
+    check_attention(cfg.model.attn_implementation)  # flash_attention_2 without flash-attn (a converted VLM-R1 script's)
     name = cfg.model.name_or_path
     folder = Path(name).expanduser()
     if name == EMBEDDED_MODEL or (cfg.model.allow_hub_download and not folder.exists()):

@@ -1,10 +1,16 @@
-# The launch line of VLM-R1's run_scripts/run_grpo_rec.sh (its published example), for `vlmrl convert --from vlm-r1`.
-data_paths="/data/vlm-r1/refcoco_train.jsonl:/data/vlm-r1/refcocop_train.jsonl:/data/vlm-r1/refcocog_train.jsonl"
-image_folders="/data/coco:/data/coco:/data/coco"
-model_path="/models/Qwen2.5-VL-3B-Instruct"
+# Keys and values of VLM-R1's run_scripts/run_grpo_rec.sh (om-ai-lab/VLM-R1 @ 90052f4, 2026-07-07), its shell
+# variables and the torchrun launch line, for `vlmrl convert --from vlm-r1`. Its echo / mkdir lines are left out;
+# REPO_HOME is computed when the script runs, as there.
+PROJECT_ROOT="$( cd "$( dirname "${BASH_SOURCE[0]}" )/.." && pwd )"
+export REPO_HOME="${PROJECT_ROOT}"
+data_paths="/training/shz/dataset/vlm-r1/rec_jsonsl_train/refcoco_train.jsonl:/training/shz/dataset/vlm-r1/rec_jsonsl_train/refcocop_train.jsonl:/training/shz/dataset/vlm-r1/rec_jsonsl_train/refcocog_train.jsonl"
+image_folders="/training/shz/dataset/coco:/training/shz/dataset/coco:/training/shz/dataset/coco"
+model_path="/training/models/Qwen2.5-VL-3B-Instruct"
 is_reward_customized_from_vlm_module=True
-EXP_NAME="Qwen2.5-VL-3B-Instruct-rec"
+export EXP_NAME="Qwen2.5-VL-3B-Instruct-rec" # a trailing comment, as there
 TASK_TYPE="rec"
+cd ${REPO_HOME}/src/open-r1-multimodal
+export DEBUG_MODE="true"
 
 torchrun --nproc_per_node="8" \
     --nnodes="1" \
@@ -13,7 +19,7 @@ torchrun --nproc_per_node="8" \
     --master_port="12349" \
   src/open_r1/grpo_jsonl.py \
     --use_vllm False \
-    --output_dir checkpoints/rl/${EXP_NAME} \
+    --output_dir ${REPO_HOME}/checkpoints/rl/${EXP_NAME} \
     --resume_from_checkpoint True \
     --model_name_or_path $model_path \
     --data_file_paths $data_paths \
@@ -36,4 +42,6 @@ torchrun --nproc_per_node="8" \
     --beta 0.04 \
     --report_to wandb \
     --dataset-name this_is_not_used \
-    --deepspeed local_scripts/zero3.json
+    --deepspeed ${REPO_HOME}/src/open-r1-multimodal/local_scripts/zero3.json \
+
+echo "done: ${EXP_NAME}"
