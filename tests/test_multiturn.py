@@ -430,6 +430,8 @@ def test_tools_config_is_validated():
 
     ok = load_config(None, ["tools.tools=[zoom]", "rollout.engine=continuous", "tools.max_turn_tokens=16", "tools.max_total_tokens=64"])
     assert ok.multiturn and ok.max_turn_tokens == 16 and not load_config(None, []).multiturn
+    # A single-turn run with long completions is not held to the tools budget (it once refused 2048-token EasyR1 configs).
+    assert not load_config(None, ["rollout.max_completion_length=2048"]).multiturn
     bad = {
         "tools.tools=[zoom]": "rollout.engine=continuous",
         "tools.max_turns=0": "tools.max_turns=0",
@@ -440,7 +442,8 @@ def test_tools_config_is_validated():
     }
     for override, needle in bad.items():
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
-            load_config(None, [override, "rollout.max_completion_length=8"])
+            on = [] if override == "tools.tools=[zoom]" else ["tools.tools=[zoom]", "rollout.engine=continuous"]
+            load_config(None, [override, "rollout.max_completion_length=8", *on])
     with pytest.raises(ConfigError, match=r"entropy-quantile masking is not built for multi-turn"):
         load_config(None, ["tools.tools=[zoom]", "rollout.engine=continuous", "algorithm.top_entropy_quantile=0.2"])
 

@@ -942,7 +942,7 @@ def _tools_rules(cfg: Config) -> list[tuple[bool, str]]:
         (t.max_turns >= 1, f"tools.max_turns={t.max_turns} must be >= 1"),
         (t.max_turn_tokens >= 0, f"tools.max_turn_tokens={t.max_turn_tokens} must be >= 0 (0 = rollout.max_completion_length)"),
         (
-            t.max_total_tokens >= cfg.max_turn_tokens,
+            not on or t.max_total_tokens >= cfg.max_turn_tokens,  # single-turn runs never read the tools budgets
             f"tools.max_total_tokens={t.max_total_tokens} must be >= the tokens of one turn ({cfg.max_turn_tokens}: tools.max_turn_tokens, "
             "or rollout.max_completion_length when it is 0)",
         ),
