@@ -255,6 +255,12 @@ def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, stage):
     assert sorted(p.name for p in ckpt.rglob("*.pt")) == ["optimizer.pt", "rng_state_0.pt", "rng_state_1.pt", "scheduler.pt"]
     assert not list(ckpt.glob("global_step*")) and not list(ckpt.rglob("*.py"))
 
+    # `vlmrl export` of the step-3 checkpoint (one process): a plain folder with the final weights, bit for bit.
+    exported = setup[0] / f"sft_zero{stage}_exported"
+    _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
+    a, b = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
 
 # ---------------------------------------------------------------- LoRA, and ZeRO-3 decoding layer by layer
 @needs_deepspeed
