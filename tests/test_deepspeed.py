@@ -389,17 +389,18 @@ def _assert_same_run(straight: pathlib.Path, out: pathlib.Path, steps: int) -> N
 
 
 @needs_deepspeed
-@pytest.mark.slow  # ~8 launches of 2 DeepSpeed processes: several minutes here
-def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
-    """GRPO under ZeRO-2 SIGKILLed at random moments, every other time as soon as a checkpoint starts being written;
-    the same command resumes each time. The final weights equal the uninterrupted ZeRO-2 run's bit for bit, and every
+@pytest.mark.slow  # ~8 launches of 2 DeepSpeed processes: several minutes per stage here
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grpo_zero_sigkill_anywhere_then_resume_equals_uninterrupted(setup, stage):
+    """GRPO under ZeRO-`stage` SIGKILLed at random moments, every other time as soon as a checkpoint starts being
+    written; the same command resumes each time. The final weights equal the uninterrupted run's bit for bit, and every
     step is logged with the same loss."""
     kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
     extra = ("training.max_steps=12", "training.save_steps=1", "training.save_total_limit=2")  # room for 6+ kills: each attempt saves >= 1
-    straight = setup[0] / "kill_straight"
-    _run(_accelerate(2, *_args(setup, straight, *extra)))
-    out = setup[0] / "killed"
-    kills, mid_saves, _ = _sigkill_anywhere(_accelerate(2, *_args(setup, out, *extra)), out, kills_wanted, seed=1234, latest=2.0)
+    straight = setup[0] / f"kill_straight{stage}"
+    _run(_accelerate(stage, *_args(setup, straight, *extra)))
+    out = setup[0] / f"killed{stage}"
+    kills, mid_saves, _ = _sigkill_anywhere(_accelerate(stage, *_args(setup, out, *extra)), out, kills_wanted, seed=1234, latest=2.0)
     assert kills >= kills_wanted and mid_saves >= 1
     _assert_same_run(straight, out, 12)
 
