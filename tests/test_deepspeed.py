@@ -332,7 +332,7 @@ def _kill_tree(proc) -> None:
     psutil.wait_procs(tree[1:], timeout=30)
 
 
-def _sigkill_anywhere(cmd: list[str], out: pathlib.Path, kills_wanted: int, seed: int, latest: float) -> tuple[int, int, list]:
+def _sigkill_anywhere(cmd: list[str], out: pathlib.Path, kills_wanted: int, seed: int, latest: float, **env) -> tuple[int, int, list]:
     """Launch `cmd` again and again, SIGKILLing the whole launch (accelerate's launcher and both processes) each time,
     until `kills_wanted` kills; then run it to the end. Kills follow the run's progress, not the clock (the machine's
     load varies): each attempt first completes one checkpoint (so every attempt moves the run on), then dies either as
@@ -350,7 +350,7 @@ def _sigkill_anywhere(cmd: list[str], out: pathlib.Path, kills_wanted: int, seed
     rng, kills, mid_saves, finished, history = random.Random(seed), 0, 0, False, []
     while kills < kills_wanted:
         start = newest()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(**env), cwd=ROOT)
         t0 = time.time()
         while proc.poll() is None and newest() <= start and time.time() - t0 < 600:
             time.sleep(0.005)
@@ -370,7 +370,7 @@ def _sigkill_anywhere(cmd: list[str], out: pathlib.Path, kills_wanted: int, seed
         mid_saves += mid
         history.append((newest(), "mid-save" if mid else ""))
     if not finished:
-        _run(cmd)
+        _run(cmd, **env)
     print(f"{kills} SIGKILLs, {mid_saves} while a checkpoint was being written: {history}")
     return kills, mid_saves, history
 
@@ -401,6 +401,23 @@ def test_grpo_zero_sigkill_anywhere_then_resume_equals_uninterrupted(setup, stag
     _run(_accelerate(stage, *_args(setup, straight, *extra)))
     out = setup[0] / f"killed{stage}"
     kills, mid_saves, _ = _sigkill_anywhere(_accelerate(stage, *_args(setup, out, *extra)), out, kills_wanted, seed=1234, latest=2.0)
+    assert kills >= kills_wanted and mid_saves >= 1
+    _assert_same_run(straight, out, 12)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # ~8 two-process launches per engine: several minutes each here
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_grpo_sigkill_anywhere_under_ddp_and_fsdp2(setup, engine):
+    """The GRPO kill test above under DDP and FSDP2 (torchrun, with the environment `accelerate launch` exports for
+    fsdp2.yaml): the same final weights and per-step losses as the uninterrupted run of the same engine."""
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"} if engine == "fsdp2" else {}
+    kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
+    extra = ("training.max_steps=12", "training.save_steps=1", "training.save_total_limit=2")
+    straight = setup[0] / f"kill_straight_{engine}"
+    assert f"2 processes ({engine})" in _run(_torchrun(*_args(setup, straight, *extra)), **env)
+    out = setup[0] / f"killed_{engine}"
+    kills, mid_saves, _ = _sigkill_anywhere(_torchrun(*_args(setup, out, *extra)), out, kills_wanted, seed=7, latest=2.0, **env)
     assert kills >= kills_wanted and mid_saves >= 1
     _assert_same_run(straight, out, 12)
 
