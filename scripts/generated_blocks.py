@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine_matrix import MATRIX as ENGINE_MATRIX
+from engine_matrix import render as engine_matrix
 from readme_figures import rendered
 from source_map import source_map
 
@@ -22,6 +24,7 @@ def config_example() -> str:
 
 def all_blocks() -> dict[str, str]:
     blocks = {"config-reference": reference_markdown(), "source-map": source_map(), "config-example": config_example(), **rendered()}
+    blocks["engine-matrix"] = engine_matrix(json.loads(ENGINE_MATRIX.read_text()))
     demo_result = ROOT / "benchmarks/results/demo_cpu.json"
     if demo_result.exists():
         blocks["demo-figures"] = figures_markdown(json.loads(demo_result.read_text()))

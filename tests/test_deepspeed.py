@@ -7,6 +7,9 @@ to every key score of a query, so their exact gradient is zero and AdamW turns t
 steps of up to lr (1e-3), whichever engine runs. Resume from a DeepSpeed checkpoint is compared bit for bit with the
 uninterrupted DeepSpeed run (same world size).
 
+SFT runs the same way (`vlmrl sft` under ZeRO-2/3, against DDP; FSDP2's SFT twin sits here too, sharing the DDP
+reference run).
+
 The first DeepSpeed launch on a machine JIT-compiles DeepSpeed's shared-memory all-reduce op (cached afterwards in
 ~/.cache/torch_extensions): expect it to take a minute longer.
 """
@@ -29,8 +32,8 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed (pip install -e '.[deepspeed]'; `make test` installs it)")
 
 
-def _run(cmd, expect=0):
-    return run_launcher(cmd, expect, timeout=420)
+def _run(cmd, expect=0, timeout=420, **extra_env):
+    return run_launcher(cmd, expect, timeout=timeout, **extra_env)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,120 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
     assert e.keys() == weights.keys() and all(torch.equal(e[k], weights[k]) for k in e)
 
 
+# ---------------------------------------------------------------- SFT under ZeRO-2 and ZeRO-3
+def _sft_args(setup, out, *extra):
+    """Stage-2 SFT, 3 steps of 8 rows: 4 rows per process per step, in micro-batches of 2 (gradient accumulation under
+    the engine's no_sync), a checkpoint at step 2."""
+    _, model, data = setup
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_path={data['train']}",
+        "data.eval_path=",
+        f"training.output_dir={out}",
+        "sft.projector_steps=0",
+        "sft.steps=3",
+        "sft.batch_size=8",
+        "sft.micro_batch_size=2",
+        "sft.learning_rate=1e-3",
+        "training.save_steps=2",
+        "rollout.max_completion_length=4",
+        "training.device=cpu",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        *extra,
+    ]
+
+
+def _as_sft(cmd: list[str]) -> list[str]:
+    """A `... -m vlmrl train ...` launch as `... -m vlmrl sft ...`."""
+    i = cmd.index("train")
+    assert cmd[i - 1] == "vlmrl"
+    return [*cmd[:i], "sft", *cmd[i + 1 :]]
+
+
+@pytest.fixture(scope="module")
+def sft_ddp(setup):
+    out = setup[0] / "sft_ddp"
+    log = _run(_as_sft(_torchrun(*_sft_args(setup, out))))
+    assert "2 processes (ddp)" in log and "4 of 8 rows per step on each process" in log  # the DDP cell of the engine table
+    return out
+
+
+def _sft_zero_run(setup, stage: int):
+    """The 3-step SFT run under ZeRO-`stage` (once per test session): (folder, log)."""
+    if (setup[0], "sft", stage) not in _RUNS:
+        out = setup[0] / f"sft_zero{stage}"
+        _RUNS[setup[0], "sft", stage] = out, _run(_as_sft(_accelerate(stage, *_sft_args(setup, out))))
+    return _RUNS[setup[0], "sft", stage]
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, stage):
+    """`vlmrl sft` under `accelerate launch` with ZeRO-`stage` on 2 processes: the log names the stage, the losses and
+    final weights are DDP's (to float rounding: the engines reduce gradients in another order), the checkpoint is
+    vlmrl's layout. Resume: test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted (slow tier)."""
+    out, log = _sft_zero_run(setup, stage)
+    assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log and "unknown inputs or outputs type" not in log
+    a, b = step_metrics(out), step_metrics(sft_ddp)
+    assert sorted(a) == [1, 2, 3] and all(a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5) for s in a)
+    worst = _worst_difference(out / "final" / "model.safetensors", sft_ddp / "final" / "model.safetensors")
+    print(f"SFT ZeRO-{stage} vs DDP: largest final weight difference {worst:.3g}")
+    assert worst < 1e-5, worst  # measured 2.1e-6 (ZeRO-2) and 3.0e-6 (ZeRO-3), both on a k_proj bias
+
+    ckpt = out / "checkpoint-2"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["engine"] == "deepspeed" and state["stage"] == "language" and state["samples_consumed"] == 16
+    # The gathered optimizer state in torch's AdamW layout, the same entries as DDP's checkpoint (the trainable language
+    # model and projector: stage 2 leaves the vision tower frozen), equal to float rounding.
+    zero, ddp = (torch.load(o / "checkpoint-2" / "optimizer.pt", weights_only=True) for o in (out, sft_ddp))
+    assert zero["param_groups"][0]["params"] == ddp["param_groups"][0]["params"] and zero["state"].keys() == ddp["state"].keys()
+    for i, moments in zero["state"].items():
+        assert float(moments["step"]) == 2 and moments["exp_avg"].shape == ddp["state"][i]["exp_avg"].shape
+        assert torch.allclose(moments["exp_avg_sq"], ddp["state"][i]["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+    assert sorted(p.name for p in ckpt.rglob("*.pt")) == ["optimizer.pt", "rng_state_0.pt", "rng_state_1.pt", "scheduler.pt"]
+    assert not list(ckpt.glob("global_step*")) and not list(ckpt.rglob("*.py"))
+
+    # `vlmrl export` of the step-3 checkpoint (one process): a plain folder with the final weights, bit for bit.
+    exported = setup[0] / f"sft_zero{stage}_exported"
+    _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
+    a, b = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # two FSDP2 launches; the SFT engine seam is the ZeRO tests' (no DeepSpeed needed here)
+def test_sft_under_fsdp2_trains_like_ddp_resumes_bit_exact_and_exports(setup, sft_ddp):
+    """`vlmrl sft` on 2 processes with the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml`
+    exports (vlmrl applies `fully_shard` on CPU): DDP's losses and weights to float rounding, a run cut after step 2
+    resumes to the same weights bit for bit, `vlmrl export` of checkpoint-3 gives `final/`."""
+    fsdp2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    out = setup[0] / "sft_fsdp2"
+    log = _run(_as_sft(_torchrun(*_sft_args(setup, out))), **fsdp2)
+    assert "2 processes (fsdp2)" in log
+    a, b = step_metrics(out), step_metrics(sft_ddp)
+    assert sorted(a) == [1, 2, 3] and all(a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5) for s in a)
+    worst = _worst_difference(out / "final" / "model.safetensors", sft_ddp / "final" / "model.safetensors")
+    print(f"SFT FSDP2 vs DDP: largest final weight difference {worst:.3g}")
+    assert worst < 1e-5, worst  # measured 1.2e-6 by hand (a k_proj bias)
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["engine"] == "fsdp2"
+
+    resumed = _interrupted_copy(out, "sft_fsdp2_resumed")
+    log = _run(_as_sft(_torchrun(*_sft_args(setup, resumed))), **fsdp2)
+    assert f"resumed from {resumed / 'checkpoint-2'}" in log, log[-3000:]
+    a, b = load_file(resumed / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    exported = setup[0] / "sft_fsdp2_exported"
+    _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
+    e = load_file(exported / "model.safetensors")
+    assert e.keys() == b.keys() and all(torch.equal(e[k], b[k]) for k in e)
+
+
 # ---------------------------------------------------------------- LoRA, and ZeRO-3 decoding layer by layer
 @needs_deepspeed
 @pytest.mark.slow  # two more launches (~1-2 min here)
@@ -172,21 +289,14 @@ def _kill_tree(proc) -> None:
     psutil.wait_procs(tree[1:], timeout=30)
 
 
-@needs_deepspeed
-@pytest.mark.slow  # ~8 launches of 2 DeepSpeed processes: several minutes here
-def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
-    """The whole launch (accelerate's launcher and both processes) SIGKILLed at random moments,
-    every other time as soon as a checkpoint starts being written; the same command resumes each time. The final
-    weights equal the uninterrupted ZeRO-2 run's bit for bit, and every step is logged with the same loss."""
+def _sigkill_anywhere(cmd: list[str], out: pathlib.Path, kills_wanted: int, seed: int, latest: float, **env) -> tuple[int, int, list]:
+    """Launch `cmd` again and again, SIGKILLing the whole launch (accelerate's launcher and both processes) each time,
+    until `kills_wanted` kills; then run it to the end. Kills follow the run's progress, not the clock (the machine's
+    load varies): each attempt first completes one checkpoint (so every attempt moves the run on), then dies either as
+    its next checkpoint starts being written (odd kills) or at a random moment up to `latest` seconds later (even
+    kills: in a step, a save or the logging). Returns (kills, kills while a checkpoint was being written, history)."""
     import random
     import time
-
-    kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
-    extra = ("training.max_steps=12", "training.save_steps=1", "training.save_total_limit=2")  # room for 6+ kills: each attempt saves >= 1
-    straight = setup[0] / "kill_straight"
-    _run(_accelerate(2, *_args(setup, straight, *extra)))
-    out = setup[0] / "killed"
-    cmd = _accelerate(2, *_args(setup, out, *extra))
 
     def newest() -> int:
         return max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
@@ -194,13 +304,10 @@ def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
     def tmp_folders() -> set:
         return {(p.name, p.stat().st_mtime_ns) for p in out.glob(".tmp-checkpoint-*")} if out.exists() else set()
 
-    # Kills follow the run's progress, not the clock (the machine's load varies): each attempt first completes one
-    # checkpoint (so every attempt moves the run on), then dies either as its next checkpoint starts being written
-    # (odd kills) or at a random moment up to 2 s later (even kills: in a step, a save or the logging).
-    rng, kills, mid_saves, finished, history = random.Random(1234), 0, 0, False, []
+    rng, kills, mid_saves, finished, history = random.Random(seed), 0, 0, False, []
     while kills < kills_wanted:
         start = newest()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch_env(), cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch_env(**env), cwd=ROOT)
         t0 = time.time()
         while proc.poll() is None and newest() <= start and time.time() - t0 < 600:
             time.sleep(0.005)
@@ -209,7 +316,7 @@ def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
             while proc.poll() is None and not (tmp_folders() - before) and time.time() - t0 < 600:
                 time.sleep(0.001)
         else:
-            time.sleep(rng.uniform(0.0, 2.0))
+            time.sleep(rng.uniform(0.0, latest))
         if proc.poll() is not None:
             assert proc.returncode == 0
             finished = True
@@ -220,17 +327,72 @@ def test_zero2_sigkill_anywhere_then_resume_equals_uninterrupted(setup):
         mid_saves += mid
         history.append((newest(), "mid-save" if mid else ""))
     if not finished:
-        _run(cmd)
+        _run(cmd, **env)
     print(f"{kills} SIGKILLs, {mid_saves} while a checkpoint was being written: {history}")
-    assert kills >= kills_wanted and mid_saves >= 1
+    return kills, mid_saves, history
+
+
+def _assert_same_run(straight: pathlib.Path, out: pathlib.Path, steps: int) -> None:
+    """`out` (killed and resumed) ended with `straight`'s final weights bit for bit, every step logged with one loss,
+    `straight`'s."""
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     by_step: dict = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         by_step.setdefault(row["step"], set()).add(row["loss"])
-    assert sorted(by_step) == list(range(1, 13)) and all(len(v) == 1 for v in by_step.values())
+    assert sorted(by_step) == list(range(1, steps + 1)) and all(len(v) == 1 for v in by_step.values())
     assert {k: next(iter(v)) for k, v in by_step.items()} == {k: r["loss"] for k, r in step_metrics(straight).items()}
+
+
+@needs_deepspeed
+@pytest.mark.slow  # ~8 launches of 2 DeepSpeed processes: several minutes per stage here
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grpo_zero_sigkill_anywhere_then_resume_equals_uninterrupted(setup, stage):
+    """GRPO under ZeRO-`stage` SIGKILLed at random moments, every other time as soon as a checkpoint starts being
+    written; the same command resumes each time. The final weights equal the uninterrupted run's bit for bit, and every
+    step is logged with the same loss."""
+    kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
+    extra = ("training.max_steps=12", "training.save_steps=1", "training.save_total_limit=2")  # room for 6+ kills: each attempt saves >= 1
+    straight = setup[0] / f"kill_straight{stage}"
+    _run(_accelerate(stage, *_args(setup, straight, *extra)))
+    out = setup[0] / f"killed{stage}"
+    kills, mid_saves, _ = _sigkill_anywhere(_accelerate(stage, *_args(setup, out, *extra)), out, kills_wanted, seed=1234, latest=2.0)
+    assert kills >= kills_wanted and mid_saves >= 1
+    _assert_same_run(straight, out, 12)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # ~8 two-process launches per engine: several minutes each here
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_grpo_sigkill_anywhere_under_ddp_and_fsdp2(setup, engine):
+    """The GRPO kill test above under DDP and FSDP2 (torchrun, with the environment `accelerate launch` exports for
+    fsdp2.yaml): the same final weights and per-step losses as the uninterrupted run of the same engine."""
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"} if engine == "fsdp2" else {}
+    kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
+    extra = ("training.max_steps=12", "training.save_steps=1", "training.save_total_limit=2")
+    straight = setup[0] / f"kill_straight_{engine}"
+    assert f"2 processes ({engine})" in _run(_torchrun(*_args(setup, straight, *extra)), **env)
+    out = setup[0] / f"killed_{engine}"
+    kills, mid_saves, _ = _sigkill_anywhere(_torchrun(*_args(setup, out, *extra)), out, kills_wanted, seed=7, latest=2.0, **env)
+    assert kills >= kills_wanted and mid_saves >= 1
+    _assert_same_run(straight, out, 12)
+
+
+@needs_deepspeed
+@pytest.mark.slow  # ~8 launches of 2 DeepSpeed processes each: several minutes per stage here
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted(setup, stage):
+    """`vlmrl sft` under ZeRO-`stage`, killed and resumed as the GRPO run above (SFT steps take a fraction of a second
+    here: kills land up to 0.5 s after a checkpoint). Ends bit-identical to the uninterrupted ZeRO-`stage` SFT run."""
+    kills_wanted = int(os.environ.get("VLMRL_KILLS", "6"))
+    extra = ("sft.steps=16", "training.save_steps=1", "training.save_total_limit=2")
+    straight = setup[0] / f"sft_kill_straight{stage}"
+    _run(_as_sft(_accelerate(stage, *_sft_args(setup, straight, *extra))))
+    out = setup[0] / f"sft_killed{stage}"
+    kills, mid_saves, _ = _sigkill_anywhere(_as_sft(_accelerate(stage, *_sft_args(setup, out, *extra))), out, kills_wanted, seed=stage, latest=0.5)
+    assert kills >= kills_wanted and mid_saves >= 1
+    _assert_same_run(straight, out, 16)
 
 
 # ---------------------------------------------------------------- two nodes on loopback

@@ -75,13 +75,20 @@ def test_stopped_sft_resumes_to_the_same_weights(tiny_qwen25vl, data, straight, 
     assert json.loads((out / "run_complete.json").read_text())["kind"] == "sft"
 
 
-def test_micro_batches_keep_the_effective_batch(tiny_qwen25vl, data, straight, tmp_path):
+@pytest.fixture(scope="module")
+def micro1(tiny_qwen25vl, data, tmp_path_factory):
+    """The straight run with sft.micro_batch_size=1: four forwards/backwards per step."""
+    out = tmp_path_factory.mktemp("sft") / "micro1"
+    sft(load_config(None, args(tiny_qwen25vl, data, out, "sft.micro_batch_size=1")))
+    return out
+
+
+def test_micro_batches_keep_the_effective_batch(straight, micro1):
     """sft.batch_size=4 cut into micro-batches of 1 row: four forwards/backwards per step, the same weights to float
     rounding (the loss is normalised by the whole batch's target tokens). Tolerance: the gradients are summed in
     another order (~1e-7 relative) and AdamW's normalisation amplifies that for parameters with tiny gradients; after
     5 steps at lr 1e-3 (updates up to 5e-3) the largest difference measured 4.3e-5."""
-    out = tmp_path / "micro1"
-    sft(load_config(None, args(tiny_qwen25vl, data, out, "sft.micro_batch_size=1")))
+    out = micro1
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["micro_batch_size"] == 1 for r in rows)
     for step, loss in losses(straight).items():
@@ -89,6 +96,47 @@ def test_micro_batches_keep_the_effective_batch(tiny_qwen25vl, data, straight, t
     a, b = weights(straight), weights(out)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < 1e-4, worst
+
+
+def test_an_oom_in_sft_halves_the_micro_batch_and_drops_the_partial_gradient(tiny_qwen25vl, data, micro1, tmp_path, monkeypatch):
+    """Micro-batches of 2: the first runs forward and backward, the second runs out of memory. The step is redone in
+    micro-batches of 1 at the same effective batch, the first micro-batch's gradient dropped: the run is the one
+    configured with micro-batches of 1 from the start, bit for bit, and the checkpoint keeps the smaller size."""
+    import vlmrl.engine.oom as oom
+
+    monkeypatch.setattr(oom, "INJECT_OOM_ON_CALL", {"sft": 2})
+    monkeypatch.setattr(oom, "_calls", {})
+    out = tmp_path / "recovered"
+    lines: list[str] = []
+    sft(load_config(None, args(tiny_qwen25vl, data, out, "sft.micro_batch_size=2", "training.save_steps=5")), log=lines.append)
+    assert [json.loads(x)["micro_batch_size"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1] * 5
+    assert losses(out) == losses(micro1)
+    a, b = weights(micro1), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())["sizes"] == {"update": 1}
+
+
+def test_lora_sft_checkpoints_resumes_bit_exact_and_exports(tiny_qwen25vl, data, tmp_path):
+    """Stage-2 SFT with LoRA adapters: the checkpoint holds the adapter, a run stopped after step 2 resumes to the
+    uninterrupted run's weights bit for bit, and `vlmrl export` of the last checkpoint gives `final/`'s weights."""
+    from vlmrl.run.export import export_checkpoint
+
+    lora = ("model.use_lora=true", "sft.projector_steps=0", "sft.steps=3", "training.save_steps=1", "training.save_total_limit=1")
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    sft(load_config(None, args(tiny_qwen25vl, data, straight, *lora)))
+    assert (straight / "checkpoint-3" / "model" / "adapter_model.safetensors").exists()
+    trained, base = weights(straight), load_file(tiny_qwen25vl / "model.safetensors")
+    assert trained.keys() == base.keys() and any(not torch.equal(trained[k], base[k]) for k in base)  # the adapters merged
+    sft(load_config(None, args(tiny_qwen25vl, data, out, *lora)), stop_after=2)
+    lines: list[str] = []
+    sft(load_config(None, args(tiny_qwen25vl, data, out, *lora)), log=lines.append)
+    assert any(f"resumed from {out / 'checkpoint-2'}" in line for line in lines), lines
+    assert losses(out) == losses(straight)
+    a, b = weights(straight), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    export_checkpoint(str(out / "checkpoint-3"), str(tmp_path / "exported"))
+    e = load_file(tmp_path / "exported" / "model.safetensors")
+    assert e.keys() == a.keys() and all(torch.equal(e[k], a[k]) for k in e)
 
 
 def test_a_stop_during_the_final_evaluation_is_finished_by_the_next_run(tiny_qwen25vl, data, straight, tmp_path, monkeypatch):
