@@ -144,7 +144,7 @@ def test_zoom_benchmark_expert_rows_zoom_onto_the_detail(tmp_path):
     rows = rows_of(files["train"])
     out = zoom_task.tool_rows(rows, tmp_path / "d", tmp_path / "t")
     assert len(out) == 8
-    for i, row in enumerate(rows):
+    for i in range(len(rows)):
         zoomed = Image.open(out[2 * i + 1]["images"][1]).convert("L")
         assert zoomed.size == (64, 64)
         # The zoomed box shows the whole detail: 3 of its 4 blocks of ink, far more than one pixel's worth.
