@@ -152,6 +152,12 @@ class Workload:
         return self.prompts_per_step * self.num_generations
 
 
+def _multiturn_problems(w: Workload) -> list[str]:
+    fields = ("tool_turns", "tool_images_per_turn", "tool_text_tokens", "max_images", "max_total_tokens")
+    negative = [f"{f}={getattr(w, f)}" for f in fields if getattr(w, f) < 0]
+    return [f"{', '.join(negative)}: multi-turn counts must be >= 0"] if negative else []
+
+
 def check_workload(w: Workload) -> None:
     """PlanError listing every field of `w` outside its choices, each with the values it takes."""
     problems = []
@@ -179,8 +185,7 @@ def check_workload(w: Workload) -> None:
         problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if w.video_frames < 0 or w.video_max_pixels < 1:
         problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
-    if w.tool_turns < 0 or w.tool_images_per_turn < 0 or w.tool_text_tokens < 0 or w.max_images < 0 or w.max_total_tokens < 0:
-        problems.append("tool_turns, tool_images_per_turn, tool_text_tokens, max_images and max_total_tokens must be >= 0")
+    problems += _multiturn_problems(w)
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
