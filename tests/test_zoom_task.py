@@ -32,6 +32,8 @@ def test_zoom_spots_are_two_seen_pixels_at_quadrant_centres():
         zoom_spots(448, 56, 3)
     with pytest.raises(ValueError, match="multiple"):
         zoom_spots(450, 56, 4)
+    with pytest.raises(ValueError, match="jitter must be between 0 and 4"):
+        make_zoom_task("/nonexistent", n_train=1, n_test=0, jitter=5)
 
 
 def test_zoom_task_is_deterministic_balanced_and_needs_the_zoom(tmp_path):

@@ -293,6 +293,7 @@ def make_zoom_task(
     image_size: int = 448,
     seen_size: int = 56,
     spots: int = 4,
+    jitter: int | None = None,
 ) -> dict[str, Path]:
     """Zoom: "Which corner of the small square is missing?" about a white square (2x2 blocks, one missing) drawn
     one seen pixel wide at one of `spots` places of a black ``image_size`` image; at a pixel budget of ``seen_size``
@@ -300,16 +301,23 @@ def make_zoom_task(
 
     Answers are balanced over CORNERS (chance 25%). Rows: image, problem, solution ("top-left"), response
     ("<answer>top-left</answer>"), zoom_box (the box to zoom into, in seen pixels: what the tool call must ask for).
-    The square is placed at a random offset inside its box (jitter of half a box), so its blurred centre of mass does
-    not give the answer away either. Returns {"train", "test", "images"} paths."""
+    The square is centred in its box and moved by up to `jitter` original pixels (default a quarter of its side) each
+    way, so its blurred centre of mass (1/12 of its side off centre, towards the filled corners) does not give the
+    answer away, while the zoomed box still shows its blocks in about the same place. Returns {"train", "test",
+    "images"} paths."""
     places = zoom_spots(image_size, seen_size, spots)
     box_side = 2 * (image_size // seen_size)  # the zoom box in original pixels
     size = box_side // 2
+    jitter = size // 4 if jitter is None else jitter
+    if not 0 <= jitter <= (box_side - size) // 2:
+        raise ValueError(f"jitter must be between 0 and {(box_side - size) // 2} pixels, got {jitter}")
+    centre = (box_side - size) // 2
 
     def make_row(rng: random.Random, missing: str, rel: str) -> dict:
         seen_box, (x0, y0) = places[rng.randrange(len(places))]
         im = Image.new("RGB", (image_size, image_size), (0, 0, 0))
-        _corner_square(ImageDraw.Draw(im), x0 + rng.randint(0, box_side - size), y0 + rng.randint(0, box_side - size), size, missing)
+        dx, dy = rng.randint(-jitter, jitter), rng.randint(-jitter, jitter)
+        _corner_square(ImageDraw.Draw(im), x0 + centre + dx, y0 + centre + dy, size, missing)
         buf = io.BytesIO()
         im.save(buf, format="PNG")
         return {
