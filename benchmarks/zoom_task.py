@@ -110,6 +110,16 @@ def run_sft(train_path: Path, out: Path, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def reuse_or_run(train_path: Path, out: Path, steps: int, reuse: bool) -> float:
+    """SFT seconds: run SFT, or with --reuse take a finished run's model (its seconds from the time file it left)."""
+    timing = out / "sft_seconds.json"
+    if reuse and (out / "final" / "config.json").is_file() and timing.is_file():
+        return json.loads(timing.read_text())["seconds"]
+    seconds = run_sft(train_path, out, steps)
+    timing.write_text(json.dumps({"seconds": seconds, "steps": steps}) + "\n")
+    return seconds
+
+
 def evaluate(model_dir: Path, rows: list[dict], base: Path, with_tool: bool, max_turns: int = 3) -> dict:
     """Held-out accuracy and tool-use figures of one model through the plain multi-turn loop (greedy)."""
     import torch
@@ -205,6 +215,35 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def figure(result: dict, path: Path) -> Path:
+    """The results file as a figure: held-out accuracy, turns and tool calls per rollout, tool-call success, with and
+    without the tool (drawn from the JSON, never typed)."""
+    from matplotlib.figure import Figure
+
+    runs = [("with the zoom tool", result["tool"]), ("without a tool", result["no_tool"])]
+    panels = [
+        ("held-out accuracy", "accuracy", 1.0),
+        ("turns per rollout", "turns_per_rollout", None),
+        ("tool calls per rollout", "tool_calls_per_rollout", None),
+        ("tool-call success rate", "tool_success_rate", 1.0),
+    ]
+    fig = Figure(figsize=(14, 3.4), layout="constrained")
+    for ax, (title, key, top) in zip(fig.subplots(1, len(panels)), panels):
+        values = [r.get(key) or 0.0 for _, r in runs]
+        ax.bar([name for name, _ in runs], values, color=["C0", "C1"])
+        for i, (_, r) in enumerate(runs):
+            ax.text(i, values[i], "n/a" if r.get(key) is None else f"{values[i]:.2f}", ha="center", va="bottom", fontsize=9)
+        if key == "accuracy":
+            ax.axhline(0.25, color="gray", linestyle="--", linewidth=1, label="chance (25%)")
+            ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, top or max(max(values) * 1.25, 1.0))
+        ax.tick_params(labelsize=8)
+    fig.suptitle(f"zoom task, {result['task']['n_test']} held-out rows, tiny Qwen2.5-VL on CPU ({result['machine']['date']})")
+    fig.savefig(path, dpi=90)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--out-dir", default="/tmp/vlmrl_zoom_task")
@@ -213,7 +252,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--quick", action="store_true", help="a smoke run: 64 train / 16 test rows, 4 SFT steps, no results file")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--reuse", action="store_true", help="keep SFT models already trained in --out-dir (same settings)")
+    p.add_argument("--figure", metavar="RESULT_JSON", help="only draw the figure of a results file (next to it, .png)")
     args = p.parse_args(argv)
+    if args.figure:
+        path = Path(args.figure)
+        figure(json.loads(path.read_text()), path.with_suffix(".png"))
+        return {}
     if args.quick:
         args.n_train, args.n_test, args.sft_steps = 64, 16, 4
     out = Path(args.out_dir)
@@ -225,8 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     tool_path = write_jsonl(out / "sft_tool.jsonl", tool_rows(train, base, out / "traces"))
     direct_path = write_jsonl(out / "sft_direct.jsonl", direct_rows(train, base))
     sft_seconds = {
-        "tool": run_sft(tool_path, out / "sft_tool", args.sft_steps),
-        "no_tool": run_sft(direct_path, out / "sft_direct", args.sft_steps),
+        "tool": reuse_or_run(tool_path, out / "sft_tool", args.sft_steps, args.reuse),
+        "no_tool": reuse_or_run(direct_path, out / "sft_direct", args.sft_steps, args.reuse),
     }
     result = {
         "command": "python benchmarks/zoom_task.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
@@ -243,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
         stem = Path(args.results) / f"zoom_task_cpu_{result['machine']['date']}"
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
         stem.with_suffix(".md").write_text(markdown(result))
-        print(f"wrote {stem}.json / .md")
+        figure(result, stem.with_suffix(".png"))
+        print(f"wrote {stem}.json / .md / .png")
     return result
 
 
