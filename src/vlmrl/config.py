@@ -415,6 +415,25 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ToolsConfig:
+    tools: list[str] = _f(
+        [],
+        "Tools the model may call (multi-turn rollouts, rollout.engine=continuous): built-in crop, zoom, rotate, path/to/file.py:function or module:function; empty = single-turn.",
+    )
+    max_turns: int = _f(4, "Most assistant turns per rollout; the calls of the last allowed turn still run, then the rollout ends (max_turns).")
+    max_turn_tokens: int = _f(
+        0, "Most tokens generated per assistant turn (a longer turn ends the rollout: turn_tokens); 0 = rollout.max_completion_length."
+    )
+    max_total_tokens: int = _f(
+        1024,
+        "Most tokens after the prompt: every turn, the template's glue and every tool turn, image tokens included (a row that would pass it ends: total_tokens).",
+    )
+    max_images: int = _f(8, "Most images per rollout, the row's included; a tool call that would pass it ends the rollout (image_budget).")
+    timeout_s: float = _f(10.0, "Seconds one tool call may run; then the model is shown a timeout error (the call's thread cannot be killed).")
+    workers: int = _f(4, "Threads running tool calls, while the other rows keep decoding.")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -425,6 +444,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     # Derived values, so the loop never recomputes defaults itself.
     @property
@@ -433,6 +453,15 @@ class Config:
         if r.steps_per_generation is not None:
             return t.per_device_train_batch_size * r.steps_per_generation
         return r.generation_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+    @property
+    def multiturn(self) -> bool:
+        """Rollouts are multi-turn with tools (tools.tools is set)."""
+        return bool(self.tools.tools)
+
+    @property
+    def max_turn_tokens(self) -> int:
+        return self.tools.max_turn_tokens or self.rollout.max_completion_length
 
     @property
     def prompts_per_step(self) -> int:
@@ -498,6 +527,7 @@ SECTIONS: dict[str, type] = {
     "sft": SFTConfig,
     "memory": MemoryConfig,
     "logging": LoggingConfig,
+    "tools": ToolsConfig,
 }
 
 
@@ -729,7 +759,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def validate(cfg: Config) -> None:
     """Cross-field rules; each message names the field and how to fix it."""
-    rules = [*_rollout_rules(cfg), *_algorithm_rules(cfg), *_training_rules(cfg), *_data_rules(cfg), *_other_rules(cfg)]
+    rules = [*_rollout_rules(cfg), *_algorithm_rules(cfg), *_training_rules(cfg), *_data_rules(cfg), *_other_rules(cfg), *_tools_rules(cfg)]
     problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(cfg.algorithm) + _data_layout_problems(cfg.data)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
@@ -885,6 +915,30 @@ def _other_rules(cfg: Config) -> list[tuple[bool, str]]:
         (cfg.logging.log_completions >= 0, "logging.log_completions must be >= 0"),
         (_report_to_problem(cfg.logging.report_to) is None, f"{_report_to_problem(cfg.logging.report_to)}"),
         (cfg.logging.no_signal_warn_steps >= 0, "logging.no_signal_warn_steps must be >= 0 (0 = never warn)"),
+    ]
+
+
+def _tools_rules(cfg: Config) -> list[tuple[bool, str]]:
+    """(holds, message) for tools.*."""
+    t, r = cfg.tools, cfg.rollout
+    on = cfg.multiturn
+    return [
+        (t.max_turns >= 1, f"tools.max_turns={t.max_turns} must be >= 1"),
+        (t.max_turn_tokens >= 0, f"tools.max_turn_tokens={t.max_turn_tokens} must be >= 0 (0 = rollout.max_completion_length)"),
+        (
+            t.max_total_tokens >= cfg.max_turn_tokens,
+            f"tools.max_total_tokens={t.max_total_tokens} must be >= the tokens of one turn ({cfg.max_turn_tokens}: tools.max_turn_tokens, "
+            "or rollout.max_completion_length when it is 0)",
+        ),
+        (t.max_images >= 1, f"tools.max_images={t.max_images} must be >= 1 (the row's own images count)"),
+        (t.timeout_s > 0, f"tools.timeout_s={t.timeout_s} must be > 0"),
+        (t.workers >= 1, f"tools.workers={t.workers} must be >= 1"),
+        (
+            not on or r.engine == "continuous",
+            f"tools.tools is set (multi-turn rollouts), which run in the continuous engine: set rollout.engine=continuous (it is {r.engine})",
+        ),
+        (not on or r.decode_step == "dynamic", f"tools.tools: multi-turn rollouts use rollout.decode_step=dynamic (it is {r.decode_step})"),
+        (not on or cfg.memory.shared_prefix, "tools.tools: multi-turn rollouts need memory.shared_prefix=true (the continuous engine)"),
     ]
 
 

@@ -32,7 +32,8 @@ from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metric
 from vlmrl.engine.offload import OptimizerParking, parking_enabled
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
 from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
-from vlmrl.models.prefix import LogprobOptions, completion_logps_for
+from vlmrl.models.prefix import LogprobOptions
+from vlmrl.models.multiturn import logps_for_rows
 from vlmrl.rewards.functions import RewardLog, reward_stats
 from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
 from vlmrl.models.rollout import Completions, generate
@@ -54,6 +55,7 @@ from vlmrl.models.loading import reference_disabled_adapter
 from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
 from vlmrl.run.datasets import epochs_as_steps
+from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, sample_with_tools
 from vlmrl.run.tracking import RunLogger, tracker_options
 
 
@@ -117,6 +119,8 @@ class Run:
     routing: object  # router.Routing of an MoE model (its load-balancing loss is logged, and added when configured), else None
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
     saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
+    tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
+    current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
 
 
 @dataclass
@@ -169,6 +173,7 @@ class MicroBatch:
     ids: torch.Tensor  # [n, t] completion ids
     loss_mask: torch.Tensor  # [n, t] tokens that count in the loss
     completion_mask: torch.Tensor  # [n, t] generated tokens (up to and including EOS): what the model attends to
+    tool_vision: list | None = None  # multi-turn rows: each row's tool images (vision tensors), else None
 
 
 @dataclass
@@ -290,6 +295,7 @@ def start_run(cfg: Config, log) -> Run:
     dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
     dist.check_config(cfg)
     model, processor = load_policy(cfg, device)
+    tools = load_run_tools(cfg, model)  # a bad spec fails before anything else is loaded
     reference = make_reference(model, cfg, device, fresh=resume_from is not None, engine=dist.engine)
     with dist.main_first():  # the built-in task's files are written once
         data = load_datasets(cfg, processor=processor)
@@ -349,6 +355,7 @@ def start_run(cfg: Config, log) -> Run:
         per_prompt_seed=resolve_sampling_seed(r.sampling_seed, dist.world_size, state, log),  # world-size invariant on resume
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef),
+        tools=tools,
     )
 
 
@@ -379,6 +386,7 @@ def rollout(run: Run, step: int) -> Rollout:
     cfg = run.cfg
     batch_indices = run.sampler.next_batch(cfg.prompts_per_step)
     rows = [run.data.train[batch_indices[p]] for p in run.shard.prompts]
+    run.current_rows = [batch_indices[p] for p in run.shard.prompts]
     prompts = encode_rows(run.processor, rows, cfg, run.device)
     run.model.eval()
     completions, run.sizes.generation = retry_on_oom(
@@ -422,6 +430,10 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
         )
 
     with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
+        if run.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous engine's seeds, one call
+            seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
+            rows = [run.data.train[i] for i in run.current_rows]
+            return dist.call(sample_with_tools, run.processor, cfg, run.tools, rows, prompts, seeds)
         if row_streams(r):  # one stream per row from (seed, step, global prompt position, generation): one call
             seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
             engine = dict(engine=r.engine, decode_batch_size=r.decode_batch_size, decode_step=r.decode_step)
@@ -456,6 +468,7 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
         len(run.data.train),
         when=f"step {step}",
         reward_log=reward_log,
+        trajectories=samples.completions.trajectories,
     )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
     rewards = torch.tensor(all_total, dtype=torch.float32)
@@ -497,7 +510,8 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
     several optimizer steps, or num_iterations > 1); otherwise every row is used once, by the policy that sampled
     it, and the update's own detached log-probs are the old ones (ratio 1)."""
     a = run.cfg.algorithm
-    loss_mask = loss_mask_of(samples.completions.mask, samples.completions.truncated, a.mask_truncated_completions)
+    comp = samples.completions
+    loss_mask = loss_mask_of(comp.mask if comp.loss_mask is None else comp.loss_mask, comp.truncated, a.mask_truncated_completions)
     old = logps_without_grad(run, run.model, samples, loss_mask) if run.cfg.scores_old_logps and rewards.nonfinite is None else None
     ref = None
     if run.reference is not None and rewards.nonfinite is None:
@@ -507,7 +521,8 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
     sampling = samples.completions.sampling_logps
     if old is not None and sampling is not None:
         sampling = sampling.to(old.device)
-        scores.mismatch = mismatch_metrics(log_ratios(sampling, old, samples.completions.mask.to(old.device)))
+        own = comp.mask if comp.loss_mask is None else comp.loss_mask  # the sampler's log-probs exist for the model's tokens only
+        scores.mismatch = mismatch_metrics(log_ratios(sampling, old, own.to(old.device)))
         if a.rollout_correction != "none":
             correct = ROLLOUT_CORRECTIONS[a.rollout_correction]
             scores.is_weights = correct(old, sampling, loss_mask.to(old.device), a.rollout_correction_min, a.rollout_correction_max)
@@ -538,7 +553,7 @@ def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: tor
             for idx in micro_batches(run, samples, list(range(comp.ids.shape[0])), size):
                 maybe_inject_oom("scoring", len(idx))
                 mb = micro_batch(run, samples, loss_mask, idx)
-                logps = call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts)
+                logps = call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision)
                 out[idx, : mb.ids.shape[1]] = logps.to(out.device)
         return out
 
@@ -546,6 +561,11 @@ def logps_without_grad(run: Run, scoring_model, samples: Rollout, loss_mask: tor
         attempt, run.sizes.scoring, "scoring", run.logger.info, enabled=run.cfg.memory.oom_recovery, peers=run.dist.oom_peers
     )
     return logps
+
+
+def model_tokens(completion_mask: torch.Tensor, comp: Completions, idx: list[int], width: int) -> torch.Tensor:
+    """[n, width] the micro-batch's tokens the model sampled: the completion mask, or a multi-turn rollout's loss mask."""
+    return completion_mask if comp.loss_mask is None else comp.loss_mask[idx, :width].to(completion_mask.device)
 
 
 def micro_batches(run: Run, samples: Rollout, rows: list[int], size: int) -> list[list[int]]:
@@ -566,6 +586,7 @@ def micro_batch(run: Run, samples: Rollout, loss_mask: torch.Tensor, idx: list[i
         ids=comp.ids[idx, :width].to(run.device),
         loss_mask=loss_mask[idx, :width].to(run.device),
         completion_mask=comp.mask[idx, :width].to(run.device),
+        tool_vision=[comp.tool_vision[i] for i in idx] if comp.tool_vision is not None else None,
     )
 
 
@@ -655,7 +676,7 @@ def accumulate(
         width = mb.ids.shape[1]
         with dist.no_sync(last=k == len(micro) - 1):  # gradients synced once: in the last backward, or by sync_gradients
             with capture_routing(run.routing) as routed:  # MoE routers' logits (dense models: nothing recorded)
-                logps = dist.call(completion_logps_for, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, grad=True)
+                logps = dist.call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision, grad=True)
             old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
             ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
             weights = scores.is_weights[idx, :width] if scores.is_weights is not None else None
@@ -677,7 +698,7 @@ def accumulate(
             out.kl.append(masked_mean(parts["kl"], mb.loss_mask).item())
         if measure_mismatch:
             sampling = samples.completions.sampling_logps[idx, :width].to(logps.device)
-            out.log_ratios.append(log_ratios(sampling, logps.detach(), mb.completion_mask).cpu())
+            out.log_ratios.append(log_ratios(sampling, logps.detach(), model_tokens(mb.completion_mask, samples.completions, idx, width)).cpu())
     return out
 
 
@@ -723,6 +744,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "time/step": sum(v for k, v in phases.items() if k.startswith("time/")),
         "epoch": run.sampler.epoch,
         ("micro_batch_size" if cfg.memory.max_tokens_per_micro_batch is None else "micro_batch_tokens"): run.sizes.update,
+        **multiturn_metrics(samples.completions),
         **phases,
         **memory_stats(),
     }

@@ -159,12 +159,16 @@ class _Rows:
         self.row = torch.zeros(slots, dtype=torch.long)  # output row (prompt u, generation g -> u*G + g)
         self.t = torch.zeros(slots, dtype=torch.long)  # tokens generated so far
         self.next_pos = torch.zeros(slots, dtype=torch.long)  # position of the row's first generated token
+        # Multi-turn rows (multiturn.py): M-RoPE positions past a tool turn's images run ahead of next_pos + t by delta;
+        # turn_start is t at the start of the row's current assistant turn. Both stay 0 for single-turn rows.
+        self.delta = torch.zeros(slots, dtype=torch.long)
+        self.turn_start = torch.zeros(slots, dtype=torch.long)
         self.valid = torch.zeros(slots, columns, dtype=torch.bool, device=device)  # KV columns the row attends to
         self.gens: list[torch.Generator | None] = [None] * slots
 
     def move(self, dst: list[int], src: list[int]) -> None:
         d, s = torch.tensor(dst), torch.tensor(src)
-        for field in (self.row, self.t, self.next_pos):
+        for field in (self.row, self.t, self.next_pos, self.delta, self.turn_start):
             field[d] = field[s]
         self.valid[d.to(self.valid.device)] = self.valid[s.to(self.valid.device)]
         for a, b in zip(dst, src):
@@ -245,6 +249,8 @@ class ContinuousDecoder:
         r, host = self.rows, slice(start, start + count)
         r.row[host] = torch.tensor([row for _, row in taken])
         r.t[host] = 0
+        r.delta[host] = 0
+        r.turn_start[host] = 0
         r.next_pos[host] = pending["next_pos"].index_select(0, owner_host)
         r.valid[host] = False
         r.valid[host, : self.P] = pending["mask"].index_select(0, owner)
@@ -284,7 +290,7 @@ class ContinuousDecoder:
             self.cache.step_rows = n
             self.cache.write_col = cols
             self.cache.length = self.P + int(t.max()) + 1
-            positions = self.positions((r.next_pos[:n] + t).to(self.device), cols)
+            positions = self.positions((r.next_pos[:n] + t + r.delta[:n]).to(self.device), cols)
             self.logits[:n] = self.forward(tokens.view(n, 1), self.masks(r.valid[:n, None, None, : self.cache.length], cols), positions)
         r.t[:n] += 1
 

@@ -23,6 +23,12 @@ class Completions:
     mask: torch.Tensor
     truncated: torch.Tensor
     sampling_logps: torch.Tensor | None = None
+    # Multi-turn rollouts (tools.tools, models/multiturn.py): mask = every real token (model and tool turns, what
+    # scoring attends to), loss_mask = the model's own tokens; per row the tool images' vision tensors and the
+    # trajectory (TRL conversational shape) with its end reason. None for single-turn rollouts.
+    loss_mask: torch.Tensor | None = None
+    tool_vision: list | None = None
+    trajectories: list | None = None
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -30,14 +30,23 @@ def score_rollout(
     num_rows: int | None = None,
     when: str | None = None,
     reward_log=None,
+    trajectories: list | None = None,
 ) -> tuple[list[float], dict]:
     """Rewards of `texts` (``repeats`` completions per row, in order), called the way TRL calls them: prompts and
     completions in algorithm.completion_format, the dataset columns, ``completion_ids`` (each completion's ids up
     to and including its EOS, from ``comp``) and ``trainer_state`` (step, max_steps, fractional epoch over
     ``num_rows`` training rows), and TRL's ``log_extra`` / ``log_metric`` into ``reward_log`` (rewards.RewardLog).
-    Returns `compute_rewards`' (total, per_reward)."""
+    Returns `compute_rewards`' (total, per_reward).
+
+    trajectories (multi-turn rollouts, tools.Trajectory per completion): prompts and completions are theirs, in TRL's
+    conversational shape (assistant turns with tool_calls, tool messages with their images), and the Trajectory
+    objects come as the ``trajectory`` column."""
 
     prompts, completions = reward_inputs(rows, texts, repeats, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
+    columns = reward_columns(rows, repeats)
+    if trajectories is not None:
+        prompts, completions = [t.prompt for t in trajectories], [t.completion for t in trajectories]
+        columns = {**columns, "trajectory": list(trajectories)}
     completion_ids = None
     if comp is not None:
         completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
@@ -48,7 +57,7 @@ def score_rollout(
         weights,
         prompts,
         completions,
-        reward_columns(rows, repeats),
+        columns,
         completion_ids=completion_ids,
         trainer_state=state,
         when=when,

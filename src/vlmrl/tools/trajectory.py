@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from vlmrl.tools.execute import ToolCall
 from vlmrl.tools.parsing import ParsedTurn
 
-END_REASONS = ("answered", "max_turns", "image_budget")
+# The last three are set by the engine (models/multiturn.py): a token budget, or a turn ended by a non-template eos.
+END_REASONS = ("answered", "max_turns", "image_budget", "turn_tokens", "total_tokens", "stop_token")
 
 
 def assistant_message(parsed: ParsedTurn) -> dict:

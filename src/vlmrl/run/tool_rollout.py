@@ -1,0 +1,110 @@
+"""Multi-turn rollouts with tools in the GRPO loop (tools.tools set): loading the tools, one environment per row,
+the engine's rollout as the loop's `Completions`, and the metrics it logs.
+
+The engine is `models.multiturn.sample_multiturn`; this module only connects it to the run: tools from
+`tools.tools` (a load error names the field), a `ToolEnvironment` per completion row (budgets from tools.*, the
+pixel boxes of Qwen-style models scaled from the size the model saw, data.min_pixels / data.max_pixels), seeds as
+the continuous engine's, and the rollout handed on with `mask` = every real token (scoring attends to the tool
+turns), `loss_mask` = the model's own tokens, the tool images and the trajectories (rewards get them in TRL's
+conversational shape).
+"""
+
+from __future__ import annotations
+
+from vlmrl.config import Config, ConfigError
+from vlmrl.data.rows import target_size
+from vlmrl.models.multiturn import TurnLimits, multiturn_supported, sample_multiturn
+from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
+from vlmrl.tools.environment import ToolEnvironment
+from vlmrl.tools.registry import ToolError, load_tools
+
+
+def load_run_tools(cfg: Config, model=None) -> dict:
+    """The tools of tools.tools (empty: single-turn); a bad spec or an unsupported model is a ConfigError naming the field."""
+    if not cfg.multiturn:
+        return {}
+    try:
+        tools = load_tools(list(cfg.tools.tools))
+    except ToolError as e:
+        raise ConfigError(f"tools.tools: {e}") from None
+    why = multiturn_supported(model) if model is not None else None
+    if why:
+        raise ConfigError(f"tools.tools is set but {why}")
+    return tools
+
+
+def environment_row(row: dict, limit_images: int | None) -> dict:
+    """What a row's environment starts from: its problem, its images (full resolution, for the tools), its tools field."""
+    images = list(row.get("images") or [])
+    out = {"problem": row["problem"], "images": images[:limit_images] if limit_images else images}
+    if row.get("tools") is not None:
+        out["tools"] = row["tools"]
+    return out
+
+
+def make_environments(cfg: Config, tools: dict, rows: list[dict], G: int) -> list[ToolEnvironment]:
+    """One environment per completion row (row u*G + g continues prompt u), each reset with its dataset row."""
+    d, t = cfg.data, cfg.tools
+
+    def seen(image):
+        return target_size(image.width, image.height, d.min_pixels, d.max_pixels)
+
+    envs = []
+    for row in rows:
+        start = environment_row(row, d.limit_images)
+        for _ in range(G):
+            env = ToolEnvironment(tools, max_turns=t.max_turns, timeout_s=t.timeout_s, max_images=t.max_images, seen_size=seen)
+            env.reset(start)
+            envs.append(env)
+    return envs
+
+
+def sample_with_tools(model, processor, cfg: Config, tools: dict, rows: list[dict], prompts: dict, prompt_seeds: list[int]) -> Completions:
+    """G multi-turn rollouts per prompt (rollout.* sampling, tools.* budgets) as the loop's Completions."""
+    r = cfg.rollout
+    envs = make_environments(cfg, tools, rows, r.num_generations)
+    tokenizer = processor.tokenizer
+    eos = eos_token_ids(model, tokenizer)
+    out = sample_multiturn(
+        model,
+        processor,
+        prompts,
+        envs,
+        num_generations=r.num_generations,
+        limits=TurnLimits(max_turn_tokens=cfg.max_turn_tokens, max_total_tokens=cfg.tools.max_total_tokens, workers=cfg.tools.workers),
+        eos_ids=eos,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
+        suppress_ids=vision_token_ids(model),
+        decode_batch_size=r.decode_batch_size,
+        prompt_seeds=prompt_seeds,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_new_tokens=r.min_completion_length,
+    )
+    device = prompts["input_ids"].device
+    return Completions(
+        ids=out.ids.to(device),
+        mask=out.attention_mask.to(device),
+        truncated=out.truncated.to(device),
+        sampling_logps=out.sampling_logps.to(device),
+        loss_mask=out.loss_mask.to(device),
+        tool_vision=[{k: v.to(device) for k, v in vision.items()} for vision in out.tool_vision],
+        trajectories=out.trajectories,
+    )
+
+
+def multiturn_metrics(comp: Completions) -> dict:
+    """tools/* of one step: turns and tool calls per rollout, the share of each end reason, model tokens per rollout."""
+    if comp.trajectories is None:
+        return {}
+    trajs = comp.trajectories
+    n = max(1, len(trajs))
+    out = {
+        "tools/turns_mean": sum(t.num_turns for t in trajs) / n,
+        "tools/calls_mean": sum(len(t.tool_calls) for t in trajs) / n,
+        "tools/model_tokens_mean": float(comp.loss_mask.sum()) / n,
+    }
+    for reason in sorted({t.end_reason for t in trajs}):
+        out[f"tools/end_{reason}"] = sum(t.end_reason == reason for t in trajs) / n
+    return out
