@@ -62,3 +62,26 @@ def test_plan_of_a_multi_turn_step_and_refusals():
     assert multi.phases["update"] > single.phases["update"]
     with pytest.raises(PlanError, match="tool_turns"):
         plan(SPEC, dataclasses.replace(MULTI, tool_turns=-1))
+
+
+def test_workload_from_config_reads_the_tools_section():
+    from vlmrl.config import load_config
+    from vlmrl.plan.config import workload_from_config
+
+    single = workload_from_config(load_config(None, ["rollout.max_completion_length=48"]))
+    assert (single.tool_turns, single.completion_tokens) == (0, 48)
+    cfg = load_config(
+        None,
+        [
+            "tools.tools=[zoom]",
+            "rollout.engine=continuous",
+            "tools.max_turns=3",
+            "tools.max_turn_tokens=40",
+            "tools.max_images=2",
+            "tools.max_total_tokens=300",
+        ],
+    )
+    w = workload_from_config(cfg)
+    assert (w.tool_turns, w.completion_tokens, w.max_images, w.max_total_tokens) == (2, 40, 2, 300)
+    # 3 turns of 40 + 2 tool turns of 32 text tokens + 1 image (the budget of 2 holds the row's own) at the pixel cap.
+    assert multiturn_completion_tokens(SPEC, dataclasses.replace(w, max_pixels=3136)) == 3 * 40 + 2 * 32 + 4

@@ -47,9 +47,11 @@ def test_grpo_report_explains_the_loss_and_shows_the_learning_signal(tmp_path):
 
 
 def test_tool_use_panel_only_for_runs_that_log_tool_metrics(tmp_path):
-    fake_run(tmp_path / "tools", extra={"tools/turns": 1.5, "tools/tool_calls": 0.5, "tools/success_rate": 1.0})
+    tools = {"tools/turns_mean": 1.5, "tools/calls_mean": 0.5, "tools/success_rate": 1.0, "tools/model_tokens_mean": 40.0}
+    fake_run(tmp_path / "tools", extra=tools)
     axes = axes_by_title(build_report(tmp_path / "tools"))
-    assert {line.get_label() for line in axes["tool use (per rollout)"].lines} == {"turns", "tool_calls", "success_rate"}
+    # Counts and shares share a panel; token counts (another scale) stay out of it.
+    assert {line.get_label() for line in axes["tool use (per rollout)"].lines} == {"turns_mean", "calls_mean", "success_rate"}
     fake_run(tmp_path / "plain")
     assert "tool use (per rollout)" not in axes_by_title(build_report(tmp_path / "plain"))
 

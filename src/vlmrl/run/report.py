@@ -142,7 +142,7 @@ def _memory_curves(train: list[dict], train_keys: list[str]) -> list:
     return curves + [(f"{predicted.removeprefix('plan/')} (predicted)", _series(train, predicted))]
 
 
-TOOL_PREFIX = "tools/"  # training metrics of tool-using rollouts (e.g. tools/turns, tools/tool_calls, tools/success_rate)
+TOOL_PREFIX = "tools/"  # training metrics of tool-using rollouts (run/tool_rollout.py: tools/turns_mean, tools/calls_mean, ...)
 
 
 def build_report(output_dir: str | Path, title: str | None = None) -> Figure:
@@ -203,7 +203,7 @@ def build_report(output_dir: str | Path, title: str | None = None) -> Figure:
         )
     else:
         panels.append(lambda ax: _panel(ax, "eval answer length", [("eval", _series(evals, "eval/mean_length"))], ylabel="tokens"))
-    tool_keys = [k for k in train_keys if k.startswith(TOOL_PREFIX)]
+    tool_keys = [k for k in train_keys if k.startswith(TOOL_PREFIX) and "tokens" not in k]  # counts and shares, not lengths
     if tool_keys:  # multi-turn rollouts with tools (issue 28): turns and tool calls per rollout, calls that succeeded
         panels.append(lambda ax: _panel(ax, "tool use (per rollout)", curves(tool_keys, strip=TOOL_PREFIX), legend=True))
     panels += [
