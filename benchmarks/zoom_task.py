@@ -110,6 +110,48 @@ def run_sft(train_path: Path, out: Path, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+GRPO = [
+    f"data.min_pixels={PIXELS}",
+    f"data.max_pixels={PIXELS}",
+    "data.eval_path=",
+    "training.seed=0",
+    "rollout.engine=continuous",
+    "tools.tools=[zoom]",
+    "tools.max_turns=2",
+    "tools.max_turn_tokens=96",
+    "tools.max_total_tokens=256",
+    "rollout.num_generations=8",
+    "rollout.generation_batch_size=32",
+    "training.per_device_train_batch_size=32",
+    "training.gradient_accumulation_steps=1",
+    "rollout.temperature=1.0",
+    "optim.learning_rate=3e-4",
+    "algorithm.loss_type=grpo",
+    "algorithm.beta=0.0",
+    "algorithm.reward_funcs=[accuracy]",
+    "logging.progress_bar=false",
+    "training.overwrite_output_dir=true",
+]
+
+
+def run_grpo(model_dir: Path, train_path: Path, out: Path, steps: int) -> dict:
+    """GRPO with the zoom tool (multi-turn rollouts in the continuous engine) from the tool SFT model: seconds and the
+    last step's tools/* metrics (report.png in `out` draws them)."""
+    from vlmrl.config import load_config
+    from vlmrl.train import train
+
+    t0 = time.perf_counter()
+    train(
+        load_config(
+            None,
+            GRPO + [f"model.name_or_path={model_dir}", f"data.train_path={train_path}", f"training.output_dir={out}", f"training.max_steps={steps}"],
+        )
+    )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tools = {k: v for k, v in rows[-1].items() if k.startswith("tools/")}
+    return {"seconds": time.perf_counter() - t0, "steps": steps, "last_step_tools": tools, "reward_by_step": [r.get("reward") for r in rows]}
+
+
 def reuse_or_run(train_path: Path, out: Path, steps: int, reuse: bool) -> float:
     """SFT seconds: run SFT, or with --reuse take a finished run's model (its seconds from the time file it left)."""
     timing = out / "sft_seconds.json"
@@ -179,37 +221,55 @@ def machine() -> dict:
     }
 
 
+COLUMNS = (("tool", "tool SFT, with the zoom tool"), ("grpo_tool", "tool SFT + GRPO, with the zoom tool"), ("no_tool", "direct SFT, no tool"))
+
+
+def columns(result: dict) -> list[tuple[str, dict]]:
+    return [(label, result[key]) for key, label in COLUMNS if key in result]
+
+
 def markdown(result: dict) -> str:
-    tool, plain = result["tool"], result["no_tool"]
+    cols = columns(result)
 
     def pct(v):
         return "-" if v is None else f"{100 * v:.1f}%"
 
+    def row(name, fmt):
+        return f"| {name} | " + " | ".join(fmt(r) for _, r in cols) + " |"
+
+    grpo = result.get("grpo_run")
     lines = [
         f"# Zoom task on CPU ({result['machine']['date']})",
         "",
-        f"`{result['command']}`; {result['machine']['cpus']} CPUs, load (1/5/15 min) at the end "
+        f"`{result['command']}`; {result['machine']['cpus']} CPUs shared with other jobs, load (1/5/15 min) at the end "
         + "/".join(f"{v:.1f}" for v in result["machine"]["load_1_5_15"])
         + f"; torch {result['machine']['torch']}, transformers {result['machine']['transformers']}.",
         "",
         f"Task: {result['task']['n_train']} train / {result['task']['n_test']} held-out rows, 448x448 images seen at 56x56, "
-        f"4 places, 4 answers (chance 25%). SFT: {result['sft_steps']} language steps (+20 projector steps), batch 32, the same for both models.",
+        f"4 places, 4 answers (chance 25%). SFT: {result['sft_steps']} language steps (+20 projector steps), batch 32, the same "
+        "for both SFT models. Evaluation: greedy, the plain multi-turn loop (vlmrl.models.tool_loop), at most 3 turns.",
         "",
-        "| held-out | with the zoom tool (tool SFT) | without a tool (direct SFT) |",
-        "|---|---|---|",
-        f"| accuracy | {pct(tool['accuracy'])} | {pct(plain['accuracy'])} |",
-        f"| turns per rollout | {tool['turns_per_rollout']:.2f} | {plain['turns_per_rollout']:.2f} |",
-        f"| tool calls per rollout | {tool['tool_calls_per_rollout']:.2f} | {plain['tool_calls_per_rollout']:.2f} |",
-        f"| rollouts with a call | {pct(tool['rollouts_with_a_call'])} | {pct(plain['rollouts_with_a_call'])} |",
-        f"| tool call success rate | {pct(tool['tool_success_rate'])} | {pct(plain['tool_success_rate'])} |",
-        f"| zoom on the right box | {pct(tool['right_box_rate'])} | {pct(plain['right_box_rate'])} |",
-        f"| end reasons | {tool['end_reasons']} | {plain['end_reasons']} |",
-        f"| SFT seconds | {result['sft_seconds']['tool']:.0f} | {result['sft_seconds']['no_tool']:.0f} |",
-        f"| evaluation seconds | {tool['eval_seconds']:.0f} | {plain['eval_seconds']:.0f} |",
+        "| held-out | " + " | ".join(label for label, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+        row("accuracy", lambda r: pct(r["accuracy"])),
+        row("turns per rollout", lambda r: f"{r['turns_per_rollout']:.2f}"),
+        row("tool calls per rollout", lambda r: f"{r['tool_calls_per_rollout']:.2f}"),
+        row("rollouts with a call", lambda r: pct(r["rollouts_with_a_call"])),
+        row("tool-call success rate", lambda r: pct(r["tool_success_rate"])),
+        row("zoom on the right box", lambda r: pct(r["right_box_rate"])),
+        row("end reasons", lambda r: str(r["end_reasons"])),
+        row("evaluation seconds", lambda r: f"{r['eval_seconds']:.0f}"),
         "",
-        f"Total wall time {result['total_seconds']:.0f} s. GRPO with tools: {result.get('grpo', 'not run (the multi-turn rollout is not merged)')}.",
+        f"SFT seconds: tool {result['sft_seconds']['tool']:.0f}, direct {result['sft_seconds']['no_tool']:.0f}. "
+        + (
+            f"GRPO with the tool: {grpo['steps']} steps in {grpo['seconds']:.0f} s (rollout.engine=continuous, tools.max_turns=2, "
+            f"G=8, 32 completions per step), last step's tools metrics {json.dumps(grpo['last_step_tools'])}."
+            if grpo
+            else "GRPO with the tool: not run."
+        ),
+        f"Total wall time {result['total_seconds']:.0f} s.",
         "",
-        f"Example turns of the tool model on the first held-out row: {json.dumps(tool['example_turns'])}",
+        f"Example turns on the first held-out row: {json.dumps(cols[0][1]['example_turns'])}",
         "",
     ]
     return "\n".join(lines)
@@ -220,17 +280,17 @@ def figure(result: dict, path: Path) -> Path:
     without the tool (drawn from the JSON, never typed)."""
     from matplotlib.figure import Figure
 
-    runs = [("with the zoom tool", result["tool"]), ("without a tool", result["no_tool"])]
+    runs = columns(result)
     panels = [
         ("held-out accuracy", "accuracy", 1.0),
         ("turns per rollout", "turns_per_rollout", None),
         ("tool calls per rollout", "tool_calls_per_rollout", None),
         ("tool-call success rate", "tool_success_rate", 1.0),
     ]
-    fig = Figure(figsize=(14, 3.4), layout="constrained")
+    fig = Figure(figsize=(16, 3.6), layout="constrained")
     for ax, (title, key, top) in zip(fig.subplots(1, len(panels)), panels):
         values = [r.get(key) or 0.0 for _, r in runs]
-        ax.bar([name for name, _ in runs], values, color=["C0", "C1"])
+        ax.bar([name.replace(", ", "\n") for name, _ in runs], values, color=[f"C{i}" for i in range(len(runs))])
         for i, (_, r) in enumerate(runs):
             ax.text(i, values[i], "n/a" if r.get(key) is None else f"{values[i]:.2f}", ha="center", va="bottom", fontsize=9)
         if key == "accuracy":
@@ -238,7 +298,7 @@ def figure(result: dict, path: Path) -> Path:
             ax.legend(fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_ylim(0, top or max(max(values) * 1.25, 1.0))
-        ax.tick_params(labelsize=8)
+        ax.tick_params(labelsize=7)
     fig.suptitle(f"zoom task, {result['task']['n_test']} held-out rows, tiny Qwen2.5-VL on CPU ({result['machine']['date']})")
     fig.savefig(path, dpi=90)
     return path
@@ -252,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--quick", action="store_true", help="a smoke run: 64 train / 16 test rows, 4 SFT steps, no results file")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--grpo-steps", type=int, default=0, help="GRPO steps with the tool after the tool SFT (0: none)")
     p.add_argument("--reuse", action="store_true", help="keep SFT models already trained in --out-dir (same settings)")
     p.add_argument("--figure", metavar="RESULT_JSON", help="only draw the figure of a results file (next to it, .png)")
     args = p.parse_args(argv)
@@ -281,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
         "tool": evaluate(out / "sft_tool" / "final", test, base, with_tool=True),
         "no_tool": evaluate(out / "sft_direct" / "final", test, base, with_tool=False),
     }
+    if args.grpo_steps:
+        result["grpo_run"] = run_grpo(out / "sft_tool" / "final", files["train"], out / "grpo_tool", args.grpo_steps)
+        result["grpo_tool"] = evaluate(out / "grpo_tool" / "final", test, base, with_tool=True)
     result["total_seconds"] = time.perf_counter() - t0
     result["machine"] = machine()
     print(markdown(result))

@@ -160,3 +160,22 @@ def test_template_messages_groups_tool_runs():
     assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant"]
     assert template_messages(msgs + tools, "tool") == msgs + tools
     assert isinstance(ToolResult("x", "y").text, str)
+
+
+def test_zoom_benchmark_results_render_from_the_json(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoom_task
+
+    ev = {
+        "rows": 4, "accuracy": 0.75, "turns_per_rollout": 2.0, "tool_calls_per_rollout": 1.0, "rollouts_with_a_call": 1.0,
+        "tool_success_rate": 1.0, "right_box_rate": 0.5, "end_reasons": {"answered": 4}, "eval_seconds": 1.0, "example_turns": ["a", "b"],
+    }  # fmt: skip
+    result = {
+        "command": "x", "task": {"n_train": 8, "n_test": 4}, "sft_steps": 2, "sft_seconds": {"tool": 1.0, "no_tool": 1.0},
+        "tool": ev, "no_tool": {**ev, "accuracy": 0.25, "tool_success_rate": None}, "total_seconds": 3.0,
+        "machine": {"date": "2026-11-27", "cpus": 2, "load_1_5_15": [1.0, 1.0, 1.0], "torch": "t", "transformers": "t"},
+    }  # fmt: skip
+    md = zoom_task.markdown(result)
+    assert "| accuracy | 75.0% | 25.0% |" in md and "GRPO with the tool: not run." in md
+    assert "tool SFT + GRPO" not in md  # no GRPO column without a GRPO evaluation
+    assert zoom_task.figure(result, tmp_path / "f.png").stat().st_size > 0
