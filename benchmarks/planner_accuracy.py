@@ -799,9 +799,8 @@ def _multiturn_mode(args, out: Path, today: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = multiturn_runs(Path(args.model), Path(tmp), args.only)
     for r in rows:
-        print(
-            f"{r['name']:<28} measured {r['measured_peak_rss_gib']:.3f} predicted {r['predicted_peak_rss_gib']:.3f} {r['difference_pct']:+.1f}% {r.get('tools_mean_over_steps', {})}"
-        )
+        got = f"measured {r['measured_peak_rss_gib']:.3f} predicted {r['predicted_peak_rss_gib']:.3f} {r['difference_pct']:+.1f}%"
+        print(f"{r['name']:<28} {got} {r.get('tools_mean_over_steps', {})}")
     stem = out / f"planner_accuracy_cpu_multiturn_{today}"
     stem.with_suffix(".json").write_text(json.dumps({"date": today, "machine": machine, "model": args.model, "rows": rows}, indent=1))
     note = (
