@@ -140,7 +140,6 @@ def run_grpo(model_dir: Path, train_path: Path, out: Path, steps: int) -> dict:
     from vlmrl.config import load_config
     from vlmrl.train import train
 
-    t0 = time.perf_counter()
     train(
         load_config(
             None,
@@ -149,17 +148,21 @@ def run_grpo(model_dir: Path, train_path: Path, out: Path, steps: int) -> dict:
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tools = {k: v for k, v in rows[-1].items() if k.startswith("tools/")}
-    return {"seconds": time.perf_counter() - t0, "steps": steps, "last_step_tools": tools, "reward_by_step": [r.get("reward") for r in rows]}
+    return {"seconds": run_seconds(out), "steps": steps, "last_step_tools": tools, "reward_by_step": [r.get("reward") for r in rows]}
+
+
+def run_seconds(out: Path) -> float:
+    """A finished run's training time from its own files: from the start of its first step to its end (start-up and
+    data preparation before the first step not included)."""
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    return json.loads((out / "run_complete.json").read_text())["finished"] - first["time"] + first["time/step"]
 
 
 def reuse_or_run(train_path: Path, out: Path, steps: int, reuse: bool) -> float:
-    """SFT seconds: run SFT, or with --reuse take a finished run's model (its seconds from the time file it left)."""
-    timing = out / "sft_seconds.json"
-    if reuse and (out / "final" / "config.json").is_file() and timing.is_file():
-        return json.loads(timing.read_text())["seconds"]
-    seconds = run_sft(train_path, out, steps)
-    timing.write_text(json.dumps({"seconds": seconds, "steps": steps}) + "\n")
-    return seconds
+    """SFT seconds (run_seconds): run SFT, or with --reuse take a finished run's model."""
+    if not (reuse and (out / "final" / "config.json").is_file() and (out / "run_complete.json").is_file()):
+        run_sft(train_path, out, steps)
+    return run_seconds(out)
 
 
 def evaluate(model_dir: Path, rows: list[dict], base: Path, with_tool: bool, max_turns: int = 3) -> dict:
@@ -260,7 +263,8 @@ def markdown(result: dict) -> str:
         row("end reasons", lambda r: str(r["end_reasons"])),
         row("evaluation seconds", lambda r: f"{r['eval_seconds']:.0f}"),
         "",
-        f"SFT seconds: tool {result['sft_seconds']['tool']:.0f}, direct {result['sft_seconds']['no_tool']:.0f}. "
+        f"Training seconds (first step to the end of each run): SFT tool {result['sft_seconds']['tool']:.0f}, SFT direct "
+        f"{result['sft_seconds']['no_tool']:.0f}. "
         + (
             f"GRPO with the tool: {grpo['steps']} steps in {grpo['seconds']:.0f} s (rollout.engine=continuous, tools.max_turns=2, "
             f"G=8, 32 completions per step), last step's tools metrics {json.dumps(grpo['last_step_tools'])}."
