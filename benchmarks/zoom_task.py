@@ -101,12 +101,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def run_sft(train_path: Path, out: Path, steps: int) -> float:
+def run_sft(train_path: Path, out: Path, steps: int, start: Path | None = None) -> float:
+    """SFT from the embedded tiny model, or (`start`) more language steps from an SFT model (no projector stage)."""
     from vlmrl.config import load_config
     from vlmrl.sft import sft
 
+    more = [f"model.name_or_path={start}", "sft.projector_steps=0"] if start else []
     t0 = time.perf_counter()
-    sft(load_config(None, SFT + [f"sft.steps={steps}", f"data.train_path={train_path}", f"training.output_dir={out}"]))
+    sft(load_config(None, SFT + more + [f"sft.steps={steps}", f"data.train_path={train_path}", f"training.output_dir={out}"]))
     return time.perf_counter() - t0
 
 
@@ -158,10 +160,10 @@ def run_seconds(out: Path) -> float:
     return json.loads((out / "run_complete.json").read_text())["finished"] - first["time"] + first["time/step"]
 
 
-def reuse_or_run(train_path: Path, out: Path, steps: int, reuse: bool) -> float:
+def reuse_or_run(train_path: Path, out: Path, steps: int, reuse: bool, start: Path | None = None) -> float:
     """SFT seconds (run_seconds): run SFT, or with --reuse take a finished run's model."""
     if not (reuse and (out / "final" / "config.json").is_file() and (out / "run_complete.json").is_file()):
-        run_sft(train_path, out, steps)
+        run_sft(train_path, out, steps, start)
     return run_seconds(out)
 
 
@@ -316,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--quick", action="store_true", help="a smoke run: 64 train / 16 test rows, 4 SFT steps, no results file")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--more-sft-steps", type=int, default=0, help="a second SFT run of this many steps from each SFT model")
     p.add_argument("--grpo-steps", type=int, default=0, help="GRPO steps with the tool after the tool SFT (0: none)")
     p.add_argument("--reuse", action="store_true", help="keep SFT models already trained in --out-dir (same settings)")
     p.add_argument("--figure", metavar="RESULT_JSON", help="only draw the figure of a results file (next to it, .png)")
@@ -338,16 +341,22 @@ def main(argv: list[str] | None = None) -> dict:
         "tool": reuse_or_run(tool_path, out / "sft_tool", args.sft_steps, args.reuse),
         "no_tool": reuse_or_run(direct_path, out / "sft_direct", args.sft_steps, args.reuse),
     }
+    tool_dir, direct_dir = out / "sft_tool", out / "sft_direct"
+    if args.more_sft_steps:  # a second SFT run from each model's first: the tool model's text is learnt by then
+        sft_seconds["tool"] += reuse_or_run(tool_path, out / "sft_tool_more", args.more_sft_steps, args.reuse, tool_dir / "final")
+        sft_seconds["no_tool"] += reuse_or_run(direct_path, out / "sft_direct_more", args.more_sft_steps, args.reuse, direct_dir / "final")
+        tool_dir, direct_dir = out / "sft_tool_more", out / "sft_direct_more"
     result = {
         "command": "python benchmarks/zoom_task.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
         "task": {"n_train": args.n_train, "n_test": args.n_test, "image_size": 448, "seen_size": SEEN, "spots": 4, "zoom_factor": ZOOM_FACTOR},
         "sft_steps": args.sft_steps,
         "sft_seconds": sft_seconds,
-        "tool": evaluate(out / "sft_tool" / "final", test, base, with_tool=True),
-        "no_tool": evaluate(out / "sft_direct" / "final", test, base, with_tool=False),
+        "more_sft_steps": args.more_sft_steps,
+        "tool": evaluate(tool_dir / "final", test, base, with_tool=True),
+        "no_tool": evaluate(direct_dir / "final", test, base, with_tool=False),
     }
     if args.grpo_steps:
-        result["grpo_run"] = run_grpo(out / "sft_tool" / "final", files["train"], out / "grpo_tool", args.grpo_steps)
+        result["grpo_run"] = run_grpo(tool_dir / "final", files["train"], out / "grpo_tool", args.grpo_steps)
         result["grpo_tool"] = evaluate(out / "grpo_tool" / "final", test, base, with_tool=True)
     result["total_seconds"] = time.perf_counter() - t0
     result["machine"] = machine()
