@@ -307,7 +307,7 @@ class MultiTurnDecoder(ContinuousDecoder):
         kwargs = {
             "input_ids": chunk,
             "mm_token_type_ids": (chunk == self.image_token_id).long(),
-            "image_grid_thw": suffix.get("image_grid_thw"),
+            "image_grid_thw": suffix["image_grid_thw"].to(chunk.device) if "image_grid_thw" in suffix else None,
             "attention_mask": torch.ones_like(chunk),
         }
         position_ids, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, kwargs))
@@ -520,15 +520,92 @@ def sequence_logps(
     return selective_logps(predicting, core.get_output_embeddings(), ids.to(hidden.device), temperature, chunk_tokens)
 
 
+def _merged_tool_vision(tool_vision: list[dict]) -> dict:
+    """The rows' tool-image tensors concatenated in row order (the order of their image tokens in a batch of rows)."""
+    present = [v for v in tool_vision if v]
+    if not present:
+        return {}
+    return {k: torch.cat([v[k] for v in present]) for k in ("pixel_values", "image_grid_thw") if k in present[0]}
+
+
+def _row_grids(prompt_batch: dict, rows: torch.Tensor, tool_vision: list[dict]) -> torch.Tensor | None:
+    """image_grid_thw of every image of each row in order (its prompt's, then its tool images'), or None."""
+    prompt = _per_image_chunks(prompt_batch, "image_grid_thw") if "image_grid_thw" in prompt_batch else []
+    per_row = prompt_batch.get("images_per_row", torch.zeros(prompt_batch["input_ids"].shape[0], dtype=torch.long)).tolist()
+    starts = [sum(per_row[:i]) for i in range(len(per_row))]
+    grids = []
+    for r, vision in zip(rows.tolist(), tool_vision):
+        grids += [g.cpu() for g in prompt[starts[r] : starts[r] + per_row[r]]]
+        if vision and "image_grid_thw" in vision:
+            grids += list(vision["image_grid_thw"].cpu().unbind(0))
+    return torch.stack(grids) if grids else None
+
+
+def sequence_logps_prefix(
+    model,
+    prompt_batch: dict,
+    row_prompt: torch.Tensor,
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    tool_vision: list[dict],
+    temperature: float = 1.0,
+    chunk_tokens: int = 0,
+) -> torch.Tensor:
+    """`sequence_logps` with each unique prompt (and its images) run once: the U prompts are prefilled, their K/V
+    gathered to the N rows (as `prefix.completion_logps_prefix`), and each row's turns run on top with only its tool
+    images (encoded once each). M-RoPE positions of the turns come from the model's get_rope_index over each row's whole
+    sequence (a text-only computation), so they are the positions `sequence_logps` gives them."""
+    from vlmrl.models.logprobs import MROPE_FAMILIES, grouped_family
+    from vlmrl.models.prefix import _cache_rows, _prefill, prefix_positions
+
+    core = unwrap(model)
+    rows = torch.as_tensor(row_prompt, dtype=torch.long).reshape(-1).to(prompt_batch["input_ids"].device)
+    P, T = prompt_batch["input_ids"].shape[1], ids.shape[1]
+    position_ids, _ = prefix_positions(model, prompt_batch)
+    out = _prefill(model, prompt_batch, position_ids, lm_logits=False)
+    first = out.last_hidden_state[:, -1].index_select(0, rows).unsqueeze(1)  # [N, 1, H] predicts each row's first token
+    if T == 1:
+        return selective_logps(first, core.get_output_embeddings(), ids, temperature, chunk_tokens)
+    cache = out.past_key_values
+    _cache_rows(cache, rows=rows)
+    turns, turn_mask = ids[:, : T - 1], attention_mask[:, : T - 1].to(prompt_batch["attention_mask"])  # the last token predicts nothing
+    mask = torch.cat([prompt_batch["attention_mask"].index_select(0, rows), turn_mask], dim=1)
+    image_token = getattr(core.config, "image_token_id", getattr(core.config, "image_token_index", None))
+    step = {
+        "input_ids": turns,
+        "attention_mask": mask,
+        "past_key_values": cache,
+        "cache_position": torch.arange(P, P + T - 1, device=rows.device),
+        "use_cache": True,
+        **{k: v.to(rows.device) for k, v in _merged_tool_vision(tool_vision).items()},
+    }
+    if grouped_family(model) in MROPE_FAMILIES:
+        inner = core.model
+        full = torch.cat([prompt_batch["input_ids"].index_select(0, rows), turns], dim=1)
+        kwargs = {"input_ids": full, "mm_token_type_ids": (full == image_token).long(), "attention_mask": mask}
+        grids = _row_grids(prompt_batch, rows, tool_vision)
+        kwargs["image_grid_thw"] = grids.to(rows.device) if grids is not None else None
+        positions, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, kwargs))
+        step["position_ids"] = positions[..., P:]
+        if "mm_token_type_ids" in prompt_batch:
+            step["mm_token_type_ids"] = (turns == image_token).to(prompt_batch["mm_token_type_ids"].dtype)
+    rest = core.model(**step).last_hidden_state
+    del out
+    return selective_logps(torch.cat([first.to(rest.dtype), rest], dim=1), core.get_output_embeddings(), ids, temperature, chunk_tokens)
+
+
 def logps_for_rows(model, prompt_batch: dict, row_prompt, ids, completion_mask, opts, tool_vision: list | None = None) -> torch.Tensor:
-    """The trainer's per-token log-probs: `prefix.completion_logps_for` for single-turn rows (tool_vision None), else
-    `sequence_logps` over the whole multi-turn sequence (completion_mask: every real token, model and tool)."""
-    from vlmrl.models.prefix import completion_logps_for
+    """The trainer's per-token log-probs: `prefix.completion_logps_for` for single-turn rows (tool_vision None), else the
+    whole multi-turn sequence (completion_mask: every real token, model and tool): each prompt prefilled once
+    (`sequence_logps_prefix`, memory.shared_prefix) or every row forwarded whole (`sequence_logps`)."""
+    from vlmrl.models.prefix import completion_logps_for, prefix_supported
 
     if tool_vision is None:
         return completion_logps_for(model, prompt_batch, row_prompt, ids, completion_mask, opts)
+    shared = opts.shared_prefix and prefix_supported(model, prompt_batch, torch.is_grad_enabled())
+    fn = sequence_logps_prefix if shared else sequence_logps
     with opts.autocast():
-        return sequence_logps(model, prompt_batch, row_prompt, ids, completion_mask, tool_vision, opts.temperature, opts.chunk_tokens)
+        return fn(model, prompt_batch, row_prompt, ids, completion_mask, tool_vision, opts.temperature, opts.chunk_tokens)
 
 
 def rendered_conversation(processor, trajectory: Trajectory) -> str:

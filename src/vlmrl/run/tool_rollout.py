@@ -17,6 +17,7 @@ from vlmrl.models.multiturn import TurnLimits, multiturn_supported, sample_multi
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.tools.environment import ToolEnvironment
 from vlmrl.tools.registry import ToolError, load_tools
+from vlmrl.tools.render import PARSE_ERROR_NAME
 
 
 def load_run_tools(cfg: Config, model=None) -> dict:
@@ -61,6 +62,13 @@ def make_environments(cfg: Config, tools: dict, rows: list[dict], G: int) -> lis
 
 def sample_with_tools(model, processor, cfg: Config, tools: dict, rows: list[dict], prompts: dict, prompt_seeds: list[int]) -> Completions:
     """G multi-turn rollouts per prompt (rollout.* sampling, tools.* budgets) as the loop's Completions."""
+    from vlmrl.models.prefix import decoding_is_synced
+
+    if decoding_is_synced():  # every process would have to run the same number of forwards, resumes included
+        raise ConfigError(
+            "tools.tools: multi-turn rollouts need each process to decode on its own; with memory.generation_gather=layers "
+            "(ZeRO-3 / FSDP2) the processes decode in step, which the multi-turn engine does not do: use memory.generation_gather=full"
+        )
     r = cfg.rollout
     envs = make_environments(cfg, tools, rows, r.num_generations)
     tokenizer = processor.tokenizer
@@ -94,8 +102,16 @@ def sample_with_tools(model, processor, cfg: Config, tools: dict, rows: list[dic
     )
 
 
+def _failed(message: dict) -> bool:
+    """A tool message that reports a failure (`execute.ToolResult.error`, or a tool call that could not be read)."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return message.get("name") == PARSE_ERROR_NAME or text.startswith(f"tool {message.get('name')!r} failed:")
+
+
 def multiturn_metrics(comp: Completions) -> dict:
-    """tools/* of one step: turns and tool calls per rollout, the share of each end reason, model tokens per rollout."""
+    """tools/* of one step: turns and tool calls per rollout, the share of calls that worked, the share of each end
+    reason, model tokens per rollout."""
     if comp.trajectories is None:
         return {}
     trajs = comp.trajectories
@@ -105,6 +121,9 @@ def multiturn_metrics(comp: Completions) -> dict:
         "tools/calls_mean": sum(len(t.tool_calls) for t in trajs) / n,
         "tools/model_tokens_mean": float(comp.loss_mask.sum()) / n,
     }
+    results = [m for t in trajs for m in t.completion if m.get("role") == "tool"]
+    if results:
+        out["tools/call_success_rate"] = sum(not _failed(m) for m in results) / len(results)
     for reason in sorted({t.end_reason for t in trajs}):
         out[f"tools/end_{reason}"] = sum(t.end_reason == reason for t in trajs) / n
     return out

@@ -14,6 +14,6 @@ timeout, tool-call parsing, tool turns for chat templates, the environment proto
 - ``environment``: the ``reset(row)`` / ``step(action_text)`` protocol and ``ToolEnvironment``.
 - ``trajectory``: a finished multi-turn conversation in TRL's conversational shape, for rewards.
 
-Issue 28, parts 1 and 6. The in-engine multi-turn rollout, loss masks and planner terms are not built yet
-(see docs/tools.md).
+Issue 28, parts 1 and 6. The in-engine multi-turn rollout is ``vlmrl.models.multiturn``; the GRPO loop's glue is
+``vlmrl.run.tool_rollout`` (docs/tools.md).
 """
