@@ -251,8 +251,10 @@ def markdown(result: dict) -> str:
         + f"; torch {result['machine']['torch']}, transformers {result['machine']['transformers']}.",
         "",
         f"Task: {result['task']['n_train']} train / {result['task']['n_test']} held-out rows, 448x448 images seen at 56x56, "
-        f"4 places, 4 answers (chance 25%). SFT: {result['sft_steps']} language steps (+20 projector steps), batch 32, the same "
-        "for both SFT models. Evaluation: greedy, the plain multi-turn loop (vlmrl.models.tool_loop), at most 3 turns.",
+        f"4 places, 4 answers (chance 25%). SFT: {result['sft_steps']} language steps (+20 projector steps)"
+        + (f", then a second run of {result['more_sft_steps']} steps from it" if result.get("more_sft_steps") else "")
+        + ", batch 32, lr 1e-3, vision tower trained, the same for both SFT models. "
+        + "Evaluation: greedy, the plain multi-turn loop (vlmrl.models.tool_loop), at most 3 turns.",
         "",
         "| held-out | " + " | ".join(label for label, _ in cols) + " |",
         "|---|" + "---|" * len(cols),
@@ -321,11 +323,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--more-sft-steps", type=int, default=0, help="a second SFT run of this many steps from each SFT model")
     p.add_argument("--grpo-steps", type=int, default=0, help="GRPO steps with the tool after the tool SFT (0: none)")
     p.add_argument("--reuse", action="store_true", help="keep SFT models already trained in --out-dir (same settings)")
-    p.add_argument("--figure", metavar="RESULT_JSON", help="only draw the figure of a results file (next to it, .png)")
+    p.add_argument("--figure", metavar="RESULT_JSON", help="only write the .md and .png of a results file (next to it)")
     args = p.parse_args(argv)
-    if args.figure:
+    if args.figure:  # the .md and .png of a results file, from its JSON
         path = Path(args.figure)
-        figure(json.loads(path.read_text()), path.with_suffix(".png"))
+        result = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(markdown(result))
+        figure(result, path.with_suffix(".png"))
         return {}
     if args.quick:
         args.n_train, args.n_test, args.sft_steps = 64, 16, 4
