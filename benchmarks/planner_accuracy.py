@@ -539,15 +539,16 @@ CPU_GRID = [  # name, tiny-model dims, command, config overrides
 ]
 
 
-def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Path) -> dict:
+def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Path, model: Path | None = None) -> dict:
     """One real `vlmrl train` / `vlmrl sft` of 2 steps on the CPU in a fresh process; the planner's logged
-    prediction (plan/*) next to the measured lifetime peak RSS (mem/host_peak_rss) of that process."""
+    prediction (plan/*) next to the measured lifetime peak RSS (mem/host_peak_rss) of that process. `model`: a
+    trained model folder instead of a tiny one built with `dims`."""
     import subprocess
 
     from vlmrl.data.tasks import make_count_task
     from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
-    model = work / f"model-{abs(hash(json.dumps(dims, sort_keys=True))) % 10**8}"
+    model = model or work / f"model-{abs(hash(json.dumps(dims, sort_keys=True))) % 10**8}"
     if not (model / "config.json").exists():
         build_tiny_qwen25vl(model, **dims)
     data = work / "count"
@@ -584,7 +585,9 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "plan/host_peak_rss" in r][-1]
     measured, predicted, runtime = last["mem/host_peak_rss"], last["plan/host_peak_rss"], last["plan/host_runtime"]
+    tools = {k: round(sum(r.get(k, 0.0) for r in rows) / len(rows), 3) for k in ("tools/turns_mean", "tools/calls_mean") if k in last}
     return {
+        **({"tools_mean_over_steps": tools} if tools else {}),
         "name": name,
         "command": command,
         "dims": dims or "tiny defaults",
@@ -597,6 +600,40 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
         "above_runtime_difference_pct": round(100 * ((predicted - runtime) / (measured - runtime) - 1), 2),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+# Multi-turn GRPO with the zoom tool (issue 28): a tiny model trained to call it (benchmarks/zoom_task.py's tool SFT
+# model, --model), the zoom task's rows; 2 steps each, as the cpu grid. tools.max_turn_tokens is the planner's turn length.
+MT_COMMON = [
+    "rollout.engine=continuous",
+    "tools.tools=[zoom]",
+    "tools.max_turn_tokens=96",
+    "tools.max_total_tokens=256",
+    "rollout.max_completion_length=96",
+    "algorithm.reward_funcs=[accuracy]",
+]
+MT_GRID = [
+    ("tiny-grpo-zoom-single-turn", ["rollout.max_completion_length=96", "algorithm.reward_funcs=[accuracy]"]),
+    ("tiny-grpo-zoom-2turns", MT_COMMON + ["tools.max_turns=2"]),
+    (
+        "tiny-grpo-zoom-3turns-G8",
+        MT_COMMON + ["tools.max_turns=3", "rollout.num_generations=8", "rollout.generation_batch_size=16", "training.per_device_train_batch_size=8"],
+    ),
+]
+
+
+def multiturn_runs(model: Path, work: Path, only: str = "") -> list[dict]:
+    """cpu_run of MT_GRID on the zoom task with `model` (which calls the tool, so the rollouts are multi-turn)."""
+    from vlmrl.data.tasks import make_zoom_task
+
+    data = work / "zoom"
+    files = make_zoom_task(data, n_train=32, n_test=0)
+    rows = []
+    for name, overrides in MT_GRID:
+        if only and name not in only.split(","):
+            continue
+        rows.append(cpu_run(name, {}, "train", [f"data.train_path={files['train']}", *overrides], work, model=model))
+    return rows
 
 
 def _md_cpu(rows: list[dict], date: str, machine: str) -> str:
@@ -752,9 +789,35 @@ def _md_measured(rows: list[dict], meta: dict, predicted_on: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _multiturn_mode(args, out: Path, today: str) -> int:
+    import os
+    import platform
+    import tempfile
+
+    if not args.model:
+        raise SystemExit("multiturn: --model DIR (a model that calls the zoom tool, e.g. benchmarks/zoom_task.py's sft_tool/final)")
+    machine = f"CPU {platform.machine()}, {os.cpu_count()} cores (shared), load {'/'.join(f'{v:.1f}' for v in os.getloadavg())} at the start"
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = multiturn_runs(Path(args.model), Path(tmp), args.only)
+    for r in rows:
+        got = f"measured {r['measured_peak_rss_gib']:.3f} predicted {r['predicted_peak_rss_gib']:.3f} {r['difference_pct']:+.1f}%"
+        print(f"{r['name']:<28} {got} {r.get('tools_mean_over_steps', {})}")
+    stem = out / f"planner_accuracy_cpu_multiturn_{today}"
+    stem.with_suffix(".json").write_text(json.dumps({"date": today, "machine": machine, "model": args.model, "rows": rows}, indent=1))
+    note = (
+        "Multi-turn rows: `python benchmarks/planner_accuracy.py multiturn --model <tool SFT model>`: GRPO with tools.tools=[zoom] on the "
+        "zoom task (448x448 images seen at 56x56), rollout.engine=continuous; the planner's turn length is tools.max_turn_tokens (96), "
+        "its sequence tools.max_turns x that + 32 text tokens and one image per tool turn (capped at tools.max_total_tokens=256). "
+        "tools_mean_over_steps: turns and tool calls per rollout the run actually made. " + (args.note or "")
+    )
+    stem.with_suffix(".md").write_text(_md_cpu(rows, today, machine) + "\n" + note + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu", "trl", "deepspeed", "_trl_child"))
+    ap.add_argument("mode", choices=("trace", "measured", "field", "cpu", "multiturn", "trl", "deepspeed", "_trl_child"))
+    ap.add_argument("--model", help="multiturn: a model trained to call the zoom tool (zoom_task.py's sft_tool/final)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--only", default="", help="trace: comma-separated grid names")
     ap.add_argument("--inputs", nargs="*", default=None, help="measured: gpu_memory_*.json files (default: all in benchmarks/results)")
@@ -787,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
         return _trl_mode(args, out, today)
     if args.mode == "deepspeed":
         return _deepspeed_mode(args, out, today)
+    if args.mode == "multiturn":
+        return _multiturn_mode(args, out, today)
     if args.mode == "cpu":
         import platform
         import tempfile

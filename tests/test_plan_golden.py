@@ -25,13 +25,29 @@ def test_the_golden_file_covers_the_trace_grid_and_the_planner_tests():
     assert any("error" in c["expected"] for c in CASES)  # PlanError messages are part of the answer too
 
 
+# Added after the golden file was written (issue 28, multi-turn): at their single-turn values they change no figure.
+MULTITURN_TERMS = ("tool_image_inputs",)
+MULTITURN_FIELDS = ("tool_turns", "tool_images_per_turn", "tool_text_tokens", "max_images", "max_total_tokens")
+
+
+def single_turn_view(got: dict) -> dict:
+    """`got` without the multi-turn terms and workload fields when they hold their single-turn values (kept otherwise,
+    so a single-turn case that grew a tool term still fails)."""
+    if "terms" not in got:
+        return got
+    default = Workload()
+    terms = {k: v for k, v in got["terms"].items() if not (k in MULTITURN_TERMS and v == 0)}
+    workload = {k: v for k, v in got["workload"].items() if not (k in MULTITURN_FIELDS and v == getattr(default, k))}
+    return {**got, "terms": terms, "workload": workload}
+
+
 @pytest.mark.parametrize("chunk", range(8))
 def test_every_figure_equals_the_golden_file(chunk):
     """Every term, phase, host term, verdict, note and step time, exactly (ints and float bits), in 8 slices."""
     mismatches = []
     for case in CASES[chunk::8]:
         spec, w = rebuild(ModelSpec, case["spec"]), rebuild(Workload, case["workload"])
-        got = outcome(plan, spec, w)
+        got = single_turn_view(outcome(plan, spec, w))
         if got != case["expected"]:
             diff = {k: (case["expected"].get(k), got.get(k)) for k in set(got) | set(case["expected"]) if got.get(k) != case["expected"].get(k)}
             mismatches.append((spec.name, diff))

@@ -12,7 +12,7 @@ from vlmrl.data.tasks import chance_levels, make_count_task, write_task_info
 from vlmrl.run.tracking import RunLogger
 
 
-def fake_run(out, grpo=True, steps=6, **config_overrides):
+def fake_run(out, grpo=True, steps=6, extra=None, **config_overrides):
     """metrics.jsonl / eval.jsonl of a short run, and its config.yaml as a run saves it."""
     overrides = [f"training.output_dir={out}", *(f"{k}={v}" for k, v in config_overrides.items())]
     save_config(load_config(None, overrides), out / "config.yaml")
@@ -21,7 +21,7 @@ def fake_run(out, grpo=True, steps=6, **config_overrides):
             metrics = {"loss": 1e-8 * s, "time/step": 0.5, "mem/host_peak_rss": 0.4, "plan/host_peak_rss": 0.42}
             if grpo:
                 metrics.update(reward=s / steps, reward_std=0.3, frac_reward_zero_std=0.5, clip_ratio=0.01, kl=0.0)
-            logger.log(s, metrics)
+            logger.log(s, {**metrics, **(extra or {})})
         logger.log_eval(steps, {"eval/accuracy": 0.5, "eval/num_samples": 8.0})
 
 
@@ -44,6 +44,16 @@ def test_grpo_report_explains_the_loss_and_shows_the_learning_signal(tmp_path):
     signal = [line.get_label() for line in axes["learning signal"].lines]
     assert {"reward std", "groups with equal rewards", "clipped token fraction"} <= set(signal)
     assert "KL to reference" in axes  # beta > 0: a reference exists, its KL is drawn
+
+
+def test_tool_use_panel_only_for_runs_that_log_tool_metrics(tmp_path):
+    tools = {"tools/turns_mean": 1.5, "tools/calls_mean": 0.5, "tools/success_rate": 1.0, "tools/model_tokens_mean": 40.0}
+    fake_run(tmp_path / "tools", extra=tools)
+    axes = axes_by_title(build_report(tmp_path / "tools"))
+    # Counts and shares share a panel; token counts (another scale) stay out of it.
+    assert {line.get_label() for line in axes["tool use (per rollout)"].lines} == {"turns_mean", "calls_mean", "success_rate"}
+    fake_run(tmp_path / "plain")
+    assert "tool use (per rollout)" not in axes_by_title(build_report(tmp_path / "plain"))
 
 
 def test_kl_panel_is_left_out_when_beta_is_zero(tmp_path):

@@ -246,3 +246,89 @@ def make_ground_task(
 
 
 TASKS: dict[str, Callable[..., dict[str, Path]]] = {"count": make_count_task, "ground": make_ground_task}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The zoom task (issue 28): a detail too small to read at the model's pixel budget
+
+
+CORNERS = ("top-left", "top-right", "bottom-left", "bottom-right")
+
+
+def zoom_spots(image_size: int, seen_size: int, spots: int) -> list[tuple[list[int], tuple[int, int]]]:
+    """The candidate places of the zoom task's detail: for each, the box a zoom must ask for, in the pixels of the image
+    the model sees (``seen_size`` a side, Qwen2.5-VL's convention), and the original-pixel top-left corner of that box.
+
+    Spots sit at the centres of a ``side x side`` grid (``spots`` must be a square: 1, 4, 9); each box is 2 seen
+    pixels a side, so the detail (half a box) is one seen pixel and the zoomed box shows it ~28 pixels across."""
+    side = math.isqrt(spots)
+    if side * side != spots or side < 1:
+        raise ValueError(f"spots must be a square number (1, 4, 9, ...), got {spots}")
+    if image_size % seen_size:
+        raise ValueError(f"image_size ({image_size}) must be a multiple of seen_size ({seen_size})")
+    scale, cell = image_size // seen_size, seen_size // side
+    out = []
+    for i in range(spots):
+        row, col = divmod(i, side)
+        x, y = col * cell + cell // 2 - 1, row * cell + cell // 2 - 1
+        out.append(([x, y, x + 2, y + 2], (x * scale, y * scale)))
+    return out
+
+
+def _corner_square(draw: ImageDraw.ImageDraw, x: int, y: int, size: int, missing: str) -> None:
+    """A white ``size`` square at (x, y) made of 2x2 blocks with the `missing` block left out: the same ink for every
+    answer, so the blurred detail (one seen pixel) says nothing about which corner is missing."""
+    half = size // 2
+    for name, (bx, by) in zip(CORNERS, ((0, 0), (half, 0), (0, half), (half, half))):
+        if name != missing:
+            draw.rectangle([x + bx, y + by, x + bx + half - 1, y + by + half - 1], fill=(255, 255, 255))
+
+
+def make_zoom_task(
+    out_dir: str | os.PathLike,
+    *,
+    n_train: int,
+    n_test: int,
+    seed: int = 0,
+    image_size: int = 448,
+    seen_size: int = 56,
+    spots: int = 4,
+    jitter: int | None = None,
+) -> dict[str, Path]:
+    """Zoom: "Which corner of the small square is missing?" about a white square (2x2 blocks, one missing) drawn
+    one seen pixel wide at one of `spots` places of a black ``image_size`` image; at a pixel budget of ``seen_size``
+    squared (data.max_pixels = seen_size**2) the model sees it as a blur, and reads it only by zooming into its box.
+
+    Answers are balanced over CORNERS (chance 25%). Rows: image, problem, solution ("top-left"), response
+    ("<answer>top-left</answer>"), zoom_box (the box to zoom into, in seen pixels: what the tool call must ask for).
+    The square is centred in its box and moved by up to `jitter` original pixels (default a quarter of its side) each
+    way, so its blurred centre of mass (1/12 of its side off centre, towards the filled corners) does not give the
+    answer away, while the zoomed box still shows its blocks in about the same place. Returns {"train", "test",
+    "images"} paths."""
+    places = zoom_spots(image_size, seen_size, spots)
+    box_side = 2 * (image_size // seen_size)  # the zoom box in original pixels
+    size = box_side // 2
+    jitter = size // 4 if jitter is None else jitter
+    if not 0 <= jitter <= (box_side - size) // 2:
+        raise ValueError(f"jitter must be between 0 and {(box_side - size) // 2} pixels, got {jitter}")
+    centre = (box_side - size) // 2
+
+    def make_row(rng: random.Random, missing: str, rel: str) -> dict:
+        seen_box, (x0, y0) = places[rng.randrange(len(places))]
+        im = Image.new("RGB", (image_size, image_size), (0, 0, 0))
+        dx, dy = rng.randint(-jitter, jitter), rng.randint(-jitter, jitter)
+        _corner_square(ImageDraw.Draw(im), x0 + centre + dx, y0 + centre + dy, size, missing)
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        return {
+            "image": rel,
+            "problem": "Which corner of the small square is missing? Output the answer as <answer>corner</answer>.",
+            "solution": missing,
+            "response": f"<answer>{missing}</answer>",
+            "zoom_box": seen_box,
+            "_png": buf.getvalue(),
+        }
+
+    files = _write_splits(out_dir, f"zoom:{seed}", {"train": n_train, "test": n_test}, make_row, lambda rng, n: _balanced(rng, list(CORNERS), n))
+    write_task_info(out_dir, {"task": "zoom", "chance": {"accuracy": 1 / len(CORNERS)}, "seen_size": seen_size})
+    return files

@@ -54,6 +54,21 @@ def parse_memory(text: str | float) -> int:
     return int(value * base**scale)
 
 
+def multiturn_fields(cfg) -> dict:
+    """Workload fields of tools.* (multi-turn rollouts): tool turns = max_turns - 1, each model turn max_turn_tokens
+    long, one image per tool turn within tools.max_images, the sequence capped at tools.max_total_tokens. {} when the
+    run is single-turn (no tools.tools, or a config from before tools existed)."""
+    tools = getattr(cfg, "tools", None)
+    if tools is None or not tools.tools:
+        return {}
+    return {
+        "tool_turns": max(0, tools.max_turns - 1),
+        "completion_tokens": tools.max_turn_tokens or cfg.rollout.max_completion_length,
+        "max_images": tools.max_images,
+        "max_total_tokens": tools.max_total_tokens,
+    }
+
+
 def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, **extra) -> Workload:
     m, t, r, a, d, mem = cfg.model, cfg.training, cfg.rollout, cfg.algorithm, cfg.data, cfg.memory
     kw = dict(
@@ -89,6 +104,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         world_size=world_size,
         gpu_memory_bytes=gpu_memory_bytes,
     )
+    kw.update(multiturn_fields(cfg))
     host_gib = getattr(t, "auto_fit_host_memory_gib", None)
     if host_gib:
         kw["host_memory_bytes"] = int(host_gib * GiB)

@@ -150,6 +150,20 @@ def prompt_vision(spec: ModelSpec, w: Workload) -> tuple[int, int]:
     return patches, image_tokens(spec, w.max_pixels) * w.images_per_prompt + t * frame // spec.merge_size**2
 
 
+def tool_images(w: Workload) -> int:
+    """Images the tools return in one rollout: tool_images_per_turn per tool turn, as many as the rollout's image budget
+    (max_images, the row's own images included) leaves. 0 for single-turn rollouts."""
+    return min(w.tool_turns * w.tool_images_per_turn, max(0, w.max_images - w.images_per_prompt))
+
+
+def multiturn_completion_tokens(spec: ModelSpec, w: Workload) -> int:
+    """Tokens of one row after its prompt, the sequence the rollout caches and the update scores: tool_turns + 1 model
+    turns of completion_tokens, and per tool turn its text (tool_text_tokens) and image tokens at the pixel cap; at most
+    max_total_tokens (when set). Single-turn: completion_tokens."""
+    tokens = (w.tool_turns + 1) * w.completion_tokens + w.tool_turns * w.tool_text_tokens + tool_images(w) * image_tokens(spec, w.max_pixels)
+    return min(tokens, w.max_total_tokens) if w.max_total_tokens > 0 else tokens
+
+
 def unique_prompts(micro_batch: int, generations: int) -> int:
     """Prompts among `micro_batch` consecutive rows when rows are prompt-major, `generations` per prompt: N / G rounded
     up when one divides the other, else one more (the bound for a micro-batch not aligned to the groups), at most N."""
@@ -173,6 +187,7 @@ class MicroBatch:
     naive_video: bool  # a batch with videos takes the naive path (each row encodes its own pixels)
     fallback: bool  # the family has no fast paths: grouped vision and the shared prefix fell back (naive_fallback)
     pixel_bytes: int  # float32 pixel values of one prompt
+    tool_patches: int = 0  # vision patches of one row's tool images (each row has its own: not shared by its group)
 
     @property
     def text_tokens(self) -> int:
@@ -192,8 +207,8 @@ class MicroBatch:
 
     @property
     def vision_patches(self) -> int:
-        """Patches the vision pass encodes."""
-        return self.encodes * self.patches
+        """Patches the vision pass encodes: the prompts' (once per encode) and every row's tool images."""
+        return self.encodes * self.patches + self.N * self.tool_patches
 
 
 def micro_batch(spec: ModelSpec, w: Workload, fallback: bool = False) -> MicroBatch:
@@ -207,7 +222,7 @@ def micro_batch(spec: ModelSpec, w: Workload, fallback: bool = False) -> MicroBa
         vision_tokens=vision_tokens,
         video_tokens=math.prod(video_grid(spec, w)) // spec.merge_size**2,
         P=w.prompt_text_tokens + video_text_tokens(spec, w) + vision_tokens,
-        C=w.completion_tokens,
+        C=multiturn_completion_tokens(spec, w),
         N=w.micro_batch,
         U=U,
         prefix=prefix,
@@ -215,4 +230,5 @@ def micro_batch(spec: ModelSpec, w: Workload, fallback: bool = False) -> MicroBa
         naive_video=naive_video,
         fallback=fallback,
         pixel_bytes=patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4,
+        tool_patches=tool_images(w) * image_patches(spec, w.max_pixels),
     )

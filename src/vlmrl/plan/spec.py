@@ -120,7 +120,12 @@ class Workload:
     images_per_prompt: int = 1
     video_frames: int = 0  # frames of one video per prompt (data.max_frames); 0 = image prompts only (Qwen2-VL / Qwen2.5-VL)
     video_max_pixels: int = 128 * 28 * 28  # pixel cap per video frame (data.video_max_pixels)
-    completion_tokens: int = 64
+    completion_tokens: int = 64  # new tokens of one model turn (multi-turn: tools.max_turn_tokens)
+    tool_turns: int = 0  # multi-turn rollouts: tool turns per rollout (tools.max_turns - 1); 0 = single-turn
+    tool_images_per_turn: int = 1  # images one tool turn returns (the built-in image tools return one)
+    tool_text_tokens: int = 32  # text tokens a tool turn appends besides its image tokens (template glue, result text, next prompt)
+    max_images: int = 8  # images per rollout, the row's included (tools.max_images)
+    max_total_tokens: int = 0  # tokens after the prompt, model and tool turns together (tools.max_total_tokens); 0 = no cap
     logprob_chunk_tokens: int = 128
     group_vision: bool = True
     shared_prefix: bool = True
@@ -148,6 +153,12 @@ class Workload:
     @property
     def rows_per_step(self) -> int:
         return self.prompts_per_step * self.num_generations
+
+
+def _multiturn_problems(w: Workload) -> list[str]:
+    fields = ("tool_turns", "tool_images_per_turn", "tool_text_tokens", "max_images", "max_total_tokens")
+    negative = [f"{f}={getattr(w, f)}" for f in fields if getattr(w, f) < 0]
+    return [f"{', '.join(negative)}: multi-turn counts must be >= 0"] if negative else []
 
 
 def check_workload(w: Workload) -> None:
@@ -178,6 +189,7 @@ def check_workload(w: Workload) -> None:
         problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if w.video_frames < 0 or w.video_max_pixels < 1:
         problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
+    problems += _multiturn_problems(w)
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:

@@ -18,7 +18,7 @@ from vlmrl.plan.coefficients import (
     text_layer_bytes,
     vision_block_bytes,
 )
-from vlmrl.plan.geometry import MicroBatch, image_patches, video_grid
+from vlmrl.plan.geometry import MicroBatch, image_patches, tool_images, video_grid
 from vlmrl.plan.profiles import logprob_head_bytes, pixel_copies_bytes
 from vlmrl.plan.spec import COMM_BUCKET_BYTES, DTYPE_BYTES, ModelSpec, Workload
 
@@ -208,9 +208,15 @@ def pixel_value_copies(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     return pixel_copies_bytes(w, mb.pixel_bytes)
 
 
+def tool_image_inputs(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
+    """Multi-turn: float32 pixel values of every row's tool images, kept for the step (the update re-encodes them)."""
+    return w.rows_per_step * mb.tool_patches * 3 * spec.temporal_patch * spec.patch_size**2 * 4
+
+
 def pixel_inputs(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
-    """Float32 pixel values of the step's prompts (once per prompt, plus a plain trainer's copies)."""
-    return w.prompts_per_step * mb.pixel_bytes + pixel_value_copies(spec, w, mb)
+    """Float32 pixel values of the step's prompts (once per prompt, plus a plain trainer's copies) and of the rows'
+    tool images (tool_image_inputs)."""
+    return w.prompts_per_step * mb.pixel_bytes + pixel_value_copies(spec, w, mb) + tool_image_inputs(spec, w, mb)
 
 
 def rollout_buffers(spec: ModelSpec, w: Workload, mb: MicroBatch) -> int:
@@ -223,8 +229,9 @@ def rollout_buffers(spec: ModelSpec, w: Workload, mb: MicroBatch) -> int:
 
 
 def batch_inputs(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
-    """The step's own pixel values and its rollout buffers (the copies are pixel_value_copies)."""
-    return pixel_inputs(spec, w, mb) - pixel_value_copies(spec, w, mb) + rollout_buffers(spec, w, mb)
+    """The step's own prompt pixel values and its rollout buffers (the copies are pixel_value_copies, the tool images'
+    pixels tool_image_inputs)."""
+    return pixel_inputs(spec, w, mb) - pixel_value_copies(spec, w, mb) - tool_image_inputs(spec, w, mb) + rollout_buffers(spec, w, mb)
 
 
 def naive_row_pixel_copies(spec: ModelSpec, w: Workload, mb: MicroBatch) -> int:
@@ -451,9 +458,19 @@ def kv_cache(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     return rows * (mb.P + mb.C) * per_token + rows * linear_state_bytes(spec, cb)
 
 
+def tool_image_encode(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
+    """Multi-turn: the vision tower's temporaries while the rollout encodes one tool turn's images of every held row
+    (rows pause on a call together) before they are placed in the cache. SFT and single-turn: none."""
+    if w.mode == "sft" or not mb.tool_patches or not spec.v_layers:
+        return 0
+    per_turn = mb.tool_patches // max(1, tool_images(w)) * min(w.tool_images_per_turn, tool_images(w))
+    return generation_rows(w)[0] * per_turn * compute_bytes(w) * (6 * spec.v_hidden + 3 * spec.v_intermediate)
+
+
 def generation_temporaries(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     """The rollout's largest transient: a prefill layer's MLP / attention temporaries, eager scores of the prefill,
-    the vision tower's temporaries over the prefilled images, or sampling's float32 logits (3 per row). SFT: none."""
+    the vision tower's temporaries over the prefilled images or over a tool turn's images (tool_image_encode), or
+    sampling's float32 logits (3 per row). SFT: none."""
     if w.mode == "sft":
         return 0
     cb = compute_bytes(w)
@@ -463,6 +480,7 @@ def generation_temporaries(spec: ModelSpec, w: Workload, mb: MicroBatch) -> floa
         prefill * mb.P * cb * (4 * spec.hidden + 3 * spec.intermediate),
         eager_attention_bytes(spec, w, cb, ((prefill, mb.P, mb.P),), 0, 0)["transient"],
         prefill * mb.patches * cb * (6 * spec.v_hidden + 3 * spec.v_intermediate) if spec.v_layers else 0,
+        tool_image_encode(spec, w, mb),
         rows * spec.vocab * 4 * 3,
     )
 
@@ -491,6 +509,7 @@ TERMS = {
     "gathered_parameters": gathered_parameters,
     "gathered_for_generation": gathered_for_generation,
     "batch_inputs": batch_inputs,
+    "tool_image_inputs": tool_image_inputs,
     "pixel_value_copies": pixel_value_copies,
     "naive_row_pixel_copies": naive_row_pixel_copies,
     "comm_buffers": comm_buffers,

@@ -142,6 +142,9 @@ def _memory_curves(train: list[dict], train_keys: list[str]) -> list:
     return curves + [(f"{predicted.removeprefix('plan/')} (predicted)", _series(train, predicted))]
 
 
+TOOL_PREFIX = "tools/"  # training metrics of tool-using rollouts (run/tool_rollout.py: tools/turns_mean, tools/calls_mean, ...)
+
+
 def build_report(output_dir: str | Path, title: str | None = None) -> Figure:
     """The report's figure (see `make_report`), for saving or inspecting."""
     out = Path(output_dir)
@@ -200,6 +203,9 @@ def build_report(output_dir: str | Path, title: str | None = None) -> Figure:
         )
     else:
         panels.append(lambda ax: _panel(ax, "eval answer length", [("eval", _series(evals, "eval/mean_length"))], ylabel="tokens"))
+    tool_keys = [k for k in train_keys if k.startswith(TOOL_PREFIX) and "tokens" not in k]  # counts and shares, not lengths
+    if tool_keys:  # multi-turn rollouts with tools (issue 28): turns and tool calls per rollout, calls that succeeded
+        panels.append(lambda ax: _panel(ax, "tool use (per rollout)", curves(tool_keys, strip=TOOL_PREFIX), legend=True))
     panels += [
         lambda ax: _panel(ax, "peak memory", _memory_curves(train, train_keys), ylabel="GiB", legend=True),
         lambda ax: _panel(ax, "step time", curves(["time/step"]), ylabel="s"),
