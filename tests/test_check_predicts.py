@@ -136,6 +136,7 @@ def test_image_fingerprints_name_a_replaced_or_gone_image_and_skip_embedded_ones
     (tmp_path / "a.png").write_bytes(bytes(data))  # the same size, other bytes
     (tmp_path / "b.png").unlink()
     assert changed_images(saved) == [f"image {files[0]}: replaced (its content changed)", f"image {files[1]}: is gone"]
+    assert changed_inputs({"images": saved}, {}) == changed_images(saved)  # what refuse_resume asks
     assert changed_images(saved, limit=1) == [f"image {files[0]}: replaced (its content changed)", "and 1 more images changed"]
 
 

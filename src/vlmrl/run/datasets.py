@@ -85,8 +85,7 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     if need_train:
         train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
         train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, train_path)
-        reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
-        reports.append(prompts.describe())
+        reports.append(f"train {train_path}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
         eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)

@@ -95,8 +95,9 @@ def count_text_tokens(tokenizer, text: str, stop_above: int | None) -> tuple[int
 class PromptCounter:
     """Prompt tokens of rows for one processor: text tokens + the tokens each image adds, per image size, measured once."""
 
-    def __init__(self, processor, cfg):
+    def __init__(self, processor, cfg, sizes: dict | None = None):
         self.processor, self.tokenizer, self.d = processor, _tokenizer(processor), cfg.data
+        self.sizes = sizes or {}  # image path -> (width, height), as validation read them (else the header is read)
         self._image_tokens: dict[tuple[int, int], int] = {}
         self._probe_text: str | None = None
 
@@ -115,13 +116,15 @@ class PromptCounter:
         return self._image_tokens[size]
 
     def image_size(self, path: str) -> tuple[int, int]:
-        from PIL import Image
+        """The size `path` is resized to (data.min_pixels / max_pixels), as encode_rows resizes it."""
+        if path not in self.sizes:
+            from PIL import Image
 
-        from vlmrl.data.images import oriented_size
+            from vlmrl.data.images import oriented_size
 
-        with Image.open(path) as im:  # the header only
-            w, h = oriented_size(im)
-        return target_size(w, h, self.d.min_pixels, self.d.max_pixels)
+            with Image.open(path) as im:
+                self.sizes[path] = oriented_size(im)
+        return target_size(*self.sizes[path], self.d.min_pixels, self.d.max_pixels)
 
     def row(self, row: dict, limit: int | None) -> tuple[int, int, int | None]:
         """(tokens in all, text tokens, None) of a row's prompt; past `limit` on its raw text alone: (a lower bound of
@@ -143,9 +146,9 @@ class PromptCounter:
         return n_text + n_images, n_text, None
 
 
-def measure_prompts(processor, cfg, rows: list[dict], limit: int | None) -> PromptLengths:
-    """Every row's prompt length against `limit` (None: measured, nothing over)."""
-    counter, out = PromptCounter(processor, cfg), PromptLengths()
+def measure_prompts(processor, cfg, rows: list[dict], limit: int | None, sizes: dict | None = None) -> PromptLengths:
+    """Every row's prompt length against `limit` (None: measured, nothing over). `sizes`: validation's image sizes."""
+    counter, out = PromptCounter(processor, cfg, sizes), PromptLengths()
     for row in rows:
         n, n_text, chars = counter.row(row, limit)
         source = row.get("_source", "?")
@@ -163,7 +166,7 @@ def apply_prompt_budget(processor, cfg, rows: list[dict], report: ValidationRepo
     """The rows within the budget, and their lengths. Over-budget rows: DataError naming the first (one line), or
     with data.skip_bad_rows dropped and counted in `report` (kind prompt_too_long, so bad_rows.jsonl lists them)."""
     limit, what = prompt_budget(cfg)
-    lengths = measure_prompts(processor, cfg, rows, limit)
+    lengths = measure_prompts(processor, cfg, rows, limit, report.image_sizes)
     lengths.budget = what if limit is not None else "none (data.max_prompt_length is unset and the model's config.json names no context length)"
     if not lengths.over:
         return rows, lengths
