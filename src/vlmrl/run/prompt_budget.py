@@ -96,7 +96,7 @@ class PromptCounter:
     """Prompt tokens of rows for one processor: text tokens + the tokens each image adds, per image size, measured once."""
 
     def __init__(self, processor, cfg, sizes: dict | None = None):
-        self.processor, self.tokenizer, self.d = processor, _tokenizer(processor), cfg.data
+        self.processor, self.tokenizer, self.d, self.model = processor, _tokenizer(processor), cfg.data, cfg.model.name_or_path
         self.sizes = sizes or {}  # image path -> (width, height), as validation read them (else the header is read)
         self._image_tokens: dict[tuple[int, int], int] = {}
         self._probe_text: str | None = None
@@ -107,13 +107,27 @@ class PromptCounter:
         if size not in self._image_tokens:
             from PIL import Image
 
-            from vlmrl.models.processing import build_row_prompt, encode_prompts
+            from vlmrl.models.processing import encode_prompts
 
             if self._probe_text is None:
-                self._probe_text = build_row_prompt(self.processor, {"problem": "x"}, 1)
+                self._probe_text = self.render({"problem": "x", "_source": "a one-image prompt"}, 1, 0)
             with_image = encode_prompts(self.processor, [self._probe_text], [[Image.new("RGB", size)]])["attention_mask"].sum().item()
             self._image_tokens[size] = int(with_image) - len(self.tokenizer(self._probe_text, verbose=False)["input_ids"])
         return self._image_tokens[size]
+
+    def render(self, row: dict, images: int, videos: int) -> str:
+        """The row's chat-template text; a template that raises is the model folder's error, in one line (as
+        preflight.check_chat_template words it)."""
+        from vlmrl.models.loading import ModelLoadError
+        from vlmrl.models.processing import build_row_prompt
+
+        try:
+            return build_row_prompt(self.processor, row, images, self.d.system_prompt, videos)
+        except Exception as e:  # any error from the user's template is the template's
+            raise ModelLoadError(
+                f"the chat template of {self.model} fails on {row.get('_source', 'a data row')}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}; fix chat_template.jinja (or chat_template in tokenizer_config.json)"
+            ) from None
 
     def image_size(self, path: str) -> tuple[int, int]:
         """The size `path` is resized to (data.min_pixels / max_pixels), as encode_rows resizes it."""
@@ -130,7 +144,6 @@ class PromptCounter:
         """(tokens in all, text tokens, None) of a row's prompt; past `limit` on its raw text alone: (a lower bound of
         its tokens, the same, its characters), counting stopped there."""
         from vlmrl.data.formats import prompt_messages_of
-        from vlmrl.models.processing import build_row_prompt
 
         images = list(row.get("images") or [])[: self.d.limit_images]
         videos = len(row.get("videos") or [])
@@ -140,7 +153,7 @@ class PromptCounter:
                 n, exact = count_text_tokens(self.tokenizer, raw, limit)
                 if not exact and n > limit:
                     return n, n, len(raw)
-        text = build_row_prompt(self.processor, row, len(images), self.d.system_prompt, videos)
+        text = self.render(row, len(images), videos)
         n_text = len(self.tokenizer(text, verbose=False)["input_ids"])
         n_images = sum(self.image_tokens(self.image_size(p)) for p in images)
         return n_text + n_images, n_text, None
