@@ -1,8 +1,10 @@
 """The prompt budget (issue 26 part 7): `check` and `train` measure every row's prompt, image tokens included, before
 any weights load; a row over the budget is refused in one line naming file:line and its lengths (or dropped and
 counted with data.skip_bad_rows), never cut. The findings: a 2 MB prompt passed `check` and made `train` attempt a
-326 GB allocation (here: train ran over 10 minutes under a 6 GiB address-space limit without ending); a 200 MB row
-passed `check` and `train` passed 8 GiB of RSS in 22 s."""
+326 GB allocation; a 200 MB row passed `check` and `train` passed 8 GiB of RSS in 22 s. Reproduced on 4a7336b (before
+the budget) with the count task and the tiny Qwen2.5-VL, each in a subprocess under RLIMIT_AS: the 2 MB prompt, `check`
+OK (exit 0), then `train` still running after 600 s under 6 GiB; the 200 MB row, `check` OK, then `train` killed by
+the tokenizer's failed allocation (SIGABRT, a Rust backtrace, 3.4 GiB RSS) under 5 GiB."""
 
 import json
 import resource
