@@ -4,16 +4,18 @@ at the same paths); a refused resume changes no file."""
 
 import pathlib
 import random
+import re
 import shutil
 
 import pytest
 import torch
+from PIL import Image
 
 from vlmrl import cli, sft, train
 from vlmrl.models import policy
 from vlmrl.checkpoints.files import CheckpointError
 from vlmrl.config import load_config
-from vlmrl.checkpoints.fingerprints import changed_inputs, file_fingerprint, path_fingerprint, run_fingerprints
+from vlmrl.checkpoints.fingerprints import changed_images, changed_inputs, file_fingerprint, image_fingerprints, path_fingerprint, run_fingerprints
 from vlmrl.data.tasks import make_count_task
 
 REWARDS = pathlib.Path(__file__).parent / "rewards_for_tests.py"
@@ -117,6 +119,27 @@ def test_changed_inputs_names_what_changed():
     ]
 
 
+def test_image_fingerprints_name_a_replaced_or_gone_image_and_skip_embedded_ones(tmp_path, monkeypatch):
+    import vlmrl.checkpoints.fingerprints as fp
+
+    monkeypatch.setattr(fp, "IMAGE_BLOCK_BYTES", 256)  # a 4 KiB file is then sampled, not read whole
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    files = []
+    for i, name in enumerate(["a.png", "b.png", "c.png", "cache/d.png"]):
+        (tmp_path / name).write_bytes(random.Random(i).randbytes(4096))
+        files.append(str(tmp_path / name))
+    saved = image_fingerprints([{"images": files[:2]}, {"images": files[1:]}, {"problem": "text only"}], cache)
+    assert list(saved) == files[:3]  # each once; the embedded image (vlmrl's cache) is its data file's
+    assert changed_images(saved) == [] and changed_inputs({"images": saved}, {}) == []
+    data = bytearray(random.Random(9).randbytes(4096))
+    (tmp_path / "a.png").write_bytes(bytes(data))  # the same size, other bytes
+    (tmp_path / "b.png").unlink()
+    assert changed_images(saved) == [f"image {files[0]}: replaced (its content changed)", f"image {files[1]}: is gone"]
+    assert changed_inputs({"images": saved}, {}) == changed_images(saved)  # what refuse_resume asks
+    assert changed_images(saved, limit=1) == [f"image {files[0]}: replaced (its content changed)", "and 1 more images changed"]
+
+
 def shuffle_rows(path):
     lines = path.read_text().splitlines()
     random.Random(1).shuffle(lines)
@@ -125,7 +148,14 @@ def shuffle_rows(path):
 
 # ~15 s each here: two in the slow tier.
 @pytest.mark.parametrize(
-    "change", ["shuffle", pytest.param("edit solutions", marks=pytest.mark.slow), pytest.param("append", marks=pytest.mark.slow), "reward source"]
+    "change",
+    [
+        "shuffle",
+        pytest.param("edit solutions", marks=pytest.mark.slow),
+        pytest.param("append", marks=pytest.mark.slow),
+        "reward source",
+        "replace image",
+    ],
 )
 def test_resume_after_inputs_changed_is_refused_by_check_and_train_and_changes_no_file(tiny_qwen25vl, count_data, tmp_path, capsys, change):
     src = pathlib.Path(count_data["train"])
@@ -142,19 +172,25 @@ def test_resume_after_inputs_changed_is_refused_by_check_and_train_and_changes_n
         data_file.write_text(data_file.read_text().replace('"solution": "1"', '"solution": "7"'))
     elif change == "append":
         data_file.write_text(data_file.read_text() + data_file.read_text().splitlines()[0] + "\n")
+    elif change == "replace image":  # the same name, other pixels (as a re-export or a fixed dataset would)
+        image = data_file.parent / "images" / "train_00001.png"
+        Image.new("RGB", (56, 56), (1, 2, 3)).save(image)
     else:
         reward.write_text(reward.read_text().replace("len(c) / 10", "len(c) / 11"))
-    what = f"reward {reward}:text_length: its source changed" if change == "reward source" else "data.train_path: its content changed"
+    what = {
+        "reward source": f"reward {reward}:text_length: its source changed",
+        "replace image": f"image {data_file.parent.resolve() / 'images' / 'train_00001.png'}: replaced (its content changed)",
+    }.get(change, "data.train_path: its content changed")
     before = snapshot(out)
     assert cli.main(["check", *base]) == 2
     assert what in one_line(capsys)
-    with pytest.raises(CheckpointError, match=f"the run's inputs changed since {out / 'checkpoint-1'}: {what}"):
+    with pytest.raises(CheckpointError, match=re.escape(f"the run's inputs changed since {out / 'checkpoint-1'}: {what}")):
         train.train(load_config(None, base))
     assert snapshot(out) == before  # bytes and modification times: config.yaml not rewritten, logs not cut
-    if change == "shuffle":
+    if change in ("shuffle", "replace image"):
         lines = []
         train.train(load_config(None, [*base, "training.resume_force=true"]), log=lines.append)
-        assert any("resuming despite changed inputs (training.resume_force=true): data.train_path" in line for line in lines)
+        assert any(f"resuming despite changed inputs (training.resume_force=true): {what}" in line for line in lines)
 
 
 # ---------------------------------------------------------------- CPU out of memory

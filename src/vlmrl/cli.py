@@ -237,7 +237,8 @@ def _run(command: str, cfg) -> int:
         from vlmrl.run.verdict import finish_check
         from vlmrl.plan.planner import data_shape_of
 
-        shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames) if data is not None else {}
+        longest = data.prompts.longest_text if data is not None and data.prompts else None  # the planner's verdict for the longest prompt
+        shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames, longest) if data is not None else {}
         return finish_check(cfg, log=lambda line: print(line, file=sys.stderr), data_shape=shape)  # output_dir, planner verdict
     with hf_progress_bars(cfg.logging.progress_bar):  # also the loads inside the run (checkpoint weights on resume)
         if command == "train":

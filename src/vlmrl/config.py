@@ -153,7 +153,8 @@ class DataConfig:
     )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
     max_prompt_length: Optional[int] = _f(
-        None, "A prompt longer than this many tokens (image tokens included) stops the step naming its row; not cut, as that would cut image tokens."
+        None,
+        "Prompt budget in tokens (image tokens included; default: the model's context, max_position_embeddings): a longer row is refused by check and train naming it, or dropped with skip_bad_rows; never cut (that would cut image tokens).",
     )
 
 

@@ -56,7 +56,10 @@ def finish(end: Ending, final: dict, stop, evaluate: Callable[[object], dict], s
         return stopped(end, final, stop, "the final model was saved" if cfg.training.save_final_model else "the last step")
     maybe_signal("final-eval")
     try:
-        final.update(evaluate(stop))
+        evaluated = evaluate(stop)
+        final.update(evaluated)
+        if dist.is_main:  # logged once: a rerun after a kill from here on finishes the report without evaluating again
+            write_ending(end.out, end.step, end.kind, evaluated)
     except EvaluationStopped:
         return stopped(end, final, stop, "the final model was saved, during the final evaluation")
     except Exception as e:  # noqa: BLE001 - training is already on disk; say what failed and keep it
@@ -104,6 +107,10 @@ def finish_left(cfg: Config, log, left, kind: str, title: str, summary_keys: tup
     end = Ending(cfg, out, dist, logger, log, kind, title, summary_keys, step)
     log(f"the training in {out} finished ({step} steps); finishing what was left: the final evaluation and the report")
     model = None
+    if left.evaluated is not None:  # the final evaluation was done and logged; the report was left
+        log("the final evaluation was done before the stop; writing the report")
+        with GracefulStop() as stop, logger.closed_on_error():
+            return finish(end, final, stop, lambda _: dict(left.evaluated), save=None)
     if (out / "final").is_dir():
         # final/ is a plain merged model: evaluated as it is, LoRA already merged.
         plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=str(out / "final"), use_lora=False))

@@ -31,12 +31,13 @@ from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
 from vlmrl.ending import Ending, finish, finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
+from vlmrl.checkpoints.fingerprints import image_fingerprints
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.checkpoints.files import GracefulStop, is_sharded_checkpoint, is_weights_only, read_trainer_state
 from vlmrl.checkpoints.state import restore, restore_after_wrap, save_final
-from vlmrl.data.rows import DataError, PromptSampler
+from vlmrl.data.rows import DataError, PromptSampler, image_cache_dir
 from vlmrl.engine.distributed import Distributed, DistributedError
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer
@@ -227,7 +228,8 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train), dist.world_size, dist.planner_sharding, dist.planner_deepspeed)
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     reward_funcs, _ = load_reward_funcs(cfg)
-    state = {"step": 0, "best_metric": None, "best_step": None}
+    # the rows' image files, stored with each checkpoint: a resume refuses when one was replaced
+    state = {"step": 0, "best_metric": None, "best_step": None, "images": image_fingerprints([*data.train, *data.eval], image_cache_dir())}
     saved: dict = {}
     if resume_from is not None and not is_weights_only(resume_from):
         saved = read_trainer_state(resume_from)

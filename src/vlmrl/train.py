@@ -41,12 +41,13 @@ from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_afte
 from vlmrl.ending import Ending, finish, finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
+from vlmrl.checkpoints.fingerprints import image_fingerprints
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
 from vlmrl.checkpoints.files import GracefulStop
-from vlmrl.data.rows import PromptSampler
+from vlmrl.data.rows import PromptSampler, image_cache_dir
 from vlmrl.engine.collectives import prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
@@ -303,7 +304,7 @@ def start_run(cfg: Config, log) -> Run:
         data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
-    shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames)
+    shape = data_shape_of(data.train, cfg.data.limit_images, cfg.data.max_frames, data.prompts.longest_text if data.prompts else None)
     if shape:  # the data is not the planner's default of one image per prompt: predict again from it
         what = f"from the data ({describe_data_shape(shape)}): "
         plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, what, dist.planner_deepspeed, **shape) or plan
@@ -313,6 +314,7 @@ def start_run(cfg: Config, log) -> Run:
     state = {"step": 0, "best_metric": None, "best_step": None}
     if resume_from is not None:
         state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
+    state["images"] = image_fingerprints([*data.train, *data.eval], image_cache_dir())  # stored with each checkpoint
     # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged. With OOM recovery DDP syncs gradients after the processes agree.
     optimizer = dist.prepare(model, optimizer, t.per_device_train_batch_size, oom_recovery=cfg.memory.oom_recovery)
     for line in dist.prepared_report():

@@ -5,8 +5,10 @@ the same path in the config. Every checkpoint stores `fingerprints` in trainer_s
 and a sha256 (of the whole file up to FULL_HASH_BYTES, beyond that of SAMPLED_BLOCKS blocks spread over it, plus
 the size), per reward given by a file or module the sha256 of that module's source. A folder of data files (a
 saved dataset) hashes each file's fingerprint in name order. Built-in rewards are vlmrl's code: their name is
-enough. Images referenced by the rows are not fingerprinted (a row's image path is; replace an image under the
-same name and resume does not notice).
+enough. Every image file the rows name is fingerprinted too, more cheaply (there can be many): its size and a
+sha256 of IMAGE_BLOCKS blocks of IMAGE_BLOCK_BYTES spread over it (the whole file when smaller), stored per path
+(`fingerprints["images"]`), so a replaced image is named; a resume fingerprints the checkpoint's images again.
+Embedded images (written by vlmrl into its image cache, named by their bytes) are covered by their data file's.
 
 Standard library only.
 """
@@ -46,6 +48,65 @@ def _fingerprint(path: str, size: int, _mtime_ns: int) -> str:
                 f.seek(i * step)
                 h.update(f.read(BLOCK_BYTES))
     return f"{size}:{h.hexdigest()}"
+
+
+IMAGE_BLOCKS = 4
+IMAGE_BLOCK_BYTES = 16 * 2**10
+
+
+def image_fingerprint(path: str | Path) -> Optional[str]:
+    """`<size>:<sha256 prefix>` of an image file from IMAGE_BLOCKS sampled blocks (the whole file when small); None when
+    it is gone. Cached per (path, size, mtime)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _image_fingerprint(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _image_fingerprint(path: str, size: int, _mtime_ns: int) -> Optional[str]:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            if size <= IMAGE_BLOCKS * IMAGE_BLOCK_BYTES:
+                h.update(f.read())
+            else:
+                step = (size - IMAGE_BLOCK_BYTES) // (IMAGE_BLOCKS - 1)
+                for i in range(IMAGE_BLOCKS):
+                    f.seek(i * step)
+                    h.update(f.read(IMAGE_BLOCK_BYTES))
+    except OSError:
+        return None
+    return f"{size}:{h.hexdigest()[:24]}"
+
+
+def image_fingerprints(rows: list[dict], embedded_cache: Optional[Path] = None) -> dict[str, str]:
+    """{path: image_fingerprint} for every image file the rows name (not those under `embedded_cache`)."""
+    skip = str(embedded_cache.resolve()) + os.sep if embedded_cache is not None else None
+    paths = sorted({p for r in rows for p in (r.get("images") or []) if isinstance(p, str)})
+    out = {}
+    for p in paths:
+        if skip and os.path.abspath(p).startswith(skip):
+            continue
+        fp = image_fingerprint(p)
+        if fp is not None:
+            out[p] = fp
+    return out
+
+
+def changed_images(saved: Optional[dict], limit: int = 3) -> list[str]:
+    """The checkpoint's images whose file is gone or changed now, as phrases (the first `limit` named, then a count)."""
+    if not isinstance(saved, dict):
+        return []
+    changed = []
+    for path, fp in sorted(saved.items()):
+        now = image_fingerprint(path)
+        if now != fp:
+            changed.append(f"image {path}: {'is gone' if now is None else 'replaced (its content changed)'}")
+    if len(changed) > limit:
+        changed = changed[:limit] + [f"and {len(changed) - limit} more images changed"]
+    return changed
 
 
 def path_fingerprint(path: str | Path) -> Optional[str]:
@@ -96,8 +157,8 @@ def changed_inputs(saved: Optional[dict], current: dict[str, str]) -> list[str]:
     if not isinstance(saved, dict):
         return []  # a checkpoint from before fingerprints: nothing to compare
     changes = []
-    for key in sorted(set(saved) & set(current)):
+    for key in sorted(set(saved) & set(current) - {"images"}):
         if saved[key] != current[key]:
             what = "its source changed" if key.startswith("reward ") else "its content changed (rows edited, added, removed or reordered)"
             changes.append(f"{key}: {what}")
-    return changes
+    return changes + changed_images(saved.get("images"))

@@ -123,7 +123,8 @@ def save(
 
     t = cfg.training
     trainer_state = {
-        "fingerprints": run_fingerprints(cfg),  # data files and reward sources: a resume refuses when they changed
+        # data files, reward sources and the rows' image files: a resume refuses when they changed
+        "fingerprints": {**run_fingerprints(cfg), **({"images": state["images"]} if state.get("images") else {})},
         "epoch": sampler.epoch,
         "samples_consumed": step * (cfg.prompts_per_step if rows_per_step is None else rows_per_step),
         "sampler_state": sampler.state_dict(),

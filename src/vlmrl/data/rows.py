@@ -391,6 +391,7 @@ class ValidationReport:
     num_images: int = 0  # images in kept rows (after truncation)
     num_videos: int = 0  # videos in kept rows
     format: str = ""  # the layout the rows were read in (formats.py), e.g. "vlm-r1 conversations"
+    image_sizes: dict = field(default_factory=dict)  # image path -> (width, height) as decoded (EXIF orientation applied)
 
     @property
     def problem_counts(self) -> dict[str, int]:
@@ -435,16 +436,17 @@ def bad_rows_records(report: ValidationReport) -> list[dict]:
     return [{"source": p.source, "field": p.field, "kind": p.kind, "reason": p.reason} for p in report.problems]
 
 
-def _media_errors(checked: list, check_images: bool, max_image_pixels: int, shape_check) -> tuple[dict, dict]:
-    """(image path -> (kind, reason) or None, video file -> the same) for every file the rows use, each read once;
-    images in threads (decoding releases the GIL)."""
+def _media_errors(checked: list, check_images: bool, max_image_pixels: int, shape_check) -> tuple[dict, dict, dict]:
+    """(image path -> (kind, reason) or None, video file -> the same, image path -> its (width, height) as oriented)
+    for every file the rows use, each read once; images in threads (decoding releases the GIL)."""
     paths = sorted({p for normal, *_ in checked for p in [*normal["images"], *_frame_paths(normal["videos"])]})
     workers = min(8, (os.cpu_count() or 1) + 1, max(1, len(paths)))
     with own_pixel_limit(), ThreadPoolExecutor(max_workers=workers) as pool:
         image_errors = dict(zip(paths, pool.map(lambda p: _check_image(p, check_images, max_image_pixels), paths)))
+    sizes = {p: r for p, r in image_errors.items() if r is not None and not isinstance(r[0], str)}
     image_errors = _apply_shape_check(image_errors, shape_check)
     video_files = sorted({v for normal, *_ in checked for v in normal["videos"] if isinstance(v, str)})
-    return image_errors, {v: _check_video_file(v, check_images) for v in video_files}
+    return image_errors, {v: _check_video_file(v, check_images) for v in video_files}, sizes
 
 
 def _media_problems(normal: dict, image_field: str, image_errors: dict, video_errors: dict) -> list[Problem]:
@@ -502,7 +504,7 @@ def validate_rows(
     checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows)]
 
     # Pass 2: each distinct image and video file once.
-    image_errors, video_errors = _media_errors(checked, check_images, max_image_pixels, shape_check)
+    image_errors, video_errors, report.image_sizes = _media_errors(checked, check_images, max_image_pixels, shape_check)
 
     good = []
     for normal, problems, image_field, dropped in checked:

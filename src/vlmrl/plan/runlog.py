@@ -8,7 +8,7 @@ from vlmrl.plan.config import device_memory_bytes, plan_for_config, sft_plans_fo
 from vlmrl.plan.estimate import Plan
 from vlmrl.plan.host import HOST_RUNTIME_CPU_BYTES
 from vlmrl.plan.search import auto_fit
-from vlmrl.plan.spec import GiB, PlanError
+from vlmrl.plan.spec import GiB, PlanError, Workload
 
 PREDICTION_WARN_FRACTION = 0.25  # a measured GPU peak this far from the prediction is worth a warning
 
@@ -90,18 +90,23 @@ def predict_for_run(
 def describe_data_shape(shape: dict) -> str:
     """'2 images per prompt, a 16-frame video' for a data_shape_of result."""
     parts = [f"{shape.get('images_per_prompt', 1)} images per prompt"]
+    if shape.get("prompt_text_tokens"):
+        parts.append(f"prompts of up to {shape['prompt_text_tokens']:,} text tokens")
     if shape.get("video_frames"):
         parts.append(f"a {shape['video_frames']}-frame video")
     return ", ".join(parts)
 
 
-def data_shape_of(rows: list[dict], limit_images: int | None, max_frames: int) -> dict:
+def data_shape_of(rows: list[dict], limit_images: int | None, max_frames: int, prompt_text_tokens: int | None = None) -> dict:
     """Workload fields the config cannot tell and the training rows can: the most images of a row (within
-    limit_images) and, when rows have videos, one video of max_frames frames per prompt. {} when the rows match the
-    planner's default (one image, no video)."""
+    limit_images), when rows have videos one video of max_frames frames per prompt, and the text tokens of the
+    longest prompt (`prompt_text_tokens`, measured by prompt_budget) when over the planner's default. {} when the rows
+    match the planner's defaults (one image, no video, short prompts)."""
     most = max((len(r.get("images") or []) for r in rows), default=1)
     most = min(most, limit_images) if limit_images else most
     shape = {"images_per_prompt": most} if most != 1 else {}
+    if prompt_text_tokens and prompt_text_tokens > Workload.prompt_text_tokens:
+        shape["prompt_text_tokens"] = prompt_text_tokens
     if any(r.get("videos") for r in rows):
         shape["video_frames"] = max_frames
     return shape

@@ -17,6 +17,7 @@ from vlmrl.data.rows import DataError, bad_rows_records, load_dataset_split, loa
 from vlmrl.data.tasks import TASKS
 from vlmrl.data.video import VideoError
 from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, ImageShapeCheck, build_row_prompt, encode_prompts, load_processor, video_support
+from vlmrl.run.prompt_budget import PromptLengths, apply_prompt_budget
 from vlmrl.run.tracking import read_jsonl
 
 
@@ -25,6 +26,7 @@ class Datasets:
     train: list[dict]
     eval: list[dict]
     reports: list[str]
+    prompts: PromptLengths | None = None  # the training rows' prompt lengths (the longest: the planner's input)
 
 
 # Datasets validated by the preflight (cli.py), handed once to the run's own load_datasets call with the same settings.
@@ -75,20 +77,24 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
         train_path = train_path or str(files["train"])
         eval_path = eval_path or (str(files["test"]) if d.task_test_size else "")
     reports = []
+    processor = processor if processor is not None else configured_processor(cfg)
     checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
     layout = data_layout_options(cfg)
     train_rows: list[dict] = []
+    prompts = None
     if need_train:
         train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
-        reports.append(f"train {train_path}: {rep.summary()}{record_bad_rows(cfg, 'train', rep)}")
+        train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, train_path)
+        reports.append(f"train {train_path}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
         eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
+        eval_rows, _ = apply_prompt_budget(processor, cfg, eval_rows, rep, eval_path)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
         reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
     refuse_videos_without_support(train_rows, eval_rows, processor, cfg)
-    return Datasets(train=train_rows, eval=eval_rows, reports=reports)
+    return Datasets(train=train_rows, eval=eval_rows, reports=reports, prompts=prompts)
 
 
 def data_layout_options(cfg: Config) -> dict:

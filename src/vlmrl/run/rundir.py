@@ -186,11 +186,13 @@ def write_complete(out: Path, step: int, kind: str) -> None:
     _write_text(out / COMPLETE_FILE, json.dumps({"step": step, "kind": kind, "finished": time.time(), "final": (out / "final").is_dir()}))
 
 
-def write_ending(out: Path, step: int, kind: str) -> None:
+def write_ending(out: Path, step: int, kind: str, evaluated: Optional[dict] = None) -> None:
     """The ending marker: the run (`kind` train or sft) did all its `step` steps and saved its final model; its
-    evaluation and report are left until the completion marker replaces this."""
+    evaluation and report are left until the completion marker replaces this. `evaluated`: the final evaluation's
+    metrics once it is done and logged (a rerun after a kill in the report does not evaluate, nor log it, twice)."""
 
-    _write_text(out / ENDING_FILE, json.dumps({"step": step, "kind": kind, "final": (out / "final").is_dir()}))
+    marker = {"step": step, "kind": kind, "final": (out / "final").is_dir()}
+    _write_text(out / ENDING_FILE, json.dumps({**marker, **({"evaluated": evaluated} if evaluated is not None else {})}))
 
 
 def read_ending(output_dir: str | Path) -> Optional[dict]:
@@ -212,6 +214,7 @@ class EndingLeft:
 
     step: int
     dist: Any = None  # the run's distributed.Distributed, set by the caller that built it
+    evaluated: Optional[dict] = None  # the final evaluation's metrics when it was done before the stop
 
 
 def guard_run_folder(fn: Callable) -> Callable:
@@ -261,7 +264,7 @@ def prepare_run(
     if dist.is_main:
         try:
             path = _prepare(cfg, log, total, kind)
-            outcome = ("ending", path.step) if isinstance(path, EndingLeft) else ("ok", None if path is None else str(path))
+            outcome = ("ending", (path.step, path.evaluated)) if isinstance(path, EndingLeft) else ("ok", None if path is None else str(path))
         except (CheckpointError, RunAlreadyComplete, ConfigError) as e:
             answers = {RunAlreadyComplete: "complete", CheckpointError: "error", ConfigError: "config"}
             outcome = (next(k for cls, k in answers.items() if isinstance(e, cls)), str(e))
@@ -269,7 +272,7 @@ def prepare_run(
     if answer in ("complete", "error", "config"):
         raise {"complete": RunAlreadyComplete, "error": CheckpointError, "config": ConfigError}[answer](value)
     if answer == "ending":
-        return EndingLeft(value)
+        return EndingLeft(*value)
     return None if value is None else Path(value)
 
 
@@ -323,7 +326,8 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
     ending = None if t.overwrite_output_dir or done is not None else read_ending(out)
     if ending is not None and ending["step"] == total and ending.get("kind", kind) == kind and t.resume != "never":
         log(f"the training in {out} is done ({total} steps); its final evaluation and report are left")
-        return EndingLeft(total)
+        evaluated = ending.get("evaluated")
+        return EndingLeft(total, evaluated=evaluated if isinstance(evaluated, dict) else None)
     start = 0
     if path is not None:
         refuse_resume(cfg, path, log)
