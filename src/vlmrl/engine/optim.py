@@ -49,9 +49,23 @@ def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | No
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_epsilon,
         weight_decay=o.weight_decay,
+        fused=fused_adamw_applies(params) or None,
     )
     schedule = WarmupSchedule(o.lr_scheduler_type, math.ceil(o.warmup_ratio * num_steps), num_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def fused_adamw_applies(params: list) -> bool:
+    """torch's fused AdamW (one kernel per parameter: no temporaries) for plain float32 / bfloat16 / float16 tensors on
+    the CPU or CUDA. The default on the CPU is the per-parameter loop, whose sqrt and division make two temporaries
+    the size of the largest parameter at every step: for a 151,936 x 128 LM head, 150 MiB of a step's peak. Sharded
+    parameters (DTensor) and other devices keep torch's default."""
+    devices = {p.device.type for p in params}
+    return (
+        len(devices) == 1
+        and devices <= {"cpu", "cuda"}
+        and all(type(p.data) is torch.Tensor and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
+    )
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
