@@ -7,6 +7,8 @@ import torch
 import vlmrl.models.logprobs as logprobs
 from vlmrl.models.logprobs import fused_head_applies, selective_logps
 
+pytestmark = pytest.mark.unit
+
 
 def full_softmax(hidden, head, targets, temperature):
     logits = head(hidden).float() / temperature
