@@ -145,3 +145,16 @@ def test_make_optimizer_steps_without_parameter_sized_temporaries():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert not fused_adamw_applies([torch.zeros(2, device="meta")])  # other devices: torch's default
     assert not fused_adamw_applies([torch.zeros(2, dtype=torch.float64)])
+
+
+def test_fused_adamw_dropped_when_an_engine_repoints_the_groups():
+    """FSDP2 points the optimizer's groups at its sharded parameters after make_optimizer: the fused kernel is kept
+    only where it still applies (here: parameters on another device), torch's default elsewhere."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+    allocate_optimizer_state(opt)
+    assert opt.param_groups[0]["fused"] is True
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1, fused=True)
+    opt.param_groups[0]["params"] = [torch.nn.Parameter(torch.zeros(3, device="meta"))]
+    allocate_optimizer_state(opt)
+    assert opt.param_groups[0]["fused"] is None

@@ -72,6 +72,11 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     """Create AdamW's moment buffers now, as its first step would (same dtypes, devices, zeros), for every parameter
     that has none yet. An out-of-memory then happens here, before training, not half-way through optimizer.step
     where it cannot be undone. Returns the bytes allocated."""
+    for group in getattr(optimizer, "optimizer", optimizer).param_groups:  # accelerate's wrapper holds torch's AdamW
+        # An engine may have pointed the groups at other parameters since make_optimizer (FSDP2: DTensors): the fused
+        # kernel only where it still applies, torch's default elsewhere.
+        if group.get("fused") and group["params"] and not fused_adamw_applies(group["params"]):
+            group["fused"] = None
     if not isinstance(optimizer, torch.optim.AdamW):
         return 0
     allocated = 0

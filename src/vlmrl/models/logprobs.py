@@ -115,10 +115,12 @@ def _head_logits(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor, low: 
 def fused_head_applies(hidden: torch.Tensor, lm_head: torch.nn.Module) -> bool:
     """The fused head reads the weight directly, so only for a plain bias-free nn.Linear whose forward nothing
     intercepts: no module hooks (FSDP2 / ZeRO-3 gather parameters in them), no LoRA wrapper, no sharded or
-    DeepSpeed-partitioned weight, no autocast (which would change the matmul's dtype)."""
+    DeepSpeed-partitioned weight, no autocast (which would change the matmul's dtype); CPU and CUDA only."""
     from torch.nn.modules import module as nn_module
 
     weight = getattr(lm_head, "weight", None)
+    if hidden.device.type not in ("cpu", "cuda"):  # the planner's meta-device trace models the checkpointed chunks
+        return False
     return (
         type(lm_head) is torch.nn.Linear
         and lm_head.bias is None
