@@ -655,7 +655,7 @@ def markdown(record: dict) -> str:
             )
         )
     if record.get("load"):
-        lines += ["", f"Machine load (1-minute average) before / after each side: {record['load']}"]
+        lines += ["", "Machine load (1-minute average) before / after each side: " + "; ".join(record["load"])]
     if record.get("note"):
         lines += ["", f"Note: {record['note']}"]
     return "\n".join(lines) + "\n"
