@@ -16,9 +16,14 @@ first row has every part off, each next row switches one more part on:
   2. one vision encode per prompt in scoring/update (memory.group_vision)
   3. shared prompt prefix in rollout and update (memory.shared_prefix)
   4. micro-batches of 4 rows x 4 accumulation steps instead of all 16 rows at once (same effective batch)
+  5. the continuous rollout engine (rollout.engine=continuous: preallocated KV slots, finished rows replaced)
 Measured: median step time over the measured steps (after warm-up), the split rollout/update, the
 process peak (CPU: peak RSS from getrusage; GPU: max_memory_allocated), the peak increase over the
 loaded-model baseline, and vision-tower calls and images per step (a forward pre-hook on the tower).
+
+The machine's load (1-minute load average) is recorded before the first and after every configuration. Peaks do not
+depend on it; step times do: when some other job ran beside the benchmark (load above the benchmark's own threads
++ 0.5 at any reading, or above 0.5 before it started) the step-time ratio is flagged as not a quiet-machine figure.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ ROWS = [
     ("+ chunked log-probs", dict(logprob_chunk_tokens=128, group_vision=False, shared_prefix=False, micro=16)),
     ("+ one vision encode per prompt", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=False, micro=16)),
     ("+ shared prompt prefix", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=True, micro=16)),
-    ("+ micro-batch 4 x accumulation 4 (all on)", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=True, micro=4)),
+    ("+ micro-batch 4 x accumulation 4", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=True, micro=4)),
+    ("+ continuous rollout engine (all on)", dict(logprob_chunk_tokens=128, group_vision=True, shared_prefix=True, micro=4, engine="continuous")),
 ]
 
 
@@ -112,6 +118,7 @@ def run_one(args) -> dict:
 
     flags = json.loads(args.flags)
     micro = flags.pop("micro")
+    engine = flags.pop("engine", "loop")
     total = args.warmup + args.steps
     overrides = [
         f"model.name_or_path={args.model}",
@@ -125,6 +132,7 @@ def run_one(args) -> dict:
         f"training.gradient_accumulation_steps={16 // micro}",
         "rollout.generation_batch_size=16",
         f"rollout.num_generations={args.g}",
+        f"rollout.engine={engine}",
         f"rollout.max_completion_length={args.completion}",
         f"rollout.min_completion_length={args.completion}",
         "data.task=count",
@@ -178,6 +186,28 @@ def run_one(args) -> dict:
     return out
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def quiet_verdict(before: float | None, readings: list[float | None], threads: int) -> tuple[bool | None, str]:
+    """(quiet, why): quiet when the load was at most 0.5 before the benchmark and at most its own threads + 0.5 at
+    every reading after a configuration; None when the OS gives no load average."""
+    if before is None or any(r is None for r in readings):
+        return None, "load average not available: cannot tell whether other jobs ran beside the benchmark"
+    worst = max(readings, default=before)
+    if before <= 0.5 and worst <= threads + 0.5:
+        return True, f"quiet machine (load {before:.2f} before, at most {worst:.2f} during; the benchmark's own threads: {threads})"
+    return False, (
+        f"measured beside other jobs (load {before:.2f} before, up to {worst:.2f} during, on {os.cpu_count()} cores; the benchmark's own "
+        f"threads: {threads}): the step-time ratio is NOT a quiet-machine figure; the peaks do not depend on the load"
+    )
+
+
 def selected_rows(spec: str) -> list[tuple[str, dict]]:
     """The ROWS picked by --rows: "first,last" (all off, all on: the GPU suite's pair) or indices ("0,2")."""
     if not spec:
@@ -218,6 +248,7 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     data = write_video_rows(work / f"videos-{a.video}-{a.side}", a.video, a.side) if a.video else None
     results = []
+    load_before = load_average()
     for name, flags in selected_rows(a.rows):
         cmd = [
             sys.executable,
@@ -251,10 +282,11 @@ def main() -> int:
         if proc.returncode or not line:
             print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"configuration {name!r} failed (exit {proc.returncode})")
-        res = {"name": name, "flags": flags, **json.loads(line[0][7:])}
+        res = {"name": name, "flags": flags, **json.loads(line[0][7:]), "load_after": load_average()}
         results.append(res)
         print(
-            f"{name:45s} step {res['step_s']:7.2f} s  peak RSS {res['peak_rss_gib']:.2f} GiB  vision images/step {res['vision_images_per_step']:.0f}",
+            f"{name:45s} step {res['step_s']:7.2f} s  peak RSS {res['peak_rss_gib']:.2f} GiB  vision images/step {res['vision_images_per_step']:.0f}"
+            f"  load after {res['load_after']}",
             flush=True,
         )
 
@@ -270,6 +302,11 @@ def main() -> int:
         "vision_images_per_step_all_on": on["vision_images_per_step"],
         "unique_prompts_per_step": 2,
     }
+    import torch
+
+    threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+    quiet, why = quiet_verdict(load_before, [r["load_after"] for r in results], threads)
+    summary.update(load_before=load_before, load_after=[r["load_after"] for r in results], quiet_machine=quiet, load_note=why)
     device_name = a.device
     if a.device.startswith("cuda"):
         import torch
@@ -330,6 +367,8 @@ def main() -> int:
         f"x{summary['peak_over_load_ratio_all_on_vs_off']:.2f}), "
         f"step time x{summary['step_time_ratio_all_on_vs_off']:.2f}; vision images per step with all on: "
         f"{summary['vision_images_per_step_all_on']:.0f} (unique prompts: 2).",
+        "",
+        f"Machine load: {why}. Load after each configuration: " + ", ".join(f"{r['name']} {r['load_after']}" for r in results) + ".",
     ]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -149,6 +149,70 @@ def count_vision(model) -> None:
     tower.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+class RssSampler:
+    """Samples the process RSS every `period` s on a thread, tagged with the phase the main thread is in.
+
+    `first_rollout_rss` is the RSS when the first rollout begins (model, reference, optimizer and data loaded, nothing
+    generated yet); growth above it is what training itself adds, the figure that says what a side's own step
+    costs beyond the libraries and the model. Per phase it keeps the highest RSS seen."""
+
+    def __init__(self, period: float = 0.005):
+        import threading
+
+        import psutil
+
+        self.proc, self.period = psutil.Process(), period
+        self.phase, self.first_rollout_rss, self.peaks = "setup", None, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.period)
+
+    def sample(self) -> int:
+        rss = self.proc.memory_info().rss
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+        return rss
+
+    def enter(self, phase: str) -> None:
+        if phase == "rollout" and self.first_rollout_rss is None:
+            self.first_rollout_rss = self.sample()
+        self.sample()
+        self.phase = phase
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        gib = 2**30
+        return {
+            "rss_at_first_rollout_gib": None if self.first_rollout_rss is None else self.first_rollout_rss / gib,
+            "peak_rss_by_phase_gib": {k: v / gib for k, v in self.peaks.items()},
+        }
+
+
+RSS: RssSampler | None = None
+
+
+def tag_phase(name: str, fn):
+    """`fn` wrapped so the RSS sampler knows the phase while it runs (the phase before is restored after)."""
+
+    def wrapped(*args, **kwargs):
+        before = RSS.phase if RSS else None
+        if RSS:
+            RSS.enter(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if RSS:
+                RSS.enter(before)
+
+    return wrapped
+
+
 # ------------------------------------------------------------------ vlmrl side (child)
 
 
@@ -166,6 +230,8 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
         return model, processor
 
     vlmrl_train.load_policy = load_policy_counted
+    for name in ("rollout", "reward_and_advantages", "score", "update"):
+        setattr(vlmrl_train, name, tag_phase({"reward_and_advantages": "rewards", "score": "scoring"}.get(name, name), getattr(vlmrl_train, name)))
 
     steps = spec["warmup"] + spec["steps"]
     overrides = {
@@ -332,13 +398,13 @@ def run_trl(spec: dict, out: Path) -> dict:
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
             t0 = time.perf_counter()
-            result = super()._generate(prompts)
+            result = tag_phase("rollout", super()._generate)(prompts)
             timers["rollout"] += time.perf_counter() - t0
             return result
 
         def _generate_and_score_completions(self, inputs):
             t0 = time.perf_counter()
-            result = super()._generate_and_score_completions(inputs)
+            result = tag_phase("scoring", super()._generate_and_score_completions)(inputs)
             timers["gen_and_score"] += time.perf_counter() - t0
             mask = result["completion_mask"]
             if result.get("tool_mask") is not None:
@@ -354,6 +420,8 @@ def run_trl(spec: dict, out: Path) -> dict:
 
         def on_step_begin(self, args, state, control, **kw):
             self.t_begin = time.perf_counter()
+            if RSS:
+                RSS.enter("update")  # TRL generates inside training_step: rollout and scoring are tagged inside it
 
         def on_step_end(self, args, state, control, **kw):
             if torch.cuda.is_available() and spec.get("device") == "cuda":
@@ -408,8 +476,11 @@ def child(side: str, spec_path: str, out_path: str) -> int:
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     rss_start = psutil.Process().memory_info().rss
+    global RSS
+    RSS = RssSampler()
     t0 = time.perf_counter()
     result = run_vlmrl(spec, out) if side == "vlmrl" else run_trl(spec, out)
+    result.update(RSS.stop())
     result.update(
         side=side,
         wall_s=time.perf_counter() - t0,
@@ -448,6 +519,27 @@ def summarise(result: dict, warmup: int) -> dict:
         "gpu_peak_allocated_gib": result.get("gpu_peak_allocated_gib"),
         "gpu_peak_reserved_gib": result.get("gpu_peak_reserved_gib"),
     }
+
+
+def merge_rounds(results: list[dict], warmup: int) -> dict:
+    """One side's rounds -> its summary: medians over every round's measured steps, the largest peaks, and the growth
+    above the first rollout per round (peak RSS - RSS when the first rollout began; the largest round counts)."""
+    per_step = [st for res in results for st in res["per_step"][warmup:]]
+    gpu = {k: max(r[k] for r in results) for k in ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib") if results[0].get(k) is not None}
+    merged = summarise({"per_step": per_step, "peak_rss_gib": max(r["peak_rss_gib"] for r in results), **gpu}, 0)
+    growth = [r["peak_rss_gib"] - r["rss_at_first_rollout_gib"] for r in results if r.get("rss_at_first_rollout_gib") is not None]
+    merged.update(
+        rss_at_start_gib=max(r["rss_at_start_gib"] for r in results),
+        rss_at_first_rollout_gib=max((r.get("rss_at_first_rollout_gib") or 0.0) for r in results),
+        growth_above_first_rollout_gib=max(growth) if growth else None,
+        growth_above_first_rollout_by_round_gib=growth,
+        peak_rss_by_phase_gib=[r.get("peak_rss_by_phase_gib") for r in results],
+        settings=results[0].get("settings"),
+        vision_images_encoded_per_step=results[0].get("vision_images_encoded_per_step"),
+        vision_calls_per_step=results[0].get("vision_calls_per_step"),
+        per_step_all_rounds=[res["per_step"] for res in results],
+    )
+    return merged
 
 
 def library_versions() -> dict:
@@ -545,6 +637,25 @@ def markdown(record: dict) -> str:
                 f"- {c['name']}: step time {r['step_time']:.2f}x ({'met' if r['step_time'] <= 0.5 else 'NOT met'}), "
                 f"{memory} {mem:.2f}x ({'met' if mem <= 0.5 else 'NOT met'})"
             )
+    lines += ["", "Growth above the first rollout (peak RSS - RSS when the first rollout began: what training adds beyond the"]
+    lines += ["libraries, model, reference and optimizer moments; issue 27 targets on b: <= 0.3x TRL's, throughput >= 3x):", ""]
+    for c in record["configs"]:
+        v, t, r = c["vlmrl"], c["trl"], c["ratios_vlmrl_over_trl"]
+        if r.get("growth_above_first_rollout") is None:
+            continue
+        lines.append(
+            f"- {c['name']}: vlmrl {v['growth_above_first_rollout_gib']:.2f} GiB (first rollout at {v['rss_at_first_rollout_gib']:.2f}), "
+            f"TRL {t['growth_above_first_rollout_gib']:.2f} GiB (at {t['rss_at_first_rollout_gib']:.2f}): "
+            f"**{r['growth_above_first_rollout']:.2f}x**"
+            + (
+                f" ({'met' if r['growth_above_first_rollout'] <= 0.3 else 'NOT met'}); throughput {r['throughput']:.2f}x "
+                f"({'met' if r['throughput'] >= 3 else 'NOT met'})"
+                if c["name"] == "b"
+                else ""
+            )
+        )
+    if record.get("load"):
+        lines += ["", "Machine load (1-minute average) before / after each side: " + "; ".join(record["load"])]
     if record.get("note"):
         lines += ["", f"Note: {record['note']}"]
     return "\n".join(lines) + "\n"
@@ -639,6 +750,7 @@ def main(argv=None) -> int:
                 run_dir.mkdir(parents=True)
                 result_path = run_dir / "result.json"
                 print(f"[{name}] round {rnd + 1}/{a.rounds}: {side} ...", flush=True)
+                load_before = os.getloadavg()[0]
                 proc = subprocess.run(
                     [sys.executable, str(THIS), "--_child", side, "--_spec", str(spec_path), "--_result", str(result_path)],
                     check=False,
@@ -653,25 +765,19 @@ def main(argv=None) -> int:
                     print(f"[{name}] {side} failed (exit {proc.returncode}); log: {run_dir / 'log.txt'}", file=sys.stderr)
                     return 1
                 res = json.loads(result_path.read_text())
+                record.setdefault("load", []).append(f"{name} {side} r{rnd}: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
                 runs[side].append(res)
                 s = summarise(res, a.warmup)
                 print(
-                    f"[{name}] {side}: median step {s['median_step_s']:.3f}s, peak RSS {s['peak_rss_gib']:.2f} GiB, "
-                    f"tokens/step {s['tokens_per_step']}",
+                    f"[{name}] {side}: median step {s['median_step_s']:.3f}s, peak RSS {s['peak_rss_gib']:.2f} GiB "
+                    f"(first rollout at {res.get('rss_at_first_rollout_gib') or float('nan'):.2f}; by phase "
+                    + ", ".join(f"{k} {x:.2f}" for k, x in (res.get("peak_rss_by_phase_gib") or {}).items())
+                    + f"), tokens/step {s['tokens_per_step']}",
                     flush=True,
                 )
-        merged = {}
-        for side, results in runs.items():
-            per_step = [st for res in results for st in res["per_step"][a.warmup :]]
-            gpu = {k: max(r[k] for r in results) for k in ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib") if results[0].get(k) is not None}
-            merged[side] = summarise({"per_step": per_step, "peak_rss_gib": max(r["peak_rss_gib"] for r in results), **gpu}, 0)
-            merged[side]["rss_at_start_gib"] = max(r["rss_at_start_gib"] for r in results)
-            merged[side]["settings"] = results[0].get("settings")
-            merged[side]["vision_images_encoded_per_step"] = results[0].get("vision_images_encoded_per_step")
-            merged[side]["vision_calls_per_step"] = results[0].get("vision_calls_per_step")
-            merged[side]["per_step_all_rounds"] = [res["per_step"] for res in results]
-            record["torch_threads"] = results[0]["torch_threads"]
-            record["gpu"] = results[0].get("gpu_name")
+        merged = {side: merge_rounds(results, a.warmup) for side, results in runs.items()}
+        record["torch_threads"] = runs["vlmrl"][0]["torch_threads"]
+        record["gpu"] = runs["vlmrl"][0].get("gpu_name")
         # Equal work: every measured and warm-up step of every round must train the same number of tokens.
         expected = spec["completions_per_step"] * spec["completion"]
         v_tok = [st["tokens"] for res in runs["vlmrl"] for st in res["per_step"]]
@@ -706,6 +812,8 @@ def main(argv=None) -> int:
             "peak_rss": v["peak_rss_gib"] / t["peak_rss_gib"],
             "throughput": v["trained_tokens_per_s"] / t["trained_tokens_per_s"],
         }
+        if v.get("growth_above_first_rollout_gib") is not None and t.get("growth_above_first_rollout_gib"):
+            ratios["growth_above_first_rollout"] = v["growth_above_first_rollout_gib"] / t["growth_above_first_rollout_gib"]
         if v.get("gpu_peak_reserved_gib") is not None:  # on a GPU the memory target is on the device's peaks
             ratios["gpu_peak_allocated"] = v["gpu_peak_allocated_gib"] / t["gpu_peak_allocated_gib"]
             ratios["gpu_peak_reserved"] = v["gpu_peak_reserved_gib"] / t["gpu_peak_reserved_gib"]

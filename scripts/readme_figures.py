@@ -49,6 +49,8 @@ def memory_engine() -> str | None:
         f"All on vs all off: step time x{summary['step_time_ratio_all_on_vs_off']:.2f}, peak RSS x{summary['peak_ratio_all_on_vs_off']:.2f} "
         f"(x{summary['peak_over_load_ratio_all_on_vs_off']:.2f} over the loaded model).",
     ]
+    if summary.get("load_note"):
+        lines += ["", f"Machine load: {summary['load_note']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -81,26 +83,44 @@ def memory_engine_families() -> str | None:
 
 
 def vs_trl() -> str | None:
-    path = _newest("vs_trl_cpu_*.json")
-    result = _load(path)
-    if result is None:
+    """One row per configuration, from the newest result file that measured it (a run may re-measure only some)."""
+    newest: dict[str, tuple[Path, dict, dict]] = {}
+    for path in sorted(p for p in RESULTS.glob("vs_trl_cpu_*.json") if re.search(r"_\d{4}-\d{2}-\d{2}\.json$", p.name)):
+        result = _load(path)
+        for config in result["configs"]:
+            newest[config["name"]] = (path, result, config)  # sorted by date: a later file replaces an earlier one
+    if not newest:
         return None
-    machine = result["machine"]
-    lines = [
-        f"`{result['command']}` ({result['date']}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM; "
-        f"glibc tunables: {result['glibc_tunables'] or 'unset'} on both sides; "
-        f"{result['warmup']} warm-up + {result['steps']} measured steps per side and round, {result['rounds']} rounds; "
-        f"`benchmarks/results/{path.with_suffix('.md').name}`):",
+    lines = []
+    for path in sorted({path for path, _, _ in newest.values()}, key=lambda p: p.name):
+        result = _load(path)
+        machine = result["machine"]
+        names = ",".join(name for name, (p, _, _) in sorted(newest.items()) if p == path)
+        lines.append(
+            f"- {names}: `{result['command']}` ({result['date']}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM; "
+            f"glibc tunables: {result['glibc_tunables'] or 'unset'} on both sides; "
+            f"{result['warmup']} warm-up + {result['steps']} measured steps per side and round, {result['rounds']} rounds; "
+            f"`benchmarks/results/{path.with_suffix('.md').name}`)" + (f". {result['note']}" if result.get("note") else "")
+        )
+    lines += [
         "",
-        "| config | step time vlmrl / TRL | peak RSS vlmrl / TRL | images encoded per step vlmrl / TRL | completion tokens per step |",
-        "|---|---|---|---|---|",
+        "| config | step time vlmrl / TRL | peak RSS vlmrl / TRL | growth above the first rollout vlmrl / TRL | throughput vlmrl / TRL "
+        "| images encoded per step vlmrl / TRL | completion tokens per step |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for config in result["configs"]:
+    for _name, (_path, _result, config) in sorted(newest.items()):
         ours, trl = config["vlmrl"], config["trl"]
+        growth = config["ratios_vlmrl_over_trl"].get("growth_above_first_rollout")
+        growth_cell = (
+            f"{ours['growth_above_first_rollout_gib']:.2f} / {trl['growth_above_first_rollout_gib']:.2f} GiB = **{growth:.2f}**"
+            if growth is not None
+            else "not recorded"
+        )
         lines.append(
             f"| ({config['name']}) {config['title']} "
             f"| {ours['median_step_s']:.3f} / {trl['median_step_s']:.3f} s = **{ours['median_step_s'] / trl['median_step_s']:.2f}** "
             f"| {ours['peak_rss_gib']:.2f} / {trl['peak_rss_gib']:.2f} GiB = **{ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}** "
+            f"| {growth_cell} | **{config['ratios_vlmrl_over_trl']['throughput']:.2f}x** "
             f"| {ours['vision_images_encoded_per_step']:.0f} / {trl['vision_images_encoded_per_step']:.0f} "
             f"| {config['tokens_per_step_expected']} (equal: {config['equal_work']}) |"
         )

@@ -85,6 +85,6 @@ def test_smoke_runs_every_stage_and_renders_the_page(tmp_path):
     (planner,) = stages["planner"]["items"]
     assert planner["predicted_peak_gib"] > 0 and planner["measured_peak_gib"] > 0 and planner["peak_kind"] == "host RSS"
     (engine,) = stages["memory_engine"]["items"]
-    assert [r["name"] for r in engine["rows"]] == ["all off", "+ micro-batch 4 x accumulation 4 (all on)"]
+    assert [r["name"] for r in engine["rows"]] == ["all off", "+ continuous rollout engine (all on)"]
     page = (tmp_path / "results" / "results.md").read_text()
     assert "| tiny-qwen2.5-vl | engine-static |" in page and "injected (CPU)" in page

@@ -97,3 +97,64 @@ def test_a_cublas_alloc_failure_is_retried_and_other_runtime_errors_surface():
 
     with pytest.raises(RuntimeError, match="shapes"):
         retry_on_oom(broken, 8, "test", lambda _: None)
+
+
+class _NewTensorsOfSize(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that return a fresh tensor of `numel` elements (in-place ops return their input)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.fresh = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel and id(t) not in inputs:
+                self.fresh.append(func.__name__)
+        return out
+
+
+def test_make_optimizer_steps_without_parameter_sized_temporaries():
+    """The CPU default AdamW (a loop over parameters) makes sqrt(v) and its division as new tensors the size of each
+    parameter: a vocabulary-sized head's step then holds two more copies of it. make_optimizer's fused AdamW updates
+    in place, and ends where the loop does (to float32 rounding)."""
+    from types import SimpleNamespace
+
+    from vlmrl.engine.optim import fused_adamw_applies, make_optimizer
+
+    o = SimpleNamespace(
+        learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, weight_decay=0.01, lr_scheduler_type="constant", warmup_ratio=0.0
+    )
+    cfg = SimpleNamespace(optim=o)
+    fused, loop = _model_and_grads(), _model_and_grads()
+    opt, _ = make_optimizer(fused, cfg, 10)
+    reference = torch.optim.AdamW(loop.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    allocate_optimizer_state(opt)  # as training does: the moments exist before the first step
+    allocate_optimizer_state(reference)
+    biggest = max(p.numel() for p in fused.parameters())
+    with _NewTensorsOfSize(biggest) as counted:
+        opt.step()
+    with _NewTensorsOfSize(biggest) as counted_loop:
+        reference.step()
+    assert counted.fresh == [] and len(counted_loop.fresh) >= 2, (counted.fresh, counted_loop.fresh)
+    for _ in range(3):
+        opt.step()
+        reference.step()
+    for a, b in zip(fused.parameters(), loop.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not fused_adamw_applies([torch.zeros(2, device="meta")])  # other devices: torch's default
+    assert not fused_adamw_applies([torch.zeros(2, dtype=torch.float64)])
+
+
+def test_fused_adamw_dropped_when_an_engine_repoints_the_groups():
+    """FSDP2 points the optimizer's groups at its sharded parameters after make_optimizer: the fused kernel is kept
+    only where it still applies (here: parameters on another device), torch's default elsewhere."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+    allocate_optimizer_state(opt)
+    assert opt.param_groups[0]["fused"] is True
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1, fused=True)
+    opt.param_groups[0]["params"] = [torch.nn.Parameter(torch.zeros(3, device="meta"))]
+    allocate_optimizer_state(opt)
+    assert opt.param_groups[0]["fused"] is None

@@ -39,7 +39,17 @@ from __future__ import annotations
 import torch
 
 from vlmrl.models.loading import unwrap
-from vlmrl.models.prefix import _prefill, chosen_logps, draw_uniforms, mrope_positions, prefix_positions, row_seed, sample_rows, uses_mrope
+from vlmrl.models.prefix import (
+    SamplingWorkspace,
+    _prefill,
+    chosen_logps,
+    draw_uniforms,
+    mrope_positions,
+    prefix_positions,
+    row_seed,
+    sample_rows,
+    uses_mrope,
+)
 from vlmrl.models.processing import select_rows
 from vlmrl.models.static_decode import StaticStep
 
@@ -364,6 +374,7 @@ class RowSampler:
         self.eos_host = torch.tensor(eos_ids)
         self.eos = self.eos_host.to(device)
         self.suppress = torch.tensor(suppress_ids, dtype=torch.long, device=device)
+        self.workspace = SamplingWorkspace()  # buffers reused at every decode step (SamplingWorkspace: heap fragmentation)
 
     def generator(self, row: int) -> torch.Generator | None:
         return torch.Generator().manual_seed(self.row_seeds[row]) if self.do_sample else None
@@ -374,15 +385,18 @@ class RowSampler:
     def choose(self, logits: torch.Tensor, t: torch.Tensor, gens: list) -> torch.Tensor:
         """logits [n, V] float32, t [n] tokens each row has so far -> [n] chosen ids."""
         scores = logits
-        if self.suppress.numel():
-            scores = scores.index_fill(1, self.suppress, float("-inf"))
         early = t < self.min_new_tokens
-        if bool(early.any()):
-            ban = early.to(scores.device).unsqueeze(1) & torch.isin(torch.arange(scores.shape[1], device=scores.device), self.eos)
-            scores = scores.masked_fill(ban, float("-inf"))
+        any_early = bool(early.any())
+        if self.suppress.numel() or any_early:
+            scores = self.workspace.banned(logits)  # logits stay as they are: the sampler's log-probs read them
+        if self.suppress.numel():
+            scores.index_fill_(1, self.suppress, float("-inf"))
+        if any_early:  # EOS banned in the rows still short of min_new_tokens
+            rows = early.nonzero().flatten().to(scores.device)
+            scores[rows.unsqueeze(1), self.eos.unsqueeze(0)] = float("-inf")
         if not self.do_sample:
             return scores.argmax(dim=-1)
-        return sample_rows(self.warpers(None, scores), draw_uniforms(gens, scores.device))
+        return sample_rows(self.warpers(None, scores), draw_uniforms(gens, scores.device), self.workspace)
 
 
 @torch.no_grad()

@@ -64,19 +64,126 @@ def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.
         return chosen, -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
+class _FusedHeadLogps(torch.autograd.Function):
+    """log p(target) of every token through a bias-free linear LM head, one reused [chunk, V] float32 buffer.
+
+    Forward keeps no logits: per chunk the logits go into the buffer, the target's logit is read, then the buffer is
+    exponentiated in place for log-sum-exp. Backward recomputes each chunk's logits into the same buffer, turns them in
+    place into d loss / d logits = g (onehot - softmax) / temperature, and accumulates the weight gradient with addmm_
+    into one [V, H] tensor (what autograd then stores as the weight's grad). So the head's backward holds one buffer
+    and one weight gradient, where the checkpointed path holds logits, log-softmax, their gradients and a fresh
+    weight gradient per chunk: for a 151,936-token vocabulary that is the bulk of a step's growth."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+        m = hidden.shape[0]
+        out = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        buf, low = _head_buffers(hidden, weight, chunk)
+        for start in range(0, m, chunk):
+            sl = slice(start, min(start + chunk, m))
+            logits = _head_logits(hidden[sl], weight, buf, low, temperature)
+            peak = logits.amax(dim=-1, keepdim=True)
+            target = logits.gather(1, targets[sl].unsqueeze(1))
+            log_total = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True).log_()
+            out[sl] = (target - peak - log_total).squeeze(1)  # log_softmax's own order: x - max - log(sum exp(x - max))
+            lse[sl] = (peak + log_total).squeeze(1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        buf, low = _head_buffers(hidden, weight, chunk)
+        grad_out = grad_out.to(torch.float32)
+        for start in range(0, hidden.shape[0], chunk):
+            sl = slice(start, min(start + chunk, hidden.shape[0]))
+            g = grad_out[sl]
+            d = _head_logits(hidden[sl], weight, buf, low, temperature)
+            d.sub_(lse[sl].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))  # -g softmax
+            rows = torch.arange(d.shape[0], device=d.device)
+            d.index_put_((rows, targets[sl]), g, accumulate=True)  # + g at the target
+            if temperature != 1.0:
+                d.div_(temperature)
+            if low is not None:  # the head's own dtype for its matmuls, as autograd through .float() would
+                d = low[: d.shape[0]].copy_(d)
+            if want_hidden:
+                torch.matmul(d, weight, out=grad_hidden[sl])
+            if want_weight:
+                grad_weight.addmm_(d.t(), hidden[sl])
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _head_buffers(hidden: torch.Tensor, weight: torch.Tensor, chunk: int):
+    """The float32 [chunk, V] buffer, and a [chunk, V] one in the head's dtype when that is not float32."""
+    rows = min(chunk, hidden.shape[0])
+    buf = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=hidden.device)
+    low = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=hidden.device) if weight.dtype != torch.float32 else None
+    return buf, low
+
+
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor, low: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """h [c, H] -> float32 logits / temperature [c, V] in buf (through `low` in the head's dtype: the same rounding as
+    lm_head(h).float())."""
+    c = h.shape[0]
+    if low is None:
+        logits = torch.matmul(h, weight.t(), out=buf[:c])
+    else:
+        logits = buf[:c].copy_(torch.matmul(h, weight.t(), out=low[:c]))
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def fused_head_applies(hidden: torch.Tensor, lm_head: torch.nn.Module) -> bool:
+    """The fused head reads the weight directly, so only for a plain bias-free nn.Linear whose forward nothing
+    intercepts: no module hooks (FSDP2 / ZeRO-3 gather parameters in them), no LoRA wrapper, no sharded or
+    DeepSpeed-partitioned weight, no autocast (which would change the matmul's dtype); CPU and CUDA only."""
+    from torch.nn.modules import module as nn_module
+
+    weight = getattr(lm_head, "weight", None)
+    if hidden.device.type not in ("cpu", "cuda"):  # the planner's meta-device trace models the checkpointed chunks
+        return False
+    return (
+        type(lm_head) is torch.nn.Linear
+        and lm_head.bias is None
+        and isinstance(weight, torch.Tensor)
+        and type(weight.data) is torch.Tensor
+        and not hasattr(weight, "ds_id")
+        and weight.dtype == hidden.dtype
+        and not (lm_head._forward_hooks or lm_head._forward_pre_hooks)
+        and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
+
+
 def selective_logps(
     hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
 ) -> torch.Tensor:
     """hidden [N, T, H] predicting targets [N, T] -> [N, T] log-probs, chunked over N*T tokens.
 
     chunk_tokens <= 0 turns the memory engine off: one [N*T, V] logits block, kept for backward
-    (the naive path; benchmarks and equivalence tests compare against it)."""
+    (the naive path; benchmarks and equivalence tests compare against it). A plain linear head goes through
+    `_FusedHeadLogps` (one reused buffer); any other head through checkpointed chunks."""
     n, t, h = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(n * t, h), targets.reshape(n * t)
     sink = _ENTROPY_SINK.get()
     entropy = sink is not None
     if chunk_tokens <= 0:
         chunks = [_chunk_logps(flat_hidden, lm_head, flat_targets, temperature, entropy)]
+    elif fused_head_applies(flat_hidden, lm_head):
+        logps = _FusedHeadLogps.apply(flat_hidden, lm_head.weight, flat_targets, float(temperature), int(chunk_tokens)).view(n, t)
+        if entropy:  # a second, gradient-free pass over the head: the log-probs stay the fused path's, as in the update
+            with torch.no_grad():
+                parts = [
+                    _chunk_logps(flat_hidden[s : s + chunk_tokens], lm_head, flat_targets[s : s + chunk_tokens], temperature, True)[1]
+                    for s in range(0, n * t, chunk_tokens)
+                ]
+            sink.append(torch.cat(parts).view(n, t))
+        return logps
     else:
         chunks = []
         for start in range(0, n * t, chunk_tokens):
