@@ -68,7 +68,9 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(tiny_qwen25vl, tmp_pa
             during_saves += mid_save
             log.append((round(delay, 2), done[-1] if done else None, "mid-save" if mid_save else ""))
     if not finished:
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=3600)  # the uninterrupted finish: minutes on a loaded 2-core machine
+        subprocess.run(
+            cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=3600
+        )  # the uninterrupted finish: minutes on a loaded 2-core machine
     print(f"{kills} SIGKILLs, {during_saves} of them while a checkpoint was being written (delay s, newest checkpoint after kill, mid-save): {log}")
     assert kills >= min(KILLS, 20) or finished
 
