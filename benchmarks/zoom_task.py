@@ -6,16 +6,19 @@
 
 The task (vlmrl.data.tasks.make_zoom_task): a 448x448 black image holds one white square, one seen pixel wide at a
 pixel budget of 56x56 (data.max_pixels=3136), with one of its four corners missing; the question is which. The
-square sits at one of 4 places, each the centre of a quadrant, so the model must find the blur and zoom into the
-right 2x2-pixel box (in the pixels it sees; the tool scales the box to the original image).
+defaults are the documented setting (docs/tools.md, "A task that needs the tool"): one place (--spots 1: the box to
+zoom into is always the same), no jitter, the square in its box's top-left quarter (make_zoom_task's corner_aligned), so the zoomed
+box shows it as one image token whose four patches are its four blocks; --spots 4 --jitter 2 --centred is the
+earlier, harder setting (the model must also find the square; each block a separate token), at which the tiny model
+stayed at chance.
 
 Two models from the embedded tiny Qwen2.5-VL, the same SFT settings and steps:
 - **tool**: SFT warm start on expert tool-use traces (the tool call on the right box, the tool's zoomed image, the
   answer: vlmrl.tools.traces.sft_rows, tool turns masked), evaluated with the zoom tool loaded;
 - **no tool**: SFT on the direct answers of the same rows, evaluated with no tool.
 Both are evaluated by the plain multi-turn loop (vlmrl.models.tool_loop: HF generate turn by turn, greedy) on the
-held-out split. GRPO with tools needs the continuous engine's multi-turn rollout (issue 28 part 2, another branch):
-the `grpo` figures are absent until it lands.
+held-out split. --grpo-steps N adds N GRPO steps with the zoom tool (multi-turn rollouts in the continuous engine)
+from the tool SFT model, and its evaluation.
 
 Writes benchmarks/results/zoom_task_cpu_<date>.json and .md (with --out-dir's run folders for report.png).
 """
@@ -41,7 +44,6 @@ from vlmrl.tools.traces import expert_conversation, image_saver, sft_rows  # noq
 SEEN = 56  # the model sees every image at 56x56 (min_pixels = max_pixels = 56 * 56)
 PIXELS = SEEN * SEEN
 ZOOM_FACTOR = 4
-CORNER_ALIGNED = True  # the zoomed square is one image token (make_zoom_task's corner_aligned)
 
 SFT = [
     f"data.min_pixels={PIXELS}",
@@ -329,9 +331,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out-dir", default="/tmp/vlmrl_zoom_task")
     p.add_argument("--n-train", type=int, default=1000)
     p.add_argument("--n-test", type=int, default=200)
-    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--spots", type=int, default=1, help="places the square may sit at (1, 4, 9): 1 = the zoom box is always the same")
     p.add_argument("--jitter", type=int, default=0, help="the square's random shift in original pixels (default 0)")
+    p.add_argument("--centred", action="store_true", help="the square centred in its box (each block a separate image token when zoomed)")
     p.add_argument("--call-every", type=int, default=4, help="tool SFT: the call row of every N-th task row (answer rows of all)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 64 train / 16 test rows, 4 SFT steps, no results file")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out_dir)
     t0 = time.perf_counter()
     files = make_zoom_task(
-        out / "data", n_train=args.n_train, n_test=args.n_test, seen_size=SEEN, spots=args.spots, jitter=args.jitter, corner_aligned=CORNER_ALIGNED
+        out / "data", n_train=args.n_train, n_test=args.n_test, seen_size=SEEN, spots=args.spots, jitter=args.jitter, corner_aligned=not args.centred
     )
     base = out / "data"
     train = [json.loads(line) for line in files["train"].read_text().splitlines()]
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
             "seen_size": SEEN,
             "spots": args.spots,
             "jitter": args.jitter,
-            "corner_aligned": CORNER_ALIGNED,
+            "corner_aligned": not args.centred,
             "zoom_factor": ZOOM_FACTOR,
         },
         "call_every": args.call_every,
