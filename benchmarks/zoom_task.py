@@ -6,16 +6,19 @@
 
 The task (vlmrl.data.tasks.make_zoom_task): a 448x448 black image holds one white square, one seen pixel wide at a
 pixel budget of 56x56 (data.max_pixels=3136), with one of its four corners missing; the question is which. The
-square sits at one of 4 places, each the centre of a quadrant, so the model must find the blur and zoom into the
-right 2x2-pixel box (in the pixels it sees; the tool scales the box to the original image).
+defaults are the documented setting (docs/tools.md, "A task that needs the tool"): one place (--spots 1: the box to
+zoom into is always the same), no jitter, the square in its box's top-left quarter (make_zoom_task's corner_aligned), so the zoomed
+box shows it as one image token whose four patches are its four blocks; --spots 4 --jitter 2 --centred is the
+earlier, harder setting (the model must also find the square; each block a separate token), at which the tiny model
+stayed at chance.
 
 Two models from the embedded tiny Qwen2.5-VL, the same SFT settings and steps:
 - **tool**: SFT warm start on expert tool-use traces (the tool call on the right box, the tool's zoomed image, the
   answer: vlmrl.tools.traces.sft_rows, tool turns masked), evaluated with the zoom tool loaded;
 - **no tool**: SFT on the direct answers of the same rows, evaluated with no tool.
 Both are evaluated by the plain multi-turn loop (vlmrl.models.tool_loop: HF generate turn by turn, greedy) on the
-held-out split. GRPO with tools needs the continuous engine's multi-turn rollout (issue 28 part 2, another branch):
-the `grpo` figures are absent until it lands.
+held-out split. --grpo-steps N adds N GRPO steps with the zoom tool (multi-turn rollouts in the continuous engine)
+from the tool SFT model, and its evaluation.
 
 Writes benchmarks/results/zoom_task_cpu_<date>.json and .md (with --out-dir's run folders for report.png).
 """
@@ -67,8 +70,10 @@ def seen_size(image) -> tuple[int, int]:
     return target_size(image.width, image.height, PIXELS, PIXELS)
 
 
-def tool_rows(rows: list[dict], base: Path, out: Path) -> list[dict]:
-    """Expert tool-use SFT rows (2 per task row: the call, then the answer after the zoomed image)."""
+def tool_rows(rows: list[dict], base: Path, out: Path, call_every: int = 1) -> list[dict]:
+    """Expert tool-use SFT rows: per task row the answer after the zoomed image, and for every `call_every`-th row
+    also the call. (A call is ~6x the answer's tokens and SFT's loss is a mean over the batch's target tokens: with a
+    call row per answer row the answer, the part that needs the image, gets a sixth of the gradient.)"""
     from PIL import Image
 
     from vlmrl.tools.registry import load_tools
@@ -85,7 +90,8 @@ def tool_rows(rows: list[dict], base: Path, out: Path) -> list[dict]:
             raise RuntimeError(f"row {i}: the expert's zoom failed: {result.error}")
         prompt = [{"role": "user", "content": [{"type": "image", "image": path}, {"type": "text", "text": row["problem"]}]}]
         conversation = expert_conversation(prompt, [call], [result], row["response"])
-        saved += sft_rows(conversation, image_saver(out / "zoomed", f"train_{i:05d}"), solution=row["solution"])
+        call_row, answer_row = sft_rows(conversation, image_saver(out / "zoomed", f"train_{i:05d}"), solution=row["solution"])
+        saved += [call_row, answer_row] if i % call_every == 0 else [answer_row]
     return saved
 
 
@@ -251,9 +257,17 @@ def markdown(result: dict) -> str:
         + f"; torch {result['machine']['torch']}, transformers {result['machine']['transformers']}.",
         "",
         f"Task: {result['task']['n_train']} train / {result['task']['n_test']} held-out rows, 448x448 images seen at 56x56, "
-        f"4 places, 4 answers (chance 25%). SFT: {result['sft_steps']} language steps (+20 projector steps)"
+        f"{result['task'].get('spots', 4)} place(s), jitter {result['task'].get('jitter', 2)} px"
+        + (", the square in its box's top-left quarter (one image token when zoomed)" if result["task"].get("corner_aligned") else "")
+        + f", 4 answers (chance 25%). SFT: {result['sft_steps']} language steps (+20 projector steps)"
         + (f", then a second run of {result['more_sft_steps']} steps from it" if result.get("more_sft_steps") else "")
-        + ", batch 32, lr 1e-3, vision tower trained, the same for both SFT models. "
+        + ", batch 32, lr 1e-3, vision tower trained, the same for both SFT models"
+        + (
+            f"; tool traces: the answer row of every train row, the call row of every {result['call_every']}th"
+            if result.get("call_every", 1) > 1
+            else ""
+        )
+        + ". "
         + "Evaluation: greedy, the plain multi-turn loop (vlmrl.models.tool_loop), at most 3 turns.",
         "",
         "| held-out | " + " | ".join(label for label, _ in cols) + " |",
@@ -317,7 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out-dir", default="/tmp/vlmrl_zoom_task")
     p.add_argument("--n-train", type=int, default=1000)
     p.add_argument("--n-test", type=int, default=200)
-    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--spots", type=int, default=1, help="places the square may sit at (1, 4, 9): 1 = the zoom box is always the same")
+    p.add_argument("--jitter", type=int, default=0, help="the square's random shift in original pixels (default 0)")
+    p.add_argument("--centred", action="store_true", help="the square centred in its box (each block a separate image token when zoomed)")
+    p.add_argument("--call-every", type=int, default=4, help="tool SFT: the call row of every N-th task row (answer rows of all)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 64 train / 16 test rows, 4 SFT steps, no results file")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--more-sft-steps", type=int, default=0, help="a second SFT run of this many steps from each SFT model")
@@ -335,11 +353,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.n_train, args.n_test, args.sft_steps = 64, 16, 4
     out = Path(args.out_dir)
     t0 = time.perf_counter()
-    files = make_zoom_task(out / "data", n_train=args.n_train, n_test=args.n_test, seen_size=SEEN)
+    files = make_zoom_task(
+        out / "data", n_train=args.n_train, n_test=args.n_test, seen_size=SEEN, spots=args.spots, jitter=args.jitter, corner_aligned=not args.centred
+    )
     base = out / "data"
     train = [json.loads(line) for line in files["train"].read_text().splitlines()]
     test = [json.loads(line) for line in files["test"].read_text().splitlines()]
-    tool_path = write_jsonl(out / "sft_tool.jsonl", tool_rows(train, base, out / "traces"))
+    tool_path = write_jsonl(out / "sft_tool.jsonl", tool_rows(train, base, out / "traces", args.call_every))
     direct_path = write_jsonl(out / "sft_direct.jsonl", direct_rows(train, base))
     sft_seconds = {
         "tool": reuse_or_run(tool_path, out / "sft_tool", args.sft_steps, args.reuse),
@@ -352,7 +372,17 @@ def main(argv: list[str] | None = None) -> dict:
         tool_dir, direct_dir = out / "sft_tool_more", out / "sft_direct_more"
     result = {
         "command": "python benchmarks/zoom_task.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
-        "task": {"n_train": args.n_train, "n_test": args.n_test, "image_size": 448, "seen_size": SEEN, "spots": 4, "zoom_factor": ZOOM_FACTOR},
+        "task": {
+            "n_train": args.n_train,
+            "n_test": args.n_test,
+            "image_size": 448,
+            "seen_size": SEEN,
+            "spots": args.spots,
+            "jitter": args.jitter,
+            "corner_aligned": not args.centred,
+            "zoom_factor": ZOOM_FACTOR,
+        },
+        "call_every": args.call_every,
         "sft_steps": args.sft_steps,
         "sft_seconds": sft_seconds,
         "more_sft_steps": args.more_sft_steps,

@@ -62,6 +62,17 @@ def test_zoom_task_is_deterministic_balanced_and_needs_the_zoom(tmp_path):
     assert sum(1 for v in small.get_flattened_data() if v > 64) <= 4
 
 
+def test_zoom_task_corner_aligned_square_fills_the_zoomed_boxs_top_left_quarter(tmp_path):
+    files = make_zoom_task(tmp_path / "a", n_train=4, n_test=0, spots=1, jitter=0, corner_aligned=True)
+    for r in rows_of(files["train"]):
+        assert r["zoom_box"] == [27, 27, 29, 29]
+        im = Image.open(tmp_path / "a" / r["image"]).convert("L")
+        # the square is exactly the box's top-left seen pixel (8x8 original pixels): one image token once zoomed
+        assert im.getbbox() == (27 * 8, 27 * 8, 28 * 8, 28 * 8)
+    with pytest.raises(ValueError, match="corner_aligned needs jitter 0"):
+        make_zoom_task(tmp_path / "b", n_train=1, n_test=0, jitter=1, corner_aligned=True)
+
+
 def zoom_conversation(tmp_path):
     image = Image.new("RGB", (448, 448))
     call = ToolCall("zoom", {"bbox_2d": [13, 13, 15, 15], "factor": 4})
@@ -151,6 +162,9 @@ def test_zoom_benchmark_expert_rows_zoom_onto_the_detail(tmp_path):
         assert zoomed.size == (64, 64)
         # The zoomed box shows the whole detail: 3 of its 4 blocks of ink, far more than one pixel's worth.
         assert sum(1 for v in zoomed.get_flattened_data() if v > 128) > 300
+    # call_every=2: every row's answer, the calls of rows 0 and 2 only
+    fewer = zoom_task.tool_rows(rows, tmp_path / "d", tmp_path / "t2", call_every=2)
+    assert [len(r["images"]) for r in fewer] == [1, 2, 2, 1, 2, 2]
 
 
 def test_template_messages_groups_tool_runs():

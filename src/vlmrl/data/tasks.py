@@ -294,6 +294,7 @@ def make_zoom_task(
     seen_size: int = 56,
     spots: int = 4,
     jitter: int | None = None,
+    corner_aligned: bool = False,
 ) -> dict[str, Path]:
     """Zoom: "Which corner of the small square is missing?" about a white square (2x2 blocks, one missing) drawn
     one seen pixel wide at one of `spots` places of a black ``image_size`` image; at a pixel budget of ``seen_size``
@@ -303,15 +304,20 @@ def make_zoom_task(
     ("<answer>top-left</answer>"), zoom_box (the box to zoom into, in seen pixels: what the tool call must ask for).
     The square is centred in its box and moved by up to `jitter` original pixels (default a quarter of its side) each
     way, so its blurred centre of mass (1/12 of its side off centre, towards the filled corners) does not give the
-    answer away, while the zoomed box still shows its blocks in about the same place. Returns {"train", "test",
-    "images"} paths."""
+    answer away, while the zoomed box still shows its blocks in about the same place. `corner_aligned` puts the square
+    in its box's top-left quarter instead (with jitter 0: exactly one seen pixel), so that zoomed 2x2 boxes seen at 56x56
+    show it as one image token whose four patches are its four blocks: which corner is missing is then that token's
+    content (Qwen2.5-VL's merger concatenates the 2x2 patches in order), not which of four tokens is dark, which a
+    tiny model reads far more easily. Returns {"train", "test", "images"} paths."""
     places = zoom_spots(image_size, seen_size, spots)
     box_side = 2 * (image_size // seen_size)  # the zoom box in original pixels
     size = box_side // 2
-    jitter = size // 4 if jitter is None else jitter
+    jitter = (0 if corner_aligned else size // 4) if jitter is None else jitter
     if not 0 <= jitter <= (box_side - size) // 2:
         raise ValueError(f"jitter must be between 0 and {(box_side - size) // 2} pixels, got {jitter}")
-    centre = (box_side - size) // 2
+    centre = 0 if corner_aligned else (box_side - size) // 2
+    if corner_aligned and jitter:
+        raise ValueError(f"corner_aligned needs jitter 0, got {jitter}")
 
     def make_row(rng: random.Random, missing: str, rel: str) -> dict:
         seen_box, (x0, y0) = places[rng.randrange(len(places))]
