@@ -619,6 +619,20 @@ MT_GRID = [
         "tiny-grpo-zoom-3turns-G8",
         MT_COMMON + ["tools.max_turns=3", "rollout.num_generations=8", "rollout.generation_batch_size=16", "training.per_device_train_batch_size=8"],
     ),
+    # 30 steps of 32 completions: the peak of a longer run (before engine/host_alloc.py it grew step after step); learning
+    # rate 0 keeps the policy calling the tool all along (with the tiny defaults' rate it had stopped: 0.06 calls per rollout)
+    (
+        "tiny-grpo-zoom-2turns-32x30steps",
+        MT_COMMON
+        + [
+            "tools.max_turns=2",
+            "rollout.num_generations=8",
+            "rollout.generation_batch_size=32",
+            "training.per_device_train_batch_size=32",
+            "training.max_steps=30",
+            "optim.learning_rate=0",
+        ],
+    ),
 ]
 
 

@@ -50,6 +50,7 @@ from vlmrl.checkpoints.files import GracefulStop
 from vlmrl.data.rows import PromptSampler, image_cache_dir
 from vlmrl.engine.collectives import prompt_seed
 from vlmrl.engine.distributed import Distributed
+from vlmrl.engine.host_alloc import pin_mmap_threshold
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
 from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
 from vlmrl.models.loading import reference_disabled_adapter
@@ -204,6 +205,8 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
+    if cfg.multiturn:  # its host RSS grew step after step without it (engine/host_alloc.py: measured gain and cost)
+        pin_mmap_threshold()
     run = start_run(cfg, log)
     if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
         return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)
