@@ -212,6 +212,7 @@ def _resume_on_one_process(setup, out, reference, name):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # three launches (~40 s quiet, 90 s loaded): make test's budget
 def test_ddp_run_at_the_default_sampling_seed_resumes_on_one_process_exactly(setup, reference):
     """rollout.sampling_seed left at auto: the 2-process run draws per-prompt streams, and its checkpoint resumed on
     ONE process keeps them (resolve_sampling_seed) instead of switching to one stream per step: the same run."""
@@ -249,6 +250,7 @@ def _assert_exports_as(ckpt, exported, expected_weights):
     assert (exported / "config.json").exists() and list(exported.glob("*token*"))
 
 
+@pytest.mark.slow  # two loopback nodes (~45 s quiet, 156 s loaded): make test's budget
 def test_two_nodes_on_loopback_checkpoint_resume_and_export(setup, reference):
     out = setup[0] / "nodes"
     _two_nodes(setup, out, "training.max_steps=2", "training.save_steps=2")
@@ -296,6 +298,7 @@ def test_fsdp2_train_matches_one_process_checkpoints_and_resumes(setup, referenc
     _assert_exports_as(ckpt, setup[0] / "fsdp2_exported", ckpt / "model" / "model.safetensors")
 
 
+@pytest.mark.slow  # ~35 s quiet, 80 s loaded: make test's budget
 def test_fsdp2_sharded_checkpoints_resume_on_two_and_one_process_and_export(setup, reference):
     """fsdp_state_dict_type: SHARDED_STATE_DICT (env FSDP_STATE_DICT_TYPE): each process writes its own shards
     (torch.distributed.checkpoint); resume on 2 processes and on 1 (re-sharded on load) continues the same run;
