@@ -430,21 +430,7 @@ def sample_continuous(
     active rows), static (fixed batch buckets over every cache column) or cuda_graph (static, captured and replayed
     as CUDA graphs; CUDA only)."""
     G = num_generations if do_sample else 1
-    n_prompts = prompt_batch["input_ids"].shape[0]
-    if do_sample and (prompt_seeds is None or len(prompt_seeds) != n_prompts):
-        raise ValueError(f"sampling needs one seed per prompt: got {None if prompt_seeds is None else len(prompt_seeds)} for {n_prompts} prompts")
-    seeds = [row_seed(s, g) for s in prompt_seeds for g in range(G)] if do_sample else None
-    sampler = RowSampler(
-        eos_ids=eos_ids,
-        suppress_ids=suppress_ids,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_new_tokens=min_new_tokens,
-        row_seeds=seeds,
-        device=prompt_batch["input_ids"].device,
-    )
+    sampler = seeded_row_sampler(prompt_batch, G, prompt_seeds, do_sample, eos_ids, suppress_ids, temperature, top_p, top_k, min_new_tokens)
     engine = ContinuousDecoder(
         model,
         prompt_batch,
@@ -458,3 +444,23 @@ def sample_continuous(
     ids = engine.run()
     ids = ids.masked_fill(ids < 0, pad_id).to(prompt_batch["input_ids"].device)
     return (ids, engine.out_logps.to(ids.device)) if return_logps else ids
+
+
+def seeded_row_sampler(prompt_batch, G: int, prompt_seeds, do_sample: bool, eos_ids, suppress_ids, temperature, top_p, top_k, min_new_tokens):
+    """The RowSampler of U prompts x G rows: row g of prompt u draws from row_seed(prompt_seeds[u], g) (one seed per
+    prompt, required when do_sample)."""
+    n_prompts = prompt_batch["input_ids"].shape[0]
+    if do_sample and (prompt_seeds is None or len(prompt_seeds) != n_prompts):
+        raise ValueError(f"sampling needs one seed per prompt: got {None if prompt_seeds is None else len(prompt_seeds)} for {n_prompts} prompts")
+    seeds = [row_seed(s, g) for s in prompt_seeds for g in range(G)] if do_sample else None
+    return RowSampler(
+        eos_ids=eos_ids,
+        suppress_ids=suppress_ids,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_new_tokens=min_new_tokens,
+        row_seeds=seeds,
+        device=prompt_batch["input_ids"].device,
+    )

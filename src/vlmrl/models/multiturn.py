@@ -39,10 +39,10 @@ from typing import Callable
 
 import torch
 
-from vlmrl.models.continuous import ContinuousDecoder, RowSampler
+from vlmrl.models.continuous import ContinuousDecoder, seeded_row_sampler
 from vlmrl.models.loading import unwrap
 from vlmrl.models.logprobs import _accepted, selective_logps
-from vlmrl.models.prefix import chosen_logps, row_seed
+from vlmrl.models.prefix import chosen_logps
 from vlmrl.models.processing import _per_image_chunks, _tokenizer_of, encode_prompts, render_chat, select_rows
 from vlmrl.tools.parsing import parse_tool_calls
 from vlmrl.tools.render import ToolTemplateError, chat_template_of, for_template, render_tool_turn, tool_role_mode
@@ -431,22 +431,8 @@ def sample_multiturn(
     row u*G+g driven by envs[u*G+g] (a `tools.environment.ToolEnvironment`, already `reset` with its row). With
     do_sample=False, G is still num_generations (the environments decide); every row of a prompt is then the same.
     force: tests only (`MultiTurnDecoder._forced`)."""
-    n_prompts = prompt_batch["input_ids"].shape[0]
     G = num_generations
-    if do_sample and (prompt_seeds is None or len(prompt_seeds) != n_prompts):
-        raise ValueError(f"sampling needs one seed per prompt: got {None if prompt_seeds is None else len(prompt_seeds)} for {n_prompts} prompts")
-    seeds = [row_seed(s, g) for s in prompt_seeds for g in range(G)] if do_sample else None
-    sampler = RowSampler(
-        eos_ids=eos_ids,
-        suppress_ids=suppress_ids,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_new_tokens=min_new_tokens,
-        row_seeds=seeds,
-        device=prompt_batch["input_ids"].device,
-    )
+    sampler = seeded_row_sampler(prompt_batch, G, prompt_seeds, do_sample, eos_ids, suppress_ids, temperature, top_p, top_k, min_new_tokens)
     engine = MultiTurnDecoder(
         model,
         processor,
@@ -457,7 +443,7 @@ def sample_multiturn(
         sampler=sampler,
         force=force,
         num_generations=G,
-        decode_batch_size=max(decode_batch_size or n_prompts * G, 1),
+        decode_batch_size=max(decode_batch_size or prompt_batch["input_ids"].shape[0] * G, 1),
     )
     engine.run()
     return engine.result(pad_id)
