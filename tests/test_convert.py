@@ -280,6 +280,8 @@ def test_converted_example_passes_check(case, tiny_qwen25vl, tmp_path, capsys, m
     converted = yaml.safe_load(out.read_text())
     capsys.readouterr()
     local, layout = local_overrides(peer, fixture, tmp_path)
+    if peer == "trl" and importlib.util.find_spec("trl") is None:  # its rewards are TRL's own (trl.rewards), as grpo_vlm.py names them
+        pytest.skip("the converted TRL config names trl.rewards: check needs trl (pip install -e '.[bench]')")
     if "wandb" in converted.get("logging", {}).get("report_to", []):
         local.append("logging.report_to=none")
     local += [f"model.name_or_path={tiny_qwen25vl}", f"training.output_dir={tmp_path / 'run'}", "training.device=cpu"]
