@@ -194,7 +194,29 @@ class RecordedRoutes:
         return RecordedRoutes(self.prompt[prompts], crop(self.completion), pw, crop(self.completion_weights))
 
 
-class record_routing:  # noqa: N801 - used as a context manager, like torch.no_grad
+class _RouterHooks:
+    """Shared context-manager plumbing of record_routing and replay_routing: on entry, a pre-hook on the decoder
+    (`_on_decoder`, which sees each call's shape) and a forward hook on every router (`_on_router(layer, ...)`);
+    on exit, all removed. Nothing is hooked when `_active()` is false (no routers, or nothing to replay)."""
+
+    def _active(self) -> bool:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if not self._active():
+            return self
+        self._handles.append(self.routing.decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True))
+        for j, r in enumerate(self.routing.routers):
+            self._handles.append(r.register_forward_hook(functools.partial(self._on_router, j)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class record_routing(_RouterHooks):  # noqa: N801 - used as a context manager, like torch.no_grad
     """Records the experts of every decoder call of the shared-prefix decode loop(s) inside the block: each loop is a
     prefill of U prompts ([U, P]) then one call per decoded token ([U*G, 1]). routing None: records nothing.
     `routes(num_generations)` assembles them (loops in call order: prompts and rows concatenated)."""
@@ -213,23 +235,13 @@ class record_routing:  # noqa: N801 - used as a context manager, like torch.no_g
             raise ValueError("routing replay: a cached decoder call before any prefill")
         self.loops[-1].append((batch, seq, [None] * len(self.routing.routers)))
 
+    def _active(self) -> bool:
+        return self.routing is not None
+
     def _on_router(self, layer: int, module, args, output):
         _, weights, indices = output
         kept = weights.detach().float() if self.keep_weights else None
         self.loops[-1][-1][2][layer] = (indices.detach().to(torch.int16), kept)
-
-    def __enter__(self) -> "record_routing":
-        if self.routing is None:
-            return self
-        self._handles.append(self.routing.decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True))
-        for j, r in enumerate(self.routing.routers):
-            self._handles.append(r.register_forward_hook(functools.partial(self._on_router, j)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def routes(self, num_generations: int) -> RecordedRoutes:
         prompts, rows, prompt_w, rows_w = [], [], [], []
@@ -275,7 +287,7 @@ def _cat_rows(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)
 
 
-class replay_routing:  # noqa: N801 - used as a context manager, like torch.no_grad
+class replay_routing(_RouterHooks):  # noqa: N801 - used as a context manager, like torch.no_grad
     """Inside the block, every router call of a log-prob forward over `routes` (RecordedRoutes.for_rows of the
     micro-batch) uses the recorded experts: a call over the U prompts ([U, P]) their prompt routes, a cached call over
     the rows' completions ([N, S]) their first S completion tokens', a call over whole rows ([N, P + T]) both.
@@ -307,6 +319,9 @@ class replay_routing:  # noqa: N801 - used as a context manager, like torch.no_g
             f"tokens ({n_prompts} prompts x {prompt_width}, {n_rows} rows x {r.completion.shape[1]})"
         )
 
+    def _active(self) -> bool:
+        return self.routing is not None and self.routes is not None
+
     def _on_decoder(self, module, args, kwargs):
         self.current = self._select(*_call_shape(args, kwargs))
 
@@ -324,16 +339,3 @@ class replay_routing:  # noqa: N801 - used as a context manager, like torch.no_g
             probs = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, chosen)
             new = (probs / probs.sum(dim=-1, keepdim=True)).to(weights.dtype)
         return logits, torch.where(valid, new, weights), chosen
-
-    def __enter__(self) -> "replay_routing":
-        if self.routing is None or self.routes is None:
-            return self
-        self._handles.append(self.routing.decoder.register_forward_pre_hook(self._on_decoder, with_kwargs=True))
-        for j, r in enumerate(self.routing.routers):
-            self._handles.append(r.register_forward_hook(functools.partial(self._on_router, j)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
