@@ -164,6 +164,13 @@ def run_one(args) -> dict:
     train_mod.load_policy = load_and_count
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            train_mod.train(cfg, log=lambda *_: None)
+        print("RESULT " + json.dumps({"ops": top_ops(prof, total, vocab_rows(args.model))}))
+        return {}
     train_mod.train(cfg, log=lambda *_: None)
     lines = [json.loads(x) for x in (Path(args.out_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [m for m in lines if "time/step" in m][args.warmup :]
@@ -184,6 +191,66 @@ def run_one(args) -> dict:
         out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     print("RESULT " + json.dumps(out))
     return out
+
+
+def vocab_rows(model: str) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int((config.get("text_config") or config)["vocab_size"])
+
+
+def top_ops(prof, steps: int, vocab: int, n: int = 12) -> list[dict]:
+    """The n ops with the most self CPU time per step (grouped by op and input shapes; every step, warm-up included,
+    under the profiler), each flagged when one of its inputs has a vocabulary-sized dimension (the LM head's work)."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        shapes = [list(x) for x in (e.input_shapes or []) if isinstance(x, (list, tuple))]
+        rows.append(
+            {
+                "op": e.key,
+                "shapes": shapes,
+                "calls_per_step": e.count / steps,
+                "self_s_per_step": e.self_cpu_time_total / 1e6 / steps,
+                "vocab_sized": any(vocab in s for s in shapes),
+            }
+        )
+    total = sum(r["self_s_per_step"] for r in rows)
+    vocab_total = sum(r["self_s_per_step"] for r in rows if r["vocab_sized"])
+    rows.sort(key=lambda r: -r["self_s_per_step"])
+    return [{"total_self_s_per_step": total, "vocab_sized_self_s_per_step": vocab_total}] + rows[:n]
+
+
+def profile_rows(a, rows: list[tuple[str, dict]], cmd_for) -> dict[str, list[dict]]:
+    """Re-run the given configurations under torch.profiler (apart from the timed runs: the profiler slows them)."""
+    out = {}
+    for i, (name, flags) in enumerate(rows):
+        cmd = cmd_for(flags, f"profile-{i}") + ["--profile"]
+        proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"profiling {name!r} failed (exit {proc.returncode})")
+        out[name] = json.loads(line[0][7:])["ops"]
+    return out
+
+
+def profile_md(profiles: dict[str, list[dict]]) -> list[str]:
+    md = ["", "## Where the time goes (torch.profiler, a separate run of each configuration; self CPU time per step)", ""]
+    for name, ops in profiles.items():
+        head, rows = ops[0], ops[1:]
+        md += [
+            f"**{name}**: {head['total_self_s_per_step']:.2f} s of ops per step under the profiler, of which "
+            f"{head['vocab_sized_self_s_per_step']:.2f} s ({head['vocab_sized_self_s_per_step'] / head['total_self_s_per_step']:.0%}) in ops "
+            "with a vocabulary-sized input (LM head matmuls, log-softmax, sampling, the head's weight gradient and buffers).",
+            "",
+            "| op | input shapes | calls / step | self s / step | vocab-sized |",
+            "|---|---|---|---|---|",
+        ]
+        md += [
+            f"| {r['op']} | {r['shapes']} | {r['calls_per_step']:.1f} | {r['self_s_per_step']:.3f} | {'yes' if r['vocab_sized'] else ''} |"
+            for r in rows
+        ]
+        md.append("")
+    return md
 
 
 def load_average() -> float | None:
@@ -235,6 +302,7 @@ def main() -> int:
     ap.add_argument("--family", default="qwen2.5-vl", choices=list(FAMILIES), help="tiny model family (vlmrl tiny names)")
     ap.add_argument("--video", type=int, default=0, help="frames of one video per prompt (side x side mp4s) instead of an image")
     ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="also re-run the first and last rows under torch.profiler: per-op time per step")
     a = ap.parse_args()
     if a.child:
         run_one(a)
@@ -249,8 +317,9 @@ def main() -> int:
     data = write_video_rows(work / f"videos-{a.video}-{a.side}", a.video, a.side) if a.video else None
     results = []
     load_before = load_average()
-    for name, flags in selected_rows(a.rows):
-        cmd = [
+
+    def cmd_for(flags: dict, run: str) -> list[str]:
+        return [
             sys.executable,
             __file__,
             "--child",
@@ -259,7 +328,7 @@ def main() -> int:
             "--model",
             str(model),
             "--out-dir",
-            str(work / f"run-{len(results)}"),
+            str(work / run),
             "--device",
             a.device,
             "--steps",
@@ -276,6 +345,9 @@ def main() -> int:
             str(a.video),
             *(["--data", str(data)] if data else []),
         ]
+
+    for name, flags in selected_rows(a.rows):
+        cmd = cmd_for(flags, f"run-{len(results)}")
         subprocess.run(["rm", "-rf", str(work / f"run-{len(results)}")], check=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -342,7 +414,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     family_tag = ("" if a.family == "qwen2.5-vl" else f"_{a.family}") + (f"_video{a.video}" if a.video else "")
     stem = out / f"memory_engine_{device_name}_{date}{family_tag}{'_quick' if a.quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results, "summary": summary}, indent=2))
+    profiles = profile_rows(a, [selected_rows(a.rows)[0], selected_rows(a.rows)[-1]], cmd_for) if a.profile else {}
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": results, "summary": summary, "profiles": profiles}, indent=2))
     peak_label = "GPU peak allocated (GiB)" if a.device.startswith("cuda") else "peak RSS (GiB)"
     md = [
         f"# Memory engine, part by part ({device_name}, {date})",
@@ -370,6 +443,7 @@ def main() -> int:
         "",
         f"Machine load: {why}. Load after each configuration: " + ", ".join(f"{r['name']} {r['load_after']}" for r in results) + ".",
     ]
+    md += profile_md(profiles) if profiles else []
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"wrote {stem}.json and .md")

@@ -51,6 +51,16 @@ def memory_engine() -> str | None:
     ]
     if summary.get("load_note"):
         lines += ["", f"Machine load: {summary['load_note']}."]
+    for name, ops in (result.get("profiles") or {}).items():
+        head, top = ops[0], ops[1:4]
+        share = head["vocab_sized_self_s_per_step"] / head["total_self_s_per_step"]
+        lines += [
+            "",
+            f"Profiled ({name}, a separate run under torch.profiler): {head['total_self_s_per_step']:.2f} s of ops per step, "
+            f"{share:.0%} of it in ops with a vocabulary-sized input; the largest: "
+            + "; ".join(f"{r['op']} {r['shapes']} {r['self_s_per_step']:.2f} s" for r in top)
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
