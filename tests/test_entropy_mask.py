@@ -107,6 +107,33 @@ def test_training_keeps_the_top_fraction_per_step(tiny_qwen25vl, tmp_path, monke
     assert losses[0.25] != losses[1.0]
 
 
+def test_scoring_computes_entropies_only_when_a_mask_needs_them(tiny_qwen25vl, tmp_path, monkeypatch):
+    """The reference scoring of a beta > 0 run without an entropy mask opens no entropy sink (each one costs a second
+    pass over the LM head per chunk); with a mask, the policy's scoring does."""
+    import vlmrl.train as train_module
+    from test_integration import grpo_cfg
+    from vlmrl.data.tasks import make_count_task
+
+    opened = []
+    real = train_module.entropies_collected
+
+    def spy():
+        opened.append(1)
+        return real()
+
+    monkeypatch.setattr(train_module, "entropies_collected", spy)
+    data = make_count_task(tmp_path / "count", n_train=8, n_test=2, seed=0, image_size=56)
+    counts = {}
+    for q in (1.0, 0.25):
+        opened.clear()
+        out = tmp_path / f"q{q}"
+        train_module.train(
+            grpo_cfg(tiny_qwen25vl, data, out, f"algorithm.top_entropy_quantile={q}", "algorithm.beta=0.04", "rollout.max_completion_length=8")
+        )
+        counts[q] = len(opened)
+    assert counts[1.0] == 0 and counts[0.25] > 0, counts
+
+
 @pytest.mark.parametrize("value", ["0", "-0.1", "1.5"])
 def test_quantile_outside_0_1_refused(value):
     from vlmrl.config import ConfigError, load_config

@@ -593,7 +593,8 @@ def logps_without_grad(
             for idx in micro_batches(run, samples, list(range(comp.ids.shape[0])), size):
                 maybe_inject_oom("scoring", len(idx))
                 mb = micro_batch(run, samples, loss_mask, idx)
-                with entropies_collected() as collected, replayed_routing(run, samples, idx, mb, replay):
+                collecting = entropies_collected() if entropies else contextlib.nullcontext([])  # entropies cost a second pass over the head
+                with collecting as collected, replayed_routing(run, samples, idx, mb, replay):
                     logps = call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision)
                 out[idx, : mb.ids.shape[1]] = logps.to(out.device)
                 if ent is not None:
