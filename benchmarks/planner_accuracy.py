@@ -839,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="trl: a Python with TRL installed (default /work/venv-extras/bin/python)")
     ap.add_argument("--note", default=None, help="cpu / trl / deepspeed: a paragraph added to the results file (machine state, context)")
     ap.add_argument("--reuse", default=None, help="deepspeed: predict again for the runs measured in this planner_deepspeed_cpu_*.json")
+    ap.add_argument("--compare", default=None, help="deepspeed: an earlier planner_deepspeed_cpu_*.json whose rows are listed beside these")
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -939,8 +940,9 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
         old = json.loads(Path(args.reuse).read_text())
         runs, machine, date = old["rows"], old["machine"], old["date"]
         kept = (*measured_keys, "malloc_env", "ranks", "seconds", "load_at_start", "load_at_end", "config", "pass")
+        kept += ("mmap_threshold_pinned", "step_times_s")
         runs = [{k: v for k, v in r.items() if k in kept} for r in runs]
-        extra = {k: old[k] for k in ("exploratory", "note") if k in old}
+        extra = {k: old[k] for k in ("exploratory", "note", "compare") if k in old}
     else:
         machine, date, extra = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)", today, {}
         with tempfile.TemporaryDirectory() as tmp:
@@ -953,6 +955,11 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
         print(f"{r['name']:<26} measured {m:.3f} predicted {p:.3f} GiB {r['difference_pct']:+6.1f}%")
     if args.note:
         extra["note"] = args.note
+    if args.compare:  # the earlier file's figures as it recorded them (its measurements and its planner's predictions)
+        before = json.loads(Path(args.compare).read_text())
+        keys = ("measured_peak_rss_gib", "predicted_peak_rss_gib", "difference_pct", "peak_segment", "malloc_env")
+        then = {r["name"]: {k: r.get(k) for k in keys} for r in before["rows"]}
+        extra["compare"] = {"file": Path(args.compare).name, "date": before["date"], "rows": then}
     data = {"date": date, "predicted_on": today, "machine": machine, "rows": rows, **extra}
     (out / f"planner_deepspeed_cpu_{date}.json").write_text(json.dumps(data, indent=1))
     (out / f"planner_deepspeed_cpu_{date}.md").write_text(markdown(data))

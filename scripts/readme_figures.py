@@ -201,6 +201,7 @@ def planner_deepspeed_table(rows: list[dict]) -> str:
     for row in rows:
         zero = ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in row["deepspeed_config"]["zero_optimization"].items())
         run = ("GRPO" if row["command"] == "train" else "SFT") + (" LoRA" if "model.use_lora=true" in row["overrides"] else " full")
+        run += ", mmap threshold pinned" if row.get("mmap_threshold_pinned") else ""
         malloc = " ".join(f"{k}={v}" for k, v in row.get("malloc_env", {}).items())
         lines.append(
             f"| {row['name']} | {run}{' (' + malloc + ')' if malloc else ''} | {zero} | {row['measured_peak_rss_gib']:.2f} | "
