@@ -267,3 +267,52 @@ def test_plan_cli_refuses_a_bad_deepspeed_json_in_one_line(tmp_path, capsys, tex
     assert main(["--model", "qwen2.5-vl-3b", "--gpus", "8", "--deepspeed-config", str(ds)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- search and auto_fit under a DeepSpeed config
+def test_search_keeps_the_deepspeed_configs_stage_and_buffers():
+    from vlmrl.plan.planner import search
+
+    z = zero_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}, hidden=SPEC.hidden)
+    base = dataclasses.replace(W, sharding="zero3", zero=z, gpu_memory_bytes=10**12)
+    found = search(SPEC, base, top=0)  # other engines would contradict the config (a PlanError per candidate)
+    assert found and {(c.workload.sharding, c.workload.offload, c.workload.zero) for c in found} == {("zero3", "none", z)}
+    assert all(c.plan.terms["zero_reduce_buckets"] == 1000 * 2 for c in found)
+
+
+def test_auto_fit_plans_under_the_deepspeed_config_in_use(tmp_path):
+    from test_planner import _cfg
+
+    from vlmrl.plan.planner import auto_fit, plan_for_config
+
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 3e8}}  # 0.56 GiB of bf16 bucket, and its reduce-scatter copy
+    cfg, run = _cfg(tmp_path, "training.auto_fit_gpu_memory_gib=3"), {"world_size": 2, "sharding": "zero3"}
+    blind, _ = auto_fit(cfg, **run)  # planned without ZeRO's buffers: a choice that does not fit beside them
+    assert not plan_for_config(blind, deepspeed=ds, **run).fits
+    new, changes = auto_fit(cfg, deepspeed=ds, **run)
+    assert changes and plan_for_config(new, deepspeed=ds, **run).fits
+    mb = new.training.per_device_train_batch_size
+    assert mb < blind.training.per_device_train_batch_size and mb * new.training.gradient_accumulation_steps == 32
+
+
+def test_a_zero_run_with_auto_fit_hands_its_deepspeed_config_to_the_planner(monkeypatch, tmp_path):
+    import vlmrl.train as train_module
+    from test_host_alloc import _fake_deepspeed, _Started
+
+    from vlmrl.config import load_config
+    from vlmrl.engine import host_alloc
+    from vlmrl.engine.distributed import Distributed
+
+    monkeypatch.setattr(host_alloc, "pin_mmap_threshold", lambda: True)  # not done to the pytest process
+    monkeypatch.setattr(Distributed, "from_env", classmethod(lambda cls, cpu=False: cls(_fake_deepspeed(3))))
+    seen = {}
+
+    def recorded(cfg, log, **kw):
+        seen.update(kw)
+        raise _Started
+
+    monkeypatch.setattr(train_module, "apply_auto_fit", recorded)
+    cfg = load_config(None, [f"training.output_dir={tmp_path}", "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=8"])
+    with pytest.raises(_Started):
+        train_module.start_run(cfg, lambda *_: None)
+    assert seen["sharding"] == "zero3" and seen["deepspeed"] == {"zero_optimization": {"stage": 3}}

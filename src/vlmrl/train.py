@@ -286,7 +286,7 @@ def start_run(cfg: Config, log) -> Run:
     # multi-turn rollouts and ZeRO-3's gathers grew the host heap step after step (engine/host_alloc.py: gain and cost)
     pin_for_run(["multi-turn rollouts" if cfg.multiturn else None, dist.pins_host_allocator], log)
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
-        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
+        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
