@@ -316,3 +316,59 @@ def test_a_zero_run_with_auto_fit_hands_its_deepspeed_config_to_the_planner(monk
     with pytest.raises(_Started):
         train_module.start_run(cfg, lambda *_: None)
     assert seen["sharding"] == "zero3" and seen["deepspeed"] == {"zero_optimization": {"stage": 3}}
+
+
+# ---------------------------------------------------------------- ZeRO-Offload
+def test_the_deepspeed_configs_offload_is_the_planned_offload():
+    from vlmrl.plan.deepspeed import zero_offload
+
+    cpu = {"device": "cpu"}
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 2}}, 64)) == "none"
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 2, "offload_optimizer": cpu}}, 64)) == "optimizer"
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}}, 64)) == "optimizer+params"
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}, 64)) == "none"
+
+
+def test_offload_host_buffers():
+    from vlmrl.plan.deepspeed import zero_offload_host_buffers
+
+    off = dict(offload_optimizer=True)
+    # bf16 weights, 4 ranks: 250,000-element partitions; the float32 master is host.py's (16-bit trainables)
+    assert zero_offload_host_buffers(SPEC, W, _z(stage=2, **off)) == 250_000 * 2  # the bf16 copy-back buffer
+    fp32 = dataclasses.replace(W, dtype="float32")
+    assert zero_offload_host_buffers(SPEC, fp32, _z(stage=2, **off)) == 250_000 * 4 + 250_000 * 4  # master clone + copy-back
+    assert zero_offload_host_buffers(SPEC, fp32, _z(stage=3, **off)) == 250_000 * 4  # ZeRO-3: the clone only
+    assert zero_offload_host_buffers(SPEC, fp32, _z(stage=2)) == 0
+
+
+def test_plan_of_an_offloading_deepspeed_config_keeps_the_states_on_the_host():
+    from vlmrl.plan.planner import plan
+
+    z = zero_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, SPEC.hidden)
+    fp32 = dataclasses.replace(W, dtype="float32", zero=z, offload="optimizer")
+    p = plan(SPEC, fp32)
+    assert p.terms["optimizer_states"] == p.terms["gradients"] == p.terms["zero_master_copy"] == p.terms["zero_fp32_grad_partition"] == 0
+    assert p.host["offloaded_optimizer_states"] == 4 * 250_000 * 8  # 4 processes' moments
+    assert p.host["engine_host_buffers"] == 4 * 250_000 * 8 and p.host["offloaded_gradients"] == 4 * 250_000 * 4
+    with pytest.raises(PlanError, match="offloads optimizer"):
+        plan(SPEC, dataclasses.replace(fp32, offload="none"))
+
+
+def test_plan_cli_takes_the_offload_from_the_deepspeed_json(tmp_path, capsys):
+    from vlmrl.plan.cli import main
+
+    ds = tmp_path / "offload.json"
+    ds.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    assert main(["--model", "qwen2.5-vl-3b", "--gpus", "8", "--json", "--deepspeed-config", str(ds)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["workload"]["offload"] == "optimizer" and got["host_gib"]["engine_host_buffers"] > 0
+
+
+def test_a_runs_offloading_deepspeed_config_plans_the_offload(tmp_path):
+    from test_planner import _cfg
+
+    from vlmrl.plan.planner import plan_for_config
+
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    p = plan_for_config(_cfg(tmp_path), world_size=2, gpu_memory_bytes=10**12, deepspeed=ds, sharding="zero2")
+    assert p.workload["offload"] == "optimizer" and p.terms["optimizer_states"] == 0 and p.host["offloaded_optimizer_states"] > 0

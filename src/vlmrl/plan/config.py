@@ -125,12 +125,14 @@ def spec_for_config(cfg) -> ModelSpec:
 
 
 def zero_extra(spec: ModelSpec, deepspeed: dict | None, extra: dict) -> dict:
-    """extra + the ZeroConfig of the DeepSpeed config in use (its "auto" sizes from the model's hidden size)."""
+    """extra + the ZeroConfig of the DeepSpeed config in use (its "auto" sizes from the model's hidden size) and the
+    offload it asks for."""
     if deepspeed is None:
         return extra
-    from vlmrl.plan.deepspeed import zero_config
+    from vlmrl.plan.deepspeed import zero_config, zero_offload
 
-    return extra | {"zero": zero_config(deepspeed, spec.hidden)}
+    z = zero_config(deepspeed, spec.hidden)
+    return {"offload": zero_offload(z)} | extra | {"zero": z}
 
 
 def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, deepspeed: dict | None = None, **extra) -> Plan:

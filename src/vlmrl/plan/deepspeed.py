@@ -113,6 +113,14 @@ def zero_config(ds: dict, hidden: int) -> ZeroConfig:
     return ZeroConfig(**kw)
 
 
+def zero_offload(z: ZeroConfig) -> str:
+    """The planner's offload (Workload.offload) of a DeepSpeed config: offload_param (ZeRO-3 only) moves the weights'
+    partitions too, offload_optimizer the float32 partitions, moments and gradient partitions."""
+    if z.offload_param and z.stage == 3:
+        return "optimizer+params"
+    return "optimizer" if z.offload_optimizer else "none"
+
+
 def _partition(spec: ModelSpec, w: Workload) -> int:
     """Trainable elements of one rank's partition (DeepSpeed pads the flat group to a multiple of the world size)."""
     return math.ceil(trainable_params(spec, w)[0] / w.world_size)
@@ -192,6 +200,18 @@ def zero_step_temporary(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     return elements * 4 * (2 if w.device == "cpu" else 1)
 
 
+def zero_offload_host_buffers(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-Offload's host buffers beyond the moments and the float32 gradient partition (host.py's offloaded terms):
+    the float32 master partition, a clone of the weights' partition even when they are float32 (host.py counts a
+    master only for 16-bit trainables), and ZeRO-1/2's buffer the updated partition is copied back through (the
+    partition in the weights' dtype). 0 without offload_optimizer."""
+    if not z.offload_optimizer or z.stage == 0:
+        return 0
+    tb = trainable_params(spec, w)[1]
+    part = _partition(spec, w)
+    return part * (4 if tb == 4 else 0) + (part * tb if z.stage in (1, 2) else 0)
+
+
 def zero3_gathered_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-3: parameters gathered at once, in the weights' dtype: the largest module running (a layer's share of the
     non-embedding parameters, or the embedding / LM head) plus up to prefetch_bucket_size elements fetched ahead,
@@ -252,6 +272,8 @@ def with_zero_terms(spec: ModelSpec, w: Workload, raw: dict) -> dict:
     z = w.zero
     out = dict(raw, comm_buffers=0)
     out["optimizer_step_temporary"] = zero_step_temporary(spec, w, z)
+    if z.offload_optimizer:  # the gradient partition is the host's (host.py offloaded_gradients); ZeRO's buckets carry them there
+        out["gradients"] = 0
     if z.stage == 3:
         out["gathered_parameters"] = zero3_gathered_parameters(spec, w, z)
     for name in ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from vlmrl.plan.deepspeed import plans_zero, with_zero_terms, zero_flat_at_peak
+from vlmrl.plan.deepspeed import plans_zero, with_zero_terms, zero_flat_at_peak, zero_offload_host_buffers
 from vlmrl.plan.geometry import MicroBatch, micro_batch, naive_fallback
 from vlmrl.plan.host import host_terms, host_verdict, mmapped_at_peak, parks
 from vlmrl.plan.profiles import profile_workload
@@ -97,7 +97,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     mmapped = _mmapped(spec, w, mb, raw, phases, fwd_bwd)
     if plans_zero(w):
         mmapped += zero_flat_at_peak(spec, w, raw, phases, fwd_bwd)
-    host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped)
+    engine_host = zero_offload_host_buffers(spec, w, w.zero) if plans_zero(w) else 0
+    host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped, engine_host)
     headroom, verdict = _verdict(int(total), w, host)
     return Plan(
         terms=terms,
