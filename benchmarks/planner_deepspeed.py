@@ -29,6 +29,9 @@ DS_GRID = [
     ("z2-grpo-lora-defaults", "train", {"stage": 2}, ["model.use_lora=true", "model.lora_r=16"]),
     ("z2-sft-full-bucket5e6", "sft", {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}, []),
     ("z3-grpo-full-defaults", "train", {"stage": 3}, []),
+    # the same run without the pin (the wrapper turns vlmrl's pin off: glibc's own rising threshold), for the memory it
+    # saves and the time it costs, measured back to back (diagnostic row)
+    ("z3-grpo-full-defaults-unpinned", "train", {"stage": 3}, [], {"DSPLAN_NO_PIN": "1"}),
     (
         "z3-grpo-full-small",
         "train",
@@ -214,6 +217,10 @@ def child(argv: list[str]) -> None:
 
         return wrapped
 
+    if os.environ.get("DSPLAN_NO_PIN") == "1":  # the diagnostic rows without vlmrl's pin (engine/host_alloc.py)
+        from vlmrl.engine import host_alloc
+
+        host_alloc.pin_mmap_threshold = lambda *a, **k: False
     deepspeed.initialize = around(deepspeed.initialize, "initialize")
     DeepSpeedEngine.backward = around(DeepSpeedEngine.backward, "backward")
     DeepSpeedEngine.step = around(counted(DeepSpeedEngine.step), "step")
@@ -382,11 +389,37 @@ def markdown(data: dict) -> str:
     for r in data.get("exploratory", []):
         peaks = " / ".join(f"{r['ranks'][k]['peak_gib']:.3f}" for k in ("0", "1"))
         lines.append(f"\nExploratory run (not in the table): {r['name']}, peak RSS rank 0 / 1 {peaks} GiB; {r['why']}")
+    lines += _time_lines(rows)
     if data.get("compare"):
         lines += ["", *_compare_lines(data["compare"], rows)]
     if data.get("note"):
         lines.append("\n" + data["note"])
     return "\n".join(lines) + "\n"
+
+
+def _mean_times(r: dict) -> dict:
+    """Mean seconds per phase over the run's steps after the first (the first builds caches and JIT-compiles)."""
+    steps = r.get("step_times_s") or []
+    steps = steps[1:] or steps
+    keys = sorted({k for s in steps for k in s})
+    return {k.removeprefix("time/"): sum(s.get(k, 0) for s in steps) / len(steps) for k in keys} if steps else {}
+
+
+def _time_lines(rows: list[dict]) -> list[str]:
+    """Each diagnostic row's step times beside its base row's (the two run back to back)."""
+    by_name = {r["name"]: r for r in rows}
+    out = []
+    for r in rows:
+        base = by_name.get(r["name"].removesuffix("-unpinned")) if r["name"].endswith("-unpinned") else None
+        if base is None or not _mean_times(r) or not _mean_times(base):
+            continue
+        a, b = _mean_times(base), _mean_times(r)
+        phases = ", ".join(f"{k} {a[k]:.2f} vs {b[k]:.2f}" for k in a if k in b)
+        out.append(
+            f"\nStep time after the first step, pinned ({base['name']}) vs unpinned ({r['name']}), seconds: {phases} "
+            f"(whole runs {base['seconds']} vs {r['seconds']} s; 1-minute load {base['load_at_start']} / {r['load_at_start']} at their starts)."
+        )
+    return out
 
 
 def _cells(r: dict | None) -> str:
