@@ -949,6 +949,9 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
             runs = measure(Path(tmp), args.only)
             for r in runs:  # predict needs the run's config.yaml: keep it in the results
                 r["config"] = (Path(r["output_dir"]) / "config.yaml").read_text()
+            # the measurements first (predicting again from them: --reuse), then the predictions
+            raw = {"date": date, "predicted_on": today, "machine": machine, "rows": runs}
+            (out / f"planner_deepspeed_cpu_{date}_measured.json").write_text(json.dumps(raw, indent=1))
     rows = [r | predict(r) for r in runs]
     for r in rows:
         m, p = r["measured_peak_rss_gib"], r["predicted_peak_rss_gib"]

@@ -319,6 +319,24 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "_child":
     child(sys.argv[2:])
 
 
+_MID_MODEL: list = []
+
+
+def _mid_model() -> Path:
+    """The grid's model rebuilt (deterministic) in a folder kept for this process: the planner reads its config."""
+    import tempfile
+
+    from planner_accuracy import MID
+
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+
+    if not _MID_MODEL:
+        folder = Path(tempfile.mkdtemp(prefix="dsplan-model-")) / "model-mid"
+        build_tiny_qwen25vl(folder, **MID)
+        _MID_MODEL.append(folder)
+    return _MID_MODEL[0]
+
+
 def predict(run: dict) -> dict:
     """plan() of the run's own config.yaml on 2 processes under its DeepSpeed config, with the runtime RSS the run
     measured when it predicted; the prediction next to each rank's measured peak."""
@@ -333,6 +351,10 @@ def predict(run: dict) -> dict:
             cfg = load_config(Path(tmp) / "config.yaml")
     else:
         cfg = load_config(Path(run["output_dir"]) / "config.yaml")
+    if not (Path(cfg.model.name_or_path) / "config.json").exists():  # the run's model was in its (deleted) work folder
+        from vlmrl.config import replace
+
+        cfg = replace(cfg, model__name_or_path=str(_mid_model()))
     ds = run["deepspeed_config"]
     sharding = f"zero{ds['zero_optimization']['stage']}"
     extra = {"device": "cpu", "host_runtime_bytes": int(run["runtime_at_prediction_gib"] * GiB), "sharding": sharding}
