@@ -946,7 +946,7 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
     else:
         machine, date, extra = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)", today, {}
         with tempfile.TemporaryDirectory() as tmp:
-            runs = measure(Path(tmp), args.only)
+            runs = json.loads(json.dumps(measure(Path(tmp), args.only)))  # as a results file holds them (rank keys "0", "1")
             for r in runs:  # predict needs the run's config.yaml: keep it in the results
                 r["config"] = (Path(r["output_dir"]) / "config.yaml").read_text()
             # the measurements first (predicting again from them: --reuse), then the predictions

@@ -45,6 +45,15 @@ DS_GRID = [
         [],
     ),
     ("z3-sft-full-defaults", "sft", {"stage": 3}, []),
+    # a ZeRO-2 run with the mmap threshold pinned as ZeRO-3 runs are (the wrapper pins it), for what the pin would
+    # change there (diagnostic row, run beside its base row: `--only z2-sft-full-bucket5e6,z2-sft-full-bucket5e6-pinned`)
+    (
+        "z2-sft-full-bucket5e6-pinned",
+        "sft",
+        {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
+        [],
+        {"DSPLAN_PIN": "1"},
+    ),
     ("z3-grpo-lora-defaults", "train", {"stage": 3}, ["model.use_lora=true", "model.lora_r=16"]),
     # ZeRO-1 (only the optimizer states partitioned) and ZeRO-2 with the optimizer offloaded to the host (on a CPU run the
     # same memory; DeepSpeed then steps vlmrl's torch AdamW on the host partition: zero_force_ds_cpu_optimizer false)
@@ -157,6 +166,25 @@ _STAGE3_STEP_PARTS = (
 )
 
 
+def _watch_gathered(stage3, seg: dict) -> None:
+    """Diagnostic runs (DSPLAN_DIAG=1): as ZeRO-3 takes each gradient in backward, the parameters gathered at that
+    moment (a partitioned parameter's data is empty) and the resident set; the largest of each kept in `gathered`."""
+    real = stage3.reduce_ready_partitions_and_remove_grads
+    out = seg.setdefault("gathered", {"max_elements": 0, "rss_kib_then": 0, "max_rss_kib": 0, "elements_then": 0, "calls": 0})
+
+    def wrapped(self, param, *a, **k):
+        elements = sum(p.data.numel() for g in self.fp16_groups for p in g)
+        rss = _status_kib("VmRSS")
+        out["calls"] += 1
+        if elements > out["max_elements"]:
+            out.update(max_elements=elements, rss_kib_then=rss)
+        if rss > out["max_rss_kib"]:
+            out.update(max_rss_kib=rss, elements_then=elements)
+        return real(self, param, *a, **k)
+
+    stage3.reduce_ready_partitions_and_remove_grads = wrapped
+
+
 def child(argv: list[str]) -> None:
     """Run the vlmrl CLI in this process with VmHWM read and reset at the edges of deepspeed.initialize and of each
     DeepSpeed backward and optimizer step: the exact peak of each segment (loading, initialize, backward, step, other:
@@ -217,10 +245,14 @@ def child(argv: list[str]) -> None:
 
         return wrapped
 
-    if os.environ.get("DSPLAN_NO_PIN") == "1":  # the diagnostic rows without vlmrl's pin (engine/host_alloc.py)
-        from vlmrl.engine import host_alloc
+    from vlmrl.engine import host_alloc
 
+    if os.environ.get("DSPLAN_NO_PIN") == "1":  # the diagnostic rows without vlmrl's pin (engine/host_alloc.py)
         host_alloc.pin_mmap_threshold = lambda *a, **k: False
+    if os.environ.get("DSPLAN_PIN") == "1":  # diagnostic rows of a ZeRO-1/2 run with the pin vlmrl gives ZeRO-3 runs
+        host_alloc.pin_mmap_threshold()
+    if os.environ.get("DSPLAN_DIAG") == "1":
+        _watch_gathered(DeepSpeedZeroOptimizer_Stage3, seg)
     deepspeed.initialize = around(deepspeed.initialize, "initialize")
     DeepSpeedEngine.backward = around(DeepSpeedEngine.backward, "backward")
     DeepSpeedEngine.step = around(counted(DeepSpeedEngine.step), "step")
@@ -274,10 +306,13 @@ def ds_run(name: str, command: str, zero: dict, overrides: list[str], work: Path
         seg = json.loads((trace / f"rank{r}.json").read_text())
         files = seg.pop("file_pages_at_end", {})
         probes = seg.pop("probes", [])
+        gathered = seg.pop("gathered", None)
         ranks[r] = {k.replace("_kib", "_gib"): round(v / 2**20, 4) for k, v in seg.items()}
         ranks[r]["file_pages_at_end_gib"] = {k: round(v / 2**20, 4) for k, v in files.items()}
         ranks[r]["probes"] = [[where, {k: round(v / 2**20, 4) for k, v in snap.items()}] for where, snap in probes]
         ranks[r]["logged_peak_gib"] = round(last[f"mem/host_peak_rss/rank{r}"], 4)
+        if gathered is not None:
+            ranks[r]["gathered_in_backward"] = gathered
         ranks[r]["peak_gib"] = max(ranks[r]["loading_gib"], ranks[r]["initialize_gib"], ranks[r]["training_gib"])
     return {
         "name": name,

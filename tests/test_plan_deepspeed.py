@@ -135,7 +135,7 @@ def test_master_clone_of_float32_trainables():
     assert zero_master_copy(SPEC, fp32, _z(stage=2)) == 250_000 * 4  # DeepSpeed clones the float32 partition
     assert zero_master_copy(SPEC, fp32, _z(stage=1)) == 250_000 * 4
     assert zero_master_copy(SPEC, W, _z(stage=2)) == 0  # bf16: the optimizer states' master is the copy
-    assert zero_master_copy(SPEC, fp32, _z(stage=3)) == 0  # ZeRO-3 updates float32 partitions in place
+    assert zero_master_copy(SPEC, fp32, _z(stage=3)) == 250_000 * 4  # ZeRO-3 too (its in-place branch never matches)
     assert zero_master_copy(SPEC, fp32, _z(stage=2, offload_optimizer=True)) == 0
     lora = dataclasses.replace(W, use_lora=True, lora_r=4, lora_targets=("q_proj",))
     assert zero_master_copy(SPEC, lora, _z(stage=2)) == -(-SPEC.lora_params(4, ("q_proj",)) // 4) * 4  # float32 adapters
@@ -144,7 +144,7 @@ def test_master_clone_of_float32_trainables():
 def test_optimizer_step_over_one_flat_partition():
     assert zero_fp32_grad_partition(SPEC, dataclasses.replace(W, dtype="float32"), _z(stage=2)) == 250_000 * 4  # no conversion copy
     assert zero_step_temporary(SPEC, W, _z(stage=2)) == 250_000 * 4  # foreach: sqrt(exp_avg_sq)
-    assert zero_step_temporary(SPEC, dataclasses.replace(W, device="cpu"), _z(stage=2)) == 2 * 250_000 * 4  # per tensor: sqrt and quotient
+    assert zero_step_temporary(SPEC, dataclasses.replace(W, device="cpu"), _z(stage=2)) == 0  # vlmrl's fused AdamW on the CPU
     assert zero_step_temporary(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * 4
     assert zero_step_temporary(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0
     assert zero_step_temporary(SPEC, W, _z(stage=0)) == 0
@@ -286,7 +286,7 @@ def test_auto_fit_plans_under_the_deepspeed_config_in_use(tmp_path):
     from vlmrl.plan.planner import auto_fit, plan_for_config
 
     ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 3e8}}  # 0.56 GiB of bf16 bucket, and its reduce-scatter copy
-    cfg, run = _cfg(tmp_path, "training.auto_fit_gpu_memory_gib=3"), {"world_size": 2, "sharding": "zero3"}
+    cfg, run = _cfg(tmp_path, "training.auto_fit_gpu_memory_gib=2.5"), {"world_size": 2, "sharding": "zero3"}
     blind, _ = auto_fit(cfg, **run)  # planned without ZeRO's buffers: a choice that does not fit beside them
     assert not plan_for_config(blind, deepspeed=ds, **run).fits
     new, changes = auto_fit(cfg, deepspeed=ds, **run)
@@ -372,3 +372,46 @@ def test_a_runs_offloading_deepspeed_config_plans_the_offload(tmp_path):
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     p = plan_for_config(_cfg(tmp_path), world_size=2, gpu_memory_bytes=10**12, deepspeed=ds, sharding="zero2")
     assert p.workload["offload"] == "optimizer" and p.terms["optimizer_states"] == 0 and p.host["offloaded_optimizer_states"] > 0
+
+
+# ---------------------------------------------------------------- ZeRO-3's backward as measured on the CPU
+def test_zero3_reduces_once_when_the_bucket_holds_every_gradient():
+    from vlmrl.plan.deepspeed import zero3_reduces_once
+
+    z3 = dataclasses.replace(W, sharding="zero3")  # 1,000,000 trainable parameters
+    assert zero3_reduces_once(SPEC, z3, _z(stage=3, reduce_bucket_size=1_000_000))
+    assert not zero3_reduces_once(SPEC, z3, _z(stage=3, reduce_bucket_size=999_999))
+    assert not zero3_reduces_once(SPEC, z3, _z(stage=3, contiguous_gradients=False))
+    assert not zero3_reduces_once(SPEC, z3, _z(stage=2))
+
+
+def test_zero3_prefix_gathered_is_the_decoder():
+    from vlmrl.plan.deepspeed import zero3_prefix_gathered
+
+    # 1,000,000 - 200,000 (vision) - 100,000 (embedding) = 700,000 decoder weights, bf16
+    assert zero3_prefix_gathered(SPEC, W, _z(stage=3)) == 700_000 * 2
+    lora = dataclasses.replace(W, use_lora=True, lora_r=4, lora_targets=("q_proj",))
+    assert zero3_prefix_gathered(SPEC, lora, _z(stage=3)) == 700_000 * 2 + SPEC.lora_params(4, ("q_proj",)) * 4
+    assert zero3_prefix_gathered(SPEC, W, _z(stage=2)) == 0
+
+
+def test_zero3_copies_its_single_bucket_at_the_end_of_backward():
+    w = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers")
+    once, flush = _planned(w, _z(stage=3, reduce_bucket_size=1_000_000)), _planned(w, _z(stage=3, reduce_bucket_size=999_999))
+    # flushed during backward, the copies meet the activations; reduced once, they come after them
+    assert once.phases["update"] < flush.phases["update"] - flush.terms["zero3_reduce_scatter_copies"] / 2
+    bigger = _planned(w, _z(stage=3, reduce_bucket_size=2_000_000))
+    # still one reduce at the end: 10^6 more bf16 elements of bucket and of its copy (the GPU holds the bucket whole)
+    assert bigger.phases["update"] - once.phases["update"] == 1_000_000 * 2 + 1_000_000 * 2
+
+
+def test_zero3_shared_prefix_backward_counts_the_gathered_decoder_and_the_copies():
+    from vlmrl.plan.deepspeed import zero3_prefix_gathered
+
+    lora = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers", use_lora=True, lora_r=4, lora_targets=("q_proj",))
+    z = _z(stage=3, prefetch_bucket_size=1000, max_live_parameters=1000)  # a one-module gather window
+    p = _planned(lora, z)
+    assert p.terms["prefix_held_gradients"] == SPEC.lora_params(4, ("q_proj",)) * 4  # what other engines hold there
+    # ZeRO-3: the whole decoder gathered (700,000 bf16 weights + the adapters) beside the bucket's copies (measured)
+    floor = p.terms["weights"] + p.terms["optimizer_states"] + zero3_prefix_gathered(SPEC, lora, z) + p.terms["zero3_reduce_scatter_copies"]
+    assert p.phases["update"] >= floor > p.terms["weights"] + p.terms["optimizer_states"] + p.terms["gathered_parameters"] + 700_000 * 2 // 2

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 
 from vlmrl.plan.spec import DTYPE_BYTES, ModelSpec, PlanError, Workload
-from vlmrl.plan.terms import trainable_params
+from vlmrl.plan.terms import lora_params, trainable_params
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,13 @@ def zero_reduce_buckets(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     return buffers * _resident(z.reduce_bucket_size, spec, w) * trainable_params(spec, w)[1]
 
 
+def zero3_reduces_once(spec: ModelSpec, w: Workload, z: ZeroConfig) -> bool:
+    """ZeRO-3 flushes its gradient bucket when the next gradient would overflow it; a bucket that holds every
+    trainable gradient is reduced once, at the end of backward (after the activations are freed), so its
+    reduce-scatter copies do not meet the activations."""
+    return z.stage == 3 and z.contiguous_gradients and z.reduce_bucket_size >= trainable_params(spec, w)[0]
+
+
 def zero3_reduce_scatter_copies(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-3 backward, as a full bucket is reduce-scattered: its gradients concatenated into one padded flat tensor
     (reduce_scatter_coalesced's torch.cat), plus on the CPU gloo's staging copy of it (NCCL reduces in place)."""
@@ -153,9 +160,12 @@ def zero3_reduce_scatter_copies(spec: ModelSpec, w: Workload, z: ZeroConfig) -> 
 
 
 def zero_master_copy(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """ZeRO-1/2 clone the partition of float32 trainables as their float32 master (the planner's optimizer states count
-    float32 trainables as their own master); ZeRO-3 updates float32 partitions in place; offloaded: on the host."""
-    if z.stage not in (1, 2) or z.offload_optimizer or trainable_params(spec, w)[1] != 4:
+    """ZeRO-1/2/3 clone the partition of float32 trainables as their float32 master (the planner's optimizer states
+    count float32 trainables as their own master). ZeRO-3 means to reuse a float32 partition already on the device,
+    but DeepSpeed 0.19 compares the partition's torch.device with the accelerator's device name (a string), which
+    never matches, so it clones too (measured: +1 partition of live tensors from deepspeed.initialize on in the
+    ZeRO-3 CPU runs). Offloaded: on the host (zero_offload_host_buffers)."""
+    if z.stage == 0 or z.offload_optimizer or trainable_params(spec, w)[1] != 4:
         return 0
     return _partition(spec, w) * 4
 
@@ -191,13 +201,14 @@ def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
 
 
 def zero_step_temporary(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """AdamW's step over one flat float32 partition (ZeRO-3: one sub-group of at most sub_group_size elements):
-    torch's per-tensor CPU step holds sqrt(exp_avg_sq) and its quotient at once (2 x 4 bytes per element), the
-    foreach step on a GPU one temporary (4 bytes); none when the optimizer is offloaded."""
-    if z.stage == 0 or z.offload_optimizer:
+    """AdamW's step over one flat float32 partition (ZeRO-3: one sub-group of at most sub_group_size elements): the
+    foreach step on a GPU holds one temporary (4 bytes per element); on the CPU vlmrl's AdamW is torch's fused kernel
+    (engine/optim.py; DeepSpeed steps it on its flat partitions), which holds none (measured: no rise in the ZeRO-3
+    CPU runs' optimizer step); none when the optimizer is offloaded."""
+    if z.stage == 0 or z.offload_optimizer or w.device == "cpu":
         return 0
     elements = min(z.sub_group_size, _partition(spec, w)) if z.stage == 3 else _partition(spec, w)
-    return elements * 4 * (2 if w.device == "cpu" else 1)
+    return elements * 4
 
 
 def zero_offload_host_buffers(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
@@ -222,6 +233,20 @@ def zero3_gathered_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig) -> in
     running = max(per_layer, spec.embed_params, spec.lm_head_params)
     live = min(running + z.prefetch_bucket_size, max(z.max_live_parameters, running), spec.total_params)
     return live * DTYPE_BYTES[w.dtype]
+
+
+def zero3_prefix_gathered(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-3 under vlmrl's shared prefix (every decoder layer runs twice: prompt pass, completion pass): the decoder's
+    weights gathered at once in backward, in their dtype (LoRA adapters float32), in place of the held gradients and
+    the gather window other engines have there (estimate.update_peaks). Measured, not derived from DeepSpeed's code:
+    in the 2-process CPU runs up to 92.5 M of the 93 M trainable parameters were gathered at once in backward (GRPO
+    and SFT alike), and GRPO's backward peaked a decoder's worth (0.34 GiB) above what SFT's did beside the same
+    reduce-scatter copies (plausibly DeepSpeed releasing a module's parameters only after its last backward use,
+    ds_grads_remaining, which the shared prefix delays; not isolated)."""
+    if z.stage != 3:
+        return 0
+    decoder = spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
+    return decoder * DTYPE_BYTES[w.dtype] + lora_params(spec, w) * 4
 
 
 def zero3_persistent_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig, param_sizes: tuple) -> float:
