@@ -1202,11 +1202,20 @@ FIELD_REPORTS = [
 ]
 
 
+def _with_settings(w: Workload, settings: dict) -> Workload:
+    """w with a report's alternative settings; an offload under a DeepSpeed config is that config's offload too."""
+    w = dataclasses.replace(w, **settings)
+    if w.zero is not None and "offload" in settings:
+        zero = dataclasses.replace(w.zero, offload_optimizer=w.offload != "none", offload_param=w.offload == "optimizer+params")
+        w = dataclasses.replace(w, zero=zero)
+    return w
+
+
 def _profile_verdict(spec, w: Workload, rep: dict) -> dict:
     p = plan(spec, w)
     out = {"settings": rep["profile"], "predicted_total_gib": round(p.total / GiB, 1), "fits": p.fits, "verdict": p.verdict}
     if "also" in rep:
-        q = plan(spec, dataclasses.replace(w, **rep["also"]["settings"]))
+        q = plan(spec, _with_settings(w, rep["also"]["settings"]))
         out["also"] = {"label": rep["also"]["label"], "predicted_total_gib": round(q.total / GiB, 1), "fits": q.fits}
     return out
 
@@ -1260,7 +1269,7 @@ def field_verdicts() -> list[dict]:
         if "profile" in rep:  # the same report planned with the trainer profile (vlmrl plan --profile naive ...)
             row["profile"] = _profile_verdict(spec, dataclasses.replace(base, **rep["profile"]), rep)
         if "also" in rep:
-            q = plan(spec, dataclasses.replace(base, **rep["also"]["settings"]))
+            q = plan(spec, _with_settings(base, rep["also"]["settings"]))
             row["also"] = {
                 "label": rep["also"]["label"],
                 "predicted_total_gib": round(q.total / GiB, 1),
