@@ -116,6 +116,7 @@ def test_zero_terms_of_a_deepspeed_config():
         "zero_checkpoint_pages": 0,  # a GPU run
         "zero_master_copy": 0,  # bf16 weights: the optimizer states' float32 master is the only one
         "zero_fp32_grad_partition": 250_000 * (2 + 4),  # the sub-group (the whole partition) flattened + float32
+        "zero_allgather_staging": 0,  # ZeRO-1/2 over gloo only
         "zero_step_temporary": 250_000 * 4,  # one sub-group (the whole partition), foreach on a GPU
         "zero3_fp32_grad_buffer": 250_000 * 4,
         "zero3_gathered_parameters": (150_000 + 100_000) * 2,
@@ -415,3 +416,19 @@ def test_zero3_shared_prefix_backward_counts_the_gathered_decoder_and_the_copies
     # ZeRO-3: the whole decoder gathered (700,000 bf16 weights + the adapters) beside the bucket's copies (measured)
     floor = p.terms["weights"] + p.terms["optimizer_states"] + zero3_prefix_gathered(SPEC, lora, z) + p.terms["zero3_reduce_scatter_copies"]
     assert p.phases["update"] >= floor > p.terms["weights"] + p.terms["optimizer_states"] + p.terms["gathered_parameters"] + 700_000 * 2 // 2
+
+
+def test_zero12_allgather_after_the_step_is_staged_whole_over_gloo():
+    from vlmrl.plan.deepspeed import zero_allgather_staging
+
+    cpu = dataclasses.replace(W, device="cpu")  # bf16, 4 ranks: 4 partitions of 250,000
+    assert zero_allgather_staging(SPEC, cpu, _z(stage=2)) == 4 * 250_000 * 2
+    assert zero_allgather_staging(SPEC, cpu, _z(stage=1)) == 4 * 250_000 * 2
+    assert zero_allgather_staging(SPEC, W, _z(stage=2)) == 0  # NCCL gathers in place
+    assert zero_allgather_staging(SPEC, cpu, _z(stage=3)) == 0  # ZeRO-3 gathers per module
+    small = dataclasses.replace(cpu, sharding="zero2", grad_accum=1, micro_batch=1, num_generations=2, prompts_per_step=1, completion_tokens=8)
+    p = _planned(small, _z(stage=2, reduce_bucket_size=1000))
+    assert p.terms["zero_allgather_staging"] > p.terms["zero_fp32_grad_partition"]  # 2,000,000 > 250,000 x (2 + 4)
+    # a small step peaks after the optimizer step: the persistent bytes (the scoring phase here: nothing is scored)
+    # and the staging, the float32 gradient partition being released by then
+    assert p.phases["update"] == p.phases["scoring"] + p.terms["zero_allgather_staging"]

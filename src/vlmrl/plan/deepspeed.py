@@ -192,6 +192,17 @@ def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int
     return elements * (tb + (4 if tb < 4 else 0))
 
 
+def zero_allgather_staging(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-1/2 on the CPU, after the optimizer step: every rank's updated partition all-gathered into the flat
+    weights (all_gather_into_tensor), which gloo stages whole: the trainables in their dtype (measured: a 2-rank gloo
+    all_gather_into_tensor of 95 MiB partitions peaked 191 MiB above its start). The float32 gradient partition is
+    released before it. NCCL gathers in place: 0 on a GPU; ZeRO-3 gathers per module (gathered_parameters)."""
+    if w.device != "cpu" or z.stage not in (1, 2):
+        return 0
+    trainable, tb = trainable_params(spec, w)
+    return _partition(spec, w) * w.world_size * tb
+
+
 def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-3 initialisation: the float32 gradient buffer of the largest optimizer sub-group (min(sub_group_size,
     partition) elements, zeroed) while it creates AdamW's states; released before training."""
@@ -270,6 +281,7 @@ ZERO_TERMS = {
     "zero_master_copy": zero_master_copy,
     "zero_checkpoint_pages": zero_checkpoint_pages,
     "zero_fp32_grad_partition": zero_fp32_grad_partition,
+    "zero_allgather_staging": zero_allgather_staging,
     "zero_step_temporary": zero_step_temporary,
     "zero3_fp32_grad_buffer": zero3_fp32_grad_buffer,
     "zero3_gathered_parameters": zero3_gathered_parameters,
@@ -301,7 +313,8 @@ def with_zero_terms(spec: ModelSpec, w: Workload, raw: dict) -> dict:
         out["gradients"] = 0
     if z.stage == 3:
         out["gathered_parameters"] = zero3_gathered_parameters(spec, w, z)
-    for name in ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition"):
+    names = ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition")
+    for name in (*names, "zero_allgather_staging"):
         out[name] = ZERO_TERMS[name](spec, w, z)
     return out
 
@@ -333,5 +346,7 @@ def zero_flat_at_peak(spec: ModelSpec, w: Workload, t: dict, phases: dict, fwd_b
         flat += big(t["zero_reduce_buckets"])
     if top == "update" and phases["update"] != int(fwd_bwd):  # the optimizer step (or the end of backward)
         steps = 2 if w.device == "cpu" else 1
-        flat += steps * big(t["optimizer_step_temporary"] / steps) + big(t["zero_fp32_grad_partition"])
+        stepping = steps * big(t["optimizer_step_temporary"] / steps) + big(t["zero_fp32_grad_partition"])
+        staging = t.get("zero_allgather_staging", 0)  # after the step (zero_allgather_staging): the larger of the two
+        flat += big(staging) if staging > t["optimizer_step_temporary"] + t["zero_fp32_grad_partition"] else stepping
     return int(flat)

@@ -202,7 +202,8 @@ def update_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, persiste
         else:
             prefix_end = persistent + held + emb * steady + t["prefix_held_gradients"] + prefix_act + gathered + buckets
         bwd_end = max(bwd_end, prefix_end)
-    opt_step = persistent + grads + t["optimizer_step_temporary"] + t.get("zero_fp32_grad_partition", 0)
+    # the step's float32 gradient partition and temporaries, then (released) ZeRO-1/2's all-gather staging on the CPU
+    opt_step = persistent + grads + max(t["optimizer_step_temporary"] + t.get("zero_fp32_grad_partition", 0), t.get("zero_allgather_staging", 0))
     return fwd_bwd, max(fwd_bwd, bwd_end, opt_step)
 
 
