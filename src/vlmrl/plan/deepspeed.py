@@ -194,8 +194,8 @@ def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int
 
 def zero_allgather_staging(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-1/2 on the CPU, after the optimizer step: every rank's updated partition all-gathered into the flat
-    weights (all_gather_into_tensor), which gloo stages whole: the trainables in their dtype (measured: a 2-rank gloo
-    all_gather_into_tensor of 95 MiB partitions peaked 191 MiB above its start). The float32 gradient partition is
+    weights (all_gather_into_tensor), which gloo stages whole: the trainables in their dtype (measured by
+    benchmarks/gloo_allgather_staging.py, results/gloo_allgather_staging_cpu_2026-11-27.txt: 2 ranks' 95 MiB partitions peaked 191 MiB above the call's start). The float32 gradient partition is
     released before it. NCCL gathers in place: 0 on a GPU; ZeRO-3 gathers per module (gathered_parameters)."""
     if w.device != "cpu" or z.stage not in (1, 2):
         return 0
