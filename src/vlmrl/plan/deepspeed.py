@@ -195,12 +195,12 @@ def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int
 def zero_allgather_staging(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-1/2 on the CPU, after the optimizer step: every rank's updated partition all-gathered into the flat
     weights (all_gather_into_tensor), which gloo stages whole: the trainables in their dtype (measured by
-    benchmarks/gloo_allgather_staging.py, results/gloo_allgather_staging_cpu_2026-11-27.txt: 2 ranks' 95 MiB partitions peaked 191 MiB above the call's start). The float32 gradient partition is
-    released before it. NCCL gathers in place: 0 on a GPU; ZeRO-3 gathers per module (gathered_parameters)."""
+    benchmarks/gloo_allgather_staging.py: 2 ranks' 95 MiB partitions peaked 192 MiB above the call's start,
+    results/gloo_allgather_staging_cpu_2026-11-27.txt). The float32 gradient partition is released before it.
+    NCCL gathers in place: 0 on a GPU; ZeRO-3 gathers per module (gathered_parameters)."""
     if w.device != "cpu" or z.stage not in (1, 2):
         return 0
-    trainable, tb = trainable_params(spec, w)
-    return _partition(spec, w) * w.world_size * tb
+    return _partition(spec, w) * w.world_size * trainable_params(spec, w)[1]
 
 
 def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
