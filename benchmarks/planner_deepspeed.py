@@ -446,7 +446,7 @@ def markdown(data: dict) -> str:
     for r in data.get("exploratory", []):
         peaks = " / ".join(f"{r['ranks'][k]['peak_gib']:.3f}" for k in ("0", "1"))
         lines.append(f"\nExploratory run (not in the table): {r['name']}, peak RSS rank 0 / 1 {peaks} GiB; {r['why']}")
-    lines += _time_lines(rows)
+    lines += _time_lines(rows + data.get("exploratory", []))  # the table's pinned/unpinned pair, and any exploratory one
     if data.get("compare"):
         lines += ["", *_compare_lines(data["compare"], rows)]
     if data.get("note"):
@@ -467,7 +467,7 @@ def _time_lines(rows: list[dict]) -> list[str]:
     by_name = {r["name"]: r for r in rows}
     out = []
     for r in rows:
-        base = by_name.get(r["name"].removesuffix("-unpinned")) if r["name"].endswith("-unpinned") else None
+        base = by_name.get(r["name"].replace("-unpinned", "")) if "-unpinned" in r["name"] else None
         if base is None or not _mean_times(r) or not _mean_times(base):
             continue
         a, b = _mean_times(base), _mean_times(r)

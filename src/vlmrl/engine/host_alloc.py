@@ -14,8 +14,9 @@ runs of the same model stayed flat without it).
 DeepSpeed ZeRO-3 runs are pinned too (train.py and sft.py, before any model loads): ZeRO-3 gathers each module's
 parameters into fresh tensors before it runs and frees them after (rollout, every forward and backward), and the heap
 kept those blocks. 2-process CPU GRPO of a 0.10 B-parameter model (benchmarks/results/planner_deepspeed_cpu_2026-11-27.md):
-peak RSS 3.93 GiB unpinned, 2.80 pinned; the cost there: each gathered block is mapped and faulted in afresh, the
-update phase took 19.4 s a step instead of 9.8 (rollout 5.6 s instead of 2.0), under a load of 7 on 2 cores. On a GPU
+peak RSS 3.75-3.93 GiB unpinned, 2.80 pinned; the cost there: each gathered block is mapped and faulted in afresh,
+a step took 24.9 s instead of 11.9 in one pinned/unpinned pair and 21.2 instead of 16.7 in another (loads 5.5-7.4 on
+2 cores). On a GPU
 the gathers are device memory (the caching allocator), so the pin changes little there. ZeRO-1/2 runs gather nothing
 and are left to glibc.
 """
