@@ -839,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="trl: a Python with TRL installed (default /work/venv-extras/bin/python)")
     ap.add_argument("--note", default=None, help="cpu / trl / deepspeed: a paragraph added to the results file (machine state, context)")
     ap.add_argument("--reuse", default=None, help="deepspeed: predict again for the runs measured in this planner_deepspeed_cpu_*.json")
+    ap.add_argument("--compare", default=None, help="deepspeed: an earlier planner_deepspeed_cpu_*.json whose rows are listed beside these")
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -939,20 +940,29 @@ def _deepspeed_mode(args, out: Path, today: str) -> int:
         old = json.loads(Path(args.reuse).read_text())
         runs, machine, date = old["rows"], old["machine"], old["date"]
         kept = (*measured_keys, "malloc_env", "ranks", "seconds", "load_at_start", "load_at_end", "config", "pass")
+        kept += ("mmap_threshold_pinned", "step_times_s")
         runs = [{k: v for k, v in r.items() if k in kept} for r in runs]
-        extra = {k: old[k] for k in ("exploratory", "note") if k in old}
+        extra = {k: old[k] for k in ("exploratory", "note", "compare") if k in old}
     else:
         machine, date, extra = f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores (shared)", today, {}
         with tempfile.TemporaryDirectory() as tmp:
-            runs = measure(Path(tmp), args.only)
+            runs = json.loads(json.dumps(measure(Path(tmp), args.only)))  # as a results file holds them (rank keys "0", "1")
             for r in runs:  # predict needs the run's config.yaml: keep it in the results
                 r["config"] = (Path(r["output_dir"]) / "config.yaml").read_text()
+            # the measurements first (predicting again from them: --reuse), then the predictions
+            raw = {"date": date, "predicted_on": today, "machine": machine, "rows": runs}
+            (out / f"planner_deepspeed_cpu_{date}_measured.json").write_text(json.dumps(raw, indent=1))
     rows = [r | predict(r) for r in runs]
     for r in rows:
         m, p = r["measured_peak_rss_gib"], r["predicted_peak_rss_gib"]
         print(f"{r['name']:<26} measured {m:.3f} predicted {p:.3f} GiB {r['difference_pct']:+6.1f}%")
     if args.note:
         extra["note"] = args.note
+    if args.compare:  # the earlier file's figures as it recorded them (its measurements and its planner's predictions)
+        before = json.loads(Path(args.compare).read_text())
+        keys = ("measured_peak_rss_gib", "predicted_peak_rss_gib", "difference_pct", "peak_segment", "malloc_env")
+        then = {r["name"]: {k: r.get(k) for k in keys} for r in before["rows"]}
+        extra["compare"] = {"file": Path(args.compare).name, "date": before["date"], "rows": then}
     data = {"date": date, "predicted_on": today, "machine": machine, "rows": rows, **extra}
     (out / f"planner_deepspeed_cpu_{date}.json").write_text(json.dumps(data, indent=1))
     (out / f"planner_deepspeed_cpu_{date}.md").write_text(markdown(data))
@@ -1192,11 +1202,20 @@ FIELD_REPORTS = [
 ]
 
 
+def _with_settings(w: Workload, settings: dict) -> Workload:
+    """w with a report's alternative settings; an offload under a DeepSpeed config is that config's offload too."""
+    w = dataclasses.replace(w, **settings)
+    if w.zero is not None and "offload" in settings:
+        zero = dataclasses.replace(w.zero, offload_optimizer=w.offload != "none", offload_param=w.offload == "optimizer+params")
+        w = dataclasses.replace(w, zero=zero)
+    return w
+
+
 def _profile_verdict(spec, w: Workload, rep: dict) -> dict:
     p = plan(spec, w)
     out = {"settings": rep["profile"], "predicted_total_gib": round(p.total / GiB, 1), "fits": p.fits, "verdict": p.verdict}
     if "also" in rep:
-        q = plan(spec, dataclasses.replace(w, **rep["also"]["settings"]))
+        q = plan(spec, _with_settings(w, rep["also"]["settings"]))
         out["also"] = {"label": rep["also"]["label"], "predicted_total_gib": round(q.total / GiB, 1), "fits": q.fits}
     return out
 
@@ -1250,7 +1269,7 @@ def field_verdicts() -> list[dict]:
         if "profile" in rep:  # the same report planned with the trainer profile (vlmrl plan --profile naive ...)
             row["profile"] = _profile_verdict(spec, dataclasses.replace(base, **rep["profile"]), rep)
         if "also" in rep:
-            q = plan(spec, dataclasses.replace(base, **rep["also"]["settings"]))
+            q = plan(spec, _with_settings(base, rep["also"]["settings"]))
             row["also"] = {
                 "label": rep["also"]["label"],
                 "predicted_total_gib": round(q.total / GiB, 1),

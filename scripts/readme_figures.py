@@ -211,6 +211,7 @@ def planner_deepspeed_table(rows: list[dict]) -> str:
     for row in rows:
         zero = ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in row["deepspeed_config"]["zero_optimization"].items())
         run = ("GRPO" if row["command"] == "train" else "SFT") + (" LoRA" if "model.use_lora=true" in row["overrides"] else " full")
+        run += ", mmap threshold pinned" if row.get("mmap_threshold_pinned") else ""
         malloc = " ".join(f"{k}={v}" for k, v in row.get("malloc_env", {}).items())
         lines.append(
             f"| {row['name']} | {run}{' (' + malloc + ')' if malloc else ''} | {zero} | {row['measured_peak_rss_gib']:.2f} | "
@@ -218,10 +219,10 @@ def planner_deepspeed_table(rows: list[dict]) -> str:
         )
     scored = [row for row in rows if not row.get("malloc_env")]
     within = sum(abs(row["difference_pct"]) <= 10 for row in scored)
-    lines += ["", f"Within +/-10%: {within} of {len(scored)} configs (the glibc diagnostic rows, `-mmap1m`, not counted)."]
+    lines += ["", f"Within +/-10%: {within} of {len(scored)} configs (the diagnostic rows, run with an environment setting, not counted)."]
     by_name = {row["name"]: row for row in rows}
     for row in rows:
-        base = by_name.get(row["name"].removesuffix("-mmap1m")) if row.get("malloc_env") else None
+        base = by_name.get(row["name"].removesuffix("-mmap1m").removesuffix("-unpinned")) if row.get("malloc_env") else None
         if base is not None:
             env = " ".join(f"{k}={v}" for k, v in row["malloc_env"].items())
             lines.append(

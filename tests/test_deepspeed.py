@@ -105,6 +105,7 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
     if stage == 2:
         assert "reduce_bucket_size 50000000, allgather_bucket_size 50000000" in log  # the user's JSON, as it is
     assert "unknown inputs or outputs type" not in log  # ZeRO-3's hooks see tensors (Completions travel as a tuple)
+    assert ("glibc's mmap threshold pinned at 128 KiB for DeepSpeed ZeRO-3" in log) == (stage == 3)  # engine/host_alloc.py
     a, b = step_metrics(out), step_metrics(ddp)
     for s in (1, 2, 3):
         assert a[s]["reward"] == b[s]["reward"], s  # the same completions were sampled
@@ -197,6 +198,7 @@ def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, stage):
     vlmrl's layout. Resume: test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted (slow tier)."""
     out, log = _sft_zero_run(setup, stage)
     assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log and "unknown inputs or outputs type" not in log
+    assert ("glibc's mmap threshold pinned at 128 KiB for DeepSpeed ZeRO-3" in log) == (stage == 3)  # engine/host_alloc.py
     a, b = step_metrics(out), step_metrics(sft_ddp)
     assert sorted(a) == [1, 2, 3] and all(a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5) for s in a)
     worst = _worst_difference(out / "final" / "model.safetensors", sft_ddp / "final" / "model.safetensors")

@@ -323,8 +323,12 @@ def test_grpo_trains_on_multiturn_rollouts(tiny_qwen25vl, tmp_path, monkeypatch)
     monkeypatch.setattr(tool_rollout, "sample_multiturn", scripted)
     monkeypatch.setattr(train_module, "per_token_loss", recording_loss)
     # A multi-turn run pins glibc's mmap threshold (engine/host_alloc.py); recorded here, not done to the shared pytest process.
+    from vlmrl.engine import host_alloc
+
     pinned = []
-    monkeypatch.setattr(train_module, "pin_mmap_threshold", lambda: pinned.append(True))
+    monkeypatch.setattr(host_alloc, "pin_mmap_threshold", lambda: pinned.append(True) or True)
+    for k in [*host_alloc._USER_SETTINGS, "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(k, raising=False)
     (tmp_path / "tool_reward.py").write_text(TOOL_REWARD)
     data = make_count_task(tmp_path / "count", n_train=4, n_test=0, seed=0, image_size=56)
     out = tmp_path / "run"
@@ -355,8 +359,9 @@ def test_grpo_trains_on_multiturn_rollouts(tiny_qwen25vl, tmp_path, monkeypatch)
             f"algorithm.reward_funcs=['{tmp_path / 'tool_reward.py'}:tool_calls']",
         ],
     )
-    train(cfg, log=lambda *_: None)
-    assert pinned == [True]
+    said = []
+    train(cfg, log=lambda line, *_: said.append(str(line)))
+    assert pinned == [True] and any(line.startswith("host allocator:") and "multi-turn rollouts" in line for line in said)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     for r in rows:

@@ -116,6 +116,7 @@ def test_zero_terms_of_a_deepspeed_config():
         "zero_checkpoint_pages": 0,  # a GPU run
         "zero_master_copy": 0,  # bf16 weights: the optimizer states' float32 master is the only one
         "zero_fp32_grad_partition": 250_000 * (2 + 4),  # the sub-group (the whole partition) flattened + float32
+        "zero_allgather_staging": 0,  # ZeRO-1/2 over gloo only
         "zero_step_temporary": 250_000 * 4,  # one sub-group (the whole partition), foreach on a GPU
         "zero3_fp32_grad_buffer": 250_000 * 4,
         "zero3_gathered_parameters": (150_000 + 100_000) * 2,
@@ -135,7 +136,7 @@ def test_master_clone_of_float32_trainables():
     assert zero_master_copy(SPEC, fp32, _z(stage=2)) == 250_000 * 4  # DeepSpeed clones the float32 partition
     assert zero_master_copy(SPEC, fp32, _z(stage=1)) == 250_000 * 4
     assert zero_master_copy(SPEC, W, _z(stage=2)) == 0  # bf16: the optimizer states' master is the copy
-    assert zero_master_copy(SPEC, fp32, _z(stage=3)) == 0  # ZeRO-3 updates float32 partitions in place
+    assert zero_master_copy(SPEC, fp32, _z(stage=3)) == 250_000 * 4  # ZeRO-3 too (its in-place branch never matches)
     assert zero_master_copy(SPEC, fp32, _z(stage=2, offload_optimizer=True)) == 0
     lora = dataclasses.replace(W, use_lora=True, lora_r=4, lora_targets=("q_proj",))
     assert zero_master_copy(SPEC, lora, _z(stage=2)) == -(-SPEC.lora_params(4, ("q_proj",)) // 4) * 4  # float32 adapters
@@ -144,7 +145,7 @@ def test_master_clone_of_float32_trainables():
 def test_optimizer_step_over_one_flat_partition():
     assert zero_fp32_grad_partition(SPEC, dataclasses.replace(W, dtype="float32"), _z(stage=2)) == 250_000 * 4  # no conversion copy
     assert zero_step_temporary(SPEC, W, _z(stage=2)) == 250_000 * 4  # foreach: sqrt(exp_avg_sq)
-    assert zero_step_temporary(SPEC, dataclasses.replace(W, device="cpu"), _z(stage=2)) == 2 * 250_000 * 4  # per tensor: sqrt and quotient
+    assert zero_step_temporary(SPEC, dataclasses.replace(W, device="cpu"), _z(stage=2)) == 0  # vlmrl's fused AdamW on the CPU
     assert zero_step_temporary(SPEC, W, _z(stage=3, sub_group_size=100_000)) == 100_000 * 4
     assert zero_step_temporary(SPEC, W, _z(stage=2, offload_optimizer=True)) == 0
     assert zero_step_temporary(SPEC, W, _z(stage=0)) == 0
@@ -267,3 +268,167 @@ def test_plan_cli_refuses_a_bad_deepspeed_json_in_one_line(tmp_path, capsys, tex
     assert main(["--model", "qwen2.5-vl-3b", "--gpus", "8", "--deepspeed-config", str(ds)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- search and auto_fit under a DeepSpeed config
+def test_search_keeps_the_deepspeed_configs_stage_and_buffers():
+    from vlmrl.plan.planner import search
+
+    z = zero_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}, hidden=SPEC.hidden)
+    base = dataclasses.replace(W, sharding="zero3", zero=z, gpu_memory_bytes=10**12)
+    found = search(SPEC, base, top=0)  # other engines would contradict the config (a PlanError per candidate)
+    assert found and {(c.workload.sharding, c.workload.offload, c.workload.zero) for c in found} == {("zero3", "none", z)}
+    assert all(c.plan.terms["zero_reduce_buckets"] == 1000 * 2 for c in found)
+
+
+def test_auto_fit_plans_under_the_deepspeed_config_in_use(tmp_path):
+    from test_planner import _cfg
+
+    from vlmrl.plan.planner import auto_fit, plan_for_config
+
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 3e8}}  # 0.56 GiB of bf16 bucket, and its reduce-scatter copy
+    cfg, run = _cfg(tmp_path, "training.auto_fit_gpu_memory_gib=2.5"), {"world_size": 2, "sharding": "zero3"}
+    blind, _ = auto_fit(cfg, **run)  # planned without ZeRO's buffers: a choice that does not fit beside them
+    assert not plan_for_config(blind, deepspeed=ds, **run).fits
+    new, changes = auto_fit(cfg, deepspeed=ds, **run)
+    assert changes and plan_for_config(new, deepspeed=ds, **run).fits
+    mb = new.training.per_device_train_batch_size
+    assert mb < blind.training.per_device_train_batch_size and mb * new.training.gradient_accumulation_steps == 32
+
+
+def test_a_zero_run_with_auto_fit_hands_its_deepspeed_config_to_the_planner(monkeypatch, tmp_path):
+    import vlmrl.train as train_module
+    from test_host_alloc import _fake_deepspeed, _Started
+
+    from vlmrl.config import load_config
+    from vlmrl.engine import host_alloc
+    from vlmrl.engine.distributed import Distributed
+
+    monkeypatch.setattr(host_alloc, "pin_mmap_threshold", lambda: True)  # not done to the pytest process
+    monkeypatch.setattr(Distributed, "from_env", classmethod(lambda cls, cpu=False: cls(_fake_deepspeed(3))))
+    seen = {}
+
+    def recorded(cfg, log, **kw):
+        seen.update(kw)
+        raise _Started
+
+    monkeypatch.setattr(train_module, "apply_auto_fit", recorded)
+    cfg = load_config(None, [f"training.output_dir={tmp_path}", "training.auto_fit=true", "training.auto_fit_gpu_memory_gib=8"])
+    with pytest.raises(_Started):
+        train_module.start_run(cfg, lambda *_: None)
+    assert seen["sharding"] == "zero3" and seen["deepspeed"] == {"zero_optimization": {"stage": 3}}
+
+
+# ---------------------------------------------------------------- ZeRO-Offload
+def test_the_deepspeed_configs_offload_is_the_planned_offload():
+    from vlmrl.plan.deepspeed import zero_offload
+
+    cpu = {"device": "cpu"}
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 2}}, 64)) == "none"
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 2, "offload_optimizer": cpu}}, 64)) == "optimizer"
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}}, 64)) == "optimizer+params"
+    assert zero_offload(zero_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}, 64)) == "none"
+
+
+def test_offload_host_buffers():
+    from vlmrl.plan.deepspeed import zero_offload_host_buffers
+
+    off = dict(offload_optimizer=True)
+    # bf16 weights, 4 ranks: 250,000-element partitions; the float32 master is host.py's (16-bit trainables)
+    assert zero_offload_host_buffers(SPEC, W, _z(stage=2, **off)) == 250_000 * 2  # the bf16 copy-back buffer
+    fp32 = dataclasses.replace(W, dtype="float32")
+    assert zero_offload_host_buffers(SPEC, fp32, _z(stage=2, **off)) == 250_000 * 4 + 250_000 * 4  # master clone + copy-back
+    assert zero_offload_host_buffers(SPEC, fp32, _z(stage=3, **off)) == 250_000 * 4  # ZeRO-3: the clone only
+    assert zero_offload_host_buffers(SPEC, fp32, _z(stage=2)) == 0
+
+
+def test_plan_of_an_offloading_deepspeed_config_keeps_the_states_on_the_host():
+    from vlmrl.plan.planner import plan
+
+    z = zero_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, SPEC.hidden)
+    fp32 = dataclasses.replace(W, dtype="float32", zero=z, offload="optimizer")
+    p = plan(SPEC, fp32)
+    assert p.terms["optimizer_states"] == p.terms["gradients"] == p.terms["zero_master_copy"] == p.terms["zero_fp32_grad_partition"] == 0
+    assert p.host["offloaded_optimizer_states"] == 4 * 250_000 * 8  # 4 processes' moments
+    assert p.host["engine_host_buffers"] == 4 * 250_000 * 8 and p.host["offloaded_gradients"] == 4 * 250_000 * 4
+    with pytest.raises(PlanError, match="offloads optimizer"):
+        plan(SPEC, dataclasses.replace(fp32, offload="none"))
+
+
+def test_plan_cli_takes_the_offload_from_the_deepspeed_json(tmp_path, capsys):
+    from vlmrl.plan.cli import main
+
+    ds = tmp_path / "offload.json"
+    ds.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    assert main(["--model", "qwen2.5-vl-3b", "--gpus", "8", "--json", "--deepspeed-config", str(ds)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["workload"]["offload"] == "optimizer" and got["host_gib"]["engine_host_buffers"] > 0
+
+
+def test_a_runs_offloading_deepspeed_config_plans_the_offload(tmp_path):
+    from test_planner import _cfg
+
+    from vlmrl.plan.planner import plan_for_config
+
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    p = plan_for_config(_cfg(tmp_path), world_size=2, gpu_memory_bytes=10**12, deepspeed=ds, sharding="zero2")
+    assert p.workload["offload"] == "optimizer" and p.terms["optimizer_states"] == 0 and p.host["offloaded_optimizer_states"] > 0
+
+
+# ---------------------------------------------------------------- ZeRO-3's backward as measured on the CPU
+def test_zero3_reduces_once_when_the_bucket_holds_every_gradient():
+    from vlmrl.plan.deepspeed import zero3_reduces_once
+
+    z3 = dataclasses.replace(W, sharding="zero3")  # 1,000,000 trainable parameters
+    assert zero3_reduces_once(SPEC, z3, _z(stage=3, reduce_bucket_size=1_000_000))
+    assert not zero3_reduces_once(SPEC, z3, _z(stage=3, reduce_bucket_size=999_999))
+    assert not zero3_reduces_once(SPEC, z3, _z(stage=3, contiguous_gradients=False))
+    assert not zero3_reduces_once(SPEC, z3, _z(stage=2))
+
+
+def test_zero3_prefix_gathered_is_the_decoder():
+    from vlmrl.plan.deepspeed import zero3_prefix_gathered
+
+    # 1,000,000 - 200,000 (vision) - 100,000 (embedding) = 700,000 decoder weights, bf16
+    assert zero3_prefix_gathered(SPEC, W, _z(stage=3)) == 700_000 * 2
+    lora = dataclasses.replace(W, use_lora=True, lora_r=4, lora_targets=("q_proj",))
+    assert zero3_prefix_gathered(SPEC, lora, _z(stage=3)) == 700_000 * 2 + SPEC.lora_params(4, ("q_proj",)) * 4
+    assert zero3_prefix_gathered(SPEC, W, _z(stage=2)) == 0
+
+
+def test_zero3_copies_its_single_bucket_at_the_end_of_backward():
+    w = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers")
+    once, flush = _planned(w, _z(stage=3, reduce_bucket_size=1_000_000)), _planned(w, _z(stage=3, reduce_bucket_size=999_999))
+    # flushed during backward, the copies meet the activations; reduced once, they come after them
+    assert once.phases["update"] < flush.phases["update"] - flush.terms["zero3_reduce_scatter_copies"] / 2
+    bigger = _planned(w, _z(stage=3, reduce_bucket_size=2_000_000))
+    # still one reduce at the end: 10^6 more bf16 elements of bucket and of its copy (the GPU holds the bucket whole)
+    assert bigger.phases["update"] - once.phases["update"] == 1_000_000 * 2 + 1_000_000 * 2
+
+
+def test_zero3_shared_prefix_backward_counts_the_gathered_decoder_and_the_copies():
+    from vlmrl.plan.deepspeed import zero3_prefix_gathered
+
+    lora = dataclasses.replace(W, sharding="zero3", grad_accum=1, generation_gather="layers", use_lora=True, lora_r=4, lora_targets=("q_proj",))
+    z = _z(stage=3, prefetch_bucket_size=1000, max_live_parameters=1000)  # a one-module gather window
+    p = _planned(lora, z)
+    assert p.terms["prefix_held_gradients"] == SPEC.lora_params(4, ("q_proj",)) * 4  # what other engines hold there
+    # ZeRO-3: the whole decoder gathered (700,000 bf16 weights + the adapters) beside the bucket's copies (measured)
+    floor = p.terms["weights"] + p.terms["optimizer_states"] + zero3_prefix_gathered(SPEC, lora, z) + p.terms["zero3_reduce_scatter_copies"]
+    assert p.phases["update"] >= floor > p.terms["weights"] + p.terms["optimizer_states"] + p.terms["gathered_parameters"] + 700_000 * 2 // 2
+
+
+def test_zero12_allgather_after_the_step_is_staged_whole_over_gloo():
+    from vlmrl.plan.deepspeed import zero_allgather_staging
+
+    cpu = dataclasses.replace(W, device="cpu")  # bf16, 4 ranks: 4 partitions of 250,000
+    assert zero_allgather_staging(SPEC, cpu, _z(stage=2)) == 4 * 250_000 * 2
+    assert zero_allgather_staging(SPEC, cpu, _z(stage=1)) == 4 * 250_000 * 2
+    assert zero_allgather_staging(SPEC, W, _z(stage=2)) == 0  # NCCL gathers in place
+    assert zero_allgather_staging(SPEC, cpu, _z(stage=3)) == 0  # ZeRO-3 gathers per module
+    small = dataclasses.replace(cpu, sharding="zero2", grad_accum=1, micro_batch=1, num_generations=2, prompts_per_step=1, completion_tokens=8)
+    p = _planned(small, _z(stage=2, reduce_bucket_size=1000))
+    assert p.terms["zero_allgather_staging"] > p.terms["zero_fp32_grad_partition"]  # 2,000,000 > 250,000 x (2 + 4)
+    # a small step peaks after the optimizer step: the persistent bytes (the scoring phase here: nothing is scored)
+    # and the staging, the float32 gradient partition being released by then
+    assert p.phases["update"] == p.phases["scoring"] + p.terms["zero_allgather_staging"]

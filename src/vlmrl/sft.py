@@ -32,6 +32,7 @@ from vlmrl.ending import Ending, finish, finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
+from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
@@ -193,6 +194,7 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     out = Path(t.output_dir)
     dist = Distributed.from_env(cpu=resolve_device(t.device).type == "cpu")
     log = log if dist.is_main else (lambda *_: None)
+    pin_for_run([dist.pins_host_allocator], log)  # ZeRO-3's gathers (engine/host_alloc.py)
     W = dist.world_size
     if s.batch_size % W:
         raise DistributedError(f"sft.batch_size={s.batch_size} must be a multiple of the {W} processes (each takes an equal share of every step)")

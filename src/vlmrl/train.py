@@ -50,7 +50,7 @@ from vlmrl.checkpoints.files import GracefulStop
 from vlmrl.data.rows import PromptSampler, image_cache_dir
 from vlmrl.engine.collectives import prompt_seed
 from vlmrl.engine.distributed import Distributed
-from vlmrl.engine.host_alloc import pin_mmap_threshold
+from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
 from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
 from vlmrl.models.loading import reference_disabled_adapter
@@ -205,8 +205,6 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
-    if cfg.multiturn:  # its host RSS grew step after step without it (engine/host_alloc.py: measured gain and cost)
-        pin_mmap_threshold()
     run = start_run(cfg, log)
     if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
         return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)
@@ -285,8 +283,10 @@ def start_run(cfg: Config, log) -> Run:
     # collectives. One process: nothing changes (distributed.py).
     dist = Distributed.from_env(cpu=resolve_device(cfg.training.device).type == "cpu")
     log = log if dist.is_main else (lambda *_: None)
+    # multi-turn rollouts and ZeRO-3's gathers grew the host heap step after step (engine/host_alloc.py: gain and cost)
+    pin_for_run(["multi-turn rollouts" if cfg.multiturn else None, dist.pins_host_allocator], log)
     if cfg.training.auto_fit:  # the planner's fastest config that fits, every change logged (planner.py)
-        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding)
+        cfg = apply_auto_fit(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)

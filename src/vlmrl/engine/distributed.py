@@ -182,6 +182,10 @@ class Distributed(Collectives):
     def planner_deepspeed(self) -> dict | None:
         return self.engine.planner_deepspeed
 
+    @property
+    def pins_host_allocator(self) -> str | None:
+        return self.engine.pins_host_allocator
+
     def describe(self) -> str:
         return self.engine.describe()
 

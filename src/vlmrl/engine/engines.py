@@ -161,6 +161,11 @@ class Engine:
         """The DeepSpeed config this engine runs (the planner sizes ZeRO's buffers from it); None: not DeepSpeed."""
         return None
 
+    @property
+    def pins_host_allocator(self) -> str | None:
+        """Why this engine's processes need glibc's mmap threshold pinned (engine/host_alloc.py), or None."""
+        return None
+
     def describe(self) -> str:
         c = self.collectives
         return f"{c.world_size} processes ({self.name}), rank {c.rank}, local rank {c.local_rank}"
@@ -488,6 +493,13 @@ class DeepSpeedEngine(Engine):
     @property
     def planner_deepspeed(self) -> dict | None:
         return self.plugin.deepspeed_config if self.plugin else None
+
+    @property
+    def pins_host_allocator(self) -> str | None:
+        # ZeRO-3 gathers every parameter into fresh tensors around each module's forward and backward and frees them;
+        # glibc's heap kept those freed blocks (peak RSS +1.2-1.5 GiB over the live tensors in the 2-process CPU runs,
+        # benchmarks/results/planner_deepspeed_cpu_*.md)
+        return "DeepSpeed ZeRO-3 (its parameter gathers)" if self._zero_stage() == 3 else None
 
     def check_config(self, cfg) -> None:
 

@@ -204,7 +204,7 @@ def _workload(ns, spec):
         changes["profile"] = ns.profile
     w = dataclasses.replace(base, **changes)
     if ns.deepspeed_config:
-        w = _with_deepspeed(w, ns.deepspeed_config, ns.sharding, spec.hidden)
+        w = _with_deepspeed(w, ns.deepspeed_config, ns.sharding, ns.offload, spec.hidden)
     if w.sharding == "none" and world > 1 and ns.sharding is None:
         w = dataclasses.replace(w, sharding="ddp")
     if ns.micro_batch is not None and ns.grad_accum is None:
@@ -212,9 +212,10 @@ def _workload(ns, spec):
     return w
 
 
-def _with_deepspeed(w, path: str, sharding: str | None, hidden: int):
-    """w planned under the DeepSpeed JSON at `path` (Workload.zero; sharding zero<stage> unless --sharding says)."""
-    from vlmrl.plan.deepspeed import zero_config
+def _with_deepspeed(w, path: str, sharding: str | None, offload: str | None, hidden: int):
+    """w planned under the DeepSpeed JSON at `path` (Workload.zero; sharding zero<stage> unless --sharding says, the
+    JSON's offload unless --offload says: a contradiction is refused by the planner's checks)."""
+    from vlmrl.plan.deepspeed import zero_config, zero_offload
 
     try:
         ds = json.loads(Path(path).read_text())
@@ -225,7 +226,7 @@ def _with_deepspeed(w, path: str, sharding: str | None, hidden: int):
     z = zero_config(ds, hidden)
     if z.stage == 0:
         raise PlanError(f"--deepspeed-config {path}: zero_optimization.stage is 0 (no ZeRO): plan it with --sharding ddp")
-    return dataclasses.replace(w, zero=z, sharding=sharding or f"zero{z.stage}")
+    return dataclasses.replace(w, zero=z, sharding=sharding or f"zero{z.stage}", offload=offload or zero_offload(z))
 
 
 def _sft_stages(ns, w) -> dict:

@@ -124,13 +124,15 @@ def spec_for_config(cfg) -> ModelSpec:
     return model_spec(name)
 
 
-def _zero_extra(spec: ModelSpec, deepspeed: dict | None, extra: dict) -> dict:
-    """extra + the ZeroConfig of the DeepSpeed config in use (its "auto" sizes from the model's hidden size)."""
+def zero_extra(spec: ModelSpec, deepspeed: dict | None, extra: dict) -> dict:
+    """extra + the ZeroConfig of the DeepSpeed config in use (its "auto" sizes from the model's hidden size) and the
+    offload it asks for."""
     if deepspeed is None:
         return extra
-    from vlmrl.plan.deepspeed import zero_config
+    from vlmrl.plan.deepspeed import zero_config, zero_offload
 
-    return extra | {"zero": zero_config(deepspeed, spec.hidden)}
+    z = zero_config(deepspeed, spec.hidden)
+    return {"offload": zero_offload(z)} | extra | {"zero": z}
 
 
 def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = None, deepspeed: dict | None = None, **extra) -> Plan:
@@ -140,7 +142,7 @@ def plan_for_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None = Non
         gib = getattr(cfg.training, "auto_fit_gpu_memory_gib", None)
         gpu_memory_bytes = int(gib * GiB) if gib else None
     spec = spec_for_config(cfg)
-    return plan(spec, workload_from_config(cfg, world_size, gpu_memory_bytes, **_zero_extra(spec, deepspeed, extra)))
+    return plan(spec, workload_from_config(cfg, world_size, gpu_memory_bytes, **zero_extra(spec, deepspeed, extra)))
 
 
 def sft_plans_for_config(
@@ -152,7 +154,7 @@ def sft_plans_for_config(
     plan_for_config."""
     s = cfg.sft
     spec = spec_for_config(cfg)
-    base = workload_from_config(cfg, world_size, gpu_memory_bytes, **_zero_extra(spec, deepspeed, extra))
+    base = workload_from_config(cfg, world_size, gpu_memory_bytes, **zero_extra(spec, deepspeed, extra))
     micro = min(s.micro_batch_size or s.batch_size // world_size, s.batch_size // world_size) if world_size > 1 else s.batch_size
     base = dataclasses.replace(base, micro_batch=max(1, micro))
     stages = [k for k, steps in ((1, s.projector_steps), (2, s.steps)) if steps > 0]

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 
 from vlmrl.plan.spec import DTYPE_BYTES, ModelSpec, PlanError, Workload
-from vlmrl.plan.terms import trainable_params
+from vlmrl.plan.terms import lora_params, trainable_params
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,14 @@ def zero_config(ds: dict, hidden: int) -> ZeroConfig:
     return ZeroConfig(**kw)
 
 
+def zero_offload(z: ZeroConfig) -> str:
+    """The planner's offload (Workload.offload) of a DeepSpeed config: offload_param (ZeRO-3 only) moves the weights'
+    partitions too, offload_optimizer the float32 partitions, moments and gradient partitions."""
+    if z.offload_param and z.stage == 3:
+        return "optimizer+params"
+    return "optimizer" if z.offload_optimizer else "none"
+
+
 def _partition(spec: ModelSpec, w: Workload) -> int:
     """Trainable elements of one rank's partition (DeepSpeed pads the flat group to a multiple of the world size)."""
     return math.ceil(trainable_params(spec, w)[0] / w.world_size)
@@ -136,6 +144,13 @@ def zero_reduce_buckets(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     return buffers * _resident(z.reduce_bucket_size, spec, w) * trainable_params(spec, w)[1]
 
 
+def zero3_reduces_once(spec: ModelSpec, w: Workload, z: ZeroConfig) -> bool:
+    """ZeRO-3 flushes its gradient bucket when the next gradient would overflow it; a bucket that holds every
+    trainable gradient is reduced once, at the end of backward (after the activations are freed), so its
+    reduce-scatter copies do not meet the activations."""
+    return z.stage == 3 and z.contiguous_gradients and z.reduce_bucket_size >= trainable_params(spec, w)[0]
+
+
 def zero3_reduce_scatter_copies(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-3 backward, as a full bucket is reduce-scattered: its gradients concatenated into one padded flat tensor
     (reduce_scatter_coalesced's torch.cat), plus on the CPU gloo's staging copy of it (NCCL reduces in place)."""
@@ -145,9 +160,12 @@ def zero3_reduce_scatter_copies(spec: ModelSpec, w: Workload, z: ZeroConfig) -> 
 
 
 def zero_master_copy(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """ZeRO-1/2 clone the partition of float32 trainables as their float32 master (the planner's optimizer states count
-    float32 trainables as their own master); ZeRO-3 updates float32 partitions in place; offloaded: on the host."""
-    if z.stage not in (1, 2) or z.offload_optimizer or trainable_params(spec, w)[1] != 4:
+    """ZeRO-1/2/3 clone the partition of float32 trainables as their float32 master (the planner's optimizer states
+    count float32 trainables as their own master). ZeRO-3 means to reuse a float32 partition already on the device,
+    but DeepSpeed 0.19 compares the partition's torch.device with the accelerator's device name (a string), which
+    never matches, so it clones too (measured: +1 partition of live tensors from deepspeed.initialize on in the
+    ZeRO-3 CPU runs). Offloaded: on the host (zero_offload_host_buffers)."""
+    if z.stage == 0 or z.offload_optimizer or trainable_params(spec, w)[1] != 4:
         return 0
     return _partition(spec, w) * 4
 
@@ -174,6 +192,17 @@ def zero_fp32_grad_partition(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int
     return elements * (tb + (4 if tb < 4 else 0))
 
 
+def zero_allgather_staging(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-1/2 on the CPU, after the optimizer step: every rank's updated partition all-gathered into the flat
+    weights (all_gather_into_tensor), which gloo stages whole: the trainables in their dtype (measured by
+    benchmarks/gloo_allgather_staging.py: 2 ranks' 95 MiB partitions peaked 192 MiB above the call's start,
+    results/gloo_allgather_staging_cpu_2026-11-27.txt). The float32 gradient partition is released before it.
+    NCCL gathers in place: 0 on a GPU; ZeRO-3 gathers per module (gathered_parameters)."""
+    if w.device != "cpu" or z.stage not in (1, 2):
+        return 0
+    return _partition(spec, w) * w.world_size * trainable_params(spec, w)[1]
+
+
 def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
     """ZeRO-3 initialisation: the float32 gradient buffer of the largest optimizer sub-group (min(sub_group_size,
     partition) elements, zeroed) while it creates AdamW's states; released before training."""
@@ -183,13 +212,26 @@ def zero3_fp32_grad_buffer(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
 
 
 def zero_step_temporary(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
-    """AdamW's step over one flat float32 partition (ZeRO-3: one sub-group of at most sub_group_size elements):
-    torch's per-tensor CPU step holds sqrt(exp_avg_sq) and its quotient at once (2 x 4 bytes per element), the
-    foreach step on a GPU one temporary (4 bytes); none when the optimizer is offloaded."""
-    if z.stage == 0 or z.offload_optimizer:
+    """AdamW's step over one flat float32 partition (ZeRO-3: one sub-group of at most sub_group_size elements): the
+    foreach step on a GPU holds one temporary (4 bytes per element); on the CPU vlmrl's AdamW is torch's fused kernel
+    (engine/optim.py; DeepSpeed steps it on its flat partitions), which holds none (measured: no rise in the ZeRO-3
+    CPU runs' optimizer step); none when the optimizer is offloaded."""
+    if z.stage == 0 or z.offload_optimizer or w.device == "cpu":
         return 0
     elements = min(z.sub_group_size, _partition(spec, w)) if z.stage == 3 else _partition(spec, w)
-    return elements * 4 * (2 if w.device == "cpu" else 1)
+    return elements * 4
+
+
+def zero_offload_host_buffers(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-Offload's host buffers beyond the moments and the float32 gradient partition (host.py's offloaded terms):
+    the float32 master partition, a clone of the weights' partition even when they are float32 (host.py counts a
+    master only for 16-bit trainables), and ZeRO-1/2's buffer the updated partition is copied back through (the
+    partition in the weights' dtype). 0 without offload_optimizer."""
+    if not z.offload_optimizer or z.stage == 0:
+        return 0
+    tb = trainable_params(spec, w)[1]
+    part = _partition(spec, w)
+    return part * (4 if tb == 4 else 0) + (part * tb if z.stage in (1, 2) else 0)
 
 
 def zero3_gathered_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
@@ -202,6 +244,20 @@ def zero3_gathered_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig) -> in
     running = max(per_layer, spec.embed_params, spec.lm_head_params)
     live = min(running + z.prefetch_bucket_size, max(z.max_live_parameters, running), spec.total_params)
     return live * DTYPE_BYTES[w.dtype]
+
+
+def zero3_prefix_gathered(spec: ModelSpec, w: Workload, z: ZeroConfig) -> int:
+    """ZeRO-3 under vlmrl's shared prefix (every decoder layer runs twice: prompt pass, completion pass): the decoder's
+    weights gathered at once in backward, in their dtype (LoRA adapters float32), in place of the held gradients and
+    the gather window other engines have there (estimate.update_peaks). Measured, not derived from DeepSpeed's code:
+    in the 2-process CPU runs up to 92.5 M of the 93 M trainable parameters were gathered at once in backward (GRPO
+    and SFT alike), and GRPO's backward peaked a decoder's worth (0.34 GiB) above what SFT's did beside the same
+    reduce-scatter copies (plausibly DeepSpeed releasing a module's parameters only after its last backward use,
+    ds_grads_remaining, which the shared prefix delays; not isolated)."""
+    if z.stage != 3:
+        return 0
+    decoder = spec.total_params - spec.vision_params - spec.embed_params - spec.lm_head_params
+    return decoder * DTYPE_BYTES[w.dtype] + lora_params(spec, w) * 4
 
 
 def zero3_persistent_parameters(spec: ModelSpec, w: Workload, z: ZeroConfig, param_sizes: tuple) -> float:
@@ -225,6 +281,7 @@ ZERO_TERMS = {
     "zero_master_copy": zero_master_copy,
     "zero_checkpoint_pages": zero_checkpoint_pages,
     "zero_fp32_grad_partition": zero_fp32_grad_partition,
+    "zero_allgather_staging": zero_allgather_staging,
     "zero_step_temporary": zero_step_temporary,
     "zero3_fp32_grad_buffer": zero3_fp32_grad_buffer,
     "zero3_gathered_parameters": zero3_gathered_parameters,
@@ -252,9 +309,12 @@ def with_zero_terms(spec: ModelSpec, w: Workload, raw: dict) -> dict:
     z = w.zero
     out = dict(raw, comm_buffers=0)
     out["optimizer_step_temporary"] = zero_step_temporary(spec, w, z)
+    if z.offload_optimizer:  # the gradient partition is the host's (host.py offloaded_gradients); ZeRO's buckets carry them there
+        out["gradients"] = 0
     if z.stage == 3:
         out["gathered_parameters"] = zero3_gathered_parameters(spec, w, z)
-    for name in ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition"):
+    names = ("zero_reduce_buckets", "zero3_reduce_scatter_copies", "zero_master_copy", "zero_checkpoint_pages", "zero_fp32_grad_partition")
+    for name in (*names, "zero_allgather_staging"):
         out[name] = ZERO_TERMS[name](spec, w, z)
     return out
 
@@ -286,5 +346,7 @@ def zero_flat_at_peak(spec: ModelSpec, w: Workload, t: dict, phases: dict, fwd_b
         flat += big(t["zero_reduce_buckets"])
     if top == "update" and phases["update"] != int(fwd_bwd):  # the optimizer step (or the end of backward)
         steps = 2 if w.device == "cpu" else 1
-        flat += steps * big(t["optimizer_step_temporary"] / steps) + big(t["zero_fp32_grad_partition"])
+        stepping = steps * big(t["optimizer_step_temporary"] / steps) + big(t["zero_fp32_grad_partition"])
+        staging = t.get("zero_allgather_staging", 0)  # after the step (zero_allgather_staging): the larger of the two
+        flat += big(staging) if staging > t["optimizer_step_temporary"] + t["zero_fp32_grad_partition"] else stepping
     return int(flat)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from vlmrl.plan.deepspeed import plans_zero, with_zero_terms, zero_flat_at_peak
+from vlmrl.plan.deepspeed import (
+    plans_zero,
+    with_zero_terms,
+    zero3_prefix_gathered,
+    zero3_reduces_once,
+    zero_flat_at_peak,
+    zero_offload_host_buffers,
+)
 from vlmrl.plan.geometry import MicroBatch, micro_batch, naive_fallback
 from vlmrl.plan.host import host_terms, host_verdict, mmapped_at_peak, parks
 from vlmrl.plan.profiles import profile_workload
@@ -97,7 +104,8 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     mmapped = _mmapped(spec, w, mb, raw, phases, fwd_bwd)
     if plans_zero(w):
         mmapped += zero_flat_at_peak(spec, w, raw, phases, fwd_bwd)
-    host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped)
+    engine_host = zero_offload_host_buffers(spec, w, w.zero) if plans_zero(w) else 0
+    host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped, engine_host)
     headroom, verdict = _verdict(int(total), w, host)
     return Plan(
         terms=terms,
@@ -172,21 +180,30 @@ def update_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, persiste
     steady = w.grad_accum > 1
     grads, gathered, emb = t["gradients"], t["gathered_parameters"], t["embedding_grad_temporaries"]
     held = grads if steady else 0
-    buckets = 0
+    buckets = at_end = 0
+    end_gathered = gathered
     if plans_zero(w):  # the gradient partition is persistent (_zero_persistent); in backward ZeRO-1/2's buckets live,
-        # ZeRO-3's (persistent) bucket is copied for its reduce-scatter
+        # ZeRO-3's (persistent) bucket is copied for its reduce-scatter: during backward, or once at its end when the
+        # bucket holds every gradient (zero3_reduces_once)
         grads = held = 0
-        buckets = t["zero_reduce_buckets"] if w.zero.stage < 3 else t["zero3_reduce_scatter_copies"]
+        buckets = at_end = t["zero_reduce_buckets"] if w.zero.stage < 3 else t["zero3_reduce_scatter_copies"]
+        if zero3_reduces_once(spec, w, w.zero):  # in backward's epilogue: every module's gathered parameters released
+            buckets = end_gathered = 0
     activations = t["activations_text"] + t["activations_vision"] + t["activations_other"] + t["eager_attention_scores"] + t["full_vocab_logits"]
     bwd_transient = max(t["logprob_buffers"] + head_gradient_temporary(spec, w, mb), t["checkpoint_recompute"])
     fwd_bwd = persistent + held + activations + bwd_transient + gathered + buckets
     fwd_end = persistent + held + activations + t["naive_row_pixel_copies"] + gathered
     fwd_bwd = max(fwd_bwd, fwd_end)
-    bwd_end = persistent + grads + (emb if steady else 0) + gathered + buckets
+    bwd_end = persistent + grads + (emb if steady else 0) + end_gathered + at_end
     if t["prefix_held_gradients"]:
-        prefix_end = persistent + held + emb * steady + t["prefix_held_gradients"] + prefix_backward_activations(spec, w, mb) + gathered + buckets
+        prefix_act = prefix_backward_activations(spec, w, mb)
+        if plans_zero(w) and w.zero.stage == 3:  # the decoder gathered, ZeRO-3's copies (measured: zero3_prefix_gathered)
+            prefix_end = persistent + emb * steady + zero3_prefix_gathered(spec, w, w.zero) + prefix_act + at_end
+        else:
+            prefix_end = persistent + held + emb * steady + t["prefix_held_gradients"] + prefix_act + gathered + buckets
         bwd_end = max(bwd_end, prefix_end)
-    opt_step = persistent + grads + t["optimizer_step_temporary"] + t.get("zero_fp32_grad_partition", 0)
+    # the step's float32 gradient partition and temporaries, then (released) ZeRO-1/2's all-gather staging on the CPU
+    opt_step = persistent + grads + max(t["optimizer_step_temporary"] + t.get("zero_fp32_grad_partition", 0), t.get("zero_allgather_staging", 0))
     return fwd_bwd, max(fwd_bwd, bwd_end, opt_step)
 
 

@@ -23,6 +23,7 @@ GLIBC_MMAP_MAX_BYTES = 32 * 2**20
 # Host terms alive while training (beside the runtime and the data).
 TRAINING_TERMS = (
     "offloaded_optimizer_states",
+    "engine_host_buffers",
     "offloaded_gradients",
     "offloaded_parameters",
     "parked_optimizer_states",
@@ -39,7 +40,15 @@ def parks(w: Workload) -> bool:
 
 
 def host_term_values(
-    spec: ModelSpec, w: Workload, states: dict, step_buffers: float, device_peak: int, ref_on_cpu: bool, r: int, mmapped: int = 0
+    spec: ModelSpec,
+    w: Workload,
+    states: dict,
+    step_buffers: float,
+    device_peak: int,
+    ref_on_cpu: bool,
+    r: int,
+    mmapped: int = 0,
+    engine_host: int = 0,
 ) -> dict:
     """The host terms of `r` processes on one node (bytes; see host_terms)."""
     n = w.world_size
@@ -53,6 +62,7 @@ def host_term_values(
         "runtime_per_process": runtime * r,
         "model_loading": r * base_w,  # each process's copy (the checkpoint's mapped pages are shared page cache)
         "offloaded_optimizer_states": (states["master"] + states["moments"]) * r if offloaded else 0,
+        "engine_host_buffers": engine_host * r,  # an engine's own host buffers per process (DeepSpeed's offload: deepspeed.py)
         "offloaded_gradients": states["trainable"] * 4 / shards * r if offloaded else 0,  # float32 gradient partitions for CPU Adam
         "offloaded_parameters": base_w / n * r if w.offload == "optimizer+params" else 0,
         # memory.offload_optimizer_during_rollout: host buffers the states are parked in (kept from step to step)
@@ -76,15 +86,17 @@ def host_terms(
     ref_on_cpu: bool,
     processes: int | None = None,
     mmapped: int = 0,
+    engine_host: int = 0,
 ) -> dict:
     """Host RAM of one node (min(world size, 8) processes), bytes, term by term, and its peak over three moments:
     loading (each process builds its copy on the CPU before moving it),
     training (runtime per process, CPU-offloaded optimizer / gradients / parameters, pinned transfer buffers, the
     reference model on the CPU, each process's images and rollout buffers, and on a CPU run every tensor the
     device plan counts), and saving (rank 0 gathers the full weights on the CPU for save_pretrained / export).
-    mmapped: bytes of the device peak in blocks above GLIBC_MMAP_MAX_BYTES (CPU runs: no heap slack on them)."""
+    mmapped: bytes of the device peak in blocks above GLIBC_MMAP_MAX_BYTES (CPU runs: no heap slack on them).
+    engine_host: the engine's own host buffers of one process (DeepSpeed's offload buffers)."""
     r = processes or min(w.world_size, 8)
-    terms = host_term_values(spec, w, states, step_buffers, device_peak, ref_on_cpu, r, mmapped)
+    terms = host_term_values(spec, w, states, step_buffers, device_peak, ref_on_cpu, r, mmapped, engine_host)
     runtime = terms["runtime_per_process"] + terms["data"]
     training = runtime + sum(terms[k] for k in TRAINING_TERMS)
     phases = {"loading": runtime + terms["model_loading"], "training": training, "saving": training + terms["gathered_state_dict_at_save"]}
@@ -92,7 +104,7 @@ def host_terms(
     out.update({f"peak_{k}": int(v) for k, v in phases.items()})
     out["total"] = int(max(phases.values()))
     if processes is None:  # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
-        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, 1, mmapped)["total"]
+        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, 1, mmapped, engine_host)["total"]
     return out
 
 

@@ -13,9 +13,10 @@ from vlmrl.plan.spec import GiB, PlanError, Workload
 PREDICTION_WARN_FRACTION = 0.25  # a measured GPU peak this far from the prediction is worth a warning
 
 
-def apply_auto_fit(cfg, log, world_size: int = 1, sharding: str | None = None):
-    """training.auto_fit: the config the planner picks, every change logged. PlanError when nothing fits."""
-    new_cfg, changes = auto_fit(cfg, world_size=world_size, sharding=sharding)
+def apply_auto_fit(cfg, log, world_size: int = 1, sharding: str | None = None, deepspeed: dict | None = None):
+    """training.auto_fit: the config the planner picks (under the DeepSpeed config in use, if any), every change
+    logged. PlanError when nothing fits."""
+    new_cfg, changes = auto_fit(cfg, world_size=world_size, sharding=sharding, deepspeed=deepspeed)
     for line in changes or ["auto_fit: the configuration as given is predicted to fit and to be the fastest; nothing changed"]:
         log(line if line.startswith("auto_fit") else f"auto_fit: {line}")
     return new_cfg

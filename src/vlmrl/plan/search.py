@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from vlmrl.plan.config import device_memory_bytes, spec_for_config, workload_from_config
+from vlmrl.plan.config import device_memory_bytes, spec_for_config, workload_from_config, zero_extra
 from vlmrl.plan.estimate import Plan, plan
 from vlmrl.plan.spec import OFFLOADS, GiB, ModelSpec, PlanError, Workload
 
@@ -119,7 +119,10 @@ OFFLOADS_FOR = {
 
 def _engines(base: Workload, shardings: tuple | None) -> list[tuple[str, str]]:
     """(sharding, offload) pairs to try: the given sharding (and on several GPUs DDP / ZeRO-1/2/3), each with the
-    offloads it can do that offload at least as much as the given config (a memory saver it has stays on)."""
+    offloads it can do that offload at least as much as the given config (a memory saver it has stays on). A
+    workload planned under a DeepSpeed config (base.zero) keeps its stage and offload: the config's, not the search's."""
+    if base.zero is not None:
+        return [(base.sharding, base.offload)]
     if shardings is None:
         shardings = ("none",) if base.world_size == 1 else ("ddp", "zero1", "zero2", "zero3")
         if base.sharding not in shardings:
@@ -157,11 +160,12 @@ def candidate_workloads(base: Workload, allow: set, shardings: tuple | None = No
             )
 
 
-def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, sharding: str | None = None):
+def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, sharding: str | None = None, deepspeed: dict | None = None):
     """(new_cfg, changes): the fastest configuration predicted to fit, over knobs vlmrl's config has (micro-batch
     with the effective batch kept, generation prompts per call, gradient checkpointing, reference placement; and
-    num_generations / max_pixels / effective batch only when listed in training.auto_fit_allow). Raises PlanError
-    naming the knobs when nothing fits."""
+    num_generations / max_pixels / effective batch only when listed in training.auto_fit_allow). deepspeed: the
+    DeepSpeed config of a ZeRO run (every candidate planned with its buffers). Raises PlanError naming the knobs
+    when nothing fits."""
     from vlmrl.config import replace
 
     if gpu_memory_bytes is None:
@@ -169,7 +173,7 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
     allow = tuple(getattr(cfg.training, "auto_fit_allow", ()) or ())
     spec = spec_for_config(cfg)
     extra = {"sharding": sharding} if sharding and world_size > 1 else {}
-    base = workload_from_config(cfg, world_size, gpu_memory_bytes, **extra)
+    base = workload_from_config(cfg, world_size, gpu_memory_bytes, **zero_extra(spec, deepspeed if world_size > 1 else None, extra))
     shardings = (base.sharding,)  # the engine is the launcher's choice: auto_fit keeps it
     found = search(spec, base, allow=allow, top=1, shardings=shardings)
     if not found:

@@ -197,10 +197,15 @@ def check_workload(w: Workload) -> None:
 
 
 def _zero_problems(w: Workload) -> list[str]:
-    """A DeepSpeed config (w.zero) whose ZeRO stage is not the sharding planned."""
+    """A DeepSpeed config (w.zero) whose ZeRO stage is not the sharding planned, or whose offload is not the offload
+    planned (deepspeed.zero_offload)."""
     stage = getattr(w.zero, "stage", None)
     if stage and w.sharding != f"zero{stage}":
         return [f"sharding={w.sharding!r} but the DeepSpeed config (zero) asks for ZeRO-{stage}: use sharding zero{stage}"]
+    if stage:
+        offload = "optimizer+params" if (w.zero.offload_param and stage == 3) else ("optimizer" if w.zero.offload_optimizer else "none")
+        if w.offload != offload:
+            return [f"offload={w.offload!r} but the DeepSpeed config (zero) offloads {offload}: use offload {offload}"]
     return []
 
 
