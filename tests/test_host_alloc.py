@@ -50,14 +50,16 @@ def test_the_users_malloc_settings_are_left_alone(env):
 
 
 # ---------------------------------------------------------------- which runs pin it, and the user's settings winning
-def _fake_deepspeed(stage: int):
+def _fake_deepspeed(stage: int, device: str = "cpu"):
     """An Accelerator as accelerate builds it for a DeepSpeed launch (only what Distributed and its engine read)."""
     from types import SimpleNamespace
+
+    import torch
 
     plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={"zero_optimization": {"stage": stage}})
     one = dict(num_processes=1, process_index=0, local_process_index=0)
     state = SimpleNamespace(distributed_type="DistributedType.DEEPSPEED", deepspeed_plugin=plugin, **one)
-    return SimpleNamespace(state=state)
+    return SimpleNamespace(state=state, device=torch.device(device))
 
 
 class _Started(Exception):
@@ -65,6 +67,14 @@ class _Started(Exception):
 
 
 CASES = [(3, None, True), (2, None, False), (3, "MALLOC_MMAP_THRESHOLD_", False), (3, "GLIBC_TUNABLES", False)]
+
+
+def test_zero3_on_a_gpu_does_not_pin():
+    """On a GPU ZeRO-3's gathers are device memory: the host allocator is left as it is."""
+    from vlmrl.engine.distributed import Distributed
+
+    assert Distributed(_fake_deepspeed(3, "cuda")).pins_host_allocator is None
+    assert Distributed(_fake_deepspeed(3, "cpu")).pins_host_allocator is not None
 
 
 @pytest.mark.parametrize("command", ["train", "sft"])

@@ -499,7 +499,11 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3 gathers every parameter into fresh tensors around each module's forward and backward and frees them;
         # glibc's heap kept those freed blocks (peak RSS +1.2-1.5 GiB over the live tensors in the 2-process CPU runs,
         # benchmarks/results/planner_deepspeed_cpu_*.md)
-        return "DeepSpeed ZeRO-3 (its parameter gathers)" if self._zero_stage() == 3 else None
+        # On a GPU the gathers are device memory, and the pin's cost (each gathered block mapped and faulted in afresh)
+        # would buy nothing: CPU processes only.
+        device = getattr(self.accelerator, "device", None)
+        on_host = device is None or torch.device(device).type == "cpu"
+        return "DeepSpeed ZeRO-3 (its parameter gathers)" if self._zero_stage() == 3 and on_host else None
 
     def check_config(self, cfg) -> None:
 
