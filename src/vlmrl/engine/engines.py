@@ -472,6 +472,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, collectives: Collectives, accelerator=None):
         super().__init__(collectives, accelerator)
         self.trainable: list[tuple[str, nn.Parameter]] = []  # the optimizer's parameters, in its order (torch's layout)
+        self.dtypes: dict[str, torch.dtype] = {}  # the policy's state dict dtypes before DeepSpeed cast it (bf16 / fp16)
         self.gathered = False  # inside gathered_for_generation("full") under ZeRO-3: call the policy directly
 
     @property
@@ -510,7 +511,8 @@ class DeepSpeedEngine(Engine):
         names = {id(p): n for n, p in model.named_parameters()}
         self.trainable = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
         # bf16 / fp16 weights: DeepSpeed would build its fp32 masters from the rounded copies; the loaded fp32 weights
-        # go into them instead (a resume then continues from the saved masters exactly). Not run here (fp32 tests).
+        # go into them instead (a resume then continues from the saved masters exactly; test_zero2_bf16_*).
+        self.dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
         keep = None
         if precision(self.plugin.deepspeed_config) != "fp32":
             keep = [p.detach().to("cpu", copy=True) for _, p in self.trainable]
@@ -603,7 +605,8 @@ class DeepSpeedEngine(Engine):
     # -- full states (checkpoints and the final model) ------------------------------------------------------------
     def full_model_state(self) -> dict | None:
         """The policy's state dict on the main process's CPU (None elsewhere; every process takes part): trainable
-        parameters from DeepSpeed's fp32 masters, the rest (frozen parameters, buffers) gathered under ZeRO-3."""
+        parameters from DeepSpeed's fp32 masters, the rest (frozen parameters, buffers) gathered under ZeRO-3, in the
+        dtype the policy had before DeepSpeed cast it (bf16 / fp16 weights: the rounded values the run used)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         masters = {}
@@ -614,7 +617,8 @@ class DeepSpeedEngine(Engine):
         with self._gathered_parameters():
             if not self.collectives.is_main:
                 return None
-            return {k: masters.get(id(v), v.detach().to("cpu", copy=True)) for k, v in self.model.state_dict(keep_vars=True).items()}
+            state = self.model.state_dict(keep_vars=True).items()
+            return {k: masters.get(id(v), v.detach().to("cpu", self.dtypes.get(k, v.dtype), copy=True)) for k, v in state}
 
     def _gathered_parameters(self):
         if self._zero_stage() != 3:
