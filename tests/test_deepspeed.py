@@ -229,7 +229,7 @@ def _sft_zero_run(setup, name):
 
 @needs_deepspeed
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", [2, *_slow(3, "3-offload-json")])
+@pytest.mark.parametrize("name", [2, *_slow(3, 1, "2-offload", "3-offload-json")])
 def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, name):
     """`vlmrl sft` under `accelerate launch` with ZERO[name] on 2 processes: the log names the stage, the losses and
     final weights are DDP's (to float rounding: the engines reduce gradients in another order), the checkpoint is
@@ -241,7 +241,8 @@ def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, name):
     assert sorted(a) == [1, 2, 3] and all(a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5) for s in a)
     worst = _worst_difference(out / "final" / "model.safetensors", sft_ddp / "final" / "model.safetensors")
     print(f"SFT ZeRO[{name}] vs DDP: largest final weight difference {worst:.3g}")
-    assert worst < 1e-5, worst  # measured 2.1e-6 (ZeRO-2), 3.0e-6 (ZeRO-3), 3.0e-6 (ZeRO-3 offload), on k_proj biases
+    # measured 2.1e-6 (ZeRO-2), 3.0e-6 (ZeRO-3), 2.0e-6 (ZeRO-1), 2.0e-6 (ZeRO-2 offload), 3.0e-6 (ZeRO-3 offload)
+    assert worst < 1e-5, worst
 
     ckpt = out / "checkpoint-2"
     state = json.loads((ckpt / "trainer_state.json").read_text())
