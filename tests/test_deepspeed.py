@@ -561,6 +561,57 @@ def test_deepspeed_config_checks_fills_and_describes():
         check_config({"gradient_clipping": 2.0}, 1.0)
 
 
+@needs_deepspeed
+@pytest.mark.slow  # builds DeepSpeedCPUAdam's C++ op on first use (~1 min here; cached in ~/.cache/torch_extensions)
+def test_cpu_adam_resumed_from_its_saved_state_steps_bit_for_bit_like_the_uninterrupted_one():
+    """DeepSpeedCPUAdam (the optimizer under offload_optimizer) keeps beta^t as a running product in C++; a fresh one
+    handed a saved state at step k computes it with pow() instead. engines._catch_up_cpu_adam replays the product:
+    resumed after any of 11 steps, the weights equal the uninterrupted run's; without it, a resume at step 4 with
+    vlmrl's default betas (0.9, 0.99) ends elsewhere (what the ZeRO-2 offload resume test first showed)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from vlmrl.engine.engines import _catch_up_cpu_adam
+
+    torch.manual_seed(0)
+    grads = [torch.randn(1000) for _ in range(12)]
+    kw = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+    def run(gs, start=None, state=None, catch_up=True):
+        p = torch.nn.Parameter(torch.zeros(1000) if start is None else start.clone())
+        opt = DeepSpeedCPUAdam([p], **kw)
+        if state is not None:
+            opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            if catch_up:
+                _catch_up_cpu_adam(opt, state["step"])
+        for g in gs:
+            p.grad = g.clone()
+            opt.step()
+        return p.detach(), opt.state[p]
+
+    straight, _ = run(grads)
+    for k in range(1, 12):
+        weights, state = run(grads[:k])
+        assert torch.equal(run(grads[k:], weights, state)[0], straight), k
+    weights, state = run(grads[:4])
+    assert not torch.equal(run(grads[4:], weights, state, catch_up=False)[0], straight)
+
+
+def test_zero2_bf16_reference_is_cast_like_the_policy():
+    """ZeRO-1/2 keep the frozen reference outside DeepSpeed; with bf16 weights it is cast to bf16 as DeepSpeed casts
+    the policy (the KL term compares like with like); fp32 configs leave it alone."""
+    from types import SimpleNamespace
+
+    from vlmrl.engine.engines import DeepSpeedEngine
+
+    plugin = SimpleNamespace(zero_stage=2, deepspeed_config={"bf16": {"enabled": True}})
+    engine = DeepSpeedEngine(None, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    reference = torch.nn.Linear(2, 2)
+    assert engine.wrap_reference(reference) is None and reference.weight.dtype == torch.bfloat16
+    plugin.deepspeed_config = {"bf16": {"enabled": False}}
+    reference = torch.nn.Linear(2, 2)
+    assert engine.wrap_reference(reference) is None and reference.weight.dtype == torch.float32
+
+
 # ---------------------------------------------------------------- loading never runs code, under DeepSpeed too
 class Payload:
     """Unpickling this creates `marker`: the proof that a loader ran code from a file."""
