@@ -68,7 +68,7 @@ class Zero:
 # another float order): on identical gradients the two end 6e-8 apart after 6 steps at lr 1e-3 (measured by hand, 200k
 # elements, gradients from 1e-9 to 1), so offload runs keep DDP's 1e-5: what remains is the gradients' reduction order,
 # amplified where AdamW divides a tiny gradient by its own size, as without offload (measured vs DDP, k_proj biases
-# skipped: ZeRO-1 3.1e-7, ZeRO-2 offload 4.3e-7, ZeRO-3 offload 7.7e-6).
+# skipped: ZeRO-1 3.1e-7, ZeRO-2 offload 4.3e-7, ZeRO-3 offload 7.7e-6, ZeRO-3 without offload 7.7e-6 in the same session).
 ZERO = {
     1: Zero(1, "deepspeed_json.yaml", "zero1.json"),
     2: Zero(2, "deepspeed_json.yaml"),
@@ -233,7 +233,8 @@ def _sft_zero_run(setup, name):
 def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, name):
     """`vlmrl sft` under `accelerate launch` with ZERO[name] on 2 processes: the log names the stage, the losses and
     final weights are DDP's (to float rounding: the engines reduce gradients in another order), the checkpoint is
-    vlmrl's layout. Resume: test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted (slow tier)."""
+    vlmrl's layout; ZeRO-1 and the offload setups resume bit-exact here (ZeRO-2/3: in
+    test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted, slow tier)."""
     zero = ZERO[name]
     out, log = _sft_zero_run(setup, name)
     assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{zero.stage} ({zero.settings}" in log and "unknown inputs or outputs type" not in log
@@ -261,6 +262,14 @@ def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, name):
     exported = setup[0] / f"sft_zero{name}_exported"
     _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
     a, b = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    if name in (2, 3):
+        return  # their resume: test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted (slow tier)
+    # Cut after step 2: the same command resumes from checkpoint-2 to the uninterrupted run's final weights, bit for bit.
+    resumed = _interrupted_copy(out, f"sft_zero{name}_resumed")
+    assert f"resumed from {resumed / 'checkpoint-2'}" in _run(_as_sft(_accelerate(name, *_sft_args(setup, resumed))))
+    a = load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
