@@ -568,6 +568,11 @@ def test_deepspeed_config_checks_fills_and_describes():
         check_config({"gradient_accumulation_steps": 4}, 1.0)
     with pytest.raises(DistributedError, match=r"gradient_clipping=2.0 but optim.max_grad_norm=1.0"):
         check_config({"gradient_clipping": 2.0}, 1.0)
+    # fp16: DeepSpeed's CPU accelerator raises "Type fp16 is not supported on your device." (a traceback on every
+    # process, measured); on GPUs an overflow would skip a step behind vlmrl's back. Refused before anything loads.
+    with pytest.raises(DistributedError, match=r'"fp16": \{"enabled": true\}.* use "bf16": \{"enabled": true\}'):
+        check_config({"fp16": {"enabled": True}}, 1.0)
+    check_config({"fp16": {"enabled": False}, "bf16": {"enabled": True}}, 1.0)
 
 
 @needs_deepspeed
