@@ -21,6 +21,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -47,16 +48,45 @@ def _args(setup, out, *extra):
     return grpo_args(setup, out, *extra)
 
 
-# The accelerate config each stage's runs use. ZeRO-3: the shipped deepspeed_zero3.yaml (accelerate's own deepspeed
-# section). ZeRO-2: deepspeed_json.yaml, which points at the DeepSpeed JSON configs/deepspeed/zero2.json (the user's
-# JSON, taken as it is).
-CONFIGS = {2: "deepspeed_json.yaml", 3: "deepspeed_zero3.yaml"}
+@dataclass(frozen=True)
+class Zero:
+    """One DeepSpeed setup as a user launches it: `accelerate launch --config_file configs/accelerate/<config>`, with
+    `--deepspeed_config_file configs/deepspeed/<json>` on the command line where `json` is set (it takes the place of
+    the yaml's own JSON file)."""
+
+    stage: int
+    config: str
+    json: str | None = None
+    settings: str = "fp32 weights, offload_optimizer none, offload_param none"  # the log line's, after "DeepSpeed ZeRO-N ("
 
 
-def _accelerate(stage, *args) -> list[str]:
-    """`accelerate launch` on 2 processes with CONFIGS[stage] (or the named file in configs/accelerate/)."""
-    config = ROOT / "configs" / "accelerate" / CONFIGS.get(stage, stage)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2", "-m", "vlmrl", "train", *args]
+# The setups the runs use. ZeRO-2: deepspeed_json.yaml, which names the DeepSpeed JSON configs/deepspeed/zero2.json (the
+# user's JSON, taken as it is). ZeRO-3 and ZeRO-3 with offload: the shipped yamls (accelerate's own deepspeed section).
+# ZeRO-1, ZeRO-2 with optimizer offload, ZeRO-3 with both offloads (SFT's), ZeRO-2 in bf16: their JSON files given on
+# the command line.
+# With offload_optimizer, accelerate steps DeepSpeedCPUAdam instead of torch's AdamW (a C++ loop, the same update in
+# another float order): on identical gradients the two end 6e-8 apart after 6 steps at lr 1e-3 (measured by hand, 200k
+# elements, gradients from 1e-9 to 1), so offload runs keep DDP's 1e-5: what remains is the gradients' reduction order,
+# amplified where AdamW divides a tiny gradient by its own size, as without offload (measured vs DDP, k_proj biases
+# skipped: ZeRO-1 3.1e-7, ZeRO-2 offload 4.3e-7, ZeRO-3 offload 7.7e-6, ZeRO-3 without offload 7.7e-6 in the same session).
+ZERO = {
+    1: Zero(1, "deepspeed_json.yaml", "zero1.json"),
+    2: Zero(2, "deepspeed_json.yaml"),
+    3: Zero(3, "deepspeed_zero3.yaml"),
+    "2-offload": Zero(2, "deepspeed_json.yaml", "zero2_offload.json", "fp32 weights, offload_optimizer cpu, offload_param none"),
+    "3-offload": Zero(3, "deepspeed_zero3_offload.yaml", None, "fp32 weights, offload_optimizer cpu, offload_param cpu"),
+    "3-offload-json": Zero(3, "deepspeed_json.yaml", "zero3_offload.json", "fp32 weights, offload_optimizer cpu, offload_param cpu"),
+    "2-bf16": Zero(2, "deepspeed_json.yaml", "zero2_bf16.json", "bf16 weights, offload_optimizer none, offload_param none"),
+}
+
+
+def _accelerate(setup, *args) -> list[str]:
+    """`accelerate launch` on 2 processes with ZERO[setup] (or the named file in configs/accelerate/)."""
+    zero = ZERO.get(setup) or Zero(0, setup)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / zero.config)]
+    if zero.json:
+        cmd += ["--deepspeed_config_file", str(ROOT / "configs" / "deepspeed" / zero.json)]
+    return [*cmd, "--num_processes", "2", "-m", "vlmrl", "train", *args]
 
 
 def _torchrun(*args) -> list[str]:
@@ -79,12 +109,12 @@ def ddp(setup):
 _RUNS: dict = {}
 
 
-def _zero_run(setup, stage: int):
-    """The 3-step GRPO run under ZeRO-`stage` with checkpoints at steps 2 and 3 (once per test session): (folder, log)."""
-    if (setup[0], stage) not in _RUNS:
-        out = setup[0] / f"zero{stage}"
-        _RUNS[setup[0], stage] = out, _run(_accelerate(stage, *_args(setup, out, "training.save_steps=2")))
-    return _RUNS[setup[0], stage]
+def _zero_run(setup, name):
+    """The 3-step GRPO run under ZERO[name] with checkpoints at steps 2 and 3 (once per test session): (folder, log)."""
+    if (setup[0], name) not in _RUNS:
+        out = setup[0] / f"zero{name}"
+        _RUNS[setup[0], name] = out, _run(_accelerate(name, *_args(setup, out, "training.save_steps=2")))
+    return _RUNS[setup[0], name]
 
 
 def _interrupted_copy(out, name):
@@ -95,17 +125,25 @@ def _interrupted_copy(out, name):
     return copy
 
 
-# ---------------------------------------------------------------- GRPO under ZeRO-2 and ZeRO-3
+def _slow(*names) -> list:
+    return [pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
+# ---------------------------------------------------------------- GRPO under ZeRO-1/2/3, with offload
 @needs_deepspeed
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # ZeRO-3 in the slow tier: make test stays near 10 min
-def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp, stage):
-    out, log = _zero_run(setup, stage)
-    assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log
-    if stage == 2:
+# ZeRO-2 in the default tier; the others in the slow tier (make test stays near 10 min)
+@pytest.mark.parametrize("name", [2, *_slow(3, 1, "2-offload", "3-offload")])
+def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp, name):
+    """GRPO under ZeRO[name] on 2 processes: DDP's rewards, losses and final weights (to ZERO[name].worst), the
+    checkpoint in vlmrl's layout, resume bit-exact against the same setup's uninterrupted run, export."""
+    zero = ZERO[name]
+    out, log = _zero_run(setup, name)
+    assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{zero.stage} ({zero.settings}" in log
+    if zero.config == "deepspeed_json.yaml":
         assert "reduce_bucket_size 50000000, allgather_bucket_size 50000000" in log  # the user's JSON, as it is
     assert "unknown inputs or outputs type" not in log  # ZeRO-3's hooks see tensors (Completions travel as a tuple)
-    assert ("glibc's mmap threshold pinned at 128 KiB for DeepSpeed ZeRO-3" in log) == (stage == 3)  # engine/host_alloc.py
+    assert ("glibc's mmap threshold pinned at 128 KiB for DeepSpeed ZeRO-3" in log) == (zero.stage == 3)  # engine/host_alloc.py
     a, b = step_metrics(out), step_metrics(ddp)
     for s in (1, 2, 3):
         assert a[s]["reward"] == b[s]["reward"], s  # the same completions were sampled
@@ -113,6 +151,7 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
         # through the old log-probs of a rollout that spans two optimizer steps: measured 7.7e-6 relative at step 2.
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4, abs=1e-8), s
     worst = _worst_difference(out / "final" / "model.safetensors", ddp / "final" / "model.safetensors", skip=lambda k: "k_proj.bias" in k)
+    print(f"GRPO ZeRO[{name}] vs DDP: largest final weight difference {worst:.3g}")
     assert worst < 1e-5, worst
 
     # The checkpoint: vlmrl's single-process layout (full weights, torch's AdamW state), not DeepSpeed's pickles.
@@ -127,13 +166,13 @@ def test_zero_trains_like_ddp_checkpoints_resume_bit_exact_and_export(setup, ddp
     assert not list(ckpt.glob("global_step*")) and not list(ckpt.rglob("*.py"))
 
     # Killed after step 2: the same command resumes from checkpoint-2 and ends bit-identical to the uninterrupted run.
-    resumed = _interrupted_copy(out, f"zero{stage}_resumed")
-    log = _run(_accelerate(stage, *_args(setup, resumed, "training.save_steps=2")))
+    resumed = _interrupted_copy(out, f"zero{name}_resumed")
+    log = _run(_accelerate(name, *_args(setup, resumed, "training.save_steps=2")))
     assert "resumed from" in log and "checkpoint-2" in log
     a, b = load_file(resumed / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    exported = setup[0] / f"zero{stage}_exported"
+    exported = setup[0] / f"zero{name}_exported"
     _run([sys.executable, "-m", "vlmrl", "export", str(ckpt), str(exported)])
     e = load_file(exported / "model.safetensors")
     assert e.keys() == weights.keys() and all(torch.equal(e[k], weights[k]) for k in e)
@@ -181,48 +220,98 @@ def sft_ddp(setup):
     return out
 
 
-def _sft_zero_run(setup, stage: int):
-    """The 3-step SFT run under ZeRO-`stage` (once per test session): (folder, log)."""
-    if (setup[0], "sft", stage) not in _RUNS:
-        out = setup[0] / f"sft_zero{stage}"
-        _RUNS[setup[0], "sft", stage] = out, _run(_as_sft(_accelerate(stage, *_sft_args(setup, out))))
-    return _RUNS[setup[0], "sft", stage]
+def _sft_zero_run(setup, name):
+    """The 3-step SFT run under ZERO[name] (once per test session): (folder, log)."""
+    if (setup[0], "sft", name) not in _RUNS:
+        out = setup[0] / f"sft_zero{name}"
+        _RUNS[setup[0], "sft", name] = out, _run(_as_sft(_accelerate(name, *_sft_args(setup, out))))
+    return _RUNS[setup[0], "sft", name]
 
 
 @needs_deepspeed
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, stage):
-    """`vlmrl sft` under `accelerate launch` with ZeRO-`stage` on 2 processes: the log names the stage, the losses and
+@pytest.mark.parametrize("name", [2, *_slow(3, 1, "2-offload", "3-offload-json")])
+def test_sft_under_zero_trains_like_ddp(setup, sft_ddp, name):
+    """`vlmrl sft` under `accelerate launch` with ZERO[name] on 2 processes: the log names the stage, the losses and
     final weights are DDP's (to float rounding: the engines reduce gradients in another order), the checkpoint is
-    vlmrl's layout. Resume: test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted (slow tier)."""
-    out, log = _sft_zero_run(setup, stage)
-    assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{stage} (fp32 weights" in log and "unknown inputs or outputs type" not in log
-    assert ("glibc's mmap threshold pinned at 128 KiB for DeepSpeed ZeRO-3" in log) == (stage == 3)  # engine/host_alloc.py
+    vlmrl's layout; ZeRO-1 and the offload setups resume bit-exact here (ZeRO-2/3: in
+    test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted, slow tier)."""
+    zero = ZERO[name]
+    out, log = _sft_zero_run(setup, name)
+    assert "2 processes (deepspeed)" in log and f"DeepSpeed ZeRO-{zero.stage} ({zero.settings}" in log and "unknown inputs or outputs type" not in log
+    assert ("glibc's mmap threshold pinned at 128 KiB for DeepSpeed ZeRO-3" in log) == (zero.stage == 3)  # engine/host_alloc.py
     a, b = step_metrics(out), step_metrics(sft_ddp)
     assert sorted(a) == [1, 2, 3] and all(a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5) for s in a)
     worst = _worst_difference(out / "final" / "model.safetensors", sft_ddp / "final" / "model.safetensors")
-    print(f"SFT ZeRO-{stage} vs DDP: largest final weight difference {worst:.3g}")
-    assert worst < 1e-5, worst  # measured 2.1e-6 (ZeRO-2) and 3.0e-6 (ZeRO-3), both on a k_proj bias
+    print(f"SFT ZeRO[{name}] vs DDP: largest final weight difference {worst:.3g}")
+    # measured 2.1e-6 (ZeRO-2), 3.0e-6 (ZeRO-3), 2.0e-6 (ZeRO-1), 2.0e-6 (ZeRO-2 offload), 3.0e-6 (ZeRO-3 offload)
+    assert worst < 1e-5, worst
 
     ckpt = out / "checkpoint-2"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["engine"] == "deepspeed" and state["stage"] == "language" and state["samples_consumed"] == 16
     # The gathered optimizer state in torch's AdamW layout, the same entries as DDP's checkpoint (the trainable language
     # model and projector: stage 2 leaves the vision tower frozen), equal to float rounding.
-    zero, ddp = (torch.load(o / "checkpoint-2" / "optimizer.pt", weights_only=True) for o in (out, sft_ddp))
-    assert zero["param_groups"][0]["params"] == ddp["param_groups"][0]["params"] and zero["state"].keys() == ddp["state"].keys()
-    for i, moments in zero["state"].items():
+    saved, ddp = (torch.load(o / "checkpoint-2" / "optimizer.pt", weights_only=True) for o in (out, sft_ddp))
+    assert saved["param_groups"][0]["params"] == ddp["param_groups"][0]["params"] and saved["state"].keys() == ddp["state"].keys()
+    for i, moments in saved["state"].items():
         assert float(moments["step"]) == 2 and moments["exp_avg"].shape == ddp["state"][i]["exp_avg"].shape
         assert torch.allclose(moments["exp_avg_sq"], ddp["state"][i]["exp_avg_sq"], rtol=1e-4, atol=1e-9)
     assert sorted(p.name for p in ckpt.rglob("*.pt")) == ["optimizer.pt", "rng_state_0.pt", "rng_state_1.pt", "scheduler.pt"]
     assert not list(ckpt.glob("global_step*")) and not list(ckpt.rglob("*.py"))
 
     # `vlmrl export` of the step-3 checkpoint (one process): a plain folder with the final weights, bit for bit.
-    exported = setup[0] / f"sft_zero{stage}_exported"
+    exported = setup[0] / f"sft_zero{name}_exported"
     _run([sys.executable, "-m", "vlmrl", "export", str(out / "checkpoint-3"), str(exported)])
     a, b = load_file(exported / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    if name in (2, 3):
+        return  # their resume: test_sft_zero_sigkill_anywhere_then_resume_equals_uninterrupted (slow tier)
+    # Cut after step 2: the same command resumes from checkpoint-2 to the uninterrupted run's final weights, bit for bit.
+    resumed = _interrupted_copy(out, f"sft_zero{name}_resumed")
+    assert f"resumed from {resumed / 'checkpoint-2'}" in _run(_as_sft(_accelerate(name, *_sft_args(setup, resumed))))
+    a = load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- bf16 weights under ZeRO-2
+@needs_deepspeed
+@pytest.mark.multiproc
+@pytest.mark.slow  # two launches per stage (~30-40 s each here)
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_zero2_bf16_trains_resumes_bit_exact_and_final_loads(setup, kind, request):
+    """`"bf16": {"enabled": true}` in the user's JSON under ZeRO-2: DeepSpeed runs the model in bf16 and steps fp32
+    masters. The log says bf16; the losses are finite (SFT: they fall and follow the fp32 DDP run's to bf16 rounding);
+    checkpoints hold the fp32 masters, not bf16 copies; a run cut after step 2 resumes to the uninterrupted run's final
+    weights bit for bit; final/ loads with from_pretrained, every weight found."""
+    from transformers import AutoModelForImageTextToText
+
+    if kind == "sft":
+        out, log = _sft_zero_run(setup, "2-bf16")
+        relaunch = lambda folder: _as_sft(_accelerate("2-bf16", *_sft_args(setup, folder)))  # noqa: E731
+        a, b = step_metrics(out), step_metrics(request.getfixturevalue("sft_ddp"))
+        # bf16 keeps 8 significant bits (relative rounding 2^-9 per operation): measured 6e-5, 1.1e-4, 3.2e-4 relative.
+        assert all(a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-2) for s in (1, 2, 3)) and a[3]["loss"] < a[2]["loss"] < a[1]["loss"]
+    else:
+        out, log = _zero_run(setup, "2-bf16")
+        relaunch = lambda folder: _accelerate("2-bf16", *_args(setup, folder, "training.save_steps=2"))  # noqa: E731
+        a = step_metrics(out)
+    assert f"DeepSpeed ZeRO-2 ({ZERO['2-bf16'].settings}" in log and sorted(a) == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(a[s]["loss"])) for s in a)
+    # The trained weights in the checkpoint are DeepSpeed's fp32 masters: values a bf16 copy cannot hold.
+    weights = load_file(out / "checkpoint-2" / "model" / "model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in weights.values())
+
+    resumed = _interrupted_copy(out, f"{kind}_bf16_resumed")
+    assert "checkpoint-2" in _run(relaunch(resumed))
+    final, again = load_file(out / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
+
+    model, info = AutoModelForImageTextToText.from_pretrained(out / "final", output_loading_info=True)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched weights
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.multiproc
@@ -481,6 +570,62 @@ def test_deepspeed_config_checks_fills_and_describes():
         check_config({"gradient_accumulation_steps": 4}, 1.0)
     with pytest.raises(DistributedError, match=r"gradient_clipping=2.0 but optim.max_grad_norm=1.0"):
         check_config({"gradient_clipping": 2.0}, 1.0)
+    # fp16: DeepSpeed's CPU accelerator raises "Type fp16 is not supported on your device." (a traceback on every
+    # process, measured); on GPUs an overflow would skip a step behind vlmrl's back. Refused before anything loads.
+    with pytest.raises(DistributedError, match=r'"fp16": \{"enabled": true\}.* use "bf16": \{"enabled": true\}'):
+        check_config({"fp16": {"enabled": True}}, 1.0)
+    check_config({"fp16": {"enabled": False}, "bf16": {"enabled": True}}, 1.0)
+
+
+@needs_deepspeed
+@pytest.mark.slow  # builds DeepSpeedCPUAdam's C++ op on first use (~1 min here; cached in ~/.cache/torch_extensions)
+def test_cpu_adam_resumed_from_its_saved_state_steps_bit_for_bit_like_the_uninterrupted_one():
+    """DeepSpeedCPUAdam (the optimizer under offload_optimizer) keeps beta^t as a running product in C++; a fresh one
+    handed a saved state at step k computes it with pow() instead. engines._catch_up_cpu_adam replays the product:
+    resumed after any of 11 steps, the weights equal the uninterrupted run's; without it, a resume at step 4 with
+    vlmrl's default betas (0.9, 0.99) ends elsewhere (what the ZeRO-2 offload resume test first showed)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from vlmrl.engine.engines import _catch_up_cpu_adam
+
+    torch.manual_seed(0)
+    grads = [torch.randn(1000) for _ in range(12)]
+    kw = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+    def run(gs, start=None, state=None, catch_up=True):
+        p = torch.nn.Parameter(torch.zeros(1000) if start is None else start.clone())
+        opt = DeepSpeedCPUAdam([p], **kw)
+        if state is not None:
+            opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            if catch_up:
+                _catch_up_cpu_adam(opt, state["step"])
+        for g in gs:
+            p.grad = g.clone()
+            opt.step()
+        return p.detach(), opt.state[p]
+
+    straight, _ = run(grads)
+    for k in range(1, 12):
+        weights, state = run(grads[:k])
+        assert torch.equal(run(grads[k:], weights, state)[0], straight), k
+    weights, state = run(grads[:4])
+    assert not torch.equal(run(grads[4:], weights, state, catch_up=False)[0], straight)
+
+
+def test_zero2_bf16_reference_is_cast_like_the_policy():
+    """ZeRO-1/2 keep the frozen reference outside DeepSpeed; with bf16 weights it is cast to bf16 as DeepSpeed casts
+    the policy (the KL term compares like with like); fp32 configs leave it alone."""
+    from types import SimpleNamespace
+
+    from vlmrl.engine.engines import DeepSpeedEngine
+
+    plugin = SimpleNamespace(zero_stage=2, deepspeed_config={"bf16": {"enabled": True}})
+    engine = DeepSpeedEngine(None, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    reference = torch.nn.Linear(2, 2)
+    assert engine.wrap_reference(reference) is None and reference.weight.dtype == torch.bfloat16
+    plugin.deepspeed_config = {"bf16": {"enabled": False}}
+    reference = torch.nn.Linear(2, 2)
+    assert engine.wrap_reference(reference) is None and reference.weight.dtype == torch.float32
 
 
 # ---------------------------------------------------------------- loading never runs code, under DeepSpeed too

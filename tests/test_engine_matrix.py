@@ -30,7 +30,8 @@ def test_every_engine_stage_and_feature_has_a_cell():
             assert list(cells) == MATRIX["features"], (engine, stage)
             for feature, cell in cells.items():
                 assert (isinstance(cell, list) and cell) or cell.split(":")[0] in ("no", "n/a"), (engine, stage, feature, cell)
-    assert set(MATRIX["engines"]) == {"single", "DDP", "FSDP2", "ZeRO-2", "ZeRO-3"} and MATRIX["stages"] == ["GRPO", "SFT"]
+    deepspeed = {"ZeRO-1", "ZeRO-2", "ZeRO-2 + optimizer offload", "ZeRO-2 bf16", "ZeRO-3", "ZeRO-3 + param/optimizer offload"}
+    assert set(MATRIX["engines"]) == {"single", "DDP", "FSDP2", *deepspeed} and MATRIX["stages"] == ["GRPO", "SFT"]
 
 
 def test_tiers_come_from_the_collection_and_a_missing_test_is_caught():

@@ -18,13 +18,20 @@ def _is_auto(value) -> bool:
 
 
 def check_config(ds: dict, max_grad_norm: float) -> None:
-    """DistributedError (exit 2, one line) for a DeepSpeed setting that contradicts the vlmrl config; fills the
-    gradient clipping from optim.max_grad_norm where the DeepSpeed config leaves it unset or "auto"."""
+    """DistributedError (exit 2, one line) for a DeepSpeed setting that contradicts the vlmrl config, or that vlmrl
+    does not support (fp16); fills the gradient clipping from optim.max_grad_norm where the DeepSpeed config leaves it
+    unset or "auto"."""
     ga = ds.get("gradient_accumulation_steps")
     if not _is_auto(ga) and int(ga) != 1:
         raise DistributedError(
             f"the DeepSpeed config sets gradient_accumulation_steps={ga}; vlmrl accumulates training.gradient_accumulation_steps "
             'micro-batches itself and DeepSpeed would divide the loss again: set it to 1 or "auto" in the DeepSpeed config'
+        )
+    if (ds.get("fp16") or {}).get("enabled") is True:
+        raise DistributedError(
+            'the DeepSpeed config sets "fp16": {"enabled": true}; vlmrl does not follow DeepSpeed\'s loss-scaled fp16 steps (an '
+            "overflow skips a step while vlmrl's schedule and logs go on) and DeepSpeed's CPU accelerator has no fp16 at all: "
+            'use "bf16": {"enabled": true} (or fp32) in the DeepSpeed config'
         )
     clip = ds.get("gradient_clipping")
     if _is_auto(clip):

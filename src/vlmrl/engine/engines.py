@@ -477,6 +477,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, collectives: Collectives, accelerator=None):
         super().__init__(collectives, accelerator)
         self.trainable: list[tuple[str, nn.Parameter]] = []  # the optimizer's parameters, in its order (torch's layout)
+        self.dtypes: dict[str, torch.dtype] = {}  # the policy's state dict dtypes before DeepSpeed cast it (bf16 / fp16)
         self.gathered = False  # inside gathered_for_generation("full") under ZeRO-3: call the policy directly
 
     @property
@@ -526,7 +527,8 @@ class DeepSpeedEngine(Engine):
         names = {id(p): n for n, p in model.named_parameters()}
         self.trainable = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
         # bf16 / fp16 weights: DeepSpeed would build its fp32 masters from the rounded copies; the loaded fp32 weights
-        # go into them instead (a resume then continues from the saved masters exactly). Not run here (fp32 tests).
+        # go into them instead (a resume then continues from the saved masters exactly; test_zero2_bf16_*).
+        self.dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
         keep = None
         if precision(self.plugin.deepspeed_config) != "fp32":
             keep = [p.detach().to("cpu", copy=True) for _, p in self.trainable]
@@ -541,8 +543,13 @@ class DeepSpeedEngine(Engine):
 
     def wrap_reference(self, reference: nn.Module):
         """ZeRO-3: the frozen reference partitioned like the policy (deepspeed.initialize without an optimizer, the
-        user's ZeRO-3 parameter settings), so no process holds it whole; its hooks gather each module for its forward."""
+        user's ZeRO-3 parameter settings), so no process holds it whole; its hooks gather each module for its forward.
+        ZeRO-1/2 with bf16 / fp16 weights: the reference cast to the policy's dtype (DeepSpeed casts the policy), so
+        that the KL term compares like with like."""
         if self._zero_stage() != 3:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision(self.plugin.deepspeed_config))
+            if dtype is not None:
+                reference.to(dtype)
             return None
         import deepspeed
 
@@ -614,7 +621,8 @@ class DeepSpeedEngine(Engine):
     # -- full states (checkpoints and the final model) ------------------------------------------------------------
     def full_model_state(self) -> dict | None:
         """The policy's state dict on the main process's CPU (None elsewhere; every process takes part): trainable
-        parameters from DeepSpeed's fp32 masters, the rest (frozen parameters, buffers) gathered under ZeRO-3."""
+        parameters from DeepSpeed's fp32 masters, the rest (frozen parameters, buffers) gathered under ZeRO-3, in the
+        dtype the policy had before DeepSpeed cast it (bf16 / fp16 weights: the rounded values the run used)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         masters = {}
@@ -625,7 +633,8 @@ class DeepSpeedEngine(Engine):
         with self._gathered_parameters():
             if not self.collectives.is_main:
                 return None
-            return {k: masters.get(id(v), v.detach().to("cpu", copy=True)) for k, v in self.model.state_dict(keep_vars=True).items()}
+            state = self.model.state_dict(keep_vars=True).items()
+            return {k: masters.get(id(v), v.detach().to("cpu", self.dtypes.get(k, v.dtype), copy=True)) for k, v in state}
 
     def _gathered_parameters(self):
         if self._zero_stage() != 3:
@@ -639,13 +648,16 @@ class DeepSpeedEngine(Engine):
         partitions to the main process (None elsewhere; every process takes part)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        base = raw_optimizer(optimizer).optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's AdamW
+        # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's AdamW (DeepSpeedCPUAdam with offload_optimizer)
+        base = raw_optimizer(optimizer).optimizer
         steps = [s["step"] for s in base.state.values() if "step" in s]
         state = {}
         for i, (_, p) in enumerate(self.trainable):
             moments = {key: safe_get_full_optimizer_state(p, key) for key in ("exp_avg", "exp_avg_sq")}
             if self.collectives.is_main and all(v is not None for v in moments.values()):
-                state[i] = {"step": steps[0].detach().clone(), **{k: v.detach().to("cpu", copy=True) for k, v in moments.items()}}
+                # torch's layout: a float32 scalar tensor (DeepSpeedCPUAdam counts in a Python int)
+                step = torch.tensor(float(steps[0]), dtype=torch.float32)
+                state[i] = {"step": step, **{k: v.detach().to("cpu", copy=True) for k, v in moments.items()}}
         if not self.collectives.is_main:
             return None
         group = {k: v for k, v in base.param_groups[0].items() if k != "params"}
@@ -674,7 +686,8 @@ class DeepSpeedEngine(Engine):
             group.update(hyper)
         if step is not None:
             for s in base.state.values():
-                s["step"] = step.clone()
+                s["step"] = int(step) if isinstance(s["step"], int) else step.clone()  # DeepSpeedCPUAdam: an int
+            _catch_up_cpu_adam(base, int(step))
 
     def save_state(self, out: Path, step: int, model, optimizer, weights_only: bool) -> CheckpointParts:
         """Full states gathered to the main process (every process takes part), in the single-process layout: any
@@ -716,12 +729,44 @@ def allocate_zero_moments(zero) -> None:
         for i, flat in enumerate(flats):
             group = zero.optimizer.param_groups[zero.sub_group_to_group_id[i]]
             group["params"] = [flat]
-            allocate_optimizer_state(zero.optimizer)
+            _allocate_moments(zero.optimizer)
             group["params"] = []
     else:
-        allocate_optimizer_state(zero.optimizer)
+        _allocate_moments(zero.optimizer)
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2
         zero._lazy_init_hp_params_optimizer_state()
+
+
+def _allocate_moments(optimizer) -> None:
+    """torch's AdamW: allocate_optimizer_state. DeepSpeedCPUAdam (what accelerate puts in its place with
+    offload_optimizer: its fused C++ step works on the host partitions) as its own first step would: step 0 (a Python
+    int), float32 zeros."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        allocate_optimizer_state(optimizer)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                zeros = [torch.zeros_like(p, dtype=torch.float32) for _ in range(2)]
+                optimizer.state[p].update(step=0, exp_avg=zeros[0], exp_avg_sq=zeros[1])
+
+
+def _catch_up_cpu_adam(optimizer, step: int) -> None:
+    """DeepSpeedCPUAdam's C++ side keeps beta^t as a running product (one float multiplication a step) and computes it
+    with pow() instead when a step number comes out of sequence, as a resumed run's first one does: an ulp apart,
+    which the bias correction passes on to every weight (measured: a resumed ZeRO-2 offload run ended off the
+    uninterrupted one). The fresh C++ optimizer is brought to `step` the way the uninterrupted run got there: its
+    update called for steps 1..step on one-element scratch tensors (the parameters and moments are not touched)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        return
+    group = optimizer.param_groups[0]
+    scratch = [torch.zeros(1) for _ in range(4)]  # parameter, gradient, exp_avg, exp_avg_sq
+    for s in range(1, step + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, s, 0.0, *group["betas"], group["eps"], 0.0, True, *scratch)
 
 
 # ---------------------------------------------------------------- FSDP2 sharding and optimizer-state layouts
