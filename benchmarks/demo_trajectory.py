@@ -1,7 +1,7 @@
 """Which change moved `make demo`'s trajectory: the demo of a commit under a given Python environment, run by run.
 
     python benchmarks/demo_trajectory.py run --label NAME --commit SHA --python VENV/bin/python [--grpo-steps N] [--json FILE]
-    python benchmarks/demo_trajectory.py render [--json FILE] [--md FILE] [--reference NAME]
+    python benchmarks/demo_trajectory.py render [--json FILE] [--md FILE] [--reference NAME] [--pairs A:B,C:D]
     python benchmarks/demo_trajectory.py cleanup
 
 `run` checks the commit out into a detached worktree (under --work, kept for the next run of that commit), runs the
@@ -113,7 +113,8 @@ def collect(label: str, tree: Path, out: Path, versions: list[str], timing: dict
 
 
 def series(entry: dict) -> str:
-    return ", ".join(f"{100 * v:.1f}" for _, v in sorted(entry["eval_accuracy_by_step"].items(), key=lambda kv: int(kv[0])))
+    """'0: 25.0, 25: 25.0, ...': held-out accuracy (%) by GRPO step."""
+    return ", ".join(f"{k}: {100 * v:.1f}" for k, v in sorted(entry["eval_accuracy_by_step"].items(), key=lambda kv: int(kv[0])))
 
 
 def first_difference(entry: dict, ref: dict) -> str:
@@ -126,22 +127,28 @@ def first_difference(entry: dict, ref: dict) -> str:
         changed = [k for k, x, y in zip(STEP_KEYS, a, b) if x != y]
         if changed:
             return f"GRPO step {i + 1} ({', '.join(changed)})"
-    return "none (bit-identical)" if len(entry["grpo_steps"]) == len(ref["grpo_steps"]) else "number of GRPO steps"
+    return f"none: same bits through the {min(len(entry['grpo_steps']), len(ref['grpo_steps']))} GRPO steps both ran"
 
 
 def render(args) -> None:
     runs = json.loads(Path(args.json).read_text())
     ref = runs[args.reference]
     lines = [
-        f"| run | commit | transformers | eval accuracy at GRPO steps 0/25/.../200 (%) | first difference from `{args.reference}` "
+        f"| run | commit | transformers | GRPO steps | held-out accuracy (%) by GRPO step | first difference from `{args.reference}` "
         "| wall s (load before -> after) |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, e in runs.items():
         lines.append(
-            f"| {label} | {e['commit']} | {e['transformers']} | {series(e)} | {first_difference(e, ref)} | "
+            f"| {label} | {e['commit']} | {e['transformers']} | {len(e['grpo_steps'])} | {series(e)} | {first_difference(e, ref)} | "
             + (f"{e['wall_seconds']:.0f} ({e['load_before'].split()[0]} -> {e['load_after'].split()[0]}) |" if e["wall_seconds"] else "not timed |")
         )
+    if args.pairs:
+        lines += ["", "| run | against | first difference |", "|---|---|---|"]
+        for pair in args.pairs.split(","):
+            a, b = pair.split(":")
+            name = {x: f"{x} ({runs[x]['commit']}, {runs[x]['transformers']})" for x in (a, b)}
+            lines.append(f"| {name[a]} | {name[b]} | {first_difference(runs[a], runs[b])} |")
     block = "\n".join(lines) + "\n"
     md = Path(args.md)
     text = md.read_text() if md.exists() else "<!-- demo-trajectory:start -->\n<!-- demo-trajectory:end -->\n"
@@ -166,6 +173,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     parser.add_argument("--md", default=str(DEFAULT_MD))
     parser.add_argument("--reference", default="record")
+    parser.add_argument("--pairs", default="", help="render: a:b,c:d ... runs compared pairwise")
     parser.add_argument("--grpo-steps", type=int, default=0, help="GRPO steps (default: the demo's 200)")
     args = parser.parse_args()
     {"run": run, "collect": run, "render": render, "cleanup": cleanup}[args.command](args)
