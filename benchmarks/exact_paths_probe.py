@@ -1,13 +1,19 @@
 """Do the memory paths round like the plain ones? One LM-head chunking and five AdamW steps at the demo's sizes.
 
-    PYTHONPATH=<tree>/src python benchmarks/exact_paths_probe.py
+    PYTHONPATH=<tree>/src python benchmarks/exact_paths_probe.py [--time]
 
 Compares, with the vlmrl on the path: `selective_logps` through the fused head against the checkpointed chunks (the
 head's `fused_head_applies` switched off) on 8 x 16 tokens of the tiny model's sizes (hidden 64, vocabulary 604,
 128-token chunks): log-probs, hidden and weight gradients; and five AdamW steps on a 604 x 64 and a 64 parameter:
 torch's fused CPU kernel and `make_optimizer`'s optimizer against torch's default (the per-parameter loop). Prints
-how many elements differ and by how much: 0 means bit for bit.
+how many elements differ and by how much: 0 means bit for bit. --time also times one AdamW step on a 151,936 x 128
+float32 parameter (a Qwen-size LM head), 7 steps of each optimizer interleaved, with the machine's load.
 """
+
+import os
+import statistics
+import sys
+import time
 
 import torch
 
@@ -71,7 +77,33 @@ def adamw_paths() -> None:
         print(f"AdamW {kind} ({name}) vs torch's default after 5 steps: " + "; ".join(differ(a, b) for a, b in zip(got, default)))
 
 
+def adamw_times() -> None:
+    v, h = 151936, 128
+
+    def make(cls, **kw):
+        p = torch.nn.Parameter(torch.randn(v, h))
+        p.grad = torch.randn(v, h)
+        opt = cls([p], lr=1e-4, **kw)
+        opt.step()  # state and buffers made
+        return opt
+
+    opts = {"torch default": make(torch.optim.AdamW), "torch fused": make(torch.optim.AdamW, fused=True), "InPlaceAdamW": make(optim.InPlaceAdamW)}
+    times = {k: [] for k in opts}
+    load = os.getloadavg()[0]
+    for _ in range(7):
+        for name, opt in opts.items():
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    print(
+        f"AdamW step on {v} x {h}, load {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: "
+        + "; ".join(f"{k} median {statistics.median(t):.3f} s (min {min(t):.3f})" for k, t in times.items())
+    )
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__}, vlmrl from {logprobs.__file__}")
     head_paths()
     adamw_paths()
+    if "--time" in sys.argv:
+        adamw_times()

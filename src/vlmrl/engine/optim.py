@@ -64,7 +64,8 @@ class InPlaceAdamW(torch.optim.AdamW):
     (not on the CPU, DTensor shards, amsgrad, maximize, capturable, differentiable, foreach or fused asked for, complex,
     sparse or non-contiguous) take torch's own step; state and state_dict are torch's."""
 
-    # 16 MiB of float32: fewer, larger slices (each op is a parallel region: many small ones were 4x slower under load).
+    # 16 MiB of float32: few, large slices (each op is a parallel region; 1 MiB slices were far slower under load:
+    # benchmarks/results/demo_trajectory_attribution_2026-11-27.md).
     SCRATCH_ELEMENTS = 1 << 22
 
     def step(self, closure=None):
