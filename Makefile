@@ -5,15 +5,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
+# The exact versions the demo record and the suite were made with (constraints.txt; pyproject.toml keeps ranges for
+# `pip install vlmrl`). `make CONSTRAINTS= ...` resolves the newest releases instead.
+CONSTRAINTS ?= constraints.txt
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install demo demo-quick gpu-suite gpu-suite-plan lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards reference clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed

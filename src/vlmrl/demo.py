@@ -139,6 +139,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "load_average": round(os.getloadavg()[0], 2),  # at the end of the run: the times are not a quiet machine's above cpus
     }
 
 
@@ -154,5 +155,11 @@ def figures_markdown(result: dict) -> str:
         f"| after SFT (before GRPO) | {100 * result['before']:.1f}% |\n"
         f"| after GRPO | {100 * result['after']:.1f}% |\n\n"
         f"Eval accuracy at GRPO steps {'/'.join(steps)}: {trajectory}%. "
-        f"SFT + GRPO took {minutes} min {seconds} s (SFT {result['sft_seconds']:.0f} s, GRPO {result['grpo_seconds']:.0f} s).\n"
+        f"SFT + GRPO took {minutes} min {seconds} s (SFT {result['sft_seconds']:.0f} s, GRPO {result['grpo_seconds']:.0f} s){shared_note(result)}.\n"
     )
+
+
+def shared_note(result: dict) -> str:
+    """', on a machine shared with other jobs (load average 6.1 on 2 cores)' when the run's load was above its cores."""
+    load = result.get("load_average")
+    return f", on a machine shared with other jobs (load average {load:.1f} on {result['cpus']} cores)" if load and load > result["cpus"] else ""

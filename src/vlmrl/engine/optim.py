@@ -43,53 +43,126 @@ def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | No
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")
-    optimizer = torch.optim.AdamW(
+    optimizer = InPlaceAdamW(
         params,
         lr=o.learning_rate if learning_rate is None else learning_rate,
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_epsilon,
         weight_decay=o.weight_decay,
-        fused=fused_adamw_applies(params) or None,
     )
     schedule = WarmupSchedule(o.lr_scheduler_type, math.ceil(o.warmup_ratio * num_steps), num_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def fused_adamw_applies(params: list) -> bool:
-    """torch's fused AdamW (one kernel per parameter: no temporaries) for plain float32 / bfloat16 / float16 tensors on
-    the CPU. The CPU default is the per-parameter loop, whose sqrt and division make two temporaries the size of the
-    largest parameter at every step: for a 151,936 x 128 LM head, 150 MiB of a step's peak (the planner counts no
-    step temporary on the CPU). On CUDA torch's default (foreach, whose temporary the planner counts) is kept, and
-    sharded parameters (DTensor) keep the default everywhere."""
+class InPlaceAdamW(torch.optim.AdamW):
+    """torch's AdamW whose CPU step is torch's CPU default (the per-parameter loop) bit for bit, minus that loop's two
+    temporaries the size of each parameter: the denominator sqrt(v) / sqrt(1 - beta2^t) + eps goes into one reused
+    buffer of at most `SCRATCH_ELEMENTS`, a slice of the parameter at a time (every op is elementwise: the same values whatever
+    the slicing). For a 151,936 x 128 LM head the loop's temporaries were 150 MiB of a step's peak (the planner counts
+    no step temporary on the CPU). torch's fused CPU kernel has no temporaries either but rounds differently, so a
+    seeded run trained to other bits than with the default (the demo's trajectory moved). Groups this does not cover
+    (not on the CPU, DTensor shards, amsgrad, maximize, capturable, differentiable, foreach or fused asked for, complex,
+    sparse or non-contiguous) take torch's own step; state and state_dict are torch's."""
+
+    # 16 MiB of float32: few, large slices (each op is a parallel region; 1 MiB slices were far slower under load:
+    # benchmarks/results/demo_trajectory_attribution_2026-11-27.md).
+    SCRATCH_ELEMENTS = 1 << 22
+
+    def step(self, closure=None):
+        if not all(_in_place_covers(group) for group in self.param_groups):
+            torch_step = torch.optim.AdamW.step
+            while getattr(torch_step, "hooked", False):  # this call is already inside the step hooks: not twice
+                torch_step = torch_step.__wrapped__
+            return torch_step(self, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        """torch.optim.adam._single_tensor_adam's arithmetic (decoupled weight decay, no amsgrad), op for op."""
+        lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad, state = param.grad, self.state[param]
+            if not state:
+                state.update(new_adamw_state(group, param))
+            exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+            step_t += 1
+            if weight_decay != 0:
+                param.mul_(1 - lr * weight_decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            step = step_t.item()
+            step_size = lr / (1 - beta1**step)
+            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+            flat_param, flat_avg, flat_sq = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+            scratch = self._scratch(param)
+            for start in range(0, flat_param.numel(), scratch.numel()):
+                sl = slice(start, min(start + scratch.numel(), flat_param.numel()))
+                denom = torch.sqrt(flat_sq[sl], out=scratch[: sl.stop - sl.start]).div_(bias_correction2_sqrt).add_(eps)
+                flat_param[sl].addcdiv_(flat_avg[sl], denom, value=-step_size)
+
+    def _scratch(self, param: torch.Tensor) -> torch.Tensor:
+        """The reused denominator buffer in param's dtype: SCRATCH_ELEMENTS, or the largest parameter's size when that is
+        smaller (one per dtype; not optimizer state)."""
+        need = min(self.SCRATCH_ELEMENTS, param.numel())
+        buffers = self.__dict__.setdefault("_scratch_buffers", {})
+        if param.dtype not in buffers or buffers[param.dtype].numel() < need:
+            buffers[param.dtype] = torch.empty(need, dtype=param.dtype)
+        return buffers[param.dtype]
+
+
+def _in_place_covers(group: dict) -> bool:
+    """InPlaceAdamW's own step for this group: plain contiguous real floating-point CPU tensors and dense gradients,
+    with torch's CPU default being the per-parameter loop (no amsgrad, maximize, capturable, differentiable, foreach,
+    fused, tensor lr)."""
+    if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"] or group["foreach"] or group["fused"]:
+        return False
+    if isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
+        return False
     return all(
-        p.device.type == "cpu" and type(p.data) is torch.Tensor and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params
-    ) and bool(params)
+        p.device.type == "cpu"
+        and type(p.data) is torch.Tensor
+        and p.dtype.is_floating_point
+        and p.is_contiguous()
+        and (p.grad is None or (p.grad.layout == torch.strided and p.grad.is_contiguous()))
+        for p in group["params"]
+    )
+
+
+def new_adamw_state(group: dict, p: torch.Tensor) -> dict:
+    """AdamW's state for p as torch's first step creates it (step counter, zero moments; same dtypes and devices)."""
+    on_device = group["capturable"] or group["fused"]
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
+    state = {
+        "step": torch.zeros((), dtype=scalar, device=p.device) if on_device else torch.tensor(0.0, dtype=scalar),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     """Create AdamW's moment buffers now, as its first step would (same dtypes, devices, zeros), for every parameter
     that has none yet. An out-of-memory then happens here, before training, not half-way through optimizer.step
     where it cannot be undone. Returns the bytes allocated."""
-    for group in getattr(optimizer, "optimizer", optimizer).param_groups:  # accelerate's wrapper holds torch's AdamW
-        # An engine may have pointed the groups at other parameters since make_optimizer (FSDP2: DTensors): the fused
-        # kernel only where it still applies, torch's default elsewhere.
-        if group.get("fused") and group["params"] and not fused_adamw_applies(group["params"]):
-            group["fused"] = None
     if not isinstance(optimizer, torch.optim.AdamW):
         return 0
     allocated = 0
     for group in optimizer.param_groups:
-        on_device = group["capturable"] or group["fused"]
         for p in group["params"]:
             state = optimizer.state[p]
             if len(state) or not p.requires_grad:
                 continue
-            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
-            state["step"] = torch.zeros((), dtype=scalar, device=p.device) if on_device else torch.tensor(0.0, dtype=scalar)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state.update(new_adamw_state(group, p))
             allocated += sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
     return allocated
 

@@ -67,47 +67,48 @@ def _chunk_logps(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.
 class _FusedHeadLogps(torch.autograd.Function):
     """log p(target) of every token through a bias-free linear LM head, one reused [chunk, V] float32 buffer.
 
-    Forward keeps no logits: per chunk the logits go into the buffer, the target's logit is read, then the buffer is
-    exponentiated in place for log-sum-exp. Backward recomputes each chunk's logits into the same buffer, turns them in
-    place into d loss / d logits = g (onehot - softmax) / temperature, and accumulates the weight gradient with addmm_
-    into one [V, H] tensor (what autograd then stores as the weight's grad). So the head's backward holds one buffer
-    and one weight gradient, where the checkpointed path holds logits, log-softmax, their gradients and a fresh
-    weight gradient per chunk: for a 151,936-token vocabulary that is the bulk of a step's growth."""
+    Forward keeps no logits: per chunk the logits go into the buffer, torch's log-softmax kernel rewrites them in place
+    and the target's value is read. Backward recomputes each chunk's log-softmax into the same buffer, runs torch's
+    log-softmax backward kernel over it in place (the gathered targets' upstream gradient scattered into a block of
+    `_GRAD_ROWS` rows at a time), and accumulates the weight gradient with addmm_ into one [V, H] tensor, chunks in
+    autograd's order (last first). So a float32 head gives the checkpointed chunks' values and gradients bit for bit
+    (same kernels, same summation order: tests/test_fused_head.py) while its backward holds one buffer and one weight
+    gradient, where the checkpointed path holds logits, log-softmax, their gradients and a fresh weight gradient per
+    chunk: for a 151,936-token vocabulary that is the bulk of a step's growth. A bfloat16/float16 head rounds its
+    weight gradient once per addmm_ instead of once per chunk and a sum: within one ulp of that path, not equal."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
         m = hidden.shape[0]
         out = torch.empty(m, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
         buf, low = _head_buffers(hidden, weight, chunk)
         for start in range(0, m, chunk):
             sl = slice(start, min(start + chunk, m))
-            logits = _head_logits(hidden[sl], weight, buf, low, temperature)
-            peak = logits.amax(dim=-1, keepdim=True)
-            target = logits.gather(1, targets[sl].unsqueeze(1))
-            log_total = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True).log_()
-            out[sl] = (target - peak - log_total).squeeze(1)  # log_softmax's own order: x - max - log(sum exp(x - max))
-            lse[sl] = (peak + log_total).squeeze(1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            log_probs = _head_log_softmax(hidden[sl], weight, buf, low, temperature)
+            out[sl] = log_probs.gather(1, targets[sl].unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_weight = None
         buf, low = _head_buffers(hidden, weight, chunk)
+        block = buf.new_empty(min(_GRAD_ROWS, buf.shape[0]), buf.shape[1])
         grad_out = grad_out.to(torch.float32)
-        for start in range(0, hidden.shape[0], chunk):
-            sl = slice(start, min(start + chunk, hidden.shape[0]))
-            g = grad_out[sl]
-            d = _head_logits(hidden[sl], weight, buf, low, temperature)
-            d.sub_(lse[sl].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))  # -g softmax
-            rows = torch.arange(d.shape[0], device=d.device)
-            d.index_put_((rows, targets[sl]), g, accumulate=True)  # + g at the target
+        m = hidden.shape[0]
+        for start in reversed(range(0, m, chunk)):  # autograd adds the checkpointed chunks' weight gradients last first
+            sl = slice(start, min(start + chunk, m))
+            d = _head_log_softmax(hidden[sl], weight, buf, low, temperature)
+            for row in range(0, d.shape[0], block.shape[0]):
+                rows = slice(row, min(row + block.shape[0], d.shape[0]))
+                g = block[: rows.stop - rows.start].zero_()  # gather's backward: the upstream gradient at the target
+                g.scatter_add_(1, targets[sl][rows].unsqueeze(1), grad_out[sl][rows].unsqueeze(1))
+                torch._log_softmax_backward_data(g, d[rows], -1, torch.float32, out=d[rows])  # row by row: in place is safe
             if temperature != 1.0:
                 d.div_(temperature)
             if low is not None:  # the head's own dtype for its matmuls, as autograd through .float() would
@@ -115,8 +116,12 @@ class _FusedHeadLogps(torch.autograd.Function):
             if want_hidden:
                 torch.matmul(d, weight, out=grad_hidden[sl])
             if want_weight:
-                grad_weight.addmm_(d.t(), hidden[sl])
+                grad_weight = torch.matmul(d.t(), hidden[sl]) if grad_weight is None else grad_weight.addmm_(d.t(), hidden[sl])
         return grad_hidden, grad_weight, None, None, None
+
+
+# Rows of the one-hot upstream gradient built at a time in the fused head's backward ([rows, V] float32).
+_GRAD_ROWS = 16
 
 
 def _head_buffers(hidden: torch.Tensor, weight: torch.Tensor, chunk: int):
@@ -127,15 +132,18 @@ def _head_buffers(hidden: torch.Tensor, weight: torch.Tensor, chunk: int):
     return buf, low
 
 
-def _head_logits(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor, low: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """h [c, H] -> float32 logits / temperature [c, V] in buf (through `low` in the head's dtype: the same rounding as
-    lm_head(h).float())."""
+def _head_log_softmax(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor, low: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """h [c, H] -> log_softmax(float32 logits / temperature) [c, V] in buf: the ops of `_chunk_logps` (the module's
+    matmul, through `low` in the head's dtype as lm_head(h).float(); the division; torch's log-softmax kernel), each
+    writing into buf."""
     c = h.shape[0]
     if low is None:
         logits = torch.matmul(h, weight.t(), out=buf[:c])
     else:
         logits = buf[:c].copy_(torch.matmul(h, weight.t(), out=low[:c]))
-    return logits.div_(temperature) if temperature != 1.0 else logits
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return torch._log_softmax(logits, -1, False, out=logits)  # row by row over the last dim: in place is safe
 
 
 def fused_head_applies(hidden: torch.Tensor, lm_head: torch.nn.Module) -> bool:
