@@ -11,6 +11,15 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).parents[1]
+# Every launched test run: CPU, no progress bar / trackers / report, 56x56 images.
+CPU_QUIET = (
+    "training.device=cpu",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.report=false",
+    "data.min_pixels=3136",
+    "data.max_pixels=3136",
+)
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
 
 
@@ -44,12 +53,7 @@ def grpo_args(setup, out, *extra, steps=3, micro_batch=2, generation_batch=8, co
         "optim.learning_rate=1e-3",
         "algorithm.beta=0.05",
         "rollout.sampling_seed=prompt",
-        "training.device=cpu",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
+        *CPU_QUIET,
         f"algorithm.reward_funcs=['{LENGTH_REWARD}']",
         *extra,
     ]

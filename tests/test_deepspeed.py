@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from multiproc_runs import ROOT, grpo_args, launch_env, run_launcher, step_metrics, tiny_run_setup, torchrun, two_nodes
+from multiproc_runs import CPU_QUIET, ROOT, grpo_args, launch_env, run_launcher, step_metrics, tiny_run_setup, torchrun, two_nodes
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed (pip install -e '.[deepspeed]'; `make test` installs it)")
@@ -195,12 +195,7 @@ def _sft_args(setup, out, *extra):
         "sft.learning_rate=1e-3",
         "training.save_steps=2",
         "rollout.max_completion_length=4",
-        "training.device=cpu",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
+        *CPU_QUIET,
         *extra,
     ]
 
