@@ -102,7 +102,12 @@ def test_loop_matches_golden(case, tiny_qwen25vl, data, tmp_path):
             # 1e-3: a machine with other CPU kernels moved one KL value by 1.5e-4 (AMD EPYC vs the recording machine, same
             # packages); a change in what the loop computes moves these values by far more.
             assert g[key] == pytest.approx(w[key], rel=1e-3, abs=1e-7), (case, key)
-    assert got["weight_abs_sum"] == pytest.approx(want["weight_abs_sum"], rel=1e-6)
+    # The weight sum is the coarse check (a lost or doubled update moves it by hundreds; the losses and grad norms above
+    # carry the fine ones). Its tolerance is AdamW's, not float32's: an element whose gradient is rounding noise gets a
+    # full step of lr (1e-2) in either direction, so another CPU's rounding moves the sum by multiples of 2 * lr per
+    # update. Measured on an Intel Xeon against the recording machine, all cases (1 and 2 threads alike): largest 0.042
+    # (span_sapo_iterations), next 0.011. 0.25 allows a few such elements over the two steps' updates.
+    assert got["weight_abs_sum"] == pytest.approx(want["weight_abs_sum"], rel=0, abs=0.25)
 
 
 def test_golden_cases_differ():

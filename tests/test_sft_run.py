@@ -85,17 +85,22 @@ def micro1(tiny_qwen25vl, data, tmp_path_factory):
 
 def test_micro_batches_keep_the_effective_batch(straight, micro1):
     """sft.batch_size=4 cut into micro-batches of 1 row: four forwards/backwards per step, the same weights to float
-    rounding (the loss is normalised by the whole batch's target tokens). Tolerance: the gradients are summed in
-    another order (~1e-7 relative) and AdamW's normalisation amplifies that for parameters with tiny gradients; after
-    5 steps at lr 1e-3 (updates up to 5e-3) the largest difference measured 4.3e-5."""
+    rounding (the loss is normalised by the whole batch's target tokens).
+
+    Tolerance: the gradients are summed in another order (~1e-7 relative), and AdamW's normalisation turns that into
+    an update difference of up to its whole step (lr) on the few parameters whose gradient is near zero, so the largest
+    element difference is no measure: it was 4.3e-5 on an AMD EPYC and 1.13e-4 on an Intel Xeon (same packages). What
+    rounding cannot do is move many elements: at most 0.1% may differ by more than lr / 100 (measured: 10 of 708,032
+    elements on the Xeon). Keeping only the last micro-batch's gradients moves most."""
     out = micro1
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["micro_batch_size"] == 1 for r in rows)
     for step, loss in losses(straight).items():
         assert losses(out)[step] == pytest.approx(loss, rel=1e-5)
     a, b = weights(straight), weights(out)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst < 1e-4, worst
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    moved = int((diff > 1e-3 / 100).sum())  # sft.learning_rate 1e-3
+    assert moved <= diff.numel() // 1000, f"{moved} of {diff.numel()} elements differ by more than lr/100"
 
 
 def test_an_oom_in_sft_halves_the_micro_batch_and_drops_the_partial_gradient(tiny_qwen25vl, data, micro1, tmp_path, monkeypatch):
