@@ -28,8 +28,10 @@ import types
 import torch
 
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS_ESTIMATOR
-from vlmrl.config import AlgorithmConfig
 from vlmrl.algo.losses import LOSS_TYPE_AGGREGATION, aggregate, entropy_quantile_mask, per_token_loss, step_normaliser
+from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS
+from vlmrl.config import Config, apply_preset, build_config
+from vlmrl.train import policy_weights
 
 ROWS_PER_MICRO_BATCH = 3
 G = 4
@@ -48,11 +50,83 @@ class Setting:
     inject_old: bool = True  # False: on-policy, neither side gets old log-probs (TRL: old_per_token_logps absent)
     claimed_same: bool = True  # False: a known difference (docs/vs_trl.md), reported, not asserted
     rows: int = ROWS_PER_MICRO_BATCH  # rows per micro-batch
+    gspo: bool = False  # one of docs/vs_trl.md's GSPO interactions (tests/test_vs_trl_oracle.py checks the list)
 
 
 def _trl_base(**kw) -> dict:
     base = {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "scale_rewards": "group", "use_bias_correction_kl": False}
     return base | {"top_entropy_quantile": 1.0} | kw
+
+
+def _gspo(name: str, trl: dict, vlmrl: dict, micro_batches: int = 2, **kw) -> Setting:
+    """A GSPO setting: TRL's importance_sampling_level=sequence, vlmrl's policy_loss=gspo, the paper's clip ranges."""
+    eps = {"epsilon": 3e-4, "epsilon_high": 4e-4}
+    trl = _trl_base(**{"loss_type": "grpo", **eps, **trl, "importance_sampling_level": "sequence"})
+    return Setting(f"gspo {name}", trl, {"policy_loss": "gspo", **eps, **vlmrl}, micro_batches, gspo=True, **kw)
+
+
+def _correction(mode: str, lo: float | None, hi: float | None) -> tuple[dict, dict]:
+    """TRL's vLLM importance-sampling arguments and vlmrl's rollout_correction for the same mode and bounds."""
+    trl = {"vllm_importance_sampling_mode": mode, "vllm_importance_sampling_clip_min": lo, "vllm_importance_sampling_clip_max": hi}
+    return trl, {"rollout_correction": mode, "rollout_correction_min": lo, "rollout_correction_max": hi}
+
+
+def gspo_settings() -> list[Setting]:
+    """GSPO with everything it can meet (docs/vs_trl.md, "GSPO"): the aggregations, a rollout of several steps, delta,
+    the KL corrections, the rollout-correction modes, entropy masking, and all of them together."""
+    kl = {"beta": 0.04, "use_bias_correction_kl": True}
+    out = [
+        _gspo("grpo beta=0.04 (k3)", {"beta": 0.04}, {"beta": 0.04}),
+        _gspo("dapo (token_mean)", {"loss_type": "dapo"}, {"loss_aggregation": "token_mean"}),
+        _gspo("dr_grpo", {"loss_type": "dr_grpo"}, {"loss_type": "dr_grpo"}),
+        _gspo("bnpo", {"loss_type": "bnpo"}, {"loss_type": "bnpo"}),
+        _gspo("dapo rollout of 2 steps (token_mean_rollout)", {"loss_type": "dapo"}, {"loss_aggregation": "token_mean_rollout"}, steps=2),
+        _gspo("grpo rollout of 2 steps beta=0.04", {"beta": 0.04}, {"beta": 0.04}, steps=2),
+        _gspo("delta=1.02", {"delta": 1.02}, {"delta": 1.02}),  # a row with s = 1.04 > delta and A < 0
+        _gspo("beta=0.04 use_bias_correction_kl (k3_seq_ratio)", kl, kl),
+        _gspo("beta=0.04 use_bias_correction_kl on-policy", kl, kl, inject_old=False),
+        _gspo(
+            "preset=trl beta=0.04, TRL's defaults (dapo, use_bias_correction_kl)",
+            {**kl, "loss_type": "dapo"},
+            {"preset": "trl", "beta": 0.04},
+            steps=2,
+        ),
+        _gspo("top_entropy_quantile=0.2", {"top_entropy_quantile": 0.2}, {"top_entropy_quantile": 0.2}, 1, rows=8),
+        _gspo(
+            "dapo top_entropy_quantile=0.5 beta=0.04",
+            {"loss_type": "dapo", "top_entropy_quantile": 0.5, "beta": 0.04},
+            {"loss_aggregation": "token_mean", "top_entropy_quantile": 0.5, "beta": 0.04},
+            1,
+            rows=8,
+        ),
+    ]
+    for mode in ROLLOUT_CORRECTIONS:
+        bounds = (0.8, 1.25) if mode.startswith("token") else (0.6, 1.5)  # each mode truncates or masks some tokens or rows
+        trl, vlmrl = _correction(mode, *bounds)
+        out.append(_gspo(f"rollout_correction={mode}", trl, vlmrl))
+    trl, vlmrl = _correction("token_truncate", 0.8, 1.25)
+    out += [
+        _gspo(
+            "all at once: token_truncate, top_entropy_quantile=0.5, use_bias_correction_kl, dapo, delta=1.02",
+            {**trl, **kl, "loss_type": "dapo", "top_entropy_quantile": 0.5, "delta": 1.02},
+            {**vlmrl, **kl, "loss_aggregation": "token_mean", "top_entropy_quantile": 0.5, "delta": 1.02},
+            1,
+            rows=8,
+        ),
+        # vlmrl's own k3_ratio keeps the token ratio under GSPO (DeepSeek-V3.2's per-token estimator); TRL's uses coef_1.
+        _gspo(
+            "beta=0.04, vlmrl kl_estimator=k3_ratio vs TRL use_bias_correction_kl", kl, {"beta": 0.04, "kl_estimator": "k3_ratio"}, claimed_same=False
+        ),
+        _gspo(
+            "top_entropy_quantile=0.2, 2 micro-batches (TRL: quantile per micro-batch)",
+            {"top_entropy_quantile": 0.2},
+            {"top_entropy_quantile": 0.2},
+            2,
+            rows=6,
+            claimed_same=False,
+        ),
+    ]
+    return out
 
 
 def settings() -> list[Setting]:
@@ -157,7 +231,7 @@ def settings() -> list[Setting]:
             claimed_same=False,
         ),
     ]
-    return out
+    return out + gspo_settings()
 
 
 # ---------------------------------------------------------------- injected tensors
@@ -169,6 +243,7 @@ class Batch:
     ref: torch.Tensor  # [R, T]
     current: list[torch.Tensor]  # per optimizer step: [R, T] current log-probs (leaf values; only its rows are used)
     entropies: torch.Tensor  # [R, T] per-token policy entropies (top_entropy_quantile)
+    sampling: torch.Tensor  # [R, T] the sampler's log-probs (rollout correction: old vs these)
 
 
 def make_batch(rows: int, steps: int, seed: int = 0) -> Batch:
@@ -181,7 +256,8 @@ def make_batch(rows: int, steps: int, seed: int = 0) -> Batch:
     ref = old + 0.3 * torch.randn(rows, MAX_LEN, generator=g, dtype=torch.float64)
     current = [old + 0.4 * torch.randn(rows, MAX_LEN, generator=g, dtype=torch.float64) for _ in range(steps)]
     entropies = torch.rand(rows, MAX_LEN, generator=g, dtype=torch.float64) * torch.rand(rows, 1, generator=g, dtype=torch.float64) * 8  # rows differ
-    return Batch(rewards, mask, old, ref, current, entropies)
+    sampling = old + 0.15 * torch.randn(rows, MAX_LEN, generator=g, dtype=torch.float64)  # drawn last: the rest unchanged
+    return Batch(rewards, mask, old, ref, current, entropies, sampling)
 
 
 # ---------------------------------------------------------------- TRL's side
@@ -205,6 +281,36 @@ def trl_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: s
     }
     exec(compile(block, "trl:GRPOTrainer._generate_and_score_completions", "exec"), scope)  # noqa: S102 - TRL's installed source
     return scope["advantages"]
+
+
+def trl_is_ratio(setting: Setting, batch: Batch) -> torch.Tensor | None:
+    """The vLLM importance-sampling block of TRL's _generate_and_score_completions, executed on the injected old and
+    sampling log-probs of the whole generation batch: [R, T] (token modes) or [R, 1] (sequence modes); None if off."""
+    mode = setting.trl.get("vllm_importance_sampling_mode")
+    if mode is None:
+        return None
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer.GRPOTrainer._generate_and_score_completions)
+    start = source.index("            # Compute the importance sampling ratio when using vLLM")
+    end = source.index("            # Compute the per-token log probabilities for the reference model")
+    stand_in = types.SimpleNamespace(
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=setting.trl["vllm_importance_sampling_clip_min"],
+        vllm_importance_sampling_clip_max=setting.trl["vllm_importance_sampling_clip_max"],
+    )
+    scope = {
+        **vars(grpo_trainer),
+        "self": stand_in,
+        "completion_mask": batch.mask,
+        "tool_mask": None,
+        "old_per_token_logps": batch.old,
+        "sampling_per_token_logps": batch.sampling,
+    }
+    exec(compile(textwrap.dedent(source[start:end]), "trl:GRPOTrainer._generate_and_score_completions", "exec"), scope)  # noqa: S102
+    return scope["vllm_importance_sampling_ratio"]
 
 
 class _OneProcess:
@@ -232,6 +338,7 @@ def trl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int
     a = setting.trl
     ga = setting.micro_batches
     current = batch.current[step].clone().requires_grad_(True)
+    is_ratio = trl_is_ratio(setting, batch)
     rows_per_step = setting.rows * ga
     rows_in_generation = rows_per_step * setting.steps
     stand_in = types.SimpleNamespace(
@@ -242,8 +349,8 @@ def trl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int
         loss_type=a["loss_type"],
         epsilon_low=a["epsilon"],
         epsilon_high=a["epsilon_high"] if a["epsilon_high"] is not None else a["epsilon"],
-        use_vllm=False,
-        vllm_importance_sampling_correction=False,
+        use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
         model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=ga,
         accelerator=_OneProcess(),
@@ -276,6 +383,8 @@ def trl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int
         }
         if setting.inject_old:
             inputs["old_per_token_logps"] = batch.old[rows]
+        if is_ratio is not None:
+            inputs["importance_sampling_ratio"] = is_ratio[rows]
         total = total + GRPOTrainer._compute_loss(stand_in, None, inputs)
     total.backward()
     return float(total), current.grad[step * rows_per_step : (step + 1) * rows_per_step]
@@ -292,35 +401,43 @@ class _Sink(dict):
 # ---------------------------------------------------------------- vlmrl's side
 def vlmrl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int) -> tuple[float, torch.Tensor]:
     """vlmrl's loss of one optimizer step as train.accumulate computes it, and its gradient (same rows as trl_step)."""
-    algo = AlgorithmConfig(**setting.vlmrl)
-    from vlmrl.config import Config
-
-    cfg = Config(algorithm=algo)
+    cfg = vlmrl_config(setting)
+    algo = cfg.algorithm
     rows_per_step = setting.rows * setting.micro_batches
     step_rows = list(range(step * rows_per_step, (step + 1) * rows_per_step))
     current = batch.current[step].clone().requires_grad_(True)
     norm = step_normaliser([batch.mask[step_rows]], MAX_LEN, chunk_rows=setting.rows)
     rollout_tokens = float(batch.mask[: rows_per_step * setting.steps].sum())
     norm = dataclasses.replace(norm, rollout_tokens_per_step=max(1.0, rollout_tokens / setting.steps))
-    # train.step_entropy_masks: one quantile over the optimizer step's tokens.
-    keep = entropy_quantile_mask(batch.entropies[step_rows], batch.mask[step_rows], algo.top_entropy_quantile).double()
+    scores = types.SimpleNamespace(is_weights=None, entropy_mask=None)  # train.Scores' two per-token factors
+    if algo.top_entropy_quantile < 1.0:  # train.step_entropy_masks: one quantile over the optimizer step's tokens
+        scores.entropy_mask = torch.zeros_like(batch.mask, dtype=torch.bool)
+        scores.entropy_mask[step_rows] = entropy_quantile_mask(batch.entropies[step_rows], batch.mask[step_rows], algo.top_entropy_quantile)
+    if algo.rollout_correction != "none":  # train.score: the rollout's old log-probs against the sampler's
+        correct = ROLLOUT_CORRECTIONS[algo.rollout_correction]
+        scores.is_weights = correct(batch.old, batch.sampling, batch.mask, algo.rollout_correction_min, algo.rollout_correction_max)
     total = 0.0
     for k in range(setting.micro_batches):
         idx = step_rows[k * setting.rows : (k + 1) * setting.rows]
         logps = current[idx]
         old = batch.old[idx] if setting.inject_old else logps.detach()
-        weights = keep[[i - step_rows[0] for i in idx]] if algo.top_entropy_quantile < 1.0 else None
+        weights = policy_weights(scores, idx, MAX_LEN)
         tok, _ = per_token_loss(logps, old, advantages[idx], algo, batch.ref[idx], mask=batch.mask[idx], is_weights=weights)
         total = total + aggregate(tok, batch.mask[idx], cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
     total.backward()
     return float(total), current.grad[step_rows]
 
 
-def vlmrl_advantages(setting: Setting, rewards: torch.Tensor) -> torch.Tensor:
-    algo = AlgorithmConfig(**setting.vlmrl)
-    from vlmrl.config import Config
+def vlmrl_config(setting: Setting) -> Config:
+    """vlmrl's validated config for the setting's algorithm fields, algorithm.preset applied as load_config does."""
+    tree = {"algorithm": dict(setting.vlmrl)}
+    apply_preset(tree)
+    return build_config(tree)
 
-    return ADVANTAGE_ESTIMATORS[Config(algorithm=algo).advantage_estimator](rewards, G, algo)
+
+def vlmrl_advantages(setting: Setting, rewards: torch.Tensor) -> torch.Tensor:
+    cfg = vlmrl_config(setting)
+    return ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G, cfg.algorithm)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -328,11 +445,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
+def batch_for(setting: Setting, seed: int = 0) -> Batch:
+    """The injected tensors of a setting: its rows in whole groups."""
+    rows = setting.rows * setting.micro_batches * setting.steps
+    return make_batch(rows + (-rows) % G, setting.steps, seed)
+
+
 def compare(setting: Setting, seed: int = 0) -> dict:
     """Max relative differences of advantages, loss (per optimizer step) and gradient between TRL and vlmrl."""
-    rows = setting.rows * setting.micro_batches * setting.steps
-    rows += (-rows) % G  # whole groups
-    batch = make_batch(rows, setting.steps, seed)
+    batch = batch_for(setting, seed)
     adv_trl = trl_advantages(batch.rewards, G, setting.trl["scale_rewards"])
     adv_vlmrl = vlmrl_advantages(setting, batch.rewards)
     out = {"setting": setting.name, "claimed_same": setting.claimed_same, "advantages": _rel(adv_vlmrl, adv_trl), "loss": 0.0, "grad": 0.0}

@@ -87,6 +87,76 @@ def test_gspo_matches_naive_sequence_loop_values_and_gradients():
     torch.testing.assert_close(logps.grad * mask, ref_logps.grad * mask, rtol=1e-5, atol=1e-7)
 
 
+def _gspo_step(logps0, old, adv, weights, aggregation, **algo_kw):
+    """vlmrl's GSPO loss of one step with per-token weights (train.policy_weights' role) and its gradient."""
+    logps = logps0.clone().requires_grad_(True)
+    mask = torch.ones_like(logps0) if "mask" not in algo_kw else algo_kw.pop("mask")
+    tok, _ = per_token_loss(logps, old, adv, AlgorithmConfig(policy_loss="gspo", **algo_kw), mask=mask, is_weights=weights)
+    loss = aggregate(tok, mask, aggregation, step_normaliser([mask], logps0.shape[1]))
+    loss.backward()
+    return loss.item(), logps.grad
+
+
+def test_gspo_with_per_token_weights_hand_computed():
+    """Issue 35, finding 8. One sequence of two tokens, s = e^0.5 unclipped (A = -1): loss_t = w_t s. The step's
+    loss is the weights' mean times s, so each token's gradient is mean(w) * ds/dlogp_t = mean(w) * s / 2, whatever
+    its own weight (TRL's broadcast of the sequence's term). Before the fix token t got w_t * s / 2."""
+    old, logps0 = torch.tensor([[-1.5, -2.5]]), torch.tensor([[-1.0, -2.0]])
+    s = math.exp(0.5)
+    # entropy mask keeps token 0 only; grpo's per-sequence mean: loss = (1 s + 0 s) / 2
+    loss, grad = _gspo_step(logps0, old, torch.tensor([-1.0]), torch.tensor([[1.0, 0.0]]), "seq_mean_token_mean")
+    assert loss == pytest.approx(s / 2, rel=1e-6)
+    assert grad[0].tolist() == pytest.approx([s / 4, s / 4], rel=1e-6)  # not [s / 2, 0]
+    # rollout-correction weights 0.5, 1.5 (mean 1): loss s, gradient s / 2 each (as without weights)
+    loss, grad = _gspo_step(logps0, old, torch.tensor([-1.0]), torch.tensor([[0.5, 1.5]]), "token_mean")
+    assert loss == pytest.approx(s, rel=1e-6)
+    assert grad[0].tolist() == pytest.approx([s / 2, s / 2], rel=1e-6)  # not [s / 4, 3 s / 4]
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
+def test_gspo_with_per_token_weights_is_the_gradient_of_its_loss(aggregation):
+    """Random per-token weights, padding, both advantage signs: vlmrl's value and gradient equal a naive loop over
+    sequences of sum_t c w_t f(s) (c: the aggregation's weight of a token of the row, f: GSPO's clipped term)."""
+    torch.manual_seed(3)
+    n, t = 6, 5
+    logps0 = -torch.rand(n, t, dtype=torch.float64) * 3
+    old = logps0 + 0.3 * torch.randn(n, t, dtype=torch.float64)
+    adv = torch.randn(n, dtype=torch.float64)
+    mask = (torch.rand(n, t) > 0.3).double()
+    mask[:, 0] = 1
+    weights = torch.rand(n, t, dtype=torch.float64) * 2
+    eps_lo, eps_hi = 0.03, 0.04
+    value, grad = _gspo_step(logps0, old, adv, weights, aggregation, epsilon=eps_lo, epsilon_high=eps_hi, mask=mask)
+
+    ref = logps0.clone().requires_grad_(True)
+    lengths = mask.sum(dim=1)
+    ones = torch.ones(n, dtype=torch.float64)
+    coeff = {"seq_mean_token_mean": 1 / (n * lengths), "token_mean": ones / mask.sum(), "seq_mean_token_sum_norm": ones / (n * t)}
+    total = 0.0
+    for i in range(n):
+        idx = mask[i].bool()
+        s = torch.exp((ref[i][idx] - old[i][idx]).mean())
+        f = -torch.min(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
+        total = total + coeff[aggregation][i] * weights[i][idx].sum() * f
+    total.backward()
+    assert value == pytest.approx(total.item(), rel=1e-12)
+    torch.testing.assert_close(grad * mask, ref.grad * mask, rtol=1e-12, atol=1e-15)
+    assert (grad * mask).abs().max() > 0  # some rows unclipped: the comparison sees gradients
+
+
+def test_gspo_delta_caps_the_sequence_ratio():
+    """TRL's delta under importance_sampling_level=sequence: A < 0, s = e^0.5 = 1.65 > delta = 1.5: the term is
+    -min(1.5 A, clip(s) A) = 1.5, no gradient; without delta it is s with gradient s / 2 per token."""
+    old, logps0 = torch.tensor([[-1.5, -2.5]]), torch.tensor([[-1.0, -2.0]])
+    loss, grad = _gspo_step(logps0, old, torch.tensor([-1.0]), None, "seq_mean_token_mean", delta=1.5)
+    assert loss == pytest.approx(1.5) and grad.abs().max().item() == 0
+    loss, grad = _gspo_step(logps0, old, torch.tensor([-1.0]), None, "seq_mean_token_mean")
+    assert loss == pytest.approx(math.exp(0.5), rel=1e-6) and grad[0].tolist() == pytest.approx([math.exp(0.5) / 2] * 2, rel=1e-6)
+    assert load_config(None, ["algorithm.policy_loss=gspo", "algorithm.delta=1.5"]).algorithm.delta == 1.5
+    with pytest.raises(ConfigError, match="delta applies to policy_loss=ppo_clip or gspo only"):
+        load_config(None, ["algorithm.policy_loss=sapo", "algorithm.delta=1.5"])
+
+
 # ---------------------------------------------------------------- CISPO
 def test_cispo_hand_computed():
     """ratio e^0.5 = 1.65 > 1 + 0.28: the weight is clipped to 1.28 but the token keeps its gradient -w A."""

@@ -158,16 +158,42 @@ def test_kl_estimators_hand_computed():
     old = torch.tensor([[math.log(0.4)]])
     d = math.log(0.25) - math.log(0.5)  # ref - logp
     k3 = math.exp(d) - d - 1
-    want = {"k1": -d, "k2": 0.5 * d * d, "k3": k3, "low_var_kl": k3, "k3_ratio": k3 * 0.5 / 0.4}
+    want = {"k1": -d, "k2": 0.5 * d * d, "k3": k3, "low_var_kl": k3, "k3_ratio": k3 * 0.5 / 0.4, "k3_seq_ratio": k3 * 0.5 / 0.4}
     for name, value in want.items():
         assert KL_ESTIMATORS[name](logp, ref, old).item() == pytest.approx(value, rel=1e-6), name
     # low_var_kl clamps: a log-ratio of 30 gives at most 10
     assert KL_ESTIMATORS["low_var_kl"](torch.tensor([[-30.0]]), torch.tensor([[0.0]]), None).item() == 10.0
 
 
+def test_k3_seq_ratio_hand_computed_value_and_gradient():
+    """Issue 35, finding 9. Two tokens, p = 0.5 each, ref 0.25 and 0.5, old 0.4 and 0.5 (the second token padding in
+    a second call): s = exp(mean(log 1.25, 0)) = sqrt(1.25); value k3_t * s; d/dlogp_t = (1 - ref_t / p_t) s +
+    (k3_0 + k3_1) s / 2 (the sum over both tokens' terms of ds / dlogp_t = s / 2). k3_ratio: k3_t * r_t instead."""
+    logp = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)).requires_grad_(True)
+    ref = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))
+    old = torch.log(torch.tensor([[0.4, 0.5]], dtype=torch.float64))
+    k3_0 = 0.5 + math.log(2) - 1  # exp(d) - d - 1, d = log(0.25 / 0.5); k3_1 = 0
+    s = math.sqrt(1.25)
+    kl = KL_ESTIMATORS["k3_seq_ratio"](logp, ref, old, torch.ones(1, 2))
+    assert kl[0].tolist() == pytest.approx([k3_0 * s, 0.0], rel=1e-12)
+    kl.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([(1 - 0.5) * s + k3_0 * s / 2, k3_0 * s / 2], rel=1e-12)
+    # the token ratio instead: token 1's ratio is 1 and its k3 is 0, so it gets no gradient
+    logp.grad = None
+    KL_ESTIMATORS["k3_ratio"](logp, ref, old).sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([(1 - 0.5) * 1.25 + k3_0 * 1.25, 0.0], rel=1e-12)
+    # a mask leaves padding out of s: with token 1 masked, s = 1.25 (token 0's ratio)
+    assert KL_ESTIMATORS["k3_seq_ratio"](logp, ref, old, torch.tensor([[1.0, 0.0]]))[0, 0].item() == pytest.approx(k3_0 * 1.25)
+
+
 def test_kl_estimator_names_and_trl_switch():
     assert kl_estimator_name(algo()) == "k3"
     assert kl_estimator_name(algo(use_bias_correction_kl=True)) == "k3_ratio"
+    # TRL's use_bias_correction_kl multiplies by the ratio of its policy loss: the sequence ratio under GSPO
+    assert kl_estimator_name(algo(use_bias_correction_kl=True, policy_loss="gspo")) == "k3_seq_ratio"
+    assert kl_estimator_name(algo(kl_estimator="k3_ratio", policy_loss="gspo")) == "k3_ratio"  # vlmrl's name: token ratio
+    assert load_config(None, ["algorithm.preset=trl", "algorithm.policy_loss=gspo", "algorithm.beta=0.04"]).kl_estimator == "k3_seq_ratio"
+    assert load_config(None, ["algorithm.preset=trl", "algorithm.beta=0.04"]).kl_estimator == "k3_ratio"
     assert kl_estimator_name(algo(kl_estimator="mse")) == "k2"
     assert load_config(None, ["algorithm.use_bias_correction_kl=true"]).kl_estimator == "k3_ratio"
     with pytest.raises(ConfigError, match="set only one"):

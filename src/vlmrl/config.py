@@ -204,11 +204,12 @@ class AlgorithmConfig:
     beta: float = _f(0.0, "Weight of the KL to the reference policy (kl_estimator); 0 loads no reference.")
     kl_estimator: Optional[str] = _f(
         None,
-        "Per-token KL estimator added with weight beta: {choices}; default k3, or k3_ratio when use_bias_correction_kl.",
+        "Per-token KL estimator added with weight beta: {choices}; default k3, or the one use_bias_correction_kl names.",
         choices="algo.losses:KL_ESTIMATORS",
     )
     use_bias_correction_kl: Optional[bool] = _f(
-        None, "TRL's name: true = kl_estimator k3_ratio (k3 times the importance ratio, TRL 1.16's default), false = k3; see kl_estimator."
+        None,
+        "TRL's name: true = k3 times the importance ratio of the policy loss (TRL 1.16's default): kl_estimator k3_ratio, k3_seq_ratio with policy_loss=gspo; false = k3.",
     )
     epsilon: float = _f(0.2, "Lower clip range of the importance ratio.")
     epsilon_high: Optional[float] = _f(
@@ -216,7 +217,7 @@ class AlgorithmConfig:
         "Upper clip range (DAPO clip-higher); default epsilon. cispo caps its weight at 1 + epsilon_high (TRL's cispo epsilon_high is the cap itself).",
     )
     delta: Optional[float] = _f(
-        None, "ppo_clip: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta (> 1 + epsilon_high); null = off."
+        None, "ppo_clip, gspo: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta (> 1 + epsilon_high); null = off."
     )
     sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for tokens with a positive advantage.")
     sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for tokens with a zero or negative advantage.")
@@ -1012,8 +1013,8 @@ def _algorithm_value_problems(a: "AlgorithmConfig", eps_high: float) -> list[str
     problems = []
     if a.delta is not None and a.delta <= 1 + eps_high:
         problems.append(f"algorithm.delta={a.delta} must be > 1 + epsilon_high = {1 + eps_high} (or null to turn two-sided clipping off)")
-    if a.delta is not None and a.policy_loss != "ppo_clip":
-        problems.append(f"algorithm.delta applies to policy_loss=ppo_clip only, not {a.policy_loss}; set delta to null")
+    if a.delta is not None and a.policy_loss not in ("ppo_clip", "gspo"):
+        problems.append(f"algorithm.delta applies to policy_loss=ppo_clip or gspo only, not {a.policy_loss}; set delta to null")
     if a.rollout_correction != "none" and (
         problem := _not_one_of("algorithm.rollout_correction", a.rollout_correction, ["none", *ROLLOUT_CORRECTIONS])
     ):

@@ -40,22 +40,30 @@ def ppo_clip_loss(logps, old_logps, advantages, mask, algo):
     return loss, {"ratio": ratio.detach(), "is_clipped": (unclipped * adv > clipped * adv).detach()}
 
 
+def sequence_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's importance ratio of each sequence: s = exp(mean over its masked tokens of (logp - old)), the geometric
+    mean of its token ratios, with its gradient through every token (ds / dlogp_t = s / |y| on masked tokens).
+    logps, old_logps, mask: [N, T]. Returns [N] (1 for a row without masked tokens)."""
+    m = mask.to(logps.dtype)
+    return torch.exp(((logps - old_logps) * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))
+
+
 def gspo_loss(logps, old_logps, advantages, mask, algo):
-    """GSPO: one importance ratio per sequence, s = exp(mean over its completion tokens of (logp - old)), clipped
-    per sequence. Written in the token form s_t = sg(s) * exp(logp_t - sg(logp_t)): every token carries the value
-    s, and after a per-sequence mean (loss_aggregation=seq_mean_token_mean) the gradient is GSPO's
-    -A * grad(s). GSPO's clip ranges are ~1e3 x smaller than GRPO's (the paper uses 3e-4 / 4e-4).
+    """GSPO: one importance ratio per sequence (sequence_ratio), clipped per sequence; with algorithm.delta the
+    unclipped term uses min(s, delta), as TRL's two-sided clipping at importance_sampling_level=sequence. Every token
+    of a row carries its sequence's value -min(s A, clip(s) A), broadcast from one [N, 1] term with its gradient
+    through s, so any per-token weight w_t applied afterwards (rollout correction, entropy mask) gives the gradient of
+    the weighted loss: the row's mean weight times -A grad(s), as in TRL (not token t's own weight times token t's
+    share). GSPO's clip ranges are ~1e3 x smaller than GRPO's (the paper uses 3e-4 / 4e-4).
     Shapes as ppo_clip_loss; advantages [N] (per-token advantages are averaged per sequence by the mask)."""
     m = mask.to(logps.dtype)
-    lengths = m.sum(dim=1).clamp(min=1)
-    seq_log_ratio = ((logps - old_logps) * m).sum(dim=1) / lengths  # [N]
-    token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logps - logps.detach()  # value: seq ratio; grad: token's
-    ratio = torch.exp(token_log_ratio)
+    ratio = sequence_ratio(logps, old_logps, mask).unsqueeze(1).expand_as(logps)  # [N, T], one value per row
     clipped = torch.clamp(ratio, 1.0 - algo.epsilon, 1.0 + epsilon_high(algo))
-    adv = advantages if advantages.dim() == 1 else (advantages * m).sum(dim=1) / lengths
+    unclipped = ratio if algo.delta is None else torch.clamp(ratio, max=algo.delta)
+    adv = advantages if advantages.dim() == 1 else (advantages * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
     adv = adv.unsqueeze(1)
-    loss = -torch.min(ratio * adv, clipped * adv)
-    return loss, {"ratio": ratio.detach(), "is_clipped": (ratio * adv > clipped * adv).detach()}
+    loss = -torch.min(unclipped * adv, clipped * adv)
+    return loss, {"ratio": ratio.detach(), "is_clipped": (unclipped * adv > clipped * adv).detach()}
 
 
 def cispo_loss(logps, old_logps, advantages, mask, algo):
@@ -92,48 +100,62 @@ POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_lo
 POLICY_LOSS_AGGREGATION = {"cispo": ("token_mean", "token_mean_rollout")}
 
 
-def k1_kl(logps, ref_logps, old_logps):
+def k1_kl(logps, ref_logps, old_logps, mask=None):
     """k1 = logp - ref per token: unbiased for KL(policy || ref) but signed and high-variance (verl's "kl" / "k1")."""
     return logps - ref_logps
 
 
-def k2_kl(logps, ref_logps, old_logps):
+def k2_kl(logps, ref_logps, old_logps, mask=None):
     """k2 = (logp - ref)^2 / 2 per token, >= 0 (verl's "mse" / "k2"); its gradient is that of KL(policy || ref)
     on samples from the policy."""
     return 0.5 * (logps - ref_logps) ** 2
 
 
-def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor, old_logps: torch.Tensor | None = None) -> torch.Tensor:
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor, old_logps: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Schulman's k3 estimator of KL(policy || ref) per token: exp(r - p) - (r - p) - 1, >= 0. [N, T]."""
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1.0
 
 
-def low_var_kl(logps, ref_logps, old_logps):
+def low_var_kl(logps, ref_logps, old_logps, mask=None):
     """k3 with its log-ratio clamped to [-20, 20] and the value to [-10, 10] (verl's "low_var_kl"): k3 that cannot
     overflow when the policy and the reference are far apart."""
     delta = torch.clamp(ref_logps - logps, -20.0, 20.0)
     return torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
 
 
-def k3_ratio_kl(logps, ref_logps, old_logps):
-    """k3 times the importance ratio r = exp(logp - old), r not detached (DeepSeek-V3.2; TRL's
-    use_bias_correction_kl, its default): the gradient is that of KL(policy || ref) even on-policy (r = 1 in value),
-    and stays unbiased when the rows were sampled by an older policy."""
+def k3_ratio_kl(logps, ref_logps, old_logps, mask=None):
+    """k3 times the token's importance ratio r = exp(logp - old), r not detached (DeepSeek-V3.2; TRL's
+    use_bias_correction_kl with a token-level policy loss, its default): the expected gradient is that of
+    KL(policy || ref) even on-policy (r = 1 in value), and stays unbiased when the rows were sampled by an older
+    policy. The same per-token estimator whatever the policy loss (with gspo too)."""
     return k3_kl(logps, ref_logps) * torch.exp(logps - old_logps)
 
 
-# algorithm.kl_estimator -> fn(logps, ref_logps, old_logps) -> [N, T] per-token KL term (times beta in the loss).
-KL_ESTIMATORS = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl, "low_var_kl": low_var_kl, "k3_ratio": k3_ratio_kl}
+def k3_seq_ratio_kl(logps, ref_logps, old_logps, mask=None):
+    """k3 times GSPO's sequence ratio s = sequence_ratio(logps, old, mask), s not detached: TRL's
+    use_bias_correction_kl under importance_sampling_level=sequence (TRL multiplies k3 by the ratio its policy loss
+    uses). On-policy its value is k3 (s = 1) but its gradient adds k3_t * grad(s), which spreads each token's term
+    over every token of its sequence / |y|. mask [N, T] (default all) picks the tokens s averages over. [N, T]."""
+    mask = torch.ones_like(logps) if mask is None else mask
+    return k3_kl(logps, ref_logps) * sequence_ratio(logps, old_logps, mask).unsqueeze(1)
+
+
+# algorithm.kl_estimator -> fn(logps, ref_logps, old_logps, mask) -> [N, T] per-token KL term (times beta in the loss).
+KL_ESTIMATORS = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl, "low_var_kl": low_var_kl, "k3_ratio": k3_ratio_kl, "k3_seq_ratio": k3_seq_ratio_kl}
 # Other frameworks' names for the same estimators (verl's kl_loss_type names).
 KL_ALIASES = {"kl": "k1", "mse": "k2"}
 
 
 def kl_estimator_name(algo) -> str:
-    """algorithm.kl_estimator (an alias resolved), else k3_ratio when TRL's use_bias_correction_kl is true, else k3."""
+    """algorithm.kl_estimator (an alias resolved), else k3 when TRL's use_bias_correction_kl is not true, else TRL's
+    meaning of it: k3 times the ratio its policy loss uses, k3_seq_ratio with gspo (TRL's importance_sampling_level=
+    sequence), k3_ratio otherwise."""
     if algo.kl_estimator is not None:
         return KL_ALIASES.get(algo.kl_estimator, algo.kl_estimator)
-    return "k3_ratio" if algo.use_bias_correction_kl else "k3"
+    if not algo.use_bias_correction_kl:
+        return "k3"
+    return "k3_seq_ratio" if algo.policy_loss == "gspo" else "k3_ratio"
 
 
 def per_token_loss(
@@ -150,7 +172,8 @@ def per_token_loss(
     logps, old_logps, ref_logps, mask: [N, T] per-token log-probs of the sampled tokens under the current, the
     rollout (old) and the reference policy, and the tokens that count (default all). advantages: [N] or [N, T].
     algo: the algorithm config (config.AlgorithmConfig). is_weights: [N, T] detached rollout-correction weights
-    (mismatch.ROLLOUT_CORRECTIONS) multiplying the policy loss, not the KL, as TRL does. Returns (loss [N, T], parts)
+    (mismatch.ROLLOUT_CORRECTIONS) multiplying the policy loss, not the KL, as TRL does (gspo: the gradient is the weighted
+    loss's, see gspo_loss). Returns (loss [N, T], parts)
     where parts holds `ratio`, `is_clipped` and, with beta > 0, `kl` ([N, T] each, detached).
     """
     mask = torch.ones_like(logps) if mask is None else mask
@@ -160,7 +183,7 @@ def per_token_loss(
     if algo.beta > 0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
-        kl = KL_ESTIMATORS[kl_estimator_name(algo)](logps, ref_logps, old_logps)
+        kl = KL_ESTIMATORS[kl_estimator_name(algo)](logps, ref_logps, old_logps, mask)
         loss = loss + algo.beta * kl
         parts["kl"] = kl.detach()
     return loss, parts
