@@ -109,3 +109,26 @@ def test_builtin_accuracy_compares_math():
 def test_latex_wrappers_match_without_math_verify(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # the optional extra not installed: import fails
     assert accuracy([""] * 2, ["<answer>4</answer>", "<answer>4</answer>"], ["$4$", "$\\boxed{5}$"]) == [1.0, 0.0]
+
+
+def test_module_reward_type_does_not_turn_trl_functions_into_easyr1(tmp_path):
+    """Issue 35 (small): a file with EasyR1's module-level REWARD_TYPE and a TRL-style function beside compute_score
+    turned both into EasyR1 rewards, so the TRL one failed when called. TRL's parameter names decide."""
+    path = tmp_path / "mixed_rewards.py"
+    path.write_text(
+        'REWARD_TYPE = "batch"\n\n\n'
+        "def compute_score(reward_inputs):\n"
+        '    return [{"overall": float(x["response"] == x["ground_truth"])} for x in reward_inputs]\n\n\n'
+        "def length_bonus(completions, **kwargs):\n"
+        "    return [len(c) / 10 for c in completions]\n\n\n"
+        "def first_is_prompts(prompts, completions_text):\n"
+        "    return [0.0 for _ in prompts]\n\n\n"
+        "def helper(batch):\n"
+        "    return [0.5 for _ in batch]\n"
+    )
+    trl_fn = load_reward(f"{path}:length_bonus")
+    assert trl_fn.__reward_kind__ == "trl"
+    assert load_reward(f"{path}:first_is_prompts").__reward_kind__ == "trl"
+    assert load_reward(f"{path}:compute_score").__reward_kind__ == "easyr1"
+    assert load_reward(f"{path}:helper").__reward_kind__ == "easyr1"  # neither TRL name: the module's flag holds
+    assert trl_fn(prompts=["p", "p"], completions=["abc", "abcdefghij"]) == [0.3, 1.0]

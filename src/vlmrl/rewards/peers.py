@@ -11,7 +11,8 @@ load, into that form; the user's file is not changed. A spec may name the kind a
 - ``easyr1``: ``compute_score(reward_inputs)`` (a batch: list of dicts) or ``compute_score(reward_input)`` (one
   dict; the module's ``REWARD_TYPE = "sequential"``), each input ``{"response", "response_length",
   "ground_truth"}``; returns floats or dicts whose ``overall`` is the reward (the other keys are logged as metrics).
-  Detected from the parameter name or the module's ``REWARD_TYPE``. ``file.py:compute_score(format_weight=0.2)``
+  Detected from the parameter name, or the module's ``REWARD_TYPE`` for a function that takes neither ``prompts``
+  first nor ``completions`` (TRL's names: such a function in the same file stays a TRL reward). ``file.py:compute_score(format_weight=0.2)``
   binds keyword arguments, as EasyR1's ``reward_function_kwargs``.
 - ``swift``: an ms-swift ORM class (instantiated once; its ``__call__(completions, **kwargs)`` gets string
   completions and the columns), or a name the plugin file registers in ``orms`` (``plugin.py:external_r1v_acc``).
@@ -49,10 +50,15 @@ def detect_kind(obj: Any, module: Any = None) -> str:
         return "swift"
     reward_type = getattr(module, "REWARD_TYPE", None) if module is not None else None
     try:
-        first = next(iter(inspect.signature(obj).parameters), None)
+        parameters = list(inspect.signature(obj).parameters)
     except (TypeError, ValueError):
-        first = None
-    if first in ("reward_inputs", "reward_input") or reward_type in ("batch", "sequential"):
+        parameters = []
+    first = parameters[0] if parameters else None
+    if first in ("reward_inputs", "reward_input"):
+        return "easyr1"
+    # TRL passes `completions` by name and EasyR1 never does: a module-level REWARD_TYPE (EasyR1's flag for the file's
+    # compute_score) does not make the file's TRL-style functions EasyR1 rewards.
+    if reward_type in ("batch", "sequential") and "completions" not in parameters and first != "prompts":
         return "easyr1"
     return "trl"
 
