@@ -207,3 +207,20 @@ def test_epochs_decide_max_steps(tiny_qwen25vl, tmp_path):
     resolved = epochs_as_steps(cfg, logged.append)
     assert resolved.training.max_steps == 8  # ceil(1.5 x 10 rows / 2 prompts per step)
     assert "training.max_steps=8" in logged[0]
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{{ content }} Think step by step.", "{% if x %}a{% endif %}{{ content }}", "Q: {{ content }}: answer in \\boxed{}", "{{content}}"],
+)
+def test_inline_template_on_the_command_line_is_taken_as_written(template):
+    """Issue 35 (small): a Jinja prompt template given inline (EasyR1's format_prompt as text) failed with a raw YAML
+    error. A text field takes it as written; the template then renders."""
+    cfg = load_config(None, [f"data.prompt_template={template}"])
+    assert cfg.data.prompt_template == template
+
+
+def test_override_yaml_error_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["training.max_steps=[1"])
+    assert "\n" not in str(e.value) and "training.max_steps" in str(e.value)

@@ -720,11 +720,37 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. rollout.num_generations=8")
     key, raw = text.split("=", 1)
+    key = key.strip()
+    # A Jinja template or free text given inline ({{ content }}, "Q: ...: answer") is not YAML: a text field takes it
+    # as written, as a .yaml file's quoted string would.
+    if _is_text_field(key) and ("{{" in raw or "{%" in raw or not _parses_as_scalar(raw)):
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: cannot parse the value: {e}") from None
-    return key.strip(), value
+        raise ConfigError(f"override {text!r}: cannot parse the value: {_one_line_yaml(e)}") from None
+    return key, value
+
+
+def _parses_as_scalar(raw: str) -> bool:
+    try:
+        return not isinstance(yaml.safe_load(raw), (dict, list))
+    except yaml.YAMLError:
+        return False
+
+
+def _one_line_yaml(error: yaml.YAMLError) -> str:
+    return " ".join(str(error).split())
+
+
+def _is_text_field(key: str) -> bool:
+    """`section.field` is annotated str or Optional[str] (not a list, dict or literal)."""
+    section, _, name = key.partition(".")
+    cls = SECTIONS.get(section)
+    if cls is None:
+        return False
+    tp = typing.get_type_hints(cls).get(name)
+    return tp is str or tp == Optional[str]
 
 
 def build_config(tree: dict[str, dict[str, Any]]) -> Config:
