@@ -144,16 +144,26 @@ def configured_processor(cfg: Config):
 def record_bad_rows(cfg: Config, split: str, report) -> str:
     """Every problem of the rows data.skip_bad_rows dropped, one JSON line each (``split``, ``source`` = file:line,
     ``field``, ``kind``, ``reason``), in output_dir/bad_rows.jsonl (rewritten per split each run, main process only).
-    Returns the text that points the report line to that file ('' when nothing was dropped)."""
+    Returns the text that points the report line to that file ('' when nothing was dropped).
+
+    The file is listed in output_dir's manifest as it is written: the preflight (and `vlmrl check`) read the data
+    before the run claims the folder, and the run must then take it as its own. A bad_rows.jsonl vlmrl did not
+    write is never replaced nor deleted (DataError)."""
     import json
 
-    path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
+    out = Path(cfg.training.output_dir)
+    path = out / "bad_rows.jsonl"
     if env_world()[1] == 0:
+        if (path.exists() or path.is_symlink()) and not is_owned(path):
+            raise DataError(
+                f"training.output_dir={out} holds bad_rows.jsonl, which vlmrl did not write but the dropped rows would be listed "
+                f"in; move it out of {out} or pick another training.output_dir"
+            )
         # The other split's lines stay (train and eval load one after the other); unreadable lines go.
         kept = [json.dumps(r, ensure_ascii=False) for r in read_jsonl(path) if isinstance(r, dict) and r.get("split") != split]
         lines = kept + [json.dumps({"split": split, **r}, ensure_ascii=False) for r in bad_rows_records(report)]
         if lines:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            record(out, [path.name])  # before writing: a kill in between leaves a listed name, never an unlisted file
             path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         elif path.exists():
             path.unlink()

@@ -1,0 +1,96 @@
+"""Issue 35, "Data in": what users of the peers meet first when they bring their own data.
+
+1. data.skip_bad_rows=true must not abort the run it was meant to save (bad_rows.jsonl is vlmrl's file).
+2. Multi-image rows as VLM-R1 / LLaVA ship them: ``"image": ["a.png", "b.png"]``.
+3. Several data files with their own image folders (VLM-R1's --data_file_paths a:b --image_folders A:B).
+4. Hub-style dataset folders, EasyR1's ``path::split`` on them, lists of data files, MM-EUREKA's rows.
+5. EasyR1's reward gets the ``answer_key`` column as ground truth, as EasyR1's loader gives it.
+"""
+
+import json
+import shutil
+
+import pytest
+
+from vlmrl import cli
+from vlmrl.data.tasks import make_count_task
+
+
+@pytest.fixture(scope="module")
+def count_data(tmp_path_factory):
+    return make_count_task(tmp_path_factory.mktemp("count"), n_train=8, n_test=4, seed=0, image_size=56)
+
+
+def run_args(model, train, out, *extra):
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_path={train}",
+        f"training.output_dir={out}",
+        "training.max_steps=1",
+        "rollout.num_generations=2",
+        "training.per_device_train_batch_size=4",
+        "rollout.max_completion_length=3",
+        "sft.projector_steps=0",
+        "sft.steps=1",
+        "sft.batch_size=4",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+        *extra,
+    ]
+
+
+# ---------------------------------------------------------------- 1. skip_bad_rows
+def with_bad_row(count_data, folder):
+    """The count task's training rows plus one row without a solution (a bad row)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(count_data["train"].parent / "images", folder / "images", dirs_exist_ok=True)
+    lines = count_data["train"].read_text().splitlines()
+    data = folder / "train.jsonl"
+    data.write_text("\n".join([*lines, '{"problem": "no solution here"}']) + "\n")
+    return data
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_skip_bad_rows_trains_and_lists_the_dropped_row(tiny_qwen25vl, count_data, tmp_path, capsys, command):
+    data = with_bad_row(count_data, tmp_path / "data")
+    out = tmp_path / "out"
+    base = run_args(tiny_qwen25vl, data, out, "data.skip_bad_rows=true")
+    assert cli.main(["check", *base]) == 0  # check lists the dropped rows too; the run then takes the folder
+    assert cli.main([command, *base]) == 0, capsys.readouterr().err
+    (record,) = [json.loads(x) for x in (out / "bad_rows.jsonl").read_text().splitlines()]
+    assert record["source"] == f"{data}:9" and record["field"] == "solution"
+    assert (out / "final").is_dir()
+    # Starting over in the same folder: the earlier run (its bad_rows.jsonl included) is vlmrl's to delete.
+    capsys.readouterr()
+    assert cli.main([command, *base, "training.overwrite_output_dir=true"]) == 0, capsys.readouterr().err
+    assert "deleted the earlier run" in capsys.readouterr().out
+    (record,) = [json.loads(x) for x in (out / "bad_rows.jsonl").read_text().splitlines()]
+    assert record["source"] == f"{data}:9"
+
+
+def test_a_users_bad_rows_file_is_never_replaced(count_data, tmp_path, capsys):
+    data = with_bad_row(count_data, tmp_path / "data")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bad_rows.jsonl").write_text("my own notes\n")
+    code = cli.main(["check", f"data.train_path={data}", f"training.output_dir={out}", "data.skip_bad_rows=true", "model.defaults=pretrained"])
+    assert code == 2 and "bad_rows.jsonl, which vlmrl did not write" in capsys.readouterr().err
+    assert (out / "bad_rows.jsonl").read_text() == "my own notes\n"
+
+
+def test_the_data_loader_itself_never_replaces_a_users_bad_rows_file(count_data, tmp_path):
+    from vlmrl.config import load_config
+    from vlmrl.data.rows import DataError
+    from vlmrl.run.datasets import load_datasets
+
+    data = with_bad_row(count_data, tmp_path / "data")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bad_rows.jsonl").write_text("my own notes\n")
+    cfg = load_config(None, [f"data.train_path={data}", f"training.output_dir={out}", "data.skip_bad_rows=true"])
+    with pytest.raises(DataError, match="holds bad_rows.jsonl, which vlmrl did not write"):
+        load_datasets(cfg)
+    assert (out / "bad_rows.jsonl").read_text() == "my own notes\n"
