@@ -94,3 +94,69 @@ def test_the_data_loader_itself_never_replaces_a_users_bad_rows_file(count_data,
     with pytest.raises(DataError, match="holds bad_rows.jsonl, which vlmrl did not write"):
         load_datasets(cfg)
     assert (out / "bad_rows.jsonl").read_text() == "my own notes\n"
+
+
+# ---------------------------------------------------------------- 2. multi-image `image` lists
+GUI_QUESTION = "You are tasked with identifying any UI Interaction Defects using the user action and two screenshots (before and after the action)."
+
+
+def gui_multi_image(folder, n=3):
+    """VLM-R1's gui_multi-image.jsonl as published: `id`, `image` a list of two screenshots (relative to
+    --image_folders), `conversations` with one human turn (no <image> placeholder) and one gpt turn."""
+    from peer_files import draw
+
+    images = folder / "images" / "gui_multi-image"
+    rows = []
+    for i in range(n):
+        before, after = f"GOOGLE_APPS-{i}_1.png", f"GOOGLE_APPS-{i}_2.png"
+        draw(images / before, 1)
+        draw(images / after, 2)
+        answer = "Operation No Response" if i % 2 else "Unexpected Task Result"
+        rows.append(
+            {"id": i + 1, "image": [before, after], "conversations": [{"from": "human", "value": GUI_QUESTION}, {"from": "gpt", "value": answer}]}
+        )
+    data = folder / "data_jsonl" / "gui_multi-image.jsonl"
+    data.parent.mkdir(parents=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data, images
+
+
+def test_vlm_r1_multi_image_rows_are_read_as_shipped(tmp_path):
+    from vlmrl.data.formats import prompt_messages_of
+    from vlmrl.data.rows import load_dataset_split
+
+    data, images = gui_multi_image(tmp_path)
+    rows, report = load_dataset_split(data, limit_images=None, skip_bad_rows=False, image_roots=[str(images)])
+    assert report.format == "vlm-r1 conversations" and report.num_images == 6
+    first = rows[0]
+    # VLM-R1's loader: image_path = [join(image_folder, p) for p in image], both screenshots in order, before the text.
+    assert first["images"] == [str(images / "GOOGLE_APPS-0_1.png"), str(images / "GOOGLE_APPS-0_2.png")]
+    assert first["image_path"] == first["images"] and first["solution"] == "<answer> Unexpected Task Result </answer>"
+    (turn,) = prompt_messages_of(first, 2, 0)
+    assert [b["type"] for b in turn["content"]] == ["image", "image", "text"]
+
+
+def test_an_image_list_mapped_with_data_columns_images(tmp_path):
+    from vlmrl.data.rows import load_dataset_split
+
+    data, images = gui_multi_image(tmp_path)
+    rows, _ = load_dataset_split(data, limit_images=None, skip_bad_rows=False, image_roots=[str(images)], columns={"images": "image"})
+    assert rows[1]["images"] == [str(images / "GOOGLE_APPS-1_1.png"), str(images / "GOOGLE_APPS-1_2.png")]
+    # LLaVA / MoE-LLaVA JSON with a list under `image` and a `problem`/`solution` pair read the same way.
+    llava = tmp_path / "llava.json"
+    llava.write_text(json.dumps([{"image": ["images/gui_multi-image/GOOGLE_APPS-0_1.png"], "problem": "q", "solution": "a"}]))
+    (row,), _ = load_dataset_split(llava, limit_images=None, skip_bad_rows=False)
+    assert row["images"] == [str(images / "GOOGLE_APPS-0_1.png")]
+
+
+def test_an_image_that_is_neither_a_path_nor_a_list_is_still_a_bad_row(tmp_path):
+    from vlmrl.data.rows import DataError, load_dataset_split
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        json.dumps({"image": 7, "problem": "q", "solution": "a"}) + "\n" + json.dumps({"image": ["a.png", 3], "problem": "q", "solution": "a"}) + "\n"
+    )
+    with pytest.raises(DataError) as e:
+        load_dataset_split(data, limit_images=None, skip_bad_rows=False)
+    assert f"{data}:1: image: expected a path string or a list of them, got int" in str(e.value)
+    assert f"{data}:2: image: item 1 is int, expected a path string" in str(e.value)

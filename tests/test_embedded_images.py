@@ -107,7 +107,10 @@ def test_corrupt_and_empty_embedded_images_are_reported_with_their_row(tmp_path,
     text = str(e.value)
     assert f"{tmp_path / 'mixed.parquet'}:row 1: image: cannot read image" in text
     assert f"{tmp_path / 'mixed.parquet'}:row 2: row: image: embedded image has no bytes" in text
-    assert f"{tmp_path / 'mixed.parquet'}:row 3: image: expected a path string, got an image struct with neither bytes nor path" in text
+    assert (
+        f"{tmp_path / 'mixed.parquet'}:row 3: image: expected a path string or a list of them, got an image struct with neither bytes nor path"
+        in text
+    )
     assert "row 0" not in text
 
 

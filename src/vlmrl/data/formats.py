@@ -85,15 +85,22 @@ def _layouts_for(row: dict) -> list[str]:
     return [{"prompt": "trl", "messages": "messages", "conversations": "conversations"}[k] for k in PROMPT_COLUMNS if row.get(k) is not None]
 
 
+# The two names of one row field: mapping one onto the other moves the column (both set would be a conflict).
+TWIN_COLUMNS = {"image": "images", "images": "image", "video": "videos", "videos": "video"}
+
+
 def apply_columns(row: dict, columns: dict[str, str]) -> dict:
     """`row` with data.columns applied: ``{"problem": "question"}`` copies the ``question`` column to ``problem``
-    (the original column stays, for reward functions that read it)."""
+    (the original column stays, for reward functions that read it). ``{"images": "image"}`` moves the column: a row
+    with both ``image`` and ``images`` is refused as ambiguous."""
     if not columns:
         return row
     out = dict(row)
     for target, source in columns.items():
         if source in row:
             out[target] = row[source]
+            if TWIN_COLUMNS.get(target) == source:
+                out.pop(source, None)
     return out
 
 

@@ -4,7 +4,8 @@ Row format (JSONL / JSON / Parquet / a ``datasets.save_to_disk`` folder, one row
 
     {"image": "images/0001.png", "problem": "How many ...?", "solution": "3", "response": "<answer>3</answer>"}
 
-- ``image`` (one path) or ``images`` (a list of paths). Relative paths resolve against the folder that
+- ``image`` (one path, or a list of paths as VLM-R1's and LLaVA's multi-image rows give it) or ``images`` (a list of
+  paths). Relative paths resolve against the folder that
   holds the data file (for a ``save_to_disk`` folder: the folder that holds that folder); absolute paths
   are used as they are. A row with no image (key absent, ``null`` or ``[]``) is a text-only prompt and is
   allowed; the report counts them. Giving both ``image`` and ``images`` is an error (which one wins would
@@ -635,30 +636,30 @@ def _solution_as_text(value: Any) -> tuple[str | None, str | None]:
 
 def _image_list(row: dict, bad) -> tuple[list[str] | None, str]:
     """(the row's image paths as given, the field they came from); None paths when they are unusable
-    (the reason is reported via `bad`)."""
+    (the reason is reported via `bad`). ``image`` holds one path or, as VLM-R1's multi-image JSONL and LLaVA's data
+    ship it, a list of paths; ``images`` holds a list."""
     single, many = row.get("image"), row.get("images")
     if single is not None and many is not None:
         bad("image", "both 'image' and 'images' are set; use one", "wrong_type")
         return None, "image"
-    if single is not None:
-        if not isinstance(single, str):
-            bad("image", f"expected a path string, got {_describe_image_value(single)}", "wrong_type")
-            return None, "image"
+    if isinstance(single, str):
         return [single], "image"
-    if many is None:
+    key, value = ("image", single) if single is not None else ("images", many)
+    if value is None:
         return [], "images"
-    if not isinstance(many, (list, tuple)):
-        bad("images", f"expected a list of path strings, got {_type_name(many)}", "wrong_type")
-        return None, "images"
-    wrong = [i for i, p in enumerate(many) if not isinstance(p, str)]
+    if not isinstance(value, (list, tuple)):
+        expected = "a path string or a list of them" if key == "image" else "a list of path strings"
+        bad(key, f"expected {expected}, got {_describe_image_value(value)}", "wrong_type")
+        return None, key
+    wrong = [i for i, p in enumerate(value) if not isinstance(p, str)]
     if wrong:
-        bad("images", f"item {wrong[0]} is {_describe_image_value(many[wrong[0]])}, expected a path string", "wrong_type")
-        return None, "images"
-    empty = [i for i, p in enumerate(many) if not p.strip()]
+        bad(key, f"item {wrong[0]} is {_describe_image_value(value[wrong[0]])}, expected a path string", "wrong_type")
+        return None, key
+    empty = [i for i, p in enumerate(value) if not p.strip()]
     if empty:
-        bad("images", f"item {empty[0]} is an empty path", "empty_field")
-        return None, "images"
-    return list(many), "images"
+        bad(key, f"item {empty[0]} is an empty path", "empty_field")
+        return None, key
+    return list(value), key
 
 
 # A row's `video` given as a path with one of these suffixes is decoded with PyAV (video.py); a list of paths is its frames.
