@@ -160,3 +160,76 @@ def test_an_image_that_is_neither_a_path_nor_a_list_is_still_a_bad_row(tmp_path)
         load_dataset_split(data, limit_images=None, skip_bad_rows=False)
     assert f"{data}:1: image: expected a path string or a list of them, got int" in str(e.value)
     assert f"{data}:2: image: item 1 is int, expected a path string" in str(e.value)
+
+
+# ---------------------------------------------------------------- 3. several data files, each with its image folder
+def two_vlm_r1_files(folder):
+    """Two VLM-R1 JSONL files whose rows both name `0001.png`, each relative to its own image folder (different
+    pictures: 1 and 3 red squares), as --data_file_paths a:b --image_folders A:B trains them."""
+    from peer_files import draw
+
+    files, folders = [], []
+    for name, count in (("a", 1), ("b", 3)):
+        images = folder / f"images_{name}"
+        draw(images / "0001.png", count)
+        row = {"id": 1, "image": "0001.png", "conversations": [{"from": "human", "value": "<image>How many?"}, {"from": "gpt", "value": str(count)}]}
+        data = folder / f"{name}.jsonl"
+        data.write_text(json.dumps(row) + "\n")
+        files.append(data)
+        folders.append(images)
+    return files, folders
+
+
+def test_vlm_r1_data_files_keep_their_own_image_folders_after_convert(tmp_path):
+    """VLM-R1's grpo_jsonl.py joins each file's image paths with the folder at the same position; the converted
+    config must train every file, each row on the image VLM-R1 would load."""
+    import yaml
+
+    from vlmrl.config import load_config
+    from vlmrl.run.datasets import load_datasets
+
+    (a, b), (A, B) = two_vlm_r1_files(tmp_path)
+    out = tmp_path / "run.yaml"
+    launch = ["--data_file_paths", f"{a}:{b}", "--image_folders", f"{A}:{B}", "--model_name_or_path", "/models/x"]
+    assert cli.main(["convert", "--from", "vlm-r1", "-o", str(out), *launch]) == 0
+    settings = yaml.safe_load(out.read_text())["data"]
+    assert settings["train_path"] == [str(a), str(b)] and settings["image_root"] == [str(A), str(B)]
+    cfg = load_config(str(out), [f"training.output_dir={tmp_path / 'o'}", "model.name_or_path=embedded:tiny-qwen2.5-vl"])
+    rows = load_datasets(cfg).train
+    assert [(r["_source"], r["images"]) for r in rows] == [(f"{a}:1", [str(A / "0001.png")]), (f"{b}:1", [str(B / "0001.png")])]
+
+
+def test_an_image_in_two_image_roots_is_refused_not_guessed(tmp_path, capsys):
+    (a, _), (A, B) = two_vlm_r1_files(tmp_path)
+    code = cli.main(["check", f"data.train_path={a}", f"data.image_root=[{A},{B}]", f"training.output_dir={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{a}:1: image '0001.png' is in two data.image_root folders with different content ({A / '0001.png'} and {B / '0001.png'})" in err
+    assert "data.train_path=[a.jsonl, b.jsonl] data.image_root=[A, B]" in err
+    # The same bytes in both folders are the same image: nothing to guess.
+    shutil.copy(A / "0001.png", B / "0001.png")
+    assert cli.main(["check", f"data.train_path={a}", f"data.image_root=[{A},{B}]", f"training.output_dir={tmp_path / 'o'}"]) == 0
+
+
+def test_several_data_files_with_a_different_number_of_image_folders_are_refused(tmp_path, capsys):
+    (a, b), (A, B) = two_vlm_r1_files(tmp_path)
+    code = cli.main(["check", f"data.train_path=[{a},{b}]", f"data.image_root=[{A},{B},{A}]", f"training.output_dir={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.image_root has 3 folders for the 2 data files of data.train_path" in err, err
+
+
+def test_a_list_of_data_files_is_fingerprinted_and_guarded_like_one(tmp_path):
+    from vlmrl.checkpoints.fingerprints import run_fingerprints
+    from vlmrl.checkpoints.run_manifest import output_dir_problem
+    from vlmrl.config import load_config
+
+    (a, b), _ = two_vlm_r1_files(tmp_path)
+    cfg = load_config(None, [f"data.train_path=[{a},{b}]", f"training.output_dir={tmp_path / 'out'}"])
+    before = run_fingerprints(cfg)["data.train_path"]
+    b.write_text(b.read_text().replace('"3"', '"4"'))  # the second file changed: a resume must notice
+    assert run_fingerprints(cfg)["data.train_path"] != before
+    inside = tmp_path / "out" / "c.jsonl"
+    inside.parent.mkdir()
+    inside.write_text(a.read_text())
+    cfg = load_config(None, [f"data.train_path=[{a},{inside}]", f"training.output_dir={tmp_path / 'out'}"])
+    assert output_dir_problem(cfg).startswith(f"data.train_path[1]={inside} lies inside training.output_dir")

@@ -488,8 +488,9 @@ def validate_rows(
     Images are also checked the way training will use them: one with more than ``max_image_pixels`` pixels
     (read from the header, before decoding) is an ``image_too_large`` problem, and ``shape_check`` (see
     `processing.ImageShapeCheck`) turns sizes the model's processor rejects into ``image_shape`` problems.
-    ``image_roots`` (data.image_root): relative image paths resolve against the first of these folders that holds
-    the file (the first one when none does), instead of the data file's folder. A prompt whose ``<image>`` /
+    ``image_roots`` (data.image_root): relative image paths resolve against the one of these folders that holds
+    the file (the first one when none does), instead of the data file's folder; a file in two of them with different
+    content is refused (DataError). A prompt whose ``<image>`` /
     ``<video>`` placeholders do not match its images is a ``placeholder_mismatch`` problem.
     """
     if limit_images is not None and limit_images < 1:
@@ -546,7 +547,10 @@ def _missing_hint(report: ValidationReport) -> str:
     fields_missing = sorted({p.field for p in report.problems if p.kind == "missing_field"})
     if not fields_missing:
         if any(p.kind == "missing_image" for p in report.problems):
-            return "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders). "
+            return (
+                "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders; "
+                "one folder per data file, in order, with data.train_path=[a.jsonl, b.jsonl]). "
+            )
         return ""
     return (
         f"A prompt comes from problem, prompt, messages or conversations; name your own columns with "
@@ -596,14 +600,14 @@ def _check_structure(
         if limit_images is not None and len(images) > limit_images:
             dropped = len(images) - limit_images
             images = images[:limit_images]
-        out["images"] = [_resolve(p, base, roots) for p in images]
+        out["images"] = [_resolve(p, base, roots, source) for p in images]
     else:
         out["images"] = []
     videos = _video_list(row, bad)
     if videos is not None:
         _check_placeholders(row, "video", len(videos), bad)
     out.pop("video", None)
-    out["videos"] = [[_resolve(p, base, roots) for p in v] if isinstance(v, list) else _resolve(v, base, roots) for v in videos or []]
+    out["videos"] = [[_resolve(p, base, roots, source) for p in v] if isinstance(v, list) else _resolve(v, base, roots, source) for v in videos or []]
     return out, problems, image_field, dropped
 
 
@@ -724,16 +728,36 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _resolve(path: str, base: Path, roots: list[Path] | None = None) -> str:
-    """An absolute path: as given, or relative to the data file's folder, or (data.image_root) to the first root
-    that holds it (the first root when none does, so the error names a place the user chose)."""
+def _resolve(path: str, base: Path, roots: list[Path] | None = None, source: str = "?") -> str:
+    """An absolute path: as given, or relative to the data file's folder, or (data.image_root) to the root that holds
+    it (the first root when none does, so the error names a place the user chose). A path held by two roots with
+    different content raises DataError: which image the row means would be a guess (VLM-R1 pairs each data file with
+    its own folder)."""
     p = Path(path).expanduser()
     if p.is_absolute():
         return os.path.abspath(p)
     if roots:
-        found = next((r / p for r in roots if (r / p).exists()), roots[0] / p)
-        return os.path.abspath(found)
+        holders = [r / p for r in roots if (r / p).exists()]
+        different = [h for h in holders[1:] if not _same_content(holders[0], h)]
+        if different:
+            raise DataError(
+                f"{source}: image {path!r} is in two data.image_root folders with different content ({holders[0]} and {different[0]}); "
+                "which one the row means would be a guess. Pair each data file with its own folder, in order: "
+                "data.train_path=[a.jsonl, b.jsonl] data.image_root=[A, B] (as VLM-R1's --data_file_paths / --image_folders), "
+                "or give one folder"
+            )
+        return os.path.abspath(holders[0] if holders else roots[0] / p)
     return os.path.abspath(base / p)
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether two paths hold the same file or byte-equal files (then either one is the row's image)."""
+    import filecmp
+
+    try:
+        return os.path.samefile(a, b) or (a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False))
+    except OSError:
+        return False
 
 
 def _frame_paths(videos: list) -> list[str]:
@@ -1079,6 +1103,45 @@ def load_dataset_split(
     if label.startswith("vlm-r1"):  # VLM-R1's rewards read the resolved image paths as `image_path`
         good = [{**row, "image_path": list(row["images"])} for row in good]
     return good, report
+
+
+def data_files(value: str | list[str] | tuple[str, ...]) -> list[str]:
+    """data.train_path as a list of data files: one string is one file (or pattern, folder, ``path::split``)."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+def roots_per_file(files: list[str], image_root: str | list[str] | tuple[str, ...], field: str = "data.train_path") -> list[list[str] | None]:
+    """The image folders each data file's relative paths resolve against (data.image_root): one folder for every file;
+    with several data files and as many folders, each file its own folder, paired by position as VLM-R1 pairs
+    --data_file_paths with --image_folders; one data file and several folders: the folder that holds each image.
+    DataError for several files with a different number of folders (the pairing would be a guess)."""
+    roots = [image_root] if isinstance(image_root, str) else [r for r in image_root]
+    roots = [r for r in roots if r]
+    if not roots:
+        return [None] * len(files)
+    if len(roots) == 1 or len(files) == 1:
+        return [roots] * len(files)
+    if len(roots) != len(files):
+        raise DataError(
+            f"data.image_root has {len(roots)} folders for the {len(files)} data files of {field}: give one folder for all of them, "
+            "or one per data file in the same order (as VLM-R1's --image_folders pairs with --data_file_paths)"
+        )
+    return [[r] for r in roots]
+
+
+def merge_reports(reports: list[ValidationReport], names: list[str]) -> ValidationReport:
+    """One report for several data files read one after the other (counts added, problems in file order)."""
+    if len(reports) == 1:
+        return reports[0]
+    out = ValidationReport()
+    for rep in reports:
+        for key in ("total_rows", "kept_rows", "skipped_rows", "truncated_rows", "dropped_images", "text_only_rows", "num_images", "num_videos"):
+            setattr(out, key, getattr(out, key) + getattr(rep, key))
+        out.problems += rep.problems
+        out.image_sizes.update(rep.image_sizes)
+    labels = list(dict.fromkeys(rep.format for rep in reports))
+    out.format = labels[0] if len(labels) == 1 else ", ".join(f"{rep.format} ({name})" for rep, name in zip(reports, names))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

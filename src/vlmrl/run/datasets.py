@@ -13,7 +13,17 @@ from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
 from vlmrl.checkpoints.run_manifest import is_owned, record
 from vlmrl.config import replace, to_dict
-from vlmrl.data.rows import DataError, bad_rows_records, load_dataset_split, load_images, load_video, shared_image_cache
+from vlmrl.data.rows import (
+    DataError,
+    bad_rows_records,
+    data_files,
+    load_dataset_split,
+    load_images,
+    load_video,
+    merge_reports,
+    roots_per_file,
+    shared_image_cache,
+)
 from vlmrl.data.tasks import TASKS
 from vlmrl.data.video import VideoError
 from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, ImageShapeCheck, build_row_prompt, encode_prompts, load_processor, video_support
@@ -83,12 +93,13 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     train_rows: list[dict] = []
     prompts = None
     if need_train:
-        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
-        train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, train_path)
-        reports.append(f"train {train_path}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
+        train_rows, rep = load_data_files(train_path, "data.train_path", cfg, checks, layout)
+        shown = ", ".join(data_files(train_path))
+        train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, shown)
+        reports.append(f"train {shown}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
+        eval_rows, rep = load_data_files(eval_path, "data.eval_path", cfg, checks, layout)
         eval_rows, _ = apply_prompt_budget(processor, cfg, eval_rows, rep, eval_path)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
@@ -97,9 +108,23 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     return Datasets(train=train_rows, eval=eval_rows, reports=reports, prompts=prompts)
 
 
+def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) -> tuple[list[dict], object]:
+    """The validated rows of data.train_path / data.eval_path (one data file or a list of them, read in order, each with
+    its own data.image_root folder when there are as many: rows.roots_per_file) and one report for them all."""
+    d = cfg.data
+    files = data_files(value)
+    rows: list[dict] = []
+    reports = []
+    for file, roots in zip(files, roots_per_file(files, d.image_root, field)):
+        got, rep = load_dataset_split(file, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, image_roots=roots, **checks, **layout)
+        rows += got
+        reports.append(rep)
+    return rows, merge_reports(reports, files)
+
+
 def data_layout_options(cfg: Config) -> dict:
-    """How data files are read (formats.py): data.format, data.columns, data.image_root, data.prompt_template (a
-    .jinja file's text, or the template itself)."""
+    """How data files are read (formats.py): data.format, data.columns, data.prompt_template (a .jinja file's text, or
+    the template itself). data.image_root is per data file (load_data_files)."""
     d = cfg.data
     template = d.prompt_template
     if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
@@ -107,8 +132,7 @@ def data_layout_options(cfg: Config) -> dict:
         if not path.is_file():
             raise DataError(f"data.prompt_template: file not found: {path}")
         template = path.read_text(encoding="utf-8")
-    roots = [d.image_root] if isinstance(d.image_root, str) else list(d.image_root)
-    return {"layout": d.format, "columns": dict(d.columns), "image_roots": [r for r in roots if r] or None, "prompt_template": template or None}
+    return {"layout": d.format, "columns": dict(d.columns), "prompt_template": template or None}
 
 
 def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vlmrl.config import ConfigError
-from vlmrl.checkpoints.run_manifest import LOCK_FILE, MANIFEST_FILE, forget, foreign_names, is_owned, owned_names
+from vlmrl.checkpoints.run_manifest import LOCK_FILE, MANIFEST_FILE, data_inputs, forget, foreign_names, is_owned, owned_names
 
 KEPT = {LOCK_FILE, MANIFEST_FILE, "data", "bad_rows.jsonl"}
 TRASH_PREFIX = ".vlmrl-overwritten-"
@@ -51,7 +51,7 @@ def entries_to_delete(output_dir: str | Path) -> list[Path]:
 
 def _inputs(cfg) -> dict[str, str]:
     """The run's own inputs that must survive the overwrite: {config key: path}."""
-    items = {"model.name_or_path": cfg.model.name_or_path, "data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg), "data.eval_path": cfg.data.eval_path}
     if cfg.training.resume not in ("auto", "never"):
         items["training.resume"] = cfg.training.resume
     return {k: v for k, v in items.items() if v}
