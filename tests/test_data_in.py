@@ -233,3 +233,137 @@ def test_a_list_of_data_files_is_fingerprinted_and_guarded_like_one(tmp_path):
     inside.write_text(a.read_text())
     cfg = load_config(None, [f"data.train_path=[{a},{inside}]", f"training.output_dir={tmp_path / 'out'}"])
     assert output_dir_problem(cfg).startswith(f"data.train_path[1]={inside} lies inside training.output_dir")
+
+
+# ---------------------------------------------------------------- 4. hub-style folders, file lists, MM-EUREKA rows
+def geometry3k(folder):
+    """A downloaded hub dataset as `huggingface-cli download hiyouga/geometry3k --repo-type dataset` leaves it:
+    data/{train,validation,test}-00000-of-00001.parquet with embedded images, `problem` with <image>, `answer`; the
+    rows also carry a `ground_truth` column (the choice letter) beside the numeric `answer`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from peer_files import draw
+
+    (folder / "data").mkdir(parents=True)
+    for split, n in (("train", 3), ("validation", 2), ("test", 2)):
+        table = pa.table(
+            {
+                "images": [[{"bytes": draw(None, 1 + i), "path": None}] for i in range(n)],
+                "problem": [f"<image>Find x. ({split} {i})" for i in range(n)],
+                "answer": [f"{7 + i}.1" for i in range(n)],
+                "ground_truth": ["B"] * n,
+            }
+        )
+        pq.write_table(table, folder / "data" / f"{split}-00000-of-00001.parquet")
+    (folder / "README.md").write_text("---\nconfigs: [...]\n---\n")
+    return folder
+
+
+def data_cfg(tmp_path, *extra):
+    from vlmrl.config import load_config
+
+    return load_config(None, [f"training.output_dir={tmp_path / 'out'}", *extra])
+
+
+@pytest.mark.parametrize("notation", ["{d}", "{d}::train", "{d}@train", "{d}/data", "{d}/data::train"])
+def test_a_downloaded_hub_dataset_folder_is_read_as_its_train_split(tmp_path, notation):
+    from vlmrl.run.datasets import load_datasets
+
+    folder = geometry3k(tmp_path / "geometry3k")
+    cfg = data_cfg(tmp_path, "data.train_path=" + notation.format(d=folder), f"data.eval_path={folder}@test")
+    data = load_datasets(cfg)
+    assert [r["problem"] for r in data.train] == [f"<image>Find x. (train {i})" for i in range(3)]
+    assert [r["problem"] for r in data.eval] == [f"<image>Find x. (test {i})" for i in range(2)]
+    assert data.train[0]["_source"].startswith(str(folder / "data" / "train-00000-of-00001.parquet"))
+
+
+def test_evaluation_on_a_hub_folder_names_its_split(tmp_path, capsys):
+    folder = geometry3k(tmp_path / "geometry3k")
+    code = cli.main(["check", f"data.train_path={folder}", f"data.eval_path={folder}", f"training.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{folder}: holds splits test, train, validation; pick one with {folder}::<split> (EasyR1: {folder}@<split>)" in err, err
+
+
+def test_a_hub_id_without_a_local_folder_names_the_field_and_the_download(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["check", "data.train_path=hiyouga/math12k::train", f"training.output_dir={tmp_path / 'out'}"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and line.startswith("vlmrl check: data.train_path=hiyouga/math12k::train: hiyouga/math12k: no such file or folder"), line
+    assert "nothing is downloaded at run time" in line
+    assert "huggingface-cli download hiyouga/math12k --repo-type dataset --local-dir math12k" in line and "math12k::train" in line
+
+
+def test_a_list_of_data_files_is_read_in_order(tmp_path):
+    from vlmrl.run.datasets import load_datasets
+
+    (a, b), (A, B) = two_vlm_r1_files(tmp_path)
+    data = load_datasets(data_cfg(tmp_path, f"data.train_path=[{a},{b}]", f"data.image_root=[{A},{B}]"))
+    assert [r["solution"] for r in data.train] == ["<answer> 1 </answer>", "<answer> 3 </answer>"]
+    assert data.reports[0].startswith(f"train {a}, {b}: format vlm-r1 conversations: 2 of 2 rows kept")
+
+
+def mm_eureka(folder, n=2):
+    """MM-EUREKA's JSONL as its README gives it: `id`, `message` (the turns as a JSON string, the image inline as a
+    file:// URI with an absolute path), `answer`."""
+    from peer_files import draw
+
+    rows = []
+    for i in range(n):
+        image = folder / "images" / f"{i}.jpg"
+        draw(image, 1 + i)
+        turns = [{"role": "user", "content": [{"type": "image", "image": f"file://{image}"}, {"type": "text", "text": "How many red squares?"}]}]
+        rows.append({"id": str(i), "message": json.dumps(turns), "answer": str(1 + i)})
+    data = folder / "mm_eureka.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def test_mm_eureka_rows_are_read_as_shipped(tmp_path, capsys):
+    from vlmrl.data.formats import prompt_messages_of
+    from vlmrl.data.rows import load_dataset_split
+
+    data = mm_eureka(tmp_path)
+    rows, report = load_dataset_split(data, limit_images=None, skip_bad_rows=False)
+    assert report.format == "messages" and [r["solution"] for r in rows] == ["1", "2"]
+    assert rows[1]["images"] == [str(tmp_path / "images" / "1.jpg")]
+    (turn,) = prompt_messages_of(rows[1], 1, 0)
+    assert turn["content"] == [{"type": "image"}, {"type": "text", "text": "How many red squares?"}]
+    assert cli.main(["check", f"data.train_path={data}", f"training.output_dir={tmp_path / 'out'}"]) == 0, capsys.readouterr().err
+
+
+def test_a_message_column_of_plain_text_stays_an_extra_column(tmp_path):
+    from vlmrl.data.rows import load_dataset_split
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"problem": "2+2?", "solution": "4", "message": "hello"}) + "\n")
+    (row,), report = load_dataset_split(data, limit_images=None, skip_bad_rows=False)
+    assert report.format == "vlmrl" and row["message"] == "hello" and row["problem"] == "2+2?"
+
+
+# ---------------------------------------------------------------- 5. EasyR1's ground truth is its answer_key column
+def test_easyr1_reward_grades_against_the_answer_column_as_easyr1_does(tmp_path, capsys):
+    from pathlib import Path
+
+    from vlmrl.rewards.functions import compute_rewards
+    from vlmrl.rewards.scoring import load_reward_funcs, reward_columns
+    from vlmrl.run.datasets import load_datasets
+
+    folder = geometry3k(tmp_path / "geometry3k")
+    reward = f"{Path(__file__).parent / 'peers' / 'easyr1_sequential.py'}:compute_score"  # ground_truth in response
+    base = [f"data.train_path={folder}@train", f"algorithm.reward_funcs=[{reward}]"]
+
+    def scores(*extra, texts):
+        cfg = data_cfg(tmp_path, *base, *extra)
+        rows = load_datasets(cfg).train[:2]
+        funcs, weights = load_reward_funcs(cfg)
+        _, per = compute_rewards(funcs, weights, ["q"] * 2, texts, reward_columns(rows, 1))
+        return per["compute_score"]
+
+    # EasyR1: ground_truth = example.pop(answer_key), answer_key "answer" -> "7.1", "8.1"; the data's "B" is not it.
+    assert scores(texts=["x = 7.1", "x = 8.1"]) == [1.0, 1.0]
+    assert scores(texts=["B", "B"]) == [0.0, 0.0]
+    # EasyR1's data.answer_key=ground_truth (vlmrl convert writes it as data.columns.solution) picks that column.
+    assert scores("data.columns.solution=ground_truth", texts=["B", "8.1"]) == [1.0, 0.0]
+    assert cli.main(["check", *base, f"training.output_dir={tmp_path / 'out'}"]) == 0
+    err = capsys.readouterr().err
+    assert "ground_truth=answer: the 'answer' column, EasyR1's data.answer_key; the data's own 'ground_truth' column is not it" in err

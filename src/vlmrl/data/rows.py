@@ -46,9 +46,11 @@ from typing import Any, Callable, Iterator
 from PIL import Image
 
 import vlmrl.data.strict_json as strict_json
+from vlmrl.data.locate import SPLIT_SEP, hub_splits, is_saved_dataset, missing_path_message, split_path
+
+__all__ = ["SPLIT_SEP", "split_path"]  # re-exported: callers read data paths through rows
 
 MAX_LISTED_PROBLEMS = 20
-SPLIT_SEP = "::"
 # PIL's decompression-bomb guard, read once at import: the default of data.max_image_pixels.
 DEFAULT_MAX_IMAGE_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
 # (original width, height) -> why the model's processor cannot take an image of that size, or None.
@@ -63,25 +65,27 @@ class DataError(ValueError):
 # Loading rows
 
 
-def split_path(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """``"data/ds::train"`` -> (Path("data/ds"), "train"); a path without ``::`` has no split."""
-    text = os.fspath(path)
-    if SPLIT_SEP in text:
-        base, split = text.rsplit(SPLIT_SEP, 1)
-        return Path(base), split or None
-    return Path(text), None
+class MissingData(DataError):
+    """The data path does not exist (the caller adds which config field named it)."""
 
 
 def load_rows(
-    path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False, image_cache: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    split: str | None = None,
+    *,
+    keep_malformed: bool = False,
+    image_cache: str | os.PathLike | None = None,
+    default_split: str | None = None,
 ) -> list[dict]:
     """All rows of a data file as dicts, each with ``_source`` for messages.
 
     Formats: ``.jsonl`` (one object per line; blank lines are ignored), ``.json`` (a list of objects, or
     ``{"data": [...]}``; a ``.json`` file holding JSON lines, as ``Dataset.to_json`` writes, is read as
     JSONL), ``.parquet``, or a ``datasets.save_to_disk`` folder (a DatasetDict needs a split:
-    ``split=`` or ``path::split``). A pattern in the file name (``data/train-*.parquet``) reads every
-    matching file in name order. Rows are returned as read; `validate_rows` checks them.
+    ``split=`` or ``path::split``; EasyR1's ``path@split`` too), or a hub-style dataset folder (split files in the
+    folder or its ``data/``: locate.py; without a split ``default_split`` is read, else the splits are listed). A
+    pattern in the file name (``data/train-*.parquet``) reads every matching file in name order. Rows are returned as
+    read; `validate_rows` checks them.
 
     A malformed JSONL line or a row that is not an object raises DataError naming the file and line,
     unless ``keep_malformed``: then it becomes ``{"_source": ..., "_malformed": reason}`` so that
@@ -98,33 +102,40 @@ def load_rows(
     if any(ch in path.name for ch in "*?[") and split is None:
         return _load_shards(path, keep_malformed, cache)
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
+        raise MissingData(missing_path_message(path, split))
     if path.is_dir():
         metadata = imagefolder_metadata(path)
         if metadata is not None:
             if split is not None:
                 raise DataError(f"{path}: an imagefolder has no splits; drop {SPLIT_SEP}{split}")
             return load_rows(metadata, keep_malformed=keep_malformed, image_cache=cache)
+        splits = {} if is_saved_dataset(path) else hub_splits(path)
+        if splits:
+            return _load_hub_split(path, splits, split or default_split, keep_malformed, cache)
         rows = _load_from_disk(path, split, cache)
     else:
         if split is not None:
-            raise DataError(f"{path}: a split ({split!r}) only applies to a datasets.save_to_disk folder")
-        suffix = path.suffix.lower()
-        if path.name in IMAGEFOLDER_METADATA:
-            rows = [spill_embedded_images(row, cache) for row in _imagefolder_rows(path)]
-        elif suffix == ".jsonl":
-            rows = [spill_embedded_images(row, cache) for row in _load_jsonl(path)]  # data: URIs
-        elif suffix == ".json":
-            rows = [spill_embedded_images(row, cache) for row in _load_json(path)]
-        elif suffix == ".parquet":
-            rows = _load_parquet(path, cache)
-        else:
-            raise DataError(f"{path}: unsupported format {suffix or '(no suffix)'!r}; use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
+            raise DataError(f"{path}: a split ({split!r}) only applies to a dataset folder (datasets.save_to_disk, or a hub download)")
+        rows = _load_file(path, cache)
     if not keep_malformed:
         for row in rows:
             if "_malformed" in row:
                 raise DataError(f"{row['_source']}: {row['_malformed']}")
     return rows
+
+
+def _load_file(path: Path, cache: Path) -> list[dict]:
+    """The rows of one data file, by its suffix (or an imagefolder's metadata file)."""
+    suffix = path.suffix.lower()
+    if path.name in IMAGEFOLDER_METADATA:
+        return [spill_embedded_images(row, cache) for row in _imagefolder_rows(path)]
+    if suffix == ".jsonl":
+        return [spill_embedded_images(row, cache) for row in _load_jsonl(path)]  # data: URIs
+    if suffix == ".json":
+        return [spill_embedded_images(row, cache) for row in _load_json(path)]
+    if suffix == ".parquet":
+        return _load_parquet(path, cache)
+    raise DataError(f"{path}: unsupported format {suffix or '(no suffix)'!r}; use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
 
 
 # A `datasets` imagefolder: images beside a metadata file whose `file_name` column names each row's image.
@@ -167,6 +178,23 @@ def _load_shards(pattern: Path, keep_malformed: bool, cache: Path) -> list[dict]
     rows: list[dict] = []
     for file in files:
         rows += load_rows(file, keep_malformed=keep_malformed, image_cache=cache)
+    return rows
+
+
+def _load_hub_split(path: Path, splits: dict[str, list[Path]], split: str | None, keep_malformed: bool, cache: Path) -> list[dict]:
+    """The rows of one split of a hub-style dataset folder (locate.hub_splits), its files in name order."""
+    listed = ", ".join(splits)
+    if split is None:
+        raise DataError(f"{path}: holds splits {listed}; pick one with {path}{SPLIT_SEP}<split> (EasyR1: {path}@<split>)")
+    if split not in splits:
+        raise DataError(f"{path}: no split {split!r}; it holds {listed}")
+    rows: list[dict] = []
+    for file in splits[split]:
+        rows += load_rows(file, keep_malformed=True, image_cache=cache)
+    if not keep_malformed:
+        for row in rows:
+            if "_malformed" in row:
+                raise DataError(f"{row['_source']}: {row['_malformed']}")
     return rows
 
 
@@ -733,7 +761,7 @@ def _resolve(path: str, base: Path, roots: list[Path] | None = None, source: str
     it (the first root when none does, so the error names a place the user chose). A path held by two roots with
     different content raises DataError: which image the row means would be a guess (VLM-R1 pairs each data file with
     its own folder)."""
-    p = Path(path).expanduser()
+    p = Path(_file_uri_path(path)).expanduser()
     if p.is_absolute():
         return os.path.abspath(p)
     if roots:
@@ -748,6 +776,15 @@ def _resolve(path: str, base: Path, roots: list[Path] | None = None, source: str
             )
         return os.path.abspath(holders[0] if holders else roots[0] / p)
     return os.path.abspath(base / p)
+
+
+def _file_uri_path(path: str) -> str:
+    """``file:///abs/a.png`` (qwen-vl-utils' and MM-EUREKA's image references) -> ``/abs/a.png``; other text unchanged."""
+    if path[:7].lower() != "file://":
+        return path
+    from urllib.parse import unquote, urlparse
+
+    return unquote(urlparse(path).path)
 
 
 def _same_content(a: Path, b: Path) -> bool:
@@ -1067,8 +1104,10 @@ def load_dataset_split(
     columns: dict[str, str] | None = None,
     image_roots: list[str] | None = None,
     prompt_template: str | None = None,
+    default_split: str | None = None,
 ) -> tuple[list[dict], ValidationReport]:
-    """`load_rows` + `formats.normalize_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
+    """`load_rows` + `formats.normalize_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder;
+    `default_split` for a hub-style folder named without one).
 
     ``max_rows`` keeps the first rows before validation, so a quick run does not decode a huge dataset;
     with ``skip_bad_rows`` fewer rows may remain. ``layout`` (data.format), ``columns`` (data.columns) and
@@ -1077,7 +1116,7 @@ def load_dataset_split(
     from vlmrl.data.formats import FormatError, normalize_rows
 
     file_path, _ = split_path(path)
-    rows = load_rows(path, keep_malformed=True, image_cache=image_cache)
+    rows = load_rows(path, keep_malformed=True, image_cache=image_cache, default_split=default_split)
     if max_rows is not None:
         rows = rows[:max_rows]
     try:

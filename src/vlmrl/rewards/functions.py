@@ -327,14 +327,15 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 FACTORY_SPEC_RE = re.compile(r"(?P<target>.+):(?P<name>[A-Za-z_]\w*)\((?P<args>.*)\)\s*", re.DOTALL)
 
 
-def load_reward(spec: str) -> RewardFn:
+def load_reward(spec: str, answer_key: str | None = None) -> RewardFn:
     """A reward function from a spec: a built-in name (see BUILTIN_REWARDS), ``path/to/file.py:function``
     (the file is imported by path, relative to the current directory), or ``package.module:function``.
     ``...:factory(max_len=512)`` calls a factory once with those literal arguments and uses what it returns
     (TRL's ``get_soft_overlong_punishment``, ``get_repetition_penalty_reward``, ``get_cosine_scaled_reward``).
     Rewards written for VLM-R1, EasyR1 or ms-swift are wrapped to be called their trainer's way
     (rewards/peers.py: the kind is read from the object, or named as ``spec@easyr1``); for EasyR1 and ms-swift the
-    ``(arg=value)`` arguments are bound (EasyR1's reward_function_kwargs) or passed to the ORM class."""
+    ``(arg=value)`` arguments are bound (EasyR1's reward_function_kwargs) or passed to the ORM class. `answer_key`:
+    the column an EasyR1 reward gets as ground_truth (EasyR1's data.answer_key; default ``answer``)."""
     from vlmrl.rewards.peers import detect_kind, split_kind
 
     spec, kind = split_kind(spec)
@@ -348,17 +349,17 @@ def load_reward(spec: str) -> RewardFn:
             positional, keyword = factory_arguments(spec, factory["args"])
             if positional:
                 raise RewardError(f"reward {spec!r}: give {kind} reward arguments by name, e.g. {factory['name']}(format_weight=0.1)")
-            return _adapted(spec, factory["name"], obj, kind, module, keyword)
-        return _adapted(spec, factory["name"], _call_factory(spec, obj, factory["args"]), kind, module)
+            return _adapted(spec, factory["name"], obj, kind, module, keyword, answer_key)
+        return _adapted(spec, factory["name"], _call_factory(spec, obj, factory["args"]), kind, module, answer_key=answer_key)
     obj, module = _load_object(spec)
-    return _adapted(spec, spec.rsplit(":", 1)[-1], obj, kind or detect_kind(obj, module), module)
+    return _adapted(spec, spec.rsplit(":", 1)[-1], obj, kind or detect_kind(obj, module), module, answer_key=answer_key)
 
 
-def _adapted(spec: str, name: str, obj: Any, kind: str, module: Any, bound: dict | None = None) -> RewardFn:
-    from vlmrl.rewards.peers import adapt
+def _adapted(spec: str, name: str, obj: Any, kind: str, module: Any, bound: dict | None = None, answer_key: str | None = None) -> RewardFn:
+    from vlmrl.rewards.peers import EASYR1_ANSWER_KEY, adapt
 
     try:
-        fn = adapt(name, obj, kind, module, bound)
+        fn = adapt(name, obj, kind, module, bound, answer_key or EASYR1_ANSWER_KEY)
     except Exception as e:  # an ORM class whose __init__ fails (a missing package, an unset endpoint)
         raise RewardError(f"reward {spec!r}: creating the {kind} reward failed: {type(e).__name__}: {_one_line(e)}") from e
     try:

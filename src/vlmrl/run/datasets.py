@@ -15,6 +15,7 @@ from vlmrl.checkpoints.run_manifest import is_owned, record
 from vlmrl.config import replace, to_dict
 from vlmrl.data.rows import (
     DataError,
+    MissingData,
     bad_rows_records,
     data_files,
     load_dataset_split,
@@ -115,8 +116,16 @@ def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) 
     files = data_files(value)
     rows: list[dict] = []
     reports = []
+    # data.train_path reads a hub-style folder's train split when it names none (EasyR1, datasets.load_dataset);
+    # evaluation must name its split (evaluating on the training rows by default would mislead).
+    split = "train" if field == "data.train_path" else None
     for file, roots in zip(files, roots_per_file(files, d.image_root, field)):
-        got, rep = load_dataset_split(file, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, image_roots=roots, **checks, **layout)
+        try:
+            got, rep = load_dataset_split(
+                file, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, image_roots=roots, default_split=split, **checks, **layout
+            )
+        except MissingData as e:
+            raise DataError(f"{field}={file}: {e}") from None
         rows += got
         reports.append(rep)
     return rows, merge_reports(reports, files)
