@@ -367,3 +367,20 @@ def test_easyr1_reward_grades_against_the_answer_column_as_easyr1_does(tmp_path,
     assert cli.main(["check", *base, f"training.output_dir={tmp_path / 'out'}"]) == 0
     err = capsys.readouterr().err
     assert "ground_truth=answer: the 'answer' column, EasyR1's data.answer_key; the data's own 'ground_truth' column is not it" in err
+
+
+# ---------------------------------------------------------------- small: row numbers count from 1 in every format
+def test_the_second_row_is_row_2_in_jsonl_json_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmrl.data.rows import DataError, load_dataset_split
+
+    rows = [{"problem": "p", "solution": "1"}, {"problem": "p", "solution": ""}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name, where in (("d.jsonl", ":2"), ("d.json", ":row 2"), ("d.parquet", ":row 2")):
+        with pytest.raises(DataError) as e:
+            load_dataset_split(tmp_path / name, limit_images=None, skip_bad_rows=False)
+        assert f"{tmp_path / name}{where}: solution: empty" in str(e.value), str(e.value)

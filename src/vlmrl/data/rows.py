@@ -20,7 +20,7 @@ Row format (JSONL / JSON / Parquet / a ``datasets.save_to_disk`` folder, one row
   rewards compare text; booleans are rejected (``True`` is almost always a data bug).
 - ``response`` (optional): the SFT target text; ``null`` means absent.
 - Any other column is kept and passed to reward functions. Keys starting with ``_`` are internal
-  (``_source`` = ``"file:line"`` for JSONL, ``"file:row N"`` with 0-based N otherwise).
+  (``_source`` = ``"file:line"`` for JSONL, ``"file:row N"`` otherwise; N counts from 1 like a line number).
 
 After validation every row has ``images: list[str]`` of absolute paths (``image`` is folded into it).
 """
@@ -246,7 +246,7 @@ def _load_json(path: Path) -> list[dict]:
         value = value["data"]
     if not isinstance(value, list):
         raise DataError(f'{path}: expected a list of rows or {{"data": [...]}}, got {type(value).__name__}')
-    return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value)]
+    return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value, start=1)]  # counted from 1, like JSONL lines
 
 
 def _load_parquet(path: Path, cache: Path) -> list[dict]:
@@ -266,7 +266,7 @@ def _rows_from_batches(batches, name: str, cache: Path) -> list[dict]:
     rows: list[dict] = []
     for batch in batches:
         for row in batch.to_pylist():
-            rows.append(spill_embedded_images({**row, "_source": f"{name}:row {len(rows)}"}, cache))
+            rows.append(spill_embedded_images({**row, "_source": f"{name}:row {len(rows) + 1}"}, cache))
     return rows
 
 
@@ -531,7 +531,7 @@ def validate_rows(
 
     # Pass 1: structure, and the image paths each row will use.
     roots = [Path(r).expanduser() for r in image_roots] if image_roots else None
-    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows)]
+    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows, start=1)]
 
     # Pass 2: each distinct image and video file once.
     image_errors, video_errors, report.image_sizes = _media_errors(checked, check_images, max_image_pixels, shape_check)
