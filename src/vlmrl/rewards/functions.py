@@ -807,6 +807,14 @@ def _format_hint(error: Exception, completion: Any, fn: RewardFn | None = None, 
         if getattr(_innermost(fn), "__name__", "") == "compute_score":  # EasyR1's name for its reward: its way first
             return f"; an EasyR1 reward? {easyr1}; {factory}"
         return f"; {factory}; an EasyR1 compute_score(reward_inputs) is named file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
+    missing_args = MISSING_ARGUMENTS_RE.search(text) if isinstance(error, TypeError) and given is not None else None
+    absent = [a for a in re.findall(r"'(\w+)'", missing_args["names"]) if a not in given] if missing_args else []
+    if absent:  # an ms-swift ORM's / TRL function's named data columns: say they are columns, and which the rows have
+        have = ", ".join(k for k in given if k not in ("prompts", "completions", *REWARD_EXTRAS))
+        return (
+            f"; it takes the data column{'s' if len(absent) > 1 else ''} {', '.join(absent)} as argument{'s' if len(absent) > 1 else ''}, "
+            f"which these rows do not have (their columns: {have or 'none'}): add {'them' if len(absent) > 1 else 'it'} to the data file"
+        )
     if isinstance(completion, list) and ("'list' object has no attribute" in text or "not 'list'" in text or "got 'list'" in text):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
     if "'NoneType'" in text and given is not None:
@@ -818,6 +826,12 @@ def _format_hint(error: Exception, completion: Any, fn: RewardFn | None = None, 
                 "accu_reward_method and image_grid_thw to VLM-R1 conversations rows only: add the column to the data"
             )
     return ""
+
+
+# Python's "f() missing 2 required positional arguments: 'bbox' and 'image_size'".
+MISSING_ARGUMENTS_RE = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (?P<names>.+)$")
+# What every reward may get besides the data columns (rewards/peers.py EXTRA_ARGUMENTS).
+REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def _innermost(fn: Any) -> Any:
@@ -860,7 +874,8 @@ def raised_at(fn: RewardFn, error: BaseException) -> str:
     """' (at path/to/rewards.py:12 in my_reward)': the innermost line of the reward function's own file in the error's
     traceback (where the user looks, even when the error came from a library it called); else the innermost line
     outside vlmrl; '' when there is none."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    ours = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")}  # vlmrl's call wrappers
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) not in ours]
     if not frames:
         return ""
     own_file = _source_file(fn)
