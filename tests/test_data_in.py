@@ -405,3 +405,25 @@ def test_an_ms_swift_orm_whose_columns_are_missing_names_them(tmp_path, capsys):
     assert code == 2 and "it takes the data columns bbox, image_size as arguments, which these rows do not have" in line, line
     assert "(their columns: problem, solution, source, images, videos): add them to the data file" in line
     assert "peers.py" not in line  # vlmrl's own wrapper is not where the user looks
+
+
+# ---------------------------------------------------------------- small: data.system_prompt makes TRL's chat prompt
+def test_problem_rows_with_a_system_prompt_are_trls_conversational_prompts(tmp_path, capsys):
+    """TRL's examples/scripts/grpo_vlm.py turns `problem` into [system SYSTEM_PROMPT, user problem] (make_conversation),
+    so its rewards read completion[0]["content"]; vlmrl's equivalent is data.system_prompt on the same rows."""
+    from vlmrl.rewards.functions import reward_inputs
+
+    reward = tmp_path / "rewards.py"
+    reward.write_text(
+        "def think_format_reward(completions, **kwargs):\n    return [1.0 if c[0]['content'].startswith('<think>') else 0.0 for c in completions]\n"
+    )
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"problem": "What is 2+2?", "solution": "4"}) + "\n")
+    base = [f"data.train_path={data}", f"algorithm.reward_funcs=[{reward}:think_format_reward]", f"training.output_dir={tmp_path / 'o'}"]
+    assert cli.main(["check", *base, "data.system_prompt=Think first."]) == 0, capsys.readouterr().err
+    assert "reward think_format_reward (TRL signature): gets prompts, completions (conversational)" in capsys.readouterr().err
+    prompts, completions = reward_inputs([{"problem": "What is 2+2?", "solution": "4"}], ["<think>x</think>4"], 1, "auto", "Think first.")
+    assert prompts[0][0] == {"role": "system", "content": [{"type": "text", "text": "Think first."}]}
+    assert completions == [[{"role": "assistant", "content": "<think>x</think>4"}]]
+    # Without a system prompt the same rows are TRL's standard (string) prompts, as before.
+    assert reward_inputs([{"problem": "p", "solution": "4"}], ["4"], 1, "auto") == (["p"], ["4"])

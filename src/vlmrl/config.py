@@ -279,7 +279,7 @@ class AlgorithmConfig:
     completion_format: Literal["auto", "text", "conversational"] = _f(
         "auto",
         "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
-        "read them: completion[0]['content']); auto = conversational when the data's prompts are chat messages, as TRL does; built-in rewards take both.",
+        "read them: completion[0]['content']); auto = conversational when the data's prompts are chat messages or data.system_prompt is set, as TRL does; built-in rewards take both.",
     )
 
 

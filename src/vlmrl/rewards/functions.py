@@ -537,7 +537,7 @@ def reward_inputs(
     TRL's order) and the decoded ``texts``, in the configured format (see COMPLETION_FORMATS)."""
     from vlmrl.data.formats import prompt_messages_of
 
-    completion_format = resolve_completion_format(completion_format, rows)
+    completion_format = resolve_completion_format(completion_format, rows, system_prompt)
     if completion_format not in COMPLETION_FORMATS:
         raise ValueError(f"completion_format must be one of {COMPLETION_FORMATS}, got {completion_format!r}")
     if completion_format == "text":
@@ -550,12 +550,14 @@ def reward_inputs(
     return prompts, conversational_completions(texts)
 
 
-def resolve_completion_format(completion_format: str, rows: list[dict]) -> str:
+def resolve_completion_format(completion_format: str, rows: list[dict], system_prompt: str | None = None) -> str:
     """algorithm.completion_format=auto as TRL decides it: conversational when the data's prompts are chat messages
-    (TRL conversational, VLM-R1 / LLaVA conversations, ms-swift messages), text otherwise."""
+    (TRL conversational, VLM-R1 / LLaVA conversations, ms-swift messages) or when data.system_prompt is set (a system
+    message makes the prompt a chat: TRL's grpo_vlm.py builds exactly that, [system, user(problem)], in its
+    make_conversation), text otherwise."""
     if completion_format != "auto":
         return completion_format
-    return "conversational" if any(row.get("_conversational") for row in rows) else "text"
+    return "conversational" if system_prompt or any(row.get("_conversational") for row in rows) else "text"
 
 
 def _run_coroutines(coros: list) -> list:
