@@ -427,3 +427,13 @@ def test_problem_rows_with_a_system_prompt_are_trls_conversational_prompts(tmp_p
     assert completions == [[{"role": "assistant", "content": "<think>x</think>4"}]]
     # Without a system prompt the same rows are TRL's standard (string) prompts, as before.
     assert reward_inputs([{"problem": "p", "solution": "4"}], ["4"], 1, "auto") == (["p"], ["4"])
+
+
+def test_a_users_bad_rows_file_is_left_alone_when_no_row_is_dropped(count_data, tmp_path):
+    from vlmrl.run.datasets import load_datasets
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bad_rows.jsonl").write_text("my own notes\n")
+    load_datasets(data_cfg(tmp_path, f"data.train_path={count_data['train']}", "data.skip_bad_rows=true"))
+    assert (out / "bad_rows.jsonl").read_text() == "my own notes\n"

@@ -181,13 +181,16 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
 
     The file is listed in output_dir's manifest as it is written: the preflight (and `vlmrl check`) read the data
     before the run claims the folder, and the run must then take it as its own. A bad_rows.jsonl vlmrl did not
-    write is never replaced nor deleted (DataError)."""
+    write is never replaced nor deleted: DataError when rows were dropped (their list has nowhere to go), else it is
+    left as it is."""
     import json
 
     out = Path(cfg.training.output_dir)
     path = out / "bad_rows.jsonl"
     if env_world()[1] == 0:
         if (path.exists() or path.is_symlink()) and not is_owned(path):
+            if not report.problems:
+                return ""
             raise DataError(
                 f"training.output_dir={out} holds bad_rows.jsonl, which vlmrl did not write but the dropped rows would be listed "
                 f"in; move it out of {out} or pick another training.output_dir"
