@@ -10,10 +10,7 @@ load, into that form; the user's file is not changed. A spec may name the kind a
   ``trl`` by its signature: name it, or let completion_format=auto follow the data (conversations -> conversational).
 - ``easyr1``: ``compute_score(reward_inputs)`` (a batch: list of dicts) or ``compute_score(reward_input)`` (one
   dict; the module's ``REWARD_TYPE = "sequential"``), each input ``{"response", "response_length",
-  "ground_truth"}``. ``ground_truth`` is the row's ``answer_key`` column, as EasyR1's loader sets it
-  (``example.pop(answer_key)``, default ``answer``; vlmrl's answer_key is the column data.columns.solution names),
-  else the row's ``solution``; a ``ground_truth`` column of the data itself is never read first. Returns floats or
-  dicts whose ``overall`` is the reward (the other keys are logged as metrics).
+  "ground_truth"}``; returns floats or dicts whose ``overall`` is the reward (the other keys are logged as metrics).
   Detected from the parameter name or the module's ``REWARD_TYPE``. ``file.py:compute_score(format_weight=0.2)``
   binds keyword arguments, as EasyR1's ``reward_function_kwargs``.
 - ``swift``: an ms-swift ORM class (instantiated once; its ``__call__(completions, **kwargs)`` gets string
@@ -109,6 +106,10 @@ def ground_truth_column(columns, answer_key: str = EASYR1_ANSWER_KEY) -> str | N
 
 
 def _easyr1_reward(name: str, fn: Callable, sequential: bool, answer_key: str = EASYR1_ANSWER_KEY) -> Callable[..., list]:
+    """`fn` called EasyR1's way. ``ground_truth`` is the row's `answer_key` column, as EasyR1's loader sets it
+    (``example.pop(answer_key)``, default ``answer``; vlmrl's answer_key is the column data.columns.solution names),
+    else the row's ``solution``; a ``ground_truth`` column of the data itself is never read first."""
+
     def easyr1_reward(prompts, completions, completion_ids=None, log_metric=None, **columns):
         key = ground_truth_column(columns, answer_key)
         truth = columns[key] if key is not None else [None] * len(completions)
