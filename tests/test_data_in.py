@@ -390,17 +390,14 @@ def test_the_second_row_is_row_2_in_jsonl_json_and_parquet(tmp_path):
 def test_an_ms_swift_orm_whose_columns_are_missing_names_them(tmp_path, capsys):
     plugin = tmp_path / "plugin.py"
     plugin.write_text(
-        "from swift.plugin import ORM, orms\n\n\n"
+        "from swift.plugin import ORM\n\n\n"
         "class BoxIoU(ORM):\n"
         "    def __call__(self, completions, bbox, image_size, **kwargs):\n"
-        "        return [0.0 for _ in completions]\n\n\n"
-        "orms['external_box_iou'] = BoxIoU\n"
+        "        return [0.0 for _ in completions]\n"
     )
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"problem": "p", "solution": "1", "source": "x"}) + "\n")
-    code = cli.main(
-        ["check", f"data.train_path={data}", f"algorithm.reward_funcs=[{plugin}:external_box_iou]", f"training.output_dir={tmp_path / 'o'}"]
-    )
+    code = cli.main(["check", f"data.train_path={data}", f"algorithm.reward_funcs=[{plugin}:BoxIoU]", f"training.output_dir={tmp_path / 'o'}"])
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert code == 2 and "it takes the data columns bbox, image_size as arguments, which these rows do not have" in line, line
     assert "(their columns: problem, solution, source, images, videos): add them to the data file" in line
