@@ -99,7 +99,6 @@ EXAMPLES = {
         "dataloader_num_workers": "threads",
     },
     ("vlm-r1", "vlm_r1_run_grpo_rec.sh", ()): {
-        "data_file_paths": "concatenate the other 2",
         "reward_funcs": "grpo_jsonl.py",
         "task_type": "prompt_template",
         "is_reward_customized_from_vlm_module": "algorithm.reward_funcs",
@@ -205,7 +204,7 @@ def test_ms_swift_system_prompt_file_is_read_when_here(tmp_path, monkeypatch):
 def test_vlm_r1_example():
     result = convert("vlm-r1", [str(CONFIGS / "vlm_r1_run_grpo_rec.sh")])
     s = result.settings
-    assert s["data.train_path"] == "/training/shz/dataset/vlm-r1/rec_jsonsl_train/refcoco_train.jsonl"
+    assert s["data.train_path"] == [f"/training/shz/dataset/vlm-r1/rec_jsonsl_train/{n}_train.jsonl" for n in ("refcoco", "refcocop", "refcocog")]
     assert s["data.image_root"] == "/training/shz/dataset/coco" and s["model.name_or_path"] == "/training/models/Qwen2.5-VL-3B-Instruct"
     assert s["training.bf16"] is True and s["algorithm.beta"] == 0.04 and s["training.num_train_epochs"] == 2
     assert s["training.gradient_accumulation_steps"] == 16  # 2 x 8 processes (torchrun --nproc_per_node 8)

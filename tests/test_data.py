@@ -75,9 +75,9 @@ def test_json_parquet_and_load_from_disk(good_dir):
         got, _ = load_dataset_split(good_dir / name, limit_images=None, skip_bad_rows=False)
         assert [r["solution"] for r in got] == ["3", "4"], name
         assert got[0]["images"] == [str(good_dir / "img" / "a.png")], name
-    assert load_rows(good_dir / "list.json")[1]["_source"] == f"{good_dir / 'list.json'}:row 1"
+    assert load_rows(good_dir / "list.json")[1]["_source"] == f"{good_dir / 'list.json'}:row 2"
     got, _ = load_dataset_split(f"{good_dir / 'dd'}::test", limit_images=None, skip_bad_rows=False)
-    assert [r["solution"] for r in got] == ["4"] and got[0]["_source"] == f"{good_dir / 'dd'}::test:row 0"
+    assert [r["solution"] for r in got] == ["4"] and got[0]["_source"] == f"{good_dir / 'dd'}::test:row 1"
     assert len(load_rows(good_dir / "dd", split="train")) == 2
     with pytest.raises(DataError, match=r"holds splits train, test; pick one with .*dd::<split>"):
         load_rows(good_dir / "dd")
@@ -224,7 +224,7 @@ def test_solution_conversions(good_dir):
     rows = [{"problem": "p", "solution": s} for s in (3, 2.5, [1, 2, 30, 40], "x")]
     good, _ = validate_rows(rows, good_dir, limit_images=None, skip_bad_rows=False, name="mem")
     assert [r["solution"] for r in good] == ["3", "2.5", "[1, 2, 30, 40]", "x"]
-    assert good[0]["_source"] == "mem:row 0"
+    assert good[0]["_source"] == "mem:row 1"
 
 
 def test_target_size_exact():

@@ -105,10 +105,13 @@ def test_corrupt_and_empty_embedded_images_are_reported_with_their_row(tmp_path,
     with pytest.raises(DataError) as e:
         load_dataset_split(tmp_path / "mixed.parquet", limit_images=None, skip_bad_rows=False)
     text = str(e.value)
-    assert f"{tmp_path / 'mixed.parquet'}:row 1: image: cannot read image" in text
-    assert f"{tmp_path / 'mixed.parquet'}:row 2: row: image: embedded image has no bytes" in text
-    assert f"{tmp_path / 'mixed.parquet'}:row 3: image: expected a path string, got an image struct with neither bytes nor path" in text
-    assert "row 0" not in text
+    assert f"{tmp_path / 'mixed.parquet'}:row 2: image: cannot read image" in text
+    assert f"{tmp_path / 'mixed.parquet'}:row 3: row: image: embedded image has no bytes" in text
+    assert (
+        f"{tmp_path / 'mixed.parquet'}:row 4: image: expected a path string or a list of them, got an image struct with neither bytes nor path"
+        in text
+    )
+    assert "row 1:" not in text
 
 
 def test_unwritable_cache_is_one_clear_error(tmp_path, monkeypatch):
@@ -116,7 +119,7 @@ def test_unwritable_cache_is_one_clear_error(tmp_path, monkeypatch):
     blocker.write_text("x")  # the cache folder cannot be created under a file (as with a full or read-only disk)
     monkeypatch.setenv("VLMRL_CACHE", str(blocker))
     pq.write_table(pa.table({"image": [png_bytes("red")], "problem": ["p"], "solution": ["s"]}), tmp_path / "r.parquet")
-    with pytest.raises(DataError, match=r"r.parquet:row 0: cannot write its embedded image to the cache .*set VLMRL_CACHE"):
+    with pytest.raises(DataError, match=r"r.parquet:row 1: cannot write its embedded image to the cache .*set VLMRL_CACHE"):
         load_rows(tmp_path / "r.parquet")
 
 
@@ -141,7 +144,7 @@ def test_hub_style_parquet_shards_by_pattern(tmp_path, cache):
     (shards / "test-00000-of-00001.parquet").write_bytes(b"not read")
     rows, _ = load_dataset_split(f"{shards}/train-*.parquet", limit_images=None, skip_bad_rows=False)
     assert [r["problem"] for r in rows] == ["q0", "q1", "q2"]
-    assert rows[2]["_source"] == f"{shards / 'train-00002-of-00003.parquet'}:row 0"
+    assert rows[2]["_source"] == f"{shards / 'train-00002-of-00003.parquet'}:row 1"
     assert [_pixel(r["images"][0]) for r in rows] == [(255, 0, 0), (0, 128, 0), (0, 0, 255)]
     with pytest.raises(DataError, match="no file matches"):
         load_rows(f"{shards}/val-*.parquet")

@@ -178,10 +178,10 @@ def test_bad_video_rows_name_row_and_field(tmp_path):
     with pytest.raises(DataError) as info:
         validate_rows(rows, tmp_path, limit_images=4, skip_bad_rows=False, name="train.jsonl")
     text = str(info.value)
-    expected = [(1, "file not found"), (2, "cannot read video"), (3, "is not a video file"), (4, "both 'video' and 'videos'"), (5, "file not found")]
+    expected = [(2, "file not found"), (3, "cannot read video"), (4, "is not a video file"), (5, "both 'video' and 'videos'"), (6, "file not found")]
     for i, reason in expected:
         assert f"train.jsonl:row {i}" in text and reason in text, (i, reason)
-    assert "row 0" not in text
+    assert "row 1:" not in text
     kept, report = validate_rows(rows, tmp_path, limit_images=4, skip_bad_rows=True, name="train.jsonl")
     assert len(kept) == 1 and kept[0]["videos"] == [good] and report.skipped_rows == 5
 

@@ -113,7 +113,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_path: str = _f("", "Training data: .jsonl/.json/.parquet file or a datasets.save_to_disk folder; empty = built-in task.")
+    train_path: Union[str, list[str]] = _f(
+        "",
+        "Training data: .jsonl/.json/.parquet file, a pattern (data/train-*.parquet), a datasets folder (path::split), or a list of them read in order; empty = built-in task.",
+    )
     eval_path: str = _f("", "Held-out data in the same format; empty = the built-in task's test split (or none).")
     task: Literal["count", "ground"] = _f("count", "Built-in synthetic task generated when train_path is empty.")
     task_train_size: int = _f(512, "Rows generated for the built-in task's train split.")
@@ -146,7 +149,8 @@ class DataConfig:
         {}, "Your column for each field vlmrl reads, e.g. {problem: question, solution: answer} (or data.columns.problem=question)."
     )
     image_root: Union[str, list[str]] = _f(
-        "", "Folder(s) relative image paths resolve against (VLM-R1's --image_folders, EasyR1's image_dir); empty = the data file's folder."
+        "",
+        "Folder(s) relative image paths resolve against (EasyR1's image_dir); one per data file of a train_path list, in order (VLM-R1's --image_folders); empty = the data file's folder.",
     )
     prompt_template: Optional[str] = _f(
         None, "Jinja template (or a .jinja file) applied to each prompt's text as `content` (EasyR1's data.format_prompt)."
@@ -276,7 +280,7 @@ class AlgorithmConfig:
     completion_format: Literal["auto", "text", "conversational"] = _f(
         "auto",
         "Completions and prompts handed to rewards: text (strings) or conversational (TRL's chat messages, as VLM-R1 rewards "
-        "read them: completion[0]['content']); auto = conversational when the data's prompts are chat messages, as TRL does; built-in rewards take both.",
+        "read them: completion[0]['content']); auto = conversational when the data's prompts are chat messages or data.system_prompt is set, as TRL does; built-in rewards take both.",
     )
 
 

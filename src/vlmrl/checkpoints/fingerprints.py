@@ -142,7 +142,11 @@ def run_fingerprints(cfg) -> dict[str, str]:
     out: dict[str, str] = {}
     for key in ("train_path", "eval_path"):
         value = getattr(cfg.data, key)
-        fp = path_fingerprint(value) if value else None
+        if isinstance(value, str):
+            fp = path_fingerprint(value) if value else None
+        else:  # a list of data files: one fingerprint of them all
+            prints = [path_fingerprint(f) for f in value]
+            fp = "list:" + ",".join(p or "-" for p in prints) if any(prints) else None
         if fp is not None:
             out[f"data.{key}"] = fp
     for spec in cfg.algorithm.reward_funcs:

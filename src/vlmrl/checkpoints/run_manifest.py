@@ -151,9 +151,17 @@ def reward_files(specs: Iterable[str]) -> list[str]:
     return files
 
 
+def data_inputs(cfg) -> dict[str, str]:
+    """{config key: path} of data.train_path: one key, or one per file of a list (data.train_path[i])."""
+    value = cfg.data.train_path
+    if isinstance(value, str):
+        return {"data.train_path": value}
+    return {f"data.train_path[{i}]": v for i, v in enumerate(value)}
+
+
 def run_inputs(cfg) -> dict[str, str]:
     """The run's inputs a run folder must not hold: {config key: path}."""
-    items = {"model.name_or_path": cfg.model.name_or_path, "data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg), "data.eval_path": cfg.data.eval_path}
     for i, f in enumerate(reward_files(cfg.algorithm.reward_funcs)):
         items[f"algorithm.reward_funcs[{i}]"] = f
     return {k: v for k, v in items.items() if v}

@@ -13,7 +13,8 @@ Layouts (``data.format``; ``auto`` recognises them from the columns of the file'
   placeholders: VLM-R1's JSONL when every row has one question and one answer, LLaVA-Instruct when rows have
   several turns. The last assistant turn is the solution, the turns before it the prompt.
 - ``messages``: ms-swift / OpenAI-style ``messages`` of ``{"role", "content"}``; the solution is the
-  ``solution`` column, else the last assistant message.
+  ``solution`` column, else the last assistant message, else the ``answer`` column. MM-EUREKA's rows (``message``: the
+  turns as a JSON string, images inline as ``{"type": "image", "image": "file:///abs/path"}``, ``answer``) read the same.
 - ``easyr1``: ``problem`` (with ``<image>`` placeholders) + ``answer`` + ``images``.
 - imagefolder: a folder (or its ``metadata.jsonl``) whose rows name their image in ``file_name``; the other
   columns then follow one of the layouts above.
@@ -24,6 +25,7 @@ without any keeps its images before the text. `placeholder_counts` counts them f
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -31,6 +33,7 @@ from vlmrl.config import DATA_FORMATS as FORMATS, MAPPABLE_COLUMNS as MAPPABLE  
 
 # Columns that hold a whole prompt; two of them in one row leave the prompt to a guess.
 PROMPT_COLUMNS = ("prompt", "messages", "conversations")
+LAYOUT_OF_COLUMN = {"prompt": "trl", "messages": "messages", "conversations": "conversations", "message": "messages"}
 PLACEHOLDER_RE = re.compile(r"(<image>|<video>)")
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "bot": "assistant"}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
@@ -46,14 +49,34 @@ class FormatError(ValueError):
 # Detection
 
 
+def decoded_turns(value: Any) -> Any:
+    """A list of turns as given, or decoded from the JSON string MM-EUREKA / OpenRLHF store it as (``"message":
+    "[{\\"role\\": \\"user\\", ...}]"``); anything else is returned unchanged (and judged where it is read)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _prompt_columns(row: dict) -> list[str]:
+    """The columns of `row` that hold a whole prompt; MM-EUREKA's ``message`` counts only when it holds a list of
+    turns (a JSON string of one), so a plain ``message`` text column stays an extra column."""
+    present = [k for k in PROMPT_COLUMNS if row.get(k) is not None]
+    if isinstance(decoded_turns(row.get("message")), list):
+        present.append("message")
+    return present
+
+
 def row_layout(row: dict) -> str | None:
     """The layout one row's columns fit, None when none does; FormatError text (via ValueError) when two prompt
     columns compete."""
-    present = [k for k in PROMPT_COLUMNS if row.get(k) is not None]
+    present = _prompt_columns(row)
     if len(present) > 1:
         raise ValueError(f"has both {present[0]!r} and {present[1]!r} columns, each a whole prompt")
     if present:
-        return {"prompt": "trl", "messages": "messages", "conversations": "conversations"}[present[0]]
+        return LAYOUT_OF_COLUMN[present[0]]
     if "problem" in row and "solution" not in row and "answer" in row:
         return "easyr1"
     if "problem" in row:
@@ -82,18 +105,25 @@ def detect_layout(rows: list[dict], name: str) -> str:
 
 
 def _layouts_for(row: dict) -> list[str]:
-    return [{"prompt": "trl", "messages": "messages", "conversations": "conversations"}[k] for k in PROMPT_COLUMNS if row.get(k) is not None]
+    return [LAYOUT_OF_COLUMN[k] for k in _prompt_columns(row)]
+
+
+# The two names of one row field: mapping one onto the other moves the column (both set would be a conflict).
+TWIN_COLUMNS = {"image": "images", "images": "image", "video": "videos", "videos": "video"}
 
 
 def apply_columns(row: dict, columns: dict[str, str]) -> dict:
     """`row` with data.columns applied: ``{"problem": "question"}`` copies the ``question`` column to ``problem``
-    (the original column stays, for reward functions that read it)."""
+    (the original column stays, for reward functions that read it). ``{"images": "image"}`` moves the column: a row
+    with both ``image`` and ``images`` is refused as ambiguous."""
     if not columns:
         return row
     out = dict(row)
     for target, source in columns.items():
         if source in row:
             out[target] = row[source]
+            if TWIN_COLUMNS.get(target) == source:
+                out.pop(source, None)
     return out
 
 
@@ -170,7 +200,7 @@ def _message_row(row: dict, key: str, layout: str, label: str) -> dict:
     """Rows whose prompt is a list of turns (conversations, messages, TRL conversational)."""
     out = dict(row)
     try:
-        turns = _turns(row[key], row.get("_source", "?"))
+        turns = _turns(decoded_turns(row[key]), row.get("_source", "?"))
     except ValueError as e:
         return {**row, "_malformed": f"{key}: {e}"}
     prompt = turns
@@ -179,6 +209,8 @@ def _message_row(row: dict, key: str, layout: str, label: str) -> dict:
         answer = blocks_text(turns[-1]["content"])
         if row.get("solution") is None:
             out["solution"] = _vlmr1_solution(answer) if label == "vlm-r1" else answer
+    if out.get("solution") is None and row.get("answer") is not None and layout == "messages":
+        out["solution"] = row["answer"]  # MM-EUREKA's rows: the prompt in `message`, the answer beside it
     if not prompt or prompt[-1]["role"] != "user":
         return {**row, "_malformed": f"{key}: the prompt must end with a user turn"}
     if row.get("problem") is None:
@@ -227,7 +259,7 @@ def _normalize_row(row: dict, layout: str, label: str, render) -> dict:
         if label.startswith("vlm-r1") and "_malformed" not in out:
             out.setdefault("accu_reward_method", "default")  # the column VLM-R1's loader adds for its accuracy reward
     elif layout == "messages":
-        out = _message_row(row, "messages", layout, "messages")
+        out = _message_row(row, "messages" if row.get("messages") is not None else "message", layout, "messages")
     elif layout == "trl" and isinstance(row.get("prompt"), list):
         out = _message_row(row, "prompt", layout, "trl")
     else:

@@ -4,7 +4,8 @@ Row format (JSONL / JSON / Parquet / a ``datasets.save_to_disk`` folder, one row
 
     {"image": "images/0001.png", "problem": "How many ...?", "solution": "3", "response": "<answer>3</answer>"}
 
-- ``image`` (one path) or ``images`` (a list of paths). Relative paths resolve against the folder that
+- ``image`` (one path, or a list of paths as VLM-R1's and LLaVA's multi-image rows give it) or ``images`` (a list of
+  paths). Relative paths resolve against the folder that
   holds the data file (for a ``save_to_disk`` folder: the folder that holds that folder); absolute paths
   are used as they are. A row with no image (key absent, ``null`` or ``[]``) is a text-only prompt and is
   allowed; the report counts them. Giving both ``image`` and ``images`` is an error (which one wins would
@@ -19,7 +20,7 @@ Row format (JSONL / JSON / Parquet / a ``datasets.save_to_disk`` folder, one row
   rewards compare text; booleans are rejected (``True`` is almost always a data bug).
 - ``response`` (optional): the SFT target text; ``null`` means absent.
 - Any other column is kept and passed to reward functions. Keys starting with ``_`` are internal
-  (``_source`` = ``"file:line"`` for JSONL, ``"file:row N"`` with 0-based N otherwise).
+  (``_source`` = ``"file:line"`` for JSONL, ``"file:row N"`` otherwise; N counts from 1 like a line number).
 
 After validation every row has ``images: list[str]`` of absolute paths (``image`` is folded into it).
 """
@@ -45,9 +46,11 @@ from typing import Any, Callable, Iterator
 from PIL import Image
 
 import vlmrl.data.strict_json as strict_json
+from vlmrl.data.locate import SPLIT_SEP, hub_splits, is_saved_dataset, missing_path_message, split_path
+
+__all__ = ["SPLIT_SEP", "split_path"]  # re-exported: callers read data paths through rows
 
 MAX_LISTED_PROBLEMS = 20
-SPLIT_SEP = "::"
 # PIL's decompression-bomb guard, read once at import: the default of data.max_image_pixels.
 DEFAULT_MAX_IMAGE_PIXELS = int(Image.MAX_IMAGE_PIXELS or 89_478_485)
 # (original width, height) -> why the model's processor cannot take an image of that size, or None.
@@ -62,25 +65,27 @@ class DataError(ValueError):
 # Loading rows
 
 
-def split_path(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """``"data/ds::train"`` -> (Path("data/ds"), "train"); a path without ``::`` has no split."""
-    text = os.fspath(path)
-    if SPLIT_SEP in text:
-        base, split = text.rsplit(SPLIT_SEP, 1)
-        return Path(base), split or None
-    return Path(text), None
+class MissingData(DataError):
+    """The data path does not exist (the caller adds which config field named it)."""
 
 
 def load_rows(
-    path: str | os.PathLike, split: str | None = None, *, keep_malformed: bool = False, image_cache: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    split: str | None = None,
+    *,
+    keep_malformed: bool = False,
+    image_cache: str | os.PathLike | None = None,
+    default_split: str | None = None,
 ) -> list[dict]:
     """All rows of a data file as dicts, each with ``_source`` for messages.
 
     Formats: ``.jsonl`` (one object per line; blank lines are ignored), ``.json`` (a list of objects, or
     ``{"data": [...]}``; a ``.json`` file holding JSON lines, as ``Dataset.to_json`` writes, is read as
     JSONL), ``.parquet``, or a ``datasets.save_to_disk`` folder (a DatasetDict needs a split:
-    ``split=`` or ``path::split``). A pattern in the file name (``data/train-*.parquet``) reads every
-    matching file in name order. Rows are returned as read; `validate_rows` checks them.
+    ``split=`` or ``path::split``; EasyR1's ``path@split`` too), or a hub-style dataset folder (split files in the
+    folder or its ``data/``: locate.py; without a split ``default_split`` is read, else the splits are listed). A
+    pattern in the file name (``data/train-*.parquet``) reads every matching file in name order. Rows are returned as
+    read; `validate_rows` checks them.
 
     A malformed JSONL line or a row that is not an object raises DataError naming the file and line,
     unless ``keep_malformed``: then it becomes ``{"_source": ..., "_malformed": reason}`` so that
@@ -97,33 +102,40 @@ def load_rows(
     if any(ch in path.name for ch in "*?[") and split is None:
         return _load_shards(path, keep_malformed, cache)
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
+        raise MissingData(missing_path_message(path, split))
     if path.is_dir():
         metadata = imagefolder_metadata(path)
         if metadata is not None:
             if split is not None:
                 raise DataError(f"{path}: an imagefolder has no splits; drop {SPLIT_SEP}{split}")
             return load_rows(metadata, keep_malformed=keep_malformed, image_cache=cache)
+        splits = {} if is_saved_dataset(path) else hub_splits(path)
+        if splits:
+            return _load_hub_split(path, splits, split or default_split, keep_malformed, cache)
         rows = _load_from_disk(path, split, cache)
     else:
         if split is not None:
-            raise DataError(f"{path}: a split ({split!r}) only applies to a datasets.save_to_disk folder")
-        suffix = path.suffix.lower()
-        if path.name in IMAGEFOLDER_METADATA:
-            rows = [spill_embedded_images(row, cache) for row in _imagefolder_rows(path)]
-        elif suffix == ".jsonl":
-            rows = [spill_embedded_images(row, cache) for row in _load_jsonl(path)]  # data: URIs
-        elif suffix == ".json":
-            rows = [spill_embedded_images(row, cache) for row in _load_json(path)]
-        elif suffix == ".parquet":
-            rows = _load_parquet(path, cache)
-        else:
-            raise DataError(f"{path}: unsupported format {suffix or '(no suffix)'!r}; use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
+            raise DataError(f"{path}: a split ({split!r}) only applies to a dataset folder (datasets.save_to_disk, or a hub download)")
+        rows = _load_file(path, cache)
     if not keep_malformed:
         for row in rows:
             if "_malformed" in row:
                 raise DataError(f"{row['_source']}: {row['_malformed']}")
     return rows
+
+
+def _load_file(path: Path, cache: Path) -> list[dict]:
+    """The rows of one data file, by its suffix (or an imagefolder's metadata file)."""
+    suffix = path.suffix.lower()
+    if path.name in IMAGEFOLDER_METADATA:
+        return [spill_embedded_images(row, cache) for row in _imagefolder_rows(path)]
+    if suffix == ".jsonl":
+        return [spill_embedded_images(row, cache) for row in _load_jsonl(path)]  # data: URIs
+    if suffix == ".json":
+        return [spill_embedded_images(row, cache) for row in _load_json(path)]
+    if suffix == ".parquet":
+        return _load_parquet(path, cache)
+    raise DataError(f"{path}: unsupported format {suffix or '(no suffix)'!r}; use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
 
 
 # A `datasets` imagefolder: images beside a metadata file whose `file_name` column names each row's image.
@@ -166,6 +178,23 @@ def _load_shards(pattern: Path, keep_malformed: bool, cache: Path) -> list[dict]
     rows: list[dict] = []
     for file in files:
         rows += load_rows(file, keep_malformed=keep_malformed, image_cache=cache)
+    return rows
+
+
+def _load_hub_split(path: Path, splits: dict[str, list[Path]], split: str | None, keep_malformed: bool, cache: Path) -> list[dict]:
+    """The rows of one split of a hub-style dataset folder (locate.hub_splits), its files in name order."""
+    listed = ", ".join(splits)
+    if split is None:
+        raise DataError(f"{path}: holds splits {listed}; pick one with {path}{SPLIT_SEP}<split> (EasyR1: {path}@<split>)")
+    if split not in splits:
+        raise DataError(f"{path}: no split {split!r}; it holds {listed}")
+    rows: list[dict] = []
+    for file in splits[split]:
+        rows += load_rows(file, keep_malformed=True, image_cache=cache)
+    if not keep_malformed:
+        for row in rows:
+            if "_malformed" in row:
+                raise DataError(f"{row['_source']}: {row['_malformed']}")
     return rows
 
 
@@ -217,7 +246,7 @@ def _load_json(path: Path) -> list[dict]:
         value = value["data"]
     if not isinstance(value, list):
         raise DataError(f'{path}: expected a list of rows or {{"data": [...]}}, got {type(value).__name__}')
-    return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value)]
+    return [_object_row(v, f"{path}:row {i}") for i, v in enumerate(value, start=1)]  # counted from 1, like JSONL lines
 
 
 def _load_parquet(path: Path, cache: Path) -> list[dict]:
@@ -237,7 +266,7 @@ def _rows_from_batches(batches, name: str, cache: Path) -> list[dict]:
     rows: list[dict] = []
     for batch in batches:
         for row in batch.to_pylist():
-            rows.append(spill_embedded_images({**row, "_source": f"{name}:row {len(rows)}"}, cache))
+            rows.append(spill_embedded_images({**row, "_source": f"{name}:row {len(rows) + 1}"}, cache))
     return rows
 
 
@@ -487,8 +516,9 @@ def validate_rows(
     Images are also checked the way training will use them: one with more than ``max_image_pixels`` pixels
     (read from the header, before decoding) is an ``image_too_large`` problem, and ``shape_check`` (see
     `processing.ImageShapeCheck`) turns sizes the model's processor rejects into ``image_shape`` problems.
-    ``image_roots`` (data.image_root): relative image paths resolve against the first of these folders that holds
-    the file (the first one when none does), instead of the data file's folder. A prompt whose ``<image>`` /
+    ``image_roots`` (data.image_root): relative image paths resolve against the one of these folders that holds
+    the file (the first one when none does), instead of the data file's folder; a file in two of them with different
+    content is refused (DataError). A prompt whose ``<image>`` /
     ``<video>`` placeholders do not match its images is a ``placeholder_mismatch`` problem.
     """
     if limit_images is not None and limit_images < 1:
@@ -501,7 +531,7 @@ def validate_rows(
 
     # Pass 1: structure, and the image paths each row will use.
     roots = [Path(r).expanduser() for r in image_roots] if image_roots else None
-    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows)]
+    checked = [_check_structure(row, row.get("_source") or f"{label}:row {i}", base, limit_images, roots) for i, row in enumerate(rows, start=1)]
 
     # Pass 2: each distinct image and video file once.
     image_errors, video_errors, report.image_sizes = _media_errors(checked, check_images, max_image_pixels, shape_check)
@@ -545,7 +575,10 @@ def _missing_hint(report: ValidationReport) -> str:
     fields_missing = sorted({p.field for p in report.problems if p.kind == "missing_field"})
     if not fields_missing:
         if any(p.kind == "missing_image" for p in report.problems):
-            return "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders). "
+            return (
+                "Relative image paths resolve against the data file's folder, or data.image_root=<folder> (VLM-R1's --image_folders; "
+                "one folder per data file, in order, with data.train_path=[a.jsonl, b.jsonl]). "
+            )
         return ""
     return (
         f"A prompt comes from problem, prompt, messages or conversations; name your own columns with "
@@ -595,14 +628,14 @@ def _check_structure(
         if limit_images is not None and len(images) > limit_images:
             dropped = len(images) - limit_images
             images = images[:limit_images]
-        out["images"] = [_resolve(p, base, roots) for p in images]
+        out["images"] = [_resolve(p, base, roots, source) for p in images]
     else:
         out["images"] = []
     videos = _video_list(row, bad)
     if videos is not None:
         _check_placeholders(row, "video", len(videos), bad)
     out.pop("video", None)
-    out["videos"] = [[_resolve(p, base, roots) for p in v] if isinstance(v, list) else _resolve(v, base, roots) for v in videos or []]
+    out["videos"] = [[_resolve(p, base, roots, source) for p in v] if isinstance(v, list) else _resolve(v, base, roots, source) for v in videos or []]
     return out, problems, image_field, dropped
 
 
@@ -635,30 +668,30 @@ def _solution_as_text(value: Any) -> tuple[str | None, str | None]:
 
 def _image_list(row: dict, bad) -> tuple[list[str] | None, str]:
     """(the row's image paths as given, the field they came from); None paths when they are unusable
-    (the reason is reported via `bad`)."""
+    (the reason is reported via `bad`). ``image`` holds one path or, as VLM-R1's multi-image JSONL and LLaVA's data
+    ship it, a list of paths; ``images`` holds a list."""
     single, many = row.get("image"), row.get("images")
     if single is not None and many is not None:
         bad("image", "both 'image' and 'images' are set; use one", "wrong_type")
         return None, "image"
-    if single is not None:
-        if not isinstance(single, str):
-            bad("image", f"expected a path string, got {_describe_image_value(single)}", "wrong_type")
-            return None, "image"
+    if isinstance(single, str):
         return [single], "image"
-    if many is None:
+    key, value = ("image", single) if single is not None else ("images", many)
+    if value is None:
         return [], "images"
-    if not isinstance(many, (list, tuple)):
-        bad("images", f"expected a list of path strings, got {_type_name(many)}", "wrong_type")
-        return None, "images"
-    wrong = [i for i, p in enumerate(many) if not isinstance(p, str)]
+    if not isinstance(value, (list, tuple)):
+        expected = "a path string or a list of them" if key == "image" else "a list of path strings"
+        bad(key, f"expected {expected}, got {_describe_image_value(value)}", "wrong_type")
+        return None, key
+    wrong = [i for i, p in enumerate(value) if not isinstance(p, str)]
     if wrong:
-        bad("images", f"item {wrong[0]} is {_describe_image_value(many[wrong[0]])}, expected a path string", "wrong_type")
-        return None, "images"
-    empty = [i for i, p in enumerate(many) if not p.strip()]
+        bad(key, f"item {wrong[0]} is {_describe_image_value(value[wrong[0]])}, expected a path string", "wrong_type")
+        return None, key
+    empty = [i for i, p in enumerate(value) if not p.strip()]
     if empty:
-        bad("images", f"item {empty[0]} is an empty path", "empty_field")
-        return None, "images"
-    return list(many), "images"
+        bad(key, f"item {empty[0]} is an empty path", "empty_field")
+        return None, key
+    return list(value), key
 
 
 # A row's `video` given as a path with one of these suffixes is decoded with PyAV (video.py); a list of paths is its frames.
@@ -723,16 +756,45 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _resolve(path: str, base: Path, roots: list[Path] | None = None) -> str:
-    """An absolute path: as given, or relative to the data file's folder, or (data.image_root) to the first root
-    that holds it (the first root when none does, so the error names a place the user chose)."""
-    p = Path(path).expanduser()
+def _resolve(path: str, base: Path, roots: list[Path] | None = None, source: str = "?") -> str:
+    """An absolute path: as given, or relative to the data file's folder, or (data.image_root) to the root that holds
+    it (the first root when none does, so the error names a place the user chose). A path held by two roots with
+    different content raises DataError: which image the row means would be a guess (VLM-R1 pairs each data file with
+    its own folder)."""
+    p = Path(_file_uri_path(path)).expanduser()
     if p.is_absolute():
         return os.path.abspath(p)
     if roots:
-        found = next((r / p for r in roots if (r / p).exists()), roots[0] / p)
-        return os.path.abspath(found)
+        holders = [r / p for r in roots if (r / p).exists()]
+        different = [h for h in holders[1:] if not _same_content(holders[0], h)]
+        if different:
+            raise DataError(
+                f"{source}: image {path!r} is in two data.image_root folders with different content ({holders[0]} and {different[0]}); "
+                "which one the row means would be a guess. Pair each data file with its own folder, in order: "
+                "data.train_path=[a.jsonl, b.jsonl] data.image_root=[A, B] (as VLM-R1's --data_file_paths / --image_folders), "
+                "or give one folder"
+            )
+        return os.path.abspath(holders[0] if holders else roots[0] / p)
     return os.path.abspath(base / p)
+
+
+def _file_uri_path(path: str) -> str:
+    """``file:///abs/a.png`` (qwen-vl-utils' and MM-EUREKA's image references) -> ``/abs/a.png``; other text unchanged."""
+    if path[:7].lower() != "file://":
+        return path
+    from urllib.parse import unquote, urlparse
+
+    return unquote(urlparse(path).path)
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether two paths hold the same file or byte-equal files (then either one is the row's image)."""
+    import filecmp
+
+    try:
+        return os.path.samefile(a, b) or (a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False))
+    except OSError:
+        return False
 
 
 def _frame_paths(videos: list) -> list[str]:
@@ -1042,8 +1104,10 @@ def load_dataset_split(
     columns: dict[str, str] | None = None,
     image_roots: list[str] | None = None,
     prompt_template: str | None = None,
+    default_split: str | None = None,
 ) -> tuple[list[dict], ValidationReport]:
-    """`load_rows` + `formats.normalize_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder).
+    """`load_rows` + `formats.normalize_rows` + `validate_rows` for one file (``path::split`` for a DatasetDict folder;
+    `default_split` for a hub-style folder named without one).
 
     ``max_rows`` keeps the first rows before validation, so a quick run does not decode a huge dataset;
     with ``skip_bad_rows`` fewer rows may remain. ``layout`` (data.format), ``columns`` (data.columns) and
@@ -1052,7 +1116,7 @@ def load_dataset_split(
     from vlmrl.data.formats import FormatError, normalize_rows
 
     file_path, _ = split_path(path)
-    rows = load_rows(path, keep_malformed=True, image_cache=image_cache)
+    rows = load_rows(path, keep_malformed=True, image_cache=image_cache, default_split=default_split)
     if max_rows is not None:
         rows = rows[:max_rows]
     try:
@@ -1078,6 +1142,45 @@ def load_dataset_split(
     if label.startswith("vlm-r1"):  # VLM-R1's rewards read the resolved image paths as `image_path`
         good = [{**row, "image_path": list(row["images"])} for row in good]
     return good, report
+
+
+def data_files(value: str | list[str] | tuple[str, ...]) -> list[str]:
+    """data.train_path as a list of data files: one string is one file (or pattern, folder, ``path::split``)."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+def roots_per_file(files: list[str], image_root: str | list[str] | tuple[str, ...], field: str = "data.train_path") -> list[list[str] | None]:
+    """The image folders each data file's relative paths resolve against (data.image_root): one folder for every file;
+    with several data files and as many folders, each file its own folder, paired by position as VLM-R1 pairs
+    --data_file_paths with --image_folders; one data file and several folders: the folder that holds each image.
+    DataError for several files with a different number of folders (the pairing would be a guess)."""
+    roots = [image_root] if isinstance(image_root, str) else [r for r in image_root]
+    roots = [r for r in roots if r]
+    if not roots:
+        return [None] * len(files)
+    if len(roots) == 1 or len(files) == 1:
+        return [roots] * len(files)
+    if len(roots) != len(files):
+        raise DataError(
+            f"data.image_root has {len(roots)} folders for the {len(files)} data files of {field}: give one folder for all of them, "
+            "or one per data file in the same order (as VLM-R1's --image_folders pairs with --data_file_paths)"
+        )
+    return [[r] for r in roots]
+
+
+def merge_reports(reports: list[ValidationReport], names: list[str]) -> ValidationReport:
+    """One report for several data files read one after the other (counts added, problems in file order)."""
+    if len(reports) == 1:
+        return reports[0]
+    out = ValidationReport()
+    for rep in reports:
+        for key in ("total_rows", "kept_rows", "skipped_rows", "truncated_rows", "dropped_images", "text_only_rows", "num_images", "num_videos"):
+            setattr(out, key, getattr(out, key) + getattr(rep, key))
+        out.problems += rep.problems
+        out.image_sizes.update(rep.image_sizes)
+    labels = list(dict.fromkeys(rep.format for rep in reports))
+    out.format = labels[0] if len(labels) == 1 else ", ".join(f"{rep.format} ({name})" for rep, name in zip(reports, names))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -327,14 +327,15 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 FACTORY_SPEC_RE = re.compile(r"(?P<target>.+):(?P<name>[A-Za-z_]\w*)\((?P<args>.*)\)\s*", re.DOTALL)
 
 
-def load_reward(spec: str) -> RewardFn:
+def load_reward(spec: str, answer_key: str | None = None) -> RewardFn:
     """A reward function from a spec: a built-in name (see BUILTIN_REWARDS), ``path/to/file.py:function``
     (the file is imported by path, relative to the current directory), or ``package.module:function``.
     ``...:factory(max_len=512)`` calls a factory once with those literal arguments and uses what it returns
     (TRL's ``get_soft_overlong_punishment``, ``get_repetition_penalty_reward``, ``get_cosine_scaled_reward``).
     Rewards written for VLM-R1, EasyR1 or ms-swift are wrapped to be called their trainer's way
     (rewards/peers.py: the kind is read from the object, or named as ``spec@easyr1``); for EasyR1 and ms-swift the
-    ``(arg=value)`` arguments are bound (EasyR1's reward_function_kwargs) or passed to the ORM class."""
+    ``(arg=value)`` arguments are bound (EasyR1's reward_function_kwargs) or passed to the ORM class. `answer_key`:
+    the column an EasyR1 reward gets as ground_truth (EasyR1's data.answer_key; default ``answer``)."""
     from vlmrl.rewards.peers import detect_kind, split_kind
 
     spec, kind = split_kind(spec)
@@ -348,17 +349,17 @@ def load_reward(spec: str) -> RewardFn:
             positional, keyword = factory_arguments(spec, factory["args"])
             if positional:
                 raise RewardError(f"reward {spec!r}: give {kind} reward arguments by name, e.g. {factory['name']}(format_weight=0.1)")
-            return _adapted(spec, factory["name"], obj, kind, module, keyword)
-        return _adapted(spec, factory["name"], _call_factory(spec, obj, factory["args"]), kind, module)
+            return _adapted(spec, factory["name"], obj, kind, module, keyword, answer_key)
+        return _adapted(spec, factory["name"], _call_factory(spec, obj, factory["args"]), kind, module, answer_key=answer_key)
     obj, module = _load_object(spec)
-    return _adapted(spec, spec.rsplit(":", 1)[-1], obj, kind or detect_kind(obj, module), module)
+    return _adapted(spec, spec.rsplit(":", 1)[-1], obj, kind or detect_kind(obj, module), module, answer_key=answer_key)
 
 
-def _adapted(spec: str, name: str, obj: Any, kind: str, module: Any, bound: dict | None = None) -> RewardFn:
-    from vlmrl.rewards.peers import adapt
+def _adapted(spec: str, name: str, obj: Any, kind: str, module: Any, bound: dict | None = None, answer_key: str | None = None) -> RewardFn:
+    from vlmrl.rewards.peers import EASYR1_ANSWER_KEY, adapt
 
     try:
-        fn = adapt(name, obj, kind, module, bound)
+        fn = adapt(name, obj, kind, module, bound, answer_key or EASYR1_ANSWER_KEY)
     except Exception as e:  # an ORM class whose __init__ fails (a missing package, an unset endpoint)
         raise RewardError(f"reward {spec!r}: creating the {kind} reward failed: {type(e).__name__}: {_one_line(e)}") from e
     try:
@@ -536,7 +537,7 @@ def reward_inputs(
     TRL's order) and the decoded ``texts``, in the configured format (see COMPLETION_FORMATS)."""
     from vlmrl.data.formats import prompt_messages_of
 
-    completion_format = resolve_completion_format(completion_format, rows)
+    completion_format = resolve_completion_format(completion_format, rows, system_prompt)
     if completion_format not in COMPLETION_FORMATS:
         raise ValueError(f"completion_format must be one of {COMPLETION_FORMATS}, got {completion_format!r}")
     if completion_format == "text":
@@ -549,12 +550,14 @@ def reward_inputs(
     return prompts, conversational_completions(texts)
 
 
-def resolve_completion_format(completion_format: str, rows: list[dict]) -> str:
+def resolve_completion_format(completion_format: str, rows: list[dict], system_prompt: str | None = None) -> str:
     """algorithm.completion_format=auto as TRL decides it: conversational when the data's prompts are chat messages
-    (TRL conversational, VLM-R1 / LLaVA conversations, ms-swift messages), text otherwise."""
+    (TRL conversational, VLM-R1 / LLaVA conversations, ms-swift messages) or when data.system_prompt is set (a system
+    message makes the prompt a chat: TRL's grpo_vlm.py builds exactly that, [system, user(problem)], in its
+    make_conversation), text otherwise."""
     if completion_format != "auto":
         return completion_format
-    return "conversational" if any(row.get("_conversational") for row in rows) else "text"
+    return "conversational" if system_prompt or any(row.get("_conversational") for row in rows) else "text"
 
 
 def _run_coroutines(coros: list) -> list:
@@ -806,6 +809,14 @@ def _format_hint(error: Exception, completion: Any, fn: RewardFn | None = None, 
         if getattr(_innermost(fn), "__name__", "") == "compute_score":  # EasyR1's name for its reward: its way first
             return f"; an EasyR1 reward? {easyr1}; {factory}"
         return f"; {factory}; an EasyR1 compute_score(reward_inputs) is named file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
+    missing_args = MISSING_ARGUMENTS_RE.search(text) if isinstance(error, TypeError) and given is not None else None
+    absent = [a for a in re.findall(r"'(\w+)'", missing_args["names"]) if a not in given] if missing_args else []
+    if absent:  # an ms-swift ORM's / TRL function's named data columns: say they are columns, and which the rows have
+        have = ", ".join(k for k in given if k not in ("prompts", "completions", *REWARD_EXTRAS))
+        return (
+            f"; it takes the data column{'s' if len(absent) > 1 else ''} {', '.join(absent)} as argument{'s' if len(absent) > 1 else ''}, "
+            f"which these rows do not have (their columns: {have or 'none'}): add {'them' if len(absent) > 1 else 'it'} to the data file"
+        )
     if isinstance(completion, list) and ("'list' object has no attribute" in text or "not 'list'" in text or "got 'list'" in text):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
     if "'NoneType'" in text and given is not None:
@@ -817,6 +828,12 @@ def _format_hint(error: Exception, completion: Any, fn: RewardFn | None = None, 
                 "accu_reward_method and image_grid_thw to VLM-R1 conversations rows only: add the column to the data"
             )
     return ""
+
+
+# Python's "f() missing 2 required positional arguments: 'bbox' and 'image_size'".
+MISSING_ARGUMENTS_RE = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (?P<names>.+)$")
+# What every reward may get besides the data columns (rewards/peers.py EXTRA_ARGUMENTS).
+REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def _innermost(fn: Any) -> Any:
@@ -859,7 +876,8 @@ def raised_at(fn: RewardFn, error: BaseException) -> str:
     """' (at path/to/rewards.py:12 in my_reward)': the innermost line of the reward function's own file in the error's
     traceback (where the user looks, even when the error came from a library it called); else the innermost line
     outside vlmrl; '' when there is none."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    ours = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")}  # vlmrl's call wrappers
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) not in ours]
     if not frames:
         return ""
     own_file = _source_file(fn)

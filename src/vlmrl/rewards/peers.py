@@ -63,14 +63,18 @@ def detect_kind(obj: Any, module: Any = None) -> str:
     return "trl"
 
 
-def adapt(name: str, obj: Any, kind: str, module: Any = None, bound: dict | None = None) -> Callable[..., list]:
-    """`obj` as a TRL-style reward function, called as its own trainer calls it."""
+# EasyR1's data.answer_key default: the column its loader hands to the reward as ground_truth.
+EASYR1_ANSWER_KEY = "answer"
+
+
+def adapt(name: str, obj: Any, kind: str, module: Any = None, bound: dict | None = None, answer_key: str = EASYR1_ANSWER_KEY) -> Callable[..., list]:
+    """`obj` as a TRL-style reward function, called as its own trainer calls it (`answer_key`: EasyR1's data.answer_key)."""
     bound = bound or {}
     if kind == "swift":
         return _swift_reward(name, obj, bound)
     if kind == "easyr1":
         sequential = getattr(module, "REWARD_TYPE", None) == "sequential" or _first_parameter(obj) == "reward_input"
-        return _easyr1_reward(name, functools.partial(obj, **bound) if bound else obj, sequential)
+        return _easyr1_reward(name, functools.partial(obj, **bound) if bound else obj, sequential, answer_key)
     if kind == "vlm-r1":
         return _vlmr1_reward(obj)
     return obj
@@ -101,9 +105,20 @@ def _swift_reward(name: str, cls_or_instance: Any, bound: dict) -> Callable[...,
     return swift_reward
 
 
-def _easyr1_reward(name: str, fn: Callable, sequential: bool) -> Callable[..., list]:
+def ground_truth_column(columns, answer_key: str = EASYR1_ANSWER_KEY) -> str | None:
+    """The column an EasyR1 reward gets as ``ground_truth``: `answer_key` (EasyR1's loader pops it into ground_truth),
+    else ``solution`` (every vlmrl row has one); None when the rows have neither."""
+    return next((c for c in (answer_key, "solution") if c in columns), None)
+
+
+def _easyr1_reward(name: str, fn: Callable, sequential: bool, answer_key: str = EASYR1_ANSWER_KEY) -> Callable[..., list]:
+    """`fn` called EasyR1's way. ``ground_truth`` is the row's `answer_key` column, as EasyR1's loader sets it
+    (``example.pop(answer_key)``, default ``answer``; vlmrl's answer_key is the column data.columns.solution names),
+    else the row's ``solution``; a ``ground_truth`` column of the data itself is never read first."""
+
     def easyr1_reward(prompts, completions, completion_ids=None, log_metric=None, **columns):
-        truth = columns.get("ground_truth") or columns.get("answer") or columns.get("solution") or [None] * len(completions)
+        key = ground_truth_column(columns, answer_key)
+        truth = columns[key] if key is not None else [None] * len(completions)
         inputs = []
         for i, c in enumerate(completions):
             text = _text(c)
@@ -114,6 +129,7 @@ def _easyr1_reward(name: str, fn: Callable, sequential: bool) -> Callable[..., l
 
     easyr1_reward.__name__ = name
     easyr1_reward.__wrapped_reward__ = fn
+    easyr1_reward.__answer_key__ = answer_key
     return easyr1_reward
 
 
@@ -223,10 +239,19 @@ def describe_call(name: str, fn: Any, columns: list[str], completion_format: str
         return f"reward {name}: {BUILTIN_NOTES.get(name) or f'vlmrl built-in {name}'}"
     kind = getattr(fn, "__reward_kind__", "trl")
     if kind == "easyr1":
-        truth = next((c for c in ("ground_truth", "answer", "solution") if c in columns), None)
+        answer_key = getattr(fn, "__answer_key__", EASYR1_ANSWER_KEY)
+        truth = ground_truth_column(columns, answer_key)
         shape = "one dict per call" if _first_parameter(getattr(fn, "__wrapped_reward__", fn)) == "reward_input" else "a list of dicts"
+        if truth == answer_key:
+            source = f"ground_truth={truth}: the {truth!r} column, EasyR1's data.answer_key"
+        elif truth is not None:
+            source = f"ground_truth={truth}: the {truth!r} column (no {answer_key!r} column, EasyR1's data.answer_key)"
+        else:
+            source = f"ground_truth=None: no {answer_key!r} column"
+        if "ground_truth" in columns and truth != "ground_truth":
+            source += "; the data's own 'ground_truth' column is not it, as in EasyR1"
         return (
-            f"reward {name} (EasyR1 compute_score): gets {shape} {{response, response_length, ground_truth={truth or 'None: no answer column'}}}; "
+            f"reward {name} (EasyR1 compute_score): gets {shape} {{response, response_length, {source}}}; "
             "'overall' of a dict is the reward, its other keys are logged"
         )
     if kind == "swift":

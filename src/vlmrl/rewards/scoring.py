@@ -78,5 +78,7 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     keys = [k if short.count(k) == 1 else n for k, n in zip(short, names)]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"algorithm.reward_funcs lists the same reward twice: {names}")
-    funcs = {k: load_reward(n) for k, n in zip(keys, names)}
+    # EasyR1's answer_key is the column data.columns.solution names (convert maps data.answer_key there), else "answer".
+    answer_key = cfg.data.columns.get("solution") or None
+    funcs = {k: load_reward(n, answer_key) for k, n in zip(keys, names)}
     return funcs, dict(zip(keys, weights))

@@ -320,14 +320,19 @@ def convert_environment(source: dict[str, Any], out: Conversion) -> set[str]:
 
 def from_vlm_r1(source: dict[str, Any]) -> Conversion:
     out = Conversion()
-    paths = str(source.get("data_file_paths") or "").split(":")
-    folders = str(source.get("image_folders") or "").split(":")
-    if paths[0]:
-        out.set("data.train_path", paths[0])
-        if len(paths) > 1:
-            out.skip("data_file_paths", f"vlmrl trains on one file: {paths[0]} kept; concatenate the other {len(paths) - 1} into it")
-    if folders[0]:
-        out.set("data.image_root", list(dict.fromkeys(folders)) if len(set(folders)) > 1 else folders[0])
+    paths = [p for p in str(source.get("data_file_paths") or "").split(":") if p]
+    folders = [f for f in str(source.get("image_folders") or "").split(":") if f]
+    if paths:
+        out.set("data.train_path", paths if len(paths) > 1 else paths[0])
+    # VLM-R1 joins each data file's image paths with the folder at the same position (grpo_jsonl.py): a list in the
+    # same order keeps that pairing; one folder for all files stays one folder.
+    if folders and (len(folders) == len(paths) or len(set(folders)) == 1):
+        out.set("data.image_root", folders if len(set(folders)) > 1 else folders[0])
+    elif folders:
+        out.skip(
+            "image_folders",
+            f"{len(folders)} folders for {len(paths)} data files (VLM-R1 refuses this too): give one per data file in data.image_root",
+        )
     if source.get("reward_funcs") is not None:
         out.skip(
             "reward_funcs",

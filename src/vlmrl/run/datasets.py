@@ -13,7 +13,18 @@ from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
 from vlmrl.checkpoints.run_manifest import is_owned, record
 from vlmrl.config import replace, to_dict
-from vlmrl.data.rows import DataError, bad_rows_records, load_dataset_split, load_images, load_video, shared_image_cache
+from vlmrl.data.rows import (
+    DataError,
+    MissingData,
+    bad_rows_records,
+    data_files,
+    load_dataset_split,
+    load_images,
+    load_video,
+    merge_reports,
+    roots_per_file,
+    shared_image_cache,
+)
 from vlmrl.data.tasks import TASKS
 from vlmrl.data.video import VideoError
 from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, ImageShapeCheck, build_row_prompt, encode_prompts, load_processor, video_support
@@ -83,12 +94,13 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     train_rows: list[dict] = []
     prompts = None
     if need_train:
-        train_rows, rep = load_dataset_split(train_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
-        train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, train_path)
-        reports.append(f"train {train_path}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
+        train_rows, rep = load_data_files(train_path, "data.train_path", cfg, checks, layout)
+        shown = ", ".join(data_files(train_path))
+        train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, shown)
+        reports.append(f"train {shown}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_dataset_split(eval_path, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, **checks, **layout)
+        eval_rows, rep = load_data_files(eval_path, "data.eval_path", cfg, checks, layout)
         eval_rows, _ = apply_prompt_budget(processor, cfg, eval_rows, rep, eval_path)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
@@ -97,9 +109,31 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     return Datasets(train=train_rows, eval=eval_rows, reports=reports, prompts=prompts)
 
 
+def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) -> tuple[list[dict], object]:
+    """The validated rows of data.train_path / data.eval_path (one data file or a list of them, read in order, each with
+    its own data.image_root folder when there are as many: rows.roots_per_file) and one report for them all."""
+    d = cfg.data
+    files = data_files(value)
+    rows: list[dict] = []
+    reports = []
+    # data.train_path reads a hub-style folder's train split when it names none (EasyR1, datasets.load_dataset);
+    # evaluation must name its split (evaluating on the training rows by default would mislead).
+    split = "train" if field == "data.train_path" else None
+    for file, roots in zip(files, roots_per_file(files, d.image_root, field)):
+        try:
+            got, rep = load_dataset_split(
+                file, limit_images=d.limit_images, skip_bad_rows=d.skip_bad_rows, image_roots=roots, default_split=split, **checks, **layout
+            )
+        except MissingData as e:
+            raise DataError(f"{field}={file}: {e}") from None
+        rows += got
+        reports.append(rep)
+    return rows, merge_reports(reports, files)
+
+
 def data_layout_options(cfg: Config) -> dict:
-    """How data files are read (formats.py): data.format, data.columns, data.image_root, data.prompt_template (a
-    .jinja file's text, or the template itself)."""
+    """How data files are read (formats.py): data.format, data.columns, data.prompt_template (a .jinja file's text, or
+    the template itself). data.image_root is per data file (load_data_files)."""
     d = cfg.data
     template = d.prompt_template
     if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
@@ -107,8 +141,7 @@ def data_layout_options(cfg: Config) -> dict:
         if not path.is_file():
             raise DataError(f"data.prompt_template: file not found: {path}")
         template = path.read_text(encoding="utf-8")
-    roots = [d.image_root] if isinstance(d.image_root, str) else list(d.image_root)
-    return {"layout": d.format, "columns": dict(d.columns), "image_roots": [r for r in roots if r] or None, "prompt_template": template or None}
+    return {"layout": d.format, "columns": dict(d.columns), "prompt_template": template or None}
 
 
 def refuse_videos_without_support(train_rows: list[dict], eval_rows: list[dict], processor, cfg: Config) -> None:
@@ -144,16 +177,29 @@ def configured_processor(cfg: Config):
 def record_bad_rows(cfg: Config, split: str, report) -> str:
     """Every problem of the rows data.skip_bad_rows dropped, one JSON line each (``split``, ``source`` = file:line,
     ``field``, ``kind``, ``reason``), in output_dir/bad_rows.jsonl (rewritten per split each run, main process only).
-    Returns the text that points the report line to that file ('' when nothing was dropped)."""
+    Returns the text that points the report line to that file ('' when nothing was dropped).
+
+    The file is listed in output_dir's manifest as it is written: the preflight (and `vlmrl check`) read the data
+    before the run claims the folder, and the run must then take it as its own. A bad_rows.jsonl vlmrl did not
+    write is never replaced nor deleted: DataError when rows were dropped (their list has nowhere to go), else it is
+    left as it is."""
     import json
 
-    path = Path(cfg.training.output_dir) / "bad_rows.jsonl"
+    out = Path(cfg.training.output_dir)
+    path = out / "bad_rows.jsonl"
     if env_world()[1] == 0:
+        if (path.exists() or path.is_symlink()) and not is_owned(path):
+            if not report.problems:
+                return ""
+            raise DataError(
+                f"training.output_dir={out} holds bad_rows.jsonl, which vlmrl did not write but the dropped rows would be listed "
+                f"in; move it out of {out} or pick another training.output_dir"
+            )
         # The other split's lines stay (train and eval load one after the other); unreadable lines go.
         kept = [json.dumps(r, ensure_ascii=False) for r in read_jsonl(path) if isinstance(r, dict) and r.get("split") != split]
         lines = kept + [json.dumps({"split": split, **r}, ensure_ascii=False) for r in bad_rows_records(report)]
         if lines:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            record(out, [path.name])  # before writing: a kill in between leaves a listed name, never an unlisted file
             path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         elif path.exists():
             path.unlink()

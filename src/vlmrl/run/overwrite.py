@@ -3,8 +3,9 @@
 Only what vlmrl wrote into a run folder (its manifest, run_manifest.py) is ever deleted. The folder is refused,
 with one line and nothing touched, when it holds anything else (it may be the user's own folder), or when the run's
 own inputs (model.name_or_path, data files, training.resume) lie in what would be deleted (e.g. training again from
-the same folder's final/). Kept: the lock this run holds, and `data/` (the built-in task's generated files, which
-the preflight may have just written for this run and which are rewritten byte for byte anyway).
+the same folder's final/). Kept: the lock this run holds, `data/` (the built-in task's generated files, which
+the preflight may have just written for this run and which are rewritten byte for byte anyway) and `bad_rows.jsonl`
+(the preflight has just written this run's list of dropped rows there, or removed the earlier one).
 
 Deleting: every entry is first renamed into one `.vlmrl-overwritten-<pid>` folder (renames in one folder are atomic),
 then that folder is removed. A kill in between leaves only that folder, which the next overwrite removes too.
@@ -18,9 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vlmrl.config import ConfigError
-from vlmrl.checkpoints.run_manifest import LOCK_FILE, MANIFEST_FILE, forget, foreign_names, is_owned, owned_names
+from vlmrl.checkpoints.run_manifest import LOCK_FILE, MANIFEST_FILE, data_inputs, forget, foreign_names, is_owned, owned_names
 
-KEPT = {LOCK_FILE, MANIFEST_FILE, "data"}
+KEPT = {LOCK_FILE, MANIFEST_FILE, "data", "bad_rows.jsonl"}
 TRASH_PREFIX = ".vlmrl-overwritten-"
 
 
@@ -50,7 +51,7 @@ def entries_to_delete(output_dir: str | Path) -> list[Path]:
 
 def _inputs(cfg) -> dict[str, str]:
     """The run's own inputs that must survive the overwrite: {config key: path}."""
-    items = {"model.name_or_path": cfg.model.name_or_path, "data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg), "data.eval_path": cfg.data.eval_path}
     if cfg.training.resume not in ("auto", "never"):
         items["training.resume"] = cfg.training.resume
     return {k: v for k, v in items.items() if v}

@@ -88,7 +88,7 @@ def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:
     """One line per reward: which definition a built-in name is, or how a user reward is called and with what."""
 
     columns = list(reward_columns(rows, 1))
-    form = resolve_completion_format(cfg.algorithm.completion_format, rows)
+    form = resolve_completion_format(cfg.algorithm.completion_format, rows, cfg.data.system_prompt)
     return [describe_call(name, fn, columns, form, builtin=BUILTIN_REWARDS.get(name) is fn) for name, fn in funcs.items()]
 
 
