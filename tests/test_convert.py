@@ -65,11 +65,10 @@ EXAMPLES = {
         "trainer.find_last_checkpoint": "training.resume",
     },
     ("ms-swift", "ms_swift_grpo_multimodal.sh", ()): {
-        "reward_funcs (accuracy, format)": "built-ins",
+        "reward_funcs (format)": "built-ins",  # external_r1v_acc is the plugin's, not a built-in
         "system": "prompt.txt is not here",  # run from this repository; test_ms_swift_system_prompt_file_is_read_when_here
         "rlhf_type": "GRPO",
         "external_plugins": "algorithm.reward_funcs",
-        "importance_sampling_level": "per token",
         "sleep_level": VLLM,
         "offload_model": VLLM,
         "offload_optimizer": VLLM,
