@@ -2,6 +2,7 @@
 that `check` accepts, and every key without an equivalent listed with why."""
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -310,3 +311,179 @@ def test_check_refuses_flash_attention_without_flash_attn(tmp_path, capsys):
     capsys.readouterr()
     assert main(["check", str(out), *local]) == 2
     assert "flash_attention_2 but the flash-attn package is not installed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 35 #6 / #7: every published file converts to a config; EasyR1's OmegaConf scripts; the loss and the keys the
+# converters dropped.
+
+PEER_NAMES = {"TRL": "trl", "EasyR1": "easyr1", "ms-swift": "ms-swift", "VLM-R1": "vlm-r1", "R1-V (`--from vlm-r1`)": "vlm-r1"}
+
+
+def published_files() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(peer, fixture, options) of each row of docs/coming_from.md's table of published files: the list the docs give."""
+    rows = []
+    for line in (Path(__file__).parents[1] / "docs" / "coming_from.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in PEER_NAMES and re.fullmatch(r"`[\w.-]+\.(sh|yaml)`", cells[1]):
+            rows.append((PEER_NAMES[cells[0]], cells[1].strip("`"), tuple(cells[3].strip("`").split())))
+    return rows
+
+
+def easyr1_checkout(root: Path, script: str) -> Path:
+    """EasyR1's layout: examples/config.yaml (its published config) beside examples/<script>, run from `root`."""
+    (root / "examples").mkdir(parents=True, exist_ok=True)
+    shutil.copy(CONFIGS / "easyr1_config.yaml", root / "examples" / "config.yaml")
+    return Path(shutil.copy(CONFIGS / script, root / "examples" / script.removeprefix("easyr1_")))
+
+
+def test_the_docs_list_every_published_file_here():
+    listed = {fixture for _, fixture, _ in published_files()}
+    assert len(listed) >= 13 and listed == {p.name for p in CONFIGS.iterdir()}, listed ^ {p.name for p in CONFIGS.iterdir()}
+
+
+@pytest.mark.parametrize("case", published_files(), ids=lambda c: c[1])
+def test_every_published_file_converts_to_a_config(case, tmp_path, capsys, monkeypatch):
+    """`vlmrl convert` on each file docs/coming_from.md lists, run where the peer runs it: exit 0 and a YAML holding
+    settings read from the file (before: EasyR1's scripts became `{}` with exit 0)."""
+    peer, fixture, options = case
+    monkeypatch.chdir(tmp_path)
+    source = easyr1_checkout(tmp_path, fixture) if fixture.startswith("easyr1_") and fixture.endswith(".sh") else CONFIGS / fixture
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", peer, *options, "-o", str(out), str(source)]) == 0, capsys.readouterr().err
+    written = yaml.safe_load(out.read_text())
+    assert isinstance(written, dict) and sum(len(v) for v in written.values()) >= 5, written
+    assert written.get("model", {}).get("name_or_path") or written.get("data", {}).get("max_pixels"), written
+    load_config(out)
+
+
+@pytest.mark.parametrize("where", ["checkout", "elsewhere"])
+def test_easyr1_geo3k_script_reads_its_config_and_overrides(where, tmp_path, monkeypatch):
+    """EasyR1's qwen2_5_vl_7b_geo3k_grpo.sh: config=examples/config.yaml (from the checkout, or found above the script
+    when run elsewhere) with data.train_files, the model (${MODEL_PATH}) and n_gpus_per_node overridden."""
+    script = easyr1_checkout(tmp_path / "EasyR1", "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh")
+    monkeypatch.chdir(tmp_path / "EasyR1" if where == "checkout" else tmp_path)
+    result = convert("easyr1", [str(script)])
+    s = result.settings
+    assert s["data.train_path"] == "hiyouga/geometry3k::train" and s["data.eval_path"] == "hiyouga/geometry3k::test"
+    assert s["model.name_or_path"] == "Qwen/Qwen2.5-VL-7B-Instruct"  # the script's MODEL_PATH, not config.yaml's text model
+    assert s["rollout.num_generations"] == 5 and s["algorithm.beta"] == 0.01  # from config.yaml
+    assert s["algorithm.reward_funcs"] == ["./examples/reward_function/math.py:compute_score"]
+    assert "trainer.experiment_name" in result.unmapped and "trainer.n_gpus_per_node" in result.unmapped
+
+
+def test_easyr1_multi_image_and_gspo_scripts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = convert("easyr1", [str(easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_multi_image.sh"))]).settings
+    assert s["data.limit_images"] == 2 and s["rollout.generation_batch_size"] == 256 * 5
+    assert s["data.train_path"] == "hiyouga/journeybench-multi-image-vqa::train"
+    s = convert("easyr1", [str(easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_geo3k_gspo.sh"))]).settings
+    assert s["algorithm.policy_loss"] == "gspo" and (s["algorithm.epsilon"], s["algorithm.epsilon_high"]) == (3e-4, 4e-4)
+    assert s["algorithm.beta"] == 0.0  # algorithm.disable_kl=True
+
+
+def test_easyr1_loss_defaults_are_easyr1s():
+    """EasyR1's actor defaults (clip 0.2 / 0.3, dual clip 3.0, token mean, low_var_kl) are written for its config.yaml,
+    which leaves them to the dataclass; vlmrl's own (0.2 / 0.2, no dual clip, per-sequence mean, k3) would differ."""
+    s = convert("easyr1", [str(CONFIGS / "easyr1_config.yaml")]).settings
+    assert (s["algorithm.epsilon"], s["algorithm.epsilon_high"], s["algorithm.delta"]) == (0.2, 0.3, 3.0)
+    assert s["algorithm.loss_aggregation"] == "token_mean" and s["algorithm.kl_estimator"] == "low_var_kl"
+
+
+def test_easyr1_arguments_given_directly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh")
+    s = convert("easyr1", ["config=examples/config.yaml", "worker.rollout.n=8", "worker.actor.model.model_path=/m"]).settings
+    assert s["rollout.num_generations"] == 8 and s["model.name_or_path"] == "/m" and s["data.train_path"] == "hiyouga/math12k::train"
+
+
+def test_easyr1_script_without_its_config_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = shutil.copy(CONFIGS / "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh", tmp_path / "geo3k.sh")
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "easyr1", "-o", str(out), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "config=examples/config.yaml is not here" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "peer, fixture, hint",
+    [
+        ("easyr1", "trl_grpo_vlm.sh", "--from trl"),
+        ("trl", "easyr1_config.yaml", "--from easyr1"),
+        ("ms-swift", "easyr1_config.yaml", "--from easyr1"),
+    ],
+)
+def test_nothing_read_is_refused_not_written_empty(peer, fixture, hint, tmp_path, capsys):
+    """Another peer's file: no setting can be read, so one line (exit 2) names what was found and nothing is written
+    (before: `{}`, or only the peer's defaults, with exit 0). Mutation-checked: without refuse_empty these pass exit 0."""
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", peer, "-o", str(out), str(CONFIGS / fixture)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing written" in err and hint in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    empty = tmp_path / "empty.sh"
+    empty.write_text("#!/bin/bash\nset -x\necho hello\n")
+    assert main(["convert", "--from", peer, "-o", str(out), str(empty)]) == 2 and not out.exists()
+    assert "no --key value arguments" in capsys.readouterr().err
+
+
+def test_trl_loss_flags_keep_their_meaning():
+    """The flags whose conversion changed TRL's math (issue 35 #7); their loss is checked by TRL's own code in
+    tests/test_convert_oracle.py (where TRL is installed)."""
+    s = convert("trl", ["--use_bias_correction_kl", "false", "--beta", "0.04"]).settings
+    assert s["algorithm.use_bias_correction_kl"] is False and s["algorithm.beta"] == 0.04
+    s = convert("trl", [str(CONFIGS / "trl_gspo_vlm.sh")]).settings
+    assert s["algorithm.policy_loss"] == "gspo" and s["algorithm.loss_type"] == "grpo"
+    assert convert("trl", ["--loss_type", "dapo"]).settings["algorithm.loss_aggregation"] == "token_mean_rollout"
+    s = convert("trl", ["--loss_type", "cispo", "--epsilon_high", "5.0"]).settings
+    assert s["algorithm.policy_loss"] == "cispo" and s["algorithm.epsilon_high"] == 4.0  # TRL's cap 5 = vlmrl's 1 + 4
+    s = convert("trl", ["--loss_type", "sapo"]).settings
+    assert s["algorithm.policy_loss"] == "sapo" and s["algorithm.loss_type"] == "grpo"
+
+
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (["--loss_type", "vespo"], "vespo: vlmrl has no such loss"),
+        (["--loss_type", "cispo"], "caps the importance weight at 0.2"),
+        (["--importance_sampling_level", "sequence_token"], "sequence_token"),
+    ],
+)
+def test_a_loss_vlmrl_lacks_is_refused(words, message, tmp_path, capsys):
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "trl", "-o", str(out), *words]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_ms_swift_published_gspo_and_lora_scripts():
+    result = convert("ms-swift", [str(CONFIGS / "ms_swift_gspo.sh")])
+    s = result.settings
+    assert s["algorithm.policy_loss"] == "gspo" and (s["algorithm.epsilon"], s["algorithm.epsilon_high"]) == (3e-4, 4e-4)
+    assert "importance_sampling_level" not in result.unmapped
+    result = convert("ms-swift", [str(CONFIGS / "ms_swift_grpo_omni_lora.sh")])
+    s = result.settings
+    assert s["model.use_lora"] is True and s["model.lora_r"] == 8 and s["model.lora_alpha"] == 32
+    assert s["algorithm.reward_funcs"] == ["examples/train/grpo/plugin/plugin.py:external_r1v_acc", "format"]
+    assert "reward_funcs (format)" in result.unmapped and not any("external_r1v_acc" in k for k in result.unmapped)
+
+
+def test_ms_swift_image_limit_and_its_own_defaults():
+    """A `swift rlhf` line without batch flags ran with ms-swift's: 1 per GPU, accumulation ceil(16 / 1 / 4 GPUs) = 4,
+    8 generations, beta 0.04; --vllm_limit_mm_per_prompt's image count is data.limit_images."""
+    words = ["--rlhf_type", "grpo", "--model", "m", "--vllm_limit_mm_per_prompt", '{"image": 2, "video": 1}']
+    result = convert("ms-swift", words, processes=4)
+    s = result.settings
+    assert s["data.limit_images"] == 2 and "vllm_limit_mm_per_prompt (video)" in result.unmapped
+    assert s["training.per_device_train_batch_size"] == 1 and s["rollout.num_generations"] == 8 and s["algorithm.beta"] == 0.04
+    assert s["training.gradient_accumulation_steps"] == 4 * 4  # ms-swift's 4 per GPU x 4 GPUs: 16 completions a step, as there
+
+
+def test_r1v_comment_after_a_continuation_keeps_the_process_count():
+    """R1-V's run_grpo_clevr.sh has `--dataset_name <...> \\  #https://...`: its torchrun options (--nproc_per_node 8)
+    come before that line; the command is read on, so the process count is kept and the line is named."""
+    result = convert("vlm-r1", [str(CONFIGS / "r1v_run_grpo_clevr.sh")])
+    s = result.settings
+    assert s["training.gradient_accumulation_steps"] == 2 * 8 and s["data.max_pixels"] == 401408 and s["training.save_only_model"] is True
+    assert "nproc_per_node" in result.unmapped and any("line 14" in n and "comment" in n for n in result.notes)
+    assert "placeholder" in result.unmapped["model.name_or_path"]  # <PATH-TO-Qwen2-VL-2B-Instruct> is for the user to fill
