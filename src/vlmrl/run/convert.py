@@ -1,9 +1,11 @@
 """`vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 FILE_OR_ARGS`: another trainer's config as a vlmrl YAML.
 
 Reads a YAML config (TRL's flat keys, EasyR1's nested sections), a launch script (the ``--key value`` arguments
-of its ``torchrun`` / ``accelerate launch`` / ``swift rlhf`` line, shell variables set in the script filled in),
-or the ``--key value`` arguments themselves. Every key either becomes a vlmrl setting or is listed with why it
-has none (vLLM settings: vlmrl generates in-process; ZeRO / FSDP settings: the accelerate config to launch with).
+of its ``torchrun`` / ``accelerate launch`` / ``swift rlhf`` line, or EasyR1's OmegaConf ``config=x.yaml a.b=c``
+line; shell variables set in the script filled in), or those arguments themselves. Every key either becomes a
+vlmrl setting or is listed with why it has none (vLLM settings: vlmrl generates in-process; ZeRO / FSDP settings:
+the accelerate config to launch with). A loss choice becomes vlmrl's settings of the same math or is refused, and a
+source of which nothing can be read is refused: never an empty config.
 """
 
 from __future__ import annotations
