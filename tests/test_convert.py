@@ -446,7 +446,7 @@ def test_trl_loss_flags_keep_their_meaning():
     [
         (["--loss_type", "vespo"], "vespo: vlmrl has no such loss"),
         (["--loss_type", "cispo"], "caps the importance weight at 0.2"),
-        (["--importance_sampling_level", "sequence_token"], "sequence_token"),
+        (["--importance_sampling_level", "sequence_token"], "sequence_token: choose token or sequence"),  # ms-swift's, not TRL's
     ],
 )
 def test_a_loss_vlmrl_lacks_is_refused(words, message, tmp_path, capsys):
@@ -461,6 +461,8 @@ def test_ms_swift_published_gspo_and_lora_scripts():
     s = result.settings
     assert s["algorithm.policy_loss"] == "gspo" and (s["algorithm.epsilon"], s["algorithm.epsilon_high"]) == (3e-4, 4e-4)
     assert "importance_sampling_level" not in result.unmapped
+    token_form = convert("ms-swift", ["--model", "m", "--importance_sampling_level", "sequence_token"], processes=1).settings
+    assert token_form["algorithm.policy_loss"] == "gspo"  # GSPO-token: vlmrl's gspo is that form
     result = convert("ms-swift", [str(CONFIGS / "ms_swift_grpo_omni_lora.sh")])
     s = result.settings
     assert s["model.use_lora"] is True and s["model.lora_r"] == 8 and s["model.lora_alpha"] == 32
@@ -476,6 +478,7 @@ def test_ms_swift_image_limit_and_its_own_defaults():
     s = result.settings
     assert s["data.limit_images"] == 2 and "vllm_limit_mm_per_prompt (video)" in result.unmapped
     assert s["training.per_device_train_batch_size"] == 1 and s["rollout.num_generations"] == 8 and s["algorithm.beta"] == 0.04
+    assert s["algorithm.kl_estimator"] == "low_var_kl"  # ms-swift's KL: k3 clamped, never times the ratio
     assert s["training.gradient_accumulation_steps"] == 4 * 4  # ms-swift's 4 per GPU x 4 GPUs: 16 completions a step, as there
 
 

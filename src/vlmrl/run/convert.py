@@ -363,7 +363,7 @@ TRL_LOSS_TYPES: dict[str, dict[str, Any]] = {
 TRL_ALGORITHM_KEYS = {"loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "tau_pos", "tau_neg"}
 
 
-def convert_trl_algorithm(source: dict[str, Any], out: Conversion) -> set[str]:
+def convert_trl_algorithm(source: dict[str, Any], out: Conversion, levels: tuple[str, ...] = ("token", "sequence")) -> set[str]:
     """TRL's (and ms-swift's) loss choice as vlmrl's: loss_type, importance_sampling_level (sequence = GSPO), the
     clip ranges (cispo: TRL's epsilon_high is the weight's cap itself, vlmrl's cap is 1 + epsilon_high), ms-swift's
     SAPO temperatures. A loss vlmrl does not have is refused rather than replaced. Returns the keys handled."""
@@ -378,12 +378,12 @@ def convert_trl_algorithm(source: dict[str, Any], out: Conversion) -> set[str]:
     for key, value in TRL_LOSS_TYPES.get(loss_type, {}).items():
         out.set(key, value)
     level = source.get("importance_sampling_level", "token")
-    if level == "sequence":
+    if level not in levels:
+        raise ConfigError(f"--importance_sampling_level {level}: choose {' or '.join(levels)} (sequence is vlmrl's algorithm.policy_loss=gspo)")
+    if level != "token":  # vlmrl's gspo is GSPO-token, whose gradient is GSPO's with one advantage a sequence
         if loss_type in ("cispo", "sapo"):
-            raise ConfigError(f"--importance_sampling_level sequence with --loss_type {loss_type}: vlmrl's {loss_type} is per token")
+            raise ConfigError(f"--importance_sampling_level {level} with --loss_type {loss_type}: vlmrl's {loss_type} is per token")
         out.set("algorithm.policy_loss", "gspo")
-    elif level != "token":
-        raise ConfigError(f"--importance_sampling_level {level}: vlmrl has token (GRPO) and sequence (algorithm.policy_loss=gspo) only")
     for key in ("epsilon", "epsilon_high"):
         if source.get(key) is not None:
             out.set(f"algorithm.{key}", source[key])
@@ -524,12 +524,15 @@ SWIFT_REASONS = {
     "sleep_level": VLLM,
     "offload_model": "moves the model aside while vLLM generates: " + VLLM,
     "offload_optimizer": "moves the optimizer aside while vLLM generates: " + VLLM,
+    "use_bias_correction_kl": "ms-swift's GRPO loss does not read it: its KL is low_var_kl (algorithm.kl_estimator)",
 }
 SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
 SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", "lora_rank", "vllm_limit_mm_per_prompt", *SWIFT_REASONS}
 # ms-swift's defaults (RLHFArguments, TunerArguments, its GRPO init) that differ from vlmrl's: a `swift rlhf` line that
 # leaves them out ran with these. gradient_accumulation_steps: ceil(16 / per-device batch / GPUs) (swift_batch_defaults).
+# Its KL term is k3 clamped as verl's low_var_kl, never times the importance ratio.
 SWIFT_DEFAULTS = {"training.per_device_train_batch_size": 1, "rollout.num_generations": 8, "algorithm.beta": 0.04}
+SWIFT_DEFAULTS |= {"algorithm.kl_estimator": "low_var_kl"}
 SWIFT_LORA_DEFAULTS = {"model.lora_r": 8, "model.lora_alpha": 32, "model.lora_dropout": 0.05}
 
 
@@ -557,7 +560,8 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     for key, why in SWIFT_REASONS.items():
         if key in source:
             out.skip(key, why)
-    handled = SWIFT_HANDLED | convert_environment(source, out) | convert_trl_algorithm(source, out)
+    levels = ("token", "sequence", "sequence_token")
+    handled = SWIFT_HANDLED | convert_environment(source, out) | convert_trl_algorithm(source, out, levels)
     convert_trl_keys(source, out, handled)
     defaults = {**SWIFT_DEFAULTS, **(SWIFT_LORA_DEFAULTS if out.settings.get("model.use_lora") else {})}
     filled = [f"{k}={v}" for k, v in defaults.items() if k not in out.settings]
