@@ -490,3 +490,24 @@ def test_r1v_comment_after_a_continuation_keeps_the_process_count():
     assert s["training.gradient_accumulation_steps"] == 2 * 8 and s["data.max_pixels"] == 401408 and s["training.save_only_model"] is True
     assert "nproc_per_node" in result.unmapped and any("line 14" in n and "comment" in n for n in result.notes)
     assert "placeholder" in result.unmapped["model.name_or_path"]  # <PATH-TO-Qwen2-VL-2B-Instruct> is for the user to fill
+
+
+def test_easyr1_config_trains_easyr1s_clipped_loss(tmp_path):
+    """EasyR1's default policy loss (core_algos.compute_policy_loss: clip to [0.8, 1.3], dual clip 3 for negative
+    advantages) on hand-picked ratios, values computed by hand from its definition, against vlmrl's per-token loss
+    under the converted config as `vlmrl train` loads it. Before, the conversion left vlmrl's clip 0.2 / 0.2 and no
+    dual clip: a ratio of 5 with advantage -1 cost 5, not EasyR1's 3."""
+    import torch
+
+    from vlmrl.algo.losses import per_token_loss
+
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "easyr1", "-o", str(out), str(CONFIGS / "easyr1_config.yaml")]) == 0
+    cfg = load_config(out, ["logging.report_to=none"])
+    ratios = torch.tensor([[0.5, 1.0, 1.5, 5.0]], dtype=torch.float64)
+    for advantage, easyr1 in ((1.0, [-0.5, -1.0, -1.3, -1.3]), (-1.0, [0.8, 1.0, 1.5, 3.0])):
+        advantages = torch.tensor([advantage], dtype=torch.float64)
+        loss, _ = per_token_loss(ratios.log(), torch.zeros_like(ratios), advantages, cfg.algorithm, ratios.log())  # ref = policy: KL 0
+        assert torch.allclose(loss, torch.tensor([easyr1], dtype=torch.float64)), (advantage, loss)
+    # EasyR1's loss_avg_mode=token: the mean over the optimizer step's tokens; its KL: low_var_kl x kl_coef
+    assert cfg.loss_aggregation == "token_mean" and cfg.kl_estimator == "low_var_kl" and cfg.algorithm.beta == 0.01
