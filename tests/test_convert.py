@@ -382,6 +382,18 @@ def test_easyr1_multi_image_and_gspo_scripts(tmp_path, monkeypatch):
     assert s["algorithm.beta"] == 0.0  # algorithm.disable_kl=True
 
 
+def test_easyr1_json_valued_overrides(tmp_path, monkeypatch):
+    """EasyR1's dapo17k script passes reward_function_kwargs='{...}' and val_override_config='{...}': mappings, as
+    OmegaConf reads them (before: a string, and convert failed with a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    result = convert("easyr1", [str(easyr1_checkout(tmp_path, "easyr1_qwen3_14b_dapo17k_dapo.sh"))])
+    s = result.settings
+    kwargs = "max_response_length=20480, overlong_buffer_length=4096, overlong_penalty_factor=1.0"
+    assert s["algorithm.reward_funcs"] == [f"./examples/reward_function/dapo.py:compute_score({kwargs})"]
+    assert (s["algorithm.epsilon_high"], s["algorithm.delta"], s["rollout.num_generations"]) == (0.28, 10.0, 16)
+    assert "worker.rollout.val_override_config.n" in result.unmapped
+
+
 def test_easyr1_loss_defaults_are_easyr1s():
     """EasyR1's actor defaults (clip 0.2 / 0.3, dual clip 3.0, token mean, low_var_kl) are written for its config.yaml,
     which leaves them to the dataclass; vlmrl's own (0.2 / 0.2, no dual clip, per-sequence mean, k3) would differ."""

@@ -260,8 +260,17 @@ def easyr1_source(overrides: list[str], script: Path | None) -> dict[str, Any]:
             if not isinstance(node.get(section), dict):
                 node[section] = {}
             node = node[section]
-        node[name] = _scalar(value)
+        node[name] = _override_value(value)
     return tree
+
+
+def _override_value(text: str) -> Any:
+    """An OmegaConf override's value: YAML, so `'{"n": 16}'` is a mapping and `[a, b]` a list; scalars as _scalar."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (dict, list)) else _scalar(text)
 
 
 def _easyr1_base(name: str, script: Path | None) -> dict[str, Any]:
