@@ -11,7 +11,7 @@ import yaml
 
 import peer_files
 from vlmrl.cli import main
-from vlmrl.config import load_config
+from vlmrl.config import ConfigError, load_config
 from vlmrl.run.convert import convert, launch_command, parse_arguments, script_arguments
 
 pytestmark = pytest.mark.unit
@@ -135,6 +135,8 @@ def test_launch_command_ends_at_an_empty_line_and_keeps_the_environment():
     env, words = launch_command("A=1 \\\nB=two cmd \\\n  --deepspeed z3.json \\\n\necho done --not-an-option\n")
     assert env == {"A": "1", "B": "two"} and parse_arguments(words) == {"deepspeed": "z3.json"}
     assert parse_arguments(["--config_file=x.yaml", "--use_vllm"]) == {"config_file": "x.yaml", "use_vllm": True}  # TRL docs' spelling
+    # `--key=value` holds one value, and a value's dashes are its own (before: nnodes=[2, 'train.py'], Qwen2.5_VL)
+    assert parse_arguments(["--nnodes=2", "train.py", "--model-name=Qwen2.5-VL-3B"]) == {"nnodes": 2, "model_name": "Qwen2.5-VL-3B"}
 
 
 @pytest.mark.parametrize("case", list(EXAMPLES), ids=case_id)
@@ -523,3 +525,12 @@ def test_easyr1_config_trains_easyr1s_clipped_loss(tmp_path):
         assert torch.allclose(loss, torch.tensor([easyr1], dtype=torch.float64)), (advantage, loss)
     # EasyR1's loss_avg_mode=token: the mean over the optimizer step's tokens; its KL: low_var_kl x kl_coef
     assert cfg.loss_aggregation == "token_mean" and cfg.kl_estimator == "low_var_kl" and cfg.algorithm.beta == 0.01
+
+
+def test_process_count_names_the_launcher_option_that_is_not_a_number():
+    """ms-swift's DLC script (examples/train/grpo/multi_node/train_dlc.sh): --nproc_per_node=8 --nnodes=${WORLD_SIZE};
+    the conversion blames nnodes, not the 8 (before: "nproc_per_node=8 is not a number")."""
+    words = ["--nproc_per_node=8", "--nnodes=${WORLD_SIZE}", "x.py", "--model", "m", "--per_device_train_batch_size", "4"]
+    words += ["--gradient_accumulation_steps", "1", "--num_generations", "48"]
+    with pytest.raises(ConfigError, match=r"nnodes='\$\{WORLD_SIZE\}' is not a number: give vlmrl convert --processes N"):
+        convert("ms-swift", words)

@@ -305,13 +305,16 @@ def _env_prefix(words: list[str]) -> list[str]:
 
 
 def parse_arguments(words: list[str]) -> dict[str, Any]:
-    """``--key value [value ...]`` -> {key: value or list}; a flag without a value is true; values parsed as YAML."""
+    """``--key value [value ...]`` -> {key: value or list}; a flag without a value is true; values parsed as YAML.
+    ``--key=value`` takes that one value: the words after it are not its (torchrun's ``--nnodes=2 train.py``)."""
     out: dict[str, Any] = {}
     key = None
     for word in words:
         if word.startswith("--"):
-            key, eq, value = word[2:].replace("-", "_").partition("=")
+            key, eq, value = word[2:].partition("=")
+            key = key.replace("-", "_")
             out[key] = _scalar(value) if eq else True
+            key = None if eq else key
         elif key is not None:
             value = _scalar(word.rstrip(","))
             out[key] = value if out[key] is True else (out[key] if isinstance(out[key], list) else [out[key]]) + [value]
@@ -919,8 +922,9 @@ def process_count(source: dict[str, Any]) -> tuple[int | None, str]:
         if per_node in source:
             try:
                 return int(source[per_node]) * int(source.get(nodes, 1) or 1), f"{where}'s {per_node} x {nodes}"
-            except (TypeError, ValueError):
-                return None, f"{per_node}={source[per_node]!r} is not a number"
+            except (TypeError, ValueError):  # name the one that is not (DLC scripts: --nnodes=${WORLD_SIZE}, set when it runs)
+                bad = per_node if not str(source[per_node]).isdigit() else nodes
+                return None, f"{bad}={source[bad]!r} is not a number"
     if "num_processes" in source:
         return int(source["num_processes"]), "--num_processes"
     accelerate = source.get("config_file")
