@@ -534,3 +534,22 @@ def test_process_count_names_the_launcher_option_that_is_not_a_number():
     words += ["--gradient_accumulation_steps", "1", "--num_generations", "48"]
     with pytest.raises(ConfigError, match=r"nnodes='\$\{WORLD_SIZE\}' is not a number: give vlmrl convert --processes N"):
         convert("ms-swift", words)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--advantage_estimator", "reinforce_plus_plus"], "reinforce_plus_plus: ms-swift's centres each group"),
+        (["--advantage_estimator", "rloo"], "rloo: ms-swift's centres each group"),
+        (["--kl_in_reward", "true"], "--kl_in_reward true: vlmrl's KL is a loss term"),
+    ],
+)
+def test_ms_swift_estimators_vlmrl_lacks_are_refused(flags, said, tmp_path, capsys):
+    """ms-swift's reinforce_plus_plus (examples/train/grpo/internal/reinforce_plus_plus.sh) centres each group and puts
+    the KL in the reward; vlmrl's reinforce_pp centres on the batch (before: mapped to it, or refused for a clash with
+    scale_rewards)."""
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "ms-swift", "--processes", "1", "-o", str(out), "--model", "m", *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

@@ -539,7 +539,7 @@ SWIFT_REASONS = {
     "use_bias_correction_kl": "ms-swift's GRPO loss does not read it: its KL is low_var_kl (algorithm.kl_estimator)",
 }
 SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
-SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", "lora_rank", "vllm_limit_mm_per_prompt", *SWIFT_REASONS}
+SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", "kl_in_reward", "lora_rank", "vllm_limit_mm_per_prompt", *SWIFT_REASONS}
 # ms-swift's defaults (RLHFArguments, TunerArguments, its GRPO init) that differ from vlmrl's: a `swift rlhf` line that
 # leaves them out ran with these. gradient_accumulation_steps: ceil(16 / per-device batch / GPUs) (swift_batch_defaults).
 # Its KL term is k3 clamped as verl's low_var_kl, never times the importance ratio.
@@ -557,11 +557,7 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     for key in ("train_type", "tuner_type"):  # ms-swift 4 renamed train_type to tuner_type
         if key in source:
             out.set("model.use_lora", source[key] == "lora")
-    estimator = source.get("advantage_estimator")
-    if estimator == "reinforce_plus_plus":
-        out.set("algorithm.advantage_estimator", "reinforce_pp")
-    elif estimator not in (None, "grpo"):
-        out.skip("advantage_estimator", f"{estimator!r}: vlmrl's estimators are grpo, grpo_batch_std, dr_grpo, reinforce_pp")
+    _swift_estimator(source)
     if "overlong_filter" in source:
         out.set("algorithm.mask_truncated_completions", bool(source["overlong_filter"]))
     if "freeze_vit" in source:
@@ -583,6 +579,20 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     if filled:
         out.notes.append(f"ms-swift's defaults for what the source leaves unset: {', '.join(filled)}")
     return out
+
+
+def _swift_estimator(source: dict[str, Any]) -> None:
+    """ms-swift's rloo / reinforce_plus_plus (swift/rl_core/advantage.py) centre each group and, by default, put the KL
+    in the reward (kl_in_reward); vlmrl's reinforce_pp centres on the batch and its KL is a loss term: refused rather
+    than trained as another algorithm. grpo's scale_rewards maps as TRL's."""
+    estimator = source.get("advantage_estimator", "grpo")
+    if estimator != "grpo":
+        raise ConfigError(
+            f"--advantage_estimator {estimator}: ms-swift's centres each group's rewards and puts the KL in the reward; vlmrl's "
+            "estimators (grpo, grpo_batch_std, dr_grpo, reinforce_pp: batch-centred) differ, so converting would train another algorithm"
+        )
+    if source.get("kl_in_reward") is True:
+        raise ConfigError("--kl_in_reward true: vlmrl's KL is a loss term (algorithm.beta), never subtracted from the reward")
 
 
 def _swift_image_limit(source: dict[str, Any], out: Conversion) -> None:
