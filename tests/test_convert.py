@@ -553,3 +553,23 @@ def test_ms_swift_estimators_vlmrl_lacks_are_refused(flags, said, tmp_path, caps
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["algorithm.adv_estimator=reinforce_plus_plus"], "adv_estimator=reinforce_plus_plus"),
+        (["algorithm.use_kl_loss=false", "algorithm.kl_penalty=kl", "algorithm.kl_coef=1.0e-3"], "use_kl_loss=false"),
+        (["worker.actor.loss_type=cispo", "worker.actor.clip_ratio_low=0", "worker.actor.clip_ratio_high=4"], "loss_type=cispo"),
+    ],
+)
+def test_easyr1_algorithms_vlmrl_lacks_are_refused(overrides, said, tmp_path, capsys, monkeypatch):
+    """EasyR1's reinforce / cispo example scripts' overrides: its REINFORCE++ (token-weighted whitening, KL in the
+    reward) and its CISPO (a lower clamp too) are not vlmrl's, so one line (exit 2), nothing written (before:
+    reinforce_pp written, the reward's KL dropped)."""
+    monkeypatch.chdir(tmp_path)
+    easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh")
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "easyr1", "-o", str(out), "config=examples/config.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1 and not out.exists()

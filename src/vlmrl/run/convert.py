@@ -724,9 +724,8 @@ def _easyr1_loss(source: dict[str, Any], out: Conversion) -> None:
     )
     if algorithm.get("kl_penalty") not in (None, *EASYR1_KL):
         out.skip("algorithm.kl_penalty", f"{algorithm['kl_penalty']}: vlmrl's estimators are {', '.join(EASYR1_KL)} (low_var_kl written)")
-    if algorithm.get("use_kl_loss") is False and not algorithm.get("disable_kl"):
-        out.set("algorithm.beta", 0.0)
-        out.skip("algorithm.use_kl_loss", "false: EasyR1 subtracts the KL from the reward; vlmrl's KL is a loss term only (beta=0 written)")
+    if algorithm.get("use_kl_loss") is False and not algorithm.get("disable_kl") and algorithm.get("kl_coef", 1e-2):
+        raise ConfigError("algorithm.use_kl_loss=false: EasyR1 subtracts the KL from the reward; vlmrl's KL is a loss term only (algorithm.beta)")
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -844,13 +843,13 @@ def _logger(value, out: Conversion, _source) -> None:
 
 
 def _estimator(value, out: Conversion, _source) -> None:
-    names = {"grpo": None, "reinforce_plus_plus": "reinforce_pp", "remax": None, "rloo": None}
-    if value in ("grpo",):
-        return
-    if names.get(value):
-        out.set("algorithm.advantage_estimator", names[value])
-    else:
-        out.skip("algorithm.adv_estimator", f"{value!r}: vlmrl's estimators are grpo, grpo_batch_std, dr_grpo, reinforce_pp")
+    """EasyR1's grpo is vlmrl's; its reinforce_plus_plus whitens returns over the batch's tokens (a token-weighted
+    baseline, the KL in the reward), rloo / remax have no vlmrl estimator: refused rather than replaced."""
+    if value != "grpo":
+        raise ConfigError(
+            f"algorithm.adv_estimator={value}: EasyR1's is not one of vlmrl's estimators (grpo, grpo_batch_std, dr_grpo, "
+            "reinforce_pp: sequence-weighted batch baseline); converting would train another algorithm"
+        )
 
 
 def _ignore(_value, _out: Conversion, _source) -> None:
