@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import trl_oracle  # noqa: E402 (benchmarks/ on the path first)
 from trl import GRPOConfig  # noqa: E402
 
+from vlmrl.algo.losses import KL_ESTIMATORS  # noqa: E402
 from vlmrl.config import load_config  # noqa: E402
 from vlmrl.run.convert import parse_arguments, run_convert, script_arguments  # noqa: E402
 
@@ -33,7 +34,7 @@ CASES = {
     "use_bias_correction_kl false, beta 0.04": [*GRPO_VLM, "--use_bias_correction_kl", "false", "--beta", "0.04"],
     "importance_sampling_level sequence": [*GRPO_VLM, "--importance_sampling_level", "sequence", "--loss_type", "grpo"],
     "importance_sampling_level sequence, dapo": [*GRPO_VLM, "--importance_sampling_level", "sequence"],
-    # GSPO's interactions where vlmrl's gradient was not TRL's (issue 35 #8, #9): equal, or the conversion says so
+    # GSPO's interactions where vlmrl's gradient was not TRL's (issue 35 #8, #9; fixed on main by the gspo branch)
     "importance_sampling_level sequence, beta 0.04": [*GRPO_VLM, "--importance_sampling_level", "sequence", "--loss_type", "grpo", "--beta", "0.04"],
     "importance_sampling_level sequence, beta 0.04, no bias correction": [
         *GRPO_VLM,
@@ -69,11 +70,23 @@ def converted(words: list[str], tmp: Path):
     return load_config(out), "\n".join(printed)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Issue 35 #8 / #9 (GSPO with the bias-corrected KL, with the entropy mask) are the algorithm's, fixed by the gspo
+# branch (KL estimator k3_seq_ratio, gspo_loss broadcast from one term per row); until it is in this tree the
+# conversion is right and vlmrl's GSPO is not TRL's there, which must show.
+GSPO_FIXED = "k3_seq_ratio" in KL_ESTIMATORS
+GSPO_INTERACTIONS = ("importance_sampling_level sequence, beta 0.04", "importance_sampling_level sequence, top_entropy_quantile 0.2")
+
+
+def case(name: str):
+    unfixed = name in GSPO_INTERACTIONS and not GSPO_FIXED
+    return pytest.param(name, marks=pytest.mark.xfail(unfixed, reason="issue 35 #8/#9: vlmrl's GSPO, not the conversion", strict=True))
+
+
+@pytest.mark.parametrize("name", [case(n) for n in CASES])
 def test_converted_trl_command_trains_trls_loss(name, tmp_path):
     words = CASES[name]
     a = trl_arguments(words)
-    cfg, printed = converted(words, tmp_path)
+    cfg, _ = converted(words, tmp_path)
     ga = a["gradient_accumulation_steps"]
     steps = (a["steps_per_generation"] or ga) // ga
     # one process: vlmrl's optimizer step and rollout hold TRL's micro-batches
@@ -82,10 +95,7 @@ def test_converted_trl_command_trains_trls_loss(name, tmp_path):
     trl = {k: a[k] for k in keys} | {k: a[k] for k in ("importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg")}
     setting = trl_oracle.Setting(name, trl, dataclasses.asdict(cfg.algorithm), micro_batches=ga, steps=steps, rows=ROWS)
     result = trl_oracle.compare(setting)
-    if "GSPO differs from TRL's" not in printed:  # a known difference must be said where the conversion is printed
-        assert max(result["advantages"], result["loss"], result["grad"]) <= 1e-6, result
-    else:
-        assert result["grad"] > 1e-3, ("a difference is reported that the oracle does not see", result, printed)
+    assert max(result["advantages"], result["loss"], result["grad"]) <= 1e-6, result
     # the case can fail: vlmrl's own defaults (what a conversion that drops the flags trains) differ from TRL's here
     unconverted = trl_oracle.compare(dataclasses.replace(setting, vlmrl={}))
     assert max(unconverted["loss"], unconverted["grad"]) > 1e-3, unconverted

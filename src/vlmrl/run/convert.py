@@ -407,20 +407,6 @@ def convert_trl_algorithm(source: dict[str, Any], out: Conversion, levels: tuple
     return TRL_ALGORITHM_KEYS
 
 
-def gspo_differences(settings: dict[str, Any]) -> list[str]:
-    """Where vlmrl's GSPO is not TRL's (issue 35 #8, #9; docs/vs_trl.md): the bias-corrected KL (vlmrl: k3 x the token
-    ratio, TRL: x the sequence ratio) and the entropy mask (vlmrl: per-token weights in the gradient). Said, since the
-    converted run's gradient is not the source's; tests/test_convert_oracle.py checks each case is equal or said."""
-    if settings.get("algorithm.policy_loss") != "gspo":
-        return []
-    found = []
-    if settings.get("algorithm.beta", 0.0) and settings.get("algorithm.use_bias_correction_kl") is not False:
-        found.append("with use_bias_correction_kl (TRL's default) and beta > 0, TRL weights k3 by the sequence ratio, vlmrl by the token ratio")
-    if settings.get("algorithm.top_entropy_quantile", 1.0) < 1.0:
-        found.append("with top_entropy_quantile < 1 each token's gradient carries its own mask in vlmrl")
-    return [f"GSPO differs from TRL's {why} (docs/vs_trl.md): the gradient is not the source's" for why in found]
-
-
 def _cispo_cap(source: dict[str, Any], out: Conversion) -> None:
     """TRL clamps CISPO's weight at epsilon_high itself (epsilon when unset; epsilon is otherwise unused), vlmrl at
     1 + epsilon_high: the same cap is vlmrl's epsilon_high = TRL's - 1."""
@@ -468,7 +454,6 @@ def from_trl(source: dict[str, Any]) -> Conversion:
             out.fill(key, value)
     if filled:
         out.notes.append(f"TRL's defaults for what the source leaves unset: {', '.join(filled)}")
-    out.notes += gspo_differences(out.settings)
     if "reward_funcs" not in source:
         out.notes.append(
             "the source names no reward (TRL's scripts pass them in Python): set algorithm.reward_funcs, "
