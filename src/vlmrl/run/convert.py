@@ -243,7 +243,7 @@ def dotlist_command(text: str) -> list[str]:
 
 def easyr1_source(overrides: list[str], script: Path | None) -> dict[str, Any]:
     """EasyR1's settings from its command line: the YAML named by ``config=`` (relative to the folder the command runs
-    in: here, or the script's folder or one above it, as EasyR1's examples/*.sh are run from the checkout's root),
+    in: here, or the script's folder or one of the two above it, as EasyR1's examples/*.sh are run from the checkout's root),
     then each dotted ``key=value`` set in it (values read as YAML, as OmegaConf reads them)."""
     tree: dict[str, Any] = {}
     rest = []
