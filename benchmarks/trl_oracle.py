@@ -361,8 +361,8 @@ def trl_step(setting: Setting, batch: Batch, advantages: torch.Tensor, step: int
         args=types.SimpleNamespace(
             use_bias_correction_kl=a["use_bias_correction_kl"],
             delta=a.get("delta"),
-            sapo_temperature_pos=1.0,
-            sapo_temperature_neg=1.05,
+            sapo_temperature_pos=a.get("sapo_temperature_pos", 1.0),
+            sapo_temperature_neg=a.get("sapo_temperature_neg", 1.05),
             steps_per_generation=ga * setting.steps,
         ),
     )

@@ -2,6 +2,7 @@
 that `check` accepts, and every key without an equivalent listed with why."""
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import yaml
 
 import peer_files
 from vlmrl.cli import main
-from vlmrl.config import load_config
+from vlmrl.config import ConfigError, load_config
 from vlmrl.run.convert import convert, launch_command, parse_arguments, script_arguments
 
 pytestmark = pytest.mark.unit
@@ -65,11 +66,10 @@ EXAMPLES = {
         "trainer.find_last_checkpoint": "training.resume",
     },
     ("ms-swift", "ms_swift_grpo_multimodal.sh", ()): {
-        "reward_funcs (accuracy, format)": "built-ins",
+        "reward_funcs (format)": "built-ins",  # external_r1v_acc is the plugin's, not a built-in
         "system": "prompt.txt is not here",  # run from this repository; test_ms_swift_system_prompt_file_is_read_when_here
         "rlhf_type": "GRPO",
         "external_plugins": "algorithm.reward_funcs",
-        "importance_sampling_level": "per token",
         "sleep_level": VLLM,
         "offload_model": VLLM,
         "offload_optimizer": VLLM,
@@ -134,6 +134,8 @@ def test_launch_command_ends_at_an_empty_line_and_keeps_the_environment():
     env, words = launch_command("A=1 \\\nB=two cmd \\\n  --deepspeed z3.json \\\n\necho done --not-an-option\n")
     assert env == {"A": "1", "B": "two"} and parse_arguments(words) == {"deepspeed": "z3.json"}
     assert parse_arguments(["--config_file=x.yaml", "--use_vllm"]) == {"config_file": "x.yaml", "use_vllm": True}  # TRL docs' spelling
+    # `--key=value` holds one value, and a value's dashes are its own (before: nnodes=[2, 'train.py'], Qwen2.5_VL)
+    assert parse_arguments(["--nnodes=2", "train.py", "--model-name=Qwen2.5-VL-3B"]) == {"nnodes": 2, "model_name": "Qwen2.5-VL-3B"}
 
 
 @pytest.mark.parametrize("case", list(EXAMPLES), ids=case_id)
@@ -310,3 +312,263 @@ def test_check_refuses_flash_attention_without_flash_attn(tmp_path, capsys):
     capsys.readouterr()
     assert main(["check", str(out), *local]) == 2
     assert "flash_attention_2 but the flash-attn package is not installed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 35 #6 / #7: every published file converts to a config; EasyR1's OmegaConf scripts; the loss and the keys the
+# converters dropped.
+
+PEER_NAMES = {"TRL": "trl", "EasyR1": "easyr1", "ms-swift": "ms-swift", "VLM-R1": "vlm-r1", "R1-V (`--from vlm-r1`)": "vlm-r1"}
+
+
+def published_files() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(peer, fixture, options) of each row of docs/coming_from.md's table of published files: the list the docs give."""
+    rows = []
+    for line in (Path(__file__).parents[1] / "docs" / "coming_from.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in PEER_NAMES and re.fullmatch(r"`[\w.-]+\.(sh|yaml)`", cells[1]):
+            rows.append((PEER_NAMES[cells[0]], cells[1].strip("`"), tuple(cells[3].strip("`").split())))
+    return rows
+
+
+def easyr1_checkout(root: Path, script: str) -> Path:
+    """EasyR1's layout: examples/config.yaml (its published config) beside examples/<script>, run from `root`."""
+    (root / "examples").mkdir(parents=True, exist_ok=True)
+    shutil.copy(CONFIGS / "easyr1_config.yaml", root / "examples" / "config.yaml")
+    return Path(shutil.copy(CONFIGS / script, root / "examples" / script.removeprefix("easyr1_")))
+
+
+def test_the_docs_list_every_published_file_here():
+    listed = {fixture for _, fixture, _ in published_files()}
+    assert len(listed) >= 13 and listed == {p.name for p in CONFIGS.iterdir()}, listed ^ {p.name for p in CONFIGS.iterdir()}
+
+
+@pytest.mark.parametrize("case", published_files(), ids=lambda c: c[1])
+def test_every_published_file_converts_to_a_config(case, tmp_path, capsys, monkeypatch):
+    """`vlmrl convert` on each file docs/coming_from.md lists, run where the peer runs it: exit 0 and a YAML holding
+    settings read from the file (before: EasyR1's scripts became `{}` with exit 0)."""
+    peer, fixture, options = case
+    monkeypatch.chdir(tmp_path)
+    source = easyr1_checkout(tmp_path, fixture) if fixture.startswith("easyr1_") and fixture.endswith(".sh") else CONFIGS / fixture
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", peer, *options, "-o", str(out), str(source)]) == 0, capsys.readouterr().err
+    written = yaml.safe_load(out.read_text())
+    assert isinstance(written, dict) and sum(len(v) for v in written.values()) >= 5, written
+    assert written.get("model", {}).get("name_or_path") or written.get("data", {}).get("max_pixels"), written
+    load_config(out)
+
+
+@pytest.mark.parametrize("where", ["checkout", "elsewhere"])
+def test_easyr1_geo3k_script_reads_its_config_and_overrides(where, tmp_path, monkeypatch):
+    """EasyR1's qwen2_5_vl_7b_geo3k_grpo.sh: config=examples/config.yaml (from the checkout, or found above the script
+    when run elsewhere) with data.train_files, the model (${MODEL_PATH}) and n_gpus_per_node overridden."""
+    script = easyr1_checkout(tmp_path / "EasyR1", "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh")
+    monkeypatch.chdir(tmp_path / "EasyR1" if where == "checkout" else tmp_path)
+    result = convert("easyr1", [str(script)])
+    s = result.settings
+    assert s["data.train_path"] == "hiyouga/geometry3k::train" and s["data.eval_path"] == "hiyouga/geometry3k::test"
+    assert s["model.name_or_path"] == "Qwen/Qwen2.5-VL-7B-Instruct"  # the script's MODEL_PATH, not config.yaml's text model
+    assert s["rollout.num_generations"] == 5 and s["algorithm.beta"] == 0.01  # from config.yaml
+    assert s["algorithm.reward_funcs"] == ["./examples/reward_function/math.py:compute_score"]
+    assert "trainer.experiment_name" in result.unmapped and "trainer.n_gpus_per_node" in result.unmapped
+
+
+def test_easyr1_multi_image_and_gspo_scripts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = convert("easyr1", [str(easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_multi_image.sh"))]).settings
+    assert s["data.limit_images"] == 2 and s["rollout.generation_batch_size"] == 256 * 5
+    assert s["data.train_path"] == "hiyouga/journeybench-multi-image-vqa::train"
+    s = convert("easyr1", [str(easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_geo3k_gspo.sh"))]).settings
+    assert s["algorithm.policy_loss"] == "gspo" and (s["algorithm.epsilon"], s["algorithm.epsilon_high"]) == (3e-4, 4e-4)
+    assert s["algorithm.beta"] == 0.0  # algorithm.disable_kl=True
+
+
+def test_easyr1_json_valued_overrides(tmp_path, monkeypatch):
+    """EasyR1's dapo17k script passes reward_function_kwargs='{...}' and val_override_config='{...}': mappings, as
+    OmegaConf reads them (before: a string, and convert failed with a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    result = convert("easyr1", [str(easyr1_checkout(tmp_path, "easyr1_qwen3_14b_dapo17k_dapo.sh"))])
+    s = result.settings
+    kwargs = "max_response_length=20480, overlong_buffer_length=4096, overlong_penalty_factor=1.0"
+    assert s["algorithm.reward_funcs"] == [f"./examples/reward_function/dapo.py:compute_score({kwargs})"]
+    assert (s["algorithm.epsilon_high"], s["algorithm.delta"], s["rollout.num_generations"]) == (0.28, 10.0, 16)
+    assert "worker.rollout.val_override_config.n" in result.unmapped
+
+
+def test_easyr1_loss_defaults_are_easyr1s():
+    """EasyR1's actor defaults (clip 0.2 / 0.3, dual clip 3.0, token mean, low_var_kl) are written for its config.yaml,
+    which leaves them to the dataclass; vlmrl's own (0.2 / 0.2, no dual clip, per-sequence mean, k3) would differ."""
+    s = convert("easyr1", [str(CONFIGS / "easyr1_config.yaml")]).settings
+    assert (s["algorithm.epsilon"], s["algorithm.epsilon_high"], s["algorithm.delta"]) == (0.2, 0.3, 3.0)
+    assert s["algorithm.loss_aggregation"] == "token_mean" and s["algorithm.kl_estimator"] == "low_var_kl"
+
+
+def test_easyr1_arguments_given_directly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh")
+    s = convert("easyr1", ["config=examples/config.yaml", "worker.rollout.n=8", "worker.actor.model.model_path=/m"]).settings
+    assert s["rollout.num_generations"] == 8 and s["model.name_or_path"] == "/m" and s["data.train_path"] == "hiyouga/math12k::train"
+
+
+def test_easyr1_script_without_its_config_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = shutil.copy(CONFIGS / "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh", tmp_path / "geo3k.sh")
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "easyr1", "-o", str(out), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "config=examples/config.yaml is not here" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "peer, fixture, hint",
+    [
+        ("easyr1", "trl_grpo_vlm.sh", "--from trl"),
+        ("trl", "easyr1_config.yaml", "--from easyr1"),
+        ("ms-swift", "easyr1_config.yaml", "--from easyr1"),
+    ],
+)
+def test_nothing_read_is_refused_not_written_empty(peer, fixture, hint, tmp_path, capsys):
+    """Another peer's file: no setting can be read, so one line (exit 2) names what was found and nothing is written
+    (before: `{}`, or only the peer's defaults, with exit 0). Mutation-checked: without refuse_empty these pass exit 0."""
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", peer, "-o", str(out), str(CONFIGS / fixture)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing written" in err and hint in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    empty = tmp_path / "empty.sh"
+    empty.write_text("#!/bin/bash\nset -x\necho hello\n")
+    assert main(["convert", "--from", peer, "-o", str(out), str(empty)]) == 2 and not out.exists()
+    assert "no --key value arguments" in capsys.readouterr().err
+
+
+def test_trl_loss_flags_keep_their_meaning():
+    """The flags whose conversion changed TRL's math (issue 35 #7); their loss is checked by TRL's own code in
+    tests/test_convert_oracle.py (where TRL is installed)."""
+    s = convert("trl", ["--use_bias_correction_kl", "false", "--beta", "0.04"]).settings
+    assert s["algorithm.use_bias_correction_kl"] is False and s["algorithm.beta"] == 0.04
+    s = convert("trl", [str(CONFIGS / "trl_gspo_vlm.sh")]).settings
+    assert s["algorithm.policy_loss"] == "gspo" and s["algorithm.loss_type"] == "grpo"
+    assert convert("trl", ["--loss_type", "dapo"]).settings["algorithm.loss_aggregation"] == "token_mean_rollout"
+    s = convert("trl", ["--loss_type", "cispo", "--epsilon_high", "5.0"]).settings
+    assert s["algorithm.policy_loss"] == "cispo" and s["algorithm.epsilon_high"] == 4.0  # TRL's cap 5 = vlmrl's 1 + 4
+    s = convert("trl", ["--loss_type", "sapo"]).settings
+    assert s["algorithm.policy_loss"] == "sapo" and s["algorithm.loss_type"] == "grpo"
+
+
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (["--loss_type", "vespo"], "vespo: vlmrl has no such loss"),
+        (["--loss_type", "cispo"], "caps the importance weight at 0.2"),
+        (["--importance_sampling_level", "sequence_token"], "sequence_token: choose token or sequence"),  # ms-swift's, not TRL's
+    ],
+)
+def test_a_loss_vlmrl_lacks_is_refused(words, message, tmp_path, capsys):
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "trl", "-o", str(out), *words]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_ms_swift_published_gspo_and_lora_scripts():
+    result = convert("ms-swift", [str(CONFIGS / "ms_swift_gspo.sh")])
+    s = result.settings
+    assert s["algorithm.policy_loss"] == "gspo" and (s["algorithm.epsilon"], s["algorithm.epsilon_high"]) == (3e-4, 4e-4)
+    assert "importance_sampling_level" not in result.unmapped
+    token_form = convert("ms-swift", ["--model", "m", "--importance_sampling_level", "sequence_token"], processes=1).settings
+    assert token_form["algorithm.policy_loss"] == "gspo"  # GSPO-token: vlmrl's gspo is that form
+    result = convert("ms-swift", [str(CONFIGS / "ms_swift_grpo_omni_lora.sh")])
+    s = result.settings
+    assert s["model.use_lora"] is True and s["model.lora_r"] == 8 and s["model.lora_alpha"] == 32
+    assert s["algorithm.reward_funcs"] == ["examples/train/grpo/plugin/plugin.py:external_r1v_acc", "format"]
+    assert "reward_funcs (format)" in result.unmapped and not any("external_r1v_acc" in k for k in result.unmapped)
+
+
+def test_ms_swift_image_limit_and_its_own_defaults():
+    """A `swift rlhf` line without batch flags ran with ms-swift's: 1 per GPU, accumulation ceil(16 / 1 / 4 GPUs) = 4,
+    8 generations, beta 0.04; --vllm_limit_mm_per_prompt's image count is data.limit_images."""
+    words = ["--rlhf_type", "grpo", "--model", "m", "--vllm_limit_mm_per_prompt", '{"image": 2, "video": 1}']
+    result = convert("ms-swift", words, processes=4)
+    s = result.settings
+    assert s["data.limit_images"] == 2 and "vllm_limit_mm_per_prompt (video)" in result.unmapped
+    assert s["training.per_device_train_batch_size"] == 1 and s["rollout.num_generations"] == 8 and s["algorithm.beta"] == 0.04
+    assert s["algorithm.kl_estimator"] == "low_var_kl"  # ms-swift's KL: k3 clamped, never times the ratio
+    assert s["training.gradient_accumulation_steps"] == 4 * 4  # ms-swift's 4 per GPU x 4 GPUs: 16 completions a step, as there
+
+
+def test_r1v_comment_after_a_continuation_keeps_the_process_count():
+    """R1-V's run_grpo_clevr.sh has `--dataset_name <...> \\  #https://...`: its torchrun options (--nproc_per_node 8)
+    come before that line; the command is read on, so the process count is kept and the line is named."""
+    result = convert("vlm-r1", [str(CONFIGS / "r1v_run_grpo_clevr.sh")])
+    s = result.settings
+    assert s["training.gradient_accumulation_steps"] == 2 * 8 and s["data.max_pixels"] == 401408 and s["training.save_only_model"] is True
+    assert "nproc_per_node" in result.unmapped and any("line 14" in n and "comment" in n for n in result.notes)
+    assert "placeholder" in result.unmapped["model.name_or_path"]  # <PATH-TO-Qwen2-VL-2B-Instruct> is for the user to fill
+
+
+def test_easyr1_config_trains_easyr1s_clipped_loss(tmp_path):
+    """EasyR1's default policy loss (core_algos.compute_policy_loss: clip to [0.8, 1.3], dual clip 3 for negative
+    advantages) on hand-picked ratios, values computed by hand from its definition, against vlmrl's per-token loss
+    under the converted config as `vlmrl train` loads it. Before, the conversion left vlmrl's clip 0.2 / 0.2 and no
+    dual clip: a ratio of 5 with advantage -1 cost 5, not EasyR1's 3."""
+    import torch
+
+    from vlmrl.algo.losses import per_token_loss
+
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "easyr1", "-o", str(out), str(CONFIGS / "easyr1_config.yaml")]) == 0
+    cfg = load_config(out, ["logging.report_to=none"])
+    ratios = torch.tensor([[0.5, 1.0, 1.5, 5.0]], dtype=torch.float64)
+    for advantage, easyr1 in ((1.0, [-0.5, -1.0, -1.3, -1.3]), (-1.0, [0.8, 1.0, 1.5, 3.0])):
+        advantages = torch.tensor([advantage], dtype=torch.float64)
+        loss, _ = per_token_loss(ratios.log(), torch.zeros_like(ratios), advantages, cfg.algorithm, ratios.log())  # ref = policy: KL 0
+        assert torch.allclose(loss, torch.tensor([easyr1], dtype=torch.float64)), (advantage, loss)
+    # EasyR1's loss_avg_mode=token: the mean over the optimizer step's tokens; its KL: low_var_kl x kl_coef
+    assert cfg.loss_aggregation == "token_mean" and cfg.kl_estimator == "low_var_kl" and cfg.algorithm.beta == 0.01
+
+
+def test_process_count_names_the_launcher_option_that_is_not_a_number():
+    """ms-swift's DLC script (examples/train/grpo/multi_node/train_dlc.sh): --nproc_per_node=8 --nnodes=${WORLD_SIZE};
+    the conversion blames nnodes, not the 8 (before: "nproc_per_node=8 is not a number")."""
+    words = ["--nproc_per_node=8", "--nnodes=${WORLD_SIZE}", "x.py", "--model", "m", "--per_device_train_batch_size", "4"]
+    words += ["--gradient_accumulation_steps", "1", "--num_generations", "48"]
+    with pytest.raises(ConfigError, match=r"nnodes='\$\{WORLD_SIZE\}' is not a number: give vlmrl convert --processes N"):
+        convert("ms-swift", words)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--advantage_estimator", "reinforce_plus_plus"], "reinforce_plus_plus: ms-swift's centres each group"),
+        (["--advantage_estimator", "rloo"], "rloo: ms-swift's centres each group"),
+        (["--kl_in_reward", "true"], "--kl_in_reward true: vlmrl's KL is a loss term"),
+    ],
+)
+def test_ms_swift_estimators_vlmrl_lacks_are_refused(flags, said, tmp_path, capsys):
+    """ms-swift's reinforce_plus_plus (examples/train/grpo/internal/reinforce_plus_plus.sh) centres each group and puts
+    the KL in the reward; vlmrl's reinforce_pp centres on the batch (before: mapped to it, or refused for a clash with
+    scale_rewards)."""
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "ms-swift", "--processes", "1", "-o", str(out), "--model", "m", *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["algorithm.adv_estimator=reinforce_plus_plus"], "adv_estimator=reinforce_plus_plus"),
+        (["algorithm.use_kl_loss=false", "algorithm.kl_penalty=kl", "algorithm.kl_coef=1.0e-3"], "use_kl_loss=false"),
+        (["worker.actor.loss_type=cispo", "worker.actor.clip_ratio_low=0", "worker.actor.clip_ratio_high=4"], "loss_type=cispo"),
+    ],
+)
+def test_easyr1_algorithms_vlmrl_lacks_are_refused(overrides, said, tmp_path, capsys, monkeypatch):
+    """EasyR1's reinforce / cispo example scripts' overrides: its REINFORCE++ (token-weighted whitening, KL in the
+    reward) and its CISPO (a lower clamp too) are not vlmrl's, so one line (exit 2), nothing written (before:
+    reinforce_pp written, the reward's KL dropped)."""
+    monkeypatch.chdir(tmp_path)
+    easyr1_checkout(tmp_path, "easyr1_qwen2_5_vl_7b_geo3k_grpo.sh")
+    out = tmp_path / "vlmrl.yaml"
+    assert main(["convert", "--from", "easyr1", "-o", str(out), "config=examples/config.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1 and not out.exists()

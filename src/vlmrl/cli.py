@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "convert",
         help="Write another trainer's config (TRL, EasyR1, ms-swift, VLM-R1) as a vlmrl YAML.",
         description="vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 [-o vlmrl.yaml] [--processes N] FILE_OR_ARGS: a YAML config, a launch "
-        "script, or --key value arguments; lists every key with no vlmrl equivalent and why.",
+        "script, or its --key value (EasyR1: key=value) arguments; lists every key with no vlmrl equivalent and why.",
     )
     cv.add_argument("--from", dest="peer", required=True, choices=["trl", "easyr1", "ms-swift", "vlm-r1"])
     cv.add_argument("-o", "--output", default="vlmrl.yaml", help="YAML to write (never overwritten)")

@@ -1,13 +1,17 @@
 """`vlmrl convert --from trl|easyr1|ms-swift|vlm-r1 FILE_OR_ARGS`: another trainer's config as a vlmrl YAML.
 
 Reads a YAML config (TRL's flat keys, EasyR1's nested sections), a launch script (the ``--key value`` arguments
-of its ``torchrun`` / ``accelerate launch`` / ``swift rlhf`` line, shell variables set in the script filled in),
-or the ``--key value`` arguments themselves. Every key either becomes a vlmrl setting or is listed with why it
-has none (vLLM settings: vlmrl generates in-process; ZeRO / FSDP settings: the accelerate config to launch with).
+of its ``torchrun`` / ``accelerate launch`` / ``swift rlhf`` line, or EasyR1's OmegaConf ``config=x.yaml a.b=c``
+line; shell variables set in the script filled in), or those arguments themselves. Every key either becomes a
+vlmrl setting or is listed with why it has none (vLLM settings: vlmrl generates in-process; ZeRO / FSDP settings:
+the accelerate config to launch with). A loss choice becomes vlmrl's settings of the same math or is refused, and a
+source of which nothing can be read is refused: never an empty config.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -62,10 +66,14 @@ TRL_KEYS: dict[str, str] = {
     "epsilon": "algorithm.epsilon",
     "epsilon_high": "algorithm.epsilon_high",
     "num_iterations": "algorithm.num_iterations",
-    "loss_type": "algorithm.loss_type",
     "scale_rewards": "algorithm.scale_rewards",
     "mask_truncated_completions": "algorithm.mask_truncated_completions",
     "reward_weights": "algorithm.reward_weights",
+    "use_bias_correction_kl": "algorithm.use_bias_correction_kl",
+    "delta": "algorithm.delta",
+    "sapo_temperature_pos": "algorithm.sapo_temperature_pos",
+    "sapo_temperature_neg": "algorithm.sapo_temperature_neg",
+    "top_entropy_quantile": "algorithm.top_entropy_quantile",
     "gradient_checkpointing": "model.gradient_checkpointing",
     "attn_implementation": "model.attn_implementation",
     "torch_dtype": "model.dtype",
@@ -116,9 +124,16 @@ class Conversion:
         self.settings: dict[str, Any] = {}
         self.unmapped: dict[str, str] = {}
         self.notes: list[str] = []  # lines `vlmrl convert` prints besides the unmapped keys (defaults filled, batch scaling)
+        self.filled: set[str] = set()  # settings that are the peer's defaults, not read from the source
 
     def set(self, key: str, value: Any) -> None:
         self.settings[key] = value
+        self.filled.discard(key)
+
+    def fill(self, key: str, value: Any) -> None:
+        """A setting the source leaves to its trainer's default (that default, written out)."""
+        self.settings[key] = value
+        self.filled.add(key)
 
     def skip(self, key: str, why: str) -> None:
         self.unmapped[key] = why
@@ -141,7 +156,9 @@ class Conversion:
 
 def read_source(args: list[str]) -> dict[str, Any]:
     """The settings of a YAML file, a launch script, or ``--key value`` arguments, as {key: value} (nested for YAML).
-    A script's ``VAR=value cmd`` environment prefixes come back as UPPERCASE keys (no option is spelled so)."""
+    A script's ``VAR=value cmd`` environment prefixes come back as UPPERCASE keys (no option is spelled so). A script
+    or arguments in OmegaConf's ``key=value`` form (EasyR1's ``python3 -m verl.trainer.main config=x.yaml a.b=c``)
+    come back as the YAML that ``config=`` names with the dotted overrides merged in (easyr1_source)."""
     if not args:
         raise ConfigError("vlmrl convert: give a config file, a launch script or --key value arguments")
     first = Path(args[0])
@@ -151,8 +168,15 @@ def read_source(args: list[str]) -> dict[str, Any]:
             raise ConfigError(f"{first}: expected a mapping of settings")
         return data
     if len(args) == 1 and first.is_file():
-        environment, words = launch_command(first.read_text(encoding="utf-8"))
+        text = first.read_text(encoding="utf-8")
+        environment, words = launch_command(text)
+        if not words:
+            overrides = dotlist_command(text)
+            if overrides:
+                return easyr1_source(overrides, first)
         return {**{k: _scalar(v) for k, v in environment.items()}, **parse_arguments(words)}
+    if not any(a.startswith("--") for a in args) and all(DOTLIST.fullmatch(a) for a in args):
+        return easyr1_source(args, None)
     return parse_arguments(args)
 
 
@@ -161,14 +185,14 @@ def script_arguments(text: str) -> list[str]:
     return launch_command(text)[1]
 
 
-def launch_command(text: str) -> tuple[dict[str, str], list[str]]:
-    """(environment prefixes, arguments) of a launch script's command: lines joined at a trailing backslash (one
-    newline: an empty line after it ends the command, as in bash), ``VAR=value`` lines of the script substituted into
-    ``$VAR`` / ``${VAR}``, and of the longest command line its ``VAR=value`` prefixes and everything from its first
-    ``--`` option on."""
-    joined = re.sub(r"\\[ \t]*\n", " ", text)
+def command_lines(text: str) -> list[list[str]]:
+    """A shell script's command lines as words: lines joined at a trailing backslash (one newline: an empty line after
+    it ends the command, as in bash; a ``# comment`` after the backslash is dropped and the line still joined, as the
+    script's author meant it), comments dropped, and ``VAR=value`` lines of the script substituted into ``$VAR`` /
+    ``${VAR}``. A line that is only ``VAR=value`` is an assignment, not a command."""
+    joined = re.sub(r"\\[ \t]*(?:#[^\n]*)?\n", " ", text)
     variables: dict[str, str] = {}
-    best: tuple[dict[str, str], list[str]] = ({}, [])
+    commands = []
     for line in joined.splitlines():
         line = line.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
@@ -183,14 +207,87 @@ def launch_command(text: str) -> tuple[dict[str, str], list[str]]:
                 variables[assignment[1]] = _substitute(words[0], variables) if words else ""
                 continue
         try:
-            words = shlex.split(_substitute(line, variables))
+            commands.append(shlex.split(_substitute(line, variables)))
         except ValueError:
             continue
+    return commands
+
+
+def launch_command(text: str) -> tuple[dict[str, str], list[str]]:
+    """(environment prefixes, arguments) of a launch script's command: of the command line (command_lines) with the
+    most words from its first ``--`` option on, its ``VAR=value`` prefixes and those words."""
+    best: tuple[dict[str, str], list[str]] = ({}, [])
+    for words in command_lines(text):
         options = [i for i, w in enumerate(words) if w.startswith("--")]
         if options and len(words) - options[0] > len(best[1]):
             prefix = dict(re.fullmatch(r"([A-Za-z_]\w*)=(.*)", w, re.DOTALL).groups() for w in _env_prefix(words))
             best = (prefix, words[options[0] :])
     return best
+
+
+# OmegaConf's command-line override: a dotted key (lower case: environment prefixes are UPPERCASE), `=`, a value.
+DOTLIST = re.compile(r"[a-z_][\w-]*(\.[\w-]+)*=.*", re.DOTALL)
+
+
+def dotlist_command(text: str) -> list[str]:
+    """The ``key=value`` words of a script's command line in OmegaConf's form (EasyR1's ``python3 -m
+    verl.trainer.main config=examples/config.yaml data.train_files=...``): of the command line holding the most such
+    words after its environment prefixes, those words; [] when no line holds one."""
+    best: list[str] = []
+    for words in command_lines(text):
+        found = [w for w in words[len(_env_prefix(words)) :] if DOTLIST.fullmatch(w)]
+        if len(found) > len(best):
+            best = found
+    return best
+
+
+def easyr1_source(overrides: list[str], script: Path | None) -> dict[str, Any]:
+    """EasyR1's settings from its command line: the YAML named by ``config=`` (relative to the folder the command runs
+    in: here, or the script's folder or one of the two above it, as EasyR1's examples/*.sh are run from the checkout's root),
+    then each dotted ``key=value`` set in it (values read as YAML, as OmegaConf reads them)."""
+    tree: dict[str, Any] = {}
+    rest = []
+    for word in overrides:
+        key, _, value = word.partition("=")
+        if key == "config":
+            tree = _easyr1_base(value, script)
+        else:
+            rest.append((key, value))
+    for key, value in rest:
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            if not isinstance(node.get(section), dict):
+                node[section] = {}
+            node = node[section]
+        node[name] = _override_value(value)
+    return tree
+
+
+def _override_value(text: str) -> Any:
+    """An OmegaConf override's value: YAML, so `'{"n": 16}'` is a mapping and `[a, b]` a list; scalars as _scalar."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (dict, list)) else _scalar(text)
+
+
+def _easyr1_base(name: str, script: Path | None) -> dict[str, Any]:
+    path = Path(name)
+    places = [Path.cwd()] + ([script.resolve().parent, *script.resolve().parent.parents][:3] if script else [])
+    found = next((p / path for p in places if (p / path).is_file()), None) if not path.is_absolute() else path if path.is_file() else None
+    where = f"{script}: " if script else ""
+    if found is None:
+        looked = ", ".join(str(p) for p in places)
+        raise ConfigError(
+            f"{where}config={name} is not here (looked in {looked}): run vlmrl convert in the EasyR1 checkout the script "
+            "is run from, or give the YAML's path"
+        )
+    data = yaml.safe_load(found.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{found}: expected a mapping of settings (EasyR1's config=)")
+    return data
 
 
 def _substitute(text: str, variables: dict[str, str]) -> str:
@@ -208,13 +305,16 @@ def _env_prefix(words: list[str]) -> list[str]:
 
 
 def parse_arguments(words: list[str]) -> dict[str, Any]:
-    """``--key value [value ...]`` -> {key: value or list}; a flag without a value is true; values parsed as YAML."""
+    """``--key value [value ...]`` -> {key: value or list}; a flag without a value is true; values parsed as YAML.
+    ``--key=value`` takes that one value: the words after it are not its (torchrun's ``--nnodes=2 train.py``)."""
     out: dict[str, Any] = {}
     key = None
     for word in words:
         if word.startswith("--"):
-            key, eq, value = word[2:].replace("-", "_").partition("=")
+            key, eq, value = word[2:].partition("=")
+            key = key.replace("-", "_")
             out[key] = _scalar(value) if eq else True
+            key = None if eq else key
         elif key is not None:
             value = _scalar(word.rstrip(","))
             out[key] = value if out[key] is True else (out[key] if isinstance(out[key], list) else [out[key]]) + [value]
@@ -262,6 +362,66 @@ def convert_trl_keys(source: dict[str, Any], out: Conversion, handled: set[str] 
             out.skip(key, TRL_REASON_PREFIXES[prefix] if prefix else "no vlmrl setting of that meaning")
 
 
+# TRL's loss_type -> vlmrl's algorithm settings of the same math (tests/test_convert_oracle.py runs TRL's loss on
+# them). dapo's normaliser is the generation batch's token count (token_mean_rollout); sapo averages per sequence.
+TRL_LOSS_TYPES: dict[str, dict[str, Any]] = {
+    "grpo": {"algorithm.loss_type": "grpo"},
+    "bnpo": {"algorithm.loss_type": "bnpo"},
+    "dr_grpo": {"algorithm.loss_type": "dr_grpo"},
+    "dapo": {"algorithm.loss_aggregation": "token_mean_rollout"},
+    "cispo": {"algorithm.policy_loss": "cispo", "algorithm.loss_aggregation": "token_mean_rollout"},
+    "sapo": {"algorithm.policy_loss": "sapo", "algorithm.loss_type": "grpo"},
+}
+TRL_ALGORITHM_KEYS = {"loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "tau_pos", "tau_neg"}
+
+
+def convert_trl_algorithm(source: dict[str, Any], out: Conversion, levels: tuple[str, ...] = ("token", "sequence")) -> set[str]:
+    """TRL's (and ms-swift's) loss choice as vlmrl's: loss_type, importance_sampling_level (sequence = GSPO), the
+    clip ranges (cispo: TRL's epsilon_high is the weight's cap itself, vlmrl's cap is 1 + epsilon_high), ms-swift's
+    SAPO temperatures. A loss vlmrl does not have is refused rather than replaced. Returns the keys handled."""
+    loss_type = source.get("loss_type")
+    if isinstance(loss_type, list) and len(loss_type) == 1:  # ms-swift's --loss_type takes a list
+        loss_type = loss_type[0]
+    if loss_type is not None and loss_type not in TRL_LOSS_TYPES:
+        raise ConfigError(
+            f"--loss_type {loss_type}: vlmrl has no such loss (its TRL loss types: {', '.join(TRL_LOSS_TYPES)}); "
+            "converting without it would train another algorithm"
+        )
+    for key, value in TRL_LOSS_TYPES.get(loss_type, {}).items():
+        out.set(key, value)
+    level = source.get("importance_sampling_level", "token")
+    if level not in levels:
+        raise ConfigError(f"--importance_sampling_level {level}: choose {' or '.join(levels)} (sequence is vlmrl's algorithm.policy_loss=gspo)")
+    if level != "token":  # vlmrl's gspo is GSPO-token, whose gradient is GSPO's with one advantage a sequence
+        if loss_type in ("cispo", "sapo"):
+            raise ConfigError(f"--importance_sampling_level {level} with --loss_type {loss_type}: vlmrl's {loss_type} is per token")
+        out.set("algorithm.policy_loss", "gspo")
+    for key in ("epsilon", "epsilon_high"):
+        if source.get(key) is not None:
+            out.set(f"algorithm.{key}", source[key])
+    if loss_type == "cispo":
+        _cispo_cap(source, out)
+    for key, target in (("tau_pos", "sapo_temperature_pos"), ("tau_neg", "sapo_temperature_neg")):
+        if key in source:
+            out.set(f"algorithm.{target}", source[key])
+    return TRL_ALGORITHM_KEYS
+
+
+def _cispo_cap(source: dict[str, Any], out: Conversion) -> None:
+    """TRL clamps CISPO's weight at epsilon_high itself (epsilon when unset; epsilon is otherwise unused), vlmrl at
+    1 + epsilon_high: the same cap is vlmrl's epsilon_high = TRL's - 1."""
+    cap = float(source["epsilon_high"] if source.get("epsilon_high") is not None else source.get("epsilon", 0.2))
+    if cap < 1.0:
+        raise ConfigError(
+            f"--loss_type cispo caps the importance weight at {cap} (TRL: epsilon_high, else epsilon); vlmrl's "
+            "cispo cap is 1 + epsilon_high >= 1: give --epsilon_high (TRL recommends 5.0)"
+        )
+    out.set("algorithm.epsilon_high", cap - 1.0)
+    if cap - 1.0 < float(source.get("epsilon", 0.2)):  # vlmrl asks epsilon <= epsilon_high; cispo reads neither bound's epsilon
+        out.set("algorithm.epsilon", cap - 1.0)
+    out.notes.append(f"cispo: TRL's weight cap {cap} is vlmrl's 1 + algorithm.epsilon_high ({cap - 1.0:g})")
+
+
 def _trackers(value: Any, out: Conversion, key: str) -> list[str]:
     """report_to's trackers that vlmrl has; the others (swanlab, clearml, ...) listed, "none" when nothing is left."""
     names = [str(v) for v in (value if isinstance(value, list) else [value])]
@@ -286,11 +446,12 @@ def from_trl(source: dict[str, Any]) -> Conversion:
     funcs = source.get("reward_funcs")
     if funcs is not None:
         out.skip("reward_funcs", "TRL takes reward functions in Python; name yours in algorithm.reward_funcs as path/to/file.py:function")
-    handled = convert_environment(source, out)
+    handled = convert_environment(source, out) | convert_trl_algorithm(source, out)
     convert_trl_keys(source, out, {"reward_funcs", *handled})
     filled = [f"{k}={v}" for k, v in TRL_DEFAULTS.items() if k not in out.settings]
     for key, value in TRL_DEFAULTS.items():
-        out.settings.setdefault(key, value)
+        if key not in out.settings:
+            out.fill(key, value)
     if filled:
         out.notes.append(f"TRL's defaults for what the source leaves unset: {', '.join(filled)}")
     if "reward_funcs" not in source:
@@ -350,7 +511,7 @@ def from_vlm_r1(source: dict[str, Any]) -> Conversion:
         if key in source:
             out.skip(key, why)
     handled = {"data_file_paths", "image_folders", "reward_funcs", "reward_method", "task_type", "is_reward_customized_from_vlm_module"}
-    handled |= convert_environment(source, out)
+    handled |= convert_environment(source, out) | convert_trl_algorithm(source, out)
     convert_trl_keys(source, out, handled | {"val_split_ratio", "max_anyres_num", "arrow_cache_dir"})
     return out
 
@@ -363,12 +524,18 @@ SWIFT_REASONS = {
     "load_from_cache_file": "rows are read directly",
     "target_modules": "model.lora_target_modules (module names; all-linear is not a name)",
     "sleep_level": VLLM,
-    "importance_sampling_level": "vlmrl's ratios are per token (GRPO); no sequence-level (GSPO) ratio",
     "offload_model": "moves the model aside while vLLM generates: " + VLLM,
     "offload_optimizer": "moves the optimizer aside while vLLM generates: " + VLLM,
+    "use_bias_correction_kl": "ms-swift's GRPO loss does not read it: its KL is low_var_kl (algorithm.kl_estimator)",
 }
 SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
-SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", *SWIFT_REASONS}
+SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", "kl_in_reward", "lora_rank", "vllm_limit_mm_per_prompt", *SWIFT_REASONS}
+# ms-swift's defaults (RLHFArguments, TunerArguments, its GRPO init) that differ from vlmrl's: a `swift rlhf` line that
+# leaves them out ran with these. gradient_accumulation_steps: ceil(16 / per-device batch / GPUs) (swift_batch_defaults).
+# Its KL term is k3 clamped as verl's low_var_kl, never times the importance ratio.
+SWIFT_DEFAULTS = {"training.per_device_train_batch_size": 1, "rollout.num_generations": 8, "algorithm.beta": 0.04}
+SWIFT_DEFAULTS |= {"algorithm.kl_estimator": "low_var_kl"}
+SWIFT_LORA_DEFAULTS = {"model.lora_r": 8, "model.lora_alpha": 32, "model.lora_dropout": 0.05}
 
 
 def from_ms_swift(source: dict[str, Any]) -> Conversion:
@@ -380,20 +547,74 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     for key in ("train_type", "tuner_type"):  # ms-swift 4 renamed train_type to tuner_type
         if key in source:
             out.set("model.use_lora", source[key] == "lora")
-    estimator = source.get("advantage_estimator")
-    if estimator == "reinforce_plus_plus":
-        out.set("algorithm.advantage_estimator", "reinforce_pp")
-    elif estimator not in (None, "grpo"):
-        out.skip("advantage_estimator", f"{estimator!r}: vlmrl's estimators are grpo, grpo_batch_std, dr_grpo, reinforce_pp")
+    _swift_estimator(source)
     if "overlong_filter" in source:
         out.set("algorithm.mask_truncated_completions", bool(source["overlong_filter"]))
     if "freeze_vit" in source:
         out.set("model.freeze_vision_tower", bool(source["freeze_vit"]))
+    if "lora_rank" in source:
+        out.set("model.lora_r", source["lora_rank"])
+    _swift_image_limit(source, out)
     for key, why in SWIFT_REASONS.items():
         if key in source:
             out.skip(key, why)
-    convert_trl_keys(source, out, SWIFT_HANDLED | convert_environment(source, out))
+    levels = ("token", "sequence", "sequence_token")
+    handled = SWIFT_HANDLED | convert_environment(source, out) | convert_trl_algorithm(source, out, levels)
+    convert_trl_keys(source, out, handled)
+    defaults = {**SWIFT_DEFAULTS, **(SWIFT_LORA_DEFAULTS if out.settings.get("model.use_lora") else {})}
+    filled = [f"{k}={v}" for k, v in defaults.items() if k not in out.settings]
+    for key, value in defaults.items():
+        if key not in out.settings:
+            out.fill(key, value)
+    if filled:
+        out.notes.append(f"ms-swift's defaults for what the source leaves unset: {', '.join(filled)}")
     return out
+
+
+def _swift_estimator(source: dict[str, Any]) -> None:
+    """ms-swift's rloo / reinforce_plus_plus (swift/rl_core/advantage.py) centre each group and, by default, put the KL
+    in the reward (kl_in_reward); vlmrl's reinforce_pp centres on the batch and its KL is a loss term: refused rather
+    than trained as another algorithm. grpo's scale_rewards maps as TRL's."""
+    estimator = source.get("advantage_estimator", "grpo")
+    if estimator != "grpo":
+        raise ConfigError(
+            f"--advantage_estimator {estimator}: ms-swift's centres each group's rewards and puts the KL in the reward; vlmrl's "
+            "estimators (grpo, grpo_batch_std, dr_grpo, reinforce_pp: batch-centred) differ, so converting would train another algorithm"
+        )
+    if source.get("kl_in_reward") is True:
+        raise ConfigError("--kl_in_reward true: vlmrl's KL is a loss term (algorithm.beta), never subtracted from the reward")
+
+
+def _swift_image_limit(source: dict[str, Any], out: Conversion) -> None:
+    """--vllm_limit_mm_per_prompt '{"image": N}': vLLM refuses prompts with more than N images; vlmrl keeps the
+    first data.limit_images images of a row."""
+    limit = source.get("vllm_limit_mm_per_prompt")
+    if limit is None:
+        return
+    try:
+        limits = limit if isinstance(limit, dict) else json.loads(str(limit))
+    except json.JSONDecodeError:
+        limits = None
+    if isinstance(limits, dict) and isinstance(limits.get("image"), int) and limits["image"] >= 1:
+        out.set("data.limit_images", limits["image"])
+        if set(limits) - {"image"}:
+            out.skip("vllm_limit_mm_per_prompt (video)", "vlmrl's videos are not counted against an image limit")
+    else:
+        out.skip("vllm_limit_mm_per_prompt", f"{limit!r}: expected a JSON object such as '{{\"image\": 2}}'")
+
+
+def swift_batch_defaults(result: Conversion, source: dict[str, Any], processes: int | None) -> None:
+    """ms-swift's gradient_accumulation_steps when the source gives none: ceil(16 / per-device batch / GPUs), as its
+    TrainArguments computes it (the GPUs from --processes or NPROC_PER_NODE x NNODES; 1 when neither says)."""
+    if "gradient_accumulation_steps" in source:
+        return
+    world = processes if processes is not None else process_count(source)[0]
+    per_device = int(result.settings.get("training.per_device_train_batch_size", 1))
+    result.fill("training.gradient_accumulation_steps", max(1, math.ceil(16 / per_device / (world or 1))))
+    result.notes.append(
+        f"ms-swift's gradient_accumulation_steps for what the source leaves unset: ceil(16 / {per_device} / {world or 1} GPUs) = "
+        f"{result.settings['training.gradient_accumulation_steps']} per GPU"
+    )
 
 
 def _swift_rewards(source: dict[str, Any], out: Conversion) -> None:
@@ -405,8 +626,9 @@ def _swift_rewards(source: dict[str, Any], out: Conversion) -> None:
         return
     names = funcs if isinstance(funcs, list) else [funcs]
     out.set("algorithm.reward_funcs", [f"{plugin}:{n}" if plugin and n not in ("accuracy", "format") else n for n in names])
-    if any(n in ("accuracy", "format") for n in names):
-        out.skip("reward_funcs (accuracy, format)", "kept as vlmrl's built-ins of those names (`vlmrl check` says what they compare)")
+    builtins = [n for n in names if n in ("accuracy", "format")]
+    if builtins:
+        out.skip(f"reward_funcs ({', '.join(builtins)})", "kept as vlmrl's built-ins of those names (`vlmrl check` says what they compare)")
 
 
 def _swift_data(source: dict[str, Any], out: Conversion) -> None:
@@ -440,7 +662,60 @@ def from_easyr1(source: dict[str, Any]) -> Conversion:
                 out.set(handler, value)
         else:
             handler(value, out, source)
+    _easyr1_loss(source, out)
     return out
+
+
+# EasyR1's actor defaults (verl/workers/actor/config.py) that shape the loss and differ from vlmrl's, as vlmrl keys.
+EASYR1_LOSS_DEFAULTS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_dual": 3.0, "loss_type": "default", "loss_avg_mode": "token"}
+EASYR1_KL = {"low_var_kl": "low_var_kl", "kl": "k1", "mse": "k2"}
+
+
+def _easyr1_loss(source: dict[str, Any], out: Conversion) -> None:
+    """EasyR1's policy loss and KL term as vlmrl's (core_algos.compute_policy_loss / compute_kl): clip ranges, its
+    dual clip (vlmrl's delta: the unclipped ratio capped, which bounds only negative advantages' loss), loss_type,
+    the token mean over each optimizer step's tokens, the KL estimator. Its defaults are written for what the source
+    leaves unset; a loss vlmrl cannot express is refused."""
+    actor = ((source.get("worker") or {}).get("actor")) or {}
+    algorithm = source.get("algorithm") or {}
+    given = {k: actor[k] for k in EASYR1_LOSS_DEFAULTS if k in actor}
+    a = {**EASYR1_LOSS_DEFAULTS, **given}
+
+    def setting(key: str, value: Any, name: str) -> None:
+        (out.set if name in given else out.fill)(key, value)
+
+    loss = {"default": "ppo_clip", "gspo": "gspo", "gspo_token": "gspo", "sapo": "sapo"}.get(a["loss_type"])
+    if loss is None:
+        why = (
+            "its weight is clamped to [1 - clip_ratio_low, 1 + clip_ratio_high]; vlmrl's cispo has only the upper cap"
+            if a["loss_type"] == "cispo"
+            else "vlmrl has no such loss"
+        )
+        raise ConfigError(f"worker.actor.loss_type={a['loss_type']}: {why}; converting without it would train another algorithm")
+    if loss != "ppo_clip":
+        setting("algorithm.policy_loss", loss, "loss_type")
+    if loss != "sapo":  # EasyR1's sapo gate has no clip range
+        setting("algorithm.epsilon", a["clip_ratio_low"], "clip_ratio_low")
+        setting("algorithm.epsilon_high", a["clip_ratio_high"], "clip_ratio_high")
+    if loss == "ppo_clip":
+        setting("algorithm.delta", a["clip_ratio_dual"], "clip_ratio_dual")
+    for key, target in (("tau_positive", "sapo_temperature_pos"), ("tau_negative", "sapo_temperature_neg"), ("ppo_epochs", "num_iterations")):
+        if key in actor:
+            out.set(f"algorithm.{target}", actor[key])
+    setting("algorithm.loss_aggregation", "token_mean", "loss_avg_mode")  # each micro-batch x its share of the step's tokens
+    micro = int(actor.get("micro_batch_size_per_device_for_update") or 1)
+    if a["loss_avg_mode"] == "seq" and micro > 1:
+        out.skip(
+            "worker.actor.loss_avg_mode",
+            "seq: EasyR1 weights each micro-batch's sequence mean by its token share; token_mean written (the same at micro-batch 1)",
+        )
+    (out.set if "kl_penalty" in algorithm else out.fill)(
+        "algorithm.kl_estimator", EASYR1_KL.get(algorithm.get("kl_penalty", "low_var_kl"), "low_var_kl")
+    )
+    if algorithm.get("kl_penalty") not in (None, *EASYR1_KL):
+        out.skip("algorithm.kl_penalty", f"{algorithm['kl_penalty']}: vlmrl's estimators are {', '.join(EASYR1_KL)} (low_var_kl written)")
+    if algorithm.get("use_kl_loss") is False and not algorithm.get("disable_kl") and algorithm.get("kl_coef", 1e-2):
+        raise ConfigError("algorithm.use_kl_loss=false: EasyR1 subtracts the KL from the reward; vlmrl's KL is a loss term only (algorithm.beta)")
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -458,7 +733,6 @@ EASYR1_REASONS = {
     "worker.actor.optim.strategy": "vlmrl's optimizer is AdamW (optim.*)",
     "worker.actor.model.lora.target_modules": "model.lora_target_modules lists module names (all-linear is not one)",
     "worker.actor.model.lora.exclude_modules": "LoRA goes on the language model unless model.lora_vision",
-    "worker.rollout.limit_images": "data.limit_images (EasyR1's 0 = no limit; vlmrl's default is 4)",
     "data.val_batch_size": "training.eval_batch_size (prompts per greedy batch)",
     "data.mini_rollout_batch_size": "one generation batch per step (rollout.generation_batch_size)",
     "data.override_chat_template": "vlmrl uses the model folder's chat template (chat_template.jinja)",
@@ -559,17 +833,24 @@ def _logger(value, out: Conversion, _source) -> None:
 
 
 def _estimator(value, out: Conversion, _source) -> None:
-    names = {"grpo": None, "reinforce_plus_plus": "reinforce_pp", "remax": None, "rloo": None}
-    if value in ("grpo",):
-        return
-    if names.get(value):
-        out.set("algorithm.advantage_estimator", names[value])
-    else:
-        out.skip("algorithm.adv_estimator", f"{value!r}: vlmrl's estimators are grpo, grpo_batch_std, dr_grpo, reinforce_pp")
+    """EasyR1's grpo is vlmrl's; its reinforce_plus_plus whitens returns over the batch's tokens (a token-weighted
+    baseline, the KL in the reward), rloo / remax have no vlmrl estimator: refused rather than replaced."""
+    if value != "grpo":
+        raise ConfigError(
+            f"algorithm.adv_estimator={value}: EasyR1's is not one of vlmrl's estimators (grpo, grpo_batch_std, dr_grpo, "
+            "reinforce_pp: sequence-weighted batch baseline); converting would train another algorithm"
+        )
 
 
 def _ignore(_value, _out: Conversion, _source) -> None:
     return None
+
+
+def _limit_images(value, out: Conversion, _source) -> None:
+    if value:
+        out.set("data.limit_images", value)
+    else:
+        out.skip("worker.rollout.limit_images", "0 (EasyR1: no limit): vlmrl keeps data.limit_images images a row (default 4)")
 
 
 EASYR1_KEYS: dict[str, Any] = {
@@ -593,8 +874,10 @@ EASYR1_KEYS: dict[str, Any] = {
     "algorithm.adv_estimator": _estimator,
     "algorithm.kl_coef": _kl,
     "algorithm.disable_kl": _ignore,  # read by _kl
-    "algorithm.use_kl_loss": _ignore,  # vlmrl's KL is a loss term (k3), as use_kl_loss=true with low_var_kl
-    "algorithm.kl_penalty": _ignore,
+    "algorithm.use_kl_loss": _ignore,  # read by _easyr1_loss
+    "algorithm.kl_penalty": _ignore,  # read by _easyr1_loss
+    **{f"worker.actor.{k}": _ignore for k in (*EASYR1_LOSS_DEFAULTS, "tau_positive", "tau_negative", "ppo_epochs")},
+    "worker.rollout.limit_images": _limit_images,
     "worker.actor.global_batch_size": _update_batch,
     "worker.actor.micro_batch_size_per_device_for_update": "training.per_device_train_batch_size",
     "worker.actor.micro_batch_size_per_device_for_experience": "memory.scoring_micro_batch_size",
@@ -638,8 +921,9 @@ def process_count(source: dict[str, Any]) -> tuple[int | None, str]:
         if per_node in source:
             try:
                 return int(source[per_node]) * int(source.get(nodes, 1) or 1), f"{where}'s {per_node} x {nodes}"
-            except (TypeError, ValueError):
-                return None, f"{per_node}={source[per_node]!r} is not a number"
+            except (TypeError, ValueError):  # name the one that is not (DLC scripts: --nnodes=${WORLD_SIZE}, set when it runs)
+                bad = per_node if not str(source[per_node]).isdigit() else nodes
+                return None, f"{bad}={source[bad]!r} is not a number"
     if "num_processes" in source:
         return int(source["num_processes"]), "--num_processes"
     accelerate = source.get("config_file")
@@ -675,17 +959,55 @@ def scale_batches(result: Conversion, source: dict[str, Any], processes: int | N
 
 
 UNRESOLVED = re.compile(r"\$\{?(\w+)")
+PLACEHOLDER = re.compile(r"<[^<>]+>")  # R1-V's `--output_dir <OUTPUT_DIR>`: for the user to fill in
+
+
+def refuse_empty(peer: str, args: list[str], source: dict[str, Any], result: Conversion) -> None:
+    """Never an empty config with exit 0: a source of which no setting was read (only the peer's defaults are left)
+    is refused in one line saying what was read."""
+    if any(key not in result.filled for key in result.settings):
+        return
+    what = args[0] if len(args) == 1 else " ".join(args)
+    if not source:
+        found = "no --key value arguments, no key=value (OmegaConf) arguments and no settings"
+    else:
+        keys = [str(k) for k in source]
+        found = f"{len(keys)} keys ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}) but no value vlmrl can write"
+    nested = any(isinstance(v, dict) for v in source.values())
+    other = ""
+    if peer != "easyr1" and nested:
+        other = " (nested sections: EasyR1's layout? --from easyr1)"
+    elif peer == "easyr1" and source and not nested:
+        other = " (flat --key value arguments: --from trl, ms-swift or vlm-r1?)"
+    raise ConfigError(f"--from {peer} {what}: found {found}{other}; nothing written")
+
+
+def _comment_after_continuation(args: list[str]) -> list[str]:
+    """R1-V's run_grpo_clevr.sh has `--dataset_name X \\  #https://...`: bash ends the command at that comment, so the
+    options after it never reached the trainer. command_lines reads the command on, as its author meant; say so."""
+    if len(args) != 1 or not Path(args[0]).is_file() or Path(args[0]).suffix in (".yaml", ".yml", ".json"):
+        return []
+    lines = Path(args[0]).read_text(encoding="utf-8").splitlines()
+    found = [i + 1 for i, line in enumerate(lines) if not line.lstrip().startswith("#") and re.search(r"\\[ \t]*#[^\n]*$", line)]
+    return [
+        f"line {n}: a # comment after a continuation backslash ends the command in bash (the options after it were not "
+        "passed); read as one command, as written"
+        for n in found
+    ]
 
 
 def drop_unresolved(result: Conversion) -> None:
     """Settings whose value still holds a shell variable the script computes when it runs (``${REPO_HOME}``):
     left out and listed, rather than written as a path with ``$`` in it."""
     for key, value in list(result.settings.items()):
-        found = [UNRESOLVED.search(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
-        found = [m for m in found if m]
+        texts = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+        found = [m for m in map(UNRESOLVED.search, texts) if m]
         if found:
             del result.settings[key]
             result.skip(key, f"{value!r} uses ${found[0][1]}, which the script sets when it runs: give {key} yourself")
+        elif any(PLACEHOLDER.fullmatch(t) for t in texts):
+            del result.settings[key]
+            result.skip(key, f"{value!r} is a placeholder of the script: give {key} yourself")
 
 
 def convert(peer: str, args: list[str], processes: int | None = None) -> Conversion:
@@ -698,6 +1020,10 @@ def convert(peer: str, args: list[str], processes: int | None = None) -> Convers
     source = read_source(args)
     result = CONVERTERS[peer](source)
     drop_unresolved(result)
+    refuse_empty(peer, args, source, result)
+    result.notes += _comment_after_continuation(args)
+    if peer == "ms-swift":
+        swift_batch_defaults(result, source, processes)
     if peer in PER_DEVICE_PEERS:
         scale_batches(result, source, processes)
     tree: dict[str, dict[str, Any]] = {}
