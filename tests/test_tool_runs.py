@@ -260,3 +260,47 @@ def test_thin_crop_is_an_error_result_without_a_processor():
     env.reset({"problem": "q", "images": [Image.new("RGB", (400, 300))]})
     observation, _, _ = env.step(call("crop", bbox_2d=[0, 0, 1, 0.001], coordinates="normalized"))
     assert "400x1" in text_of(observation[0]) and "200:1" in text_of(observation[0])
+
+
+TRL_ENVIRONMENT = '''
+class Counter:
+    """A TRL environment_factory class: public methods are its tools, get_reward scores the rollout."""
+
+    def reset(self, **row):
+        self.total = 0
+        return "Count up to " + row["solution"] + "."
+
+    def add(self, n: int) -> str:
+        """Add to the running total.
+
+        Args:
+            n: How much to add.
+        """
+        self.total += n
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return float(self.total)
+'''
+
+
+def test_a_trl_environment_class_from_the_config_spec(tmp_path, monkeypatch):
+    """Finding 12: tools.environment names a TRL environment_factory class in a file: each rollout gets its own
+    instance, its methods are the tools the model is told of, reset(**row) sees the whole row and get_reward scores."""
+    from vlmrl.tools.environment import environment_factory
+    from vlmrl.tools.registry import ToolError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trl_env.py").write_text(TRL_ENVIRONMENT)
+    make, tools = environment_factory("trl_env.py:Counter", {})
+    assert list(tools) == ["add"] and tools["add"].schema["function"]["parameters"]["properties"]["n"]["type"] == "integer"
+    a, b = make(max_turns=3), make(max_turns=3)
+    prompt = a.reset({"problem": "count", "solution": "5"})
+    b.reset({"problem": "count", "solution": "5"})
+    assert prompt[-1]["content"][-1]["text"] == "Count up to 5."
+    a.step(call("add", n=2) + call("add", n=3))
+    _, reward, done = a.step("done")
+    assert done and reward == 5.0 and a.trajectory().reward == 5.0
+    assert b.step("done")[1] == 0.0, "each rollout has its own instance"
+    with pytest.raises(ToolError, match="leave tools.tools empty"):
+        environment_factory("trl_env.py:Counter", load_tools(["crop"]))
