@@ -131,8 +131,9 @@ def test_tool_loop_runs_calls_until_each_row_answers(monkeypatch):
 
     seen = []
 
-    def scripted(model, processor, conversations, settings):
+    def scripted(model, processor, conversations, settings, tools=None):
         seen.append([len(c) for c in conversations])
+        assert [t["function"]["name"] for t in tools] == ["zoom"]  # the loop's prompts describe the tools (issue 35, 11)
         return [
             tool_call_text("zoom", {"bbox_2d": [0, 0, 2, 2]}) if len(c) == 1 and i == 0 else "<answer>x</answer>" for i, c in enumerate(conversations)
         ]

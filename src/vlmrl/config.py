@@ -448,6 +448,13 @@ class ToolsConfig:
     max_images: int = _f(8, "Most images per rollout, the row's included; a tool call that would pass it ends the rollout (image_budget).")
     timeout_s: float = _f(10.0, "Seconds one tool call may run; then the model is shown a timeout error (the call's thread cannot be killed).")
     workers: int = _f(4, "Threads running tool calls, while the other rows keep decoding.")
+    max_calls_per_turn: int = _f(8, "Most tool calls run per assistant turn; later calls of the turn are not run and the model is told so.")
+    max_image_pixels: int = _f(16_777_216, "A tool image with more pixels is scaled down to this many before any tool or the model sees it.")
+    environment: str = _f(
+        "",
+        "Environment class per rollout: path/to/file.py:Class or module:Class, a ToolEnvironment subclass or a TRL "
+        "environment_factory class (its public methods are the tools); empty = ToolEnvironment over tools.tools.",
+    )
 
 
 @dataclass(frozen=True)
@@ -473,8 +480,8 @@ class Config:
 
     @property
     def multiturn(self) -> bool:
-        """Rollouts are multi-turn with tools (tools.tools is set)."""
-        return bool(self.tools.tools)
+        """Rollouts are multi-turn with tools (tools.tools or tools.environment is set)."""
+        return bool(self.tools.tools or self.tools.environment)
 
     @property
     def max_turn_tokens(self) -> int:
@@ -981,6 +988,9 @@ def _tools_rules(cfg: Config) -> list[tuple[bool, str]]:
         (t.max_images >= 1, f"tools.max_images={t.max_images} must be >= 1 (the row's own images count)"),
         (t.timeout_s > 0, f"tools.timeout_s={t.timeout_s} must be > 0"),
         (t.workers >= 1, f"tools.workers={t.workers} must be >= 1"),
+        (t.max_calls_per_turn >= 1, f"tools.max_calls_per_turn={t.max_calls_per_turn} must be >= 1"),
+        (t.max_image_pixels >= 1, f"tools.max_image_pixels={t.max_image_pixels} must be >= 1 (pixels)"),
+        (not t.environment or ":" in t.environment, f"tools.environment={t.environment!r}: give path/to/file.py:Class or module:Class"),
         (
             not on or r.engine == "continuous",
             f"tools.tools is set (multi-turn rollouts), which run in the continuous engine: set rollout.engine=continuous (it is {r.engine})",

@@ -57,7 +57,7 @@ from vlmrl.models.loading import reference_disabled_adapter
 from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
 from vlmrl.run.datasets import epochs_as_steps
-from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, sample_with_tools
+from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record, sample_with_tools
 from vlmrl.run.tracking import RunLogger, tracker_options
 
 
@@ -810,7 +810,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "time/step": sum(v for k, v in phases.items() if k.startswith("time/")),
         "epoch": run.sampler.epoch,
         ("micro_batch_size" if cfg.memory.max_tokens_per_micro_batch is None else "micro_batch_tokens"): run.sizes.update,
-        **multiturn_metrics(samples.completions),
+        **multiturn_metrics(samples.completions),  # multi-turn: completions/mean_length as the model's tokens only
         **phases,
         **memory_stats(),
     }
@@ -832,6 +832,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
                     "reward": rewards.local[i],
                     "advantage": rewards.advantages[i].mean().item(),
                     "solution": samples.rows[i // G].get("solution"),
+                    **rollout_record(samples.completions, samples.prompts, i, G),
                 }
                 for i in range(min(cfg.logging.log_completions, len(samples.texts)))
             ],

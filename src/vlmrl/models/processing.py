@@ -280,19 +280,24 @@ def build_prompt(processor, problem: str, num_images: int, system_prompt: str | 
     return build_row_prompt(processor, {"problem": problem}, num_images, system_prompt, num_videos)
 
 
-def build_row_prompt(processor, row: dict, num_images: int, system_prompt: str | None = None, num_videos: int = 0) -> str:
+def build_row_prompt(
+    processor, row: dict, num_images: int, system_prompt: str | None = None, num_videos: int = 0, tools: list[dict] | None = None
+) -> str:
     """Chat-template text of a data row's prompt (formats.prompt_messages_of: its own turns and system message, each
-    image where its placeholder stands), with the generation prompt."""
+    image where its placeholder stands), with the generation prompt; `tools`: the tools' JSON schemas, for templates
+    that describe them to the model (tool_rollout.tool_schemas)."""
 
-    return render_chat(processor, prompt_messages_of(row, num_images, num_videos, system_prompt), add_generation_prompt=True)
+    return render_chat(processor, prompt_messages_of(row, num_images, num_videos, system_prompt), add_generation_prompt=True, tools=tools)
 
 
-def render_chat(processor, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The model's chat template applied to `messages` (vlmrl's content blocks), as text."""
+def render_chat(processor, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    """The model's chat template applied to `messages` (vlmrl's content blocks), as text; `tools` (JSON schemas) is
+    passed as the template's `tools` variable, as TRL and verl pass it (a template that does not read it ignores it)."""
     template_owner = processor if getattr(processor, "chat_template", None) else _tokenizer_of(processor)
     if not getattr(template_owner, "chat_template", None):
         raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")
-    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    extra = {"tools": tools} if tools else {}
+    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def encode_prompts(processor, texts: list[str], images: list[list], videos: list[list] | None = None) -> dict[str, torch.Tensor]:

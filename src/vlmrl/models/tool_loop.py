@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl.models.processing import decode, encode_prompts, render_chat
+from vlmrl.tools.registry import schemas
 from vlmrl.tools.render import chat_template_of, tool_role_mode
 from vlmrl.tools.traces import template_messages
 from vlmrl.tools.trajectory import Trajectory, images_of
@@ -30,17 +31,18 @@ class LoopSettings:
     batch_size: int = 32
 
 
-def conversation_text(processor, messages: list[dict], mode: str | None = None) -> str:
-    """The chat-template text of `messages` (tool turns as the template sees them) with the generation prompt."""
+def conversation_text(processor, messages: list[dict], mode: str | None = None, tools: list[dict] | None = None) -> str:
+    """The chat-template text of `messages` (tool turns as the template sees them) with the generation prompt;
+    `tools`: the tools' JSON schemas, for templates that describe them."""
     mode = mode or tool_role_mode(chat_template_of(processor))
-    return render_chat(processor, template_messages(messages, mode), add_generation_prompt=True)
+    return render_chat(processor, template_messages(messages, mode), add_generation_prompt=True, tools=tools)
 
 
 @torch.no_grad()
-def _turn(model, processor, conversations: list[list[dict]], settings: LoopSettings) -> list[str]:
+def _turn(model, processor, conversations: list[list[dict]], settings: LoopSettings, tools: list[dict] | None = None) -> list[str]:
     """One assistant turn for each conversation (a list of messages): the generated texts, special tokens dropped."""
     mode = tool_role_mode(chat_template_of(processor))
-    texts = [conversation_text(processor, m, mode) for m in conversations]
+    texts = [conversation_text(processor, m, mode, tools) for m in conversations]
     batch = encode_prompts(processor, texts, [images_of(m) for m in conversations])
     batch.pop("images_per_row", None)
     batch = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -58,12 +60,13 @@ def run_tool_loop(model, processor, envs: list, rows: list[dict], settings: Loop
     if len(envs) != len(rows):
         raise ValueError(f"run_tool_loop: {len(envs)} environments for {len(rows)} rows")
     conversations = [list(env.reset(row)) for env, row in zip(envs, rows)]
+    tools = schemas(envs[0].tools) if envs and getattr(envs[0], "tools", None) else None  # shown to templates that read them
     active = list(range(len(rows)))
     while active:
         still = []
         for start in range(0, len(active), settings.batch_size):
             chunk = active[start : start + settings.batch_size]
-            for i, text in zip(chunk, _turn(model, processor, [conversations[i] for i in chunk], settings)):
+            for i, text in zip(chunk, _turn(model, processor, [conversations[i] for i in chunk], settings, tools)):
                 observation, _reward, done = envs[i].step(text)
                 conversations[i] += [{"role": "assistant", "content": text}] + observation
                 if not done:

@@ -144,7 +144,7 @@ def measured_vs_predicted(p: Plan | None, warn) -> dict:
 def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
     """plan/* keys for metrics.jsonl: the prediction and its error against what the step measured: on CUDA the
     reserved peak (mem/gpu_peak_reserved, GiB), on a CPU run this process's peak RSS (mem/host_peak_rss, GiB);
-    warns when the miss is over PREDICTION_WARN_FRACTION."""
+    warns (once per plan) when the miss is over PREDICTION_WARN_FRACTION."""
     if p is None:
         return {}
     if p.workload.get("device") == "cpu":
@@ -162,7 +162,8 @@ def prediction_vs_measured(p: Plan | None, metrics: dict, warn) -> dict:
     if measured:
         error = (predicted - measured) / measured
         out[key] = error
-        if abs(error) > PREDICTION_WARN_FRACTION:
+        if abs(error) > PREDICTION_WARN_FRACTION and not getattr(p, "miss_reported", False):
+            p.miss_reported = True  # once per run: the same miss every step says nothing new
             warn(
                 f"WARNING: planner predicted {predicted:.2f} {what}, measured {measured:.2f} GiB "
                 f"({error:+.0%}); please report the config (vlmrl plan --json) so the planner can learn from it"

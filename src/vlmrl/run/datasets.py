@@ -27,6 +27,7 @@ from vlmrl.data.rows import (
 )
 from vlmrl.data.tasks import TASKS
 from vlmrl.data.video import VideoError
+from vlmrl.run.tool_rollout import tool_schemas
 from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, ImageShapeCheck, build_row_prompt, encode_prompts, load_processor, video_support
 from vlmrl.run.prompt_budget import PromptLengths, apply_prompt_budget
 from vlmrl.run.tracking import read_jsonl
@@ -214,7 +215,8 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     images = [_row_images(r, d, cache) for r in rows]
     exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
     videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
-    texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids)) for r, imgs, vids in zip(rows, images, videos)]
+    tools = tool_schemas(cfg)  # the tools the model may call, for templates that describe them
+    texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids), tools) for r, imgs, vids in zip(rows, images, videos)]
     try:
         batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
     except ValueError as e:  # what validation could not foresee still names the rows

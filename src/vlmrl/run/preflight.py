@@ -17,6 +17,7 @@ from vlmrl.data.rows import DataError, sft_target
 from vlmrl.engine.device import env_world
 from vlmrl.models.loading import ModelLoadError, check_attention, require_complete_model_folder
 from vlmrl.models.processing import build_row_prompt, load_processor
+from vlmrl.run.tool_rollout import tool_schemas
 from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
 from vlmrl.rewards.peers import describe_call
 from vlmrl.rewards.scoring import load_reward_funcs, reward_columns, row_sources
@@ -52,36 +53,54 @@ def preflight(cfg: Config, command: str, log=print):
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
         if command in ("train", "sft", "check"):
-            check_chat_template(cfg, rows[0])
+            for line in check_chat_template(cfg, rows[0]):
+                log(line)
         if command == "check":
             for line in describe_rewards(cfg, funcs, rows):
                 log(line)
     return data
 
 
-def check_chat_template(cfg: Config, row: dict) -> None:
+def check_chat_template(cfg: Config, row: dict) -> list[str]:
     """Render the model's chat template on a real row (its problem, image count and data.system_prompt), as step
     1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
-    in one line instead of after the weights load. Loads the processor (seconds), never the weights."""
+    in one line instead of after the weights load. Loads the processor (seconds), never the weights. Returns what
+    to tell the user: with tools, whether the template shows them to the model."""
 
     name = cfg.model.name_or_path
     if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
-        return  # vlmrl's own template, or a hub id transformers downloads at load time
+        return []  # vlmrl's own template, or a hub id transformers downloads at load time
     try:
         processor = load_processor(
             name, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
         )
     except Exception:  # the load before step 1 reports its own errors; only the template is checked here
-        return
+        return []
     images = len((row.get("images") or [])[: cfg.data.limit_images])
+    tools = tool_schemas(cfg)
     try:
-        build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or []))
+        text = build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or []), tools)
+        plain = build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or [])) if tools else text
     except Exception as e:  # any error from the user's template is the template's
         where = row.get("_source", "the first data row")
         raise ModelLoadError(
             f"the chat template of {name} fails on {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
             "fix chat_template.jinja (or chat_template in tokenizer_config.json)"
         ) from None
+    return tools_note(name, tools, text, plain)
+
+
+def tools_note(model: str, tools: list[dict] | None, with_tools: str, without: str) -> list[str]:
+    """Whether the chat template shows the model its tools: the prompt rendered with the tools' schemas and without."""
+    if not tools:
+        return []
+    names = ", ".join(t["function"]["name"] for t in tools)
+    if with_tools == without:
+        return [
+            f"tools: the chat template of {model} ignores the tools' schemas (the prompt is the same with and without "
+            f"them): the model is not told that {names} exist; describe them in data.system_prompt or use a template that renders tools"
+        ]
+    return [f"tools: the chat template of {model} describes {names} to the model in every prompt ({len(with_tools) - len(without):,} characters)"]
 
 
 def describe_rewards(cfg: Config, funcs: dict, rows: list[dict]) -> list[str]:

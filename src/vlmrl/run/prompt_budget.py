@@ -98,12 +98,18 @@ class PromptCounter:
     def __init__(self, processor, cfg, sizes: dict | None = None):
         self.processor, self.tokenizer, self.d, self.model = processor, _tokenizer(processor), cfg.data, cfg.model.name_or_path
         self.sizes = sizes or {}  # image path -> (width, height), as validation read them (else the header is read)
-        self._image_tokens: dict[tuple[int, int], int] = {}
+        self._image_tokens: dict[tuple[int, int], tuple[int, int]] = {}
         self._probe_text: str | None = None
+        from vlmrl.run.tool_rollout import tool_schemas
 
-    def image_tokens(self, size: tuple[int, int]) -> int:
-        """Tokens one image of `size` (after vlmrl's resize) adds to a prompt: the processor's count with the image
-        minus without (its placeholder's own tokens included)."""
+        self.tools = tool_schemas(cfg)  # the prompt the run encodes describes its tools (run.datasets.encode_rows)
+        token = getattr(processor, "image_token", None)
+        self.image_token_id = getattr(processor, "image_token_id", None) or (self.tokenizer.convert_tokens_to_ids(token) if token else None)
+
+    def image_tokens(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(tokens one image of `size`, after vlmrl's resize, adds to a prompt: the processor's count with the image
+        minus the text's, its image tokens: those of the processor's image token id, the rest being markers the
+        image brings along such as Gemma 3's start/end; without an image token id, all of them)."""
         if size not in self._image_tokens:
             from PIL import Image
 
@@ -111,8 +117,13 @@ class PromptCounter:
 
             if self._probe_text is None:
                 self._probe_text = self.render({"problem": "x", "_source": "a one-image prompt"}, 1, 0)
-            with_image = encode_prompts(self.processor, [self._probe_text], [[Image.new("RGB", size)]])["attention_mask"].sum().item()
-            self._image_tokens[size] = int(with_image) - len(self.tokenizer(self._probe_text, verbose=False)["input_ids"])
+            batch = encode_prompts(self.processor, [self._probe_text], [[Image.new("RGB", size)]])
+            added = int(batch["attention_mask"].sum()) - len(self.tokenizer(self._probe_text, verbose=False)["input_ids"])
+            # The text's own placeholder (Qwen's one <|image_pad|>) is one of the image's tokens, not text: counting
+            # image tokens as "added" tokens put it on the text side, one per image (issue 35, finding 13).
+            ids = batch["input_ids"][batch["attention_mask"].bool()]
+            image = int((ids == self.image_token_id).sum()) if self.image_token_id is not None else added
+            self._image_tokens[size] = (added, image)
         return self._image_tokens[size]
 
     def render(self, row: dict, images: int, videos: int) -> str:
@@ -122,7 +133,7 @@ class PromptCounter:
         from vlmrl.models.processing import build_row_prompt
 
         try:
-            return build_row_prompt(self.processor, row, images, self.d.system_prompt, videos)
+            return build_row_prompt(self.processor, row, images, self.d.system_prompt, videos, self.tools)
         except Exception as e:  # any error from the user's template is the template's
             raise ModelLoadError(
                 f"the chat template of {self.model} fails on {row.get('_source', 'a data row')}: {type(e).__name__}: "
@@ -154,9 +165,9 @@ class PromptCounter:
                 if not exact and n > limit:
                     return n, n, len(raw)
         text = self.render(row, len(images), videos)
-        n_text = len(self.tokenizer(text, verbose=False)["input_ids"])
-        n_images = sum(self.image_tokens(self.image_size(p)) for p in images)
-        return n_text + n_images, n_text, None
+        counts = [self.image_tokens(self.image_size(p)) for p in images]
+        n_all = len(self.tokenizer(text, verbose=False)["input_ids"]) + sum(added for added, _ in counts)
+        return n_all, n_all - sum(image for _, image in counts), None
 
 
 def measure_prompts(processor, cfg, rows: list[dict], limit: int | None, sizes: dict | None = None) -> PromptLengths:

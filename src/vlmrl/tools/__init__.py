@@ -5,6 +5,8 @@ timeout, tool-call parsing, tool turns for chat templates, the environment proto
   Google-style docstring (``transformers.utils.get_json_schema``); ``load_tools`` takes built-in names,
   ``path/to/file.py:fn`` and ``module:fn`` specs.
 - ``image_tools``: the built-in ``crop``, ``zoom`` and ``rotate``.
+- ``image_checks``: every image a tool returns, checked (readable, has pixels, a shape the processor takes) and
+  capped in size before the model or the next tool sees it.
 - ``execute``: runs one call with a per-call timeout; exceptions, bad arguments and timeouts become an error
   result naming the tool, never an exception in the caller.
 - ``parsing``: ``<tool_call>{json}</tool_call>`` calls (Qwen / Hermes) out of model text; malformed calls become

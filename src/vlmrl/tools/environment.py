@@ -12,10 +12,13 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Protocol
 
+from PIL import Image
+
 from vlmrl.data.rows import load_images
 from vlmrl.tools.execute import DEFAULT_TIMEOUT_S, ToolResult, run_tool
+from vlmrl.tools.image_checks import DEFAULT_MAX_PIXELS, check_tool_images
 from vlmrl.tools.parsing import ParsedTurn, parse_tool_calls
-from vlmrl.tools.registry import Tool, ToolContext, ToolError, make_tool
+from vlmrl.tools.registry import Tool, ToolContext, ToolError, load_object, make_tool
 from vlmrl.tools.render import parse_error_message, tool_message
 from vlmrl.tools.trajectory import Trajectory, build_trajectory, images_of
 
@@ -27,10 +30,12 @@ class Environment(Protocol):
 
 
 def prompt_messages(row: dict) -> list[dict]:
-    """The opening messages of a row: its ``prompt`` (or vlmrl's ``problem``; a string, or a list of messages
+    """The opening messages of a row: vlmrl's ``problem`` (else its ``prompt``; a string, or a list of messages
     used as is) with the row's ``image`` / ``images`` (PIL images, or paths as in a validated vlmrl row, decoded
     at full resolution: the processor downsizes for the model, tools crop the original) as image parts first."""
-    prompt = row.get("prompt", row.get("problem"))
+    # vlmrl's validated rows keep their source's `prompt` column (e.g. TRL messages with image placeholders) beside
+    # the `problem` read from it: the problem is the prompt then.
+    prompt = row["problem"] if isinstance(row.get("problem"), str) else row.get("prompt")
     if isinstance(prompt, list):
         return list(prompt)
     if not isinstance(prompt, str):
@@ -45,9 +50,12 @@ class ToolEnvironment:
 
     ``reward_fn(trajectory) -> float`` scores a finished rollout (0.0 without one; intermediate steps give 0.0).
     A row may narrow the tools with a ``tools`` field (a list of loaded tool names). ``max_images`` caps the
-    images in one rollout, the row's included: a call that would pass it ends the rollout (``image_budget``).
-    ``seen_size(image) -> (width, height)``: the size the model's processor shows an image at (e.g.
-    ``vlmrl.data.rows.target_size`` with the run's pixel bounds), so pixel boxes are scaled to the original.
+    images in one rollout, the row's included: a call that would pass it ends the rollout (``image_budget``), and
+    the turn's later calls are not run. ``max_calls_per_turn``: calls of one turn past it are not run (one error
+    message says so). ``seen_size(image) -> (width, height)``: the size the model's processor shows an image at (e.g.
+    ``vlmrl.data.rows.target_size`` with the run's pixel bounds), so pixel boxes are scaled to the original, and a
+    tool's image is shown to the model at that size (tools keep the original). Every image a tool returns is checked
+    (``image_checks.check_tool_images``: at most ``max_image_pixels``, a shape ``shape_check`` accepts).
     """
 
     def __init__(
@@ -58,10 +66,14 @@ class ToolEnvironment:
         max_images: int = 8,
         reward_fn: Callable[[Trajectory], float] | None = None,
         seen_size: Callable | None = None,
+        max_calls_per_turn: int = 8,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        shape_check: Callable | None = None,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         self.tools, self.max_turns, self.timeout_s, self.max_images, self.reward_fn = tools, max_turns, timeout_s, max_images, reward_fn
+        self.max_calls_per_turn, self.max_image_pixels, self.shape_check = max_calls_per_turn, max_image_pixels, shape_check
         self._steps: list[tuple[ParsedTurn, str, list[dict]]] = []
         self._prompt: list[dict] = []
         self.seen_size = seen_size
@@ -87,17 +99,29 @@ class ToolEnvironment:
         return list(self._prompt)
 
     def _run(self, parsed: ParsedTurn) -> list[dict]:
-        observation = [parse_error_message(parsed.errors)] if parsed.errors else []
-        for call in parsed.calls:
-            result = run_tool(self._active, call, self._context, self.timeout_s)
-            if len(self._context.images) + len(result.images) > self.max_images:
-                result = ToolResult(name=call.name, error=f"tool {call.name!r} failed: the rollout's image budget ({self.max_images}) is spent")
-                self._end = "image_budget"
-            self._context.images.extend(result.images)
-            if self.seen_size:
-                self._context.seen_sizes.extend(self.seen_size(im) for im in result.images)
-            observation.append(tool_message(result))
-        return observation
+        errors = list(parsed.errors)
+        calls = parsed.calls[: self.max_calls_per_turn]
+        if len(parsed.calls) > len(calls):
+            errors.append(f"{len(parsed.calls)} tool calls in one turn: only the first {self.max_calls_per_turn} were run (tools.max_calls_per_turn)")
+        observation = [parse_error_message(errors)] if errors else []
+        return observation + [tool_message(self._call(call)) for call in calls]
+
+    def _call(self, call) -> ToolResult:
+        """One call's result; once the image budget is spent a call is not run at all."""
+        if self._end == "image_budget":
+            return ToolResult(name=call.name, error=f"tool {call.name!r} failed: not run, the rollout's image budget ({self.max_images}) is spent")
+        result = check_tool_images(run_tool(self._active, call, self._context, self.timeout_s), self.max_image_pixels, self.shape_check)
+        if len(self._context.images) + len(result.images) > self.max_images:
+            self._end = "image_budget"
+            return ToolResult(name=call.name, error=f"tool {call.name!r} failed: the rollout's image budget ({self.max_images}) is spent")
+        self._context.images.extend(result.images)
+        if not (self.seen_size and result.images):
+            return result
+        seen = [self.seen_size(im) for im in result.images]
+        self._context.seen_sizes.extend(seen)
+        # The model sees a tool's image as it sees a dataset image (data.rows.load_images: resized to the pixel bounds).
+        shown = [im if im.size == size else im.resize(size, Image.Resampling.BICUBIC) for im, size in zip(result.images, seen)]
+        return ToolResult(name=result.name, text=result.text, images=shown)
 
     def step(self, action_text: str) -> tuple[list[dict], float, bool]:
         if self._end is not None:
@@ -146,6 +170,37 @@ class TRLEnvironment(ToolEnvironment):
         self._context.images = images_of(self._prompt)
         self._context.seen_sizes = [self.seen_size(im) for im in self._context.images] if self.seen_size else []
         return list(self._prompt)
+
+
+def environment_factory(spec: str, tools: dict[str, Tool]) -> tuple[Callable[..., Environment], dict[str, Tool]]:
+    """(make, the tools the model is told of) for ``tools.environment``: ``make(**budgets)`` builds one environment
+    per rollout. ``spec`` empty: ``ToolEnvironment(tools)``; a ToolEnvironment subclass: ``Class(tools, **budgets)``;
+    any other class or function is a TRL ``environment_factory`` (``TRLEnvironment(factory(), **budgets)``, its public
+    methods the tools). One environment is made here, so a class that cannot be built fails before the run."""
+    if not spec:
+        return (lambda **kw: ToolEnvironment(tools, **kw)), tools
+    found = load_object(spec, "environment")
+    if isinstance(found, type) and issubclass(found, ToolEnvironment) and not issubclass(found, TRLEnvironment):
+
+        def make(**kw):
+            return found(tools, **kw)
+    elif callable(found):
+        if tools:
+            raise ToolError(f"environment {spec!r} is a TRL environment_factory (its public methods are its tools): leave tools.tools empty")
+
+        def make(**kw):
+            return TRLEnvironment(found(), **kw)
+    else:
+        raise ToolError(f"environment {spec!r} is a {type(found).__name__}, not a class")
+    try:
+        probe = make()
+    except ToolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's constructor, named
+        raise ToolError(f"environment {spec!r}: building one failed: {type(e).__name__}: {e}") from e
+    if not getattr(probe, "tools", None):
+        raise ToolError(f"environment {spec!r} has no tools: set tools.tools or give the environment public methods")
+    return make, probe.tools
 
 
 def run_episode(env: Environment, row: dict, policy: Callable[[list[dict]], str]) -> tuple[list[dict], list[str], float]:

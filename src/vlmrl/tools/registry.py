@@ -99,19 +99,25 @@ def load_tool(spec: str | Callable) -> Tool:
         close = difflib.get_close_matches(spec, list(builtins), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? Otherwise " if close else ""
         raise ToolError(f"unknown tool {spec!r}: {hint}use one of {', '.join(builtins)} or path/to/file.py:function or module:function")
+    return make_tool(load_object(spec, "tool"))
+
+
+def load_object(spec: str, what: str):
+    """The object ``name`` of ``path/to/file.py:name`` (imported by path) or ``package.module:name``; ToolError
+    naming the spec when it cannot be found."""
     target, name = spec.rsplit(":", 1)
     if not name.isidentifier():
-        raise ToolError(f"tool {spec!r}: {name!r} is not a function name")
+        raise ToolError(f"{what} {spec!r}: {name!r} is not a name in a module")
     if target.endswith(".py"):
-        module = _import_file(target, spec, what="tool", error=ToolError)
+        module = _import_file(target, spec, what=what, error=ToolError)
     else:
-        module = _import_module(target, spec, what="tool", error=ToolError)
+        module = _import_module(target, spec, what=what, error=ToolError)
     if not hasattr(module, name):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         close = difflib.get_close_matches(name, found, n=1, cutoff=0.6)
         hint = f"; did you mean {target}:{close[0]}?" if close else ""
-        raise ToolError(f"tool {spec!r}: {target} has no {name!r}{hint} (callables there: {', '.join(found) or 'none'})")
-    return make_tool(getattr(module, name))
+        raise ToolError(f"{what} {spec!r}: {target} has no {name!r}{hint} (callables there: {', '.join(found) or 'none'})")
+    return getattr(module, name)
 
 
 def load_tools(specs: list) -> dict[str, Tool]:
