@@ -63,10 +63,12 @@ def test_each_process_fills_its_share_from_its_own_positions():
     shards = [[0, 1], [2, 3]]
     keeps = [torch.tensor([True, True, True, False])]
     assert not shares_full(keeps, shards)  # 3 kept groups, but rank 1 has only one of its two
+    keeps.append(torch.tensor([True, False, False, False]))
+    assert not shares_full(keeps, shards)  # 4 kept groups in all, still one of rank 1's two
     keeps.append(torch.tensor([False, False, False, True]))
     assert shares_full(keeps, shards)
     picks = pick_groups(keeps, shards)
-    assert picks.sources == [(0, 0), (0, 1), (0, 2), (1, 3)]
+    assert picks.sources == [(0, 0), (0, 1), (0, 2), (2, 3)]
     for positions in shards:  # no completion moves between processes
         assert all(picks.sources[k][1] in positions for k in positions)
 
