@@ -1,7 +1,7 @@
 """The GRPO training loop: a short loop over named phases, read top to bottom.
 
-    rollout -> rewards (+ advantages) -> score (old / reference log-probs) -> update (num_iterations x optimizer
-    steps) -> log -> maybe evaluate -> maybe save
+    rollout -> rewards (+ advantages) -> [refill: algorithm.dynamic_sampling] -> score (old / reference log-probs) ->
+    update (num_iterations x optimizer steps) -> log -> maybe evaluate -> maybe save
 
 Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`);
 what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The math is in
