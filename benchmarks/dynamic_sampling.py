@@ -134,6 +134,12 @@ def markdown(result: dict) -> str:
 
 
 def verdict(base: dict, dyn: dict, target: float) -> str:
+    start = base["eval_accuracy"].get(min(base["eval_accuracy"]))
+    finals = f"final accuracy: baseline {100 * _last(base):.1f}%, dynamic {100 * _last(dyn):.1f}%"
+    if target <= start:
+        return (
+            f"the baseline never rose above its starting {100 * start:.1f}% within the steps run, so there is no accuracy to reach sooner; {finals}."
+        )
     b, d = first_reaching(base, target), first_reaching(dyn, target)
     if d is None:
         return "the dynamic run did not reach it within the steps run."
@@ -147,6 +153,20 @@ def verdict(base: dict, dyn: dict, target: float) -> str:
     )
 
 
+def _last(run: dict) -> float:
+    return run["eval_accuracy"][max(run["eval_accuracy"])]
+
+
+def render(json_path: Path) -> None:
+    """The .md of a results JSON again (the verdict recomputed)."""
+    result = json.loads(json_path.read_text())
+    for run in result["runs"]:
+        run["eval_accuracy"] = {int(k): v for k, v in run["eval_accuracy"].items()}
+    result["verdict"] = verdict(*result["runs"], result["target"])
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    json_path.with_suffix(".md").write_text(markdown(result))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -156,7 +176,11 @@ def main() -> int:
     parser.add_argument("--out-dir", default="outputs/bench_dynamic_sampling")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--reuse-sft", action="store_true", help="keep --out-dir's SFT model (same --test-size) instead of training it again")
+    parser.add_argument("--render", metavar="JSON", help="only write the .md of an earlier results JSON")
     args = parser.parse_args()
+    if args.render:
+        render(Path(args.render))
+        return 0
     import torch
     import transformers
 
