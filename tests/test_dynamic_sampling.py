@@ -216,3 +216,10 @@ def test_stop_and_resume_with_dynamic_sampling_is_bit_exact(tiny_qwen25vl, data,
     assert [[r[k] for k in keys] for r in metrics(resumed)] == [[r[k] for k in keys] for r in metrics(straight)]
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dynamic_sampling_is_refused_with_multiturn_rollouts_and_routing_replay():
+    with pytest.raises(ConfigError, match="dynamic_sampling assembles the batch"):
+        load_config(None, ["algorithm.dynamic_sampling=true", "tools.tools=[crop]", "rollout.engine=continuous"])
+    with pytest.raises(ConfigError, match="dynamic_sampling assembles the batch"):
+        load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.routing_replay=experts"])
