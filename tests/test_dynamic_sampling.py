@@ -223,3 +223,21 @@ def test_dynamic_sampling_is_refused_with_multiturn_rollouts_and_routing_replay(
         load_config(None, ["algorithm.dynamic_sampling=true", "tools.tools=[crop]", "rollout.engine=continuous"])
     with pytest.raises(ConfigError, match="dynamic_sampling assembles the batch"):
         load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.routing_replay=experts"])
+
+
+@pytest.mark.multiproc
+def test_two_processes_agree_on_the_kept_groups(tmp_path_factory):
+    """Two DDP processes: each fills its share from its own groups, the rounds decided from the gathered rewards (a
+    process that drew one batch more than the other would leave a collective unmatched and the run would hang)."""
+    from multiproc_runs import grpo_args, run_launcher, tiny_run_setup, torchrun
+
+    setup = tiny_run_setup(tmp_path_factory, "dynamic_ddp")
+    out = setup[0] / "ddp"
+    args = grpo_args(setup, out, f"algorithm.reward_funcs=['{ODD_LENGTH}']", "algorithm.dynamic_sampling=true")
+    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + args, timeout=600)
+    assert "2 processes (ddp)" in log
+    rows = metrics(out)
+    assert len(rows) == 3 and sum(r["dynamic_sampling/extra_batches"] for r in rows) > 0
+    for r in rows:
+        if r["dynamic_sampling/filled_groups"] == 0:
+            assert r["frac_reward_zero_std"] == 0.0
