@@ -38,3 +38,10 @@ def logs_like_trl(completions, log_extra=None, log_metric=None, **kwargs):
 def constant_zero(prompts, completions, **columns):
     """No learning signal: every advantage is 0, so only auxiliary losses move the weights."""
     return [0.0 for _ in completions]
+
+
+def length_on_odd_counts(prompts, completions, solution, **columns):
+    """Characters / 10 where the row's count (the digits of its solution) is odd, 0 elsewhere: every group of an even
+    count has equal rewards, which dynamic sampling drops."""
+    counts = ["".join(ch for ch in str(s) if ch.isdigit()) or "0" for s in solution]
+    return [len(c) / 10 if int(n) % 2 else 0.0 for c, n in zip(completions, counts)]

@@ -27,10 +27,8 @@ EXAMPLES = {
         "data.mini_rollout_batch_size": "generation_batch_size",
         "data.val_batch_size": "eval_batch_size",
         "data.override_chat_template": "chat template",
-        "algorithm.online_filtering": "DAPO",
-        "algorithm.filter_key": "DAPO",
-        "algorithm.filter_low": "DAPO",
-        "algorithm.filter_high": "DAPO",
+        "algorithm.filter_low": "group mean",
+        "algorithm.filter_high": "group mean",
         "worker.actor.padding_free": ZERO,
         "worker.actor.dynamic_batching": ZERO,
         "worker.actor.ulysses_size": ZERO,
@@ -59,7 +57,6 @@ EXAMPLES = {
         "trainer.experiment_name": NAMES,
         "trainer.nnodes": "global",
         "trainer.n_gpus_per_node": "global",
-        "trainer.max_try_make_batch": "DAPO",
         "trainer.val_only": "vlmrl eval",
         "trainer.val_generations_to_log": "log_completions",
         "trainer.load_checkpoint_path": "training.resume",
@@ -192,6 +189,44 @@ def test_ms_swift_examples():
     lora = convert("ms-swift", [str(CONFIGS / "ms_swift_grpo_vl7b.sh")]).settings
     assert lora["model.use_lora"] is True and lora["algorithm.reward_funcs"] == ["accuracy", "format"]  # tuner_type lora
     assert lora["training.gradient_accumulation_steps"] == 8
+
+
+def test_easyr1_online_filtering_becomes_dynamic_sampling(tmp_path):
+    """EasyR1's DAPO example settings (algorithm.online_filtering with filter_key overall, trainer.max_try_make_batch)."""
+    source = yaml.safe_load((CONFIGS / "easyr1_config.yaml").read_text())
+    source["algorithm"]["online_filtering"] = True
+    source["trainer"]["max_try_make_batch"] = 6
+    path = tmp_path / "dapo.yaml"
+    path.write_text(yaml.safe_dump(source))
+    s = convert("easyr1", [str(path)]).settings
+    assert (s["algorithm.dynamic_sampling"], s["algorithm.dynamic_sampling_metric"], s["algorithm.dynamic_sampling_max_batches"]) == (
+        True,
+        "reward",
+        6,
+    )
+    source["trainer"]["max_try_make_batch"], source["algorithm"]["filter_key"] = -1, "accuracy"
+    path.write_text(yaml.safe_dump(source))
+    result = convert("easyr1", [str(path)])
+    assert "no limit" in result.unmapped["trainer.max_try_make_batch"] and "score dict" in result.unmapped["algorithm.filter_key"]
+
+
+def test_ms_swift_dapo_arguments():
+    """ms-swift's DAPO arguments: --dynamic_sample / --max_resample_times / --overlong_filter, and its soft_overlong
+    reward, whose L_max / L_cache become vlmrl's function of the same formula in the reward's place (weights line up)."""
+    args = "--dynamic_sample true --max_resample_times 3 --overlong_filter true --reward_funcs accuracy soft_overlong"
+    args += " --reward_weights 1.0 0.5 --max_completion_length 64 --soft_cache_length 16"
+    s = convert("ms-swift", args.split()).settings
+    assert (s["algorithm.dynamic_sampling"], s["algorithm.dynamic_sampling_max_batches"], s["algorithm.mask_truncated_completions"]) == (
+        True,
+        3,
+        True,
+    )
+    funcs = s["algorithm.reward_funcs"]
+    assert funcs[0] == "accuracy" and s["algorithm.reward_weights"] == [1.0, 0.5]
+    from vlmrl.rewards.functions import load_reward
+
+    overlong = load_reward(funcs[1])  # ms-swift's formula: min(-(len - (L_max - L_cache)) / L_cache, 0)
+    assert overlong(["p"] * 3, ["c"] * 3, completion_ids=[[1] * 48, [1] * 56, [1] * 64]) == [0.0, -0.5, -1.0]
 
 
 def test_ms_swift_system_prompt_file_is_read_when_here(tmp_path, monkeypatch):

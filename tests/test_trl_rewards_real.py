@@ -87,3 +87,14 @@ def test_trl_accuracy_reward_without_math_verify_fails_in_the_check(tiny_qwen25v
     cfg = load_config(None, ["algorithm.completion_format=conversational"])
     with pytest.raises(RewardError, match=r"'acc' raised on sample 0 .*ImportError: Please install the `math_verify` package"):
         check_rewards_on_rows(cfg, {"acc": load_reward("trl.rewards:accuracy_reward")}, {"acc": 1.0}, [{"problem": "2+1?", "solution": "3"}])
+
+
+def test_vlmrl_overlong_shaping_equals_trls_soft_overlong_punishment():
+    """algorithm.overlong_shaping's term (rewards.functions.overlong_penalty) against TRL's own function, every length
+    from 0 to past L_max."""
+    from vlmrl.rewards.functions import soft_overlong_punishment
+
+    ids = [[1] * n for n in range(0, 23)]
+    theirs = trl_rewards.get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=6)(completion_ids=ids)
+    ours = soft_overlong_punishment(max_completion_len=20, soft_punish_cache=6)(["p"] * len(ids), ["c"] * len(ids), completion_ids=ids)
+    assert ours == pytest.approx(theirs)

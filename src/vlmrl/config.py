@@ -252,7 +252,33 @@ class AlgorithmConfig:
     rollout_correction_max: Optional[float] = _f(
         3.0, "rollout_correction: upper bound of the ratio (truncate: clamp; mask: drop above); null = none."
     )
-    mask_truncated_completions: bool = _f(False, "Leave completions that hit max_completion_length out of the loss (DAPO).")
+    mask_truncated_completions: bool = _f(
+        False,
+        "Leave completions that hit max_completion_length out of the loss (DAPO's overlong filtering; ms-swift's overlong_filter).",
+    )
+    dynamic_sampling: bool = _f(
+        False,
+        "DAPO dynamic sampling: drop groups whose dynamic_sampling_metric is equal across the group and sample further prompts until the batch is full (verl filter_groups.enable, EasyR1 online_filtering, ms-swift dynamic_sample).",
+    )
+    dynamic_sampling_metric: str = _f(
+        "reward",
+        "dynamic_sampling: the per-completion value whose spread keeps a group: reward (the weighted total) or the name of one of reward_funcs (verl filter_groups.metric: score -> reward, acc -> accuracy).",
+    )
+    dynamic_sampling_max_batches: int = _f(
+        10,
+        "dynamic_sampling: most generation batches per step, the first included; when they run out the step trains on the kept groups topped up with filtered ones, and says so (verl max_num_gen_batches, EasyR1 max_try_make_batch).",
+    )
+    overlong_shaping: bool = _f(
+        False,
+        "DAPO soft overlong punishment: add the reward term `overlong`, 0 up to max_completion_length - overlong_buffer_len tokens, then falling linearly to -overlong_penalty_factor at max_completion_length (verl reward_model.overlong_buffer.enable).",
+    )
+    overlong_buffer_len: int = _f(
+        0,
+        "overlong_shaping: the buffer L_cache, in tokens, before rollout.max_completion_length (L_max) where the penalty grows (verl overlong_buffer.len).",
+    )
+    overlong_penalty_factor: float = _f(
+        1.0, "overlong_shaping: the penalty at max_completion_length, the weight of the `overlong` reward term (verl overlong_buffer.penalty_factor)."
+    )
     top_entropy_quantile: float = _f(
         1.0,
         "TRL's name: the policy loss keeps only the top fraction of each optimizer step's loss tokens by policy entropy "
@@ -645,6 +671,39 @@ TRL_ALIASES = {
     "eval_strategy": "training.eval_steps",
     "save_strategy": "training.save_steps",
 }
+# Peers' names for DAPO's settings (dotted as in their YAML / command line) -> vlmrl key (None: nothing to set).
+PEER_ALIASES: dict[str, str | None] = {
+    "algorithm.filter_groups.enable": "algorithm.dynamic_sampling",  # verl
+    "algorithm.filter_groups.metric": "algorithm.dynamic_sampling_metric",
+    "algorithm.filter_groups.max_num_gen_batches": "algorithm.dynamic_sampling_max_batches",
+    "algorithm.online_filtering": "algorithm.dynamic_sampling",  # EasyR1
+    "trainer.max_try_make_batch": "algorithm.dynamic_sampling_max_batches",
+    "dynamic_sample": "algorithm.dynamic_sampling",  # ms-swift
+    "max_resample_times": "algorithm.dynamic_sampling_max_batches",
+    "overlong_filter": "algorithm.mask_truncated_completions",
+    "reward_model.overlong_buffer.enable": "algorithm.overlong_shaping",  # verl
+    "reward_model.overlong_buffer.len": "algorithm.overlong_buffer_len",
+    "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
+    "reward_model.overlong_buffer.log": None,  # vlmrl always logs the term (rewards/overlong)
+}
+# verl's filter_groups.metric names for the values vlmrl's rewards have.
+VERL_METRICS = {"acc": "accuracy", "score": "reward", "seq_reward": "reward", "seq_final_reward": "reward"}
+
+
+def _peer_value(name: str, value: Any, source: str) -> Any:
+    """A peer alias's value as vlmrl's field takes it; an unbounded count of generation batches is refused."""
+    if name == "algorithm.filter_groups.metric" and value in VERL_METRICS:
+        return VERL_METRICS[value]
+    if name == "max_resample_times" and isinstance(value, int) and value <= 0:
+        raise ConfigError(f"{source}: max_resample_times={value} filters no group in ms-swift; set dynamic_sample=false instead")
+    if PEER_ALIASES[name] == "algorithm.dynamic_sampling_max_batches" and isinstance(value, int) and value <= 0:
+        raise ConfigError(
+            f"{source}: {name}={value} means no limit there; vlmrl bounds the generation batches per step: give "
+            "algorithm.dynamic_sampling_max_batches (e.g. 10)"
+        )
+    return value
+
+
 # Count fields that TRL spells as booleans: true keeps vlmrl's default count, false is 0.
 BOOLEAN_COUNTS = ("logging.log_completions",)
 
@@ -662,6 +721,10 @@ def _trl_value(name: str, value: Any, source: str) -> tuple[bool, Any]:
 
 
 def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
+    if dotted in PEER_ALIASES:
+        if PEER_ALIASES[dotted] is None:
+            return
+        dotted, value = PEER_ALIASES[dotted], _peer_value(dotted, value, source)
     if dotted in TRL_ALIASES:
         keep, value = _trl_value(dotted, value, source)
         if not keep:
@@ -720,10 +783,18 @@ def _flatten_yaml(data: Any, source: str) -> list[tuple[str, Any]]:
                 continue
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: section {key!r} must be a mapping, got {type(value).__name__}")
-            items += [(f"{key}.{k}", v) for k, v in value.items()]
+            items += [item for k, v in value.items() for item in _alias_items(f"{key}.{k}", v)]
         else:
-            items.append((str(key), value))
+            items += _alias_items(str(key), value)
     return items
+
+
+def _alias_items(dotted: str, value: Any) -> list[tuple[str, Any]]:
+    """(key, value) of a YAML entry, a peer's nested group (verl's algorithm.filter_groups, reward_model.overlong_buffer)
+    spread into its dotted PEER_ALIASES keys."""
+    if isinstance(value, dict) and any(alias.startswith(dotted + ".") for alias in PEER_ALIASES):
+        return [item for k, v in value.items() for item in _alias_items(f"{dotted}.{k}", v)]
+    return [(dotted, value)]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -874,6 +945,20 @@ def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
         (cfg.epsilon_high >= a.epsilon, f"algorithm.epsilon_high={a.epsilon_high} must be >= algorithm.epsilon={a.epsilon}"),
         (a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations} must be >= 1"),
         (len(a.reward_funcs) >= 1, "algorithm.reward_funcs is empty; name at least one reward, e.g. [accuracy]"),
+        (
+            a.dynamic_sampling_max_batches >= 1,
+            f"algorithm.dynamic_sampling_max_batches={a.dynamic_sampling_max_batches} must be >= 1 (the first batch counts)",
+        ),
+        (
+            not a.dynamic_sampling or (not cfg.multiturn and a.routing_replay == "off"),
+            "algorithm.dynamic_sampling assembles the batch from single-turn rollouts without recorded routes: drop tools.tools and "
+            "set algorithm.routing_replay=off, or set algorithm.dynamic_sampling=false",
+        ),
+        (
+            not a.overlong_shaping or 1 <= a.overlong_buffer_len <= cfg.rollout.max_completion_length,
+            f"algorithm.overlong_shaping needs 1 <= algorithm.overlong_buffer_len <= rollout.max_completion_length={cfg.rollout.max_completion_length} "
+            f"(it is {a.overlong_buffer_len}): the tokens before the limit where the penalty grows",
+        ),
         (
             a.reward_weights is None or len(a.reward_weights) == len(a.reward_funcs),
             f"algorithm.reward_weights has {len(a.reward_weights or [])} entries but reward_funcs has {len(a.reward_funcs)}; give one weight per reward",

@@ -1,7 +1,7 @@
 """The GRPO training loop: a short loop over named phases, read top to bottom.
 
-    rollout -> rewards (+ advantages) -> score (old / reference log-probs) -> update (num_iterations x optimizer
-    steps) -> log -> maybe evaluate -> maybe save
+    rollout -> rewards (+ advantages) -> [refill: algorithm.dynamic_sampling] -> score (old / reference log-probs) ->
+    update (num_iterations x optimizer steps) -> log -> maybe evaluate -> maybe save
 
 Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`);
 what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The math is in
@@ -22,6 +22,7 @@ import torch
 
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_std
 from vlmrl.algo.batching import pack_by_tokens, split_by_rows
+from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.config import Config
 from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
@@ -154,6 +155,7 @@ class Rewards:
     truncated: torch.Tensor  # [B*G] bool
     nonfinite: str | None = None  # what was not finite (the step's update is skipped), or None
     reward_log: RewardLog = field(default_factory=RewardLog)  # what rewards logged via TRL's log_extra / log_metric
+    dynamic: dict = field(default_factory=dict)  # algorithm.dynamic_sampling's metrics of the step (dynamic_sampling/*)
 
 
 @dataclass
@@ -224,7 +226,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                 step,
                 run.sampler,
                 run.scheduler,
-                functools.partial(phase_of, phases),
+                functools.partial(phase_of, phases, () if cfg.algorithm.dynamic_sampling else ("refill",)),
                 lambda s: checkpoint(run, s),
                 run.out,
                 run.dist.world_size,
@@ -235,6 +237,9 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                         samples = rollout(run, step)
                     with phase("rewards", phases):
                         rewards = reward_and_advantages(run, samples, step)
+                    if cfg.algorithm.dynamic_sampling:
+                        with phase("refill", phases):
+                            samples, rewards = dynamic_sample(run, step, samples, rewards)
                     with phase("scoring", phases):
                         scores = score(run, samples, rewards)
                 with phase("update", phases):
@@ -256,12 +261,12 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
         return finish_run(run, final, stop)
 
 
-PHASES = ("rollout", "rewards", "scoring", "update")
+PHASES = ("rollout", "rewards", "refill", "scoring", "update")
 
 
-def phase_of(phases: dict) -> str:
-    """The phase a step was in: the first without a time in `phases` (all timed: logging)."""
-    return next((f"phase {p}" for p in PHASES if f"time/{p}" not in phases), "logging")
+def phase_of(phases: dict, skipped: tuple[str, ...] = ()) -> str:
+    """The phase a step was in: the first without a time in `phases`, of those the run has (all timed: logging)."""
+    return next((f"phase {p}" for p in PHASES if f"time/{p}" not in phases and p not in skipped), "logging")
 
 
 @contextlib.contextmanager
@@ -489,6 +494,13 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
         trajectories=samples.completions.trajectories,
     )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
+    return rewards_of(run, local, all_total, all_per_reward, lengths, truncated, reward_log)
+
+
+def rewards_of(run: Run, local: list, all_total: list, all_per_reward: dict, lengths, truncated, reward_log: RewardLog) -> Rewards:
+    """The step's Rewards from its gathered rewards (global row order): advantages over whole groups and the whole batch,
+    this process's rows of them, and what was not finite."""
+    cfg, dist, G = run.cfg, run.dist, run.cfg.rollout.num_generations
     rewards = torch.tensor(all_total, dtype=torch.float32)
     advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](rewards, G, cfg.algorithm)
     nonfinite = None
@@ -509,6 +521,97 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
         nonfinite=nonfinite,
         reward_log=reward_log,
     )
+
+
+# ---------------------------------------------------------------- 2b. dynamic sampling (DAPO)
+ROUND_STRIDE = 2**32  # an extra generation batch samples under step + round x this: its own streams, never a real step's
+
+
+def dynamic_sample(run: Run, step: int, samples: Rollout, rewards: Rewards) -> tuple[Rollout, Rewards]:
+    """algorithm.dynamic_sampling (DAPO): groups whose dynamic_sampling_metric is equal across the group are dropped,
+    and further batches of prompts are drawn (from the sampler, whose checkpointed state holds the draws, so a resume
+    draws the same), rolled out and scored until every process's share of the batch holds kept groups, or
+    dynamic_sampling_max_batches ran out: then the shares are topped up with filtered groups and a line says so.
+    Kept or not is decided from the gathered rewards, the same on every process (algo/dynamic_sampling.py)."""
+    a, G, P = run.cfg.algorithm, run.cfg.rollout.num_generations, run.cfg.prompts_per_step
+    shards = [[rows[i] // G for i in range(0, len(rows), G)] for rows in run.shard.rows_per_rank]
+    rounds = [(samples, rewards, list(run.current_rows))]
+    keeps = [group_keep_mask(metric_values(rewards, a.dynamic_sampling_metric), G)]
+    while not shares_full(keeps, shards) and len(rounds) < a.dynamic_sampling_max_batches:
+        more = rollout(run, step + len(rounds) * ROUND_STRIDE)
+        more_rewards = reward_and_advantages(run, more, step)
+        rounds.append((more, more_rewards, list(run.current_rows)))
+        keeps.append(group_keep_mask(metric_values(more_rewards, a.dynamic_sampling_metric), G))
+    picks = pick_groups(keeps, shards)
+    kept = sum(int(k.sum()) for k in keeps)
+    metrics = {
+        "dynamic_sampling/filtered_groups": float(len(keeps) * P - kept),
+        "dynamic_sampling/extra_batches": float(len(rounds) - 1),
+        "dynamic_sampling/extra_rollouts": float((len(rounds) - 1) * P * G),
+        "dynamic_sampling/filled_groups": float(picks.filled),
+        "dynamic_sampling/first_batch_kept": keeps[0].float().mean().item(),
+        "dynamic_sampling/sampled_reward": torch.cat([r.rewards for _, r, _ in rounds]).double().mean().item(),
+    }
+    if picks.filled:
+        run.logger.info(
+            f"step {step}: dynamic sampling kept {P - picks.filled} of the {P} groups the batch needs after {len(rounds)} "
+            f"generation batches (algorithm.dynamic_sampling_max_batches); {picks.filled} filtered groups fill the rest "
+            "(no gradient from them under a group baseline)"
+        )
+    if not picks.identity:
+        samples, rewards = picked_batch(run, rounds, picks)
+    rewards.dynamic = metrics
+    return samples, rewards
+
+
+def metric_values(rewards: Rewards, name: str) -> torch.Tensor:
+    """[B*G] algorithm.dynamic_sampling_metric of every row: the weighted reward, or one reward's values (None: NaN)."""
+    if name == "reward":
+        return rewards.rewards
+    return torch.tensor([float("nan") if v is None else float(v) for v in rewards.per_reward[name]], dtype=torch.float64)
+
+
+def picked_batch(run: Run, rounds: list[tuple[Rollout, Rewards, list]], picks: Picks) -> tuple[Rollout, Rewards]:
+    """The Rollout and Rewards of the picked groups: each process takes its share from its own rows of the rounds
+    (pick_groups keeps every share within its process), prompts encoded again, rewards and advantages of the whole
+    picked batch recomputed from the rounds' gathered values."""
+    cfg, G, P = run.cfg, run.cfg.rollout.num_generations, run.cfg.prompts_per_step
+    where = [(r, run.shard.prompts.index(p)) for r, p in (picks.sources[k] for k in run.shard.prompts)]  # (round, local prompt)
+    local_rows = [[i * G + g for g in range(G)] for _, i in where]
+    pieces = [take_rows(rounds[r][0].completions, rows) for (r, _), rows in zip(where, local_rows)]
+    rows = [rounds[r][0].rows[i] for r, i in where]
+    run.current_rows = [rounds[r][2][i] for r, i in where]
+    samples = Rollout(
+        rows=rows,
+        prompts=encode_rows(run.processor, rows, cfg, run.device),
+        completions=cat_completions(pieces, run.pad_id),
+        texts=[rounds[r][0].texts[j] for (r, _), rs in zip(where, local_rows) for j in rs],
+        prompt_texts=[rounds[r][0].prompt_texts[j] for (r, _), rs in zip(where, local_rows) for j in rs],
+    )
+    every = source_rows(picks, P, G)
+    per_reward = {name: [v for _, r, _ in rounds for v in r.per_reward[name]] for name in rounds[0][1].per_reward}
+    reward_log = RewardLog(values={k: [v for _, r, _ in rounds for v in r.reward_log.values.get(k, [])] for k in rounds[0][1].reward_log.values})
+    n = len(samples.texts)
+    for key in rounds[0][1].reward_log.columns:  # per-completion columns, where every round logged one per local row
+        columns = [r.reward_log.columns.get(key) for _, r, _ in rounds]
+        if all(c is not None and len(c) == n for c in columns):
+            reward_log.columns[key] = [columns[r][j] for (r, _), rs in zip(where, local_rows) for j in rs]
+    rewards = rewards_of(
+        run,
+        [rounds[r][1].local[j] for (r, _), rs in zip(where, local_rows) for j in rs],
+        torch.cat([r.rewards for _, r, _ in rounds])[every].tolist(),
+        {name: [values[i] for i in every] for name, values in per_reward.items()},
+        torch.cat([r.lengths for _, r, _ in rounds])[every],
+        torch.cat([r.truncated for _, r, _ in rounds])[every],
+        reward_log,
+    )
+    return samples, rewards
+
+
+def take_rows(comp: Completions, rows: list[int]) -> Completions:
+    """Rows of a single-turn rollout's completions."""
+    logps = comp.sampling_logps
+    return Completions(comp.ids[rows], comp.mask[rows], comp.truncated[rows], None if logps is None else logps[rows])
 
 
 # ---------------------------------------------------------------- 3. scoring
@@ -792,6 +895,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     wide = rewards.rewards.double()  # float32 rewards near its limit overflow a float32 mean
     metrics = {
         **rewards.reward_log.metrics(),  # first: a name vlmrl logs itself keeps vlmrl's value
+        **rewards.dynamic,
         "reward": wide.mean().item(),
         "reward_std": wide.std().item(),
         "frac_reward_zero_std": (group_std(rewards.rewards, G) == 0).float().mean().item(),

@@ -311,6 +311,31 @@ def answer_format(prompts: list, completions: list, **kwargs) -> list[float]:
     return out
 
 
+def overlong_penalty(length: int, max_len: int, buffer_len: int) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) of a completion of `length` tokens: 0 up to
+    max_len - buffer_len, then (max_len - buffer_len - length) / buffer_len down to -1 at max_len, -1 beyond."""
+    expected = max_len - buffer_len
+    if length <= expected:
+        return 0.0
+    if length <= max_len:
+        return (expected - length) / buffer_len
+    return -1.0
+
+
+def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> RewardFn:
+    """The soft overlong punishment as a reward over ``completion_ids`` (TRL's get_soft_overlong_punishment arguments:
+    L_max and L_cache); algorithm.overlong_shaping adds it as the term ``overlong``. None where no ids are given."""
+    if not 1 <= soft_punish_cache <= max_completion_len:
+        raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in [1, max_completion_len={max_completion_len}]")
+
+    def overlong(prompts: list, completions: list, completion_ids: list | None = None, **kwargs) -> list[float | None]:
+        if completion_ids is None:
+            return [None] * len(completions)
+        return [overlong_penalty(len(ids), max_completion_len, soft_punish_cache) for ids in completion_ids]
+
+    return overlong
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "accuracy": accuracy,
     "iou": iou,

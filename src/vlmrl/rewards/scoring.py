@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vlmrl.config import Config, ConfigError
-from vlmrl.rewards.functions import FACTORY_SPEC_RE, TrainerState, compute_rewards, load_reward, reward_inputs
+from vlmrl.rewards.functions import FACTORY_SPEC_RE, TrainerState, compute_rewards, load_reward, reward_inputs, soft_overlong_punishment
 from vlmrl.rewards.peers import split_kind
 
 
@@ -81,4 +81,16 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     # EasyR1's answer_key is the column data.columns.solution names (convert maps data.answer_key there), else "answer".
     answer_key = cfg.data.columns.get("solution") or None
     funcs = {k: load_reward(n, answer_key) for k, n in zip(keys, names)}
-    return funcs, dict(zip(keys, weights))
+    weights = dict(zip(keys, weights))
+    a = cfg.algorithm
+    if a.overlong_shaping:  # DAPO's soft overlong punishment, weighted by its penalty factor
+        if "overlong" in funcs:
+            raise ConfigError("algorithm.overlong_shaping adds the reward term 'overlong', and algorithm.reward_funcs names one too: rename yours")
+        funcs["overlong"] = soft_overlong_punishment(cfg.rollout.max_completion_length, a.overlong_buffer_len)
+        weights["overlong"] = a.overlong_penalty_factor
+    metric = a.dynamic_sampling_metric
+    if a.dynamic_sampling and metric != "reward" and metric not in funcs:
+        raise ConfigError(
+            f"algorithm.dynamic_sampling_metric={metric!r} is neither 'reward' (the weighted total) nor one of the rewards: {', '.join(funcs)}"
+        )
+    return funcs, weights

@@ -530,6 +530,7 @@ SWIFT_REASONS = {
 }
 SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
 SWIFT_HANDLED |= {"freeze_vit", "overlong_filter", "advantage_estimator", "kl_in_reward", "lora_rank", "vllm_limit_mm_per_prompt", *SWIFT_REASONS}
+SWIFT_HANDLED |= {"dynamic_sample", "max_resample_times", "soft_max_length", "soft_cache_length"}
 # ms-swift's defaults (RLHFArguments, TunerArguments, its GRPO init) that differ from vlmrl's: a `swift rlhf` line that
 # leaves them out ran with these. gradient_accumulation_steps: ceil(16 / per-device batch / GPUs) (swift_batch_defaults).
 # Its KL term is k3 clamped as verl's low_var_kl, never times the importance ratio.
@@ -550,6 +551,10 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     _swift_estimator(source)
     if "overlong_filter" in source:
         out.set("algorithm.mask_truncated_completions", bool(source["overlong_filter"]))
+    if "dynamic_sample" in source:
+        out.set("algorithm.dynamic_sampling", bool(source["dynamic_sample"]))
+    if "max_resample_times" in source:  # ms-swift scores this many batches per step at most, as vlmrl's count
+        out.set("algorithm.dynamic_sampling_max_batches", source["max_resample_times"])
     if "freeze_vit" in source:
         out.set("model.freeze_vision_tower", bool(source["freeze_vit"]))
     if "lora_rank" in source:
@@ -625,10 +630,23 @@ def _swift_rewards(source: dict[str, Any], out: Conversion) -> None:
     if funcs is None:
         return
     names = funcs if isinstance(funcs, list) else [funcs]
-    out.set("algorithm.reward_funcs", [f"{plugin}:{n}" if plugin and n not in ("accuracy", "format") else n for n in names])
+    out.set("algorithm.reward_funcs", [_swift_reward_spec(n, plugin, source) for n in names])
     builtins = [n for n in names if n in ("accuracy", "format")]
     if builtins:
         out.skip(f"reward_funcs ({', '.join(builtins)})", "kept as vlmrl's built-ins of those names (`vlmrl check` says what they compare)")
+
+
+def _swift_reward_spec(name: str, plugin: str | None, source: dict[str, Any]) -> str:
+    """One --reward_funcs name as a vlmrl spec: ms-swift's soft_overlong (DAPO's soft overlong punishment, L_max =
+    --soft_max_length or --max_completion_length, L_cache = --soft_cache_length) as vlmrl's function of the same
+    formula, in place, so --reward_weights still line up; accuracy / format stay vlmrl's built-ins; the rest the plugin's."""
+    if name == "soft_overlong":
+        max_len = source.get("soft_max_length") or source.get("max_completion_length", 512)
+        cache = source.get("soft_cache_length")
+        if cache is None:
+            raise ConfigError("ms-swift's soft_overlong needs --soft_cache_length (L_cache); the source gives none")
+        return f"vlmrl.rewards.functions:soft_overlong_punishment(max_completion_len={max_len}, soft_punish_cache={cache})"
+    return f"{plugin}:{name}" if plugin and name not in ("accuracy", "format") else name
 
 
 def _swift_data(source: dict[str, Any], out: Conversion) -> None:
@@ -729,6 +747,10 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return items
 
 
+FILTER_BOUNDS = (
+    "vlmrl keeps a group whose values are not all equal (verl's rule); EasyR1's low < group mean < high keeps the same "
+    "groups for 0/1 rewards when G < 1/low and G < 1/(1 - high) (G: rollout.num_generations)"
+)
 EASYR1_REASONS = {
     "worker.actor.optim.strategy": "vlmrl's optimizer is AdamW (optim.*)",
     "worker.actor.model.lora.target_modules": "model.lora_target_modules lists module names (all-linear is not one)",
@@ -736,8 +758,8 @@ EASYR1_REASONS = {
     "data.val_batch_size": "training.eval_batch_size (prompts per greedy batch)",
     "data.mini_rollout_batch_size": "one generation batch per step (rollout.generation_batch_size)",
     "data.override_chat_template": "vlmrl uses the model folder's chat template (chat_template.jinja)",
-    "algorithm.online_filtering": "no DAPO group filtering; groups with equal rewards get zero advantage",
-    "trainer.max_try_make_batch": "no DAPO group filtering",
+    "algorithm.filter_low": FILTER_BOUNDS,
+    "algorithm.filter_high": FILTER_BOUNDS,
     "trainer.val_only": "vlmrl eval scores a model without training",
     "trainer.val_generations_to_log": "logging.log_completions (training samples); eval samples follow it too",
     "trainer.load_checkpoint_path": "training.resume=<checkpoint path>",
@@ -748,8 +770,6 @@ EASYR1_REASONS = {
 def _easyr1_reason(dotted: str) -> str:
     if dotted in EASYR1_REASONS:
         return EASYR1_REASONS[dotted]
-    if dotted.startswith("algorithm.filter_"):
-        return "no DAPO group filtering; groups with equal rewards get zero advantage"
     if dotted.startswith("worker.rollout."):
         return VLLM
     if ".fsdp." in dotted or ".offload." in dotted or dotted.endswith(("padding_free", "dynamic_batching", "ulysses_size")):
@@ -842,6 +862,26 @@ def _estimator(value, out: Conversion, _source) -> None:
         )
 
 
+def _filter_key(value, out: Conversion, _source) -> None:
+    """EasyR1's filter_key: overall is the weighted reward; another key is one entry of a reward's score dict, which
+    vlmrl logs but does not filter on."""
+    if value in (None, "overall"):
+        out.set("algorithm.dynamic_sampling_metric", "reward")
+    else:
+        out.skip(
+            "algorithm.filter_key",
+            f"{value!r} is a key of the reward's score dict: vlmrl filters on the weighted reward or one reward function's "
+            "values (algorithm.dynamic_sampling_metric)",
+        )
+
+
+def _max_batches(value, out: Conversion, _source) -> None:
+    if isinstance(value, int) and value > 0:
+        out.set("algorithm.dynamic_sampling_max_batches", value)
+    else:
+        out.skip("trainer.max_try_make_batch", f"{value!r} means no limit: vlmrl bounds it (algorithm.dynamic_sampling_max_batches, default 10)")
+
+
 def _ignore(_value, _out: Conversion, _source) -> None:
     return None
 
@@ -878,6 +918,9 @@ EASYR1_KEYS: dict[str, Any] = {
     "algorithm.kl_penalty": _ignore,  # read by _easyr1_loss
     **{f"worker.actor.{k}": _ignore for k in (*EASYR1_LOSS_DEFAULTS, "tau_positive", "tau_negative", "ppo_epochs")},
     "worker.rollout.limit_images": _limit_images,
+    "algorithm.online_filtering": "algorithm.dynamic_sampling",
+    "algorithm.filter_key": _filter_key,
+    "trainer.max_try_make_batch": _max_batches,
     "worker.actor.global_batch_size": _update_batch,
     "worker.actor.micro_batch_size_per_device_for_update": "training.per_device_train_batch_size",
     "worker.actor.micro_batch_size_per_device_for_experience": "memory.scoring_micro_batch_size",
