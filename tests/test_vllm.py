@@ -107,6 +107,7 @@ def test_per_prompt_seeds_give_the_same_samples_in_any_batch(engine):
 
 
 def test_trainer_rng_and_threads_survive_vllm(engine):
+    """vLLM reseeds the global RNG and replaces torch.set_num_threads by a no-op; the trainer keeps both."""
     cfg, model, processor, rows, backend = engine
     threads = torch.get_num_threads()
     torch.manual_seed(1234)
@@ -115,6 +116,11 @@ def test_trainer_rng_and_threads_survive_vllm(engine):
     backend.sample(step=1, rows=rows[:1], prompts=encoded(cfg, processor, rows[:1]), seeds=[3], row_names=["row 0"])
     assert torch.equal(torch.rand(3), expected)
     assert torch.get_num_threads() == threads
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1  # the trainer can still set its thread count
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_sync_after_training_steps_vllm_greedy_equals_hf_greedy(engine):
@@ -176,3 +182,26 @@ def test_planted_double_expansion_stops_naming_the_row(engine, monkeypatch):
     n = int((prompts["input_ids"][1] == processor.image_token_id).sum())
     assert str(e.value).startswith(f"step 1, row 5 (train.jsonl:6): vLLM's prompt has {n + n - 1} image tokens, the trainer's processor built {n}")
     assert "\n" not in str(e.value)
+
+
+def test_torchvision_imports_beside_cpu_torch_once_vlmrl_is_imported():
+    """The registry's torchvision (a CUDA build) fails to import beside CPU torch on its own; after `import vlmrl`
+    (vlmrl/_torchvision.py) transformers' torchvision image processor, which vLLM's Qwen-VL models import, loads."""
+    import subprocess
+    import sys
+
+    bare = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True)
+    if bare.returncode == 0:
+        pytest.skip("this torchvision imports by itself (a matching build): nothing to fix here")
+    assert "torchvision::nms does not exist" in bare.stderr
+    code = (
+        "import vlmrl, torch\n"
+        "from vlmrl._torchvision import make_torchvision_importable\n"
+        "from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor\n"
+        "from torchvision.transforms.v2 import functional as F\n"
+        "assert F.resize(torch.rand(3, 20, 20), [10, 10]).shape == (3, 10, 10)\n"
+        "print(make_torchvision_importable())\n"
+    )
+    fixed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.strip().splitlines()[-1] == "schemas"

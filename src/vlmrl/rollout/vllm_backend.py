@@ -45,15 +45,18 @@ PROBE_ANSWER = "<answer>1</answer>"  # the probe's fixed completion (any text th
 
 @contextlib.contextmanager
 def trainer_state_kept():
-    """Restore the torch / numpy / Python RNG states and the torch thread count on the way out."""
+    """Restore the torch / numpy / Python RNG states, the torch thread count and torch.set_num_threads itself on the
+    way out: vLLM's CPU worker reseeds the RNGs and replaces torch.set_num_threads, process-wide, by a function that
+    only warns (its threads are bound to cores), which would leave the trainer unable to set its own."""
     states = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    threads = torch.get_num_threads()
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     try:
         yield
     finally:
         torch.set_rng_state(states[0])
         np.random.set_state(states[1])
         random.setstate(states[2])
+        torch.set_num_threads = set_num_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
