@@ -106,6 +106,19 @@ def test_per_prompt_seeds_give_the_same_samples_in_any_batch(engine):
     del prompts
 
 
+def test_a_rollout_larger_than_one_prefill_batch(engine, monkeypatch):
+    """More prompt tokens than vLLM schedules in one step (4 rows x G 160 x ~30 tokens > 4,096): with chunked prefill
+    vLLM rewinds a seeded request's generator, which fails on CPU (`CPU Generator does not use offset`)."""
+    import dataclasses
+
+    cfg, model, processor, rows, backend = engine
+    big = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_generations=160))
+    monkeypatch.setattr(backend, "cfg", big)
+    prompts = encoded(cfg, processor, rows)
+    completions, _ = backend.sample(step=1, rows=rows, prompts=prompts, seeds=[1, 2, 3, 4], row_names=[f"row {i}" for i in range(4)])
+    assert completions.ids.shape[0] == 4 * 160 and int(prompts["attention_mask"].sum()) * 160 > 4096
+
+
 def test_trainer_rng_and_threads_survive_vllm(engine):
     """vLLM reseeds the global RNG and replaces torch.set_num_threads by a no-op; the trainer keeps both."""
     cfg, model, processor, rows, backend = engine

@@ -49,10 +49,12 @@ def test_grpo_run_with_the_vllm_backend(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_with_vllm_raises_the_demo_reward(tmp_path):
+def test_grpo_with_vllm_learns_the_demo_task(tmp_path):
     """`make demo`'s task and settings (SFT warm start, then GRPO: 8 prompts x G 8 per step) for 20 GRPO steps with
-    rollout.backend=vllm: the mean reward of the last 5 steps is above that of the first 5, the mismatch metric is
-    logged every step, and every sync's probe passed (a failing one stops the run)."""
+    rollout.backend=vllm: held-out greedy accuracy after them is above the SFT model's (measured on a 2-core CPU,
+    2026-11-28: the SFT model 25%, after 20 vLLM GRPO steps 50%; the mean training reward at temperature 1 stayed
+    level over those 20 steps, 0.33 for the first 5 and 0.34 for the last 5), the mismatch metric is logged every
+    step, and every sync's probe passed (a failing one stops the run)."""
     from vlmrl.config import load_config
     from vlmrl.demo import COMMON, GRPO, SFT
     from vlmrl.sft import sft
@@ -72,16 +74,15 @@ def test_grpo_with_vllm_raises_the_demo_reward(tmp_path):
             f"data.train_path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'test.jsonl'}",
             "training.max_steps=20",
-            "training.eval_steps=0",
-            "training.val_before_train=false",
+            "training.eval_steps=0",  # evaluated before (val_before_train) and after the 20 steps
             "rollout.backend=vllm",
             f"rollout.vllm_gpu_memory_utilization={GPU_SHARE}",
         ],
     )
     train(grpo)
     lines = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [m["reward"] for m in lines]
-    assert len(rewards) == 20 and all("mismatch/kl" in m for m in lines)
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    print(f"mean reward per step: {[round(r, 3) for r in rewards]}; first 5 {first:.3f}, last 5 {last:.3f}")
-    assert last > first, f"mean reward did not rise over 20 steps: first 5 steps {first:.3f}, last 5 {last:.3f}"
+    assert len(lines) == 20 and all("mismatch/kl" in m and "vllm/probe_max_abs_logp_diff" in m for m in lines)
+    evals = {
+        e["step"]: e["eval/accuracy"] for e in map(json.loads, (tmp_path / "grpo" / "eval.jsonl").read_text().splitlines()) if "eval/accuracy" in e
+    }
+    assert evals[20] > evals[0], f"held-out accuracy did not rise over 20 GRPO steps with vLLM: {evals}"

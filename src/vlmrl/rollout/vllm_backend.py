@@ -103,6 +103,9 @@ class VLLMRollout:
                 mm_processor_kwargs=mm_kwargs,
                 # raw = log_softmax(logits), the trainer's quantity at temperature 1; otherwise after temperature
                 logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
+                # A prompt prefilled in chunks has its sampled token discarded, and vLLM then rewinds the request's
+                # seeded generator, which a CPU generator cannot (`CPU Generator does not use offset`): whole prompts only.
+                enable_chunked_prefill=False,
                 trust_remote_code=cfg.model.trust_remote_code,
             )
         self.log(f"rollout: vLLM (colocated, in-process) built from {folder}, {str(self.dtype).removeprefix('torch.')}")
