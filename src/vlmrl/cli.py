@@ -182,7 +182,8 @@ def _convert(argv: list[str]) -> int:
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Failures the user fixes (config, data, model folder, rewards, checkpoints / resume, out of memory at size 1):
+    """Failures the user fixes (config, data, model folder, rewards, checkpoints / resume, out of memory at size 1,
+    a sampler whose prompts or weights are not the trainer's):
     they end the run with one message and exit code 2; anything else is a bug and keeps its traceback."""
     import vlmrl.checkpoints.files as checkpoint
     from vlmrl.data.rows import DataError
@@ -190,10 +191,22 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from vlmrl.engine.oom import OutOfMemoryGaveUp
     from vlmrl.rewards.functions import RewardError
     from vlmrl.run.tracking import TrackerError
+    from vlmrl.rollout.parity import RolloutParityError
     from vlmrl.train import NonFiniteStop
 
     extra = tuple(getattr(checkpoint, name) for name in ("ResumeError",) if hasattr(checkpoint, name))
-    return (ConfigError, DataError, ModelLoadError, RewardError, TrackerError, checkpoint.CheckpointError, OutOfMemoryGaveUp, NonFiniteStop, *extra)
+    return (
+        ConfigError,
+        DataError,
+        ModelLoadError,
+        RewardError,
+        TrackerError,
+        checkpoint.CheckpointError,
+        OutOfMemoryGaveUp,
+        NonFiniteStop,
+        RolloutParityError,
+        *extra,
+    )
 
 
 def report_user_error(command: str, error: BaseException) -> int:

@@ -192,6 +192,18 @@ class RolloutConfig:
         None,
         "TRL's name for the generation batch: per_device_train_batch_size x this many completions per rollout step (instead of generation_batch_size).",
     )
+    backend: Literal["inprocess", "vllm"] = _f(
+        "inprocess",
+        "Who samples the rollouts: inprocess = vlmrl's own decode loop on the trained model (rollout.engine); vllm = a vLLM engine colocated in the training process (its CPU or GPU build installed: `make test-vllm`), weights pushed to it after every update and every sample's prompt checked against the trainer's (TRL: use_vllm).",
+    )
+    vllm_mode: Literal["colocate", "server"] = _f(
+        "colocate",
+        "rollout.backend=vllm: colocate = one vLLM engine inside each training process; server (vLLM on other devices) is not supported yet.",
+    )
+    vllm_gpu_memory_utilization: float = _f(
+        0.3,
+        "rollout.backend=vllm: the share of the device's memory vLLM reserves for its weights and KV cache (on CPU: of the host memory of the first NUMA node).",
+    )
 
 
 @dataclass(frozen=True)
@@ -670,6 +682,7 @@ TRL_ALIASES = {
     "steps_per_generation": "rollout.steps_per_generation",
     "eval_strategy": "training.eval_steps",
     "save_strategy": "training.save_steps",
+    "use_vllm": "rollout.backend",
 }
 # Peers' names for DAPO's settings (dotted as in their YAML / command line) -> vlmrl key (None: nothing to set).
 PEER_ALIASES: dict[str, str | None] = {
@@ -709,7 +722,11 @@ BOOLEAN_COUNTS = ("logging.log_completions",)
 
 
 def _trl_value(name: str, value: Any, source: str) -> tuple[bool, Any]:
-    """(whether to set it, the value) for a TRL alias; strategies map to vlmrl's step counts."""
+    """(whether to set it, the value) for a TRL alias; strategies map to vlmrl's step counts, use_vllm to a backend."""
+    if name == "use_vllm":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: use_vllm={value!r}: expected true or false (or set rollout.backend to inprocess or vllm)")
+        return True, "vllm" if value else "inprocess"
     if name not in ("eval_strategy", "save_strategy"):
         return True, value
     field_name = TRL_ALIASES[name]
@@ -896,6 +913,18 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         ),
         (r.generation_batch_size is None or r.generation_batch_size >= 1, "rollout.generation_batch_size must be >= 1 (or null for the default)"),
         (r.steps_per_generation is None or r.steps_per_generation >= 1, "rollout.steps_per_generation must be >= 1 (or null)"),
+        (
+            r.backend != "vllm" or r.vllm_mode == "colocate",
+            "rollout.vllm_mode=server: vLLM on other devices is not supported yet; use rollout.vllm_mode=colocate",
+        ),
+        (
+            r.backend != "vllm" or not (cfg.model.use_lora or cfg.multiturn),
+            "rollout.backend=vllm samples single-turn rollouts of full-weight training only (yet): unset model.use_lora and tools.tools, or use rollout.backend=inprocess",
+        ),
+        (
+            0.0 < r.vllm_gpu_memory_utilization <= 1.0,
+            f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: a share of the device memory, in (0, 1]",
+        ),
         (
             r.steps_per_generation is None or r.generation_batch_size is None,
             "rollout.steps_per_generation and rollout.generation_batch_size both set the generation batch; set only one",

@@ -59,6 +59,7 @@ from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
 from vlmrl.run.datasets import epochs_as_steps
 from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record, sample_with_tools
+from vlmrl.rollout.backends import make_backend
 from vlmrl.run.tracking import RunLogger, tracker_options
 
 
@@ -124,6 +125,7 @@ class Run:
     saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
+    backend: object = None  # rollout.backend=vllm: the colocated engine (rollout/vllm_backend.py); None: generate() here
 
 
 @dataclass
@@ -330,6 +332,7 @@ def start_run(cfg: Config, log) -> Run:
     if resume_from is not None:
         restore_after_wrap(resume_from, optimizer, dist)
     allocate_optimizer_state(optimizer)  # an OOM for AdamW's moments happens now, not inside optimizer.step
+    backend = make_backend(cfg, model, processor, dist.world_size, log)  # rollout.backend: None = the in-process engine
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
     logger = RunLogger(
@@ -369,6 +372,7 @@ def start_run(cfg: Config, log) -> Run:
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
+        backend=backend,
     )
 
 
@@ -452,6 +456,12 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
             **engine,
         )
 
+    if run.backend is not None:  # rollout.backend=vllm: weights pushed and probed, one seed per prompt, parity checked
+        seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
+        rows = [run.data.train[i] for i in run.current_rows]
+        names = [f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)]
+        completions, run.backend.metrics = run.backend.sample(step, rows, prompts, seeds, names)
+        return completions
     with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
         if run.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous engine's seeds, one call
             seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
@@ -908,6 +918,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "nonfinite/skipped_steps": float(len(stats.skipped)),
         **({"router/aux_loss": _mean(stats.router_aux)} if run.routing is not None else {}),
         **stats.mismatch,
+        **(run.backend.metrics if run.backend is not None else {}),  # vllm/sync_seconds, vllm/probe_max_abs_logp_diff
         "lr": run.scheduler.get_last_lr()[0],
         "completions/mean_length": rewards.lengths.float().mean().item(),
         "completions/truncated_frac": rewards.truncated.float().mean().item(),

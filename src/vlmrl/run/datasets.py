@@ -211,12 +211,7 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     """Prompt batch for dataset rows: chat-template text + images, left padded, on `device`."""
 
     d = cfg.data
-    cache = shared_image_cache(d.image_cache_mb)
-    images = [_row_images(r, d, cache) for r in rows]
-    exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
-    videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
-    tools = tool_schemas(cfg)  # the tools the model may call, for templates that describe them
-    texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids), tools) for r, imgs, vids in zip(rows, images, videos)]
+    texts, images, videos = row_prompt_inputs(processor, rows, cfg)
     try:
         batch = encode_prompts(processor, texts, images, videos if any(videos) else None)
     except ValueError as e:  # what validation could not foresee still names the rows
@@ -225,6 +220,20 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
         refuse_long_prompts(rows, batch["attention_mask"].sum(dim=1).tolist(), d.max_prompt_length)
     note_image_grids(rows, batch)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def row_prompt_inputs(processor, rows: list[dict], cfg: Config) -> tuple[list[str], list[list], list[list]]:
+    """What the processor turns into a prompt batch, per row: the chat-template text (one placeholder per image or
+    video, not expanded), its images (PIL, resized to data.min/max_pixels) and its videos (lists of frames). The
+    vLLM backend sends the same text and images to vLLM, which expands the placeholders itself."""
+    d = cfg.data
+    cache = shared_image_cache(d.image_cache_mb)
+    images = [_row_images(r, d, cache) for r in rows]
+    exact = type(processor).__name__ in FIXED_FRAME_PROCESSORS  # LLaVA-OneVision batches videos of one frame count
+    videos = [[_load_row_video(r, v, d, cache, exact) for v in r.get("videos") or []] for r in rows]
+    tools = tool_schemas(cfg)  # the tools the model may call, for templates that describe them
+    texts = [build_row_prompt(processor, r, len(imgs), d.system_prompt, len(vids), tools) for r, imgs, vids in zip(rows, images, videos)]
+    return texts, images, videos
 
 
 def _row_images(row: dict, d, cache) -> list:

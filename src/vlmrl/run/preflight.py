@@ -21,6 +21,7 @@ from vlmrl.run.tool_rollout import tool_schemas
 from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
 from vlmrl.rewards.peers import describe_call
 from vlmrl.rewards.scoring import load_reward_funcs, reward_columns, row_sources
+from vlmrl.rollout.backends import describe_backend
 from vlmrl.run.datasets import configured_processor, encode_rows, load_datasets
 from vlmrl.run.rundir import check_output_dir
 from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
@@ -35,6 +36,10 @@ def preflight(cfg: Config, command: str, log=print):
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
+        if command != "sft":  # which sampler will run, and why; rollout.backend=vllm where vLLM is missing fails here
+            backend = describe_backend(cfg, env_world()[0])
+            if command == "check":
+                log(backend)
 
         check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
     check_model_folder(cfg)

