@@ -99,6 +99,7 @@ class RunLock:
         self.path = self.output_dir / LOCK_FILE
         self.log = log
         self.fd: Optional[int] = None
+        self.owner = os.getpid()  # a process forked later (by a reward or a tool) never removes the lock
 
     def acquire(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +136,7 @@ class RunLock:
         os.write(fd, json.dumps(info).encode())
         os.fsync(fd)
         self.fd = fd
+        self.owner = os.getpid()
 
     def _refuse_if_held_without_flock(self, fd: int) -> None:
         holder = _read_holder(fd)
@@ -152,6 +154,10 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is None:
+            return
+        if os.getpid() != self.owner:  # a forked copy of the run: the lock stays the owner's
+            os.close(self.fd)
+            self.fd = None
             return
         try:
             if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
