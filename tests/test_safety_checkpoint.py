@@ -588,3 +588,26 @@ def test_export_command_line_code_loading_needs_the_model_path(fresh_run, tmp_pa
     assert main(["export", str(fresh_run), str(tmp_path / "x"), "model.trust_remote_code=true"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model.name_or_path=<folder you trust>" in err, err
+
+
+def test_export_never_writes_over_a_users_folder(fresh_run, tmp_path, tiny_qwen25vl, capsys):
+    """Issue 35 finding 15: `vlmrl export <checkpoint> <out>` into a folder holding the user's own model files refuses
+    in one line (exit 2) and leaves them; a new folder, then the same folder again (an earlier export), are written."""
+    from vlmrl.cli import main
+
+    users = tmp_path / "my-model"
+    shutil.copytree(tiny_qwen25vl, users)
+    before = {p.name: p.read_bytes() for p in users.iterdir() if p.is_file()}
+    assert main(["export", str(fresh_run / "checkpoint-1"), str(users)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"vlmrl export: {users} holds" in err and "config.json" in err, err
+    assert {p.name: p.read_bytes() for p in users.iterdir() if p.is_file()} == before
+    assert main(["export", str(fresh_run), str(fresh_run)]) == 2  # a run folder: its checkpoints are not an export's
+    assert "is a vlmrl run folder" in capsys.readouterr().err
+    out = tmp_path / "exported"
+    for _ in range(2):  # the second export replaces the first
+        assert main(["export", str(fresh_run / "checkpoint-1"), str(out)]) == 0
+        assert (out / "model.safetensors").is_file()
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(fresh_run / "checkpoint-1"), str(out)]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
