@@ -111,3 +111,35 @@ def test_the_lock_is_removed_only_by_the_process_that_took_it(tmp_path):
     assert (tmp_path / LOCK_FILE).exists()
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- 16: a reward that changes the working directory
+CHDIR_REWARD = """import os
+
+ELSEWHERE = {elsewhere!r}
+
+
+def chdirs(completions, **kwargs):
+    os.makedirs(ELSEWHERE, exist_ok=True)
+    os.chdir(ELSEWHERE)  # e.g. a reward that runs a grader inside its own folder
+    return [0.0] * len(completions)
+"""
+
+
+def test_relative_paths_stay_where_the_command_ran_when_a_reward_chdirs(tiny_qwen25vl, count_data, tmp_path):
+    import shutil
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    shutil.copytree(os.path.dirname(count_data["train"]), work / "data")
+    (work / "r.py").write_text(CHDIR_REWARD.format(elsewhere=str(elsewhere)))
+    relative = {"train": "data/" + os.path.basename(count_data["train"])}
+    extra = ["algorithm.reward_funcs=['r.py:chdirs']", "training.save_steps=1"]
+    done = vlmrl(["train", *run_args(tiny_qwen25vl, relative, "out", *extra)], cwd=work)
+    assert done.returncode == 0, done.stderr
+    out = work / "out"
+    assert (out / "final").is_dir() and (out / "config.yaml").is_file() and (out / "checkpoint-2").is_dir()
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing of the run followed the reward
+    # the same command again, from the same folder, finds its finished run there
+    again = vlmrl(["train", *run_args(tiny_qwen25vl, relative, "out", *extra)], cwd=work)
+    assert again.returncode == 0 and f"the vlmrl train run in {out} is complete" in again.stderr, again.stderr
