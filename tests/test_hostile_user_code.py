@@ -143,3 +143,156 @@ def test_relative_paths_stay_where_the_command_ran_when_a_reward_chdirs(tiny_qwe
     # the same command again, from the same folder, finds its finished run there
     again = vlmrl(["train", *run_args(tiny_qwen25vl, relative, "out", *extra)], cwd=work)
     assert again.returncode == 0 and f"the vlmrl train run in {out} is complete" in again.stderr, again.stderr
+
+
+# ---------------------------------------------------------------- 18: a hostile chat template
+HOSTILE_TEMPLATES = {
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "bloats": "{{ 'x' * 2000000000 }}",
+}
+
+
+def hostile_folder(model, tmp_path, payload):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    (folder / "chat_template.jinja").write_text(payload + (folder / "chat_template.jinja").read_text())
+    return folder
+
+
+@pytest.fixture
+def short_budget(monkeypatch):
+    """The render time budget at 2 s (10 s in a run), so the looping templates are refused quickly."""
+    import vlmrl.data.template_budget as budget
+
+    monkeypatch.setattr(budget, "RENDER_TIME_S", 2.0)
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE_TEMPLATES))
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_hostile_chat_template_is_refused_in_one_line(tiny_qwen25vl, count_data, tmp_path, capsys, short_budget, attack, command):
+    from vlmrl.cli import main
+
+    folder = hostile_folder(tiny_qwen25vl, tmp_path, HOSTILE_TEMPLATES[attack])
+    assert main([command, *run_args(folder, count_data, tmp_path / "out")]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith(f"vlmrl {command}:")]
+    assert f"the chat template in {folder / 'chat_template.jinja'}" in line, line
+    assert ("ran longer than 2 s" if attack == "loops" else "more than 1 GiB of memory") in line, line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_template_that_loops_on_some_rows_only_is_stopped_in_process(tiny_qwen25vl, count_data, tmp_path, capsys, short_budget):
+    """The probe's synthetic prompt passes; a real row with a 7 in it makes the template loop: the in-process budget
+    (SIGALRM) stops that render in one line instead of hanging."""
+    from vlmrl.cli import main
+
+    loop = "{% if '7' in (messages|string) %}" + HOSTILE_TEMPLATES["loops"] + "{% endif %}"
+    folder = hostile_folder(tiny_qwen25vl, tmp_path, loop)
+    rows = [json.loads(x) for x in open(count_data["train"])]
+    rows[3]["problem"] = rows[3]["problem"] + " (7)"
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "images").symlink_to(os.path.join(os.path.dirname(count_data["train"]), "images"))
+    assert main(["check", *run_args(folder, {"train": str(data)}, tmp_path / "out")]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("vlmrl check:")]
+    assert f"the chat template in {folder / 'chat_template.jinja'} ran longer than 2 s rendering one prompt" in line, line
+
+
+def test_data_prompt_template_is_rendered_under_the_same_budget(tiny_qwen25vl, count_data, tmp_path, capsys):
+    from vlmrl.cli import main
+
+    template = tmp_path / "format.jinja"
+    template.write_text("{{ content }}" + HOSTILE_TEMPLATES["bloats"])
+    assert main(["check", *run_args(tiny_qwen25vl, count_data, tmp_path / "out", f"data.prompt_template={template}")]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("vlmrl check:")]
+    assert f"data.prompt_template={template}" in line and "memory" in line, line
+
+
+# ---------------------------------------------------------------- 17: a model folder whose weights do not fit
+def _rewrite(folder, edit):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    edit(state)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _drop_down_proj(state):
+    del state[next(k for k in sorted(state) if k.endswith("mlp.down_proj.weight"))]
+
+
+def _widen_down_proj(state):
+    import torch
+
+    key = next(k for k in sorted(state) if k.endswith("mlp.down_proj.weight"))
+    state[key] = torch.zeros(state[key].shape[0], state[key].shape[1] + 1)
+
+
+def _huge_header(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes((1 << 40).to_bytes(8, "little") + data[8:])
+
+
+def _truncate(folder):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+def _wrong_declared_shape(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k in sorted(header) if k.endswith("mlp.down_proj.weight"))
+    header[key]["shape"] = [header[key]["shape"][0], header[key]["shape"][1] // 2]  # no longer digits: same header length
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # same length: the offsets of the data stay right
+    path.write_bytes(data[:8] + raw[:n] + data[8 + n :])
+
+
+DAMAGES = {
+    "missing tensor": (lambda f: _rewrite(f, _drop_down_proj), "lack 1 tensor(s) the model in config.json needs"),
+    "wrong shape": (lambda f: _rewrite(f, _widen_down_proj), "do not have the shape config.json gives"),
+    "header of 2^40 bytes": (_huge_header, "its header claims 1,099,511,627,776 bytes"),
+    "offsets past the end": (_truncate, "past the file's end"),
+    "declared shape against its bytes": (_wrong_declared_shape, "spans"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_check_refuses_weights_that_do_not_fit_the_model(tiny_qwen25vl, count_data, tmp_path, capsys, damage):
+    import shutil
+
+    from vlmrl.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen25vl, folder)
+    plant, says = DAMAGES[damage]
+    plant(folder)
+    assert main(["check", *run_args(folder, count_data, tmp_path / "out")]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("vlmrl check:")]
+    assert str(folder) in line and says in line, line
+
+
+def test_train_refuses_a_missing_tensor_instead_of_training_it_from_random(tiny_qwen25vl, count_data, tmp_path, capsys):
+    import shutil
+
+    from vlmrl.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen25vl, folder)
+    _rewrite(folder, _drop_down_proj)
+    assert main(["train", *run_args(folder, count_data, tmp_path / "out")]) == 2
+    assert "lack 1 tensor(s)" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen25vl", "tiny_qwen3vl_moe", "tiny_gemma3", "tiny_qwen35"])
+def test_every_familys_complete_folder_passes_the_weight_check(request, family):
+    """No false alarm: saved names differ from module names (renamed, fused experts, tied heads); transformers decides."""
+    from vlmrl.models.weight_files import check_expected_weights, check_weight_files
+
+    folder = request.getfixturevalue(family)
+    assert check_weight_files(folder)
+    check_expected_weights(folder)

@@ -83,6 +83,20 @@ def _clear_earlier_export(out, entries: list) -> None:
     forget(out, [p.name for p in entries])
 
 
+def _check_base_weights(cfg) -> None:
+    """The base model's weight files against its config (weight_files.py), before it loads: a damaged or incomplete
+    folder is one line, not a traceback or a model with random tensors."""
+    from pathlib import Path
+
+    from vlmrl.models.loading import resolve_model_path
+    from vlmrl.models.weight_files import check_expected_weights, check_weight_files
+
+    folder = Path(resolve_model_path(cfg.model.name_or_path)).expanduser()
+    if folder.is_dir():
+        check_weight_files(folder)
+        check_expected_weights(folder, cfg.model.trust_remote_code)
+
+
 def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
     transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
@@ -110,6 +124,7 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
     # Every engine's checkpoint (DeepSpeed's included: states gathered from the ZeRO partitions) has the single-process
     # layout, or FSDP2's torch.distributed.checkpoint shards.
     cfg = export_config(read_checkpoint_config(path), overrides, log)
+    _check_base_weights(cfg)
     model, processor = load_policy(cfg, torch.device("cpu"))
     if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process
         model.load_state_dict(consolidated_model_state(path / SHARDED_DIR))
