@@ -275,8 +275,15 @@ def _run(command: str, cfg) -> int:
             metrics = run_eval(cfg)
     from vlmrl.engine.device import env_world
 
-    if env_world()[1] == 0:  # one line of results, from the main process only
-        print(json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}, indent=1))
+    if env_world()[1] == 0:  # the evaluation's results, from the main process only
+        evaluated = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if evaluated:
+            print(json.dumps(evaluated, indent=1))
+        else:  # not an empty `{}`: say there was no evaluation, and where the run's metrics are
+            print(
+                f"vlmrl {command}: no evaluation ran (data.eval_path is empty); the run's metrics are in {cfg.training.output_dir}/metrics.jsonl",
+                file=sys.stderr,
+            )
     return 0
 
 
