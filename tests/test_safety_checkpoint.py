@@ -611,3 +611,31 @@ def test_export_never_writes_over_a_users_folder(fresh_run, tmp_path, tiny_qwen2
     (out / "notes.txt").write_text("mine")
     assert main(["export", str(fresh_run / "checkpoint-1"), str(out)]) == 2
     assert "notes.txt" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
+
+
+def _drop_a_tensor(path):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path)
+    del state[next(k for k in sorted(state) if k.endswith("mlp.down_proj.weight"))]
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def _claim_2_40_bytes(path):
+    data = path.read_bytes()
+    path.write_bytes((1 << 40).to_bytes(8, "little") + data[8:])
+
+
+@pytest.mark.parametrize("damage, says", [(_claim_2_40_bytes, "its header claims"), (_drop_a_tensor, "lack 1 tensor(s)")])
+def test_export_refuses_a_base_model_whose_weights_are_damaged(fresh_run, tmp_path, tiny_qwen25vl, capsys, damage, says):
+    """Issue 35 finding 17: a base model folder whose safetensors header claims 2^40 bytes ended export with a
+    traceback; one missing a tensor exported without a word."""
+    from vlmrl.cli import main
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_qwen25vl, base)
+    damage(base / "model.safetensors")
+    assert main(["export", str(fresh_run / "checkpoint-1"), str(tmp_path / "exported"), f"model.name_or_path={base}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("vlmrl export: ") and str(base) in err and says in err, err
+    assert not (tmp_path / "exported").exists()
