@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import pytest
 
@@ -180,7 +181,10 @@ def test_trl_names_are_accepted():
 
 def test_data_columns_mapping_and_format():
     cfg = load_config(None, ["data.columns.problem=question", "data.columns.solution=answer_text", "data.image_root=[a, b]"])
-    assert cfg.data.columns == {"problem": "question", "solution": "answer_text"} and cfg.data.image_root == ["a", "b"]
+    assert cfg.data.columns == {"problem": "question", "solution": "answer_text"} and cfg.data.image_root == [
+        os.path.abspath("a"),
+        os.path.abspath("b"),
+    ]  # anchored at load
     with pytest.raises(ConfigError, match="data.columns.problme: vlmrl reads no field 'problme'.*did you mean data.columns.problem"):
         load_config(None, ["data.columns.problme=q"])
     with pytest.raises(ConfigError, match="data.format='sharegpt' is not one of auto, vlmrl, trl"):

@@ -231,3 +231,18 @@ def test_sft_follows_the_same_rules(tiny_qwen25vl, count_data, tmp_path, capsys)
     sft(load_config(None, [*base, "training.overwrite_output_dir=true"]), log=lines.append)
     assert any(line.startswith("training.overwrite_output_dir=true: deleted the earlier run") for line in lines)
     assert steps(out / "metrics.jsonl") == [1, 2]
+
+
+def test_train_on_a_finished_sft_runs_folder_is_refused_and_no_eval_prints_no_braces(tiny_qwen25vl, count_data, tmp_path, capsys):
+    """Issue 35 (small): `vlmrl train` on a folder holding a finished SFT run said "nothing to do" with exit 0; it is
+    refused in one line naming the way on (exit 2). A run without evaluation printed `{}`; it says so instead."""
+    out = tmp_path / "sft"
+    no_eval = [a for a in args(tiny_qwen25vl, count_data, out) if not a.startswith("data.eval_path=")] + ["data.eval_path="]
+    assert cli.main(["sft", *no_eval]) == 0
+    captured = capsys.readouterr()
+    assert "{}" not in captured.out and "no evaluation ran (data.eval_path is empty)" in captured.err
+    before = snapshot(out)
+    assert cli.main(["train", *no_eval]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("vlmrl train:")]
+    assert f"holds a finished vlmrl sft run (2 steps), not a vlmrl train run; to train GRPO from it use model.name_or_path={out / 'final'}" in line
+    assert snapshot(out) == before

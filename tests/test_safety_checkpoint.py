@@ -588,3 +588,54 @@ def test_export_command_line_code_loading_needs_the_model_path(fresh_run, tmp_pa
     assert main(["export", str(fresh_run), str(tmp_path / "x"), "model.trust_remote_code=true"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model.name_or_path=<folder you trust>" in err, err
+
+
+def test_export_never_writes_over_a_users_folder(fresh_run, tmp_path, tiny_qwen25vl, capsys):
+    """Issue 35 finding 15: `vlmrl export <checkpoint> <out>` into a folder holding the user's own model files refuses
+    in one line (exit 2) and leaves them; a new folder, then the same folder again (an earlier export), are written."""
+    from vlmrl.cli import main
+
+    users = tmp_path / "my-model"
+    shutil.copytree(tiny_qwen25vl, users)
+    before = {p.name: p.read_bytes() for p in users.iterdir() if p.is_file()}
+    assert main(["export", str(fresh_run / "checkpoint-1"), str(users)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"vlmrl export: {users} holds" in err and "config.json" in err, err
+    assert {p.name: p.read_bytes() for p in users.iterdir() if p.is_file()} == before
+    assert main(["export", str(fresh_run), str(fresh_run)]) == 2  # a run folder: its checkpoints are not an export's
+    assert "is a vlmrl run folder" in capsys.readouterr().err
+    out = tmp_path / "exported"
+    for _ in range(2):  # the second export replaces the first
+        assert main(["export", str(fresh_run / "checkpoint-1"), str(out)]) == 0
+        assert (out / "model.safetensors").is_file()
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(fresh_run / "checkpoint-1"), str(out)]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
+
+
+def _drop_a_tensor(path):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path)
+    del state[next(k for k in sorted(state) if k.endswith("mlp.down_proj.weight"))]
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def _claim_2_40_bytes(path):
+    data = path.read_bytes()
+    path.write_bytes((1 << 40).to_bytes(8, "little") + data[8:])
+
+
+@pytest.mark.parametrize("damage, says", [(_claim_2_40_bytes, "its header claims"), (_drop_a_tensor, "lack 1 tensor(s)")])
+def test_export_refuses_a_base_model_whose_weights_are_damaged(fresh_run, tmp_path, tiny_qwen25vl, capsys, damage, says):
+    """Issue 35 finding 17: a base model folder whose safetensors header claims 2^40 bytes ended export with a
+    traceback; one missing a tensor exported without a word."""
+    from vlmrl.cli import main
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_qwen25vl, base)
+    damage(base / "model.safetensors")
+    assert main(["export", str(fresh_run / "checkpoint-1"), str(tmp_path / "exported"), f"model.name_or_path={base}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("vlmrl export: ") and str(base) in err and says in err, err
+    assert not (tmp_path / "exported").exists()

@@ -135,24 +135,46 @@ def main(argv: list[str] | None = None) -> int:
         from vlmrl.plan.cli import run_safely
 
         return run_safely(ns)
+    from vlmrl.rewards.forks import leave_if_forked
+
+    owner = os.getpid()
+    try:
+        code = _run_command(ns, owner)
+    except BaseException as e:
+        leave_if_forked(owner, f"vlmrl {ns.command}", e)  # a process forked by user code never reports the run's errors
+        raise
+    leave_if_forked(owner, f"vlmrl {ns.command}")
+    return code
+
+
+def _run_command(ns, owner: int) -> int:
+    """The command, its user errors reported in one line (exit 2) by the process that started it (`owner`)."""
+    from vlmrl.rewards.forks import leave_if_forked
     from vlmrl.run.rundir import RunAlreadyComplete
 
     try:
         return _dispatch(ns)
-    except RunAlreadyComplete as e:  # running a finished run again: nothing to do, not a failure
-        print(f"vlmrl {ns.command}: {e}", file=sys.stderr)
-        return 0
-    except user_error_types() as e:
-        code = report_user_error(ns.command, e)
-        from vlmrl.engine.oom import OutOfMemoryAbort
+    except (RunAlreadyComplete, *user_error_types()) as e:
+        leave_if_forked(owner, f"vlmrl {ns.command}", e)
+        return _report(ns.command, e)
 
-        if isinstance(e, OutOfMemoryAbort):
-            # The other processes were stopped inside a collective; a normal interpreter exit can wait forever on them
-            # (DeepSpeed's process-group teardown does), so this one ends at once, as they did (abort.watch_for_abort).
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        return code
+
+def _report(command: str, e: BaseException) -> int:
+    from vlmrl.run.rundir import RunAlreadyComplete
+
+    if isinstance(e, RunAlreadyComplete):  # running a finished run again: nothing to do, not a failure
+        print(f"vlmrl {command}: {e}", file=sys.stderr)
+        return 0
+    code = report_user_error(command, e)
+    from vlmrl.engine.oom import OutOfMemoryAbort
+
+    if isinstance(e, OutOfMemoryAbort):
+        # The other processes were stopped inside a collective; a normal interpreter exit can wait forever on them
+        # (DeepSpeed's process-group teardown does), so this one ends at once, as they did (abort.watch_for_abort).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _convert(argv: list[str]) -> int:
@@ -266,8 +288,15 @@ def _run(command: str, cfg) -> int:
             metrics = run_eval(cfg)
     from vlmrl.engine.device import env_world
 
-    if env_world()[1] == 0:  # one line of results, from the main process only
-        print(json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}, indent=1))
+    if env_world()[1] == 0:  # the evaluation's results, from the main process only
+        evaluated = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if evaluated:
+            print(json.dumps(evaluated, indent=1))
+        else:  # not an empty `{}`: say there was no evaluation, and where the run's metrics are
+            print(
+                f"vlmrl {command}: no evaluation ran (data.eval_path is empty); the run's metrics are in {cfg.training.output_dir}/metrics.jsonl",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -861,7 +861,7 @@ def build_config(tree: dict[str, dict[str, Any]]) -> Config:
         for name, value in values.items():
             values[name] = _coerce(value, hints[name], f"{section}.{name}")
         sections[section] = cls(**values)
-    cfg = Config(**sections)
+    cfg = anchor_paths(Config(**sections))
     validate(cfg)
     return cfg
 
@@ -1298,3 +1298,52 @@ def reference_markdown() -> str:
 
 if __name__ == "__main__":
     print(reference_markdown())
+
+
+# ---------------------------------------------------------------- paths, fixed once at load
+def _anchored(value: str) -> str:
+    """`value` made absolute against today's working directory when it names something there (a file, a folder, or a
+    glob that matches); anything else (a hub id, an inline template, a name refused later) is kept as written."""
+    import glob
+    import os
+
+    if not value or os.path.isabs(value):
+        return value
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded) or os.path.exists(expanded) or (glob.has_magic(expanded) and glob.glob(expanded)):
+        return os.path.abspath(expanded)
+    return value
+
+
+def _anchored_spec(spec: str) -> str:
+    """A reward / tool spec `file.py:function[...]` with its .py file anchored (_anchored); other specs unchanged."""
+    target, sep, rest = spec.partition(":")
+    return _anchored(target) + sep + rest if sep and target.endswith(".py") else spec
+
+
+def anchor_paths(cfg: Config) -> Config:
+    """Every path of the config made absolute once, at load: user code (a reward, a tool) may change the working
+    directory while the run goes on, and a relative path would then follow it (the run's output, checkpoints and lock
+    written elsewhere, another data or reward file read). training.output_dir, training.resume (a checkpoint path)
+    and data.image_root are always anchored; inputs when they name something that exists (_anchored)."""
+    import os
+
+    t, d, m = cfg.training, cfg.data, cfg.model
+    roots = d.image_root if isinstance(d.image_root, list) else [d.image_root]
+    roots = [os.path.abspath(os.path.expanduser(r)) if r else r for r in roots]
+    resume = t.resume if t.resume in ("auto", "never") or not t.resume else os.path.abspath(os.path.expanduser(t.resume))
+    template = d.prompt_template
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(m, name_or_path=_anchored(m.name_or_path)),
+        data=dataclasses.replace(
+            d,
+            train_path=_anchored(d.train_path),
+            eval_path=_anchored(d.eval_path),
+            image_root=roots if isinstance(d.image_root, list) else roots[0],
+            prompt_template=_anchored(template) if template and "{" not in template and "\n" not in template else template,
+        ),
+        training=dataclasses.replace(t, output_dir=os.path.abspath(os.path.expanduser(t.output_dir)), resume=resume),
+        algorithm=dataclasses.replace(cfg.algorithm, reward_funcs=[_anchored_spec(s) for s in cfg.algorithm.reward_funcs]),
+        tools=dataclasses.replace(cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools]),
+    )

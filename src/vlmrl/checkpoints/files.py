@@ -707,6 +707,12 @@ def _is_harmless(key: str) -> bool:
     return resume_harmless(key)
 
 
+def _same_path(old: Any, new: Any) -> bool:
+    """A checkpoint written before paths were anchored at load (config.anchor_paths) recorded `data/x.jsonl` where the
+    config now holds its absolute form: the same path, not a change (the inputs' fingerprints still decide)."""
+    return isinstance(old, str) and isinstance(new, str) and bool(old) and not os.path.isabs(old) and os.path.abspath(old) == new
+
+
 def config_diff(old: dict, new: dict, defaults: Optional[dict] = None) -> tuple[list[str], list[str]]:
     """(breaking, harmless) differences between two config trees, as lines like `algorithm.beta: 0.0 -> 0.04`.
 
@@ -720,7 +726,7 @@ def config_diff(old: dict, new: dict, defaults: Optional[dict] = None) -> tuple[
     breaking, harmless = [], []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
-        if va == vb:
+        if va == vb or _same_path(va, vb):
             continue
         line = f"{key}: {_fmt(va)} -> {_fmt(vb)}"
         if key == "training.max_steps" and _flatten(new).get("optim.lr_scheduler_type", "constant") != "constant":

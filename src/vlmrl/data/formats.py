@@ -279,11 +279,20 @@ def _normalize_row(row: dict, layout: str, label: str, render) -> dict:
 def _template(text: str):
     """EasyR1's format_prompt: a jinja template rendered with ``content`` = the user's text (placeholders kept)."""
     import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from vlmrl.data.template_budget import bounded, checked_size
 
     try:
-        return jinja2.Template(text.strip()).render
+        template = ImmutableSandboxedEnvironment().from_string(text.strip())  # as transformers renders chat templates
     except jinja2.TemplateError as e:
         raise FormatError(f"data.prompt_template: not a valid jinja template: {e}") from None
+
+    def render(**values) -> str:
+        with bounded("data.prompt_template"):  # a template that loops or bloats ends in one line (template_budget.py)
+            return checked_size(template.render(**values), "data.prompt_template")
+
+    return render
 
 
 def _apply_template(row: dict, render) -> dict:

@@ -43,7 +43,7 @@ from vlmrl.models.continuous import ContinuousDecoder, seeded_row_sampler
 from vlmrl.models.loading import unwrap
 from vlmrl.models.logprobs import _accepted, selective_logps
 from vlmrl.models.prefix import chosen_logps
-from vlmrl.models.processing import _per_image_chunks, _tokenizer_of, encode_prompts, render_chat, select_rows
+from vlmrl.models.processing import _per_image_chunks, _tokenizer_of, apply_template, encode_prompts, render_chat, select_rows
 from vlmrl.tools.parsing import parse_tool_calls
 from vlmrl.tools.render import ToolTemplateError, chat_template_of, for_template, render_tool_turn, tool_role_mode
 from vlmrl.tools.trajectory import Trajectory, images_of
@@ -113,8 +113,8 @@ def _assistant_turn(processor) -> tuple[str, str]:
     the model's text must begin with that space for the conversation to render as it was generated."""
     template = chat_template_of(processor)
     user = [{"role": "user", "content": "q"}]
-    prompt = processor.apply_chat_template(user, tokenize=False, add_generation_prompt=True, chat_template=template)
-    text = processor.apply_chat_template(user + [{"role": "assistant", "content": _MARK}], tokenize=False, chat_template=template)
+    prompt = apply_template(processor, user, add_generation_prompt=True, chat_template=template)
+    text = apply_template(processor, user + [{"role": "assistant", "content": _MARK}], chat_template=template)
     head, after = text[: text.index(_MARK)], text[text.index(_MARK) + len(_MARK) :]
     return (head[len(prompt) :] if head.startswith(prompt) else ""), after
 

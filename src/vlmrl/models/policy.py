@@ -11,6 +11,7 @@ import torch
 from vlmrl.config import Config
 from vlmrl.models.loading import load_model, require_complete_model_folder, resolve_model_path
 from vlmrl.models.processing import load_processor
+from vlmrl.models.weight_files import check_weight_files
 
 
 def load_policy(cfg: Config, device: torch.device, model_path: str | None = None):
@@ -18,6 +19,7 @@ def load_policy(cfg: Config, device: torch.device, model_path: str | None = None
     path = resolve_model_path(model_path or cfg.model.name_or_path)
     if not cfg.model.allow_hub_download or Path(path).expanduser().exists():
         require_complete_model_folder(path)  # every missing piece named now, not a crash in step 1
+        check_weight_files(path)  # a damaged safetensors header: one line, not a traceback from the load
     model_cfg = dataclasses.replace(cfg.model, name_or_path=path)
     with hf_progress_bars(cfg.logging.progress_bar):
         model = load_model(model_cfg).to(device)

@@ -28,6 +28,7 @@ from PIL import Image
 from vlmrl.models.loading import ModelLoadError
 from vlmrl.data.formats import prompt_messages_of
 from vlmrl.data.rows import target_size
+from vlmrl.data.template_budget import bounded, checked_size, remember_source, template_source
 from vlmrl.data.video import qwen_video_patches
 from vlmrl.fixtures.standin_processors import STANDIN_LOADERS
 
@@ -268,7 +269,23 @@ def load_processor(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     set_pixel_bounds(processor, min_pixels, max_pixels)
+    _remember_template_source(processor, path)
     return processor
+
+
+def _remember_template_source(processor, path: str) -> None:
+    folder = Path(path)
+    names = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+    found = next((folder / n for n in names if (folder / n).is_file()), folder)
+    remember_source(processor, f"the chat template in {found}")
+
+
+def apply_template(processor, messages: list[dict], **kwargs) -> str:
+    """`processor.apply_chat_template(messages, tokenize=False, **kwargs)` under the render budget (template_budget.py):
+    a template that loops too long or renders a giant text ends in one line naming its file."""
+    where = template_source(processor)
+    with bounded(where):
+        return checked_size(processor.apply_chat_template(messages, tokenize=False, **kwargs), where)
 
 
 # ---------------------------------------------------------------- prompts and batches
@@ -297,7 +314,9 @@ def render_chat(processor, messages: list[dict], add_generation_prompt: bool, to
     if not getattr(template_owner, "chat_template", None):
         raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")
     extra = {"tools": tools} if tools else {}
-    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    where = template_source(processor)
+    with bounded(where):
+        return checked_size(template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra), where)
 
 
 def encode_prompts(processor, texts: list[str], images: list[list], videos: list[list] | None = None) -> dict[str, torch.Tensor]:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vlmrl.rewards.args import accepted_arguments as _accepted, completion_text  # noqa: F401 - re-exported
+from vlmrl.rewards.forks import leave_if_forked
 
 RewardFn = Callable[..., list]
 # Rewards become float32 tensors: a larger value (1e39 is a finite Python float) turns into inf, then NaN weights.
@@ -77,6 +78,20 @@ STOP_GRACE_S = 30.0
 
 @contextlib.contextmanager
 def reward_guard(name: str, timeout_s: float, at: str = ""):
+    """Runs reward `name` under _signal_guard; a process the reward forked that leaves it (returns, raises, exits)
+    ends here (forks.leave_if_forked): the run's error messages and cleanup (its lock) stay the parent's."""
+    owner = os.getpid()
+    try:
+        with _signal_guard(name, timeout_s, at):
+            yield
+    except BaseException as e:
+        leave_if_forked(owner, f"reward {name!r}", e)
+        raise
+    leave_if_forked(owner, f"reward {name!r}")
+
+
+@contextlib.contextmanager
+def _signal_guard(name: str, timeout_s: float, at: str = ""):
     """While reward `name` runs in the main thread: SIGALRM after `timeout_s` (0: none) raises RewardStopped inside
     it. SIGTERM / SIGINT first reach the handler that was installed (the loop's GracefulStop records the stop, so a
     reward that returns lets the step finish and checkpoint as usual); a reward still running STOP_GRACE_S later,

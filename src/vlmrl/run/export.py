@@ -14,6 +14,7 @@ from vlmrl.checkpoints.files import (
     read_checkpoint_config,
     verify_checkpoint,
 )
+from vlmrl.checkpoints.run_manifest import foreign_names, forget, is_run_name, owned_names, record
 from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
 from vlmrl.config import ConfigError, _merge_key, build_config, parse_override
 
@@ -51,6 +52,51 @@ def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=p
     return build_config(tree)
 
 
+def export_folder_entries(out) -> list:
+    """The entries of `out` an export replaces (an earlier export's, from its manifest); raises ConfigError in one
+    line when `out` is a file, holds anything vlmrl did not write (a user's model folder: config.json,
+    model.safetensors), or is a run folder (its checkpoints, final/). Read-only."""
+    from pathlib import Path
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file, not a folder; give vlmrl export a new or empty folder to write")
+    foreign = foreign_names(out)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(
+            f"{out} holds {shown}, which vlmrl did not write; vlmrl export writes only into a new or empty folder, or "
+            "one an earlier vlmrl export wrote. Pick another folder; nothing was written"
+        )
+    owned = owned_names(out) if out.is_dir() else set()
+    if any(is_run_name(name) for name in owned):
+        raise ConfigError(f"{out} is a vlmrl run folder; export into a new or empty folder (nothing was written)")
+    return sorted(out / name for name in owned if (out / name).exists() or (out / name).is_symlink())
+
+
+def _clear_earlier_export(out, entries: list) -> None:
+    """Remove an earlier export's entries (export_folder_entries), so `out` ends up holding this export only."""
+    import shutil
+
+    for path in entries:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    forget(out, [p.name for p in entries])
+
+
+def _check_base_weights(cfg) -> None:
+    """The base model's weight files against its config (weight_files.py), before it loads: a damaged or incomplete
+    folder is one line, not a traceback or a model with random tensors."""
+    from pathlib import Path
+
+    from vlmrl.models.loading import resolve_model_path
+    from vlmrl.models.weight_files import check_expected_weights, check_weight_files
+
+    folder = Path(resolve_model_path(cfg.model.name_or_path)).expanduser()
+    if folder.is_dir():
+        check_weight_files(folder)
+        check_expected_weights(folder, cfg.model.trust_remote_code)
+
+
 def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """`vlmrl export`: a checkpoint (or a run folder: its newest valid checkpoint) as a plain HF folder that
     transformers loads: the run's base model with the checkpoint's trainable weights (LoRA merged; the adapter
@@ -66,6 +112,7 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
     from vlmrl.models.policy import load_policy
 
     path = Path(checkpoint)
+    export_folder_entries(out)  # refuses a user's folder before anything loads
     if not (path / "manifest.json").exists():
         found = find_resume_checkpoint(path, "auto", warn=log)
         if found is None:
@@ -77,11 +124,15 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
     # Every engine's checkpoint (DeepSpeed's included: states gathered from the ZeRO partitions) has the single-process
     # layout, or FSDP2's torch.distributed.checkpoint shards.
     cfg = export_config(read_checkpoint_config(path), overrides, log)
+    _check_base_weights(cfg)
     model, processor = load_policy(cfg, torch.device("cpu"))
     if is_sharded_checkpoint(path):  # FSDP2 SHARDED_STATE_DICT: consolidated here, on one process
         model.load_state_dict(consolidated_model_state(path / SHARDED_DIR))
     else:
         load_trainable_weights(model, path / "model", load_file)
+    earlier = export_folder_entries(out)  # again, just before writing: the folder may have changed while loading
+    _clear_earlier_export(Path(out), earlier)
     save_model(model, processor, out)
+    record(out, [p.name for p in Path(out).iterdir()])  # the manifest: a later export may replace all of this
     log(f"exported {path} to {out}")
     return out

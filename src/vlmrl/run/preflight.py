@@ -13,16 +13,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
+from vlmrl.data.formats import prompt_messages_of
 from vlmrl.data.rows import DataError, sft_target
+from vlmrl.data.template_budget import TemplateBudgetError, probe, template_source
 from vlmrl.engine.device import env_world
 from vlmrl.models.loading import ModelLoadError, check_attention, require_complete_model_folder
 from vlmrl.models.processing import build_row_prompt, load_processor
-from vlmrl.run.tool_rollout import tool_schemas
+from vlmrl.models.weight_files import check_expected_weights, check_weight_files
 from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
 from vlmrl.rewards.peers import describe_call
 from vlmrl.rewards.scoring import load_reward_funcs, reward_columns, row_sources
 from vlmrl.rollout.backends import describe_backend
-from vlmrl.run.datasets import configured_processor, encode_rows, load_datasets
+from vlmrl.run.datasets import configured_processor, data_layout_options, encode_rows, load_datasets
+from vlmrl.run.tool_rollout import tool_schemas
 from vlmrl.run.rundir import check_output_dir
 from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
 
@@ -50,6 +53,7 @@ def preflight(cfg: Config, command: str, log=print):
         raise ConfigError(str(e)) from None
     if env_world()[1] != 0:
         return None  # several processes: the main one reads the data (the built-in task's files are written once)
+    processor = probe_templates(cfg)  # a template that hangs or bloats is refused before any row is rendered
     data = load_datasets(cfg, need_train=command != "eval", keep_for_run=command != "check")
     if command == "check":
         for line in data.reports:
@@ -58,34 +62,86 @@ def preflight(cfg: Config, command: str, log=print):
     if rows:
         check_rewards_on_rows(cfg, funcs, weights, rows)
         if command in ("train", "sft", "check"):
-            for line in check_chat_template(cfg, rows[0]):
+            for line in check_chat_template(cfg, rows[0], processor):
                 log(line)
         if command == "check":
             for line in describe_rewards(cfg, funcs, rows):
                 log(line)
+    check_model_weights(cfg)  # last: the model built on the meta device takes seconds
     return data
 
 
-def check_chat_template(cfg: Config, row: dict) -> list[str]:
+def check_model_weights(cfg: Config) -> None:
+    """The model folder's weight files hold every tensor config.json's model needs, in its shape
+    (weight_files.check_expected_weights); the embedded model and a hub id are not folders to check."""
+    name = cfg.model.name_or_path
+    if name != EMBEDDED_MODEL and Path(name).expanduser().is_dir():
+        check_expected_weights(Path(name).expanduser(), cfg.model.trust_remote_code)
+
+
+def _template_processor(cfg: Config):
+    """The model folder's processor, for checking its chat template (seconds, no weights); None for the embedded
+    model (vlmrl's own template), a hub id, or a folder whose processor does not load (the load before step 1
+    reports that itself)."""
+    name = cfg.model.name_or_path
+    if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
+        return None
+    try:
+        return load_processor(name, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    except Exception:
+        return None
+
+
+def probe_templates(cfg: Config):
+    """Render the model's chat template and data.prompt_template once on a short synthetic prompt (a system
+    message, an image, a question, an answer) in a forked child under a time and memory budget
+    (template_budget.probe): one that loops or bloats is refused in one line naming its file, before the data's
+    rows are rendered in this process. Returns the processor it loaded (None: no folder to check)."""
+    from vlmrl.data.formats import _template
+    from vlmrl.models.processing import render_chat
+
+    if cfg.data.prompt_template:
+        template = data_layout_options(cfg)["prompt_template"]
+        named = f"data.prompt_template={cfg.data.prompt_template}" if "{" not in cfg.data.prompt_template else "data.prompt_template"
+        # Compiled in the child too: jinja folds constant expressions ('x' * 2000000000) when it compiles.
+        probe(lambda: _template(template)(content="What is in the image? <image>"), named)
+    processor = _template_processor(cfg)
+    if processor is None:
+        return None
+    row = {"problem": "What is in the image?"}
+    answer = [{"role": "assistant", "content": [{"type": "text", "text": "<answer>1</answer>"}]}]
+
+    def render_both() -> str:
+        prompt = build_row_prompt(processor, row, 1, cfg.data.system_prompt, 0)
+        messages = prompt_messages_of(row, 1, 0, cfg.data.system_prompt)
+        return prompt + render_chat(processor, messages + answer, add_generation_prompt=False)
+
+    try:
+        probe(render_both, template_source(processor))
+    except TemplateBudgetError:
+        raise
+    except Exception:  # the template's own errors are reported on a real row (check_chat_template)
+        pass
+    return processor
+
+
+def check_chat_template(cfg: Config, row: dict, processor=None) -> list[str]:
     """Render the model's chat template on a real row (its problem, image count and data.system_prompt), as step
     1 would: a template that raises (jinja's sandbox SecurityError, raise_exception, a missing variable) fails here
     in one line instead of after the weights load. Loads the processor (seconds), never the weights. Returns what
     to tell the user: with tools, whether the template shows them to the model."""
 
     name = cfg.model.name_or_path
-    if name == EMBEDDED_MODEL or not Path(name).expanduser().is_dir():
-        return []  # vlmrl's own template, or a hub id transformers downloads at load time
-    try:
-        processor = load_processor(
-            name, trust_remote_code=cfg.model.trust_remote_code, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
-        )
-    except Exception:  # the load before step 1 reports its own errors; only the template is checked here
+    processor = processor or _template_processor(cfg)
+    if processor is None:
         return []
     images = len((row.get("images") or [])[: cfg.data.limit_images])
     tools = tool_schemas(cfg)
     try:
         text = build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or []), tools)
         plain = build_row_prompt(processor, row, images, cfg.data.system_prompt, len(row.get("videos") or [])) if tools else text
+    except TemplateBudgetError:
+        raise
     except Exception as e:  # any error from the user's template is the template's
         where = row.get("_source", "the first data row")
         raise ModelLoadError(
@@ -144,6 +200,7 @@ def check_model_folder(cfg: Config) -> None:
             "loads local folders; model.allow_hub_download=true lets transformers download a hub id)"
         )
     require_complete_model_folder(folder)
+    check_weight_files(folder)  # every safetensors header against its file (no tensor read)
 
 
 # ---------------------------------------------------------------------------------------------------

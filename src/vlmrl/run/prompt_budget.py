@@ -129,11 +129,14 @@ class PromptCounter:
     def render(self, row: dict, images: int, videos: int) -> str:
         """The row's chat-template text; a template that raises is the model folder's error, in one line (as
         preflight.check_chat_template words it)."""
+        from vlmrl.data.template_budget import TemplateBudgetError
         from vlmrl.models.loading import ModelLoadError
         from vlmrl.models.processing import build_row_prompt
 
         try:
             return build_row_prompt(self.processor, row, images, self.d.system_prompt, videos, self.tools)
+        except TemplateBudgetError:  # already one line naming the template's file
+            raise
         except Exception as e:  # any error from the user's template is the template's
             raise ModelLoadError(
                 f"the chat template of {self.model} fails on {row.get('_source', 'a data row')}: {type(e).__name__}: "

@@ -99,6 +99,7 @@ class RunLock:
         self.path = self.output_dir / LOCK_FILE
         self.log = log
         self.fd: Optional[int] = None
+        self.owner = os.getpid()  # a process forked later (by a reward or a tool) never removes the lock
 
     def acquire(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +136,7 @@ class RunLock:
         os.write(fd, json.dumps(info).encode())
         os.fsync(fd)
         self.fd = fd
+        self.owner = os.getpid()
 
     def _refuse_if_held_without_flock(self, fd: int) -> None:
         holder = _read_holder(fd)
@@ -152,6 +154,10 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is None:
+            return
+        if os.getpid() != self.owner:  # a forked copy of the run: the lock stays the owner's
+            os.close(self.fd)
+            self.fd = None
             return
         try:
             if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:
@@ -287,6 +293,17 @@ def complete_message(out: Path, done: dict) -> str:
     )
 
 
+def other_kind_message(out: Path, done: dict, kind: str) -> str:
+    """Why `vlmrl <kind>` refuses a folder holding a finished run of the other kind (a GRPO run on a finished SFT run's
+    folder would neither continue it nor start over)."""
+    start = f"model.name_or_path={out / 'final'} and " if (out / "final").is_dir() else ""
+    return (
+        f"training.output_dir={out} holds a finished vlmrl {done['kind']} run ({done['step']} steps), not a vlmrl {kind} "
+        f"run; to {'train GRPO' if kind == 'train' else 'fine-tune'} from it use {start}a new training.output_dir "
+        f"(training.overwrite_output_dir=true deletes that run instead)"
+    )
+
+
 def refuse_resume(cfg, path: Path, log: Callable[[str], Any] = print) -> None:
     """Every reason resuming `path` is refused (CheckpointError, one message): the config changed in a way that
     breaks an exact resume, the data files or reward sources changed (fingerprints.py), a weights-only checkpoint
@@ -320,6 +337,8 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
     resume = "never" if t.overwrite_output_dir and t.resume == "auto" else t.resume
     path = find_resume_checkpoint(out, resume, warn=log)  # refuses when every checkpoint is invalid
     done = None if t.overwrite_output_dir else read_complete(out)
+    if done is not None and done.get("kind") in ("train", "sft") and done["kind"] != kind:
+        raise ConfigError(other_kind_message(out, done, kind))
     # A finished run continues only to train longer, from a checkpoint; anything else would silently train it again.
     if done is not None and not (t.resume != "never" and path is not None and total > done["step"]):
         raise RunAlreadyComplete(complete_message(out, done))

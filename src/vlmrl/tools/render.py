@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+from vlmrl.data.template_budget import bounded, checked_size, template_source
 from vlmrl.tools.execute import ToolResult
 
 TOOL_ROLE_RE = re.compile(r"""['"]tool['"]""")
@@ -86,9 +87,11 @@ def render_tool_turn(processor, tool_messages: list[dict], mode: str | None = No
     template = chat_template_of(processor)
     mode = mode or tool_role_mode(template)
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    before = processor.apply_chat_template(base, tokenize=False, chat_template=template)
-    conversation = base + for_template(tool_messages, mode)
-    after = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, chat_template=template)
+    where = template_source(processor)
+    with bounded(where):  # the chat template renders under the budget (template_budget.py)
+        before = checked_size(processor.apply_chat_template(base, tokenize=False, chat_template=template), where)
+        conversation = base + for_template(tool_messages, mode)
+        after = checked_size(processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, chat_template=template), where)
     if not after.startswith(before):
         raise ToolTemplateError(
             "the chat template renders earlier turns differently once a tool turn follows, so a tool turn cannot be appended "
