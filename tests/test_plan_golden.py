@@ -26,8 +26,9 @@ def test_the_golden_file_covers_the_trace_grid_and_the_planner_tests():
 
 
 # Added after the golden file was written (issue 28, multi-turn): at their single-turn values they change no figure.
-MULTITURN_TERMS = ("tool_image_inputs",)
-MULTITURN_FIELDS = ("tool_turns", "tool_images_per_turn", "tool_text_tokens", "max_images", "max_total_tokens")
+# Added later still (issue 39, on-policy distillation): 0 without a teacher, as in every golden case.
+MULTITURN_TERMS = ("tool_image_inputs", "teacher_model", "teacher_moved_in_for_scoring")
+MULTITURN_FIELDS = ("tool_turns", "tool_images_per_turn", "tool_text_tokens", "max_images", "max_total_tokens", "teacher_params")
 # Added after it too (issue 23, DeepSpeed's own host buffers under offload): 0 for every case the golden file holds.
 LATER_HOST_TERMS = ("engine_host_buffers",)
 

@@ -307,6 +307,19 @@ class AlgorithmConfig:
         "MoE models: weight of the router load-balancing loss added to the update's loss (router/aux_loss is logged "
         "whatever it is; 0 adds nothing, as TRL does unless output_router_logits is set; transformers' models use 0.001).",
     )
+    teacher_path: Optional[str] = _f(
+        None,
+        "On-policy distillation: a frozen teacher model folder (any family, the policy's tokenizer) that scores the policy's "
+        "sampled tokens; each token's advantage gets -distill_coef x (log pi - log pi_teacher) (reverse KL); null = off.",
+    )
+    distill_coef: float = _f(
+        1.0, "teacher_path: weight of the per-token reverse KL in the advantage (slime's --opd-kl-coef, Tinker's kl_penalty_coef)."
+    )
+    distill_with_rewards: bool = _f(
+        True,
+        "teacher_path: add the distillation term to the rewards' advantages (slime); false = the teacher's signal alone "
+        "(Thinking Machines' on-policy distillation; TRL GKD with lmbda=1, beta=1). Rewards are still computed and logged.",
+    )
     reward_funcs: list[str] = _f(["accuracy", "answer_format"], "Rewards: built-in names or path/to/file.py:function.")
     reward_weights: Optional[list[float]] = _f(None, "One weight per reward function; default all 1.")
     reward_timeout_s: float = _f(
@@ -545,7 +558,9 @@ class Config:
     def scores_old_logps(self) -> bool:
         """The scoring pass computes old log-probs: the rollout is reused, or the rollout correction compares them with
         the sampler's."""
-        return self.reuses_rollout or self.algorithm.rollout_correction != "none" or self.algorithm.top_entropy_quantile < 1.0
+        a = self.algorithm
+        # distillation compares the sampling policy's log-probs with the teacher's
+        return self.reuses_rollout or a.rollout_correction != "none" or a.top_entropy_quantile < 1.0 or a.teacher_path is not None
 
     @property
     def advantage_estimator(self) -> str:
@@ -965,6 +980,11 @@ def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
     return [
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
         (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
+        (a.distill_coef >= 0, f"algorithm.distill_coef={a.distill_coef} must be >= 0"),
+        (
+            a.teacher_path is None or not cfg.multiturn,
+            "algorithm.teacher_path: distillation is not built for multi-turn rollouts (tools.tools); drop one of them",
+        ),
         (
             a.routing_replay == "off" or (cfg.rollout.engine == "loop" and cfg.memory.shared_prefix),
             f"algorithm.routing_replay={a.routing_replay} records expert choices in the shared-prefix decode loop: set "

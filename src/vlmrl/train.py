@@ -23,6 +23,7 @@ import torch
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_std
 from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
+from vlmrl.algo.distill import distill_advantages, distill_metrics
 from vlmrl.config import Config
 from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
@@ -126,6 +127,7 @@ class Run:
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: object = None  # rollout.backend=vllm: the colocated engine (rollout/vllm_backend.py); None: generate() here
+    teacher: object = None  # _Reference of algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
 
 @dataclass
@@ -158,6 +160,7 @@ class Rewards:
     nonfinite: str | None = None  # what was not finite (the step's update is skipped), or None
     reward_log: RewardLog = field(default_factory=RewardLog)  # what rewards logged via TRL's log_extra / log_metric
     dynamic: dict = field(default_factory=dict)  # algorithm.dynamic_sampling's metrics of the step (dynamic_sampling/*)
+    distill: dict = field(default_factory=dict)  # distill/* of this step (algorithm.teacher_path), else empty
 
 
 @dataclass
@@ -244,6 +247,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
                             samples, rewards = dynamic_sample(run, step, samples, rewards)
                     with phase("scoring", phases):
                         scores = score(run, samples, rewards)
+                        distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
                 with phase("update", phases):
                     stats = update(run, samples, rewards, scores)
                 final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
@@ -310,6 +314,7 @@ def start_run(cfg: Config, log) -> Run:
     model, processor = load_policy(cfg, device)
     tools = load_run_tools(cfg, model)  # a bad spec fails before anything else is loaded
     reference = make_reference(model, cfg, device, fresh=resume_from is not None, engine=dist.engine)
+    teacher = make_teacher(model, processor, cfg, device, engine=dist.engine)
     with dist.main_first():  # the built-in task's files are written once
         data = load_datasets(cfg, processor=processor)
     for line in data.reports:
@@ -373,6 +378,7 @@ def start_run(cfg: Config, log) -> Run:
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
         backend=backend,
+        teacher=teacher,
     )
 
 
@@ -671,6 +677,25 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
     return scores
 
 
+def distill(run: Run, samples: Rollout, rewards: Rewards, scores: Scores) -> None:
+    """algorithm.teacher_path (on-policy distillation): the frozen teacher scores the student's sampled tokens (its
+    own processor encodes the prompts; the completion ids are the student's), and the advantages become per token,
+    algo/distill.distill_advantages of the sampling policy's log-probs (scores.old_logps) and the teacher's. A
+    teacher log-prob that is not finite skips the step's update like a non-finite reward. No teacher: nothing."""
+    if run.teacher is None or rewards.nonfinite is not None:
+        return
+    a = run.cfg.algorithm
+    as_teacher_reads = dataclasses.replace(samples, prompts=encode_rows(run.teacher.processor, samples.rows, run.cfg, run.device))
+    with run.teacher as teacher_model:
+        teacher, _ = logps_without_grad(run, teacher_model, as_teacher_reads, scores.loss_mask, frozen=run.teacher)
+    student, mask = scores.old_logps.to(teacher.device), scores.loss_mask.to(teacher.device)
+    if not torch.isfinite(teacher[mask.bool()]).all():
+        rewards.nonfinite = "the teacher's log-probs of the sampled tokens are not finite (algorithm.teacher_path)"
+        return
+    rewards.advantages = distill_advantages(rewards.advantages, student, teacher, mask, a.distill_coef, a.distill_with_rewards).to(run.device)
+    rewards.distill = distill_metrics(student, teacher, mask)
+
+
 def step_entropy_masks(run: Run, entropies: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """[P*G, T] algorithm.top_entropy_quantile's tokens: for each optimizer step's rows, the loss tokens whose entropy
     (under the policy that sampled them) is in the top quantile of the step's loss tokens on every process; one
@@ -685,17 +710,19 @@ def step_entropy_masks(run: Run, entropies: torch.Tensor, loss_mask: torch.Tenso
 
 
 def logps_without_grad(
-    run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor, entropies: bool = False, replay: bool = False
+    run: Run, scoring_model, samples: Rollout, loss_mask: torch.Tensor, entropies: bool = False, replay: bool = False, frozen=None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
-    frozen reference copy directly), and with `entropies` their [P*G, T] entropies from the same LM-head chunks).
-    replay: the policy's own forward, which replays the rollout's expert choices when algorithm.routing_replay is on."""
+    frozen copy directly), and with `entropies` their [P*G, T] entropies from the same LM-head chunks).
+    replay: the policy's own forward, which replays the rollout's expert choices when algorithm.routing_replay is on.
+    frozen: the _Reference holding `scoring_model` (default the reference; the teacher for distillation)."""
 
     comp = samples.completions
+    frozen = run.reference if frozen is None else frozen
     if scoring_model is run.model:
         call = run.dist.call
-    elif getattr(run.reference, "runner", None) is not None:
-        call = run.reference.runner  # the frozen copy inside the engine (ZeRO-3: its hooks gather each module)
+    elif getattr(frozen, "runner", None) is not None:
+        call = frozen.runner  # the frozen copy inside the engine (ZeRO-3: its hooks gather each module)
     else:
         call = lambda fn, *args: fn(scoring_model, *args)  # noqa: E731
 
@@ -847,9 +874,9 @@ def accumulate(
                     logps = dist.call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision, grad=True)
                 old = scores.old_logps[idx, :width] if scores.old_logps is not None else logps.detach()
                 ref = scores.ref_logps[idx, :width] if scores.ref_logps is not None else None
-                tok_loss, parts = per_token_loss(
-                    logps, old, rewards.advantages[idx], a, ref, mask=mb.loss_mask, is_weights=policy_weights(scores, idx, width)
-                )
+                adv = rewards.advantages[idx]
+                adv = adv[:, :width] if adv.dim() == 2 else adv  # per-token advantages (distillation): this micro-batch's width
+                tok_loss, parts = per_token_loss(logps, old, adv, a, ref, mask=mb.loss_mask, is_weights=policy_weights(scores, idx, width))
                 loss = aggregate(tok_loss, mb.loss_mask, cfg.loss_aggregation, norm.for_rows([i - step_rows[0] for i in idx]))
                 if run.routing is not None:
                     aux = micro_batch_aux_loss(routed, mb.prompts, mb.row_prompt, width)
@@ -910,6 +937,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "reward_std": wide.std().item(),
         "frac_reward_zero_std": (group_std(rewards.rewards, G) == 0).float().mean().item(),
         **reward_stats(rewards.per_reward),
+        **rewards.distill,
         "loss": _mean(stats.loss),
         "kl": _mean(stats.kl),
         "clip_ratio": _mean(stats.clip_ratio),
@@ -993,8 +1021,9 @@ class _Reference:
     """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy.
     A copy placed on the CPU (memory.ref_placement=cpu) is moved to the device only while it scores."""
 
-    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False, runner=None):
+    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False, runner=None, processor=None):
         self.model, self._copy, self._ctx = model, frozen_copy, None
+        self.processor = processor  # the teacher's own processor (distillation), else None
         self.device, self.offload = device, offload
         self.runner = runner  # the copy wrapped by the engine (ZeRO-3: partitioned): scoring calls go through it
         if self._copy is not None and offload and runner is None:
@@ -1038,6 +1067,20 @@ def make_reference(model, cfg: Config, device, fresh: bool = False, engine=None)
     initial = initial.eval().requires_grad_(False)
     runner = engine.wrap_reference(initial) if engine is not None else None
     return _Reference(model, initial, device, offload=cfg.memory.ref_placement == "cpu", runner=runner)
+
+
+def make_teacher(model, processor, cfg: Config, device, engine=None):
+    """None without algorithm.teacher_path; else the frozen teacher (models/teacher.load_teacher: refused unless it
+    has the policy's tokenizer) held like a reference copy: memory.ref_placement=cpu keeps it in host RAM between
+    scorings, and an engine that shards references (ZeRO-3) shards it too."""
+    from vlmrl.models.teacher import load_teacher
+
+    loaded = load_teacher(cfg, device, model, processor)
+    if loaded is None:
+        return None
+    teacher, teacher_processor = loaded
+    runner = engine.wrap_reference(teacher) if engine is not None else None
+    return _Reference(None, teacher, device, offload=cfg.memory.ref_placement == "cpu", runner=runner, processor=teacher_processor)
 
 
 def _mean(values: list[float]) -> float:

@@ -98,6 +98,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         generation_gather=mem.generation_gather,
         attn_implementation=m.attn_implementation,
         beta=a.beta,
+        teacher_params=teacher_params(a),
         num_iterations=a.num_iterations,
         ref_placement=mem.ref_placement,
         offload_during_rollout=mem.offload_optimizer_during_rollout,
@@ -110,6 +111,12 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         kw["host_memory_bytes"] = int(host_gib * GiB)
     kw.update(extra)
     return Workload(**kw)
+
+
+def teacher_params(algo) -> int:
+    """Parameters of algorithm.teacher_path's model (its config.json), 0 without a teacher."""
+    path = getattr(algo, "teacher_path", None)
+    return model_spec(path).total_params if path else 0
 
 
 def spec_for_config(cfg) -> ModelSpec:

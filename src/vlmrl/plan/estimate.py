@@ -141,6 +141,7 @@ def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> f
         + t["master_weights"]
         + t["optimizer_states"]
         + t["reference_model"]
+        + t["teacher_model"]
         + pixel_inputs(spec, w, mb)
         + rollout_buffers(spec, w, mb)
         + t["comm_buffers"]
@@ -163,7 +164,8 @@ def phase_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> tuple[
     persistent = persistent_bytes(spec, w, mb, t)
     parked = t["master_weights"] + t["optimizer_states"] if parks(w) else 0
     rollout = persistent - parked + t["kv_cache"] + t["generation_temporaries"] + generation_gather_bytes(spec, w, mb)
-    scored = t["reference_moved_in_for_scoring"] + scoring_transient(spec, w, mb) + t["gathered_parameters"] if scores(w) else 0
+    moved_in = t["reference_moved_in_for_scoring"] + t["teacher_moved_in_for_scoring"]
+    scored = moved_in + scoring_transient(spec, w, mb) + t["gathered_parameters"] if scores(w) else 0
     scoring = persistent - parked + scored
     fwd_bwd, update = update_peaks(spec, w, mb, t, persistent)
     return {"rollout": int(rollout), "scoring": int(scoring), "update": int(update)}, fwd_bwd

@@ -68,7 +68,9 @@ def host_term_values(
         # memory.offload_optimizer_during_rollout: host buffers the states are parked in (kept from step to step)
         "parked_optimizer_states": (states["master"] + states["moments"]) * r if parks(w) else 0,
         "pinned_buffers": 4 * COMM_BUCKET_BYTES * r if offloaded else 0,
-        "reference_on_cpu": spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0,
+        # memory.ref_placement=cpu: the reference copy and the distillation teacher wait in host RAM
+        "reference_on_cpu": (spec.total_params * DTYPE_BYTES[w.dtype] * r if ref_on_cpu else 0)
+        + (w.teacher_params * DTYPE_BYTES[w.dtype] * r if w.teacher_params and w.ref_placement == "cpu" else 0),
         "images_and_rollout_buffers": step_buffers * r,
         "data": HOST_DATA_BYTES if not cpu else 0,
         "device_tensors_on_cpu": ((device_peak - mmapped) * (1 + CPU_ALLOCATOR_RESERVE) + mmapped) * r if cpu else 0,

@@ -139,7 +139,8 @@ def candidate_workloads(base: Workload, allow: set, shardings: tuple | None = No
     Gs, prompt_counts, pixels = _group_values(base, allow)
     engines = _engines(base, shardings)
     gcs = (True,) if base.gradient_checkpointing else (False, True)
-    refs = ("device", "cpu") if (base.beta > 0 and not base.use_lora and base.ref_placement == "device") else (base.ref_placement,)
+    frozen_copies = (base.beta > 0 and not base.use_lora) or base.teacher_params > 0  # memory.ref_placement moves them
+    refs = ("device", "cpu") if (frozen_copies and base.ref_placement == "device") else (base.ref_placement,)
     step_rows = base.micro_batch * base.grad_accum
     for G, prompts in itertools.product(Gs, prompt_counts):
         kept = G == base.num_generations and prompts == base.prompts_per_step
@@ -193,7 +194,7 @@ def _nothing_fits(now: Plan, base: Workload, allow: tuple, gpu_memory_bytes: int
     """The error naming what was searched, what is still locked and what else would help."""
     knobs = (
         "training.per_device_train_batch_size (with gradient_accumulation_steps), memory.generation_prompts_per_call, "
-        "model.gradient_checkpointing" + (", memory.ref_placement" if base.beta > 0 and not base.use_lora else "")
+        "model.gradient_checkpointing" + (", memory.ref_placement" if (base.beta > 0 and not base.use_lora) or base.teacher_params > 0 else "")
     )
     locked = [k for k in ("num_generations", "max_pixels", "effective_batch") if k not in allow]
     host = (

@@ -130,6 +130,7 @@ class Workload:
     group_vision: bool = True
     shared_prefix: bool = True
     beta: float = 0.0
+    teacher_params: int = 0  # algorithm.teacher_path: the frozen teacher's parameters (held like a reference copy); 0 = no teacher
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"

@@ -33,7 +33,8 @@ def step_time(spec: ModelSpec, w: Workload, trainable: int | None = None) -> flo
     t_gen += calls * C * (params * b / HBM_BYTES_PER_S) + C * rows * (P + C / 2) * kv_token / HBM_BYTES_PER_S
     tokens = rows * (P + C)
     fwd = 2 * flops_params * tokens / PEAK_FLOPS
-    t_score = fwd * ((w.beta > 0) + (w.num_iterations > 1))
+    # a teacher: the student's old log-probs and one teacher forward (scaled by its size)
+    t_score = fwd * ((w.beta > 0) + (w.num_iterations > 1 or w.teacher_params > 0) + w.teacher_params / max(1, params))
     mult = 2.0 if w.use_lora else 3.0  # forward + backward(activations) [+ backward(weights)]
     if w.gradient_checkpointing:
         mult += 1.0  # recompute the forward: +33% of 6 x params x tokens

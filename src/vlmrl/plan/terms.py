@@ -171,6 +171,19 @@ def reference_moved_in_for_scoring(spec: ModelSpec, w: Workload, mb: MicroBatch 
     return spec.total_params * DTYPE_BYTES[w.dtype] if (_reference_copy(w) and w.ref_placement == "cpu") else 0
 
 
+def teacher_model(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> float:
+    """algorithm.teacher_path: the frozen teacher kept on the device like a reference copy (its own parameter count,
+    the policy's dtype; sharded under ZeRO-3 / FSDP as the reference is)."""
+    if not (w.teacher_params and w.ref_placement == "device"):
+        return 0
+    return w.teacher_params * DTYPE_BYTES[w.dtype] / (w.world_size if full_shard(w) else 1)
+
+
+def teacher_moved_in_for_scoring(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> int:
+    """memory.ref_placement=cpu with a teacher: the whole teacher moved onto the device for scoring only."""
+    return w.teacher_params * DTYPE_BYTES[w.dtype] if (w.teacher_params and w.ref_placement == "cpu") else 0
+
+
 def comm_buffers(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> int:
     """DDP / ZeRO / FSDP gradient buckets (several processes only)."""
     return COMM_BUCKET_BYTES if (w.world_size > 1 and w.sharding != "none") else 0
@@ -221,11 +234,13 @@ def pixel_inputs(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
 
 def rollout_buffers(spec: ModelSpec, w: Workload, mb: MicroBatch) -> int:
     """Token ids and masks of every row (8 bytes per token) and float32 per completion token: log-probs, plus old
-    log-probs (num_iterations > 1) and reference log-probs (beta > 0). SFT: the micro-batch's ids and targets."""
+    log-probs (num_iterations > 1, or a teacher) and reference log-probs (beta > 0), teacher log-probs (a teacher).
+    SFT: the micro-batch's ids and targets."""
     if w.mode == "sft":
         return mb.N * mb.C * 8 * 2
     rows = w.rows_per_step
-    return rows * (mb.P + mb.C) * 8 + rows * mb.C * 4 * (1 + (w.num_iterations > 1) + (w.beta > 0))
+    old = w.num_iterations > 1 or w.teacher_params > 0
+    return rows * (mb.P + mb.C) * 8 + rows * mb.C * 4 * (1 + old + (w.beta > 0) + 2 * (w.teacher_params > 0))
 
 
 def batch_inputs(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
@@ -419,8 +434,9 @@ def prefix_backward_activations(spec: ModelSpec, w: Workload, mb: MicroBatch) ->
 
 
 def scores(w: Workload) -> bool:
-    """The step scores the rollout without grad: reference log-probs (beta > 0) or old log-probs (num_iterations > 1)."""
-    return w.beta > 0 or w.num_iterations > 1
+    """The step scores the rollout without grad: reference log-probs (beta > 0), old log-probs (num_iterations > 1)
+    or the student's and the teacher's log-probs (a teacher; its scoring temporaries are planned at the policy's shapes)."""
+    return w.beta > 0 or w.num_iterations > 1 or w.teacher_params > 0
 
 
 def scoring_transient(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
@@ -493,6 +509,7 @@ TERMS = {
     "optimizer_states": optimizer_states,
     "optimizer_step_temporary": optimizer_step_temporary,
     "reference_model": reference_model,
+    "teacher_model": teacher_model,
     "activations_text": activations_text,
     "activations_vision": activations_vision,
     "activations_other": activations_other,
@@ -506,6 +523,7 @@ TERMS = {
     "generation_temporaries": generation_temporaries,
     "scoring_temporaries": scoring_temporaries,
     "reference_moved_in_for_scoring": reference_moved_in_for_scoring,
+    "teacher_moved_in_for_scoring": teacher_moved_in_for_scoring,
     "gathered_parameters": gathered_parameters,
     "gathered_for_generation": gathered_for_generation,
     "batch_inputs": batch_inputs,
