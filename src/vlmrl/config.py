@@ -1321,14 +1321,21 @@ if __name__ == "__main__":
 
 
 # ---------------------------------------------------------------- paths, fixed once at load
-def _anchored(value: str) -> str:
+def _anchored(value):
     """`value` made absolute against today's working directory when it names something there (a file, a folder, or a
-    glob that matches); anything else (a hub id, an inline template, a name refused later) is kept as written."""
+    glob that matches; each of a list; a dataset folder with its split, `name::train` / `name@train`); anything else
+    (a hub id, an inline template, a name refused later) is kept as written."""
     import glob
     import os
 
+    if isinstance(value, list):
+        return [_anchored(v) for v in value]
     if not value or os.path.isabs(value):
         return value
+    for sep in ("::", "@"):  # a dataset folder's split (data/locate.py): the folder is the path
+        head, found, split = value.rpartition(sep)
+        if found and head and os.path.isdir(os.path.expanduser(head)):
+            return os.path.abspath(os.path.expanduser(head)) + sep + split
     expanded = os.path.expanduser(value)
     if os.path.isabs(expanded) or os.path.exists(expanded) or (glob.has_magic(expanded) and glob.glob(expanded)):
         return os.path.abspath(expanded)
@@ -1364,6 +1371,10 @@ def anchor_paths(cfg: Config) -> Config:
             prompt_template=_anchored(template) if template and "{" not in template and "\n" not in template else template,
         ),
         training=dataclasses.replace(t, output_dir=os.path.abspath(os.path.expanduser(t.output_dir)), resume=resume),
-        algorithm=dataclasses.replace(cfg.algorithm, reward_funcs=[_anchored_spec(s) for s in cfg.algorithm.reward_funcs]),
-        tools=dataclasses.replace(cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools]),
+        algorithm=dataclasses.replace(
+            cfg.algorithm, reward_funcs=[_anchored_spec(s) for s in cfg.algorithm.reward_funcs], teacher_path=_anchored(cfg.algorithm.teacher_path)
+        ),
+        tools=dataclasses.replace(
+            cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools], environment=_anchored_spec(cfg.tools.environment)
+        ),
     )
