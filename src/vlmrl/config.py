@@ -1374,7 +1374,5 @@ def anchor_paths(cfg: Config) -> Config:
         algorithm=dataclasses.replace(
             cfg.algorithm, reward_funcs=[_anchored_spec(s) for s in cfg.algorithm.reward_funcs], teacher_path=_anchored(cfg.algorithm.teacher_path)
         ),
-        tools=dataclasses.replace(
-            cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools], environment=_anchored_spec(cfg.tools.environment)
-        ),
+        tools=dataclasses.replace(cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools], environment=_anchored_spec(cfg.tools.environment)),
     )

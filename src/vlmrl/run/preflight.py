@@ -35,14 +35,13 @@ REWARD_PROBE_ROWS = 2
 def preflight(cfg: Config, command: str, log=print):
     """Every check for `command` (train, sft, eval or check), cheapest first; raises on the first failing kind.
     Returns the datasets it read (None on a non-main process)."""
+    backend = None
     if command == "eval":
         check_eval_data(cfg)
     elif command in ("train", "sft", "check"):
         check_trackers(cfg)
         if command != "sft":  # which sampler will run, and why; rollout.backend=vllm where vLLM is missing fails here
             backend = describe_backend(cfg, env_world()[0])
-            if command == "check":
-                log(backend)
 
         check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
     check_model_folder(cfg)
@@ -68,6 +67,8 @@ def preflight(cfg: Config, command: str, log=print):
             for line in describe_rewards(cfg, funcs, rows):
                 log(line)
     check_model_weights(cfg)  # last: the model built on the meta device takes seconds
+    if command == "check" and backend:  # reported once every check passed: a refusal stays the only line
+        log(backend)
     return data
 
 
