@@ -13,7 +13,7 @@ SRC = pathlib.Path(__file__).parents[1] / "src" / "vlmrl"
 
 # Bottom to top. A module may import from its own layer's packages and from the layers below, never above.
 LAYERS = (
-    ("algo",),  # pure tensor math
+    ("algo", "_torchvision"),  # pure tensor math; the torchvision import shim vlmrl/__init__.py runs first
     ("config", "defaults"),  # the typed config and the model-aware defaults
     ("data",),  # rows, images, videos, built-in tasks
     ("rewards",),
@@ -23,7 +23,7 @@ LAYERS = (
     ("checkpoints",),
     ("engine",),  # processes, engines, OOM, memory readings
     ("plan",),
-    ("run",),  # datasets, run folder, preflight, tracking, report, export
+    ("run", "rollout"),  # datasets, run folder, preflight, tracking, report, export; the rollout backends (vLLM)
     ("train", "sft", "ending", "evaluate", "demo", "cli", "__main__"),  # the loops, their shared ending, the command line
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
