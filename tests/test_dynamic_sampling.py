@@ -15,6 +15,8 @@ from vlmrl.rewards.functions import compute_rewards, overlong_penalty, soft_over
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.train import train
 
+from test_resume import overrides as resume_overrides
+
 ODD_LENGTH = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":length_on_odd_counts"
 
 
@@ -156,26 +158,18 @@ def data(tmp_path_factory):
 
 
 def overrides(model, data, out, *extra):
-    return [
-        f"model.name_or_path={model}",
-        f"data.train_path={data['train']}",
-        "data.eval_path=",
-        f"training.output_dir={out}",
+    """test_resume's run (the same data, sizes and seeds) with dynamic sampling on, 3 steps, a constant learning rate."""
+    return resume_overrides(
+        model,
+        data,
+        out,
         "training.max_steps=3",
-        "rollout.num_generations=4",
-        "training.per_device_train_batch_size=4",
-        "rollout.generation_batch_size=8",
-        "rollout.max_completion_length=5",
-        "optim.learning_rate=1e-3",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-        "data.min_pixels=3136",
-        "data.max_pixels=3136",
+        "optim.lr_scheduler_type=constant",
+        "optim.warmup_ratio=0.0",
         f"algorithm.reward_funcs=['{ODD_LENGTH}']",  # groups of even counts have equal rewards
         "algorithm.dynamic_sampling=true",
         *extra,
-    ]
+    )
 
 
 def metrics(out):
