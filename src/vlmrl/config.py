@@ -246,6 +246,13 @@ class AlgorithmConfig:
     advantage_estimator: Optional[str] = _f(
         None, "Advantages: {choices}; default follows scale_rewards.", choices="algo.advantages:ADVANTAGE_ESTIMATORS"
     )
+    turn_advantage: Literal["trajectory", "per_turn"] = _f(
+        "trajectory",
+        "Multi-turn rollouts (tools.tools): trajectory = every token gets its rollout's advantage; per_turn = each turn's "
+        "discounted return (the environment's step rewards, the rollout's reward on the last turn) normalised over all turns "
+        "of the group, each token the advantage of its turn (ROLL step_reinforce; algo/turn_advantages.py).",
+    )
+    turn_discount: float = _f(1.0, "turn_advantage=per_turn: the discount gamma in G_t = r_t + gamma * G_{t+1}, in [0, 1].")
     policy_loss: str = _f("ppo_clip", "Per-token policy loss: {choices}.", choices="algo.losses:POLICY_LOSSES")
     loss_aggregation: Optional[str] = _f(
         None,
@@ -976,11 +983,19 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
 
 def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
     """(holds, message) for algorithm.*."""
+    from vlmrl.algo.turn_advantages import TURN_SCALES
+
     a = cfg.algorithm
     return [
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
         (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
         (a.distill_coef >= 0, f"algorithm.distill_coef={a.distill_coef} must be >= 0"),
+        (
+            a.turn_advantage == "trajectory" or (cfg.multiturn and cfg.advantage_estimator in TURN_SCALES),
+            "algorithm.turn_advantage=per_turn gives each turn of a multi-turn rollout its own advantage: it needs tools.tools "
+            f"and a group estimator ({', '.join(TURN_SCALES)}; advantage_estimator is {cfg.advantage_estimator}), or set turn_advantage=trajectory",
+        ),
+        (0.0 <= a.turn_discount <= 1.0, f"algorithm.turn_discount={a.turn_discount} must be in [0, 1]"),
         (
             a.teacher_path is None or not cfg.multiturn,
             "algorithm.teacher_path: distillation is not built for multi-turn rollouts (tools.tools); drop one of them",
