@@ -140,7 +140,31 @@ def test_the_setting_is_validated_naming_the_field():
         load_config(None, ["algorithm.turn_advantage=per_turn"])  # a single-turn run has one turn
     with pytest.raises(ConfigError, match=r"advantage_estimator is reinforce_pp"):
         load_config(None, [*tools, "algorithm.turn_advantage=per_turn", "algorithm.advantage_estimator=reinforce_pp"])
+    with pytest.raises(ConfigError, match=r"per_turn with algorithm\.policy_loss=gspo"):
+        load_config(None, [*tools, "algorithm.turn_advantage=per_turn", "algorithm.policy_loss=gspo"])
     with pytest.raises(ConfigError, match=r"algorithm\.turn_discount=1\.5 must be in \[0, 1\]"):
         load_config(None, [*tools, "algorithm.turn_advantage=per_turn", "algorithm.turn_discount=1.5"])
     with pytest.raises(ConfigError, match=r"turn_advantage"):
         load_config(None, [*tools, "algorithm.turn_advantage=per_token"])
+
+
+def test_the_plain_loop_records_each_turns_step_reward(monkeypatch):
+    """models/tool_loop.run_tool_loop (the evaluation loop) records the rewards as the engine does: a step reward per
+    turn that went on, 0.0 for the last, text counted as 0.0 and named."""
+    import vlmrl.models.tool_loop as tool_loop
+    from vlmrl.tools.environment import ToolEnvironment
+    from vlmrl.tools.registry import load_tools
+
+    class Rewarding(ToolEnvironment):
+        def step(self, action_text):
+            observation, reward, done = super().step(action_text)
+            return observation, (reward if done else ("oops" if len(self._steps) == 2 else 0.25 * len(self._steps))), done
+
+    zoom = '<tool_call>{"name": "zoom", "arguments": {"bbox_2d": [0, 0, 8, 8]}}</tool_call>'
+    texts = iter([[zoom], [zoom], ["the answer is 2"]])
+    monkeypatch.setattr(tool_loop, "_turn", lambda model, processor, conversations, settings, tools=None: next(texts))
+    from PIL import Image
+
+    env = Rewarding(load_tools(["zoom"]), max_turns=4)
+    (trajectory,) = tool_loop.run_tool_loop(None, None, [env], [{"problem": "how many?", "images": [Image.new("RGB", (16, 16))]}])
+    assert trajectory.num_turns == 3 and trajectory.turn_rewards == [0.25, 0.0, 0.0] and trajectory.bad_turn_rewards == ["'oops'"]

@@ -995,6 +995,11 @@ def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
             "algorithm.turn_advantage=per_turn gives each turn of a multi-turn rollout its own advantage: it needs tools.tools "
             f"and a group estimator ({', '.join(TURN_SCALES)}; advantage_estimator is {cfg.advantage_estimator}), or set turn_advantage=trajectory",
         ),
+        (
+            a.turn_advantage == "trajectory" or a.policy_loss != "gspo",
+            "algorithm.turn_advantage=per_turn with algorithm.policy_loss=gspo: GSPO's sequence-level ratio takes one advantage per "
+            "rollout (the turns' would be averaged away); use ppo_clip, cispo or sapo, or turn_advantage=trajectory",
+        ),
         (0.0 <= a.turn_discount <= 1.0, f"algorithm.turn_discount={a.turn_discount} must be in [0, 1]"),
         (
             a.teacher_path is None or not cfg.multiturn,
