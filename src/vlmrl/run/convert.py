@@ -23,7 +23,10 @@ from vlmrl.config import ConfigError
 from vlmrl.config import TRACKERS, _merge_key, build_config
 
 PEERS = ("trl", "easyr1", "ms-swift", "vlm-r1")
-VLLM = "vLLM: vlmrl generates in-process (rollout.engine, memory.shared_prefix); no separate inference engine"
+VLLM = "vLLM: the source does not turn vLLM on, so vlmrl generates in-process (rollout.backend=inprocess)"
+VLLM_SERVER = "vLLM server mode: vlmrl's rollout.vllm_mode=server is not in this version; the run generates in-process"
+VLLM_LORA = "vLLM with LoRA: vlmrl's vLLM backend trains full weights only (yet), so the run generates in-process (the vLLM fields are written)"
+VLLM_GPU_ONLY = "vLLM on GPU only"
 ZERO = "ZeRO / FSDP: launch with accelerate and a config from configs/accelerate (docs/scaling_out.md)"
 LAUNCH = "processes and nodes: the launcher's (accelerate launch --num_processes / torchrun), not a config key"
 TRACKER_NAME = "run / project names: the trackers' own environment variables (WANDB_PROJECT, WANDB_NAME, MLFLOW_EXPERIMENT_NAME)"
@@ -92,7 +95,7 @@ TRL_KEYS: dict[str, str] = {
     "save_strategy": "training.save_steps",
 }
 TRL_REASONS: dict[str, str] = {
-    "use_vllm": VLLM,
+    "use_vllm": VLLM,  # false; true is convert_vllm's
     "deepspeed": ZERO,
     "fsdp": ZERO,
     "run_name": TRACKER_NAME,
@@ -115,6 +118,66 @@ TRL_REASONS: dict[str, str] = {
     "num_processes": LAUNCH,
 }
 TRL_REASON_PREFIXES = {"vllm_": VLLM, "hub_": "vlmrl writes output_dir/final; upload it yourself", "wandb_": TRACKER_NAME}
+
+# The peers' vLLM settings (TRL's GRPOConfig, ms-swift's rlhf arguments) -> vlmrl's rollout fields of the same meaning.
+VLLM_KEYS = {
+    "vllm_gpu_memory_utilization": "rollout.vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size": "rollout.vllm_tensor_parallel_size",
+    "vllm_max_model_length": "rollout.vllm_max_model_length",  # TRL
+    "vllm_max_model_len": "rollout.vllm_max_model_length",  # ms-swift
+}
+# What each peer runs when the source leaves a vLLM setting out: TRL's GRPOConfig (vllm_mode server, a 0.3 cap) and
+# ms-swift's rlhf arguments (colocate unless a server host is given, a 0.9 cap).
+VLLM_DEFAULTS = {"trl": {"vllm_mode": "server", "cap": 0.3}, "ms-swift": {"vllm_mode": "colocate", "cap": 0.9}}
+
+
+def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool) -> set[str]:
+    """use_vllm true: rollout.backend=vllm colocated, with the source's cap (or its trainer's default), sleep level
+    (TRL's vllm_enable_sleep_mode sleeps at level 2, ms-swift's sleep_level as given), tensor-parallel size and
+    max model length. Server mode is not converted (listed); with LoRA the fields are written but the backend stays
+    in-process (vlmrl's vLLM backend trains full weights only). Returns the keys handled; use_vllm false or unset:
+    none (they are listed as the source not using vLLM)."""
+    if source.get("use_vllm") is not True:
+        sleep = {"sleep_level", "vllm_enable_sleep_mode"} & set(source)
+        for key in sleep:
+            out.skip(key, VLLM)
+        return sleep
+    defaults = VLLM_DEFAULTS.get(peer, VLLM_DEFAULTS["trl"])
+    mode = source.get("vllm_mode") or ("server" if source.get("vllm_server_host") else defaults["vllm_mode"])
+    if mode != "colocate":
+        keys = {"use_vllm", *(k for k in source if k.startswith("vllm_"))}
+        for key in sorted(keys):
+            out.skip(key, VLLM_SERVER + (" (TRL's default vllm_mode is server)" if "vllm_mode" not in source else ""))
+        return keys
+    handled = {"use_vllm", "vllm_mode", *VLLM_KEYS, "vllm_enable_sleep_mode", "sleep_level"}
+    for key in sorted(k for k in source if k.startswith("vllm_") and k not in handled):  # vllm_enable_lora, vllm_enforce_eager, ...
+        out.skip(key, "a vLLM engine setting vlmrl does not expose (vlmrl's engine: docs/vllm.md)")
+        handled.add(key)
+    if lora:
+        out.skip("use_vllm", VLLM_LORA)
+    else:
+        out.set("rollout.backend", "vllm")
+        out.set("rollout.vllm_mode", "colocate")
+    for key, target in VLLM_KEYS.items():
+        if source.get(key) is not None:
+            out.set(target, source[key])
+    if "vllm_gpu_memory_utilization" not in source:
+        out.fill("rollout.vllm_gpu_memory_utilization", defaults["cap"])
+        out.notes.append(f"{peer}'s vLLM cap for what the source leaves unset: rollout.vllm_gpu_memory_utilization={defaults['cap']}")
+    level = 2 if source.get("vllm_enable_sleep_mode") is True else source.get("sleep_level")
+    if level:
+        out.set("rollout.vllm_sleep_level", int(level))
+    return handled
+
+
+def _vllm_gpu_notes(out: Conversion) -> None:
+    """Settings that only act on a GPU: stored (the planner counts them), and `vlmrl check` says they are not applied on CPU."""
+    defaults = {"rollout.vllm_sleep_level": 0, "rollout.vllm_tensor_parallel_size": 1}
+    gpu_only = [f"{k}={out.settings[k]}" for k, default in defaults.items() if out.settings.get(k, default) != default]
+    if gpu_only:
+        out.notes.append(
+            f"{', '.join(gpu_only)}: {VLLM_GPU_ONLY}; stored, counted by `vlmrl plan`, and `vlmrl check` says they are not applied on CPU"
+        )
 
 
 class Conversion:
@@ -447,7 +510,9 @@ def from_trl(source: dict[str, Any]) -> Conversion:
     if funcs is not None:
         out.skip("reward_funcs", "TRL takes reward functions in Python; name yours in algorithm.reward_funcs as path/to/file.py:function")
     handled = convert_environment(source, out) | convert_trl_algorithm(source, out)
+    handled |= convert_vllm(source, out, "trl", lora=source.get("use_peft") is True)
     convert_trl_keys(source, out, {"reward_funcs", *handled})
+    _vllm_gpu_notes(out)
     filled = [f"{k}={v}" for k, v in TRL_DEFAULTS.items() if k not in out.settings]
     for key, value in TRL_DEFAULTS.items():
         if key not in out.settings:
@@ -512,7 +577,9 @@ def from_vlm_r1(source: dict[str, Any]) -> Conversion:
             out.skip(key, why)
     handled = {"data_file_paths", "image_folders", "reward_funcs", "reward_method", "task_type", "is_reward_customized_from_vlm_module"}
     handled |= convert_environment(source, out) | convert_trl_algorithm(source, out)
+    handled |= convert_vllm(source, out, "trl", lora=source.get("use_peft") is True)
     convert_trl_keys(source, out, handled | {"val_split_ratio", "max_anyres_num", "arrow_cache_dir"})
+    _vllm_gpu_notes(out)
     return out
 
 
@@ -523,9 +590,8 @@ SWIFT_REASONS = {
     "async_generate": VLLM,
     "load_from_cache_file": "rows are read directly",
     "target_modules": "model.lora_target_modules (module names; all-linear is not a name)",
-    "sleep_level": VLLM,
-    "offload_model": "moves the model aside while vLLM generates: " + VLLM,
-    "offload_optimizer": "moves the optimizer aside while vLLM generates: " + VLLM,
+    "offload_model": "moves the trained model to host RAM while vLLM generates: vlmrl keeps it on the device (no such offload); "
+    "`vlmrl plan` counts it there",
     "use_bias_correction_kl": "ms-swift's GRPO loss does not read it: its KL is low_var_kl (algorithm.kl_estimator)",
 }
 SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
@@ -563,9 +629,13 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     for key, why in SWIFT_REASONS.items():
         if key in source:
             out.skip(key, why)
+    if "offload_optimizer" in source:  # the optimizer states wait in host RAM while vLLM generates (and scores, in vlmrl)
+        out.set("memory.offload_optimizer_during_rollout", bool(source["offload_optimizer"]))
     levels = ("token", "sequence", "sequence_token")
     handled = SWIFT_HANDLED | convert_environment(source, out) | convert_trl_algorithm(source, out, levels)
-    convert_trl_keys(source, out, handled)
+    handled |= convert_vllm(source, out, "ms-swift", lora=bool(out.settings.get("model.use_lora")))
+    convert_trl_keys(source, out, handled | {"offload_optimizer"})
+    _vllm_gpu_notes(out)
     defaults = {**SWIFT_DEFAULTS, **(SWIFT_LORA_DEFAULTS if out.settings.get("model.use_lora") else {})}
     filled = [f"{k}={v}" for k, v in defaults.items() if k not in out.settings]
     for key, value in defaults.items():
@@ -681,6 +751,8 @@ def from_easyr1(source: dict[str, Any]) -> Conversion:
         else:
             handler(value, out, source)
     _easyr1_loss(source, out)
+    _easyr1_vllm(source, out)
+    _vllm_gpu_notes(out)
     return out
 
 
@@ -770,8 +842,12 @@ EASYR1_REASONS = {
 def _easyr1_reason(dotted: str) -> str:
     if dotted in EASYR1_REASONS:
         return EASYR1_REASONS[dotted]
+    if dotted == "worker.rollout.enforce_eager":
+        return "vlmrl runs vLLM eagerly (no CUDA graphs)"
+    if dotted.startswith("worker.rollout.val_override_config."):
+        return "evaluation samples greedily with the in-process engine (vlmrl eval, training.eval_steps)"
     if dotted.startswith("worker.rollout."):
-        return VLLM
+        return "a setting of EasyR1's vLLM workers vlmrl does not expose"
     if ".fsdp." in dotted or ".offload." in dotted or dotted.endswith(("padding_free", "dynamic_batching", "ulysses_size")):
         return ZERO
     if dotted.startswith("worker.ref."):
@@ -886,6 +962,33 @@ def _ignore(_value, _out: Conversion, _source) -> None:
     return None
 
 
+EASYR1_VLLM_CAP = 0.6  # worker.rollout.gpu_memory_utilization in EasyR1's examples/config.yaml
+
+
+def _easyr1_vllm(source: dict, out: Conversion) -> None:
+    """EasyR1 always rolls out with vLLM colocated on the actor's GPUs (its hybrid engine), asleep at level 1 while the
+    actor trains (FSDPVLLMShardingManager.offload_vllm): rollout.backend=vllm with sleep level 1 and its cap; with LoRA
+    the fields are written and the run generates in-process (vlmrl's vLLM backend trains full weights only)."""
+    worker = source.get("worker") or {}
+    lora = ((worker.get("actor") or {}).get("model") or {}).get("lora") or {}
+    if lora.get("rank"):
+        out.skip("worker.rollout", VLLM_LORA)
+    else:
+        out.fill("rollout.backend", "vllm")
+        out.fill("rollout.vllm_mode", "colocate")
+    out.fill("rollout.vllm_sleep_level", 1)
+    cap = (worker.get("rollout") or {}).get("gpu_memory_utilization")
+    (out.set if cap is not None else out.fill)("rollout.vllm_gpu_memory_utilization", cap if cap is not None else EASYR1_VLLM_CAP)
+
+
+def _chunked_prefill(value, out: Conversion, _source) -> None:
+    if value:
+        out.skip(
+            "worker.rollout.enable_chunked_prefill",
+            "true: vlmrl prefills whole prompts (a chunked prefill rewinds a seeded request's generator, which fails on CPU)",
+        )
+
+
 def _limit_images(value, out: Conversion, _source) -> None:
     if value:
         out.set("data.limit_images", value)
@@ -918,6 +1021,10 @@ EASYR1_KEYS: dict[str, Any] = {
     "algorithm.kl_penalty": _ignore,  # read by _easyr1_loss
     **{f"worker.actor.{k}": _ignore for k in (*EASYR1_LOSS_DEFAULTS, "tau_positive", "tau_negative", "ppo_epochs")},
     "worker.rollout.limit_images": _limit_images,
+    "worker.rollout.gpu_memory_utilization": _ignore,  # read by _easyr1_vllm
+    "worker.rollout.tensor_parallel_size": "rollout.vllm_tensor_parallel_size",
+    "worker.rollout.max_model_len": "rollout.vllm_max_model_length",
+    "worker.rollout.enable_chunked_prefill": _chunked_prefill,
     "algorithm.online_filtering": "algorithm.dynamic_sampling",
     "algorithm.filter_key": _filter_key,
     "trainer.max_try_make_batch": _max_batches,
@@ -1069,6 +1176,8 @@ def convert(peer: str, args: list[str], processes: int | None = None) -> Convers
         swift_batch_defaults(result, source, processes)
     if peer in PER_DEVICE_PEERS:
         scale_batches(result, source, processes)
+    if result.settings.get("rollout.backend") == "vllm" and (processes or process_count(source)[0] or 1) > 1:
+        result.notes.append("rollout.backend=vllm runs in one training process in this version: launched on several, it is refused")
     tree: dict[str, dict[str, Any]] = {}
     for key, value in result.settings.items():
         _merge_key(tree, key, value, f"converted {key}")
