@@ -162,3 +162,40 @@ def test_check_says_the_gpu_only_settings_are_not_applied_on_cpu():
     assert "vllm_sleep_level=1" in said and "vllm_tensor_parallel_size=4" in said and "not applied on CPU" in said
     assert not_applied(load_config(None, ["rollout.backend=vllm"])) == ""
     assert _max_model_len(load_config(None, ["vllm_max_model_len=3000"])) == 3000  # the engine is built with it
+
+
+def _weights(path: Path, train: list[list[float]], sampled: list[list[float]]):
+    import torch
+
+    from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS
+
+    a = load_config(path).algorithm
+    t, s = torch.tensor(train, dtype=torch.float64), torch.tensor(sampled, dtype=torch.float64)
+    return a, ROLLOUT_CORRECTIONS[a.rollout_correction](t, s, torch.ones_like(t), a.rollout_correction_min, a.rollout_correction_max)
+
+
+def test_trl_importance_sampling_defaults_mask_sequences_whose_ratio_passes_3(tmp_path):
+    """TRL with vLLM weights the loss by trainer / vLLM probability, by default per sequence, masking a sequence whose
+    ratio (the product of its tokens') is above 3.0: row 0's ratio e^0.5 = 1.65 is kept, row 1's e^1.2 = 3.32 is 0."""
+    import math
+
+    result, path = _converted(tmp_path, "trl", ["--model_name_or_path", "m", "--use_vllm", "--vllm_mode", "colocate"])
+    assert {"algorithm.rollout_correction", "algorithm.rollout_correction_max"} <= result.filled
+    a, w = _weights(path, [[-1.0, -1.0], [-0.4, -0.4]], [[-1.2, -1.3], [-1.0, -1.0]])
+    assert a.rollout_correction == "sequence_mask" and a.rollout_correction_max == 3.0
+    assert w[0].tolist() == pytest.approx([math.exp(0.5)] * 2) and w[1].tolist() == [0.0, 0.0]
+
+
+def test_trl_importance_sampling_mode_and_bounds_keep_their_meaning(tmp_path):
+    """token_truncate with clip_max 2.0: each token's ratio, min(ratio, 2) (TRL: rho <- min(rho, C)); correction false
+    is none; the config takes the mode and bounds under TRL's names too."""
+    import math
+
+    words = ["--model_name_or_path", "m", "--use_vllm", "--vllm_mode", "colocate", "--vllm_importance_sampling_mode", "token_truncate"]
+    _result, path = _converted(tmp_path, "trl", [*words, "--vllm_importance_sampling_clip_max", "2.0"], "truncate")
+    _a, w = _weights(path, [[-1.0, -0.1]], [[-1.2, -1.5]])
+    assert w[0].tolist() == pytest.approx([math.exp(0.2), 2.0])
+    off = convert("trl", [*words, "--vllm_importance_sampling_correction", "false"])
+    assert off.settings["algorithm.rollout_correction"] == "none"
+    cfg = load_config(None, ["vllm_importance_sampling_mode=token_mask", "vllm_importance_sampling_cap=2.5"])
+    assert (cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_max) == ("token_mask", 2.5)

@@ -740,6 +740,12 @@ VLLM_ALIASES: dict[str, str | None] = {
     "worker.rollout.temperature": "rollout.temperature",
     "worker.rollout.top_p": "rollout.top_p",
     "worker.rollout.limit_images": "data.limit_images",
+    # TRL's correction of the vLLM / trainer mismatch: vlmrl's rollout_correction takes its mode names; the ratio's
+    # bounds are clip_min / clip_max (cap: TRL's earlier name of clip_max). Its on/off switch is vlmrl convert's.
+    "vllm_importance_sampling_mode": "algorithm.rollout_correction",
+    "vllm_importance_sampling_cap": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_max": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_min": "algorithm.rollout_correction_min",
 }
 PEER_ALIASES.update(VLLM_ALIASES)
 

@@ -150,6 +150,8 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
             out.skip(key, VLLM_SERVER + (" (TRL's default vllm_mode is server)" if "vllm_mode" not in source else ""))
         return keys
     handled = {"use_vllm", "vllm_mode", *VLLM_KEYS, "vllm_enable_sleep_mode", "sleep_level"}
+    if peer == "trl":
+        handled |= _trl_importance_sampling(source, out)
     for key in sorted(k for k in source if k.startswith("vllm_") and k not in handled):  # vllm_enable_lora, vllm_enforce_eager, ...
         out.skip(key, "a vLLM engine setting vlmrl does not expose (vlmrl's engine: docs/vllm.md)")
         handled.add(key)
@@ -168,6 +170,39 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
     if level:
         out.set("rollout.vllm_sleep_level", int(level))
     return handled
+
+
+# TRL's correction of the vLLM / trainer mismatch when it generates with vLLM: on by default, sequence_mask, ratios
+# above 3.0 masked (GRPOConfig's vllm_importance_sampling_*; cap is the earlier name of clip_max).
+TRL_IS_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask"}
+TRL_IS_BOUNDS = {
+    "vllm_importance_sampling_cap": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_max": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_min": "algorithm.rollout_correction_min",
+}
+
+
+def _trl_importance_sampling(source: dict[str, Any], out: Conversion) -> set[str]:
+    """TRL weights each token's loss by its trainer / vLLM probability ratio when it generates with vLLM (on by
+    default): vlmrl's algorithm.rollout_correction of the same mode names and bounds (algo/mismatch.py), TRL's
+    defaults written when the source leaves them out; vllm_importance_sampling_correction false is none."""
+    keys = {*TRL_IS_DEFAULTS, *TRL_IS_BOUNDS}
+    on = source.get("vllm_importance_sampling_correction", True)
+    if on is False:
+        out.set("algorithm.rollout_correction", "none")
+        return keys
+    mode = source.get("vllm_importance_sampling_mode")
+    (out.set if mode else out.fill)("algorithm.rollout_correction", mode or TRL_IS_DEFAULTS["vllm_importance_sampling_mode"])
+    for key, target in TRL_IS_BOUNDS.items():
+        if key in source:
+            out.set(target, source[key])
+    if not {"vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max"} & set(source):
+        out.fill("algorithm.rollout_correction_max", 3.0)
+    if not mode:
+        out.notes.append(
+            "TRL corrects the vLLM / trainer mismatch by default: algorithm.rollout_correction=sequence_mask, rollout_correction_max=3.0"
+        )
+    return keys
 
 
 def _vllm_gpu_notes(out: Conversion) -> None:
