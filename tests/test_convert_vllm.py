@@ -20,8 +20,7 @@ pytestmark = pytest.mark.unit
 
 CONFIGS = Path(__file__).parent / "peers" / "configs"
 
-# ms-swift #4311's command line (its model path replaced by the hub id, its `$(expr 16 / $nproc_per_node)` by its value 4;
-# eval / save / logging flags left out), with the
+# ms-swift #4311's command line (its model path replaced by the hub id; eval / save / logging flags left out), with the
 # vLLM colocation issue 34 reports for the run: use_vllm at half the GPU.
 SEED_003 = """nproc_per_node=4
 
@@ -37,7 +36,7 @@ swift rlhf \\
     --max_completion_length 1024 \\
     --per_device_train_batch_size 8 \\
     --learning_rate 1e-5 \\
-    --gradient_accumulation_steps 4 \\
+    --gradient_accumulation_steps $(expr 16 / $nproc_per_node) \\
     --max_length 2048 \\
     --num_generations 8 \\
     --temperature 1 \\
@@ -73,6 +72,7 @@ def test_seed_003_converts_to_vllm_colocated_at_half_of_each_gpu_and_does_not_fi
     s = result.settings
     assert s["rollout.backend"] == "vllm" and s["rollout.vllm_mode"] == "colocate" and s["rollout.vllm_gpu_memory_utilization"] == 0.5
     assert not {"use_vllm", "vllm_gpu_memory_utilization"} & set(result.unmapped)
+    assert s["training.gradient_accumulation_steps"] == 4 * 4  # $(expr 16 / 4) per GPU x 4 GPUs (vlmrl's batches are global)
     cfg, p = _plan(path, 4, 90)
     # ms-swift: every GPU's engine holds 0.5 x that GPU through the whole step (no sleep_level)
     assert p.vllm["reservation"] == int(0.5 * 90 * GiB) and p.vllm["sleep_level"] == 0
@@ -199,3 +199,14 @@ def test_trl_importance_sampling_mode_and_bounds_keep_their_meaning(tmp_path):
     assert off.settings["algorithm.rollout_correction"] == "none"
     cfg = load_config(None, ["vllm_importance_sampling_mode=token_mask", "vllm_importance_sampling_cap=2.5"])
     assert (cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_max) == ("token_mask", 2.5)
+
+
+def test_a_batch_size_the_script_computes_otherwise_is_refused_in_one_line(tmp_path):
+    """`$(expr 16 / $n)` is evaluated as expr does (seed-003 above); a command substitution it cannot evaluate leaves a
+    batch size unknown, which is refused naming the key (it used to end in a TypeError traceback)."""
+    script = SEED_003.replace("$(expr 16 / $nproc_per_node)", "$(cat accumulation.txt)")
+    with pytest.raises(ConfigError, match=r"training.gradient_accumulation_steps = .* computes when it runs"):
+        _converted(tmp_path, "ms-swift", script)
+    script = SEED_003.replace("$(expr 16 / $nproc_per_node)", "$(python -c 'print(4)')")  # nested parentheses
+    with pytest.raises(ConfigError, match=r"training.gradient_accumulation_steps = .* not a whole number"):
+        _converted(tmp_path, "ms-swift", script, "nested")

@@ -389,7 +389,24 @@ def _easyr1_base(name: str, script: Path | None) -> dict[str, Any]:
 
 
 def _substitute(text: str, variables: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), text)
+    filled = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), text)
+    return _command_substitutions(filled)
+
+
+# `$(expr 16 / 4)`, as ms-swift's scripts compute gradient_accumulation_steps (#4311): expr's integer arithmetic.
+EXPR = re.compile(r"\$\(\s*expr\s+(-?\d+)\s*(\\?\*|[-+/%])\s*(-?\d+)\s*\)")
+EXPR_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: int(a / b), "%": lambda a, b: a % b}
+
+
+def _command_substitutions(text: str) -> str:
+    """`$(expr a op b)` of two integers as its value (expr truncates division towards zero); any other `$(...)` as
+    one `${command_output}` word, which drop_unresolved then lists (its value exists only when the script runs)."""
+
+    def value(m: re.Match) -> str:
+        a, op, b = int(m[1]), m[2].lstrip("\\"), int(m[3])
+        return m[0] if op in "/%" and b == 0 else str(EXPR_OPS[op](a, b))
+
+    return re.sub(r"\$\([^()]*\)", "${command_output}", EXPR.sub(value, text))
 
 
 def _env_prefix(words: list[str]) -> list[str]:
@@ -1181,12 +1198,19 @@ def _comment_after_continuation(args: list[str]) -> list[str]:
     ]
 
 
+BATCH_KEYS = ("training.gradient_accumulation_steps", "training.per_device_train_batch_size", "rollout.num_generations")
+
+
 def drop_unresolved(result: Conversion) -> None:
     """Settings whose value still holds a shell variable the script computes when it runs (``${REPO_HOME}``):
     left out and listed, rather than written as a path with ``$`` in it."""
     for key, value in list(result.settings.items()):
         texts = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
         found = [m for m in map(UNRESOLVED.search, texts) if m]
+        if key in BATCH_KEYS and (found or isinstance(value, bool) or not isinstance(value, int)):
+            # left out, the batch would be scaled and planned from a wrong size
+            why = f"uses ${found[0][1]}, which the script computes when it runs" if found else "is not a whole number (a command the script runs?)"
+            raise ConfigError(f"{key} = {value!r} {why}: give its value in the arguments")
         if found:
             del result.settings[key]
             result.skip(key, f"{value!r} uses ${found[0][1]}, which the script sets when it runs: give {key} yourself")
