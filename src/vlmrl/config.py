@@ -204,6 +204,19 @@ class RolloutConfig:
         0.3,
         "rollout.backend=vllm: the share of the device's memory vLLM reserves for its weights and KV cache (on CPU: of the host memory of the first NUMA node).",
     )
+    # vLLM's other settings under the peers' names (TRL / ms-swift / EasyR1 spell them so; config.VLLM_ALIASES)
+    vllm_sleep_level: int = _f(
+        0,
+        "rollout.backend=vllm on GPU: vLLM sleeps during scoring and the update: 0 = never, 1 = weights to host RAM and KV cache freed, 2 = both discarded (ms-swift: sleep_level; TRL's vllm_enable_sleep_mode is level 2); the planner counts it; not applied on CPU (vLLM refuses sleep there).",
+    )
+    vllm_tensor_parallel_size: int = _f(
+        1,
+        "rollout.backend=vllm on GPU: ranks one vLLM engine's weights and KV heads are split over (TRL / ms-swift: vllm_tensor_parallel_size, EasyR1: tensor_parallel_size); the planner counts it; only 1 runs (one training process, yet).",
+    )
+    vllm_max_model_length: Optional[int] = _f(
+        None,
+        "rollout.backend=vllm: vLLM's max_model_len, prompt + completion tokens (TRL: vllm_max_model_length, ms-swift: vllm_max_model_len, EasyR1: max_model_len); null = data.max_prompt_length + rollout.max_completion_length, or the model's context.",
+    )
 
 
 @dataclass(frozen=True)
@@ -721,12 +734,50 @@ PEER_ALIASES: dict[str, str | None] = {
     "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
     "reward_model.overlong_buffer.log": None,  # vlmrl always logs the term (rewards/overlong)
 }
+# The peers' names for vLLM's settings that vlmrl's fields do not already carry (TRL's vllm_mode,
+# vllm_gpu_memory_utilization and vllm_tensor_parallel_size are the fields' own names): TRL, ms-swift, EasyR1.
+VLLM_ALIASES: dict[str, str | None] = {
+    "vllm_enable_sleep_mode": "rollout.vllm_sleep_level",  # TRL: true sleeps at level 2 (its GRPOTrainer calls sleep(level=2))
+    "sleep_level": "rollout.vllm_sleep_level",  # ms-swift
+    "vllm_max_model_len": "rollout.vllm_max_model_length",  # ms-swift
+    "worker.rollout.gpu_memory_utilization": "rollout.vllm_gpu_memory_utilization",  # EasyR1
+    "worker.rollout.tensor_parallel_size": "rollout.vllm_tensor_parallel_size",
+    "worker.rollout.max_model_len": "rollout.vllm_max_model_length",
+    "worker.rollout.n": "rollout.num_generations",
+    "worker.rollout.temperature": "rollout.temperature",
+    "worker.rollout.top_p": "rollout.top_p",
+    "worker.rollout.limit_images": "data.limit_images",
+    # TRL's correction of the vLLM / trainer mismatch: vlmrl's rollout_correction takes its mode names; the ratio's
+    # bounds are clip_min / clip_max (cap: TRL's earlier name of clip_max). Its on/off switch is vlmrl convert's.
+    "vllm_importance_sampling_mode": "algorithm.rollout_correction",
+    "vllm_importance_sampling_cap": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_max": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_min": "algorithm.rollout_correction_min",
+}
+PEER_ALIASES.update(VLLM_ALIASES)
+
+
+def _vllm_value(name: str, value: Any, source: str) -> Any:
+    """A vLLM alias's value as vlmrl's field takes it: TRL's sleep switch as a level; EasyR1's limit 0 (no limit)."""
+    if name == "vllm_enable_sleep_mode":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: vllm_enable_sleep_mode={value!r}: expected true or false (or set rollout.vllm_sleep_level 0, 1 or 2)")
+        return 2 if value else 0
+    if name == "worker.rollout.limit_images" and value == 0:
+        raise ConfigError(
+            f"{source}: worker.rollout.limit_images=0 means no limit in EasyR1; vlmrl keeps data.limit_images images a row: give it (e.g. 4)"
+        )
+    return value
+
+
 # verl's filter_groups.metric names for the values vlmrl's rewards have.
 VERL_METRICS = {"acc": "accuracy", "score": "reward", "seq_reward": "reward", "seq_final_reward": "reward"}
 
 
 def _peer_value(name: str, value: Any, source: str) -> Any:
     """A peer alias's value as vlmrl's field takes it; an unbounded count of generation batches is refused."""
+    if name in VLLM_ALIASES:
+        return _vllm_value(name, value, source)
     if name == "algorithm.filter_groups.metric" and value in VERL_METRICS:
         return VERL_METRICS[value]
     if name == "max_resample_times" and isinstance(value, int) and value <= 0:
@@ -946,6 +997,12 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         (
             0.0 < r.vllm_gpu_memory_utilization <= 1.0,
             f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: a share of the device memory, in (0, 1]",
+        ),
+        (r.vllm_sleep_level in (0, 1, 2), f"rollout.vllm_sleep_level={r.vllm_sleep_level}: use 0 (no sleep), 1 or 2"),
+        (r.vllm_tensor_parallel_size >= 1, f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} must be >= 1"),
+        (
+            r.vllm_max_model_length is None or r.vllm_max_model_length >= 2,
+            f"rollout.vllm_max_model_length={r.vllm_max_model_length} must be >= 2 (or null)",
         ),
         (
             r.steps_per_generation is None or r.generation_batch_size is None,

@@ -106,11 +106,27 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         gpu_memory_bytes=gpu_memory_bytes,
     )
     kw.update(multiturn_fields(cfg))
+    kw.update(vllm_fields(cfg))
     host_gib = getattr(t, "auto_fit_host_memory_gib", None)
     if host_gib:
         kw["host_memory_bytes"] = int(host_gib * GiB)
     kw.update(extra)
     return Workload(**kw)
+
+
+def vllm_fields(cfg) -> dict:
+    """Workload fields of a colocated vLLM (rollout.backend=vllm): its cap, sleep level, tensor-parallel size, the
+    images per prompt it is profiled for (data.limit_images) and its max_model_len. {} for the in-process engine."""
+    r = cfg.rollout
+    if getattr(r, "backend", "inprocess") != "vllm":
+        return {}
+    return {
+        "vllm_gpu_memory_utilization": r.vllm_gpu_memory_utilization,
+        "vllm_sleep_level": getattr(r, "vllm_sleep_level", 0),
+        "vllm_tensor_parallel_size": getattr(r, "vllm_tensor_parallel_size", 1),
+        "vllm_limit_images": cfg.data.limit_images,
+        "vllm_max_model_len": getattr(r, "vllm_max_model_length", None) or 0,
+    }
 
 
 def teacher_params(algo) -> int:

@@ -465,8 +465,8 @@ def generation_rows(w: Workload) -> tuple[int, int]:
 
 def kv_cache(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     """The rollout's KV cache: k and v of every full-attention layer for each held row's prompt + completion, plus
-    Qwen3.5's per-row linear-attention states. SFT has no rollout."""
-    if w.mode == "sft":
+    Qwen3.5's per-row linear-attention states. SFT has no rollout; with vLLM (plan.vllm) the trainer does not generate."""
+    if w.mode == "sft" or w.vllm_gpu_memory_utilization > 0:
         return 0
     cb = compute_bytes(w)
     rows = generation_rows(w)[0]
@@ -486,8 +486,8 @@ def tool_image_encode(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
 def generation_temporaries(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     """The rollout's largest transient: a prefill layer's MLP / attention temporaries, eager scores of the prefill,
     the vision tower's temporaries over the prefilled images or over a tool turn's images (tool_image_encode), or
-    sampling's float32 logits (3 per row). SFT: none."""
-    if w.mode == "sft":
+    sampling's float32 logits (3 per row). SFT, and a rollout vLLM samples (plan.vllm): none."""
+    if w.mode == "sft" or w.vllm_gpu_memory_utilization > 0:
         return 0
     cb = compute_bytes(w)
     rows, ppc = generation_rows(w)
