@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from vlmrl.config import Config, ConfigError
-from vlmrl.rewards.functions import FACTORY_SPEC_RE, TrainerState, compute_rewards, load_reward, reward_inputs, soft_overlong_punishment
+import functools
+
+from vlmrl.rewards.functions import (
+    FACTORY_SPEC_RE,
+    TrainerState,
+    compute_rewards,
+    describe_sample,
+    load_reward,
+    reward_inputs,
+    soft_overlong_punishment,
+)
+from vlmrl.rewards.judge import JudgeReward, build_judge
 from vlmrl.rewards.peers import split_kind
 
 
@@ -51,6 +62,9 @@ def score_rollout(
     if comp is not None:
         completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
     epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
+    for fn in funcs.values():  # the judge names a fallback's row in its log line
+        if isinstance(fn, JudgeReward):
+            fn.where = functools.partial(describe_sample, when=when, sources=row_sources(rows, repeats), columns=columns)
     state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
     return compute_rewards(
         funcs,
@@ -80,7 +94,8 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
         raise ConfigError(f"algorithm.reward_funcs lists the same reward twice: {names}")
     # EasyR1's answer_key is the column data.columns.solution names (convert maps data.answer_key there), else "answer".
     answer_key = cfg.data.columns.get("solution") or None
-    funcs = {k: load_reward(n, answer_key) for k, n in zip(keys, names)}
+    # `judge` is the generative reward of the judge section (rewards/judge.py), built from the config
+    funcs = {k: build_judge(cfg) if n == "judge" else load_reward(n, answer_key) for k, n in zip(keys, names)}
     weights = dict(zip(keys, weights))
     a = cfg.algorithm
     if a.overlong_shaping:  # DAPO's soft overlong punishment, weighted by its penalty factor
