@@ -270,13 +270,16 @@ def test_an_unreachable_server_is_a_config_error_naming_the_field():
 
 
 def test_a_bad_judge_folder_is_a_config_error_naming_the_field(tmp_path):
+    import torch
+
+    from vlmrl.models.judge import local_judge_on
     from vlmrl.rewards.judge import build_judge
 
     (tmp_path / "empty").mkdir()
     for folder in (tmp_path / "missing", tmp_path / "empty"):
         cfg = load_config(None, ["algorithm.reward_funcs=[judge]", f"judge.model_path={folder}"])
         with pytest.raises(ConfigError, match=f"^judge.model_path={folder}: "):
-            build_judge(cfg)
+            build_judge(cfg, local_judge_on(torch.device("cpu")))
 
 
 # ---------------------------------------------------------------- the planner

@@ -1398,7 +1398,7 @@ def reference_markdown() -> str:
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = json.dumps(default) if not isinstance(default, str) else default
-            shown = shown.replace("|", "\\|")
+            shown = shown.replace("|", "\\|").replace("\n", "\\n")  # a table cell is one line: a newline shows as \n
             lines.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace('|', 'or')} | `{shown}` | {field_doc(f)} |")
         lines.append("")
     return "\n".join(lines)

@@ -110,81 +110,9 @@ class Reply:
     failure: str | None = None  # why no reply came (timeout, refused, HTTP error): the fallback score, not cached
 
 
-def _chat(request: JudgeRequest, image_part: Callable[[Any], dict]) -> list[dict]:
+def chat_messages(request: JudgeRequest, image_part: Callable[[Any], dict]) -> list[dict]:
     """One user turn: the images first, then the text (as vlmrl's prompts place them)."""
     return [{"role": "user", "content": [*(image_part(im) for im in request.images), {"type": "text", "text": request.text}]}]
-
-
-# ---------------------------------------------------------------- in-process judge
-_LOADED: dict[tuple[str, str], tuple[Any, Any]] = {}  # (folder, device) -> (model, processor): loaded once per process
-
-
-class LocalJudge:
-    """judge.model_path in this process: loaded by models.teacher.load_frozen on first use (frozen, eval mode, no
-    grad), greedy decoding, judge.batch_size requests per generate call, judge.timeout_s as generate's max_time."""
-
-    def __init__(self, cfg: Config, device):
-        self.cfg, self.j, self.device = cfg, cfg.judge, device
-        check_judge_folder(self.j.model_path, cfg.model.trust_remote_code)
-
-    def loaded(self):
-        key = (str(self.j.model_path), str(self.device))
-        if key not in _LOADED:
-            from vlmrl.models.teacher import load_frozen
-
-            _LOADED[key] = load_frozen(self.cfg, self.device, self.j.model_path)
-        return _LOADED[key]
-
-    def replies(self, requests: list[JudgeRequest]) -> list[Reply]:
-        out: list[Reply] = []
-        for start in range(0, len(requests), self.j.batch_size):
-            out += self._generate(requests[start : start + self.j.batch_size])
-        return out
-
-    def _generate(self, requests: list[JudgeRequest]) -> list[Reply]:
-        import torch
-
-        from vlmrl.models.logprobs import model_inputs
-        from vlmrl.models.processing import decode, encode_prompts, render_chat
-        from vlmrl.models.rollout import eos_token_ids, vision_token_ids
-
-        model, processor = self.loaded()
-        texts = [render_chat(processor, _chat(r, lambda _: {"type": "image"}), add_generation_prompt=True) for r in requests]
-        batch = {k: v.to(self.device) if hasattr(v, "to") else v for k, v in encode_prompts(processor, texts, [r.images for r in requests]).items()}
-        eos = eos_token_ids(model, processor.tokenizer)
-        pad = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else eos[0]
-        started = time.monotonic()
-        with torch.no_grad():
-            out = model.generate(
-                **model_inputs(batch),
-                do_sample=False,  # greedy: the same judgement on resume
-                max_new_tokens=self.j.max_new_tokens,
-                max_time=self.j.timeout_s,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                suppress_tokens=vision_token_ids(model) or None,
-            )
-        new = out[:, batch["input_ids"].shape[1] :]
-        timed_out = time.monotonic() - started >= self.j.timeout_s
-        replies = []
-        for ids, text in zip(new.tolist(), decode(processor, new)):
-            finished = any(t in eos for t in ids) or len(ids) >= self.j.max_new_tokens
-            replies.append(Reply(text) if finished or not timed_out else Reply(failure=f"no reply within judge.timeout_s={self.j.timeout_s:g}"))
-        return replies
-
-
-def check_judge_folder(path: str, trust_remote_code: bool) -> None:
-    """ConfigError naming judge.model_path unless it is a complete model folder with the weights its config needs."""
-    from vlmrl.models.loading import ModelLoadError, require_complete_model_folder
-    from vlmrl.models.weight_files import check_expected_weights
-
-    if not Path(path).expanduser().is_dir():
-        raise ConfigError(f"judge.model_path={path}: no such folder; point it at a model folder (vlmrl tiny writes one)")
-    try:
-        require_complete_model_folder(path)
-        check_expected_weights(Path(path).expanduser(), trust_remote_code)
-    except (ModelLoadError, OSError, ValueError) as e:
-        raise ConfigError(f"judge.model_path={path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 # ---------------------------------------------------------------- served judge (OpenAI-compatible)
@@ -221,7 +149,7 @@ class ServedJudge:
     def _ask(self, request: JudgeRequest) -> Reply:
         body = {
             "model": self.model,
-            "messages": _chat(request, lambda im: {"type": "image_url", "image_url": {"url": data_url(im)}}),
+            "messages": chat_messages(request, lambda im: {"type": "image_url", "image_url": {"url": data_url(im)}}),
             "max_tokens": self.j.max_new_tokens,
             "temperature": 0.0,
         }
@@ -338,9 +266,11 @@ def _short(text: str | None, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def build_judge(cfg: Config) -> JudgeReward:
-    """The reward `judge` of the config: the folder checked (in-process) or the server probed (served) now, so a judge
-    that cannot be had stops the run before it starts (ConfigError naming judge.model_path / judge.url)."""
+def build_judge(cfg: Config, local_judge: Callable[[Config], Any] | None = None) -> JudgeReward:
+    """The reward `judge` of the config, its judge reached now so that one that cannot be had stops the run before it
+    starts (ConfigError naming judge.model_path / judge.url): served, the server probed (ServedJudge); in-process,
+    `local_judge(cfg)` (models.judge.local_judge_on: the folder checked now, loaded on first use), which the caller
+    passes since it knows the device (and the models layer sits above this one)."""
     from vlmrl.data.rows import load_images
 
     d = cfg.data
@@ -351,16 +281,6 @@ def build_judge(cfg: Config) -> JudgeReward:
 
     if cfg.judge.url is not None:
         return JudgeReward(cfg.judge, ServedJudge(cfg.judge), images)
-    return JudgeReward(cfg.judge, LocalJudge(cfg, judge_device(cfg)), images)
-
-
-def judge_device(cfg: Config):
-    """training.device, made this process's (cuda -> the current CUDA device)."""
-    import torch
-
-    from vlmrl.engine.device import resolve_device
-
-    device = resolve_device(cfg.training.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    if local_judge is None:  # a caller that cannot run a model (none today): say so rather than fail later
+        raise ConfigError(f"judge.model_path={cfg.judge.model_path}: this command cannot run an in-process judge; use judge.url")
+    return JudgeReward(cfg.judge, local_judge(cfg), images)

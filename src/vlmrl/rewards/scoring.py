@@ -81,8 +81,9 @@ def score_rollout(
     )
 
 
-def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
-
+def load_reward_funcs(cfg: Config, local_judge=None) -> tuple[dict, dict]:
+    """({name: reward}, {name: weight}) of algorithm.reward_funcs, plus DAPO's `overlong` term when configured.
+    local_judge: the in-process judge's backend for judge.model_path (models.judge.local_judge_on(device))."""
     names = cfg.algorithm.reward_funcs
     weights = cfg.algorithm.reward_weights or [1.0] * len(names)
     # "file.py:name", "module:factory(max_len=8)" and "file.py:name@easyr1" are logged as name / factory.
@@ -95,7 +96,7 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
     # EasyR1's answer_key is the column data.columns.solution names (convert maps data.answer_key there), else "answer".
     answer_key = cfg.data.columns.get("solution") or None
     # `judge` is the generative reward of the judge section (rewards/judge.py), built from the config
-    funcs = {k: build_judge(cfg) if n == "judge" else load_reward(n, answer_key) for k, n in zip(keys, names)}
+    funcs = {k: build_judge(cfg, local_judge) if n == "judge" else load_reward(n, answer_key) for k, n in zip(keys, names)}
     weights = dict(zip(keys, weights))
     a = cfg.algorithm
     if a.overlong_shaping:  # DAPO's soft overlong punishment, weighted by its penalty factor

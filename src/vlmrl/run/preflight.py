@@ -17,6 +17,8 @@ from vlmrl.data.formats import prompt_messages_of
 from vlmrl.data.rows import DataError, sft_target
 from vlmrl.data.template_budget import TemplateBudgetError, probe, template_source
 from vlmrl.engine.device import env_world
+from vlmrl.engine.device import resolve_device
+from vlmrl.models.judge import local_judge_on
 from vlmrl.models.loading import ModelLoadError, check_attention, require_complete_model_folder
 from vlmrl.models.processing import build_row_prompt, load_processor
 from vlmrl.models.weight_files import check_expected_weights, check_weight_files
@@ -47,7 +49,8 @@ def preflight(cfg: Config, command: str, log=print):
     check_model_folder(cfg)
 
     try:
-        funcs, weights = load_reward_funcs(cfg)  # unknown names (RewardError), missing files, import errors
+        # unknown names (RewardError), missing files, import errors; a judge folder that is not a model, a judge URL unreachable
+        funcs, weights = load_reward_funcs(cfg, local_judge_on(resolve_device(cfg.training.device)))
     except ValueError as e:  # the same reward listed twice
         raise ConfigError(str(e)) from None
     if env_world()[1] != 0:
