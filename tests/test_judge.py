@@ -255,8 +255,11 @@ def test_served_judge_gives_up_after_the_retries_with_the_fallback(stub):
 @pytest.mark.parametrize("stub", ["hang"], indirect=True)
 def test_served_judge_times_out_with_the_fallback(stub):
     fn = _served(stub.url, "judge.retries=0", "judge.timeout_s=0.3", "judge.served_model=m")  # no probe: the stub hangs
-    fn.log = lambda line: None
+    lines = []
+    fn.log = lines.append
     assert fn(prompts=["q"], completions=["a"], solution=["s"]) == [0.0]
+    (line,) = lines
+    assert "1 tries failed, the last: " in line and "timed out" in line
 
 
 def test_an_unreachable_server_is_a_config_error_naming_the_field():
@@ -296,6 +299,10 @@ def test_the_planner_holds_the_judge_and_its_generation():
     assert judged.terms["judge_model"] == P * 4 and judged.terms["judge_generation"] == G
     for phase in ("rollout", "scoring", "update"):  # the judge stays on the device through the step
         assert judged.phases[phase] - base.phases[phase] >= P * 4
+    # the judge's generate (after the rollout's, before scoring) is the rollout phase's peak when it is the larger one
+    J = 64 * 2**30
+    big = plan(SPEC, dataclasses.replace(FP32, judge_params=P, judge_generate_bytes=J))
+    assert big.phases["rollout"] >= J + P * 4 > big.phases["scoring"]
 
 
 def test_workload_from_a_config_with_a_judge(tiny_qwen25vl):
@@ -370,3 +377,13 @@ def test_grpo_with_a_served_judge(tiny_qwen25vl, stub, tmp_path):
     ms = _metrics(out)
     assert len(ms) == 2 and all(m["reward"] == pytest.approx(0.7) and m["judge/fallbacks"] == 0 for m in ms)
     assert stub.bodies and all(b["messages"][0]["content"][0]["type"] == "image_url" for b in stub.bodies)
+
+
+def test_vlmrl_plan_shows_the_judge(tiny_qwen25vl, tmp_path, capsys):
+    from vlmrl.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{name_or_path: {tiny_qwen25vl}}}\nalgorithm: {{reward_funcs: [judge]}}\njudge: {{model_path: {tiny_qwen25vl}}}\n")
+    assert main(["plan", "--config", str(config)]) == 0
+    rows = dict(line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("judge_"))
+    assert set(rows) == {"judge_model", "judge_generation"} and all(float(v) > 0 for v in rows.values())

@@ -89,8 +89,6 @@ class JudgeCache:
         return True, self.entries[key]
 
     def put(self, key: str, score: float | None) -> None:
-        if self.size <= 0:
-            return
         self.entries[key] = score
         self.entries.move_to_end(key)
         while len(self.entries) > self.size:
