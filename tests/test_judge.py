@@ -325,24 +325,39 @@ def _metrics(out):
 
 @pytest.mark.integration
 def test_grpo_with_a_tiny_in_process_judge(tiny_qwen25vl, tmp_path, capsys):
-    """`vlmrl tiny` writes the judge folder; 2 GRPO steps score every completion with it in-process. A random tiny
-    judge writes no "score N" (its greedy replies are digits and noise), so each of a step's 8 completions gets the
-    fallback 0.5: the step counts 8 fallbacks and the log names each row."""
-    from test_integration import grpo_cfg
+    """`vlmrl tiny` writes the judge folder; `vlmrl train` (preflight included) runs 2 GRPO steps that score every
+    completion with it in-process. A random tiny judge writes no "score N" (its greedy replies are digits and noise),
+    so each of a step's 4 completions gets the fallback 0.5: the step counts 4 fallbacks and the log names each row."""
+    from test_hostile_user_code import run_args
     from vlmrl.cli import main
     from vlmrl.data.tasks import make_count_task
-    from vlmrl.train import train
 
     judge = tmp_path / "judge"
     assert main(["tiny", "--family", "qwen2.5-vl", "--seed", "1", str(judge)]) == 0
     data = make_count_task(tmp_path / "count", n_train=8, n_test=2, seed=0, image_size=56)
     out = tmp_path / "local"
     extra = ["algorithm.reward_funcs=[judge]", f"judge.model_path={judge}", "judge.max_new_tokens=4", "judge.fallback_score=0.5"]
-    train(grpo_cfg(tiny_qwen25vl, data, out, *extra))
+    assert main(["train", *run_args(tiny_qwen25vl, data, out, *extra)]) == 0
     ms = _metrics(out)
-    assert [m["judge/fallbacks"] for m in ms] == [8, 8] and all(m["rewards/judge/mean"] == 0.5 for m in ms)
+    assert [m["judge/fallbacks"] for m in ms] == [4, 4] and all(m["rewards/judge/mean"] == 0.5 for m in ms)
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("judge: sample ") and " at step " in x]
-    assert len(lines) == 16 and "at step 1 (row " in lines[0] and "train.jsonl:" in lines[0] and "unparseable judgement" in lines[0]
+    assert len(lines) == 8 and "at step 1 (row " in lines[0] and "train.jsonl:" in lines[0] and "unparseable judgement" in lines[0]
+
+
+@pytest.mark.integration
+def test_grpo_with_a_served_judge(tiny_qwen25vl, stub, tmp_path):
+    """The same run with the judge served by the stub (it answers "Score: 7/10" to everything): every reward is 0.7,
+    no fallback, and every request carried the row's image."""
+    from test_hostile_user_code import run_args
+    from vlmrl.cli import main
+    from vlmrl.data.tasks import make_count_task
+
+    data = make_count_task(tmp_path / "count", n_train=8, n_test=2, seed=0, image_size=56)
+    out = tmp_path / "served"
+    assert main(["train", *run_args(tiny_qwen25vl, data, out, "algorithm.reward_funcs=[judge]", f"judge.url={stub.url}")]) == 0
+    ms = _metrics(out)
+    assert len(ms) == 2 and all(m["reward"] == pytest.approx(0.7) and m["judge/fallbacks"] == 0 for m in ms)
+    assert stub.bodies and all(b["messages"][0]["content"][0]["type"] == "image_url" for b in stub.bodies)
 
 
 @pytest.mark.parametrize("source", ["model_path", "url"])
@@ -363,20 +378,6 @@ def test_a_judge_that_cannot_be_had_stops_the_run_before_it_starts(tiny_qwen25vl
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("vlmrl train:")]
     assert f"judge.{source}={value}" in line
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
-
-
-@pytest.mark.integration
-def test_grpo_with_a_served_judge(tiny_qwen25vl, stub, tmp_path):
-    from test_integration import grpo_cfg
-    from vlmrl.data.tasks import make_count_task
-    from vlmrl.train import train
-
-    data = make_count_task(tmp_path / "count", n_train=8, n_test=2, seed=0, image_size=56)
-    out = tmp_path / "served"
-    train(grpo_cfg(tiny_qwen25vl, data, out, "algorithm.reward_funcs=[judge]", f"judge.url={stub.url}"))
-    ms = _metrics(out)
-    assert len(ms) == 2 and all(m["reward"] == pytest.approx(0.7) and m["judge/fallbacks"] == 0 for m in ms)
-    assert stub.bodies and all(b["messages"][0]["content"][0]["type"] == "image_url" for b in stub.bodies)
 
 
 def test_vlmrl_plan_shows_the_judge(tiny_qwen25vl, tmp_path, capsys):
