@@ -340,8 +340,11 @@ def test_grpo_with_a_tiny_in_process_judge(tiny_qwen25vl, tmp_path, capsys):
     assert main(["train", *run_args(tiny_qwen25vl, data, out, *extra)]) == 0
     ms = _metrics(out)
     assert [m["judge/fallbacks"] for m in ms] == [4, 4] and all(m["rewards/judge/mean"] == 0.5 for m in ms)
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("judge: sample ") and " at step " in x]
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.startswith("judge: sample ") and " at step " in x]
     assert len(lines) == 8 and "at step 1 (row " in lines[0] and "train.jsonl:" in lines[0] and "unparseable judgement" in lines[0]
+    checked = [x for x in err if x.startswith("judge: sample ") and " at the check before training " in x]  # preflight's probe
+    assert len(checked) == 2 and "train.jsonl:1" in checked[0]
 
 
 @pytest.mark.integration

@@ -62,9 +62,7 @@ def score_rollout(
     if comp is not None:
         completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
     epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
-    for fn in funcs.values():  # the judge names a fallback's row in its log line
-        if isinstance(fn, JudgeReward):
-            fn.where = functools.partial(describe_sample, when=when, sources=row_sources(rows, repeats), columns=columns)
+    name_rows(funcs, when, row_sources(rows, repeats), columns)
     state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
     return compute_rewards(
         funcs,
@@ -79,6 +77,14 @@ def score_rollout(
         reward_log=reward_log,
         timeout_s=cfg.algorithm.reward_timeout_s,
     )
+
+
+def name_rows(funcs: dict, when: str | None, sources: list[str], columns: dict[str, list]) -> None:
+    """Tell the judge (rewards/judge.py) where each completion of the coming batch comes from, for its log lines: the
+    step (`when`) and the row (``file:line``, solution, images), as reward errors name them."""
+    for fn in funcs.values():
+        if isinstance(fn, JudgeReward):
+            fn.where = functools.partial(describe_sample, when=when, sources=sources, columns=columns)
 
 
 def load_reward_funcs(cfg: Config, local_judge=None) -> tuple[dict, dict]:
