@@ -13,6 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 from PIL import Image
 
 from vlmrl.config import ConfigError, load_config
@@ -391,3 +392,54 @@ def test_vlmrl_plan_shows_the_judge(tiny_qwen25vl, tmp_path, capsys):
     assert main(["plan", "--config", str(config)]) == 0
     rows = dict(line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("judge_"))
     assert set(rows) == {"judge_model", "judge_generation"} and all(float(v) > 0 for v in rows.values())
+
+
+def test_the_in_process_judge_is_greedy(tiny_qwen25vl, tmp_path):
+    """The same requests under two torch seeds get the same replies (greedy decoding: a judgement does not depend on
+    the random state, so a cache hit and a fresh judgement agree)."""
+    from vlmrl.models.judge import LocalJudge
+    from vlmrl.rewards.judge import JudgeRequest
+
+    cfg = load_config(None, ["algorithm.reward_funcs=[judge]", f"judge.model_path={tiny_qwen25vl}", "judge.max_new_tokens=8", "data.max_pixels=3136"])
+    judge = LocalJudge(cfg, torch.device("cpu"))
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    requests = [JudgeRequest([image], f"Grade: {t}") for t in ("<answer>2</answer>", "three", "")]
+    torch.manual_seed(0)
+    first = judge.replies(requests)
+    torch.manual_seed(1)
+    again = judge.replies(requests)
+    assert [r.text for r in first] == [r.text for r in again] and all(r.failure is None for r in first)
+    assert any(r.text for r in first)  # the tiny judge writes something
+
+
+@pytest.mark.slow
+def test_stop_and_resume_with_an_in_process_judge_is_bit_exact(tiny_qwen25vl, tmp_path):
+    """The judge decodes greedily, so a run stopped after step 2 and resumed (its judge reloaded, its cache empty)
+    judges the resumed steps as the straight run did: the same judge rewards, losses and final weights. The pattern
+    reads the last digit the random tiny judge writes (it writes digits), so the judge's reward varies."""
+    from safetensors.torch import load_file
+    from test_resume import overrides
+    from vlmrl.data.tasks import make_count_task
+    from vlmrl.fixtures.tiny_families import build_family
+    from vlmrl.train import train
+
+    judge = build_family("qwen2.5-vl", tmp_path / "judge", seed=1)
+    data = make_count_task(tmp_path / "count", n_train=8, n_test=2, seed=0, image_size=56)
+    extra = (
+        "algorithm.reward_funcs=[judge]",
+        f"judge.model_path={judge}",
+        "judge.max_new_tokens=6",
+        r"judge.score_pattern='(\d)\D*$'",
+        "judge.score_max=9",
+    )
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(load_config(None, overrides(tiny_qwen25vl, data, straight, *extra)))
+    cfg = load_config(None, overrides(tiny_qwen25vl, data, resumed, *extra))
+    train(cfg, stop_after=2)
+    train(cfg)
+    keys = ("loss", "reward", "rewards/judge/mean", "judge/fallbacks")
+    a_rows, b_rows = _metrics(straight), _metrics(resumed)
+    assert len(a_rows) == 4 and any(r["reward_std"] > 0 for r in a_rows)  # the judge's rewards carry a signal
+    assert [[r[k] for k in keys] for r in b_rows] == [[r[k] for k in keys] for r in a_rows]
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
