@@ -412,6 +412,18 @@ def test_the_in_process_judge_is_greedy(tiny_qwen25vl, tmp_path):
     assert any(r.text for r in first)  # the tiny judge writes something
 
 
+def test_the_in_process_judge_times_out_with_a_failure(tiny_qwen25vl):
+    """judge.timeout_s is generate's max_time: with a budget no generate can meet, generation stops after its first
+    token and the unfinished rows are failures (the fallback score, never cached), not a truncated reply to parse."""
+    from vlmrl.models.judge import LocalJudge
+    from vlmrl.rewards.judge import JudgeRequest
+
+    over = ["algorithm.reward_funcs=[judge]", f"judge.model_path={tiny_qwen25vl}", "judge.max_new_tokens=8", "judge.timeout_s=1e-9"]
+    judge = LocalJudge(load_config(None, over), torch.device("cpu"))
+    (reply,) = judge.replies([JudgeRequest([Image.new("RGB", (56, 56))], "Grade: 2")])
+    assert reply.text is None and reply.failure == "no reply within judge.timeout_s=1e-09"
+
+
 @pytest.mark.slow
 def test_stop_and_resume_with_an_in_process_judge_is_bit_exact(tiny_qwen25vl, tmp_path):
     """The judge decodes greedily, so a run stopped after step 2 and resumed (its judge reloaded, its cache empty)
