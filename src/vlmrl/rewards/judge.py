@@ -11,6 +11,7 @@ judge that cannot be loaded or reached when the rewards are built is a ConfigErr
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -55,10 +56,12 @@ def parse_score(reply: str, pattern: str | re.Pattern, lo: float, hi: float) -> 
 
 def image_fingerprint(image: Any) -> str:
     """sha256 of an image: a file's bytes (a path), an in-memory image's mode, size and pixels (PIL), or bytes."""
-    h = hashlib.sha256()
     if isinstance(image, (str, Path)):
-        h.update(Path(image).expanduser().read_bytes())
-    elif isinstance(image, (bytes, bytearray)):
+        path = Path(image).expanduser()
+        st = path.stat()
+        return _file_digest(str(path), st.st_mtime_ns, st.st_size)
+    h = hashlib.sha256()
+    if isinstance(image, (bytes, bytearray)):
         h.update(bytes(image))
     elif hasattr(image, "tobytes"):
         h.update(f"{getattr(image, 'mode', '')}{getattr(image, 'size', '')}".encode())
@@ -66,6 +69,13 @@ def image_fingerprint(image: Any) -> str:
     else:
         h.update(repr(image).encode())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    """sha256 of a file's bytes, read once per (path, modification time, size): a row's image is fingerprinted for
+    each of its completions every step."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def cache_key(question: str, completion: str, solution: str, fingerprints: list[str]) -> str:
