@@ -528,6 +528,47 @@ class ToolsConfig:
     )
 
 
+JUDGE_TEMPLATE = (
+    "Grade the answer to a question about the image(s).\nQuestion: {question}\nReference solution: {solution}\n"
+    "Answer to grade: {completion}\nReply with one line 'Score: N', N an integer from 0 (wrong) to 10 (fully correct)."
+)
+JUDGE_FIELDS = ("question", "completion", "solution")
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    model_path: Optional[str] = _f(
+        None,
+        "The reward `judge` (algorithm.reward_funcs) in-process: a model folder of any family vlmrl loads, frozen, greedy; set this or url.",
+    )
+    url: Optional[str] = _f(
+        None,
+        "The reward `judge` served: an OpenAI-compatible base URL (vllm serve's http://host:8000/v1); POST {url}/chat/completions, images as base64 data URLs.",
+    )
+    served_model: Optional[str] = _f(None, "url: the `model` sent with each request; null = the first id GET {url}/models lists.")
+    api_key_env: Optional[str] = _f(None, "url: the environment variable holding the server's API key (sent as a Bearer token); null = none.")
+    template: str = _f(
+        JUDGE_TEMPLATE,
+        "The judge's user message after the row's images; {question}, {completion} and {solution} are filled in (write {{ }} for a brace).",
+    )
+    score_pattern: str = _f(
+        r"(?i)score\W{0,5}?([+-]?\d+(?:\.\d+)?)",
+        "Regex whose first group is the score in the judge's reply (the last match counts); a reply without one is unparseable.",
+    )
+    score_min: float = _f(0.0, "The score the template asks for that means worst; maps to reward 0.")
+    score_max: float = _f(10.0, "The score that means best; maps to reward 1 (a score outside [score_min, score_max] is unparseable).")
+    fallback_score: float = _f(
+        0.0, "The reward of a completion whose judgement is unparseable, timed out or failed (counted in judge/fallbacks, one log line each)."
+    )
+    max_new_tokens: int = _f(64, "Most tokens of one judgement.")
+    batch_size: int = _f(8, "Judgements per generate call (model_path) or requests in flight at once (url).")
+    timeout_s: float = _f(60.0, "Seconds one judgement may take: a generate call (model_path, transformers' max_time) or one request (url).")
+    retries: int = _f(2, "url: further tries of a request that failed or timed out before the fallback score is used.")
+    cache_size: int = _f(
+        4096, "Judgements kept per process, keyed by (prompt, completion, solution, image fingerprints), least recently used dropped; 0 = no cache."
+    )
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -540,6 +581,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     # Derived values, so the loop never recomputes defaults itself.
     @property
@@ -625,6 +667,7 @@ SECTIONS: dict[str, type] = {
     "memory": MemoryConfig,
     "logging": LoggingConfig,
     "tools": ToolsConfig,
+    "judge": JudgeConfig,
 }
 
 
@@ -971,9 +1014,54 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def validate(cfg: Config) -> None:
     """Cross-field rules; each message names the field and how to fix it."""
     rules = [*_rollout_rules(cfg), *_algorithm_rules(cfg), *_training_rules(cfg), *_data_rules(cfg), *_other_rules(cfg), *_tools_rules(cfg)]
-    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(cfg.algorithm) + _data_layout_problems(cfg.data)
+    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(cfg.algorithm) + _data_layout_problems(cfg.data) + _judge_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _judge_problems(cfg: Config) -> list[str]:
+    """judge.*: one source for the reward `judge` (a folder or a URL), a pattern with a group, a template with known
+    fields; a judge configured but not listed in algorithm.reward_funcs is refused rather than ignored."""
+    import re
+    import string
+
+    j = cfg.judge
+    if "judge" not in cfg.algorithm.reward_funcs:
+        set_ = [f"judge.{k}" for k in ("model_path", "url") if getattr(j, k)]
+        return [f"{set_[0]} is set but algorithm.reward_funcs does not list judge; add judge to it or unset {set_[0]}"] if set_ else []
+    problems = []
+    if (j.model_path is None) == (j.url is None):
+        problems.append("algorithm.reward_funcs lists judge: set exactly one of judge.model_path (in-process) and judge.url (served)")
+    if j.url is not None and not j.url.startswith(("http://", "https://")):
+        problems.append(f"judge.url={j.url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000/v1)")
+    try:
+        if re.compile(j.score_pattern).groups < 1:
+            problems.append(f"judge.score_pattern={j.score_pattern!r} has no group; put the score in ( )")
+    except re.error as e:
+        problems.append(f"judge.score_pattern={j.score_pattern!r} is not a regex: {e}")
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(j.template) if name is not None}
+    except ValueError as e:
+        names = {f"<{e}>"}
+    unknown = sorted(names - set(JUDGE_FIELDS))
+    fields_hint = "it may use {question}, {completion}, {solution}; write {{ }} for a brace"
+    if unknown:
+        problems.append(f"judge.template: unknown field(s) {', '.join(unknown)} ({fields_hint})")
+    elif "completion" not in names:
+        problems.append(f"judge.template has no {{completion}}: the judge would not see the answer ({fields_hint})")
+    problems += [
+        msg
+        for ok, msg in (
+            (j.score_max > j.score_min, f"judge.score_max={j.score_max} must be > judge.score_min={j.score_min}"),
+            (j.max_new_tokens >= 1, f"judge.max_new_tokens={j.max_new_tokens} must be >= 1"),
+            (j.batch_size >= 1, f"judge.batch_size={j.batch_size} must be >= 1"),
+            (j.timeout_s > 0, f"judge.timeout_s={j.timeout_s} must be > 0"),
+            (j.retries >= 0, f"judge.retries={j.retries} must be >= 0"),
+            (j.cache_size >= 0, f"judge.cache_size={j.cache_size} must be >= 0 (0 = no cache)"),
+        )
+        if not ok
+    ]
+    return problems
 
 
 def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
@@ -1387,7 +1475,7 @@ def reference_markdown() -> str:
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = json.dumps(default) if not isinstance(default, str) else default
-            shown = shown.replace("|", "\\|")
+            shown = shown.replace("|", "\\|").replace("\n", "\\n")  # a table cell is one line: a newline shows as \n
             lines.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace('|', 'or')} | `{shown}` | {field_doc(f)} |")
         lines.append("")
     return "\n".join(lines)
@@ -1452,4 +1540,5 @@ def anchor_paths(cfg: Config) -> Config:
             cfg.algorithm, reward_funcs=[_anchored_spec(s) for s in cfg.algorithm.reward_funcs], teacher_path=_anchored(cfg.algorithm.teacher_path)
         ),
         tools=dataclasses.replace(cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools], environment=_anchored_spec(cfg.tools.environment)),
+        judge=dataclasses.replace(cfg.judge, model_path=_anchored(cfg.judge.model_path)),
     )

@@ -45,6 +45,7 @@ from vlmrl.ending import Ending, finish, finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
+from vlmrl.models.judge import local_judge_on
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
@@ -324,7 +325,7 @@ def start_run(cfg: Config, log) -> Run:
     if shape:  # the data is not the planner's default of one image per prompt: predict again from it
         what = f"from the data ({describe_data_shape(shape)}): "
         plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, what, dist.planner_deepspeed, **shape) or plan
-    reward_funcs, reward_weights = load_reward_funcs(cfg)
+    reward_funcs, reward_weights = load_reward_funcs(cfg, local_judge_on(device))
     optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     state = {"step": 0, "best_metric": None, "best_step": None}

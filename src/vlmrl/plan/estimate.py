@@ -175,6 +175,7 @@ def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> f
         + t["optimizer_states"]
         + t["reference_model"]
         + t["teacher_model"]
+        + t["judge_model"]
         + pixel_inputs(spec, w, mb)
         + rollout_buffers(spec, w, mb)
         + t["comm_buffers"]
@@ -196,7 +197,8 @@ def phase_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> tuple[
     With memory.offload_optimizer_during_rollout the states are parked in host RAM for rollout and scoring."""
     persistent = persistent_bytes(spec, w, mb, t)
     parked = t["master_weights"] + t["optimizer_states"] if parks(w) else 0
-    rollout = persistent - parked + t["kv_cache"] + t["generation_temporaries"] + generation_gather_bytes(spec, w, mb)
+    generation = t["kv_cache"] + t["generation_temporaries"] + generation_gather_bytes(spec, w, mb)
+    rollout = persistent - parked + max(generation, t["judge_generation"])  # the judge generates after the policy
     moved_in = t["reference_moved_in_for_scoring"] + t["teacher_moved_in_for_scoring"]
     scored = moved_in + scoring_transient(spec, w, mb) + t["gathered_parameters"] if scores(w) else 0
     scoring = persistent - parked + scored

@@ -131,6 +131,10 @@ class Workload:
     shared_prefix: bool = True
     beta: float = 0.0
     teacher_params: int = 0  # algorithm.teacher_path: the frozen teacher's parameters (held like a reference copy); 0 = no teacher
+    judge_params: int = 0  # judge.model_path: the in-process reward judge's parameters (on the device all run); 0 = none or served
+    judge_generate_bytes: int = (
+        0  # the judge's greedy generate at judge.batch_size: KV cache and largest temporary (plan.config.judge_generate_bytes)
+    )
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"

@@ -184,6 +184,18 @@ def teacher_moved_in_for_scoring(spec: ModelSpec, w: Workload, mb: MicroBatch | 
     return w.teacher_params * DTYPE_BYTES[w.dtype] if (w.teacher_params and w.ref_placement == "cpu") else 0
 
 
+def judge_model(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> float:
+    """judge.model_path: the frozen reward judge, whole on each process's device (its own parameter count, the
+    policy's dtype; never sharded: it generates alone in each process)."""
+    return w.judge_params * DTYPE_BYTES[w.dtype]
+
+
+def judge_generation(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> float:
+    """The judge's greedy generate over judge.batch_size requests (after the rollout, before scoring): its KV cache and
+    largest temporary, from the judge's own config (plan.config.judge_generate_bytes)."""
+    return w.judge_generate_bytes
+
+
 def comm_buffers(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> int:
     """DDP / ZeRO / FSDP gradient buckets (several processes only)."""
     return COMM_BUCKET_BYTES if (w.world_size > 1 and w.sharding != "none") else 0
@@ -510,6 +522,7 @@ TERMS = {
     "optimizer_step_temporary": optimizer_step_temporary,
     "reference_model": reference_model,
     "teacher_model": teacher_model,
+    "judge_model": judge_model,
     "activations_text": activations_text,
     "activations_vision": activations_vision,
     "activations_other": activations_other,
@@ -524,6 +537,7 @@ TERMS = {
     "scoring_temporaries": scoring_temporaries,
     "reference_moved_in_for_scoring": reference_moved_in_for_scoring,
     "teacher_moved_in_for_scoring": teacher_moved_in_for_scoring,
+    "judge_generation": judge_generation,
     "gathered_parameters": gathered_parameters,
     "gathered_for_generation": gathered_for_generation,
     "batch_inputs": batch_inputs,
