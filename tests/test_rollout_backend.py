@@ -53,9 +53,12 @@ def test_what_the_vllm_backend_cannot_do_is_refused_in_one_line(overrides, messa
 
 
 def test_server_mode_is_accepted_with_its_address():
-    cfg = load_config(None, ["use_vllm=true", "vllm_mode=server", "rollout.vllm_server_host=10.0.0.2", "rollout.vllm_server_port=9000"])
-    r = cfg.rollout
-    assert (r.backend, r.vllm_mode, r.vllm_server_host, r.vllm_server_port, r.vllm_server_timeout) == ("vllm", "server", "10.0.0.2", 9000, 240.0)
+    """TRL's names (vllm_mode, vllm_server_host/port/timeout) set the same fields."""
+    for prefix in ("", "rollout."):
+        cfg = load_config(None, ["use_vllm=true", "vllm_mode=server", f"{prefix}vllm_server_host=10.0.0.2", f"{prefix}vllm_server_port=9000"])
+        r = cfg.rollout
+        assert (r.backend, r.vllm_mode, r.vllm_server_host, r.vllm_server_port, r.vllm_server_timeout) == ("vllm", "server", "10.0.0.2", 9000, 240.0)
+    assert load_config(None, ["vllm_server_timeout=30"]).rollout.vllm_server_timeout == 30.0
 
 
 def test_server_mode_is_accepted_for_the_inprocess_backend():
