@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.config import load_config
+from vlmrl.config import ConfigError, load_config
 from vlmrl.rollout.backends import describe_backend
 from vlmrl.rollout.client import RemoteEngine, connect
 from vlmrl.rollout.server import RolloutServer
@@ -176,11 +176,13 @@ def test_check_names_the_server_and_whether_it_answers():
     port = free_port()
     cfg = load_config(None, ["rollout.backend=vllm", "rollout.vllm_mode=server", f"rollout.vllm_server_port={port}"])
     line = describe_backend(cfg)
-    assert f"vLLM in the rollout server at 127.0.0.1:{port} (rollout.backend=vllm, vllm_mode=server; nothing answers there now" in line
+    assert f"vLLM in the rollout server (rollout.backend=vllm, vllm_mode=server; 127.0.0.1:{port}: nothing answers there now" in line
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()
         assert "a server answers there" in describe_backend(cfg)
+    two = load_config(None, ["rollout.backend=vllm", "rollout.vllm_mode=server", f"rollout.vllm_servers=['127.0.0.1:{port}', 'localhost:{port}']"])
+    assert "vLLM in 2 rollout servers in data parallel (rollout.backend=vllm, vllm_mode=server; 127.0.0.1:" in describe_backend(two)
 
 
 def test_train_with_no_server_exits_2_in_one_line(tmp_path, capsys):
@@ -196,3 +198,35 @@ def test_train_with_no_server_exits_2_in_one_line(tmp_path, capsys):
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"vlmrl train: no rollout server answers at 127.0.0.1:{port} after 1 s"), err[-1]
+
+
+def test_several_servers_in_data_parallel_split_the_prompts_in_order():
+    """rollout.vllm_servers: every server gets the weights; 5 prompts go 2 + 3 to the two servers, in order, and come
+    back in the trainer's order."""
+    from vlmrl.rollout.client import ServerPool, connect_servers
+
+    servers = []
+    for _ in range(2):
+        server = RolloutServer("/models/tiny", "127.0.0.1", free_port(), free_port(), 0.3, 30.0, log=lambda *_: None)
+        server.engine = StandInEngine()
+        threading.Thread(target=server.serve, kwargs={"sessions": 1}, daemon=True).start()
+        assert server.listening.wait(60)
+        servers.append(server)
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.vllm_mode=server", f"rollout.vllm_servers={json.dumps(addresses)}"])
+    pool = connect_servers(cfg.rollout, OPTIONS, "gloo")
+    assert isinstance(pool, ServerPool) and pool.address == ", ".join(addresses)
+    weights = [("w", torch.randn(4, 4)), ("b", torch.randn(4))]
+    pool.push(weights)
+    assert all(torch.equal(s.engine.pushed[-1][0][1], weights[0][1]) for s in servers)
+    requests = [{"prompt": "p" * (i + 1)} for i in range(5)]
+    outs = pool.generate(requests, [{"n": 1, "seed": 100 + i} for i in range(5)])
+    assert [o["prompt_token_ids"][0] for o in outs] == [1, 2, 3, 4, 5]  # the trainer's order
+    assert [o["samples"][0]["token_ids"][0] for o in outs] == [100, 101, 102, 103, 104]  # each prompt's own seed
+    assert [[r["prompt"] for r in s.engine.requests[-1][0]] for s in servers] == [["p", "pp"], ["ppp", "pppp", "ppppp"]]
+    pool.close()
+
+
+def test_a_malformed_server_list_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"rollout.vllm_servers=\['10.0.0.2'\]: each entry is host:port"):
+        load_config(None, ["rollout.vllm_servers=['10.0.0.2']"])

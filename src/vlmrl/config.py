@@ -205,14 +205,24 @@ class RolloutConfig:
         "rollout.backend=vllm: the share of the device's memory vLLM reserves for its weights and KV cache (on CPU: of the host memory of the first NUMA node).",
     )
     vllm_server_host: str = _f(
-        "127.0.0.1", "rollout.vllm_mode=server: the host of the rollout server (`vlmrl rollout-server --host`; TRL: vllm_server_host)."
+        "127.0.0.1",
+        "rollout.vllm_mode=server: the host of the rollout server (`vlmrl rollout-server --host`; TRL: vllm_server_host).",
+        resume_harmless=True,
     )
     vllm_server_port: int = _f(
-        8000, "rollout.vllm_mode=server: its port (`vlmrl rollout-server --port`; TRL: vllm_server_port); the weights go over its --group-port."
+        8000,
+        "rollout.vllm_mode=server: its port (`vlmrl rollout-server --port`; TRL: vllm_server_port); the weights go over its --group-port.",
+        resume_harmless=True,
     )
     vllm_server_timeout: float = _f(
         240.0,
         "rollout.vllm_mode=server: seconds to wait for the server to answer at start and for each reply after (a dead or silent server then ends the run in one line; TRL: vllm_server_timeout).",
+        resume_harmless=True,
+    )
+    vllm_servers: list[str] = _f(
+        [],
+        "rollout.vllm_mode=server: several rollout servers in data parallel, as host:port each (every rollout's prompts split among them in order, weights pushed to all); empty = the one at vllm_server_host:vllm_server_port.",
+        resume_harmless=True,
     )
 
 
@@ -941,6 +951,10 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         (
             r.vllm_server_timeout > 0 and 0 < r.vllm_server_port < 65535,
             "rollout.vllm_server_timeout must be > 0 and rollout.vllm_server_port below 65535",
+        ),
+        (
+            all(isinstance(a, str) and a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in r.vllm_servers),
+            f"rollout.vllm_servers={list(r.vllm_servers)}: each entry is host:port, e.g. ['10.0.0.2:8000', '10.0.0.3:8000']",
         ),
         (
             r.backend != "vllm" or not (cfg.model.use_lora or cfg.multiturn),

@@ -21,10 +21,14 @@ def describe_backend(cfg, world_size: int = 1) -> str:
         return f"rollout: vlmrl's in-process engine (rollout.backend=inprocess, the default; rollout.engine={r.engine})"
     refuse_vllm(cfg, world_size)
     if r.vllm_mode == "server":
+        from vlmrl.rollout.client import server_addresses
+
+        servers = server_addresses(r)
+        where = "the rollout server" if len(servers) == 1 else f"{len(servers)} rollout servers in data parallel"
+        states = "; ".join(f"{host}:{port}: {server_state(host, port, r.vllm_server_timeout)}" for host, port in servers)
         return (
-            f"rollout: vLLM in the rollout server at {r.vllm_server_host}:{r.vllm_server_port} (rollout.backend=vllm, vllm_mode=server; "
-            f"{server_state(cfg)}); weights pushed over their own process group and probed before every rollout, every prompt "
-            "checked against the trainer's"
+            f"rollout: vLLM in {where} (rollout.backend=vllm, vllm_mode=server; {states}); weights pushed over their own "
+            "process group and probed before every rollout, every prompt checked against the trainer's"
         )
     return (
         f"rollout: vLLM colocated in the training process (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
@@ -33,18 +37,16 @@ def describe_backend(cfg, world_size: int = 1) -> str:
     )
 
 
-def server_state(cfg, wait: float = 2.0) -> str:
-    """Whether something listens at rollout.vllm_mode=server's host:port now (a server may also start later: a run
-    waits rollout.vllm_server_timeout seconds for it)."""
+def server_state(host: str, port: int, timeout: float, wait: float = 2.0) -> str:
+    """Whether something listens at host:port now (a server may also start later: a run waits `timeout` seconds)."""
     import socket
 
-    r = cfg.rollout
     try:
-        socket.create_connection((r.vllm_server_host, r.vllm_server_port), timeout=wait).close()
+        socket.create_connection((host, port), timeout=wait).close()
     except OSError as e:
         return (
-            f"nothing answers there now ({e.strerror or e}): start `vlmrl rollout-server MODEL --host {r.vllm_server_host} "
-            f"--port {r.vllm_server_port}`; a run waits up to {r.vllm_server_timeout:g} s (rollout.vllm_server_timeout)"
+            f"nothing answers there now ({e.strerror or e}): start `vlmrl rollout-server MODEL --host {host} --port {port}`; "
+            f"a run waits up to {timeout:g} s (rollout.vllm_server_timeout)"
         )
     return "a server answers there"
 

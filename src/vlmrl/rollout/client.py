@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
@@ -117,3 +118,47 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class ServerPool:
+    """Several rollout servers in data parallel: each rollout's prompts split among them in contiguous shares, in
+    order (each prompt samples from its own seed, so which server samples it changes nothing), the weights pushed to
+    every one (each over its own group, at once), each one probed (VLLMRollout.check_probe walks `engines`)."""
+
+    def __init__(self, engines: list[RemoteEngine]):
+        self.engines = engines
+        self.address = ", ".join(e.address for e in engines)
+        self.folder, self.backend = engines[0].folder, engines[0].backend
+        self.pool = ThreadPoolExecutor(len(engines))
+
+    def push(self, weights: list[tuple[str, torch.Tensor]]) -> float:
+        start = time.perf_counter()
+        list(self.pool.map(lambda e: e.push(weights), self.engines))
+        return time.perf_counter() - start
+
+    def prompt_logprobs(self, ids: list[int], images: list, n: int) -> list[float]:
+        return self.engines[0].prompt_logprobs(ids, images, n)
+
+    def generate(self, requests: list[dict], params: list[dict]) -> list[dict]:
+        k = len(self.engines)
+        bounds = [len(requests) * i // k for i in range(k + 1)]
+        shares = [(e, requests[a:b], params[a:b]) for e, a, b in zip(self.engines, bounds, bounds[1:]) if b > a]
+        return [out for part in self.pool.map(lambda s: s[0].generate(s[1], s[2]), shares) for out in part]
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        self.pool.shutdown()
+
+
+def server_addresses(r) -> list[tuple[str, int]]:
+    """(host, port) of each server: rollout.vllm_servers, or the one at rollout.vllm_server_host:vllm_server_port."""
+    if not r.vllm_servers:
+        return [(r.vllm_server_host, r.vllm_server_port)]
+    return [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in r.vllm_servers]
+
+
+def connect_servers(r, options: dict, backend: str):
+    """The run's RemoteEngine, or a ServerPool of one per rollout.vllm_servers entry."""
+    engines = [RemoteEngine(host, port, r.vllm_server_timeout, options, backend) for host, port in server_addresses(r)]
+    return engines[0] if len(engines) == 1 else ServerPool(engines)

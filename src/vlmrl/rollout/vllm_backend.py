@@ -65,10 +65,10 @@ class VLLMRollout:
         cfg, r = self.cfg, self.cfg.rollout
         options = engine_options(cfg, self.processor, self.dtype, self.allowed)
         if r.vllm_mode == "server":
-            from vlmrl.rollout.client import RemoteEngine
+            from vlmrl.rollout.client import connect_servers
 
             device = next(unwrap(self.model).parameters()).device
-            engine = RemoteEngine(r.vllm_server_host, r.vllm_server_port, r.vllm_server_timeout, options, "nccl" if device.type == "cuda" else "gloo")
+            engine = connect_servers(r, options, "nccl" if device.type == "cuda" else "gloo")
             self.log(f"rollout: vLLM server at {engine.address} ({engine.folder}), {options['dtype']}; weights over {engine.backend}")
             return engine
         from vlmrl.rollout.vllm_engine import LocalEngine
@@ -108,13 +108,17 @@ class VLLMRollout:
         p = self.probe
         tokenizer = self.processor.tokenizer
         ids = tokenizer(p["text"], add_special_tokens=False)["input_ids"] + p["answer"]
-        sampler = torch.tensor(self.engine.prompt_logprobs(ids, p["images"], len(p["answer"])))
         trainer = self._trainer_logps(p["batch"], p["answer"])
         low = self.cfg.training.bf16 or self.dtype != torch.float32  # the trainer's forward in bf16 autocast, or half weights
-        problem = probe_mismatch(sampler, trainer, PROBE_TOLERANCE[torch.bfloat16] if low else PROBE_TOLERANCE[torch.float32])
-        if problem is not None:
-            raise RolloutParityError(problem)
-        return float((sampler.double() - trainer.double()).abs().max())
+        worst = 0.0
+        engines = getattr(self.engine, "engines", [self.engine])  # several servers in data parallel: each one probed
+        for engine in engines:
+            sampler = torch.tensor(engine.prompt_logprobs(ids, p["images"], len(p["answer"])))
+            problem = probe_mismatch(sampler, trainer, PROBE_TOLERANCE[torch.bfloat16] if low else PROBE_TOLERANCE[torch.float32])
+            if problem is not None:
+                raise RolloutParityError(f"{problem} (the rollout server at {engine.address})" if len(engines) > 1 else problem)
+            worst = max(worst, float((sampler.double() - trainer.double()).abs().max()))
+        return worst
 
     @torch.no_grad()
     def _trainer_logps(self, batch: dict, answer: list[int]) -> torch.Tensor:
