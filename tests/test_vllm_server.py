@@ -20,7 +20,7 @@ pytestmark = [
     ),
 ]
 
-STEPS = 4
+STEPS = 4  # GRPO steps of the runs (16 rows, 8 prompts a step: steps 3 and 4 sample steps 1 and 2's prompts again)
 
 
 def free_port() -> int:
@@ -36,11 +36,7 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("server")
     folder = build_tiny_qwen25vl(root / "model")
-    port, group_port = free_port(), free_port()
-    log = root / "server.log"
-    cmd = [sys.executable, "-m", "vlmrl", "rollout-server", str(folder), "--port", str(port), "--group-port", str(group_port)]
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=launch_env(), cwd=ROOT)
+    port, proc, log = start_server(folder, root)
     yield folder, port, proc, log
     if proc.poll() is None:
         proc.terminate()
@@ -118,6 +114,37 @@ def test_server_mode_trains_and_resumes_after_a_kill(server, tmp_path):
     text = log.read_text()
     assert text.count("building the vLLM engine") == 1 and text.count("session 3 ended") == 1  # one engine, 3 trainers
     assert proc.poll() is None
+
+
+def start_server(folder, root, share="0.3"):
+    """(port, process, log) of a `vlmrl rollout-server` on `folder`."""
+    port, group_port = free_port(), free_port()
+    log = root / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "vlmrl", "rollout-server", str(folder), "--port", str(port), "--group-port", str(group_port)]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([*cmd, "--gpu-memory-utilization", share], stdout=sink, stderr=subprocess.STDOUT, env=launch_env(), cwd=ROOT)
+    return port, proc, log
+
+
+def test_two_servers_in_data_parallel_sample_what_one_server_samples(server, tmp_path):
+    """rollout.vllm_servers with two servers: 2 steps whose rewards equal those of the same 2 steps on one server
+    (each prompt samples from its own seed, whichever server gets it), both servers probed after every push."""
+    folder, port, _, _ = server
+    other, proc, log = start_server(folder, tmp_path, share="0.15")
+    try:
+        servers = f"rollout.vllm_servers=['127.0.0.1:{port}', '127.0.0.1:{other}']"
+        both = run_launcher(train_cmd(folder, port, tmp_path / "dp", servers, "training.max_steps=2"), timeout=1200)
+        assert f"rollout: vLLM server at 127.0.0.1:{port}, 127.0.0.1:{other}" in both
+        run_launcher(train_cmd(folder, port, tmp_path / "one", "training.max_steps=2"), timeout=1200)
+        a, b = step_metrics(tmp_path / "dp"), step_metrics(tmp_path / "one")
+        assert sorted(a) == sorted(b) == [1, 2]
+        for step in a:
+            assert a[step]["reward"] == b[step]["reward"] and a[step]["loss"] == pytest.approx(b[step]["loss"], abs=1e-6)
+            assert a[step]["vllm/probe_max_abs_logp_diff"] < 1e-4 and a[step]["mismatch/max_abs_logp_diff"] < 1e-4
+        assert "session 1 ended" in log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_server_that_dies_mid_run_ends_the_run_in_one_line(server, tmp_path):
