@@ -230,3 +230,13 @@ def test_several_servers_in_data_parallel_split_the_prompts_in_order():
 def test_a_malformed_server_list_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"rollout.vllm_servers=\['10.0.0.2'\]: each entry is host:port"):
         load_config(None, ["rollout.vllm_servers=['10.0.0.2']"])
+
+
+def test_the_server_refuses_a_folder_without_a_model_at_start(tmp_path, capsys):
+    """Refused in one line before it listens (not when the first trainer connects): exit 2."""
+    from vlmrl.cli import main
+
+    assert main(["rollout-server", str(tmp_path / "nothing"), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("vlmrl rollout-server: ")
+    assert "holds no config.json" in err or "vllm package is not installed" in err

@@ -145,8 +145,16 @@ def main(argv: list[str]) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if ns.host not in LOOPBACK and authkey() == b"vlmrl-rollout-server":
         log("rollout server: listening beyond loopback with the default key: set VLMRL_ROLLOUT_SERVER_KEY (the same for the trainer)")
+    from pathlib import Path
+
+    from vlmrl.rollout.backends import vllm_missing
+
+    folder = resolve_model_path(ns.model)
+    problem = vllm_missing() or (None if (Path(folder) / "config.json").is_file() else f"{folder} holds no config.json (a model folder)")
+    if problem:  # refused at start, not when the first trainer connects
+        print(f"vlmrl rollout-server: {problem}", file=sys.stderr)
+        return 2
     try:
-        folder = resolve_model_path(ns.model)
         RolloutServer(folder, ns.host, ns.port, ns.group_port or ns.port + 1, ns.gpu_memory_utilization, ns.timeout, log).serve()
     except OSError as e:
         print(f"vlmrl rollout-server: cannot listen at {ns.host}:{ns.port}: {e.strerror or e}", file=sys.stderr)
