@@ -83,26 +83,31 @@ def weights(out) -> dict:
     return load_file(out / "final" / "model.safetensors")
 
 
-def test_server_mode_trains_and_resumes_after_a_kill(server, tmp_path):
-    """4 GRPO steps through the server; the same run SIGKILLed once its step-2 checkpoint is written (so in step 3:
-    its rollout, push or update) and launched again: it reconnects, pushes the checkpoint's weights (the probe
-    proves the server runs them) and ends with the uninterrupted run's per-step rewards and losses and its final
-    weights, bit for bit: the server samples each prompt from its own seed, so the same weights give the same samples."""
-    folder, port, proc, log = server
-    straight, cut = tmp_path / "straight", tmp_path / "cut"
-    first = run_launcher(train_cmd(folder, port, straight), timeout=1200)
-    assert f"rollout: vLLM server at 127.0.0.1:{port}" in first and "weights over gloo" in first
+@pytest.fixture(scope="module")
+def straight(server, tmp_path_factory):
+    """The uninterrupted run's folder (STEPS steps through the module's server)."""
+    folder, port, _, _ = server
+    out = tmp_path_factory.mktemp("straight") / "run"
+    log = run_launcher(train_cmd(folder, port, out), timeout=1200)
+    assert f"rollout: vLLM server at 127.0.0.1:{port}" in log and "weights over gloo" in log
+    return out
 
-    killed = subprocess.Popen(train_cmd(folder, port, cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch_env(), cwd=ROOT)
-    while killed.poll() is None and not (cut / "checkpoint-2").exists():
+
+def kill_after_checkpoint(cmd, out, step: int = 2) -> None:
+    """Launch `cmd` and SIGKILL it once its step-`step` checkpoint is written (so in the next step: its rollout, push
+    or update), following the run's progress, not the clock."""
+    killed = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch_env(), cwd=ROOT)
+    while killed.poll() is None and not (out / f"checkpoint-{step}").exists():
         time.sleep(0.01)
     assert killed.poll() is None, "the run ended before it could be killed"
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    assert not (cut / "final").exists()
-    resumed = run_launcher(train_cmd(folder, port, cut), timeout=1200)
-    assert "resumed from" in resumed and "checkpoint-2" in resumed
+    assert not (out / "final").exists()
 
+
+def assert_same_run(straight, cut) -> None:
+    """`cut` (killed, resumed) has `straight`'s per-step rewards and losses and its final weights, bit for bit; the
+    probe and the per-sample mismatch within 1e-4 at every step."""
     a, b = step_metrics(straight), step_metrics(cut)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for step in a:
@@ -111,9 +116,45 @@ def test_server_mode_trains_and_resumes_after_a_kill(server, tmp_path):
     assert len({a[s]["reward"] for s in a}) > 1  # the weights moved: a server on the old weights would sample otherwise
     wa, wb = weights(straight), weights(cut)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_server_mode_trains_and_resumes_after_a_kill(server, straight, tmp_path):
+    """4 GRPO steps through the server; the same run SIGKILLed once its step-2 checkpoint is written and launched
+    again: it reconnects, pushes the checkpoint's weights (the probe proves the server runs them) and ends with the
+    uninterrupted run's per-step rewards and losses and its final weights, bit for bit: the server samples each
+    prompt from its own seed, so the same weights give the same samples."""
+    folder, port, proc, log = server
+    cut = tmp_path / "cut"
+    kill_after_checkpoint(train_cmd(folder, port, cut), cut)
+    resumed = run_launcher(train_cmd(folder, port, cut), timeout=1200)
+    assert "resumed from" in resumed and "checkpoint-2" in resumed
+    assert_same_run(straight, cut)
     text = log.read_text()
     assert text.count("building the vLLM engine") == 1 and text.count("session 3 ended") == 1  # one engine, 3 trainers
     assert proc.poll() is None
+
+
+def test_a_resume_against_a_restarted_server_is_the_same_run(server, straight, tmp_path):
+    """The trainer and its server both killed (a whole job restarted): the run resumes against a new server, at
+    another port (rollout.vllm_server_port may change on resume), whose engine is built anew, and still ends as the
+    uninterrupted run did, bit for bit."""
+    folder = server[0]
+    first, proc, _ = start_server(folder, tmp_path, share="0.15")
+    cut = tmp_path / "cut"
+    try:
+        kill_after_checkpoint(train_cmd(folder, first, cut), cut)
+    finally:
+        proc.kill()
+        proc.wait()
+    second, proc, log = start_server(folder, tmp_path, share="0.15")
+    try:
+        resumed = run_launcher(train_cmd(folder, second, cut), timeout=1200)
+        assert "resumed from" in resumed and f"rollout: vLLM server at 127.0.0.1:{second}" in resumed
+        assert_same_run(straight, cut)
+        assert "session 1 ended" in log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def start_server(folder, root, share="0.3"):
