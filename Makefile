@@ -77,7 +77,7 @@ install-vllm: $(VLLM_VENV)/.installed
 # The vllm tier (tests marked vllm; the default `make test` skips them, naming why): log-prob agreement with the HF
 # forward, weight sync after training steps, per-sample prompt parity, a GRPO run with rollout.backend=vllm; and the
 # backend's config and parity unit tests. Named files: the rest of the suite needs .venv's packages (av, deepspeed).
-VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_runs.py tests/test_rollout_backend.py
+VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_runs.py tests/test_vllm_server.py tests/test_rollout_backend.py tests/test_rollout_server.py
 test-vllm: install-vllm
 	$(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -q -rs
 

@@ -117,10 +117,24 @@ def test_trl_sleep_mode_is_level_2_and_keeps_nothing_in_host_ram(tmp_path):
     assert p.vllm["kv_one_sequence"] == 4096 * 2 * 36 * 2 * 128 * b  # max_model_len 4096 x Qwen2.5-VL-3B's k, v per token
 
 
-def test_trl_default_mode_is_server_which_is_listed_not_converted():
-    result = convert("trl", ["--model_name_or_path", "m", "--use_vllm", "--vllm_server_host", "10.0.0.1"])
-    assert "rollout.backend" not in result.settings
-    assert "server" in result.unmapped["use_vllm"] and "server" in result.unmapped["vllm_server_host"]
+def test_trl_default_mode_is_server_at_its_host_and_port(tmp_path):
+    """TRL's GRPOConfig: vllm_mode defaults to server, its client connects to vllm_server_host at vllm_server_port
+    (default 8000) and waits vllm_server_timeout (default 240 s): the converted run is the client of a
+    `vlmrl rollout-server` there."""
+    result, path = _converted(tmp_path, "trl", ["--model_name_or_path", "m", "--use_vllm", "--vllm_server_host", "10.0.0.1"])
+    r = load_config(str(path), []).rollout
+    assert (r.backend, r.vllm_mode, r.vllm_server_host, r.vllm_server_port, r.vllm_server_timeout) == ("vllm", "server", "10.0.0.1", 8000, 240.0)
+    assert not [k for k in result.unmapped if k.startswith(("use_vllm", "vllm_"))]
+    assert any("vlmrl rollout-server MODEL --host 10.0.0.1 --port 8000" in note for note in result.notes)
+
+
+def test_ms_swift_server_lists_are_servers_in_data_parallel(tmp_path):
+    """ms-swift's --vllm_server_host / --vllm_server_port take lists (one rollout server each)."""
+    args = ["--rlhf_type", "grpo", "--model", "m", "--use_vllm", "true", "--vllm_mode", "server"]
+    args += ["--vllm_server_host", "10.0.0.1", "10.0.0.2", "--vllm_server_port", "8001", "8002", "--vllm_server_timeout", "60"]
+    result = convert("ms-swift", args)
+    assert result.settings["rollout.vllm_servers"] == ["10.0.0.1:8001", "10.0.0.2:8002"]
+    assert result.settings["rollout.vllm_server_timeout"] == 60.0
 
 
 def test_easyr1_rolls_out_with_its_hybrid_vllm_at_level_1(tmp_path):
@@ -155,13 +169,13 @@ def test_the_config_takes_the_peers_vllm_names_directly(tmp_path):
 
 def test_check_says_the_gpu_only_settings_are_not_applied_on_cpu():
     from vlmrl.rollout.backends import not_applied
-    from vlmrl.rollout.vllm_backend import _max_model_len
+    from vlmrl.rollout.vllm_engine import max_model_len
 
     cfg = load_config(None, ["rollout.backend=vllm", "sleep_level=1", "vllm_tensor_parallel_size=4", "training.device=cpu"])
     said = not_applied(cfg)
     assert "vllm_sleep_level=1" in said and "vllm_tensor_parallel_size=4" in said and "not applied on CPU" in said
     assert not_applied(load_config(None, ["rollout.backend=vllm"])) == ""
-    assert _max_model_len(load_config(None, ["vllm_max_model_len=3000"])) == 3000  # the engine is built with it
+    assert max_model_len(load_config(None, ["vllm_max_model_len=3000"])) == 3000  # the engine is built with it
 
 
 def _weights(path: Path, train: list[list[float]], sampled: list[list[float]]):

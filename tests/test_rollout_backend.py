@@ -40,7 +40,8 @@ def test_trl_names_set_the_backend(overrides, backend, utilization):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["use_vllm=true", "vllm_mode=server"], "rollout.vllm_mode=server: vLLM on other devices is not supported yet"),
+        (["use_vllm=true", "vllm_mode=server", "rollout.vllm_server_port=65535"], "rollout.vllm_server_port below 65535"),
+        (["use_vllm=true", "vllm_mode=server", "rollout.vllm_server_timeout=0"], "rollout.vllm_server_timeout must be > 0"),
         (["use_vllm=maybe"], "use_vllm='maybe': expected true or false"),
         (["use_vllm=true", "vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization=1.5"),
         (["use_vllm=true", "model.use_lora=true"], "single-turn rollouts of full-weight training only"),
@@ -49,6 +50,15 @@ def test_trl_names_set_the_backend(overrides, backend, utilization):
 def test_what_the_vllm_backend_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
+
+
+def test_server_mode_is_accepted_with_its_address():
+    """TRL's names (vllm_mode, vllm_server_host/port/timeout) set the same fields."""
+    for prefix in ("", "rollout."):
+        cfg = load_config(None, ["use_vllm=true", "vllm_mode=server", f"{prefix}vllm_server_host=10.0.0.2", f"{prefix}vllm_server_port=9000"])
+        r = cfg.rollout
+        assert (r.backend, r.vllm_mode, r.vllm_server_host, r.vllm_server_port, r.vllm_server_timeout) == ("vllm", "server", "10.0.0.2", 9000, 240.0)
+    assert load_config(None, ["vllm_server_timeout=30"]).rollout.vllm_server_timeout == 30.0
 
 
 def test_server_mode_is_accepted_for_the_inprocess_backend():

@@ -143,3 +143,29 @@ def test_legacy_run_folder_without_a_manifest_is_still_vlmrls(tmp_path):
     assert foreign_names(out) == ["checkpoint-7", "notes.md"]
     record(out, ["final"])
     assert owned_names(out) == {"checkpoint-2", "metrics.jsonl", "config.yaml", "final"}
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "final"])
+def test_a_kill_right_after_the_rename_leaves_a_folder_vlmrl_owns(tmp_path, monkeypatch, what):
+    """A SIGKILL between moving a checkpoint (or final/) into place and recording it in the run's manifest left a
+    folder vlmrl had written but did not own: the resumed run refused it ("vlmrl did not write"; met killing a
+    server-mode run once checkpoint-2 appeared). The name is claimed before the rename now."""
+    import vlmrl.checkpoints.files as files
+
+    class Killed(BaseException):
+        pass
+
+    def rename_then_die(real):
+        def wrapped(src, dst):
+            real(src, dst)
+            if os.path.basename(dst) in ("checkpoint-2", "final"):
+                raise Killed  # the process ends here: nothing after the rename runs
+
+        return wrapped
+
+    record(tmp_path, ["config.yaml"])  # a run's folder: its manifest lists what the run wrote so far
+    monkeypatch.setattr(files.os, "rename", rename_then_die(os.rename))
+    with pytest.raises(Killed):
+        save(tmp_path, 2) if what == "checkpoint" else save_folder_atomically(tmp_path / "final", lambda f: (f / "w").write_text("w"))
+    name = "checkpoint-2" if what == "checkpoint" else "final"
+    assert (tmp_path / name).is_dir() and name in owned_names(tmp_path) and foreign_names(tmp_path) == []

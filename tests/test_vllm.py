@@ -55,7 +55,7 @@ def engine(tmp_path_factory):
     rows = load_datasets(cfg, processor=processor).train[:4]
     backend = VLLMRollout(cfg, model, processor, log=lambda *_: None)
     yield cfg, model, processor, rows, backend
-    del backend.llm  # the next module's engine counts this process's memory against its share
+    del backend.engine  # the next module's engine counts this process's memory against its share
 
 
 def encoded(cfg, processor, rows):

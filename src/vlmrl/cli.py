@@ -1,4 +1,4 @@
-"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export|tiny|convert`."""
+"""Command line: `vlmrl train|sft|eval|check|demo|config|plan|export|tiny|convert|rollout-server`."""
 
 from __future__ import annotations
 
@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     cv.add_argument("-o", "--output", default="vlmrl.yaml", help="YAML to write (never overwritten)")
     cv.add_argument("--processes", type=int, help="GPUs the source ran on, when it does not say (its per-GPU batch sizes become vlmrl's global ones)")
     cv.add_argument("source", nargs="*", help="config file, launch script, or the --key value arguments themselves")
+    sub.add_parser("rollout-server", help="Serve rollouts from a vLLM engine to a run with rollout.vllm_mode=server (vlmrl rollout-server -h).")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rollout-server"]:  # its own options (rollout/server.py)
+        from vlmrl.rollout.server import main as serve
+
+        return serve(argv[1:])
     if argv[:1] == ["convert"] and "-h" not in argv and "--help" not in argv:
         return _convert(argv[1:])
     ns = parser.parse_args(argv)
@@ -205,7 +210,7 @@ def _convert(argv: list[str]) -> int:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Failures the user fixes (config, data, model folder, rewards, checkpoints / resume, out of memory at size 1,
-    a sampler whose prompts or weights are not the trainer's):
+    a sampler whose prompts or weights are not the trainer's, a rollout server gone):
     they end the run with one message and exit code 2; anything else is a bug and keeps its traceback."""
     import vlmrl.checkpoints.files as checkpoint
     from vlmrl.data.rows import DataError
@@ -214,6 +219,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from vlmrl.rewards.functions import RewardError
     from vlmrl.run.tracking import TrackerError
     from vlmrl.rollout.parity import RolloutParityError
+    from vlmrl.rollout.wire import RolloutServerError
     from vlmrl.train import NonFiniteStop
 
     extra = tuple(getattr(checkpoint, name) for name in ("ResumeError",) if hasattr(checkpoint, name))
@@ -227,6 +233,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         OutOfMemoryGaveUp,
         NonFiniteStop,
         RolloutParityError,
+        RolloutServerError,
         *extra,
     )
 

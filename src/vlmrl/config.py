@@ -198,7 +198,7 @@ class RolloutConfig:
     )
     vllm_mode: Literal["colocate", "server"] = _f(
         "colocate",
-        "rollout.backend=vllm: colocate = one vLLM engine inside each training process; server (vLLM on other devices) is not supported yet.",
+        "rollout.backend=vllm: colocate = one vLLM engine inside each training process; server = vLLM in a `vlmrl rollout-server` process (other devices or nodes; rollout.vllm_server_host/port), weights pushed to it over a process group of their own (TRL: vllm_mode).",
     )
     vllm_gpu_memory_utilization: float = _f(
         0.3,
@@ -216,6 +216,26 @@ class RolloutConfig:
     vllm_max_model_length: Optional[int] = _f(
         None,
         "rollout.backend=vllm: vLLM's max_model_len, prompt + completion tokens (TRL: vllm_max_model_length, ms-swift: vllm_max_model_len, EasyR1: max_model_len); null = data.max_prompt_length + rollout.max_completion_length, or the model's context.",
+    )
+    vllm_server_host: str = _f(
+        "127.0.0.1",
+        "rollout.vllm_mode=server: the host of the rollout server (`vlmrl rollout-server --host`; TRL: vllm_server_host).",
+        resume_harmless=True,
+    )
+    vllm_server_port: int = _f(
+        8000,
+        "rollout.vllm_mode=server: its port (`vlmrl rollout-server --port`; TRL: vllm_server_port); the weights go over its --group-port.",
+        resume_harmless=True,
+    )
+    vllm_server_timeout: float = _f(
+        240.0,
+        "rollout.vllm_mode=server: seconds to wait for the server to answer at start and for each reply after (a dead or silent server then ends the run in one line; TRL: vllm_server_timeout).",
+        resume_harmless=True,
+    )
+    vllm_servers: list[str] = _f(
+        [],
+        "rollout.vllm_mode=server: several rollout servers in data parallel, as host:port each (every rollout's prompts split among them in order, weights pushed to all); empty = the one at vllm_server_host:vllm_server_port.",
+        resume_harmless=True,
     )
 
 
@@ -1075,8 +1095,12 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         (r.generation_batch_size is None or r.generation_batch_size >= 1, "rollout.generation_batch_size must be >= 1 (or null for the default)"),
         (r.steps_per_generation is None or r.steps_per_generation >= 1, "rollout.steps_per_generation must be >= 1 (or null)"),
         (
-            r.backend != "vllm" or r.vllm_mode == "colocate",
-            "rollout.vllm_mode=server: vLLM on other devices is not supported yet; use rollout.vllm_mode=colocate",
+            r.vllm_server_timeout > 0 and 0 < r.vllm_server_port < 65535,
+            "rollout.vllm_server_timeout must be > 0 and rollout.vllm_server_port below 65535",
+        ),
+        (
+            all(isinstance(a, str) and a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in r.vllm_servers),
+            f"rollout.vllm_servers={list(r.vllm_servers)}: each entry is host:port, e.g. ['10.0.0.2:8000', '10.0.0.3:8000']",
         ),
         (
             r.backend != "vllm" or not (cfg.model.use_lora or cfg.multiturn),

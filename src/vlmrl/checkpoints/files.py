@@ -229,12 +229,12 @@ def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) ->
         for dirpath, _dirs, _files in os.walk(tmp):
             _fsync_dir(Path(dirpath))
         maybe_signal("final-save")
+        record(folder.parent, [folder.name])  # claimed before it appears: a kill after the rename leaves it ours
         if folder.exists():
             _rmtree(old)
             os.rename(folder, old)
         os.rename(tmp, folder)
         _fsync_dir(folder.parent)
-        record(folder.parent, [folder.name])
         _rmtree(old)
     except BaseException as e:
         storage = isinstance(e, Exception) and is_storage_error(e)
@@ -346,8 +346,10 @@ def save_checkpoint(
             rng_states=rng_states,
         )
         _write_manifest(tmp, step)
+        # Rotation and overwrite touch only what the run folder's manifest lists; the name is claimed before the
+        # rename, so a kill right after it leaves a checkpoint the resumed run owns.
+        record(output_dir, [final.name])
         _move_into_place(tmp, final)
-        record(output_dir, [final.name])  # rotation and overwrite touch only what the run folder's manifest lists
     except BaseException as e:
         storage = isinstance(e, Exception) and is_storage_error(e)  # full disk, permissions, read-only FS, I/O: any writer's form
         reason = _storage_reason(e, output_dir) if storage else ""  # free space measured before the cleanup frees it

@@ -1,1 +1,2 @@
-"""Rollout backends other than the in-process engine (models/rollout.py): vLLM colocated in the training process."""
+"""Rollout backends other than the in-process engine (models/rollout.py): vLLM colocated in the training process,
+or in a `vlmrl rollout-server` process (server mode: its client, server and wire format)."""

@@ -19,7 +19,17 @@ def describe_backend(cfg, world_size: int = 1) -> str:
     r = cfg.rollout
     if r.backend == "inprocess":
         return f"rollout: vlmrl's in-process engine (rollout.backend=inprocess, the default; rollout.engine={r.engine})"
-    refuse_vllm(world_size)
+    refuse_vllm(cfg, world_size)
+    if r.vllm_mode == "server":
+        from vlmrl.rollout.client import server_addresses
+
+        servers = server_addresses(r)
+        where = "the rollout server" if len(servers) == 1 else f"{len(servers)} rollout servers in data parallel"
+        states = "; ".join(f"{host}:{port}: {server_state(host, port, r.vllm_server_timeout)}" for host, port in servers)
+        return (
+            f"rollout: vLLM in {where} (rollout.backend=vllm, vllm_mode=server; {states}); weights pushed over their own "
+            "process group and probed before every rollout, every prompt checked against the trainer's"
+        )
     return (
         f"rollout: vLLM colocated in the training process (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
         f"vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}); weights pushed and probed before every rollout, "
@@ -42,9 +52,23 @@ def not_applied(cfg) -> str:
     return f"; {', '.join(unused)} not applied {where}: `vlmrl plan` counts them"
 
 
-def refuse_vllm(world_size: int) -> None:
-    """ConfigError when rollout.backend=vllm cannot run here."""
-    missing = vllm_missing()
+def server_state(host: str, port: int, timeout: float, wait: float = 2.0) -> str:
+    """Whether something listens at host:port now (a server may also start later: a run waits `timeout` seconds)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=wait).close()
+    except OSError as e:
+        return (
+            f"nothing answers there now ({e.strerror or e}): start `vlmrl rollout-server MODEL --host {host} --port {port}`; "
+            f"a run waits up to {timeout:g} s (rollout.vllm_server_timeout)"
+        )
+    return "a server answers there"
+
+
+def refuse_vllm(cfg, world_size: int) -> None:
+    """ConfigError when rollout.backend=vllm cannot run here (a server-mode trainer needs no vLLM of its own)."""
+    missing = vllm_missing() if cfg.rollout.vllm_mode == "colocate" else None
     if missing:
         raise ConfigError(f"rollout.backend=vllm: {missing}; or set rollout.backend=inprocess")
     if world_size > 1:
@@ -55,7 +79,7 @@ def make_backend(cfg, model, processor, world_size: int, log=print):
     """The run's rollout backend: None for rollout.backend=inprocess (models/rollout.generate), else the vLLM engine."""
     if cfg.rollout.backend != "vllm":
         return None
-    refuse_vllm(world_size)
+    refuse_vllm(cfg, world_size)
     from vlmrl.rollout.vllm_backend import VLLMRollout
 
     return VLLMRollout(cfg, model, processor, log)

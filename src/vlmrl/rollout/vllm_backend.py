@@ -1,10 +1,8 @@
-"""rollout.backend=vllm, vllm_mode=colocate: a vLLM engine inside the training process samples the rollouts.
-
-One engine per run, built from the run's model folder (its config, tokenizer and processor files; the weights it
-loads are replaced by the trainer's before the first rollout). Every rollout:
-  1. push: the trainer's weights go to vLLM (`reload_weights` through collective_rpc, in-process: on CPU the
-     tensors cannot cross a process boundary), then vLLM's encoder cache is reset (else the next rollout with the
-     same images reads vision features of the old weights, or misses: `Encoder cache miss`);
+"""rollout.backend=vllm: the trainer's side of a vLLM engine, colocated in the training process
+(rollout.vllm_mode=colocate: vllm_engine.LocalEngine here) or in a rollout server (vllm_mode=server:
+client.RemoteEngine, `vlmrl rollout-server`). The same four things every rollout, in both modes:
+  1. push: the trainer's weights go to vLLM (in-process, or over the weight process group to the server), which then
+     empties its encoder and prefix caches (results of the old weights);
   2. probe: vLLM's log-probs of one fixed sequence (the run's first prompt, its image, a fixed answer) must equal
      the trainer's within PROBE_TOLERANCE, else the run stops in one line (a push that kept the old weights, or a
      weight name that did not map);
@@ -14,21 +12,14 @@ loads are replaced by the trainer's before the first rollout). Every rollout:
      log-probs (Completions.sampling_logps: the mismatch metrics and algorithm.rollout_correction use them);
   4. parity: every prompt vLLM built must be the trainer's prompt ids, token for token (parity.check_prompts).
 
-vLLM reseeds the global RNGs and may change the torch thread count when it is built and when it runs; every call
-here restores the trainer's (`trainer_state_kept`), so a run samples its data order and dropout as without vLLM.
-vLLM is imported only here, only when rollout.backend=vllm.
+A colocated vLLM reseeds the global RNGs and may change the torch thread count; every call into it restores the
+trainer's (vllm_engine.trainer_state_kept). vLLM is imported only where the engine runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
-import random
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from vlmrl.models.loading import resolve_model_path, unwrap
@@ -43,26 +34,8 @@ PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 PROBE_ANSWER = "<answer>1</answer>"  # the probe's fixed completion (any text the tokenizer encodes)
 
 
-@contextlib.contextmanager
-def trainer_state_kept():
-    """Restore the torch / numpy / Python RNG states, the torch thread count and torch.set_num_threads itself on the
-    way out: vLLM's CPU worker reseeds the RNGs and replaces torch.set_num_threads, process-wide, by a function that
-    only warns (its threads are bound to cores), which would leave the trainer unable to set its own."""
-    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
-    try:
-        yield
-    finally:
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
-        torch.set_num_threads = set_num_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
 class VLLMRollout:
-    """The colocated vLLM engine of one run (one process), and the trainer model it mirrors."""
+    """The vLLM engine of one run (one training process; colocated or a server), and the trainer model it mirrors."""
 
     def __init__(self, cfg, model: torch.nn.Module, processor, log=print):
         self.cfg, self.model, self.processor, self.log = cfg, model, processor, log
@@ -79,50 +52,38 @@ class VLLMRollout:
         self.synced_step: int | None = None
         self.metrics: dict = {}  # the last rollout's vllm/* metrics (logged with its step)
         self.probe: dict | None = None
-        self.llm = self._build()
+        self.engine = self._build()
+
+    @property
+    def llm(self):
+        """The colocated vllm.LLM (colocate mode only)."""
+        return self.engine.llm
 
     def _build(self):
-        cfg, r = self.cfg, self.cfg.rollout
-        folder = resolve_model_path(cfg.model.name_or_path)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the weight push hands over tensors
-        size = getattr(getattr(self.processor, "image_processor", None), "size", None)
-        bounds = {k: v for k, v in (("shortest_edge", cfg.data.min_pixels), ("longest_edge", cfg.data.max_pixels)) if v is not None}
-        mm_kwargs = {"size": {**_as_dict(size), **bounds}} if size is not None and bounds else None
-        with trainer_state_kept():
-            from vllm import LLM
+        from vlmrl.rollout.vllm_engine import engine_options
 
-            _register_in_process(folder)
-            llm = LLM(
-                model=folder,
-                dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype],
-                seed=cfg.training.seed,
-                enforce_eager=True,
-                gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                max_model_len=_max_model_len(cfg),
-                limit_mm_per_prompt={"image": cfg.data.limit_images, "video": 0},
-                mm_processor_kwargs=mm_kwargs,
-                # raw = log_softmax(logits), the trainer's quantity at temperature 1; otherwise after temperature
-                logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
-                # A prompt prefilled in chunks has its sampled token discarded, and vLLM then rewinds the request's
-                # seeded generator, which a CPU generator cannot (`CPU Generator does not use offset`): whole prompts only.
-                enable_chunked_prefill=False,
-                trust_remote_code=cfg.model.trust_remote_code,
-            )
-        self.log(f"rollout: vLLM (colocated, in-process) built from {folder}, {str(self.dtype).removeprefix('torch.')}")
-        return llm
+        cfg, r = self.cfg, self.cfg.rollout
+        options = engine_options(cfg, self.processor, self.dtype, self.allowed)
+        if r.vllm_mode == "server":
+            from vlmrl.rollout.client import connect_servers
+
+            device = next(unwrap(self.model).parameters()).device
+            engine = connect_servers(r, options, "nccl" if device.type == "cuda" else "gloo")
+            self.log(f"rollout: vLLM server at {engine.address} ({engine.folder}), {options['dtype']}; weights over {engine.backend}")
+            return engine
+        from vlmrl.rollout.vllm_engine import LocalEngine
+
+        folder = resolve_model_path(cfg.model.name_or_path)
+        engine = LocalEngine(folder, options, r.vllm_gpu_memory_utilization)
+        self.log(f"rollout: vLLM (colocated, in-process) built from {folder}, {options['dtype']}")
+        return engine
 
     # ------------------------------------------------------------ weights
     def push_weights(self) -> float:
-        """The trainer's weights into vLLM (module names; vLLM's own name mapper takes them), then the encoder cache
-        reset. Returns the seconds it took."""
-        import time
-
-        start = time.perf_counter()
+        """The trainer's weights into vLLM (module names; vLLM's own name mapper takes them); returns the seconds."""
         weights = [(name, t.detach()) for name, t in unwrap(self.model).state_dict().items()]
-        with trainer_state_kept(), torch.no_grad():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            self.llm.llm_engine.reset_encoder_cache()
-        return time.perf_counter() - start
+        with torch.no_grad():
+            return self.engine.push(weights)
 
     def sync(self, step: int, rows: list[dict]) -> dict:
         """Push the weights once per step (before its rollout), then probe; returns vllm/* timings."""
@@ -144,22 +105,20 @@ class VLLMRollout:
 
     def check_probe(self) -> float:
         """max |vLLM - trainer| log-prob over the probe's answer tokens; raises RolloutParityError past the tolerance."""
-        from vllm import SamplingParams
-
         p = self.probe
         tokenizer = self.processor.tokenizer
         ids = tokenizer(p["text"], add_special_tokens=False)["input_ids"] + p["answer"]
-        request = {"prompt_token_ids": ids, "multi_modal_data": {"image": p["images"]}} if p["images"] else {"prompt_token_ids": ids}
-        with trainer_state_kept():
-            out = self.llm.generate([request], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)[0]
-        n = len(p["answer"])
-        sampler = torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[-n:], p["answer"])])
         trainer = self._trainer_logps(p["batch"], p["answer"])
         low = self.cfg.training.bf16 or self.dtype != torch.float32  # the trainer's forward in bf16 autocast, or half weights
-        problem = probe_mismatch(sampler, trainer, PROBE_TOLERANCE[torch.bfloat16] if low else PROBE_TOLERANCE[torch.float32])
-        if problem is not None:
-            raise RolloutParityError(problem)
-        return float((sampler.double() - trainer.double()).abs().max())
+        worst = 0.0
+        engines = getattr(self.engine, "engines", [self.engine])  # several servers in data parallel: each one probed
+        for engine in engines:
+            sampler = torch.tensor(engine.prompt_logprobs(ids, p["images"], len(p["answer"])))
+            problem = probe_mismatch(sampler, trainer, PROBE_TOLERANCE[torch.bfloat16] if low else PROBE_TOLERANCE[torch.float32])
+            if problem is not None:
+                raise RolloutParityError(f"{problem} (the rollout server at {engine.address})" if len(engines) > 1 else problem)
+            worst = max(worst, float((sampler.double() - trainer.double()).abs().max()))
+        return worst
 
     @torch.no_grad()
     def _trainer_logps(self, batch: dict, answer: list[int]) -> torch.Tensor:
@@ -188,76 +147,42 @@ class VLLMRollout:
     def sample(self, step: int, rows: list[dict], prompts: dict, seeds: list[int], row_names: list[str]) -> tuple[Completions, dict]:
         """G completions of each row ([P*G, T] grouped by prompt) and vllm/* metrics; rows [P] with the trainer's
         encoded `prompts` [P, L], seeds [P] (one sampling stream per prompt), row_names [P] for error lines."""
-        from vllm import SamplingParams
-
         metrics = self.sync(step, rows)
         r = self.cfg.rollout
         texts, images, videos = row_prompt_inputs(self.processor, rows, self.cfg)
         if any(videos):
             raise RolloutParityError(f"{row_names[[bool(v) for v in videos].index(True)]}: rollout.backend=vllm samples image rows only (yet)")
         params = [
-            SamplingParams(
-                n=r.num_generations,
-                max_tokens=r.max_completion_length,
-                min_tokens=r.min_completion_length,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k if r.top_k > 0 else -1,
-                seed=seed,
-                logprobs=0,  # the sampled token's log-prob
-                stop_token_ids=self.eos,
-                allowed_token_ids=self.allowed,
-            )
+            {
+                "n": r.num_generations,
+                "max_tokens": r.max_completion_length,
+                "min_tokens": r.min_completion_length,
+                "temperature": r.temperature,
+                "top_p": r.top_p,
+                "top_k": r.top_k if r.top_k > 0 else -1,
+                "seed": seed,
+                "logprobs": 0,  # the sampled token's log-prob
+                "stop_token_ids": self.eos,
+            }
             for seed in seeds
         ]
-        with trainer_state_kept():
-            outs = self.llm.generate(self.requests(texts, images), params, use_tqdm=False)
-        check_prompts([o.prompt_token_ids for o in outs], prompts, self.vision_ids, row_names)
+        outs = self.engine.generate(self.requests(texts, images), params)
+        check_prompts([o["prompt_token_ids"] for o in outs], prompts, self.vision_ids, row_names)
         return self.completions(outs), metrics
 
-    def completions(self, outs) -> Completions:
-        """vLLM's RequestOutputs (P, n=G each) -> Completions [P*G, T], right-padded, with the sampled tokens' log-probs."""
-        samples = [c for o in outs for c in o.outputs]
-        width = max(1, max(len(c.token_ids) for c in samples))
+    def completions(self, outs: list[dict]) -> Completions:
+        """The engine's outputs (P, G samples each) -> Completions [P*G, T], right-padded, with the sampled tokens'
+        log-probs."""
+        samples = [c for o in outs for c in o["samples"]]
+        width = max(1, max(len(c["token_ids"]) for c in samples))
         ids = torch.full((len(samples), width), self.pad, dtype=torch.long)
         logps = torch.zeros((len(samples), width), dtype=torch.float32)
         mask = torch.zeros((len(samples), width), dtype=torch.long)
         truncated = torch.zeros(len(samples), dtype=torch.bool)
         for i, c in enumerate(samples):
-            n = len(c.token_ids)
-            ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            logps[i, :n] = torch.tensor([entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids)])
+            n = len(c["token_ids"])
+            ids[i, :n] = torch.tensor(c["token_ids"], dtype=torch.long)
+            logps[i, :n] = torch.tensor(c["logprobs"], dtype=torch.float32)
             mask[i, :n] = 1
-            truncated[i] = n == 0 or c.token_ids[-1] not in self.eos
+            truncated[i] = n == 0 or c["token_ids"][-1] not in self.eos
         return Completions(ids=ids, mask=mask, truncated=truncated, sampling_logps=logps)
-
-
-def _as_dict(size) -> dict:
-    if size is None:
-        return {}
-    if dataclasses.is_dataclass(size):
-        return {k: v for k, v in dataclasses.asdict(size).items() if v is not None}
-    return {k: v for k, v in dict(size).items() if v is not None}
-
-
-def _max_model_len(cfg) -> int | None:
-    """rollout.vllm_max_model_length; else prompt budget + completion when data.max_prompt_length bounds prompts; else
-    vLLM's default (the model's)."""
-    if cfg.rollout.vllm_max_model_length is not None:
-        return cfg.rollout.vllm_max_model_length
-    if cfg.data.max_prompt_length is None:
-        return None
-    return cfg.data.max_prompt_length + cfg.rollout.max_completion_length
-
-
-def _register_in_process(folder: str) -> None:
-    """Register the folder's architectures with vLLM as classes imported in this process: vLLM otherwise inspects a
-    model class in a fresh interpreter (`python -m vllm.model_executor.models.registry`), which imports
-    transformers before anything of vlmrl runs and so fails on the registry's torchvision (vlmrl/_torchvision.py)."""
-    from vllm import ModelRegistry
-
-    architectures = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
-    for arch in architectures:
-        lazy = ModelRegistry.models.get(arch)
-        if lazy is not None and hasattr(lazy, "load_model_cls") and not hasattr(lazy, "model_cls"):
-            ModelRegistry.register_model(arch, lazy.load_model_cls())

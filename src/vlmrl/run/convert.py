@@ -24,7 +24,6 @@ from vlmrl.config import TRACKERS, _merge_key, build_config
 
 PEERS = ("trl", "easyr1", "ms-swift", "vlm-r1")
 VLLM = "vLLM: the source does not turn vLLM on, so vlmrl generates in-process (rollout.backend=inprocess)"
-VLLM_SERVER = "vLLM server mode: vlmrl's rollout.vllm_mode=server is not in this version; the run generates in-process"
 VLLM_LORA = "vLLM with LoRA: vlmrl's vLLM backend trains full weights only (yet), so the run generates in-process (the vLLM fields are written)"
 VLLM_GPU_ONLY = "vLLM on GPU only"
 ZERO = "ZeRO / FSDP: launch with accelerate and a config from configs/accelerate (docs/scaling_out.md)"
@@ -144,12 +143,14 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
         return sleep
     defaults = VLLM_DEFAULTS.get(peer, VLLM_DEFAULTS["trl"])
     mode = source.get("vllm_mode") or ("server" if source.get("vllm_server_host") else defaults["vllm_mode"])
-    if mode != "colocate":
+    if mode == "server" and lora:
         keys = {"use_vllm", *(k for k in source if k.startswith("vllm_"))}
         for key in sorted(keys):
-            out.skip(key, VLLM_SERVER + (" (TRL's default vllm_mode is server)" if "vllm_mode" not in source else ""))
+            out.skip(key, VLLM_LORA)
         return keys
     handled = {"use_vllm", "vllm_mode", *VLLM_KEYS, "vllm_enable_sleep_mode", "sleep_level"}
+    if mode == "server":
+        handled |= convert_vllm_server(source, out, "vllm_mode" not in source)
     if peer == "trl":
         handled |= _trl_importance_sampling(source, out)
     for key in sorted(k for k in source if k.startswith("vllm_") and k not in handled):  # vllm_enable_lora, vllm_enforce_eager, ...
@@ -159,7 +160,7 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
         out.skip("use_vllm", VLLM_LORA)
     else:
         out.set("rollout.backend", "vllm")
-        out.set("rollout.vllm_mode", "colocate")
+        out.set("rollout.vllm_mode", mode)
     for key, target in VLLM_KEYS.items():
         if source.get(key) is not None:
             out.set(target, source[key])
@@ -170,6 +171,31 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
     if level:
         out.set("rollout.vllm_sleep_level", int(level))
     return handled
+
+
+def convert_vllm_server(source: dict[str, Any], out: Conversion, defaulted: bool) -> set[str]:
+    """vLLM as a server (TRL's `trl vllm-serve`, ms-swift's `swift rollout`): rollout.vllm_mode=server at the source's
+    host(s) and port(s), TRL's wait (vllm_server_timeout); the user starts `vlmrl rollout-server` there instead of
+    the peer's server (it speaks vlmrl's protocol, not theirs). Several hosts (ms-swift's lists): rollout.vllm_servers."""
+    hosts = source.get("vllm_server_host") or "127.0.0.1"
+    ports = source.get("vllm_server_port") or 8000
+    hosts, ports = (hosts if isinstance(hosts, list) else [hosts]), (ports if isinstance(ports, list) else [ports])
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    pairs = [(("127.0.0.1" if h == "0.0.0.0" else str(h)), int(p)) for h, p in zip(hosts, ports)]
+    if len(pairs) == 1:
+        out.set("rollout.vllm_server_host", pairs[0][0])
+        out.set("rollout.vllm_server_port", pairs[0][1])
+    else:
+        out.set("rollout.vllm_servers", [f"{h}:{p}" for h, p in pairs])
+    if source.get("vllm_server_timeout") is not None:
+        out.set("rollout.vllm_server_timeout", float(source["vllm_server_timeout"]))
+    where = " ".join(f"--host {h} --port {p}" for h, p in pairs[:1])
+    out.notes.append(
+        ("the source's vllm_mode is its trainer's default, server; " if defaulted else "")
+        + f"start `vlmrl rollout-server MODEL {where}` where the source ran its peer's vLLM server (docs/vllm.md: server mode)"
+    )
+    return {"vllm_server_host", "vllm_server_port", "vllm_server_timeout"}
 
 
 # TRL's correction of the vLLM / trainer mismatch when it generates with vLLM: on by default, sequence_mask, ratios
