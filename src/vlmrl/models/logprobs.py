@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
 from vlmrl.models.loading import unwrap
-from vlmrl.models.families import log_fallback
+from vlmrl.families import log_fallback
 from vlmrl.models.loading import vision_tower
 from vlmrl.models.processing import _item_order, append_tokens, select_rows
 
