@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
 from vlmrl.models.loading import unwrap
-from vlmrl.families import log_fallback
+from vlmrl.families import family_of, grouped_labels, log_fallback
 from vlmrl.models.loading import vision_tower
 from vlmrl.models.processing import _item_order, append_tokens, select_rows
 
@@ -234,24 +234,20 @@ def completion_logps(
 
 # ---------------------------------------------------------------- grouped path: one vision pass per prompt
 
-QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
-QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-GEMMA3_GROUPED_TYPES = ("gemma3",)
-# Tiled families: variable features per image (OneVision: anyres tiles + newline tokens, a tuple per image; InternVL:
-# 1-12 tiles + thumbnail, [tiles, tokens, H] with image_num_patches tiles per image).
-TILED_GROUPED_TYPES = {"llava_onevision": "onevision", "internvl": "internvl"}
-LLAVA_GROUPED_TYPES = ("llava",)
-# Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
-MROPE_FAMILIES = ("qwen", "qwen3")
-# Families whose grouped path hands the shared image features to the model's own forward (mm_encoder_outputs).
-ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3", "onevision", "internvl")
+# Grouped-path names (families.Family.grouped) with M-RoPE (explicit [3, N, L] position ids from the model's own
+# get_rope_index), and those whose shared prefix takes videos; from the registry.
+MROPE_FAMILIES = grouped_labels("mrope")
+PREFIX_VIDEO_FAMILIES = grouped_labels("prefix_videos")
+# Temporarily here until families/llava.py exists (moved last, following docs/families.md).
+_LLAVA_TYPES = ("llava",)
 
 
 def grouped_family(model: torch.nn.Module) -> str | None:
-    """'qwen', 'qwen3', 'gemma3' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
+    """The family's grouped-path name (Family.grouped: 'qwen', 'qwen3', 'gemma3', 'llava', 'onevision', 'internvl')
+    when `completion_logps_grouped` shares vision work for this model, else None.
 
     Decided by config.model_type (the families whose forward this module re-implements and tests)
-    and checked against the structure it needs (model.model.get_image_features, get_rope_index).
+    and checked against the structure it needs (model.model.get_image_features, Family.grouped_needs).
     None is logged once per model type with the reason (`families.log_fallback`).
     """
 
@@ -261,17 +257,11 @@ def grouped_family(model: torch.nn.Module) -> str | None:
     if inner is None or not hasattr(inner, "get_image_features") or not hasattr(inner, "get_input_embeddings"):
         log_fallback(model_type, "the model has no model.get_image_features / get_input_embeddings")
         return None
-    mrope = hasattr(inner, "get_rope_index") and hasattr(inner, "visual")
-    if model_type in QWEN_GROUPED_TYPES and mrope:
-        return "qwen"
-    if model_type in QWEN3_GROUPED_TYPES and mrope:
-        return "qwen3"
-    if model_type in GEMMA3_GROUPED_TYPES and hasattr(inner, "vision_tower"):
-        return "gemma3"
-    if model_type in LLAVA_GROUPED_TYPES and hasattr(inner, "vision_tower"):
+    family = family_of(model_type)
+    if family.grouped is not None and all(hasattr(inner, name) for name in family.grouped_needs):
+        return family.grouped
+    if model_type in _LLAVA_TYPES and hasattr(inner, "vision_tower"):
         return "llava"
-    if model_type in TILED_GROUPED_TYPES and hasattr(inner, "vision_tower"):
-        return TILED_GROUPED_TYPES[model_type]
     log_fallback(model_type)
     return None
 
@@ -354,7 +344,7 @@ def completion_logps_grouped(
     | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
     | anything else (idefics, smolvlm...) | no: falls back to the naive path on                   |
     |                                     |  select_rows(prompt_batch, row_prompt) (same values), |
-    |                                     |  reason logged once (families.FALLBACK_REASONS)       |
+    |                                     |  reason logged once (Family.fallback_reason)          |
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
     |  with videos (pixel_values_videos)  |                                                       |
     """
@@ -377,7 +367,8 @@ def completion_logps_grouped(
     if per_prompt is None:
         raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; build it with encode_prompts")
     per_prompt = per_prompt.to("cpu").long()
-    if family in ENCODER_OUTPUT_FAMILIES:
+    spec = family_of(getattr(core.config, "model_type", None))
+    if spec.encoder_outputs:
         hidden = _encoder_outputs_grouped_hidden(inner, prompt_batch, row_prompt, per_prompt, completion_ids, completion_mask)
         prompt_len, t = prompt_batch["input_ids"].shape[1], completion_ids.shape[1]
         predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
@@ -385,7 +376,7 @@ def completion_logps_grouped(
     n_images = int(per_prompt.sum())
 
     # 1. Vision: all images of the U prompts, once.
-    if family == "qwen":
+    if spec.mrope:
         grid = prompt_batch["image_grid_thw"]
         merge = inner.visual.spatial_merge_size**2
         sizes = (grid.prod(-1) // merge).tolist()
@@ -430,7 +421,7 @@ def completion_logps_grouped(
 
     # 4. Decoder over inputs_embeds; Qwen-VL positions exactly as the model derives them from input_ids.
     position_ids = None
-    if family == "qwen":
+    if spec.mrope:
         row_image_idx = torch.tensor(row_images, dtype=torch.long, device=grid.device)
         grid_rows = grid.index_select(0, row_image_idx)
         mm_types = text.get("mm_token_type_ids")
