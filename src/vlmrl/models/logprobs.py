@@ -376,6 +376,40 @@ def completion_logps_grouped(
     n_images = int(per_prompt.sum())
 
     # 1. Vision: all images of the U prompts, once.
+    feats, sizes = _shared_image_features(inner, prompt_batch, spec, n_images)
+
+    # 2. Token index of each row's image features inside `feats` (row order, image order).
+    row_images = _row_images(row_prompt, per_prompt)
+    token_idx = _token_index(sizes, row_images)
+
+    # 3. Text of the N rows (prompt gathered + completion) and its embeddings with image features scattered in.
+    text = {
+        k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    }
+    text = append_tokens(text, completion_ids, completion_mask)
+    input_ids, attention_mask = text["input_ids"], text["attention_mask"]
+    embeds = inner.get_input_embeddings()(input_ids)
+    image_mask = input_ids == core.config.image_token_id
+    n_tokens = int(image_mask.sum())
+    if n_tokens != token_idx.numel():
+        raise ValueError(f"{n_tokens} image tokens in the rows but {token_idx.numel()} image features for them")
+    row_feats = feats.index_select(0, token_idx.to(feats.device)).to(embeds.device, embeds.dtype)
+    embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), row_feats)
+
+    # 4. Decoder over inputs_embeds; Qwen-VL positions exactly as the model derives them from input_ids.
+    position_ids = None
+    if spec.mrope:
+        position_ids = _mrope_position_ids(inner, prompt_batch["image_grid_thw"], row_images, text, image_mask)
+    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    prompt_len = prompt_batch["input_ids"].shape[1]
+    t = completion_ids.shape[1]
+    predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
+    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+
+
+def _shared_image_features(inner, prompt_batch: dict, spec, n_images: int) -> tuple[torch.Tensor, list[int]]:
+    """(features of all the prompt batch's images [sum of tokens, H], tokens per image): one get_image_features call.
+    M-RoPE families size each image from its grid_thw; the others split the features evenly over the images."""
     if spec.mrope:
         grid = prompt_batch["image_grid_thw"]
         merge = inner.visual.spatial_merge_size**2
@@ -395,54 +429,36 @@ def completion_logps_grouped(
         if per_image * n_images != feats.shape[0]:
             raise ValueError(f"{feats.shape[0]} image feature tokens do not split evenly over {n_images} images")
         sizes = [per_image] * n_images
+    return feats, sizes
 
-    # 2. Token index of each row's image features inside `feats` (row order, image order).
+
+def _token_index(sizes: list[int], row_images: list[int]) -> torch.Tensor:
+    """Indices into the concatenated image features of row_images' tokens, image after image: [their tokens]."""
     token_start = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
-    image_start = torch.cat([torch.zeros(1, dtype=torch.long), per_prompt.cumsum(0)])
-    row_images = [i for p in row_prompt.tolist() for i in range(int(image_start[p]), int(image_start[p + 1]))]
     if row_images:
-        token_idx = torch.cat([torch.arange(int(token_start[i]), int(token_start[i + 1])) for i in row_images])
-    else:
-        token_idx = torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(int(token_start[i]), int(token_start[i + 1])) for i in row_images])
+    return torch.zeros(0, dtype=torch.long)
 
-    # 3. Text of the N rows (prompt gathered + completion) and its embeddings with image features scattered in.
-    text = {
-        k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
-    }
-    text = append_tokens(text, completion_ids, completion_mask)
-    input_ids, attention_mask = text["input_ids"], text["attention_mask"]
-    embeds = inner.get_input_embeddings()(input_ids)
-    image_mask = input_ids == core.config.image_token_id
-    n_tokens = int(image_mask.sum())
-    if n_tokens != token_idx.numel():
-        raise ValueError(f"{n_tokens} image tokens in the rows but {token_idx.numel()} image features for them")
-    row_feats = feats.index_select(0, token_idx.to(feats.device)).to(embeds.device, embeds.dtype)
-    embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), row_feats)
 
-    # 4. Decoder over inputs_embeds; Qwen-VL positions exactly as the model derives them from input_ids.
-    position_ids = None
-    if spec.mrope:
-        row_image_idx = torch.tensor(row_images, dtype=torch.long, device=grid.device)
-        grid_rows = grid.index_select(0, row_image_idx)
-        mm_types = text.get("mm_token_type_ids")
-        if mm_types is None:
-            mm_types = image_mask.long()
-        rope_kwargs = _accepted(
-            inner.get_rope_index,
-            {
-                "input_ids": input_ids,
-                "mm_token_type_ids": mm_types,
-                "image_grid_thw": grid_rows,
-                "video_grid_thw": None,
-                "attention_mask": attention_mask,
-            },
-        )
-        position_ids, _ = inner.get_rope_index(**rope_kwargs)
-    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
-    prompt_len = prompt_batch["input_ids"].shape[1]
-    t = completion_ids.shape[1]
-    predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
-    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+def _mrope_position_ids(inner, grid: torch.Tensor, row_images: list[int], text: dict, image_mask: torch.Tensor) -> torch.Tensor:
+    """M-RoPE position ids [3, N, L] of the rows, from the model's own get_rope_index over their input_ids."""
+    row_image_idx = torch.tensor(row_images, dtype=torch.long, device=grid.device)
+    grid_rows = grid.index_select(0, row_image_idx)
+    mm_types = text.get("mm_token_type_ids")
+    if mm_types is None:
+        mm_types = image_mask.long()
+    rope_kwargs = _accepted(
+        inner.get_rope_index,
+        {
+            "input_ids": text["input_ids"],
+            "mm_token_type_ids": mm_types,
+            "image_grid_thw": grid_rows,
+            "video_grid_thw": None,
+            "attention_mask": text["attention_mask"],
+        },
+    )
+    position_ids, _ = inner.get_rope_index(**rope_kwargs)
+    return position_ids
 
 
 def _row_images(row_prompt: torch.Tensor, per_prompt: torch.Tensor) -> list[int]:
