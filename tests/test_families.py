@@ -137,5 +137,6 @@ def test_registry_points_at_tiny_builders_and_falls_back_to_generic():
         for name in fam.tiny:
             assert fam.tiny_builder(name) is BUILDERS[name], (fam.name, name)
         assert all(family_of(t) is fam for t in fam.model_types)
+    assert sorted(name for fam in FAMILIES for name in fam.tiny) == sorted(BUILDERS)  # every builder has its family
     assert family_of("some_new_vlm") is GENERIC and family_of(None) is GENERIC
     assert GENERIC.grouped is None and not GENERIC.continuous and not GENERIC.multiturn

@@ -56,7 +56,7 @@ from vlmrl.models.static_decode import StaticStep
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py); any
 # other model type uses the loop, with a logged reason.
-ENGINE_MODEL_TYPES = (*model_types("continuous"), "llava")  # llava: until families/llava.py exists (moved last)
+ENGINE_MODEL_TYPES = model_types("continuous")
 _fallback_logged: set[str] = set()
 
 

@@ -238,8 +238,6 @@ def completion_logps(
 # get_rope_index), and those whose shared prefix takes videos; from the registry.
 MROPE_FAMILIES = grouped_labels("mrope")
 PREFIX_VIDEO_FAMILIES = grouped_labels("prefix_videos")
-# Temporarily here until families/llava.py exists (moved last, following docs/families.md).
-_LLAVA_TYPES = ("llava",)
 
 
 def grouped_family(model: torch.nn.Module) -> str | None:
@@ -260,8 +258,6 @@ def grouped_family(model: torch.nn.Module) -> str | None:
     family = family_of(model_type)
     if family.grouped is not None and all(hasattr(inner, name) for name in family.grouped_needs):
         return family.grouped
-    if model_type in _LLAVA_TYPES and hasattr(inner, "vision_tower"):
-        return "llava"
     log_fallback(model_type)
     return None
 

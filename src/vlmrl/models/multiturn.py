@@ -49,7 +49,7 @@ from vlmrl.tools.parsing import parse_tool_calls
 from vlmrl.tools.render import ToolTemplateError, chat_template_of, for_template, render_tool_turn, tool_role_mode
 from vlmrl.tools.trajectory import Trajectory, images_of
 
-MULTITURN_MODEL_TYPES = (*model_types("multiturn"), "llava")  # llava: until families/llava.py exists
+MULTITURN_MODEL_TYPES = model_types("multiturn")
 _MARK = "\u00a7assistant-turn\u00a7"
 
 

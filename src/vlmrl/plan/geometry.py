@@ -106,7 +106,7 @@ TIMESTAMP_TEXT_TOKENS = 8
 VIDEO_FAMILIES = model_types("plan_video")
 # Families with vlmrl's grouped-vision and shared-prefix paths (logprobs.grouped_family); the others (SmolVLM, Idefics3,
 # ...) take the naive path: every row encodes its own copy of its prompt's images, no shared prefix.
-FAST_PATH_FAMILIES = (*model_types("grouped"), "llava")  # llava: until families/llava.py exists (moved last)
+FAST_PATH_FAMILIES = model_types("grouped")
 
 
 def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
