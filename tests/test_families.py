@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vlmrl.cli import main
-from vlmrl.models.families import log_fallback
+from vlmrl.families import log_fallback
 from vlmrl.fixtures.tiny_families import BUILDERS
 
 ROOT = Path(__file__).parents[1]
@@ -79,7 +79,7 @@ def test_tiny_cli_builds_a_folder_the_normal_model_path_loads(tmp_path):
 
 
 def test_fallback_is_logged_once_with_its_reason(caplog):
-    with caplog.at_level(logging.WARNING, logger="vlmrl.models.families"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
         log_fallback("smolvlm")
         log_fallback("smolvlm")
         log_fallback("some_new_vlm")
@@ -93,14 +93,14 @@ def test_unknown_family_takes_the_naive_path_and_says_why(tiny_qwen25vl, monkeyp
     """A model type outside the tested fast families: grouped_family is None (naive path), logged once."""
     from types import SimpleNamespace
 
-    import vlmrl.models.families as families
+    import vlmrl.families as families
     from vlmrl.models.logprobs import grouped_family
     from vlmrl.models.loading import load_model
 
     monkeypatch.setattr(families, "_logged", set())
     model = load_model(SimpleNamespace(**{**_model_cfg(tiny_qwen25vl)}))
     model.config.model_type = "qwen2_5_vl_variant"
-    with caplog.at_level(logging.WARNING, logger="vlmrl.models.families"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.families"):
         assert grouped_family(model) is None
         assert grouped_family(model) is None
     assert [r.getMessage() for r in caplog.records] == [
@@ -128,3 +128,15 @@ def test_planner_qwen3_vl_image_tokens_follow_the_processor(side):
     expected = int(grid.prod()) // 4
     for preset in ("qwen3-vl-4b", "qwen3-vl-8b"):
         assert image_tokens(model_spec(preset), side * side) == expected
+
+
+def test_registry_points_at_tiny_builders_and_falls_back_to_generic():
+    from vlmrl.families import FAMILIES, GENERIC, family_of
+
+    for fam in FAMILIES:
+        for name in fam.tiny:
+            assert fam.tiny_builder(name) is BUILDERS[name], (fam.name, name)
+        assert all(family_of(t) is fam for t in fam.model_types)
+    assert sorted(name for fam in FAMILIES for name in fam.tiny) == sorted(BUILDERS)  # every builder has its family
+    assert family_of("some_new_vlm") is GENERIC and family_of(None) is GENERIC
+    assert GENERIC.grouped is None and not GENERIC.continuous and not GENERIC.multiturn

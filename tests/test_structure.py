@@ -19,6 +19,7 @@ LAYERS = (
     ("rewards",),
     ("tools",),  # tool functions, tool-call parsing, environments, trajectories
     ("fixtures",),  # offline tiny builders, presets, stand-in processors
+    ("families",),  # one Family per VLM family, the registry and the generic fallback
     ("models",),  # loading, processors, log-probs, prefix, rollout engines
     ("checkpoints",),
     ("engine",),  # processes, engines, OOM, memory readings

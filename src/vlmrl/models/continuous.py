@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from vlmrl.families import model_types
 from vlmrl.models.loading import unwrap
 from vlmrl.models.prefix import (
     SamplingWorkspace,
@@ -55,9 +56,7 @@ from vlmrl.models.static_decode import StaticStep
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py); any
 # other model type uses the loop, with a logged reason.
-ENGINE_MODEL_TYPES = (
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3", "llava_onevision", "internvl"
-)  # fmt: skip
+ENGINE_MODEL_TYPES = model_types("continuous")
 _fallback_logged: set[str] = set()
 
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
 from vlmrl.models.loading import unwrap
-from vlmrl.models.families import log_fallback
+from vlmrl.families import family_of, grouped_labels, log_fallback
 from vlmrl.models.loading import vision_tower
 from vlmrl.models.processing import _item_order, append_tokens, select_rows
 
@@ -234,24 +234,18 @@ def completion_logps(
 
 # ---------------------------------------------------------------- grouped path: one vision pass per prompt
 
-QWEN_GROUPED_TYPES = ("qwen2_vl", "qwen2_5_vl")
-QWEN3_GROUPED_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-GEMMA3_GROUPED_TYPES = ("gemma3",)
-# Tiled families: variable features per image (OneVision: anyres tiles + newline tokens, a tuple per image; InternVL:
-# 1-12 tiles + thumbnail, [tiles, tokens, H] with image_num_patches tiles per image).
-TILED_GROUPED_TYPES = {"llava_onevision": "onevision", "internvl": "internvl"}
-LLAVA_GROUPED_TYPES = ("llava",)
-# Families with M-RoPE: explicit [3, N, L] position ids from the model's own get_rope_index.
-MROPE_FAMILIES = ("qwen", "qwen3")
-# Families whose grouped path hands the shared image features to the model's own forward (mm_encoder_outputs).
-ENCODER_OUTPUT_FAMILIES = ("qwen3", "gemma3", "onevision", "internvl")
+# Grouped-path names (families.Family.grouped) with M-RoPE (explicit [3, N, L] position ids from the model's own
+# get_rope_index), and those whose shared prefix takes videos; from the registry.
+MROPE_FAMILIES = grouped_labels("mrope")
+PREFIX_VIDEO_FAMILIES = grouped_labels("prefix_videos")
 
 
 def grouped_family(model: torch.nn.Module) -> str | None:
-    """'qwen', 'qwen3', 'gemma3' or 'llava' when `completion_logps_grouped` shares vision work for this model, else None.
+    """The family's grouped-path name (Family.grouped: 'qwen', 'qwen3', 'gemma3', 'llava', 'onevision', 'internvl')
+    when `completion_logps_grouped` shares vision work for this model, else None.
 
     Decided by config.model_type (the families whose forward this module re-implements and tests)
-    and checked against the structure it needs (model.model.get_image_features, get_rope_index).
+    and checked against the structure it needs (model.model.get_image_features, Family.grouped_needs).
     None is logged once per model type with the reason (`families.log_fallback`).
     """
 
@@ -261,17 +255,9 @@ def grouped_family(model: torch.nn.Module) -> str | None:
     if inner is None or not hasattr(inner, "get_image_features") or not hasattr(inner, "get_input_embeddings"):
         log_fallback(model_type, "the model has no model.get_image_features / get_input_embeddings")
         return None
-    mrope = hasattr(inner, "get_rope_index") and hasattr(inner, "visual")
-    if model_type in QWEN_GROUPED_TYPES and mrope:
-        return "qwen"
-    if model_type in QWEN3_GROUPED_TYPES and mrope:
-        return "qwen3"
-    if model_type in GEMMA3_GROUPED_TYPES and hasattr(inner, "vision_tower"):
-        return "gemma3"
-    if model_type in LLAVA_GROUPED_TYPES and hasattr(inner, "vision_tower"):
-        return "llava"
-    if model_type in TILED_GROUPED_TYPES and hasattr(inner, "vision_tower"):
-        return TILED_GROUPED_TYPES[model_type]
+    family = family_of(model_type)
+    if family.grouped is not None and all(hasattr(inner, name) for name in family.grouped_needs):
+        return family.grouped
     log_fallback(model_type)
     return None
 
@@ -354,7 +340,7 @@ def completion_logps_grouped(
     | llava (LLaVA-1.5 style)             | yes: shared features, default positions               |
     | anything else (idefics, smolvlm...) | no: falls back to the naive path on                   |
     |                                     |  select_rows(prompt_batch, row_prompt) (same values), |
-    |                                     |  reason logged once (families.FALLBACK_REASONS)       |
+    |                                     |  reason logged once (Family.fallback_reason)          |
     | prompt batch without images, or     | naive path (nothing to share / videos not handled)    |
     |  with videos (pixel_values_videos)  |                                                       |
     """
@@ -377,7 +363,8 @@ def completion_logps_grouped(
     if per_prompt is None:
         raise KeyError("completion_logps_grouped: prompt batch has vision inputs but no images_per_row; build it with encode_prompts")
     per_prompt = per_prompt.to("cpu").long()
-    if family in ENCODER_OUTPUT_FAMILIES:
+    spec = family_of(getattr(core.config, "model_type", None))
+    if spec.encoder_outputs:
         hidden = _encoder_outputs_grouped_hidden(inner, prompt_batch, row_prompt, per_prompt, completion_ids, completion_mask)
         prompt_len, t = prompt_batch["input_ids"].shape[1], completion_ids.shape[1]
         predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
@@ -385,7 +372,41 @@ def completion_logps_grouped(
     n_images = int(per_prompt.sum())
 
     # 1. Vision: all images of the U prompts, once.
-    if family == "qwen":
+    feats, sizes = _shared_image_features(inner, prompt_batch, spec, n_images)
+
+    # 2. Token index of each row's image features inside `feats` (row order, image order).
+    row_images = _row_images(row_prompt, per_prompt)
+    token_idx = _token_index(sizes, row_images)
+
+    # 3. Text of the N rows (prompt gathered + completion) and its embeddings with image features scattered in.
+    text = {
+        k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+    }
+    text = append_tokens(text, completion_ids, completion_mask)
+    input_ids, attention_mask = text["input_ids"], text["attention_mask"]
+    embeds = inner.get_input_embeddings()(input_ids)
+    image_mask = input_ids == core.config.image_token_id
+    n_tokens = int(image_mask.sum())
+    if n_tokens != token_idx.numel():
+        raise ValueError(f"{n_tokens} image tokens in the rows but {token_idx.numel()} image features for them")
+    row_feats = feats.index_select(0, token_idx.to(feats.device)).to(embeds.device, embeds.dtype)
+    embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), row_feats)
+
+    # 4. Decoder over inputs_embeds; Qwen-VL positions exactly as the model derives them from input_ids.
+    position_ids = None
+    if spec.mrope:
+        position_ids = _mrope_position_ids(inner, prompt_batch["image_grid_thw"], row_images, text, image_mask)
+    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    prompt_len = prompt_batch["input_ids"].shape[1]
+    t = completion_ids.shape[1]
+    predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
+    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+
+
+def _shared_image_features(inner, prompt_batch: dict, spec, n_images: int) -> tuple[torch.Tensor, list[int]]:
+    """(features of all the prompt batch's images [sum of tokens, H], tokens per image): one get_image_features call.
+    M-RoPE families size each image from its grid_thw; the others split the features evenly over the images."""
+    if spec.mrope:
         grid = prompt_batch["image_grid_thw"]
         merge = inner.visual.spatial_merge_size**2
         sizes = (grid.prod(-1) // merge).tolist()
@@ -404,54 +425,36 @@ def completion_logps_grouped(
         if per_image * n_images != feats.shape[0]:
             raise ValueError(f"{feats.shape[0]} image feature tokens do not split evenly over {n_images} images")
         sizes = [per_image] * n_images
+    return feats, sizes
 
-    # 2. Token index of each row's image features inside `feats` (row order, image order).
+
+def _token_index(sizes: list[int], row_images: list[int]) -> torch.Tensor:
+    """Indices into the concatenated image features of row_images' tokens, image after image: [their tokens]."""
     token_start = torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
-    image_start = torch.cat([torch.zeros(1, dtype=torch.long), per_prompt.cumsum(0)])
-    row_images = [i for p in row_prompt.tolist() for i in range(int(image_start[p]), int(image_start[p + 1]))]
     if row_images:
-        token_idx = torch.cat([torch.arange(int(token_start[i]), int(token_start[i + 1])) for i in row_images])
-    else:
-        token_idx = torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(int(token_start[i]), int(token_start[i + 1])) for i in row_images])
+    return torch.zeros(0, dtype=torch.long)
 
-    # 3. Text of the N rows (prompt gathered + completion) and its embeddings with image features scattered in.
-    text = {
-        k: v.index_select(0, rows) for k, v in prompt_batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
-    }
-    text = append_tokens(text, completion_ids, completion_mask)
-    input_ids, attention_mask = text["input_ids"], text["attention_mask"]
-    embeds = inner.get_input_embeddings()(input_ids)
-    image_mask = input_ids == core.config.image_token_id
-    n_tokens = int(image_mask.sum())
-    if n_tokens != token_idx.numel():
-        raise ValueError(f"{n_tokens} image tokens in the rows but {token_idx.numel()} image features for them")
-    row_feats = feats.index_select(0, token_idx.to(feats.device)).to(embeds.device, embeds.dtype)
-    embeds = embeds.masked_scatter(image_mask.unsqueeze(-1).expand_as(embeds), row_feats)
 
-    # 4. Decoder over inputs_embeds; Qwen-VL positions exactly as the model derives them from input_ids.
-    position_ids = None
-    if family == "qwen":
-        row_image_idx = torch.tensor(row_images, dtype=torch.long, device=grid.device)
-        grid_rows = grid.index_select(0, row_image_idx)
-        mm_types = text.get("mm_token_type_ids")
-        if mm_types is None:
-            mm_types = image_mask.long()
-        rope_kwargs = _accepted(
-            inner.get_rope_index,
-            {
-                "input_ids": input_ids,
-                "mm_token_type_ids": mm_types,
-                "image_grid_thw": grid_rows,
-                "video_grid_thw": None,
-                "attention_mask": attention_mask,
-            },
-        )
-        position_ids, _ = inner.get_rope_index(**rope_kwargs)
-    hidden = inner(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
-    prompt_len = prompt_batch["input_ids"].shape[1]
-    t = completion_ids.shape[1]
-    predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]
-    return selective_logps(predicting, core.get_output_embeddings(), completion_ids, temperature, chunk_tokens)
+def _mrope_position_ids(inner, grid: torch.Tensor, row_images: list[int], text: dict, image_mask: torch.Tensor) -> torch.Tensor:
+    """M-RoPE position ids [3, N, L] of the rows, from the model's own get_rope_index over their input_ids."""
+    row_image_idx = torch.tensor(row_images, dtype=torch.long, device=grid.device)
+    grid_rows = grid.index_select(0, row_image_idx)
+    mm_types = text.get("mm_token_type_ids")
+    if mm_types is None:
+        mm_types = image_mask.long()
+    rope_kwargs = _accepted(
+        inner.get_rope_index,
+        {
+            "input_ids": text["input_ids"],
+            "mm_token_type_ids": mm_types,
+            "image_grid_thw": grid_rows,
+            "video_grid_thw": None,
+            "attention_mask": text["attention_mask"],
+        },
+    )
+    position_ids, _ = inner.get_rope_index(**rope_kwargs)
+    return position_ids
 
 
 def _row_images(row_prompt: torch.Tensor, per_prompt: torch.Tensor) -> list[int]:

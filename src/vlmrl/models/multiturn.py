@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from vlmrl.algo.turn_advantages import numeric_reward
+from vlmrl.families import model_types
 from vlmrl.models.continuous import ContinuousDecoder, seeded_row_sampler
 from vlmrl.models.loading import unwrap
 from vlmrl.models.logprobs import _accepted, selective_logps
@@ -49,7 +50,7 @@ from vlmrl.tools.parsing import parse_tool_calls
 from vlmrl.tools.render import ToolTemplateError, chat_template_of, for_template, render_tool_turn, tool_role_mode
 from vlmrl.tools.trajectory import Trajectory, images_of
 
-MULTITURN_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")
+MULTITURN_MODEL_TYPES = model_types("multiturn")
 _MARK = "\u00a7assistant-turn\u00a7"
 
 

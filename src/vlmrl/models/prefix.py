@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
-from vlmrl.models.logprobs import MROPE_FAMILIES, _accepted, grouped_family, model_inputs, selective_logps
+from vlmrl.models.logprobs import MROPE_FAMILIES, PREFIX_VIDEO_FAMILIES, _accepted, grouped_family, model_inputs, selective_logps
 from vlmrl.models.loading import unwrap
 from vlmrl.models.logprobs import completion_logps, completion_logps_grouped
 from vlmrl.models.processing import select_rows
@@ -50,7 +50,7 @@ def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: boo
     encodes each prompt's videos once), and (for a forward that keeps gradients) no gradient checkpointing in
     training mode."""
     family = grouped_family(model)
-    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family not in (*MROPE_FAMILIES, "onevision")):
+    if family is None or (prompt_batch.get("pixel_values_videos") is not None and family not in PREFIX_VIDEO_FAMILIES):
         return False
     core = unwrap(model)
     checkpointing = getattr(core, "is_activation_checkpointing", None)

@@ -30,9 +30,9 @@ from vlmrl.data.formats import prompt_messages_of
 from vlmrl.data.rows import target_size
 from vlmrl.data.template_budget import bounded, checked_size, remember_source, template_source
 from vlmrl.data.video import qwen_video_patches
-from vlmrl.fixtures.standin_processors import STANDIN_LOADERS
+from vlmrl.families import family_of, model_types
 
-QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches")
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
@@ -252,11 +252,11 @@ def load_processor(
     if processor is None or not _is_full_processor(processor):
         if _model_type(path) in QWEN_VL_MODEL_TYPES:
             processor = _qwen_fallback(path, trust_remote_code, local_files_only)
-        elif _model_type(path) in ("llava_onevision", "internvl"):  # video processors need torchvision: image-only stand-ins
+        elif family_of(_model_type(path)).standin_processor:  # video processors need torchvision: image-only stand-ins
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
-            processor = STANDIN_LOADERS[_model_type(path)](path, tokenizer, _read_chat_template(path) or tokenizer.chat_template)
+            processor = family_of(_model_type(path)).load_standin_processor(path, tokenizer, _read_chat_template(path) or tokenizer.chat_template)
         else:
             got = f"AutoProcessor raised {type(error).__name__}: {error}" if error else f"AutoProcessor returned {type(processor).__name__}"
             raise ProcessorLoadError(
@@ -383,7 +383,7 @@ def video_kwargs(processor, videos: list) -> dict:
         raise ValueError(reason)
     frames = [list(v.frames) for v in videos]
     if isinstance(processor, QwenImageProcessor):
-        seconds = [v.seconds_per_patch for v in videos] if processor.model_type == "qwen2_5_vl" else None
+        seconds = [v.seconds_per_patch for v in videos] if family_of(processor.model_type).video_seconds_per_patch else None
         stamps = [v.patch_timestamps() for v in videos] if processor.model_type in TIMESTAMPED_VIDEO_TYPES else None
         return {"videos": frames, "second_per_grid_ts": seconds, "video_timestamps": stamps}
     if type(processor).__name__ == "OnevisionImageProcessor":
@@ -399,13 +399,13 @@ def video_kwargs(processor, videos: list) -> dict:
 
 # transformers processors whose video path vlmrl feeds (frames it sampled itself), and the model types that take video rows.
 VIDEO_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Qwen3_5Processor")
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl", "llava_onevision")
+VIDEO_MODEL_TYPES = model_types("video")
 # Processors that take the sampled frames of a video whole, in a fixed count per batch (data.max_frames exactly).
 FIXED_FRAME_PROCESSORS = ("OnevisionImageProcessor", "LlavaOnevisionProcessor")
 # Processors that take a video as its frames, each an image of one tile (InternVL: the stand-in and transformers' own).
 FRAME_VIDEO_PROCESSORS = ("InternVLImageProcessor", "InternVLProcessor")
 # Model types whose processor writes `<t seconds>` before each temporal patch of a video.
-TIMESTAMPED_VIDEO_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+TIMESTAMPED_VIDEO_TYPES = model_types("timestamped_video")
 
 
 def vision_keys(batch: dict) -> list[str]:

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from vlmrl.families import model_types
 from vlmrl.plan.spec import ModelSpec, PlanError, Workload
 
 
@@ -98,16 +99,14 @@ def tiled_image(spec: ModelSpec, height: int, width: int) -> tuple[int, int]:
 
 # Qwen3-VL / Qwen3.5 write `<t seconds>` and a vision start/end pair around each temporal patch of a video: text tokens
 # per temporal patch (an estimate: "<0.5 seconds>" is about 6 tokens of a Qwen tokenizer, plus the 2 markers).
-TIMESTAMPED_VIDEO_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+TIMESTAMPED_VIDEO_FAMILIES = model_types("timestamped_video")
 TIMESTAMP_TEXT_TOKENS = 8
 # Families whose video rows the planner counts (Qwen-VL temporal patches, checked against the trace); vlmrl also trains
 # video rows on LLaVA-OneVision and InternVL, which `vlmrl plan` does not model yet.
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", *TIMESTAMPED_VIDEO_FAMILIES)
+VIDEO_FAMILIES = model_types("plan_video")
 # Families with vlmrl's grouped-vision and shared-prefix paths (logprobs.grouped_family); the others (SmolVLM, Idefics3,
 # ...) take the naive path: every row encodes its own copy of its prompt's images, no shared prefix.
-FAST_PATH_FAMILIES = (
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "llava", "llava_onevision", "internvl"
-)  # fmt: skip
+FAST_PATH_FAMILIES = model_types("grouped")
 
 
 def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
@@ -121,7 +120,7 @@ def video_grid(spec: ModelSpec, w: Workload) -> tuple[int, int]:
 def naive_fallback(spec: ModelSpec, w: Workload) -> tuple[Workload, bool, list]:
     """(the workload as vlmrl runs it, whether grouped vision / the shared prefix fell back, notes): a family without
     vlmrl's fast paths (not in FAST_PATH_FAMILIES) runs the naive path whatever memory.group_vision / shared_prefix
-    say, as vlmrl logs (families.FALLBACK_REASONS)."""
+    say, as vlmrl logs (Family.fallback_reason)."""
     if not (spec.v_layers > 0 and spec.family not in FAST_PATH_FAMILIES and (w.group_vision or w.shared_prefix)):
         return w, False, []
     note = f"{spec.family}: grouped vision and the shared prefix fall back to the naive path (vision encoded per row)"

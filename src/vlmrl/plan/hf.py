@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from vlmrl.families import family_of
 from vlmrl.plan.spec import ModelSpec, PlanError
 
 
@@ -73,9 +74,6 @@ def _known_architecture(d: dict, where: str, name: str) -> ModelSpec:
         raise PlanError(
             f"{where}: model_type {model_type!r} cannot be planned with transformers {transformers.__version__} ({first}); {how}"
         ) from None
-
-
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # dynamic-resolution towers
 
 
 def _spec_from_config_object(cfg, name: str) -> ModelSpec:
@@ -152,12 +150,13 @@ def _lora_linears(core, vt, head) -> tuple:
 def _vision_dims(cfg, v) -> dict:
     """The vision tower's ModelSpec fields: widths, depth, patch / merge / temporal patch, Qwen2.5-VL's windows, and
     for fixed-resolution towers their image size and token reduction."""
-    model_type = getattr(cfg, "model_type", "")
+    family = family_of(getattr(cfg, "model_type", ""))
     vh = _dims(v, "hidden_size", "embed_dim", default=0)
     kw: dict = {}
-    if model_type == "qwen2_vl":
-        vh = v.embed_dim
-        kw["v_mlp_gated"] = False  # fc1 -> quick_gelu -> fc2
+    if family.vision_width_key:  # Qwen2-VL: embed_dim (its hidden_size is the LLM's)
+        vh = getattr(v, family.vision_width_key)
+    if family.vision_mlp_gated is not None:  # Qwen2-VL: fc1 -> quick_gelu -> fc2
+        kw["v_mlp_gated"] = family.vision_mlp_gated
     vi = _dims(v, "intermediate_size", default=None) or int(vh * _dims(v, "mlp_ratio", default=4))
     kw.update(
         v_hidden=vh,
@@ -171,7 +170,7 @@ def _vision_dims(cfg, v) -> dict:
     if getattr(v, "fullatt_block_indexes", None) is not None and getattr(v, "window_size", None):
         kw["v_full_attn_blocks"] = len(v.fullatt_block_indexes)  # Qwen2.5-VL: windowed attention elsewhere
         kw["v_window_patches"] = (v.window_size // kw["patch_size"]) ** 2
-    if model_type not in QWEN_VL_TYPES:
+    if not family.dynamic_resolution:
         kw.update(_fixed_resolution_dims(cfg, v, kw["patch_size"]))
     return kw
 
@@ -197,10 +196,10 @@ def _decoder_dims(cfg, t, core) -> dict:
     """The decoder's ModelSpec fields beyond its widths: MoE (_moe_dims), Gemma 3's four norms per layer, Qwen3.5's
     hybrid decoder (Gated DeltaNet + gated full attention)."""
     moe = _moe_dims(t, core)
-    model_type = getattr(cfg, "model_type", "")
-    if model_type == "gemma3":
-        moe["norms_per_layer"] = 4
-    if model_type in ("qwen3_5", "qwen3_5_moe"):
+    family = family_of(getattr(cfg, "model_type", ""))
+    if family.norms_per_layer:
+        moe["norms_per_layer"] = family.norms_per_layer
+    if family.linear_attention:
         layer_types = getattr(t, "layer_types", None) or ()
         moe.update(
             gated_attention=True,
@@ -219,13 +218,13 @@ def _tiling_dims(cfg) -> dict:
     """The tiled families' ModelSpec fields: LLaVA-OneVision anyres (pinpoints, anyres_max_N), InternVL dynamic tiles;
     both towers (SigLIP, InternViT: no RoPE, fc1 -> GELU -> fc2) keep 20 hv + 4 iv per patch, read off the trace
     (internvl3-1b, llava-onevision-qwen2-7b)."""
-    model_type = getattr(cfg, "model_type", "")
-    if model_type not in ("internvl", "llava_onevision"):
+    tiling = family_of(getattr(cfg, "model_type", "")).tiling
+    if tiling is None:
         return {}
     kw: dict = {"v_block_hidden": 20, "v_mlp_gated": False}
-    if model_type == "internvl":
+    if tiling == "dynamic":
         kw["tiling"] = "dynamic"  # tiles of image_size, up to ModelSpec.max_tiles (the processor's max_patches)
-    elif getattr(cfg, "image_grid_pinpoints", None):
+    elif tiling == "anyres" and getattr(cfg, "image_grid_pinpoints", None):
         kw["tiling"] = "anyres"
         kw["tile_pinpoints"] = tuple(tuple(p) for p in cfg.image_grid_pinpoints)
         kw["anyres_max_tiles"] = int(str(getattr(cfg, "vision_aspect_ratio", "anyres_max_9")).rsplit("_", 1)[-1])

@@ -39,11 +39,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from vlmrl.families import family_of, model_types
+
 
 # Families whose vision bookkeeping (grids, window / interpolation indices) the trace precomputes. Qwen3-VL's DeepStack
 # features (one [image tokens, hidden] per deepstack layer, added inside the decoder) are not traced: the trace hands
 # the decoder its merged features only.
-QWEN_TRACE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+QWEN_TRACE_FAMILIES = model_types("dynamic_resolution")
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -285,7 +287,7 @@ class _Inputs:
             self.pixels = torch.empty(self.U * tiles, 3, size, size, device="meta", dtype=torch.float32)
             self.grid = None
             self.image_tokens = s.tiled_image_tokens or self.image_tokens
-            if self.family == "llava_onevision":  # anyres: [images, tiles, ...] + each image's size (unpadding, newlines)
+            if family_of(self.family).tiling == "anyres":  # anyres: [images, tiles, ...] + each image's size (unpadding, newlines)
                 self.pixels = self.pixels.reshape(self.U, tiles, 3, size, size)
                 self.image_sizes = torch.tensor([list(s.image_hw)] * self.U)
         else:
@@ -306,7 +308,7 @@ class _Inputs:
         kw["position_ids"] = torch.empty(pos.shape, dtype=pos.dtype, device="meta")
         cu, mx = get_vision_attention_seqlens(grid, v)
         kw["cu_seqlens"], kw["max_seqlen"] = cu, mx
-        if self.family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # learned positions resampled to each grid
+        if family_of(self.family).vision_interpolated_positions:  # learned positions resampled to each grid
             from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
             idx, wts = get_vision_interpolation_indices_and_weights(
@@ -318,7 +320,7 @@ class _Inputs:
             )
             kw["interp_indices"] = torch.empty(idx.shape, dtype=idx.dtype, device="meta")
             kw["interp_weights"] = torch.empty(wts.shape, dtype=wts.dtype, device="meta")
-        if self.family == "qwen2_5_vl":
+        if family_of(self.family).vision_windows:
             from transformers.utils.generic import get_max_seqlen
             from transformers.vision_utils import get_vision_window_index
 
@@ -342,7 +344,7 @@ class _Inputs:
             self.row_pixels = pixels if per_row else None  # select_rows' copy lives as long as the naive call's batch
             feats = getattr(out, "pooler_output", out)
             return feats
-        if self.family == "llava_onevision":
+        if family_of(self.family).tiling == "anyres":
             c = self.cfg
             out = self.inner.get_image_features(
                 pixel_values=self.pixels,
