@@ -220,3 +220,59 @@ def test_sp2_on_two_gloo_processes_scores_and_gradients_equal_one_process(tiny):
         assert isinstance(results[rank][0], dict), results[rank][0]
         for key, (scored, logps, loss, grad) in results[rank][0].items():
             assert scored < 1e-5 and logps < 1e-5 and loss < 1e-6 and grad < 1e-5, (rank, key, scored, logps, loss, grad)
+
+
+# ---------------------------------------------------------------- config: the peers' names, the refusals
+@pytest.mark.parametrize(
+    "override",
+    [
+        "training.sequence_parallel_size=2",
+        "sequence_parallel_size=2",  # ms-swift
+        "ulysses_sequence_parallel_size=2",  # verl / EasyR1's flat name
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",  # verl
+        "worker.actor.ulysses_size=2",  # EasyR1
+    ],
+)
+def test_peers_names_set_sequence_parallel_size(override):
+    from vlmrl.config import load_config
+
+    assert load_config(None, [override]).training.sequence_parallel_size == 2
+
+
+def test_verl_nested_yaml_sets_sequence_parallel_size(tmp_path):
+    from vlmrl.config import load_config
+
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    ulysses_sequence_parallel_size: 4\n")
+    assert load_config(path, []).training.sequence_parallel_size == 4
+
+
+def test_sequence_parallel_size_below_one_is_refused():
+    from vlmrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"training.sequence_parallel_size=0 must be >= 1"):
+        load_config(None, ["training.sequence_parallel_size=0"])
+
+
+@pytest.mark.parametrize(
+    "sp,world,expected",
+    [
+        (3, 3, "training.sequence_parallel_size=3 must divide the attention heads (4); pick a divisor of 4"),
+        (2, 3, "training.sequence_parallel_size=2 must divide the number of processes (3); pick a divisor of 3"),
+        (4, 4, "training.sequence_parallel_size=4 must divide the key/value heads (2); pick a divisor of 2"),
+        (2, 2, "training.sequence_parallel_size=2: not yet"),
+    ],
+)
+def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path, capsys, monkeypatch, sp, world, expected):
+    """The tiny Qwen2.5-VL has 4 attention heads and 2 key/value heads; the size is checked against the launch's
+    processes (WORLD_SIZE), then refused: the loop does not run Ulysses yet."""
+    from vlmrl import cli
+    from vlmrl.data.tasks import make_count_task
+
+    data = make_count_task(tmp_path / "count", n_train=4, n_test=0, seed=0, image_size=56)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "1")  # not the main process: no data read before the refusal
+    args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data['train']}", f"training.output_dir={tmp_path / 'out'}"]
+    code = cli.main(["train", *args, f"training.sequence_parallel_size={sp}", "training.device=cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and expected in err and "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -110,6 +110,32 @@ def check_sp_size(sp: int, world_size: int, heads: int, kv_heads: int, field: st
             raise SequenceParallelError(f"{field}={sp} must divide {what} ({n}); pick a divisor of {n}")
 
 
+NOT_YET = (
+    "training.sequence_parallel_size={sp}: not yet: Ulysses runs in the scoring and update functions "
+    "(vlmrl.engine.ulysses.sequence_parallel, tested on 2 gloo processes), not in the `vlmrl {command}` loop; "
+    "set training.sequence_parallel_size=1"
+)
+
+
+def sequence_parallel_refusal(sp: int, world_size: int, model_config, command: str = "train") -> str | None:
+    """The one line refusing `vlmrl COMMAND` with sp > 1 (None for sp 1): a family, world size or head count that
+    does not fit first (naming the field and the fix), else that the loop does not run SP yet. model_config: the
+    model's transformers config (text_config read when present), None when not readable before loading."""
+    if sp == 1:
+        return None
+    if model_config is None:  # vlmrl's embedded model: nothing to read before it is built
+        return NOT_YET.format(sp=sp, command=command)
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in SUPPORTED_TYPES:
+        return f"training.sequence_parallel_size={sp}: Ulysses covers {', '.join(SUPPORTED_TYPES)} for now, not {model_type}; set it to 1"
+    text = getattr(model_config, "text_config", None) or model_config
+    try:
+        check_sp_size(sp, world_size, text.num_attention_heads, text.num_key_value_heads)
+    except SequenceParallelError as e:
+        return str(e)
+    return NOT_YET.format(sp=sp, command=command)
+
+
 # ---------------------------------------------------------------- the collectives, differentiable
 
 
