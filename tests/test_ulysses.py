@@ -276,3 +276,44 @@ def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path
     code = cli.main(["train", *args, f"training.sequence_parallel_size={sp}", "training.device=cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and expected in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_sequence_parallel_refusal_names_the_family():
+    from types import SimpleNamespace
+
+    from vlmrl.engine.ulysses import sequence_parallel_refusal
+
+    text = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    assert sequence_parallel_refusal(1, 2, None) is None
+    assert "not qwen3_vl; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen3_vl", text_config=text))
+    assert "not yet" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen2_5_vl", text_config=text), "sft")
+
+
+def test_sequence_parallel_of_one_process_keeps_the_values_and_leaves_the_model_as_it_was(tiny_qwen25vl):
+    """SP 1 over a one-process gloo group: the same forward through the Ulysses attention (its own mask, the padding,
+    the hooks); after the `with`, the model's attention implementation and hooks are its own again."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.engine.ulysses import ATTENTION_NAME, sequence_parallel
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen25vl).eval()
+    text = model.model.language_model
+    ids = torch.randint(10, 200, (2, 7))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]])  # left and right padding
+    with torch.no_grad():
+        expected = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        implementation, hooks = text.config._attn_implementation, (dict(text._forward_pre_hooks), dict(text._forward_hooks))
+        with sequence_parallel(model), torch.no_grad():
+            assert text.config._attn_implementation == ATTENTION_NAME
+            got = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        assert text.config._attn_implementation == implementation and (dict(text._forward_pre_hooks), dict(text._forward_hooks)) == hooks
+        assert not hasattr(model, "vlmrl_sequence_parallel")
+    finally:
+        dist.destroy_process_group()
+    real = mask.bool()
+    assert torch.allclose(got[real], expected[real], atol=1e-5)

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for the language model (first slice: Qwen2.5-VL / Qwen2-VL decoders, no KV cache).
+"""Ulysses sequence parallelism for the language model (first slice: the Qwen2.5-VL decoder, no KV cache).
 
 SP ranks hold the same rows; each runs the decoder layers on a 1/sp share of the sequence. Around attention, an
 all-to-all turns the sequence-sharded q/k/v [B, T/sp, H, D] into head-sharded [B, T, H/sp, D] (every rank then sees
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 ATTENTION_NAME = "vlmrl_ulysses"
 SP_MODEL_FLAG = "vlmrl_sequence_parallel"  # set on the model while SP is active (the prefix/KV-cache path refuses it)
-SUPPORTED_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_TYPES = ("qwen2_5_vl",)  # the family tested; Qwen2-VL shares its text model but is not tested yet
 
 
 class SequenceParallelError(ValueError):
@@ -244,8 +244,8 @@ def _pre_hook(module, args, kwargs):
         raise SequenceParallelError("sequence parallelism needs a [B, T] padding mask, not a prepared 4D mask")
     state.padding, state.length = pad_to_multiple(padding, state.sp, 1), t
     position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        raise SequenceParallelError("sequence parallelism needs explicit position_ids (M-RoPE) for the whole sequence")
+    if position_ids is None:  # what the text model derives without them (no cache): 0..T-1 on the 3 M-RoPE axes
+        position_ids = torch.arange(t, device=embeds.device).view(1, 1, -1).expand(3, b, -1)
     kwargs = dict(kwargs, attention_mask=None)
     kwargs["inputs_embeds"] = local_share(pad_to_multiple(embeds, state.sp, 1), state.rank, state.sp, 1)
     kwargs["position_ids"] = local_share(pad_to_multiple(position_ids, state.sp, -1), state.rank, state.sp, position_ids.ndim - 1)
