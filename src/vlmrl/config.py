@@ -446,6 +446,10 @@ class TrainingConfig:
     auto_fit_host_memory_gib: Optional[float] = _f(
         None, "Host RAM per node, GiB: auto_fit keeps configs that fit it; null = no host check.", resume_harmless=True
     )
+    sequence_parallel_size: int = _f(
+        1,
+        "Ulysses sequence parallelism: processes that split one row's sequence (verl/EasyR1 ulysses_sequence_parallel_size, ms-swift sequence_parallel_size); only 1 runs in `vlmrl train`/`sft` yet (docs/scaling_out.md).",
+    )
 
 
 @dataclass(frozen=True)
@@ -796,6 +800,11 @@ PEER_ALIASES: dict[str, str | None] = {
     "reward_model.overlong_buffer.len": "algorithm.overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
     "reward_model.overlong_buffer.log": None,  # vlmrl always logs the term (rewards/overlong)
+    # Ulysses sequence parallelism (ms-swift's flat sequence_parallel_size is vlmrl's own field name).
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "training.sequence_parallel_size",  # verl
+    "worker.actor.ulysses_size": "training.sequence_parallel_size",  # EasyR1
+    "worker.actor.ulysses_sequence_parallel_size": "training.sequence_parallel_size",  # EasyR1 before ulysses_size
+    "ulysses_sequence_parallel_size": "training.sequence_parallel_size",  # the flat name of both
 }
 # The peers' names for vLLM's settings that vlmrl's fields do not already carry (TRL's vllm_mode,
 # vllm_gpu_memory_utilization and vllm_tensor_parallel_size are the fields' own names): TRL, ms-swift, EasyR1.
@@ -1213,6 +1222,10 @@ def _training_rules(cfg: Config) -> list[tuple[bool, str]]:
         (0 <= o.warmup_ratio < 1, f"optim.warmup_ratio={o.warmup_ratio} must be in [0, 1)"),
         (o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 disables clipping)"),
         (t.max_steps >= 1, "training.max_steps must be >= 1"),
+        (
+            t.sequence_parallel_size >= 1,
+            f"training.sequence_parallel_size={t.sequence_parallel_size} must be >= 1 (1 = no sequence parallelism)",
+        ),
         (t.per_device_train_batch_size >= 1, "training.per_device_train_batch_size must be >= 1"),
         (t.gradient_accumulation_steps >= 1, "training.gradient_accumulation_steps must be >= 1"),
         (t.eval_steps >= 0, "training.eval_steps must be >= 0"),

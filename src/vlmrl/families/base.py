@@ -34,6 +34,7 @@ class Family:
     prefix_videos: bool = False  # the shared prefix takes prompts with videos
     continuous: bool = False  # rollout.engine=continuous reproduces its decode step
     multiturn: bool = False  # multi-turn tool rollouts (a plain KV cache)
+    sequence_parallel: bool = False  # Ulysses sequence parallelism (engine/ulysses.py) is tested on it
 
     # Processor quirks.
     dynamic_resolution: bool = False  # Qwen-VL towers: patches per grid_thw; QwenImageProcessor when AutoProcessor fails

@@ -48,7 +48,9 @@ from vlmrl.models.processing import select_rows
 def prefix_supported(model: torch.nn.Module, prompt_batch: dict, needs_grad: bool = False) -> bool:
     """True when the shared-prefix path applies: a tested family (with videos: the Qwen-VL families, whose prefill
     encodes each prompt's videos once), and (for a forward that keeps gradients) no gradient checkpointing in
-    training mode."""
+    training mode; never while Ulysses sequence parallelism is active (engine/ulysses.py: it runs without a KV cache)."""
+    if getattr(unwrap(model), "vlmrl_sequence_parallel", False):
+        return False
     family = grouped_family(model)
     if family is None or (prompt_batch.get("pixel_values_videos") is not None and family not in PREFIX_VIDEO_FAMILIES):
         return False

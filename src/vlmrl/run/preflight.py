@@ -47,6 +47,8 @@ def preflight(cfg: Config, command: str, log=print):
 
         check_output_dir(cfg)  # a file, not writable, a user's entries under the run's names, the run's inputs inside
     check_model_folder(cfg)
+    if command in ("train", "sft", "check"):
+        check_sequence_parallel(cfg, command)
 
     try:
         # unknown names (RewardError), missing files, import errors; a judge folder that is not a model, a judge URL unreachable
@@ -73,6 +75,21 @@ def preflight(cfg: Config, command: str, log=print):
     if command == "check" and backend:  # reported once every check passed: a refusal stays the only line
         log(backend)
     return data
+
+
+def check_sequence_parallel(cfg: Config, command: str) -> None:
+    """ConfigError for training.sequence_parallel_size > 1: a size that does not divide the processes or the model's
+    heads, or (any size > 1) that the loops do not run Ulysses yet (engine/ulysses.py)."""
+    sp = cfg.training.sequence_parallel_size
+    if sp == 1:
+        return
+    from transformers import AutoConfig
+
+    from vlmrl.engine.ulysses import sequence_parallel_refusal
+
+    name = cfg.model.name_or_path
+    model_config = None if name == EMBEDDED_MODEL else AutoConfig.from_pretrained(name, local_files_only=not cfg.model.allow_hub_download)
+    raise ConfigError(sequence_parallel_refusal(sp, env_world()[0], model_config, "train" if command == "check" else command))
 
 
 def check_model_weights(cfg: Config) -> None:
