@@ -17,6 +17,7 @@ import functools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +26,7 @@ from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.algo.distill import distill_advantages, distill_metrics
 from vlmrl.config import Config
-from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
-from vlmrl.run.last_good import kept_last_good, save_due
 from vlmrl.models.logprobs import entropies_collected, group_rows
 from vlmrl.algo.losses import aggregate, entropy_quantile_mask, masked_mean, per_token_loss
 from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
@@ -39,8 +38,8 @@ from vlmrl.models.multiturn import logps_for_rows
 from vlmrl.rewards.functions import RewardLog, reward_stats
 from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
 from vlmrl.models.rollout import Completions, generate
-from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save, save_final
-from vlmrl.ending import Ending, finish, finish_left
+from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
+from vlmrl.ending import finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
@@ -48,9 +47,8 @@ from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
-from vlmrl.checkpoints.files import GracefulStop
 from vlmrl.data.rows import PromptSampler, image_cache_dir
-from vlmrl.engine.collectives import prompt_seed
+from vlmrl.engine.collectives import Shard, prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
@@ -62,6 +60,10 @@ from vlmrl.run.datasets import epochs_as_steps
 from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record, sample_with_tools
 from vlmrl.rollout.backends import make_backend
 from vlmrl.run.tracking import RunLogger, tracker_options
+from vlmrl.skeleton import RunBase, run_steps
+
+if TYPE_CHECKING:
+    from vlmrl.rollout.vllm_backend import VLLMRollout
 
 
 class NonFiniteStop(RuntimeError):
@@ -94,40 +96,22 @@ class Sizes:
         return cls(generation, scoring, saved.get("update", saved.get("train")))
 
 
-@dataclass
-class Run:
-    """What lives for the whole run; built once by `start_run`."""
+@dataclass(kw_only=True)
+class Run(RunBase):
+    """What lives for the whole GRPO run (besides `RunBase`'s); built once by `start_run`."""
 
-    cfg: Config
-    out: Path
-    dist: object  # distributed.Distributed: world, rank, engine, collectives (one process: all trivial)
-    shard: object  # distributed.Shard: this process's prompts and rows of every step
-    device: torch.device
-    model: torch.nn.Module
-    processor: object
-    reference: object  # _Reference or None (beta == 0)
-    data: object  # runtime.Datasets
-    reward_funcs: dict
-    reward_weights: dict
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    sampler: object  # data.PromptSampler
-    logger: object  # tracking.RunLogger
-    log: object  # the caller's log function (main process; others: a no-op)
-    opts: LogprobOptions
+    shard: Shard  # this process's prompts and rows of every step
+    reference: _Reference | None  # the frozen reference policy; None when algorithm.beta == 0
+    reward_weights: dict  # name -> weight of each reward in the total
     sizes: Sizes
-    state: dict  # step, best_metric, best_step
-    plan: object  # the planner's prediction, logged next to the measured peak
     pad_id: int
     per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
-    routing: object  # router.Routing of an MoE model (its load-balancing loss is logged, and added when configured), else None
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
-    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
-    backend: object = None  # rollout.backend=vllm: the colocated engine (rollout/vllm_backend.py); None: generate() here
-    teacher: object = None  # _Reference of algorithm.teacher_path's frozen teacher (on-policy distillation), else None
+    backend: VLLMRollout | None = None  # rollout.backend=vllm: the colocated engine; None: generate() here
+    teacher: _Reference | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
 
 @dataclass
@@ -208,7 +192,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     Resumes from the newest valid checkpoint in output_dir unless training.resume says otherwise.
     SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
-    a preemption after that step (tests and benchmarks use it).
+    a preemption after that step (tests and benchmarks use it). Around the steps: the run skeleton (skeleton.py).
     """
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
@@ -219,52 +203,62 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
         run.logger.log_eval(0, final)
-    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. In the ending
-    # the final save finishes and the evaluation stops between batches (ending.py). The logger is closed on the way
-    # out (trackers told whether the run failed).
-    with GracefulStop() as stop, run.logger:
-        for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
-            reset_peaks()
-            phases: dict[str, float] = {}
-            # A step that raises: the checkpoint of the step before (if it can be), one line naming step and phase.
-            with kept_last_good(
-                step,
-                run.sampler,
-                run.scheduler,
-                functools.partial(phase_of, phases, () if cfg.algorithm.dynamic_sampling else ("refill",)),
-                lambda s: checkpoint(run, s),
-                run.out,
-                run.dist.world_size,
-                run.logger.info,
-            ):
-                with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
-                    with phase("rollout", phases):
-                        samples = rollout(run, step)
-                    with phase("rewards", phases):
-                        rewards = reward_and_advantages(run, samples, step)
-                    if cfg.algorithm.dynamic_sampling:
-                        with phase("refill", phases):
-                            samples, rewards = dynamic_sample(run, step, samples, rewards)
-                    with phase("scoring", phases):
-                        scores = score(run, samples, rewards)
-                        distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
-                with phase("update", phases):
-                    stats = update(run, samples, rewards, scores)
-                final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
-            run.state["step"] = step
-            last = step == cfg.training.max_steps
-            if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
-                final.update(maybe_evaluate(run, step))
-            maybe_signal("step")
-            preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
-            if save_due(cfg.training, step, last, preempted, run.saved_at, run.dist):
-                checkpoint(run, step)
-            stop_if_nonfinite(run, step)
-            if preempted and not last:
-                why = stop.signal_name or f"stop_after={stop_after}"
-                run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
-                break
-        return finish_run(run, final, stop)
+    return run_steps(GRPOSteps(run), stop_after, final)
+
+
+def grpo_step(run: Run, step: int, phases: dict) -> dict:
+    """One GRPO step, phase by phase (each timed into `phases`); returns the step's logged metrics."""
+    with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
+        with phase("rollout", phases):
+            samples = rollout(run, step)
+        with phase("rewards", phases):
+            rewards = reward_and_advantages(run, samples, step)
+        if run.cfg.algorithm.dynamic_sampling:
+            with phase("refill", phases):
+                samples, rewards = dynamic_sample(run, step, samples, rewards)
+        with phase("scoring", phases):
+            scores = score(run, samples, rewards)
+            distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
+    with phase("update", phases):
+        stats = update(run, samples, rewards, scores)
+    return log_step(run, step, samples, rewards, stats, phases)
+
+
+@dataclass
+class GRPOSteps:
+    """GRPO's steps for the run skeleton (skeleton.run_steps owns stops, last-good, checkpoints and the ending)."""
+
+    run: Run
+    kind: str = "train"
+    title: str = "GRPO"
+    summary_keys: tuple[str, ...] = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+
+    def total(self) -> int:
+        return self.run.cfg.training.max_steps
+
+    def begin(self) -> None:
+        pass
+
+    def before_step(self, step: int) -> None:
+        reset_peaks()
+
+    def step(self, step: int, phases: dict, final: dict) -> dict:
+        return {**final, **grpo_step(self.run, step, phases)}
+
+    def where(self, phases: dict) -> str:
+        return phase_of(phases, () if self.run.cfg.algorithm.dynamic_sampling else ("refill",))
+
+    def evaluate_between(self, step: int) -> dict:
+        return maybe_evaluate(self.run, step)
+
+    def checkpoint(self, step: int) -> None:
+        checkpoint(self.run, step)
+
+    def after_save(self, step: int) -> None:
+        stop_if_nonfinite(self.run, step)
+
+    def evaluate_final(self, stop) -> dict:
+        return maybe_evaluate(self.run, self.run.state["step"], stop)
 
 
 PHASES = ("rollout", "rewards", "refill", "scoring", "update")
@@ -286,7 +280,7 @@ def phase(name: str, into: dict):
 
 
 # ---------------------------------------------------------------- set-up and end
-def start_run(cfg: Config, log) -> Run:
+def start_run(cfg: Config, log) -> Run | EndingLeft:
     """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
 
     out = Path(cfg.training.output_dir)
@@ -382,23 +376,7 @@ def start_run(cfg: Config, log) -> Run:
     )
 
 
-def finish_run(run: Run, final: dict, stop) -> dict:
-    """After the last step: the final model first, then the last evaluation (whose failure is reported and loses
-    nothing), then the report (ending.finish). A run stopped early returns: its checkpoint resumes it."""
-    cfg = run.cfg
-    if run.state["step"] != cfg.training.max_steps:
-        return final
-
-    def save(folder: Path) -> None:
-        from vlmrl.models.loading import save_model
-
-        save_final(run.model, run.processor, folder, run.dist, save_model, cfg, run.log)
-
-    end = Ending(cfg, run.out, run.dist, run.logger, run.log, "train", "GRPO", SUMMARY_KEYS, run.state["step"])
-    return finish(end, final, stop, lambda stop: maybe_evaluate(run, run.state["step"], stop), save)
-
-
-SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+SUMMARY_KEYS = GRPOSteps.summary_keys  # the summary table's metrics (finish_left reads them too)
 
 
 # ---------------------------------------------------------------- 1. rollout
