@@ -37,7 +37,7 @@ from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.multiturn import logps_for_rows
 from vlmrl.rewards.functions import RewardLog, reward_stats
 from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
-from vlmrl.models.rollout import Completions, generate
+from vlmrl.models.rollout import Completions
 from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
 from vlmrl.ending import finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
@@ -55,15 +55,16 @@ from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
 from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
 from vlmrl.models.loading import reference_disabled_adapter
 from vlmrl.models.processing import decode, select_rows
-from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
+from vlmrl.models.rollout import cat_completions, eos_token_ids
 from vlmrl.run.datasets import epochs_as_steps
-from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record, sample_with_tools
+from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record
 from vlmrl.rollout.backends import make_backend
+from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
 
 if TYPE_CHECKING:
-    from vlmrl.rollout.vllm_backend import VLLMRollout
+    from vlmrl.rollout.base import RolloutBackend
 
 
 class NonFiniteStop(RuntimeError):
@@ -110,7 +111,7 @@ class Run(RunBase):
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
-    backend: VLLMRollout | None = None  # rollout.backend=vllm: the colocated engine; None: generate() here
+    backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
     teacher: _Reference | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
 
@@ -331,9 +332,11 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
     if resume_from is not None:
         restore_after_wrap(resume_from, optimizer, dist)
     allocate_optimizer_state(optimizer)  # an OOM for AdamW's moments happens now, not inside optimizer.step
-    backend = make_backend(cfg, model, processor, dist.world_size, log)  # rollout.backend: None = the in-process engine
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
+    opts = LogprobOptions.from_config(cfg, device)
+    per_prompt_seed = resolve_sampling_seed(cfg.rollout.sampling_seed, dist.world_size, state, log)  # world-size invariant on resume
+    backend = make_backend(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id, log)  # rollout.backend, chosen once
     logger = RunLogger(
         out,
         total_steps=t.max_steps,
@@ -344,7 +347,6 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
         desc="GRPO",
         is_main_process=dist.is_main,
     )
-    r = cfg.rollout
     return Run(
         cfg=cfg,
         out=out,
@@ -362,12 +364,12 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
         sampler=sampler,
         logger=logger,
         log=log,
-        opts=LogprobOptions.from_config(cfg, device),
+        opts=opts,
         sizes=Sizes.initial(cfg, state.pop("sizes", None)),
         state=state,
         plan=plan,
         pad_id=pad_id,
-        per_prompt_seed=resolve_sampling_seed(r.sampling_seed, dist.world_size, state, log),  # world-size invariant on resume
+        per_prompt_seed=per_prompt_seed,
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
@@ -419,51 +421,22 @@ def rollout(run: Run, step: int) -> Rollout:
 
 
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
-    """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
+    """[P*G, T] completions of `prompts` from the run's rollout backend (rollout/base.py), seeded so that a redo
+    (after an OOM, or after a resume) samples the same."""
 
     maybe_inject_oom("rollout", prompts_per_call)
-    cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
-
-    def generate_for(batch: dict, per_call: int, **engine) -> Completions:
-        return dist.call(
-            generate,
-            run.processor.tokenizer,
-            batch,
-            num_generations=r.num_generations,
-            max_new_tokens=r.max_completion_length,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            prompts_per_call=per_call,
-            min_new_tokens=r.min_completion_length,
-            shared_prefix=run.opts.shared_prefix,
-            **engine,
-        )
-
-    if run.backend is not None:  # rollout.backend=vllm: weights pushed and probed, one seed per prompt, parity checked
-        seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-        rows = [run.data.train[i] for i in run.current_rows]
-        names = [f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)]
-        completions, run.backend.metrics = run.backend.sample(step, rows, prompts, seeds, names)
-        return completions
-    with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
-        if run.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous engine's seeds, one call
-            seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-            rows = [run.data.train[i] for i in run.current_rows]
-            return dist.call(sample_with_tools, run.processor, cfg, run.tools, rows, prompts, seeds)
-        if row_streams(r):  # one stream per row from (seed, step, global prompt position, generation): one call
-            seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-            engine = dict(engine=r.engine, decode_batch_size=r.decode_batch_size, decode_step=r.decode_step)
-            return generate_for(prompts, prompts_per_call, **engine, prompt_seeds=seeds)
-        if not run.per_prompt_seed:  # one stream per step and process (one process: rank 0, W 1)
-            torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
-            return generate_for(prompts, prompts_per_call)
-        # rollout.sampling_seed=prompt: each prompt from its own stream, whichever process samples it.
-        pieces = []
-        for i, position in enumerate(run.shard.prompts):
-            torch.manual_seed(prompt_seed(cfg.training.seed, step, position))
-            pieces.append(generate_for(select_rows(prompts, [i]), 1))
-        return cat_completions(pieces, run.pad_id)
+    cfg, dist = run.cfg, run.dist
+    rows = [run.data.train[i] for i in run.current_rows]
+    request = SampleRequest(
+        step=step,
+        rows=rows,
+        names=[f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)],
+        prompts=prompts,
+        seeds=[prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts],
+        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank,
+        prompts_per_call=prompts_per_call,
+    )
+    return run.backend.sample(request)
 
 
 # ---------------------------------------------------------------- 2. rewards and advantages
@@ -924,7 +897,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "nonfinite/skipped_steps": float(len(stats.skipped)),
         **({"router/aux_loss": _mean(stats.router_aux)} if run.routing is not None else {}),
         **stats.mismatch,
-        **(run.backend.metrics if run.backend is not None else {}),  # vllm/sync_seconds, vllm/probe_max_abs_logp_diff
+        **run.backend.metrics,  # vllm/sync_seconds, vllm/probe_max_abs_logp_diff
         "lr": run.scheduler.get_last_lr()[0],
         "completions/mean_length": rewards.lengths.float().mean().item(),
         "completions/truncated_frac": rewards.truncated.float().mean().item(),
