@@ -1048,9 +1048,14 @@ FIELD_REPORTS = [
             completion_tokens=1024,
             prompt_text_tokens=200,
             beta=0.04,
+            vllm_gpu_memory_utilization=0.5,  # vLLM colocated at half the GPU, no sleep (issue 34's account of the run)
         ),
         "assumed": "gradient checkpointing on (ms-swift default), beta 0.04 (default), 200 text tokens, "
-        "per_device_train_batch_size counts completions",
+        "per_device_train_batch_size counts completions, vLLM colocated at 0.5 without sleep",
+        "also": {
+            "label": "the fix: --sleep_level 1 --vllm_tensor_parallel_size 4 --vllm_limit_mm_per_prompt '{\"image\": 2}'",
+            "settings": dict(vllm_sleep_level=1, vllm_tensor_parallel_size=4, vllm_limit_images=2),
+        },
     },
     {
         "id": "R1-V#107",

@@ -27,10 +27,14 @@ def test_the_golden_file_covers_the_trace_grid_and_the_planner_tests():
 
 # Added after the golden file was written (issue 28, multi-turn): at their single-turn values they change no figure.
 # Added later still (issue 39, on-policy distillation): 0 without a teacher, as in every golden case.
-MULTITURN_TERMS = ("tool_image_inputs", "teacher_model", "teacher_moved_in_for_scoring")
+# And (issue 39, generative rewards): 0 without an in-process judge.
+MULTITURN_TERMS = ("tool_image_inputs", "teacher_model", "teacher_moved_in_for_scoring", "judge_model", "judge_generation")
 MULTITURN_FIELDS = ("tool_turns", "tool_images_per_turn", "tool_text_tokens", "max_images", "max_total_tokens", "teacher_params")
+MULTITURN_FIELDS += ("judge_params", "judge_generate_bytes")
 # Added after it too (issue 23, DeepSpeed's own host buffers under offload): 0 for every case the golden file holds.
-LATER_HOST_TERMS = ("engine_host_buffers",)
+LATER_HOST_TERMS = ("engine_host_buffers", "vllm_sleeping_weights")
+# Added after it too (issue 34, a colocated vLLM): at their defaults (no vLLM) they change no figure.
+VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_sleep_level", "vllm_tensor_parallel_size", "vllm_limit_images", "vllm_max_model_len")
 
 
 def single_turn_view(got: dict) -> dict:
@@ -42,7 +46,8 @@ def single_turn_view(got: dict) -> dict:
         return got
     default = Workload()
     terms = {k: v for k, v in got["terms"].items() if not (k in MULTITURN_TERMS and v == 0)}
-    workload = {k: v for k, v in got["workload"].items() if not (k in MULTITURN_FIELDS and v == getattr(default, k))}
+    later = MULTITURN_FIELDS + VLLM_FIELDS
+    workload = {k: v for k, v in got["workload"].items() if not (k in later and v == getattr(default, k))}
     return {**got, "terms": terms, "workload": workload}
 
 

@@ -71,6 +71,10 @@ def test_check_says_vllm_is_missing_in_one_line():
 def test_check_describes_the_vllm_backend():
     cfg = load_config(None, ["rollout.backend=vllm"])
     assert "vLLM colocated in the training process" in describe_backend(cfg)
+    # the GPU-only settings a converted ms-swift / EasyR1 run carries: stored for the planner, said to be not applied
+    gpu_only = load_config(None, ["rollout.backend=vllm", "sleep_level=1", "vllm_tensor_parallel_size=2", "training.device=cpu"])
+    said = describe_backend(gpu_only)
+    assert "vllm_sleep_level=1, vllm_tensor_parallel_size=2 not applied on CPU" in said and "`vlmrl plan` counts them" in said
     with pytest.raises(ConfigError, match="one training process"):
         describe_backend(cfg, world_size=2)
 

@@ -305,6 +305,7 @@ def run_eval(cfg) -> dict:
     from vlmrl.run.datasets import load_datasets
     from vlmrl.models.policy import load_policy
     from vlmrl.rewards.scoring import load_reward_funcs
+    from vlmrl.models.judge import local_judge_on
     from vlmrl.engine.device import resolve_device, seed_everything
 
     device = resolve_device(cfg.training.device)
@@ -313,7 +314,7 @@ def run_eval(cfg) -> dict:
     data = load_datasets(cfg, need_train=False, processor=processor)
     if not data.eval:
         raise ConfigError("data.eval_path is empty and no built-in task test split is configured; set data.eval_path")
-    funcs, _ = load_reward_funcs(cfg)
+    funcs, _ = load_reward_funcs(cfg, local_judge_on(device))
     from vlmrl.run.preflight import eval_data_name
 
     from vlmrl.defaults import describe

@@ -204,6 +204,19 @@ class RolloutConfig:
         0.3,
         "rollout.backend=vllm: the share of the device's memory vLLM reserves for its weights and KV cache (on CPU: of the host memory of the first NUMA node).",
     )
+    # vLLM's other settings under the peers' names (TRL / ms-swift / EasyR1 spell them so; config.VLLM_ALIASES)
+    vllm_sleep_level: int = _f(
+        0,
+        "rollout.backend=vllm on GPU: vLLM sleeps during scoring and the update: 0 = never, 1 = weights to host RAM and KV cache freed, 2 = both discarded (ms-swift: sleep_level; TRL's vllm_enable_sleep_mode is level 2); the planner counts it; not applied on CPU (vLLM refuses sleep there).",
+    )
+    vllm_tensor_parallel_size: int = _f(
+        1,
+        "rollout.backend=vllm on GPU: ranks one vLLM engine's weights and KV heads are split over (TRL / ms-swift: vllm_tensor_parallel_size, EasyR1: tensor_parallel_size); the planner counts it; only 1 runs (one training process, yet).",
+    )
+    vllm_max_model_length: Optional[int] = _f(
+        None,
+        "rollout.backend=vllm: vLLM's max_model_len, prompt + completion tokens (TRL: vllm_max_model_length, ms-swift: vllm_max_model_len, EasyR1: max_model_len); null = data.max_prompt_length + rollout.max_completion_length, or the model's context.",
+    )
 
 
 @dataclass(frozen=True)
@@ -246,6 +259,13 @@ class AlgorithmConfig:
     advantage_estimator: Optional[str] = _f(
         None, "Advantages: {choices}; default follows scale_rewards.", choices="algo.advantages:ADVANTAGE_ESTIMATORS"
     )
+    turn_advantage: Literal["trajectory", "per_turn"] = _f(
+        "trajectory",
+        "Multi-turn rollouts (tools.tools): trajectory = every token gets its rollout's advantage; per_turn = each turn's "
+        "discounted return (the environment's step rewards, the rollout's reward on the last turn) normalised over all turns "
+        "of the group, each token the advantage of its turn (ROLL step_reinforce; algo/turn_advantages.py).",
+    )
+    turn_discount: float = _f(1.0, "turn_advantage=per_turn: the discount gamma in G_t = r_t + gamma * G_{t+1}, in [0, 1].")
     policy_loss: str = _f("ppo_clip", "Per-token policy loss: {choices}.", choices="algo.losses:POLICY_LOSSES")
     loss_aggregation: Optional[str] = _f(
         None,
@@ -508,6 +528,47 @@ class ToolsConfig:
     )
 
 
+JUDGE_TEMPLATE = (
+    "Grade the answer to a question about the image(s).\nQuestion: {question}\nReference solution: {solution}\n"
+    "Answer to grade: {completion}\nReply with one line 'Score: N', N an integer from 0 (wrong) to 10 (fully correct)."
+)
+JUDGE_FIELDS = ("question", "completion", "solution")
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    model_path: Optional[str] = _f(
+        None,
+        "The reward `judge` (algorithm.reward_funcs) in-process: a model folder of any family vlmrl loads, frozen, greedy; set this or url.",
+    )
+    url: Optional[str] = _f(
+        None,
+        "The reward `judge` served: an OpenAI-compatible base URL (vllm serve's http://host:8000/v1); POST {url}/chat/completions, images as base64 data URLs.",
+    )
+    served_model: Optional[str] = _f(None, "url: the `model` sent with each request; null = the first id GET {url}/models lists.")
+    api_key_env: Optional[str] = _f(None, "url: the environment variable holding the server's API key (sent as a Bearer token); null = none.")
+    template: str = _f(
+        JUDGE_TEMPLATE,
+        "The judge's user message after the row's images; {question}, {completion} and {solution} are filled in (write {{ }} for a brace).",
+    )
+    score_pattern: str = _f(
+        r"(?i)score\W{0,5}?([+-]?\d+(?:\.\d+)?)",
+        "Regex whose first group is the score in the judge's reply (the last match counts); a reply without one is unparseable.",
+    )
+    score_min: float = _f(0.0, "The score the template asks for that means worst; maps to reward 0.")
+    score_max: float = _f(10.0, "The score that means best; maps to reward 1 (a score outside [score_min, score_max] is unparseable).")
+    fallback_score: float = _f(
+        0.0, "The reward of a completion whose judgement is unparseable, timed out or failed (counted in judge/fallbacks, one log line each)."
+    )
+    max_new_tokens: int = _f(64, "Most tokens of one judgement.")
+    batch_size: int = _f(8, "Judgements per generate call (model_path) or requests in flight at once (url).")
+    timeout_s: float = _f(60.0, "Seconds one judgement may take: a generate call (model_path, transformers' max_time) or one request (url).")
+    retries: int = _f(2, "url: further tries of a request that failed or timed out before the fallback score is used.")
+    cache_size: int = _f(
+        4096, "Judgements kept per process, keyed by (prompt, completion, solution, image fingerprints), least recently used dropped; 0 = no cache."
+    )
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -520,6 +581,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     # Derived values, so the loop never recomputes defaults itself.
     @property
@@ -605,6 +667,7 @@ SECTIONS: dict[str, type] = {
     "memory": MemoryConfig,
     "logging": LoggingConfig,
     "tools": ToolsConfig,
+    "judge": JudgeConfig,
 }
 
 
@@ -714,12 +777,50 @@ PEER_ALIASES: dict[str, str | None] = {
     "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
     "reward_model.overlong_buffer.log": None,  # vlmrl always logs the term (rewards/overlong)
 }
+# The peers' names for vLLM's settings that vlmrl's fields do not already carry (TRL's vllm_mode,
+# vllm_gpu_memory_utilization and vllm_tensor_parallel_size are the fields' own names): TRL, ms-swift, EasyR1.
+VLLM_ALIASES: dict[str, str | None] = {
+    "vllm_enable_sleep_mode": "rollout.vllm_sleep_level",  # TRL: true sleeps at level 2 (its GRPOTrainer calls sleep(level=2))
+    "sleep_level": "rollout.vllm_sleep_level",  # ms-swift
+    "vllm_max_model_len": "rollout.vllm_max_model_length",  # ms-swift
+    "worker.rollout.gpu_memory_utilization": "rollout.vllm_gpu_memory_utilization",  # EasyR1
+    "worker.rollout.tensor_parallel_size": "rollout.vllm_tensor_parallel_size",
+    "worker.rollout.max_model_len": "rollout.vllm_max_model_length",
+    "worker.rollout.n": "rollout.num_generations",
+    "worker.rollout.temperature": "rollout.temperature",
+    "worker.rollout.top_p": "rollout.top_p",
+    "worker.rollout.limit_images": "data.limit_images",
+    # TRL's correction of the vLLM / trainer mismatch: vlmrl's rollout_correction takes its mode names; the ratio's
+    # bounds are clip_min / clip_max (cap: TRL's earlier name of clip_max). Its on/off switch is vlmrl convert's.
+    "vllm_importance_sampling_mode": "algorithm.rollout_correction",
+    "vllm_importance_sampling_cap": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_max": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_min": "algorithm.rollout_correction_min",
+}
+PEER_ALIASES.update(VLLM_ALIASES)
+
+
+def _vllm_value(name: str, value: Any, source: str) -> Any:
+    """A vLLM alias's value as vlmrl's field takes it: TRL's sleep switch as a level; EasyR1's limit 0 (no limit)."""
+    if name == "vllm_enable_sleep_mode":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: vllm_enable_sleep_mode={value!r}: expected true or false (or set rollout.vllm_sleep_level 0, 1 or 2)")
+        return 2 if value else 0
+    if name == "worker.rollout.limit_images" and value == 0:
+        raise ConfigError(
+            f"{source}: worker.rollout.limit_images=0 means no limit in EasyR1; vlmrl keeps data.limit_images images a row: give it (e.g. 4)"
+        )
+    return value
+
+
 # verl's filter_groups.metric names for the values vlmrl's rewards have.
 VERL_METRICS = {"acc": "accuracy", "score": "reward", "seq_reward": "reward", "seq_final_reward": "reward"}
 
 
 def _peer_value(name: str, value: Any, source: str) -> Any:
     """A peer alias's value as vlmrl's field takes it; an unbounded count of generation batches is refused."""
+    if name in VLLM_ALIASES:
+        return _vllm_value(name, value, source)
     if name == "algorithm.filter_groups.metric" and value in VERL_METRICS:
         return VERL_METRICS[value]
     if name == "max_resample_times" and isinstance(value, int) and value <= 0:
@@ -913,9 +1014,54 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def validate(cfg: Config) -> None:
     """Cross-field rules; each message names the field and how to fix it."""
     rules = [*_rollout_rules(cfg), *_algorithm_rules(cfg), *_training_rules(cfg), *_data_rules(cfg), *_other_rules(cfg), *_tools_rules(cfg)]
-    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(cfg.algorithm) + _data_layout_problems(cfg.data)
+    problems = [msg for ok, msg in rules if not ok] + _algorithm_problems(cfg.algorithm) + _data_layout_problems(cfg.data) + _judge_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _judge_problems(cfg: Config) -> list[str]:
+    """judge.*: one source for the reward `judge` (a folder or a URL), a pattern with a group, a template with known
+    fields; a judge configured but not listed in algorithm.reward_funcs is refused rather than ignored."""
+    import re
+    import string
+
+    j = cfg.judge
+    if "judge" not in cfg.algorithm.reward_funcs:
+        set_ = [f"judge.{k}" for k in ("model_path", "url") if getattr(j, k)]
+        return [f"{set_[0]} is set but algorithm.reward_funcs does not list judge; add judge to it or unset {set_[0]}"] if set_ else []
+    problems = []
+    if (j.model_path is None) == (j.url is None):
+        problems.append("algorithm.reward_funcs lists judge: set exactly one of judge.model_path (in-process) and judge.url (served)")
+    if j.url is not None and not j.url.startswith(("http://", "https://")):
+        problems.append(f"judge.url={j.url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000/v1)")
+    try:
+        if re.compile(j.score_pattern).groups < 1:
+            problems.append(f"judge.score_pattern={j.score_pattern!r} has no group; put the score in ( )")
+    except re.error as e:
+        problems.append(f"judge.score_pattern={j.score_pattern!r} is not a regex: {e}")
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(j.template) if name is not None}
+    except ValueError as e:
+        names = {f"<{e}>"}
+    unknown = sorted(names - set(JUDGE_FIELDS))
+    fields_hint = "it may use {question}, {completion}, {solution}; write {{ }} for a brace"
+    if unknown:
+        problems.append(f"judge.template: unknown field(s) {', '.join(unknown)} ({fields_hint})")
+    elif "completion" not in names:
+        problems.append(f"judge.template has no {{completion}}: the judge would not see the answer ({fields_hint})")
+    problems += [
+        msg
+        for ok, msg in (
+            (j.score_max > j.score_min, f"judge.score_max={j.score_max} must be > judge.score_min={j.score_min}"),
+            (j.max_new_tokens >= 1, f"judge.max_new_tokens={j.max_new_tokens} must be >= 1"),
+            (j.batch_size >= 1, f"judge.batch_size={j.batch_size} must be >= 1"),
+            (j.timeout_s > 0, f"judge.timeout_s={j.timeout_s} must be > 0"),
+            (j.retries >= 0, f"judge.retries={j.retries} must be >= 0"),
+            (j.cache_size >= 0, f"judge.cache_size={j.cache_size} must be >= 0 (0 = no cache)"),
+        )
+        if not ok
+    ]
+    return problems
 
 
 def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
@@ -939,6 +1085,12 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         (
             0.0 < r.vllm_gpu_memory_utilization <= 1.0,
             f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: a share of the device memory, in (0, 1]",
+        ),
+        (r.vllm_sleep_level in (0, 1, 2), f"rollout.vllm_sleep_level={r.vllm_sleep_level}: use 0 (no sleep), 1 or 2"),
+        (r.vllm_tensor_parallel_size >= 1, f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} must be >= 1"),
+        (
+            r.vllm_max_model_length is None or r.vllm_max_model_length >= 2,
+            f"rollout.vllm_max_model_length={r.vllm_max_model_length} must be >= 2 (or null)",
         ),
         (
             r.steps_per_generation is None or r.generation_batch_size is None,
@@ -976,11 +1128,24 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
 
 def _algorithm_rules(cfg: Config) -> list[tuple[bool, str]]:
     """(holds, message) for algorithm.*."""
+    from vlmrl.algo.turn_advantages import TURN_SCALES
+
     a = cfg.algorithm
     return [
         (a.beta >= 0, f"algorithm.beta={a.beta} must be >= 0"),
         (a.router_aux_loss_coef >= 0, f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0"),
         (a.distill_coef >= 0, f"algorithm.distill_coef={a.distill_coef} must be >= 0"),
+        (
+            a.turn_advantage == "trajectory" or (cfg.multiturn and cfg.advantage_estimator in TURN_SCALES),
+            "algorithm.turn_advantage=per_turn gives each turn of a multi-turn rollout its own advantage: it needs tools.tools "
+            f"and a group estimator ({', '.join(TURN_SCALES)}; advantage_estimator is {cfg.advantage_estimator}), or set turn_advantage=trajectory",
+        ),
+        (
+            a.turn_advantage == "trajectory" or a.policy_loss != "gspo",
+            "algorithm.turn_advantage=per_turn with algorithm.policy_loss=gspo: GSPO's sequence-level ratio takes one advantage per "
+            "rollout (the turns' would be averaged away); use ppo_clip, cispo or sapo, or turn_advantage=trajectory",
+        ),
+        (0.0 <= a.turn_discount <= 1.0, f"algorithm.turn_discount={a.turn_discount} must be in [0, 1]"),
         (
             a.teacher_path is None or not cfg.multiturn,
             "algorithm.teacher_path: distillation is not built for multi-turn rollouts (tools.tools); drop one of them",
@@ -1310,7 +1475,7 @@ def reference_markdown() -> str:
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = json.dumps(default) if not isinstance(default, str) else default
-            shown = shown.replace("|", "\\|")
+            shown = shown.replace("|", "\\|").replace("\n", "\\n")  # a table cell is one line: a newline shows as \n
             lines.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace('|', 'or')} | `{shown}` | {field_doc(f)} |")
         lines.append("")
     return "\n".join(lines)
@@ -1375,4 +1540,5 @@ def anchor_paths(cfg: Config) -> Config:
             cfg.algorithm, reward_funcs=[_anchored_spec(s) for s in cfg.algorithm.reward_funcs], teacher_path=_anchored(cfg.algorithm.teacher_path)
         ),
         tools=dataclasses.replace(cfg.tools, tools=[_anchored_spec(s) for s in cfg.tools.tools], environment=_anchored_spec(cfg.tools.environment)),
+        judge=dataclasses.replace(cfg.judge, model_path=_anchored(cfg.judge.model_path)),
     )

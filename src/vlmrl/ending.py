@@ -98,6 +98,7 @@ def stopped(end: Ending, final: dict, stop, after: str) -> dict:
 def finish_left(cfg: Config, log, left, kind: str, title: str, summary_keys: tuple[str, ...]) -> dict:
     """A rerun of a run whose training is done but whose ending was stopped or killed (`left`: rundir.EndingLeft):
     the evaluation (of `final/`), report, summary and completion marker, without training again."""
+    from vlmrl.models.judge import local_judge_on
     from vlmrl.models.policy import load_policy
 
     out, dist, step = Path(cfg.training.output_dir), left.dist, left.step
@@ -117,7 +118,7 @@ def finish_left(cfg: Config, log, left, kind: str, title: str, summary_keys: tup
         device = dist.device(resolve_device(cfg.training.device))
         model, processor = load_policy(plain, device)
         data = load_datasets(cfg, need_train=False, processor=processor)
-        reward_funcs, _ = load_reward_funcs(cfg)
+        reward_funcs, _ = load_reward_funcs(cfg, local_judge_on(device))
 
     def evaluate(stop) -> dict:
         if model is None or not data.eval:

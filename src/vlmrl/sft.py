@@ -31,6 +31,7 @@ from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
 from vlmrl.engine.host_alloc import pin_for_run
+from vlmrl.models.judge import local_judge_on
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
@@ -225,7 +226,7 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     # logged; compared each step
     plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train), dist.world_size, dist.planner_sharding, dist.planner_deepspeed)
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
-    reward_funcs, _ = load_reward_funcs(cfg)
+    reward_funcs, _ = load_reward_funcs(cfg, local_judge_on(device))
     # the rows' image files, stored with each checkpoint: a resume refuses when one was replaced
     state = {"step": 0, "best_metric": None, "best_step": None, "images": image_fingerprints([*data.train, *data.eval], image_cache_dir())}
     saved: dict = {}

@@ -25,6 +25,7 @@ from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_std
 from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.algo.distill import distill_advantages, distill_metrics
+from vlmrl.algo.turn_advantages import TURN_SCALES, token_advantages, turn_advantages, turn_index, turn_reward_matrix
 from vlmrl.config import Config
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
 from vlmrl.models.logprobs import entropies_collected, group_rows
@@ -43,6 +44,7 @@ from vlmrl.ending import finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
+from vlmrl.models.judge import local_judge_on
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
@@ -318,7 +320,7 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
     if shape:  # the data is not the planner's default of one image per prompt: predict again from it
         what = f"from the data ({describe_data_shape(shape)}): "
         plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, what, dist.planner_deepspeed, **shape) or plan
-    reward_funcs, reward_weights = load_reward_funcs(cfg)
+    reward_funcs, reward_weights = load_reward_funcs(cfg, local_judge_on(device))
     optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     state = {"step": 0, "best_metric": None, "best_step": None}
@@ -461,7 +463,26 @@ def reward_and_advantages(run: Run, samples: Rollout, step: int) -> Rewards:
         trajectories=samples.completions.trajectories,
     )
     all_total, all_per_reward, lengths, truncated = dist.gather_rollout(run.shard, local, per_reward, samples.completions)
-    return rewards_of(run, local, all_total, all_per_reward, lengths, truncated, reward_log)
+    rewards = rewards_of(run, local, all_total, all_per_reward, lengths, truncated, reward_log)
+    bad = [r for t in samples.completions.trajectories or [] for r in t.bad_turn_rewards]
+    if bad:
+        run.logger.info(
+            f"step {step}: {len(bad)} turn reward(s) the environment's step returned were not finite numbers (first: {bad[0]}); "
+            "each counted as 0.0 (tools/bad_turn_rewards)"
+        )
+    if cfg.algorithm.turn_advantage == "per_turn" and rewards.nonfinite is None:
+        rewards.advantages = per_turn_advantages(run, samples.completions, rewards.rewards).to(run.device)
+    return rewards
+
+
+def per_turn_advantages(run: Run, comp, rewards: torch.Tensor) -> torch.Tensor:
+    """algorithm.turn_advantage=per_turn: [P*G, T] each model token's advantage, its turn's (algo/turn_advantages.py)
+    from every process's per-turn rewards (gathered, so groups and the batch are whole) and the step's rewards [B*G]."""
+    cfg, G = run.cfg, run.cfg.rollout.num_generations
+    (steps,) = run.dist.gather_rows(run.shard, [list(t.turn_rewards) for t in comp.trajectories])
+    turn_rewards, mask = turn_reward_matrix(steps, rewards)
+    turn_adv = run.dist.local(run.shard, turn_advantages(turn_rewards, mask, G, cfg.algorithm.turn_discount, TURN_SCALES[cfg.advantage_estimator]))
+    return token_advantages(turn_adv, run.dist.local(run.shard, mask), turn_index(comp.loss_mask.cpu()))
 
 
 def rewards_of(run: Run, local: list, all_total: list, all_per_reward: dict, lengths, truncated, reward_log: RewardLog) -> Rewards:
@@ -910,7 +931,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     }
     # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
     maxed = tuple(k for k in metrics if k.startswith("ratio_dev/") or k in ("mismatch/max_ratio", "mismatch/max_abs_logp_diff"))
-    metrics = run.dist.reduce_metrics(metrics, sum_keys=("loss",), max_keys=maxed)
+    metrics = run.dist.reduce_metrics(metrics, sum_keys=("loss", "tools/bad_turn_rewards"), max_keys=maxed)
     metrics.update(prediction_vs_measured(run.plan, metrics, run.logger.info))
     warn_if_near_capacity(metrics, cfg.memory.warn_fraction, run.logger.info)
     warn_if_no_learning_signal(metrics, cfg, run.state, run.logger.info)
@@ -927,11 +948,21 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
                     "advantage": rewards.advantages[i].mean().item(),
                     "solution": samples.rows[i // G].get("solution"),
                     **rollout_record(samples.completions, samples.prompts, i, G),
+                    **turn_record(cfg, samples.completions, rewards.advantages, i),
                 }
                 for i in range(min(cfg.logging.log_completions, len(samples.texts)))
             ],
         )
     return metrics
+
+
+def turn_record(cfg: Config, comp, advantages: torch.Tensor, i: int) -> dict:
+    """samples.jsonl's per-turn fields of row i under algorithm.turn_advantage=per_turn ({} otherwise): the reward the
+    environment gave each turn and every token's advantage (0.0 off the loss mask), to check the estimator from outside."""
+    if cfg.algorithm.turn_advantage != "per_turn" or comp.trajectories is None:
+        return {}
+    n = int(comp.lengths[i])
+    return {"turn_rewards": list(comp.trajectories[i].turn_rewards), "token_advantages": advantages[i, :n].float().tolist()}
 
 
 def maybe_evaluate(run: Run, step: int, stop=None) -> dict:

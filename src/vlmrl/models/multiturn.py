@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from vlmrl.algo.turn_advantages import numeric_reward
 from vlmrl.models.continuous import ContinuousDecoder, seeded_row_sampler
 from vlmrl.models.loading import unwrap
 from vlmrl.models.logprobs import _accepted, selective_logps
@@ -149,6 +150,15 @@ class _RowState:
     vision: list = field(default_factory=list)  # one encode_prompts batch per tool turn with images
     end_reason: str | None = None
     extra_turn: str | None = None  # a turn cut by a budget (not stepped through the environment)
+    turn_rewards: list = field(default_factory=list)  # per turn: its step's reward when the rollout went on, else 0.0
+    bad_rewards: list = field(default_factory=list)  # step rewards that were not finite numbers (repr)
+
+    def record(self, reward, done: bool) -> None:
+        """One stepped turn's reward (the rollout's own reward, when `done`, is the trajectory's: not counted twice)."""
+        value, ok = numeric_reward(reward)
+        if not ok:
+            self.bad_rewards.append(repr(reward)[:60])
+        self.turn_rewards.append(0.0 if done else value)
 
 
 @dataclass
@@ -199,11 +209,13 @@ class MultiTurnDecoder(ContinuousDecoder):
             reason = "stop_token"
         if reason is not None:
             state.extra_turn, state.end_reason = self._turn_text(row, start, t + 1), reason
+            state.turn_rewards.append(0.0)
             return
         text = self._turn_text(row, start, t)
         parsed = parse_tool_calls(text)
         if not (parsed.calls or parsed.errors):  # an answer: the environment ends the rollout at once
-            state.env.step(text)
+            _observation, reward, done = state.env.step(text)
+            state.record(reward, bool(done))
             state.end_reason = "answered"
             return
         cols = self.P + t
@@ -229,7 +241,8 @@ class MultiTurnDecoder(ContinuousDecoder):
             if p.suffix is not None or not p.future.done():
                 continue
             state = self.states[p.row]
-            observation, _reward, done = p.future.result()
+            observation, reward, done = p.future.result()
+            state.record(reward, bool(done))
             state.turn += 1
             if done:
                 state.end_reason = state.env.trajectory().end_reason
@@ -375,6 +388,7 @@ class MultiTurnDecoder(ContinuousDecoder):
                 traj.turn_texts.append(state.extra_turn)
                 traj.completion.append({"role": "assistant", "content": state.extra_turn})
             traj.end_reason = reason
+            traj.turn_rewards, traj.bad_turn_rewards = list(state.turn_rewards), list(state.bad_rewards)
             trajectories.append(traj)
             reasons.append(reason)
         vision = [_merge_vision(s.vision) for s in self.states]

@@ -43,17 +43,24 @@ def check_teacher(student_tokenizer, teacher_tokenizer, student_vocab: int, teac
         )
 
 
-def load_teacher(cfg: Config, device: torch.device, student, student_processor):
-    """(teacher model, its processor) from algorithm.teacher_path on `device`, frozen in eval mode (the policy's dtype
-    and attention; no LoRA, no checkpointing), after check_teacher. None when teacher_path is unset."""
-    path = cfg.algorithm.teacher_path
-    if path is None:
-        return None
+def load_frozen(cfg: Config, device: torch.device, path: str):
+    """(model, processor) of the folder `path` on `device`, frozen in eval mode: loaded as the policy is (its dtype
+    and attention) without LoRA, checkpointing or partial freezing. The teacher and the reward judge (rewards/judge.py)."""
     from vlmrl.models.policy import load_policy
 
     frozen = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, use_lora=False, gradient_checkpointing=False, train_projector_only=False, freeze_vision_tower=False)
     )
-    teacher, processor = load_policy(frozen, device, model_path=path)
+    model, processor = load_policy(frozen, device, model_path=path)
+    return model.eval().requires_grad_(False), processor
+
+
+def load_teacher(cfg: Config, device: torch.device, student, student_processor):
+    """(teacher model, its processor) from algorithm.teacher_path on `device`, frozen in eval mode (load_frozen), after
+    check_teacher. None when teacher_path is unset."""
+    path = cfg.algorithm.teacher_path
+    if path is None:
+        return None
+    teacher, processor = load_frozen(cfg, device, path)
     check_teacher(student_processor.tokenizer, processor.tokenizer, output_vocab(student), output_vocab(teacher), cfg.model.name_or_path, path)
-    return teacher.eval().requires_grad_(False), processor
+    return teacher, processor

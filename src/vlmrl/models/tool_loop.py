@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmrl.algo.turn_advantages import numeric_reward
 from vlmrl.models.processing import decode, encode_prompts, render_chat
 from vlmrl.tools.registry import schemas
 from vlmrl.tools.render import chat_template_of, tool_role_mode
@@ -62,14 +63,22 @@ def run_tool_loop(model, processor, envs: list, rows: list[dict], settings: Loop
     conversations = [list(env.reset(row)) for env, row in zip(envs, rows)]
     tools = schemas(envs[0].tools) if envs and getattr(envs[0], "tools", None) else None  # shown to templates that read them
     active = list(range(len(rows)))
+    turn_rewards: list[list[float]] = [[] for _ in rows]
+    bad: list[list[str]] = [[] for _ in rows]
     while active:
         still = []
         for start in range(0, len(active), settings.batch_size):
             chunk = active[start : start + settings.batch_size]
             for i, text in zip(chunk, _turn(model, processor, [conversations[i] for i in chunk], settings, tools)):
-                observation, _reward, done = envs[i].step(text)
+                observation, reward, done = envs[i].step(text)
+                value, ok = numeric_reward(reward)
+                turn_rewards[i].append(0.0 if done else value)  # as the engine records them (models/multiturn.py)
+                bad[i] += [] if ok else [repr(reward)[:60]]
                 conversations[i] += [{"role": "assistant", "content": text}] + observation
                 if not done:
                     still.append(i)
         active = still
-    return [env.trajectory() for env in envs]
+    out = [env.trajectory() for env in envs]
+    for trajectory, rewards, wrong in zip(out, turn_rewards, bad):
+        trajectory.turn_rewards, trajectory.bad_turn_rewards = rewards, wrong
+    return out

@@ -106,6 +106,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="memory.offload_optimizer_during_rollout: optimizer states in host RAM for rollout and scoring",
     )
+    _vllm_arguments(p)
     p.add_argument("--logprob-chunk", type=int, help="memory.logprob_chunk_tokens (0 = off)")
     p.add_argument(
         "--mode",
@@ -129,6 +130,25 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         help="with --profile naive: completion (default: logits_to_keep, TRL >= 0.15) or sequence (the LM head projects "
         "every prompt + completion position before the completion slice: VLM trainers that call the model without logits_to_keep)",
     )
+
+
+def _vllm_arguments(p: argparse.ArgumentParser) -> None:
+    """A colocated vLLM engine (rollout.backend=vllm): its cap, sleep level, tensor parallelism, image limit, length."""
+    p.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        help="a colocated vLLM samples the rollouts and reserves this share of the device (TRL / ms-swift: "
+        "vllm_gpu_memory_utilization); its weights, encoder cache, profiling peak and KV blocks live inside it",
+    )
+    p.add_argument(
+        "--vllm-sleep-level",
+        type=int,
+        choices=(0, 1, 2),
+        help="0 = vLLM stays on the device; 1 = weights to host RAM + KV freed during training; 2 = both discarded",
+    )
+    p.add_argument("--vllm-tensor-parallel-size", type=int, help="ranks one vLLM engine splits its weights and KV heads over")
+    p.add_argument("--vllm-limit-images", type=int, help="images per prompt vLLM is profiled for (limit_mm_per_prompt; default --images-per-prompt)")
+    p.add_argument("--vllm-max-model-len", type=int, help="vLLM's max_model_len (default prompt + completion tokens)")
 
 
 def _output_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,6 +214,11 @@ def _workload(ns, spec):
         "master_weights": ns.master_weights,
         "attn_implementation": ns.attn_implementation,
         "logits_positions": ns.logits_positions,
+        "vllm_gpu_memory_utilization": ns.vllm_gpu_memory_utilization,
+        "vllm_sleep_level": ns.vllm_sleep_level,
+        "vllm_tensor_parallel_size": ns.vllm_tensor_parallel_size,
+        "vllm_limit_images": ns.vllm_limit_images,
+        "vllm_max_model_len": ns.vllm_max_model_len,
     }
     changes = {k: v for k, v in mapping.items() if v is not None}
     if ns.host_memory:
@@ -263,6 +288,7 @@ def _table(spec, p) -> str:
         f"{'peak allocated':<34} {d['peak_allocated_gib']:>9.3f}",
         f"{'reserved (allocator)':<34} {d['reserved_gib']:>9.3f}",
         f"{'total on the device':<34} {d['total_gib']:>9.3f}",
+        *_vllm_lines(p),
         "",
         f"{'host RAM per node':<34}",
     ]
@@ -277,6 +303,28 @@ def _table(spec, p) -> str:
     ]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+# What a colocated vLLM's reservation holds, by name (plan.vllm.vllm_terms), in the order it is filled.
+VLLM_LINES = (
+    ("weights", "its weight copy (1/tp)"),
+    ("encoder_cache", "encoder cache (limit_mm_per_prompt images)"),
+    ("profile_peak", "profiling peak"),
+    ("kv_cache", "KV blocks (what the cap leaves)"),
+    ("kv_needed", "KV the rollout's rows take at once"),
+    ("freed_by_sleep", "freed while asleep (scoring, update)"),
+)
+
+
+def _vllm_lines(p) -> list[str]:
+    """The vLLM section of the table: the cap and what lives inside it, term by term."""
+    v = p.vllm
+    if not v:
+        return []
+    head = f"cap {v['cap']:.2f} x the device, sleep level {v['sleep_level']}, tensor parallel {v['tensor_parallel_size']}"
+    lines = ["", f"{'vllm_reservation':<34} {v['reservation'] / GiB:>9.3f}  {head}"]
+    lines += [f"  vllm_{k:<27} {v[k] / GiB:>9.3f}  {why}" for k, why in VLLM_LINES]
+    return lines
 
 
 def _check_flags(ns) -> None:

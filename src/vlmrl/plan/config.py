@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vlmrl.plan.estimate import Plan, plan
 from vlmrl.plan.hf import model_spec, spec_from_hf_config
-from vlmrl.plan.spec import GiB, ModelSpec, PlanError, Workload, sft_workload
+from vlmrl.plan.spec import DTYPE_BYTES, GiB, ModelSpec, PlanError, Workload, sft_workload
 
 
 # What torch.cuda.get_device_properties().total_memory reports (the memory a run can have), by marketing name.
@@ -99,6 +99,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         attn_implementation=m.attn_implementation,
         beta=a.beta,
         teacher_params=teacher_params(a),
+        **judge_fields(cfg),
         num_iterations=a.num_iterations,
         ref_placement=mem.ref_placement,
         offload_during_rollout=mem.offload_optimizer_during_rollout,
@@ -106,6 +107,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
         gpu_memory_bytes=gpu_memory_bytes,
     )
     kw.update(multiturn_fields(cfg))
+    kw.update(vllm_fields(cfg))
     host_gib = getattr(t, "auto_fit_host_memory_gib", None)
     if host_gib:
         kw["host_memory_bytes"] = int(host_gib * GiB)
@@ -113,10 +115,49 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
     return Workload(**kw)
 
 
+def vllm_fields(cfg) -> dict:
+    """Workload fields of a colocated vLLM (rollout.backend=vllm): its cap, sleep level, tensor-parallel size, the
+    images per prompt it is profiled for (data.limit_images) and its max_model_len. {} for the in-process engine."""
+    r = cfg.rollout
+    if getattr(r, "backend", "inprocess") != "vllm":
+        return {}
+    return {
+        "vllm_gpu_memory_utilization": r.vllm_gpu_memory_utilization,
+        "vllm_sleep_level": getattr(r, "vllm_sleep_level", 0),
+        "vllm_tensor_parallel_size": getattr(r, "vllm_tensor_parallel_size", 1),
+        "vllm_limit_images": cfg.data.limit_images,
+        "vllm_max_model_len": getattr(r, "vllm_max_model_length", None) or 0,
+    }
+
+
 def teacher_params(algo) -> int:
     """Parameters of algorithm.teacher_path's model (its config.json), 0 without a teacher."""
     path = getattr(algo, "teacher_path", None)
     return model_spec(path).total_params if path else 0
+
+
+def judge_fields(cfg) -> dict:
+    """Workload's judge_params and judge_generate_bytes for an in-process reward judge (judge.model_path with the
+    reward `judge` listed); none for a served judge or none at all."""
+    judge = getattr(cfg, "judge", None)
+    if judge is None or not judge.model_path or "judge" not in cfg.algorithm.reward_funcs:
+        return {}
+    spec = model_spec(judge.model_path)
+    # the judge's prompt: the row's image tokens, the template, the question and the completion it grades
+    image_tokens = (cfg.data.max_pixels or 448 * 448) // (spec.patch_size * max(1, spec.merge_size)) ** 2
+    prompt = image_tokens + len(judge.template) // 3 + 64 + cfg.rollout.max_completion_length
+    return {
+        "judge_params": spec.total_params,
+        "judge_generate_bytes": judge_generate_bytes(spec, judge.batch_size, prompt, judge.max_new_tokens, DTYPE_BYTES[cfg.model.dtype]),
+    }
+
+
+def judge_generate_bytes(spec: ModelSpec, batch: int, prompt_tokens: int, new_tokens: int, dtype_bytes: int) -> int:
+    """Bytes of one greedy generate of `batch` rows: the KV cache of k and v per full-attention layer over prompt +
+    new tokens, plus the larger of a prefill layer's MLP / attention temporaries and the float32 logits (3 per row)."""
+    kv = batch * (prompt_tokens + new_tokens) * 2 * (spec.layers - spec.linear_attn_layers) * spec.kv_heads * spec.head_dim * dtype_bytes
+    prefill = batch * prompt_tokens * dtype_bytes * (4 * spec.hidden + 3 * spec.intermediate)
+    return int(kv + max(prefill, batch * spec.vocab * 4 * 3))
 
 
 def spec_for_config(cfg) -> ModelSpec:

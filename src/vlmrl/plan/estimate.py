@@ -20,6 +20,7 @@ from vlmrl.plan.host import host_terms, host_verdict, mmapped_at_peak, parks
 from vlmrl.plan.profiles import profile_workload
 from vlmrl.plan.spec import ALLOCATOR_RESERVE, CUDA_CONTEXT_BYTES, FIT_FRACTION, GiB, ModelSpec, Workload, check_workload
 from vlmrl.plan.steptime import step_time
+from vlmrl.plan import vllm
 from vlmrl.plan.terms import (
     TERMS,
     head_gradient_temporary,
@@ -48,6 +49,7 @@ class Plan:
     notes: list = field(default_factory=list)
     workload: dict = field(default_factory=dict)
     step_time_s: float = 0.0
+    vllm: dict = field(default_factory=dict)  # a colocated vLLM's reservation and what it holds (plan.vllm.vllm_terms); {} without
 
     @property
     def fits(self) -> bool:
@@ -55,7 +57,8 @@ class Plan:
         host_ok = self.host_fits is not False
         if self.workload.get("device") == "cpu":
             return bool(self.host_fits)
-        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes and host_ok
+        vllm_ok = not (self.vllm and vllm.problems(self.vllm))
+        return self.gpu_memory_bytes is not None and self.total <= FIT_FRACTION * self.gpu_memory_bytes and host_ok and vllm_ok
 
     @property
     def host_fits(self) -> bool | None:
@@ -80,7 +83,11 @@ class Plan:
             "step_time_s": round(self.step_time_s, 3),
             "notes": list(self.notes),
             "workload": self.workload,
-        }
+        } | (
+            {"vllm_gib": {k: (gib(v) if k not in ("cap", "sleep_level", "tensor_parallel_size") else v) for k, v in self.vllm.items()}}
+            if self.vllm
+            else {}
+        )
 
 
 def plan(spec: ModelSpec, w: Workload) -> Plan:
@@ -93,20 +100,35 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
     if plans_zero(w):  # a DeepSpeed run: ZeRO's own buffers from its config
         raw = with_zero_terms(spec, w, raw)
     phases, fwd_bwd = phase_peaks(spec, w, mb, raw)
-    peak = max(phases.values())
-    reserved = int(peak * (1 + ALLOCATOR_RESERVE))
+    trainer_phases = phases
+    v = vllm.vllm_terms(spec, w, mb) if vllm.uses_vllm(w) and w.device != "cpu" and w.gpu_memory_bytes else {}
+    if vllm.uses_vllm(w) and not v:
+        notes.append(vllm.UNPLANNED_ON_CPU if w.device == "cpu" else "vLLM's cap is a share of the device: give the device memory to plan it")
+    if v:  # vLLM's cap is a fixed share of the device beside the trainer's allocator (no allocator reserve on it)
+        phases, peak, reserved = _with_vllm(w, phases)
+    else:
+        peak = max(phases.values())
+        reserved = int(peak * (1 + ALLOCATOR_RESERVE))
     total = reserved + CUDA_CONTEXT_BYTES
     terms = {k: int(v) for k, v in raw.items()} | {"allocator_reserve": reserved - peak, "cuda_context": CUDA_CONTEXT_BYTES}
+    if v:
+        terms["vllm_reservation"] = v["reservation"]
+        notes += vllm.notes(v)
     st = model_states(spec, w)
     if w.offload != "none":
         notes.append(f"optimizer states ({(st['moments'] + st['master']) / GiB:.2f} GiB) live in host RAM")
     buffers = pixel_inputs(spec, w, mb) + rollout_buffers(spec, w, mb)
-    mmapped = _mmapped(spec, w, mb, raw, phases, fwd_bwd)
+    mmapped = _mmapped(spec, w, mb, raw, trainer_phases, fwd_bwd)
     if plans_zero(w):
         mmapped += zero_flat_at_peak(spec, w, raw, phases, fwd_bwd)
     engine_host = zero_offload_host_buffers(spec, w, w.zero) if plans_zero(w) else 0
-    host = host_terms(spec, w, st, buffers, int(peak), raw["reference_moved_in_for_scoring"] > 0, None, mmapped, engine_host)
-    headroom, verdict = _verdict(int(total), w, host)
+    host_peak = int(peak) if not v else max(trainer_phases.values())
+    host = host_terms(
+        spec, w, st, buffers, host_peak, raw["reference_moved_in_for_scoring"] > 0, None, mmapped, engine_host, vllm.host_bytes(spec, w)
+    )
+    headroom, verdict = _verdict(int(total), w, host, vllm.problems(v) if v else [])
+    if v:
+        verdict += f" [vLLM colocated: {v['cap']:.2f} x {w.gpu_memory_bytes / GiB:.1f} = {v['reservation'] / GiB:.1f} GiB of it]"
     return Plan(
         terms=terms,
         phases=phases,
@@ -120,7 +142,18 @@ def plan(spec: ModelSpec, w: Workload) -> Plan:
         notes=notes,
         workload=_workload_record(w, mb),
         step_time_s=step_time(spec, w, st["trainable"]),
+        vllm=v,
     )
+
+
+def _with_vllm(w: Workload, phases: dict) -> tuple[dict, int, int]:
+    """(phases with vLLM's resident bytes added, peak allocated, reserved) of a step beside a colocated vLLM: each
+    phase is the trainer's (x the allocator's reserve) plus what vLLM holds then (plan.vllm.resident: its whole cap
+    while it samples; during scoring and the update too unless it sleeps). The peak is the phase whose sum is largest."""
+    both = {k: phases[k] * (1 + ALLOCATOR_RESERVE) + vllm.resident(w, k) for k in phases}
+    top = max(both, key=both.get)
+    with_v = {k: int(phases[k] + vllm.resident(w, k)) for k in phases}
+    return with_v, with_v[top], int(both[top])
 
 
 def _workload_record(w: Workload, mb: MicroBatch) -> dict:
@@ -142,6 +175,7 @@ def persistent_bytes(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> f
         + t["optimizer_states"]
         + t["reference_model"]
         + t["teacher_model"]
+        + t["judge_model"]
         + pixel_inputs(spec, w, mb)
         + rollout_buffers(spec, w, mb)
         + t["comm_buffers"]
@@ -163,7 +197,8 @@ def phase_peaks(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict) -> tuple[
     With memory.offload_optimizer_during_rollout the states are parked in host RAM for rollout and scoring."""
     persistent = persistent_bytes(spec, w, mb, t)
     parked = t["master_weights"] + t["optimizer_states"] if parks(w) else 0
-    rollout = persistent - parked + t["kv_cache"] + t["generation_temporaries"] + generation_gather_bytes(spec, w, mb)
+    generation = t["kv_cache"] + t["generation_temporaries"] + generation_gather_bytes(spec, w, mb)
+    rollout = persistent - parked + max(generation, t["judge_generation"])  # the judge generates after the policy
     moved_in = t["reference_moved_in_for_scoring"] + t["teacher_moved_in_for_scoring"]
     scored = moved_in + scoring_transient(spec, w, mb) + t["gathered_parameters"] if scores(w) else 0
     scoring = persistent - parked + scored
@@ -218,12 +253,15 @@ def _mmapped(spec: ModelSpec, w: Workload, mb: MicroBatch, t: dict, phases: dict
     )
 
 
-def _verdict(total: int, w: Workload, host: dict) -> tuple[int | None, str]:
-    """(device headroom, the verdict line): the device's, and the host's when a host size is given (on CPU: only it)."""
+def _verdict(total: int, w: Workload, host: dict, vllm_problems: list | tuple = ()) -> tuple[int | None, str]:
+    """(device headroom, the verdict line): the device's, and the host's when a host size is given (on CPU: only it);
+    a colocated vLLM that cannot start does not fit whatever the total."""
     gpu = w.gpu_memory_bytes
     if w.device == "cpu":
         return None, "CPU run: no device memory; " + host_verdict(host, w.host_memory_bytes)
-    if gpu:
+    if gpu and vllm_problems:
+        headroom, verdict = int(gpu - total), "does NOT fit: " + "; ".join(vllm_problems)
+    elif gpu:
         headroom = int(gpu - total)
         verdict = (
             f"fits: {total / GiB:.1f} of {gpu / GiB:.1f} GiB, {headroom / GiB:.1f} GiB headroom"

@@ -31,6 +31,7 @@ TRAINING_TERMS = (
     "reference_on_cpu",
     "images_and_rollout_buffers",
     "device_tensors_on_cpu",
+    "vllm_sleeping_weights",
 )
 
 
@@ -49,6 +50,7 @@ def host_term_values(
     r: int,
     mmapped: int = 0,
     engine_host: int = 0,
+    vllm_host: float = 0,
 ) -> dict:
     """The host terms of `r` processes on one node (bytes; see host_terms)."""
     n = w.world_size
@@ -76,6 +78,8 @@ def host_term_values(
         "device_tensors_on_cpu": ((device_peak - mmapped) * (1 + CPU_ALLOCATOR_RESERVE) + mmapped) * r if cpu else 0,
         # save_pretrained copies device tensors to the CPU; CPU tensors of an unsharded run are written as they are
         "gathered_state_dict_at_save": base_w if (not cpu or w.sharding in ("zero3", "fsdp")) else 0,
+        # a colocated vLLM asleep at level 1 keeps its weight copy in host RAM (plan.vllm.host_bytes); level 2 none
+        "vllm_sleeping_weights": vllm_host * r,
     }
 
 
@@ -89,6 +93,7 @@ def host_terms(
     processes: int | None = None,
     mmapped: int = 0,
     engine_host: int = 0,
+    vllm_host: float = 0,
 ) -> dict:
     """Host RAM of one node (min(world size, 8) processes), bytes, term by term, and its peak over three moments:
     loading (each process builds its copy on the CPU before moving it),
@@ -96,9 +101,10 @@ def host_terms(
     reference model on the CPU, each process's images and rollout buffers, and on a CPU run every tensor the
     device plan counts), and saving (rank 0 gathers the full weights on the CPU for save_pretrained / export).
     mmapped: bytes of the device peak in blocks above GLIBC_MMAP_MAX_BYTES (CPU runs: no heap slack on them).
-    engine_host: the engine's own host buffers of one process (DeepSpeed's offload buffers)."""
+    engine_host: the engine's own host buffers of one process (DeepSpeed's offload buffers). vllm_host: a colocated
+    vLLM engine's weights asleep in host RAM, one process's."""
     r = processes or min(w.world_size, 8)
-    terms = host_term_values(spec, w, states, step_buffers, device_peak, ref_on_cpu, r, mmapped, engine_host)
+    terms = host_term_values(spec, w, states, step_buffers, device_peak, ref_on_cpu, r, mmapped, engine_host, vllm_host)
     runtime = terms["runtime_per_process"] + terms["data"]
     training = runtime + sum(terms[k] for k in TRAINING_TERMS)
     phases = {"loading": runtime + terms["model_loading"], "training": training, "saving": training + terms["gathered_state_dict_at_save"]}
@@ -106,7 +112,7 @@ def host_terms(
     out.update({f"peak_{k}": int(v) for k, v in phases.items()})
     out["total"] = int(max(phases.values()))
     if processes is None:  # one process's own peak (what its peak RSS measures); rank 0 gathers the state dict
-        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, 1, mmapped, engine_host)["total"]
+        out["process_peak"] = host_terms(spec, w, states, step_buffers, device_peak, ref_on_cpu, 1, mmapped, engine_host, vllm_host)["total"]
     return out
 
 

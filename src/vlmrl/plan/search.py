@@ -9,8 +9,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from vlmrl.plan import vllm
 from vlmrl.plan.config import device_memory_bytes, spec_for_config, workload_from_config, zero_extra
 from vlmrl.plan.estimate import Plan, plan
+from vlmrl.plan.geometry import micro_batch
 from vlmrl.plan.spec import OFFLOADS, GiB, ModelSpec, PlanError, Workload
 
 
@@ -176,6 +178,7 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
     extra = {"sharding": sharding} if sharding and world_size > 1 else {}
     base = workload_from_config(cfg, world_size, gpu_memory_bytes, **zero_extra(spec, deepspeed if world_size > 1 else None, extra))
     shardings = (base.sharding,)  # the engine is the launcher's choice: auto_fit keeps it
+    base = _vllm_cap(spec, base)
     found = search(spec, base, allow=allow, top=1, shardings=shardings)
     if not found:
         raise _nothing_fits(plan(spec, base), base, allow, gpu_memory_bytes)
@@ -188,6 +191,21 @@ def auto_fit(cfg, gpu_memory_bytes: int | None = None, world_size: int = 1, shar
     p = plan(spec, best)
     lines.append(f"predicted peak {p.total / GiB:.1f} GiB of {gpu_memory_bytes / GiB:.1f} GiB; step-time model {p.step_time_s:.2f} s")
     return new, lines
+
+
+def _vllm_cap(spec: ModelSpec, base: Workload) -> Workload:
+    """A run whose rollout a colocated vLLM samples: the smallest cap whose KV blocks hold the whole rollout
+    (plan.vllm.smallest_cap), so the micro-batch search that follows gets the rest of the device. PlanError when even
+    the largest cap does not hold it."""
+    if not (vllm.uses_vllm(base) and base.gpu_memory_bytes and base.device != "cpu"):
+        return base
+    cap = vllm.smallest_cap(spec, base, micro_batch(spec, base))
+    if cap is None:
+        raise PlanError(
+            f"auto_fit: vLLM's KV blocks cannot hold the rollout's {base.rows_per_step} rows even at a cap of {vllm.MAX_CAP} of "
+            f"{base.gpu_memory_bytes / GiB:.1f} GiB: lower rollout.generation_batch_size or rollout.max_completion_length"
+        )
+    return dataclasses.replace(base, vllm_gpu_memory_utilization=cap)
 
 
 def _nothing_fits(now: Plan, base: Workload, allow: tuple, gpu_memory_bytes: int) -> PlanError:
@@ -220,6 +238,8 @@ def _config_changes(cfg, base: Workload, best: Workload, allow: tuple) -> dict[s
         changes["memory__generation_prompts_per_call"] = best.prompts_per_call
     if best.gradient_checkpointing != cfg.model.gradient_checkpointing:
         changes["model__gradient_checkpointing"] = best.gradient_checkpointing
+    if best.vllm_gpu_memory_utilization and best.vllm_gpu_memory_utilization != cfg.rollout.vllm_gpu_memory_utilization:
+        changes["rollout__vllm_gpu_memory_utilization"] = best.vllm_gpu_memory_utilization
     if best.ref_placement != cfg.memory.ref_placement:
         changes["memory__ref_placement"] = best.ref_placement
     if best.num_generations != cfg.rollout.num_generations and "num_generations" in allow:

@@ -131,6 +131,10 @@ class Workload:
     shared_prefix: bool = True
     beta: float = 0.0
     teacher_params: int = 0  # algorithm.teacher_path: the frozen teacher's parameters (held like a reference copy); 0 = no teacher
+    judge_params: int = 0  # judge.model_path: the in-process reward judge's parameters (on the device all run); 0 = none or served
+    judge_generate_bytes: int = (
+        0  # the judge's greedy generate at judge.batch_size: KV cache and largest temporary (plan.config.judge_generate_bytes)
+    )
     num_iterations: int = 1
     ref_placement: str = "device"
     sharding: str = "none"
@@ -150,6 +154,15 @@ class Workload:
     host_runtime_bytes: int | None = None  # per-process runtime RSS (libraries); None = HOST_RUNTIME_*_BYTES; a run measures its own
     profile: str = "vlmrl"  # vlmrl | naive | trl: whose step is planned (plan_profiles: a plain / TRL-style trainer's data path)
     logits_positions: str = "completion"  # profile naive: completion (logits_to_keep) | sequence (the LM head projects every position)
+    # A colocated vLLM engine samples the rollouts (rollout.backend=vllm; plan.vllm): its cap as a share of the device
+    # (0 = no vLLM: the trainer generates), its sleep level around the update (0 none, 1 weights to host RAM + KV
+    # freed, 2 both discarded), its tensor-parallel size, images per prompt it is profiled for (limit_mm_per_prompt;
+    # 0 = images_per_prompt) and its max_model_len (0 = prompt + completion)
+    vllm_gpu_memory_utilization: float = 0.0
+    vllm_sleep_level: int = 0
+    vllm_tensor_parallel_size: int = 1
+    vllm_limit_images: int = 0
+    vllm_max_model_len: int = 0
 
     @property
     def rows_per_step(self) -> int:
@@ -191,10 +204,22 @@ def check_workload(w: Workload) -> None:
     if w.video_frames < 0 or w.video_max_pixels < 1:
         problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
     problems += _multiturn_problems(w)
+    problems += _vllm_problems(w)
     if w.micro_batch < 1 or w.grad_accum < 1 or w.world_size < 1:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
         raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
+
+
+def _vllm_problems(w: Workload) -> list[str]:
+    out = []
+    if not 0.0 <= w.vllm_gpu_memory_utilization < 1.0 + 1e-9:
+        out.append(f"vllm_gpu_memory_utilization={w.vllm_gpu_memory_utilization}: a share of the device in (0, 1] (0 = no vLLM)")
+    if w.vllm_sleep_level not in (0, 1, 2):
+        out.append(f"vllm_sleep_level={w.vllm_sleep_level}: use 0 (no sleep), 1 (weights to host RAM, KV freed) or 2 (both discarded)")
+    if w.vllm_tensor_parallel_size < 1 or w.vllm_limit_images < 0 or w.vllm_max_model_len < 0:
+        out.append("vllm_tensor_parallel_size must be >= 1, vllm_limit_images and vllm_max_model_len >= 0")
+    return out
 
 
 def _zero_problems(w: Workload) -> list[str]:

@@ -184,6 +184,18 @@ def teacher_moved_in_for_scoring(spec: ModelSpec, w: Workload, mb: MicroBatch | 
     return w.teacher_params * DTYPE_BYTES[w.dtype] if (w.teacher_params and w.ref_placement == "cpu") else 0
 
 
+def judge_model(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> float:
+    """judge.model_path: the frozen reward judge, whole on each process's device (its own parameter count, the
+    policy's dtype; never sharded: it generates alone in each process)."""
+    return w.judge_params * DTYPE_BYTES[w.dtype]
+
+
+def judge_generation(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> float:
+    """The judge's greedy generate over judge.batch_size requests (after the rollout, before scoring): its KV cache and
+    largest temporary, from the judge's own config (plan.config.judge_generate_bytes)."""
+    return w.judge_generate_bytes
+
+
 def comm_buffers(spec: ModelSpec, w: Workload, mb: MicroBatch | None = None) -> int:
     """DDP / ZeRO / FSDP gradient buckets (several processes only)."""
     return COMM_BUCKET_BYTES if (w.world_size > 1 and w.sharding != "none") else 0
@@ -465,8 +477,8 @@ def generation_rows(w: Workload) -> tuple[int, int]:
 
 def kv_cache(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     """The rollout's KV cache: k and v of every full-attention layer for each held row's prompt + completion, plus
-    Qwen3.5's per-row linear-attention states. SFT has no rollout."""
-    if w.mode == "sft":
+    Qwen3.5's per-row linear-attention states. SFT has no rollout; with vLLM (plan.vllm) the trainer does not generate."""
+    if w.mode == "sft" or w.vllm_gpu_memory_utilization > 0:
         return 0
     cb = compute_bytes(w)
     rows = generation_rows(w)[0]
@@ -486,8 +498,8 @@ def tool_image_encode(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
 def generation_temporaries(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
     """The rollout's largest transient: a prefill layer's MLP / attention temporaries, eager scores of the prefill,
     the vision tower's temporaries over the prefilled images or over a tool turn's images (tool_image_encode), or
-    sampling's float32 logits (3 per row). SFT: none."""
-    if w.mode == "sft":
+    sampling's float32 logits (3 per row). SFT, and a rollout vLLM samples (plan.vllm): none."""
+    if w.mode == "sft" or w.vllm_gpu_memory_utilization > 0:
         return 0
     cb = compute_bytes(w)
     rows, ppc = generation_rows(w)
@@ -510,6 +522,7 @@ TERMS = {
     "optimizer_step_temporary": optimizer_step_temporary,
     "reference_model": reference_model,
     "teacher_model": teacher_model,
+    "judge_model": judge_model,
     "activations_text": activations_text,
     "activations_vision": activations_vision,
     "activations_other": activations_other,
@@ -524,6 +537,7 @@ TERMS = {
     "scoring_temporaries": scoring_temporaries,
     "reference_moved_in_for_scoring": reference_moved_in_for_scoring,
     "teacher_moved_in_for_scoring": teacher_moved_in_for_scoring,
+    "judge_generation": judge_generation,
     "gathered_parameters": gathered_parameters,
     "gathered_for_generation": gathered_for_generation,
     "batch_inputs": batch_inputs,

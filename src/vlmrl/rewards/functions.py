@@ -357,6 +357,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "format": format_reward,
     "answer_format": answer_format,
 }
+# Built-in rewards that are built from a config section rather than called as they are (rewards/scoring.py builds them).
+CONFIGURED_REWARDS = {"judge": "a model grading each completion (rewards/judge.py; the judge section)"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -379,6 +381,8 @@ def load_reward(spec: str, answer_key: str | None = None) -> RewardFn:
     from vlmrl.rewards.peers import detect_kind, split_kind
 
     spec, kind = split_kind(spec)
+    if spec in CONFIGURED_REWARDS:
+        raise RewardError(f"reward {spec!r} is {CONFIGURED_REWARDS[spec]}: list it in algorithm.reward_funcs, it is built from the config")
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     factory = FACTORY_SPEC_RE.fullmatch(spec)

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from vlmrl.config import Config, ConfigError
-from vlmrl.rewards.functions import FACTORY_SPEC_RE, TrainerState, compute_rewards, load_reward, reward_inputs, soft_overlong_punishment
+import functools
+
+from vlmrl.rewards.functions import (
+    FACTORY_SPEC_RE,
+    TrainerState,
+    compute_rewards,
+    describe_sample,
+    load_reward,
+    reward_inputs,
+    soft_overlong_punishment,
+)
+from vlmrl.rewards.judge import JudgeReward, build_judge
 from vlmrl.rewards.peers import split_kind
 
 
@@ -51,6 +62,7 @@ def score_rollout(
     if comp is not None:
         completion_ids = [ids[:n].tolist() for ids, n in zip(comp.ids, comp.lengths.tolist())]
     epoch = step * cfg.prompts_per_step / num_rows if num_rows else 0.0
+    name_rows(funcs, when, row_sources(rows, repeats), columns)
     state = TrainerState(global_step=step, max_steps=cfg.training.max_steps, epoch=epoch)
     return compute_rewards(
         funcs,
@@ -67,8 +79,17 @@ def score_rollout(
     )
 
 
-def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
+def name_rows(funcs: dict, when: str | None, sources: list[str], columns: dict[str, list]) -> None:
+    """Tell the judge (rewards/judge.py) where each completion of the coming batch comes from, for its log lines: the
+    step (`when`) and the row (``file:line``, solution, images), as reward errors name them."""
+    for fn in funcs.values():
+        if isinstance(fn, JudgeReward):
+            fn.where = functools.partial(describe_sample, when=when, sources=sources, columns=columns)
 
+
+def load_reward_funcs(cfg: Config, local_judge=None) -> tuple[dict, dict]:
+    """({name: reward}, {name: weight}) of algorithm.reward_funcs, plus DAPO's `overlong` term when configured.
+    local_judge: the in-process judge's backend for judge.model_path (models.judge.local_judge_on(device))."""
     names = cfg.algorithm.reward_funcs
     weights = cfg.algorithm.reward_weights or [1.0] * len(names)
     # "file.py:name", "module:factory(max_len=8)" and "file.py:name@easyr1" are logged as name / factory.
@@ -80,7 +101,8 @@ def load_reward_funcs(cfg: Config) -> tuple[dict, dict]:
         raise ConfigError(f"algorithm.reward_funcs lists the same reward twice: {names}")
     # EasyR1's answer_key is the column data.columns.solution names (convert maps data.answer_key there), else "answer".
     answer_key = cfg.data.columns.get("solution") or None
-    funcs = {k: load_reward(n, answer_key) for k, n in zip(keys, names)}
+    # `judge` is the generative reward of the judge section (rewards/judge.py), built from the config
+    funcs = {k: build_judge(cfg, local_judge) if n == "judge" else load_reward(n, answer_key) for k, n in zip(keys, names)}
     weights = dict(zip(keys, weights))
     a = cfg.algorithm
     if a.overlong_shaping:  # DAPO's soft overlong punishment, weighted by its penalty factor

@@ -25,8 +25,23 @@ def describe_backend(cfg, world_size: int = 1) -> str:
     return (
         f"rollout: vLLM colocated in the training process (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
         f"vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}); weights pushed and probed before every rollout, "
-        "every prompt checked against the trainer's"
+        "every prompt checked against the trainer's" + not_applied(cfg)
     )
+
+
+def not_applied(cfg) -> str:
+    """The GPU-only vLLM settings a run stores (the planner counts them) but does not apply here, as a clause: sleep
+    (vLLM refuses it on CPU; the GPU path is not wired yet) and tensor parallelism (one training process, one rank)."""
+    r = cfg.rollout
+    unused = [f"vllm_sleep_level={r.vllm_sleep_level}"] if r.vllm_sleep_level else []
+    unused += [f"vllm_tensor_parallel_size={r.vllm_tensor_parallel_size}"] if r.vllm_tensor_parallel_size != 1 else []
+    if not unused:
+        return ""
+    import torch
+
+    cpu = cfg.training.device == "cpu" or (cfg.training.device == "auto" and not torch.cuda.is_available())
+    where = "on CPU (vLLM refuses sleep there; one process is one rank)" if cpu else "in this version (one process, no sleep yet)"
+    return f"; {', '.join(unused)} not applied {where}: `vlmrl plan` counts them"
 
 
 def refuse_vllm(world_size: int) -> None:

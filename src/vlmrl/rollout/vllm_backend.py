@@ -243,7 +243,10 @@ def _as_dict(size) -> dict:
 
 
 def _max_model_len(cfg) -> int | None:
-    """Prompt budget + completion when data.max_prompt_length bounds prompts; else vLLM's default (the model's)."""
+    """rollout.vllm_max_model_length; else prompt budget + completion when data.max_prompt_length bounds prompts; else
+    vLLM's default (the model's)."""
+    if cfg.rollout.vllm_max_model_length is not None:
+        return cfg.rollout.vllm_max_model_length
     if cfg.data.max_prompt_length is None:
         return None
     return cfg.data.max_prompt_length + cfg.rollout.max_completion_length

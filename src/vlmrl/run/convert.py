@@ -23,7 +23,10 @@ from vlmrl.config import ConfigError
 from vlmrl.config import TRACKERS, _merge_key, build_config
 
 PEERS = ("trl", "easyr1", "ms-swift", "vlm-r1")
-VLLM = "vLLM: vlmrl generates in-process (rollout.engine, memory.shared_prefix); no separate inference engine"
+VLLM = "vLLM: the source does not turn vLLM on, so vlmrl generates in-process (rollout.backend=inprocess)"
+VLLM_SERVER = "vLLM server mode: vlmrl's rollout.vllm_mode=server is not in this version; the run generates in-process"
+VLLM_LORA = "vLLM with LoRA: vlmrl's vLLM backend trains full weights only (yet), so the run generates in-process (the vLLM fields are written)"
+VLLM_GPU_ONLY = "vLLM on GPU only"
 ZERO = "ZeRO / FSDP: launch with accelerate and a config from configs/accelerate (docs/scaling_out.md)"
 LAUNCH = "processes and nodes: the launcher's (accelerate launch --num_processes / torchrun), not a config key"
 TRACKER_NAME = "run / project names: the trackers' own environment variables (WANDB_PROJECT, WANDB_NAME, MLFLOW_EXPERIMENT_NAME)"
@@ -92,7 +95,7 @@ TRL_KEYS: dict[str, str] = {
     "save_strategy": "training.save_steps",
 }
 TRL_REASONS: dict[str, str] = {
-    "use_vllm": VLLM,
+    "use_vllm": VLLM,  # false; true is convert_vllm's
     "deepspeed": ZERO,
     "fsdp": ZERO,
     "run_name": TRACKER_NAME,
@@ -115,6 +118,101 @@ TRL_REASONS: dict[str, str] = {
     "num_processes": LAUNCH,
 }
 TRL_REASON_PREFIXES = {"vllm_": VLLM, "hub_": "vlmrl writes output_dir/final; upload it yourself", "wandb_": TRACKER_NAME}
+
+# The peers' vLLM settings (TRL's GRPOConfig, ms-swift's rlhf arguments) -> vlmrl's rollout fields of the same meaning.
+VLLM_KEYS = {
+    "vllm_gpu_memory_utilization": "rollout.vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size": "rollout.vllm_tensor_parallel_size",
+    "vllm_max_model_length": "rollout.vllm_max_model_length",  # TRL
+    "vllm_max_model_len": "rollout.vllm_max_model_length",  # ms-swift
+}
+# What each peer runs when the source leaves a vLLM setting out: TRL's GRPOConfig (vllm_mode server, a 0.3 cap) and
+# ms-swift's rlhf arguments (colocate unless a server host is given, a 0.9 cap).
+VLLM_DEFAULTS = {"trl": {"vllm_mode": "server", "cap": 0.3}, "ms-swift": {"vllm_mode": "colocate", "cap": 0.9}}
+
+
+def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool) -> set[str]:
+    """use_vllm true: rollout.backend=vllm colocated, with the source's cap (or its trainer's default), sleep level
+    (TRL's vllm_enable_sleep_mode sleeps at level 2, ms-swift's sleep_level as given), tensor-parallel size and
+    max model length. Server mode is not converted (listed); with LoRA the fields are written but the backend stays
+    in-process (vlmrl's vLLM backend trains full weights only). Returns the keys handled; use_vllm false or unset:
+    none (they are listed as the source not using vLLM)."""
+    if source.get("use_vllm") is not True:
+        sleep = {"sleep_level", "vllm_enable_sleep_mode"} & set(source)
+        for key in sleep:
+            out.skip(key, VLLM)
+        return sleep
+    defaults = VLLM_DEFAULTS.get(peer, VLLM_DEFAULTS["trl"])
+    mode = source.get("vllm_mode") or ("server" if source.get("vllm_server_host") else defaults["vllm_mode"])
+    if mode != "colocate":
+        keys = {"use_vllm", *(k for k in source if k.startswith("vllm_"))}
+        for key in sorted(keys):
+            out.skip(key, VLLM_SERVER + (" (TRL's default vllm_mode is server)" if "vllm_mode" not in source else ""))
+        return keys
+    handled = {"use_vllm", "vllm_mode", *VLLM_KEYS, "vllm_enable_sleep_mode", "sleep_level"}
+    if peer == "trl":
+        handled |= _trl_importance_sampling(source, out)
+    for key in sorted(k for k in source if k.startswith("vllm_") and k not in handled):  # vllm_enable_lora, vllm_enforce_eager, ...
+        out.skip(key, "a vLLM engine setting vlmrl does not expose (vlmrl's engine: docs/vllm.md)")
+        handled.add(key)
+    if lora:
+        out.skip("use_vllm", VLLM_LORA)
+    else:
+        out.set("rollout.backend", "vllm")
+        out.set("rollout.vllm_mode", "colocate")
+    for key, target in VLLM_KEYS.items():
+        if source.get(key) is not None:
+            out.set(target, source[key])
+    if "vllm_gpu_memory_utilization" not in source:
+        out.fill("rollout.vllm_gpu_memory_utilization", defaults["cap"])
+        out.notes.append(f"{peer}'s vLLM cap for what the source leaves unset: rollout.vllm_gpu_memory_utilization={defaults['cap']}")
+    level = 2 if source.get("vllm_enable_sleep_mode") is True else source.get("sleep_level")
+    if level:
+        out.set("rollout.vllm_sleep_level", int(level))
+    return handled
+
+
+# TRL's correction of the vLLM / trainer mismatch when it generates with vLLM: on by default, sequence_mask, ratios
+# above 3.0 masked (GRPOConfig's vllm_importance_sampling_*; cap is the earlier name of clip_max).
+TRL_IS_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask"}
+TRL_IS_BOUNDS = {
+    "vllm_importance_sampling_cap": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_max": "algorithm.rollout_correction_max",
+    "vllm_importance_sampling_clip_min": "algorithm.rollout_correction_min",
+}
+
+
+def _trl_importance_sampling(source: dict[str, Any], out: Conversion) -> set[str]:
+    """TRL weights each token's loss by its trainer / vLLM probability ratio when it generates with vLLM (on by
+    default): vlmrl's algorithm.rollout_correction of the same mode names and bounds (algo/mismatch.py), TRL's
+    defaults written when the source leaves them out; vllm_importance_sampling_correction false is none."""
+    keys = {*TRL_IS_DEFAULTS, *TRL_IS_BOUNDS}
+    on = source.get("vllm_importance_sampling_correction", True)
+    if on is False:
+        out.set("algorithm.rollout_correction", "none")
+        return keys
+    mode = source.get("vllm_importance_sampling_mode")
+    (out.set if mode else out.fill)("algorithm.rollout_correction", mode or TRL_IS_DEFAULTS["vllm_importance_sampling_mode"])
+    for key, target in TRL_IS_BOUNDS.items():
+        if key in source:
+            out.set(target, source[key])
+    if not {"vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max"} & set(source):
+        out.fill("algorithm.rollout_correction_max", 3.0)
+    if not mode:
+        out.notes.append(
+            "TRL corrects the vLLM / trainer mismatch by default: algorithm.rollout_correction=sequence_mask, rollout_correction_max=3.0"
+        )
+    return keys
+
+
+def _vllm_gpu_notes(out: Conversion) -> None:
+    """Settings that only act on a GPU: stored (the planner counts them), and `vlmrl check` says they are not applied on CPU."""
+    defaults = {"rollout.vllm_sleep_level": 0, "rollout.vllm_tensor_parallel_size": 1}
+    gpu_only = [f"{k}={out.settings[k]}" for k, default in defaults.items() if out.settings.get(k, default) != default]
+    if gpu_only:
+        out.notes.append(
+            f"{', '.join(gpu_only)}: {VLLM_GPU_ONLY}; stored, counted by `vlmrl plan`, and `vlmrl check` says they are not applied on CPU"
+        )
 
 
 class Conversion:
@@ -291,7 +389,24 @@ def _easyr1_base(name: str, script: Path | None) -> dict[str, Any]:
 
 
 def _substitute(text: str, variables: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), text)
+    filled = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m[1] or m[2], m[0]), text)
+    return _command_substitutions(filled)
+
+
+# `$(expr 16 / 4)`, as ms-swift's scripts compute gradient_accumulation_steps (#4311): expr's integer arithmetic.
+EXPR = re.compile(r"\$\(\s*expr\s+(-?\d+)\s*(\\?\*|[-+/%])\s*(-?\d+)\s*\)")
+EXPR_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: int(a / b), "%": lambda a, b: a % b}
+
+
+def _command_substitutions(text: str) -> str:
+    """`$(expr a op b)` of two integers as its value (expr truncates division towards zero); any other `$(...)` as
+    one `${command_output}` word, which drop_unresolved then lists (its value exists only when the script runs)."""
+
+    def value(m: re.Match) -> str:
+        a, op, b = int(m[1]), m[2].lstrip("\\"), int(m[3])
+        return m[0] if op in "/%" and b == 0 else str(EXPR_OPS[op](a, b))
+
+    return re.sub(r"\$\([^()]*\)", "${command_output}", EXPR.sub(value, text))
 
 
 def _env_prefix(words: list[str]) -> list[str]:
@@ -447,7 +562,9 @@ def from_trl(source: dict[str, Any]) -> Conversion:
     if funcs is not None:
         out.skip("reward_funcs", "TRL takes reward functions in Python; name yours in algorithm.reward_funcs as path/to/file.py:function")
     handled = convert_environment(source, out) | convert_trl_algorithm(source, out)
+    handled |= convert_vllm(source, out, "trl", lora=source.get("use_peft") is True)
     convert_trl_keys(source, out, {"reward_funcs", *handled})
+    _vllm_gpu_notes(out)
     filled = [f"{k}={v}" for k, v in TRL_DEFAULTS.items() if k not in out.settings]
     for key, value in TRL_DEFAULTS.items():
         if key not in out.settings:
@@ -512,7 +629,9 @@ def from_vlm_r1(source: dict[str, Any]) -> Conversion:
             out.skip(key, why)
     handled = {"data_file_paths", "image_folders", "reward_funcs", "reward_method", "task_type", "is_reward_customized_from_vlm_module"}
     handled |= convert_environment(source, out) | convert_trl_algorithm(source, out)
+    handled |= convert_vllm(source, out, "trl", lora=source.get("use_peft") is True)
     convert_trl_keys(source, out, handled | {"val_split_ratio", "max_anyres_num", "arrow_cache_dir"})
+    _vllm_gpu_notes(out)
     return out
 
 
@@ -523,9 +642,8 @@ SWIFT_REASONS = {
     "async_generate": VLLM,
     "load_from_cache_file": "rows are read directly",
     "target_modules": "model.lora_target_modules (module names; all-linear is not a name)",
-    "sleep_level": VLLM,
-    "offload_model": "moves the model aside while vLLM generates: " + VLLM,
-    "offload_optimizer": "moves the optimizer aside while vLLM generates: " + VLLM,
+    "offload_model": "moves the trained model to host RAM while vLLM generates: vlmrl keeps it on the device (no such offload); "
+    "`vlmrl plan` counts it there",
     "use_bias_correction_kl": "ms-swift's GRPO loss does not read it: its KL is low_var_kl (algorithm.kl_estimator)",
 }
 SWIFT_HANDLED = {"external_plugins", "reward_funcs", "model", "dataset", "val_dataset", "system", "train_type", "tuner_type"}
@@ -563,9 +681,13 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     for key, why in SWIFT_REASONS.items():
         if key in source:
             out.skip(key, why)
+    if "offload_optimizer" in source:  # the optimizer states wait in host RAM while vLLM generates (and scores, in vlmrl)
+        out.set("memory.offload_optimizer_during_rollout", bool(source["offload_optimizer"]))
     levels = ("token", "sequence", "sequence_token")
     handled = SWIFT_HANDLED | convert_environment(source, out) | convert_trl_algorithm(source, out, levels)
-    convert_trl_keys(source, out, handled)
+    handled |= convert_vllm(source, out, "ms-swift", lora=bool(out.settings.get("model.use_lora")))
+    convert_trl_keys(source, out, handled | {"offload_optimizer"})
+    _vllm_gpu_notes(out)
     defaults = {**SWIFT_DEFAULTS, **(SWIFT_LORA_DEFAULTS if out.settings.get("model.use_lora") else {})}
     filled = [f"{k}={v}" for k, v in defaults.items() if k not in out.settings]
     for key, value in defaults.items():
@@ -681,6 +803,8 @@ def from_easyr1(source: dict[str, Any]) -> Conversion:
         else:
             handler(value, out, source)
     _easyr1_loss(source, out)
+    _easyr1_vllm(source, out)
+    _vllm_gpu_notes(out)
     return out
 
 
@@ -770,8 +894,12 @@ EASYR1_REASONS = {
 def _easyr1_reason(dotted: str) -> str:
     if dotted in EASYR1_REASONS:
         return EASYR1_REASONS[dotted]
+    if dotted == "worker.rollout.enforce_eager":
+        return "vlmrl runs vLLM eagerly (no CUDA graphs)"
+    if dotted.startswith("worker.rollout.val_override_config."):
+        return "evaluation samples greedily with the in-process engine (vlmrl eval, training.eval_steps)"
     if dotted.startswith("worker.rollout."):
-        return VLLM
+        return "a setting of EasyR1's vLLM workers vlmrl does not expose"
     if ".fsdp." in dotted or ".offload." in dotted or dotted.endswith(("padding_free", "dynamic_batching", "ulysses_size")):
         return ZERO
     if dotted.startswith("worker.ref."):
@@ -886,6 +1014,33 @@ def _ignore(_value, _out: Conversion, _source) -> None:
     return None
 
 
+EASYR1_VLLM_CAP = 0.6  # worker.rollout.gpu_memory_utilization in EasyR1's examples/config.yaml
+
+
+def _easyr1_vllm(source: dict, out: Conversion) -> None:
+    """EasyR1 always rolls out with vLLM colocated on the actor's GPUs (its hybrid engine), asleep at level 1 while the
+    actor trains (FSDPVLLMShardingManager.offload_vllm): rollout.backend=vllm with sleep level 1 and its cap; with LoRA
+    the fields are written and the run generates in-process (vlmrl's vLLM backend trains full weights only)."""
+    worker = source.get("worker") or {}
+    lora = ((worker.get("actor") or {}).get("model") or {}).get("lora") or {}
+    if lora.get("rank"):
+        out.skip("worker.rollout", VLLM_LORA)
+    else:
+        out.fill("rollout.backend", "vllm")
+        out.fill("rollout.vllm_mode", "colocate")
+    out.fill("rollout.vllm_sleep_level", 1)
+    cap = (worker.get("rollout") or {}).get("gpu_memory_utilization")
+    (out.set if cap is not None else out.fill)("rollout.vllm_gpu_memory_utilization", cap if cap is not None else EASYR1_VLLM_CAP)
+
+
+def _chunked_prefill(value, out: Conversion, _source) -> None:
+    if value:
+        out.skip(
+            "worker.rollout.enable_chunked_prefill",
+            "true: vlmrl prefills whole prompts (a chunked prefill rewinds a seeded request's generator, which fails on CPU)",
+        )
+
+
 def _limit_images(value, out: Conversion, _source) -> None:
     if value:
         out.set("data.limit_images", value)
@@ -918,6 +1073,10 @@ EASYR1_KEYS: dict[str, Any] = {
     "algorithm.kl_penalty": _ignore,  # read by _easyr1_loss
     **{f"worker.actor.{k}": _ignore for k in (*EASYR1_LOSS_DEFAULTS, "tau_positive", "tau_negative", "ppo_epochs")},
     "worker.rollout.limit_images": _limit_images,
+    "worker.rollout.gpu_memory_utilization": _ignore,  # read by _easyr1_vllm
+    "worker.rollout.tensor_parallel_size": "rollout.vllm_tensor_parallel_size",
+    "worker.rollout.max_model_len": "rollout.vllm_max_model_length",
+    "worker.rollout.enable_chunked_prefill": _chunked_prefill,
     "algorithm.online_filtering": "algorithm.dynamic_sampling",
     "algorithm.filter_key": _filter_key,
     "trainer.max_try_make_batch": _max_batches,
@@ -1039,12 +1198,19 @@ def _comment_after_continuation(args: list[str]) -> list[str]:
     ]
 
 
+BATCH_KEYS = ("training.gradient_accumulation_steps", "training.per_device_train_batch_size", "rollout.num_generations")
+
+
 def drop_unresolved(result: Conversion) -> None:
     """Settings whose value still holds a shell variable the script computes when it runs (``${REPO_HOME}``):
     left out and listed, rather than written as a path with ``$`` in it."""
     for key, value in list(result.settings.items()):
         texts = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
         found = [m for m in map(UNRESOLVED.search, texts) if m]
+        if key in BATCH_KEYS and (found or isinstance(value, bool) or not isinstance(value, int)):
+            # left out, the batch would be scaled and planned from a wrong size
+            why = f"uses ${found[0][1]}, which the script computes when it runs" if found else "is not a whole number (a command the script runs?)"
+            raise ConfigError(f"{key} = {value!r} {why}: give its value in the arguments")
         if found:
             del result.settings[key]
             result.skip(key, f"{value!r} uses ${found[0][1]}, which the script sets when it runs: give {key} yourself")
@@ -1069,6 +1235,8 @@ def convert(peer: str, args: list[str], processes: int | None = None) -> Convers
         swift_batch_defaults(result, source, processes)
     if peer in PER_DEVICE_PEERS:
         scale_batches(result, source, processes)
+    if result.settings.get("rollout.backend") == "vllm" and (processes or process_count(source)[0] or 1) > 1:
+        result.notes.append("rollout.backend=vllm runs in one training process in this version: launched on several, it is refused")
     tree: dict[str, dict[str, Any]] = {}
     for key, value in result.settings.items():
         _merge_key(tree, key, value, f"converted {key}")

@@ -17,12 +17,14 @@ from vlmrl.data.formats import prompt_messages_of
 from vlmrl.data.rows import DataError, sft_target
 from vlmrl.data.template_budget import TemplateBudgetError, probe, template_source
 from vlmrl.engine.device import env_world
+from vlmrl.engine.device import resolve_device
+from vlmrl.models.judge import local_judge_on
 from vlmrl.models.loading import ModelLoadError, check_attention, require_complete_model_folder
 from vlmrl.models.processing import build_row_prompt, load_processor
 from vlmrl.models.weight_files import check_expected_weights, check_weight_files
 from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
 from vlmrl.rewards.peers import describe_call
-from vlmrl.rewards.scoring import load_reward_funcs, reward_columns, row_sources
+from vlmrl.rewards.scoring import load_reward_funcs, name_rows, reward_columns, row_sources
 from vlmrl.rollout.backends import describe_backend
 from vlmrl.run.datasets import configured_processor, data_layout_options, encode_rows, load_datasets
 from vlmrl.run.tool_rollout import tool_schemas
@@ -47,7 +49,8 @@ def preflight(cfg: Config, command: str, log=print):
     check_model_folder(cfg)
 
     try:
-        funcs, weights = load_reward_funcs(cfg)  # unknown names (RewardError), missing files, import errors
+        # unknown names (RewardError), missing files, import errors; a judge folder that is not a model, a judge URL unreachable
+        funcs, weights = load_reward_funcs(cfg, local_judge_on(resolve_device(cfg.training.device)))
     except ValueError as e:  # the same reward listed twice
         raise ConfigError(str(e)) from None
     if env_world()[1] != 0:
@@ -218,6 +221,8 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
         encode_rows(configured_processor(cfg), rows, cfg, "cpu")
     texts = [sft_target(row) for row in rows]
     prompts, completions = reward_inputs(rows, texts, 1, cfg.algorithm.completion_format, cfg.data.system_prompt, cfg.data.limit_images)
+    when = "the check before training (the row's solution as the completion)"
+    name_rows(funcs, when, row_sources(rows, 1), reward_columns(rows, 1))
     try:
         compute_rewards(
             funcs,
@@ -227,7 +232,7 @@ def check_rewards_on_rows(cfg: Config, funcs: dict, weights: dict, rows: list[di
             reward_columns(rows, 1),
             completion_ids=[[0] for _ in rows],
             trainer_state=TrainerState(global_step=0, max_steps=cfg.training.max_steps),
-            when="the check before training (the row's solution as the completion)",
+            when=when,
             sources=row_sources(rows, 1),
             timeout_s=cfg.algorithm.reward_timeout_s,
         )

@@ -158,6 +158,8 @@ def multiturn_metrics(comp: Completions) -> dict:
         "tools/turns_mean": sum(t.num_turns for t in trajs) / n,
         "tools/calls_mean": sum(len(t.tool_calls) for t in trajs) / n,
         "tools/model_tokens_mean": float(comp.loss_mask.sum()) / n,
+        "tools/turn_reward_mean": sum(sum(t.turn_rewards) for t in trajs) / n,  # the environments' step rewards per rollout
+        "tools/bad_turn_rewards": float(sum(len(t.bad_turn_rewards) for t in trajs)),  # not finite numbers: counted as 0
     }
     results = [m for t in trajs for m in t.completion if m.get("role") == "tool"]
     if results:

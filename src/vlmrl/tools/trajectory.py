@@ -42,6 +42,12 @@ class Trajectory:
     turn_texts: list[str] = field(default_factory=list)  # what the model generated each turn, verbatim
     reward: float | None = None
     end_reason: str = "answered"
+    # Set by the engine (models/multiturn.py) and the plain loop (models/tool_loop.py): per assistant turn, the reward
+    # its environment `step` returned when the step did not end the rollout (0.0 for the last turn: the rollout's
+    # reward is `reward`, read by reward functions; and for a turn cut by a token budget), and what came back that was
+    # not a finite number (counted as 0.0; repr, shortened).
+    turn_rewards: list[float] = field(default_factory=list)
+    bad_turn_rewards: list[str] = field(default_factory=list)
 
     @property
     def messages(self) -> list[dict]:
