@@ -2,6 +2,7 @@
 (the vLLM engine itself is tested in tests/test_vllm.py, in the vLLM venv)."""
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,12 +15,13 @@ pytestmark = pytest.mark.unit
 
 IMAGE = 7  # the image placeholder id of these hand-made prompts
 NO_VLLM = importlib.util.find_spec("vllm") is None
+ONE = SimpleNamespace(world_size=1)  # make_backend reads the process count of the run's Distributed
 
 
 def test_backend_defaults_to_the_inprocess_engine():
     cfg = load_config(None, [])
     assert (cfg.rollout.backend, cfg.rollout.vllm_mode, cfg.rollout.vllm_gpu_memory_utilization) == ("inprocess", "colocate", 0.3)
-    assert make_backend(cfg, model=None, processor=None, world_size=1) is None
+    assert make_backend(cfg, ONE, None, None, None, False, {}, 0).name == "inprocess"
     assert "in-process engine" in describe_backend(cfg)
 
 
@@ -72,7 +74,7 @@ def test_check_says_vllm_is_missing_in_one_line():
     with pytest.raises(ConfigError, match=r"rollout.backend=vllm: the vllm package is not installed .*make test-vllm"):
         describe_backend(cfg)
     with pytest.raises(ConfigError, match="not installed"):
-        make_backend(cfg, model=None, processor=None, world_size=1)
+        make_backend(cfg, ONE, None, None, None, False, {}, 0)
 
 
 @pytest.mark.skipif(NO_VLLM, reason="vllm is not installed here (make test-vllm)")

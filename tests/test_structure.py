@@ -25,7 +25,7 @@ LAYERS = (
     ("engine",),  # processes, engines, OOM, memory readings
     ("plan",),
     ("run", "rollout"),  # datasets, run folder, preflight, tracking, report, export; the rollout backends (vLLM)
-    ("train", "sft", "ending", "evaluate", "demo", "cli", "__main__"),  # the loops, their shared ending, the command line
+    ("train", "sft", "skeleton", "ending", "evaluate", "demo", "cli", "__main__"),  # the loops, their skeleton and ending, the command line
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

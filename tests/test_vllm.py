@@ -18,6 +18,14 @@ pytestmark = [
 GPU_SHARE = "0.15"  # on CPU: of the first NUMA node's memory, this process's own memory included
 
 
+def sample(backend, step, rows, prompts, seeds, row_names):
+    """(completions, vllm/* metrics) of one rollout through the seam (rollout/base.SampleRequest)."""
+    from vlmrl.rollout.base import SampleRequest
+
+    request = SampleRequest(step=step, rows=rows, names=row_names, prompts=prompts, seeds=seeds, step_seed=0, prompts_per_call=len(rows))
+    return backend.sample(request), backend.metrics
+
+
 def vllm_config(folder, out, *extra):
     from vlmrl.config import load_config
 
@@ -80,7 +88,7 @@ def test_sampled_logprobs_equal_the_hf_forward(engine):
     cfg, model, processor, rows, backend = engine
     prompts = encoded(cfg, processor, rows)
     names = [f"row {i}" for i in range(len(rows))]
-    completions, metrics = backend.sample(step=1, rows=rows, prompts=prompts, seeds=[11, 12, 13, 14], row_names=names)
+    completions, metrics = sample(backend, step=1, rows=rows, prompts=prompts, seeds=[11, 12, 13, 14], row_names=names)
     assert completions.ids.shape[0] == len(rows) * cfg.rollout.num_generations
     assert metrics["vllm/probe_max_abs_logp_diff"] < 1e-4
     ours = trainer_logps(cfg, model, prompts, completions)
@@ -98,8 +106,8 @@ def test_per_prompt_seeds_give_the_same_samples_in_any_batch(engine):
     cfg, model, processor, rows, backend = engine
     prompts = encoded(cfg, processor, rows)
     names = [f"row {i}" for i in range(len(rows))]
-    both, _ = backend.sample(step=1, rows=rows[:2], prompts=encoded(cfg, processor, rows[:2]), seeds=[5, 6], row_names=names[:2])
-    alone, _ = backend.sample(step=1, rows=rows[1:2], prompts=encoded(cfg, processor, rows[1:2]), seeds=[6], row_names=names[1:2])
+    both, _ = sample(backend, step=1, rows=rows[:2], prompts=encoded(cfg, processor, rows[:2]), seeds=[5, 6], row_names=names[:2])
+    alone, _ = sample(backend, step=1, rows=rows[1:2], prompts=encoded(cfg, processor, rows[1:2]), seeds=[6], row_names=names[1:2])
     G = cfg.rollout.num_generations
     width = alone.ids.shape[1]
     assert torch.equal(both.ids[G : 2 * G, :width], alone.ids)
@@ -115,7 +123,7 @@ def test_a_rollout_larger_than_one_prefill_batch(engine, monkeypatch):
     big = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_generations=160))
     monkeypatch.setattr(backend, "cfg", big)
     prompts = encoded(cfg, processor, rows)
-    completions, _ = backend.sample(step=1, rows=rows, prompts=prompts, seeds=[1, 2, 3, 4], row_names=[f"row {i}" for i in range(4)])
+    completions, _ = sample(backend, step=1, rows=rows, prompts=prompts, seeds=[1, 2, 3, 4], row_names=[f"row {i}" for i in range(4)])
     assert completions.ids.shape[0] == 4 * 160 and int(prompts["attention_mask"].sum()) * 160 > 4096
 
 
@@ -126,7 +134,7 @@ def test_trainer_rng_and_threads_survive_vllm(engine):
     torch.manual_seed(1234)
     expected = torch.rand(3)
     torch.manual_seed(1234)
-    backend.sample(step=1, rows=rows[:1], prompts=encoded(cfg, processor, rows[:1]), seeds=[3], row_names=["row 0"])
+    sample(backend, step=1, rows=rows[:1], prompts=encoded(cfg, processor, rows[:1]), seeds=[3], row_names=["row 0"])
     assert torch.equal(torch.rand(3), expected)
     assert torch.get_num_threads() == threads
     try:
@@ -191,7 +199,7 @@ def test_planted_double_expansion_stops_naming_the_row(engine, monkeypatch):
     monkeypatch.setattr(backend, "requests", lambda texts, images: real([texts[0], expanded[1]], images))
     names = ["step 1, row 0 (train.jsonl:1)", "step 1, row 5 (train.jsonl:6)"]
     with pytest.raises(RolloutParityError) as e:
-        backend.sample(step=1, rows=rows[:2], prompts=prompts, seeds=[1, 2], row_names=names)
+        sample(backend, step=1, rows=rows[:2], prompts=prompts, seeds=[1, 2], row_names=names)
     n = int((prompts["input_ids"][1] == processor.image_token_id).sum())
     assert str(e.value).startswith(f"step 1, row 5 (train.jsonl:6): vLLM's prompt has {n + n - 1} image tokens, the trainer's processor built {n}")
     assert "\n" not in str(e.value)

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from vlmrl.config import Config
-from vlmrl.models.rollout import generate
+from vlmrl.rollout.inprocess import InProcessRollout
 from vlmrl.run.datasets import encode_rows
 from vlmrl.rewards.scoring import score_rollout
 from vlmrl.data.rows import sft_target
@@ -78,21 +78,12 @@ def evaluate(
     lengths = []
     opts = LogprobOptions.from_config(cfg, device)
 
+    # Through the rollout seam (rollout/base.py), on `model` as this function gets it (sharded: the engine's runner).
+    evaluator = InProcessRollout(cfg, None, model, processor, opts)
+
     def greedy(chunk: list[dict]):
         maybe_inject_oom("eval", len(chunk))
-        with opts.autocast():
-            return generate(
-                model,
-                processor.tokenizer,
-                encode_rows(processor, chunk, cfg, device),
-                num_generations=1,
-                do_sample=False,
-                max_new_tokens=cfg.rollout.max_completion_length,
-                shared_prefix=opts.shared_prefix,
-                engine=cfg.rollout.engine,
-                decode_batch_size=cfg.rollout.decode_batch_size,
-                decode_step=cfg.rollout.decode_step,
-            )
+        return evaluator.greedy(encode_rows(processor, chunk, cfg, device))
 
     def greedy_from(first: int, size: int):
         return greedy(rows[first : first + size])

@@ -25,10 +25,8 @@ import torch
 from vlmrl.config import Config
 from vlmrl.data.rows import sft_target
 from vlmrl.evaluate import evaluate_on
-from vlmrl.checkpoints.faults import maybe_signal
-from vlmrl.run.last_good import kept_last_good, save_due
 from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
-from vlmrl.ending import Ending, finish, finish_left
+from vlmrl.ending import finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
@@ -37,8 +35,8 @@ from vlmrl.models.judge import local_judge_on
 from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
-from vlmrl.checkpoints.files import GracefulStop, is_sharded_checkpoint, is_weights_only, read_trainer_state
-from vlmrl.checkpoints.state import restore, restore_after_wrap, save_final
+from vlmrl.checkpoints.files import is_sharded_checkpoint, is_weights_only, read_trainer_state
+from vlmrl.checkpoints.state import restore, restore_after_wrap
 from vlmrl.data.rows import DataError, PromptSampler, image_cache_dir
 from vlmrl.engine.distributed import Distributed, DistributedError
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
@@ -48,8 +46,7 @@ from vlmrl.models.loading import language_model, output_head, projector, vision_
 from vlmrl.models.prefix import LogprobOptions, completion_logps_for
 from vlmrl.models.router import capture_routing, micro_batch_aux_loss, routing_for
 from vlmrl.run.tracking import RunLogger, tracker_options
-
-SFT_SUMMARY_KEYS = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+from vlmrl.skeleton import RunBase, run_steps
 
 
 def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,34 +108,16 @@ def stages_of(cfg: Config, num_rows: int) -> list[Stage]:
     return out
 
 
-@dataclass
-class SFTRun:
-    """What lives for the whole SFT run; built once by `start_sft`. The optimizer and scheduler are the current
-    stage's (`enter_stage`)."""
+@dataclass(kw_only=True)
+class SFTRun(RunBase):
+    """What lives for the whole SFT run (besides `RunBase`'s); built once by `start_sft`. The optimizer and
+    scheduler are the current stage's (`enter_stage`)."""
 
-    cfg: Config
-    out: Path
-    dist: object  # distributed.Distributed
-    device: torch.device
-    model: torch.nn.Module
-    processor: object
-    data: object  # runtime.Datasets
-    reward_funcs: dict
-    sampler: object  # data.PromptSampler
-    logger: object  # tracking.RunLogger
-    log: object  # the caller's log function (main process; others: a no-op)
-    opts: object  # prefix.LogprobOptions
-    plan: object  # the planner's prediction, compared with the measured peak every step
-    routing: object  # router.Routing of an MoE model, else None
     stages: list[Stage]
-    state: dict  # step, best_metric, best_step, stage
     micro: int  # rows per forward/backward on this process (halved on OOM, kept in checkpoints)
     resume_from: Path | None = None  # the checkpoint the first stage entered restores from
     saved_stage: str | None = None  # the stage whose optimizer that checkpoint holds
     stage: Stage | None = None
-    optimizer: object = None
-    scheduler: object = None
-    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
 
     @property
     def total(self) -> int:
@@ -152,39 +131,56 @@ class SFTRun:
 def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """Run the configured SFT stages; saves output_dir/final and returns the last metrics. Resumes from the newest
     valid checkpoint unless training.resume says otherwise; SIGTERM / SIGINT finish the step, write a checkpoint and
-    return. `stop_after` simulates such a stop after that step (tests)."""
+    return. `stop_after` simulates such a stop after that step (tests). Around the steps: the run skeleton."""
 
     run = start_sft(cfg, log)
     if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
         return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "sft", "SFT", SFT_SUMMARY_KEYS)
-    final: dict = {}
-    t = cfg.training
-    with GracefulStop() as stop, run.logger:
+    return run_steps(SFTSteps(run), stop_after)
+
+
+@dataclass
+class SFTSteps:
+    """SFT's steps for the run skeleton (skeleton.run_steps owns stops, last-good, checkpoints and the ending)."""
+
+    run: SFTRun
+    kind: str = "sft"
+    title: str = "SFT"
+    summary_keys: tuple[str, ...] = ("loss", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+
+    def total(self) -> int:
+        return self.run.total
+
+    def begin(self) -> None:
+        run = self.run
         run.model.train()
         if run.resume_from is not None:  # restored now even when no step is left (killed after the last checkpoint)
             enter_stage(run, run.stage_at(min(run.state["step"] + 1, run.total)))
-        while run.state["step"] < run.total:
-            step = run.state["step"] + 1
-            if run.stage is None or not run.stage.first <= step <= run.stage.last:
-                enter_stage(run, run.stage_at(step))
-            # A step that raises: the checkpoint of the step before (if it can be), one line naming the step.
-            with kept_last_good(
-                step, run.sampler, run.scheduler, lambda: "the SFT step", lambda s: checkpoint(run, s), run.out, run.dist.world_size, run.logger.info
-            ):
-                final = sft_step(run, step)
-            run.state["step"] = step
-            last = step == run.total
-            if not last and run.data.eval and t.eval_steps and step % t.eval_steps == 0:
-                evaluate_and_log(run, step)
-            maybe_signal("step")
-            preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))
-            if save_due(t, step, last, preempted, run.saved_at, run.dist):
-                checkpoint(run, step)
-            if preempted and not last:
-                why = stop.signal_name or f"stop_after={stop_after}"
-                run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
-                return final
-        return finish_sft(run, final, stop)
+
+    def before_step(self, step: int) -> None:
+        if self.run.stage is None or not self.run.stage.first <= step <= self.run.stage.last:
+            enter_stage(self.run, self.run.stage_at(step))
+
+    def step(self, step: int, phases: dict, final: dict) -> dict:
+        return sft_step(self.run, step)
+
+    def where(self, phases: dict) -> str:
+        return "the SFT step"
+
+    def evaluate_between(self, step: int) -> dict:
+        t = self.run.cfg.training
+        if self.run.data.eval and t.eval_steps and step % t.eval_steps == 0:
+            evaluate_and_log(self.run, step)
+        return {}  # logged to eval.jsonl; SFT's returned metrics are the last step's
+
+    def checkpoint(self, step: int) -> None:
+        checkpoint(self.run, step)
+
+    def after_save(self, step: int) -> None:
+        pass
+
+    def evaluate_final(self, stop) -> dict:
+        return evaluate_and_log(self.run, self.run.state["step"], stop) if self.run.data.eval else {}
 
 
 def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
@@ -410,14 +406,4 @@ def checkpoint(run: SFTRun, step: int) -> None:
     run.saved_at = time.monotonic()
 
 
-def finish_sft(run: SFTRun, final: dict, stop) -> dict:
-    """The shared ending (ending.finish): the final model, the last evaluation, report, summary."""
-    from vlmrl.models.loading import save_model
-
-    step = run.state["step"]
-
-    def evaluate(stop) -> dict:
-        return evaluate_and_log(run, step, stop) if run.data.eval else {}
-
-    end = Ending(run.cfg, run.out, run.dist, run.logger, run.log, "sft", "SFT", SFT_SUMMARY_KEYS, step)
-    return finish(end, final, stop, evaluate, lambda folder: save_final(run.model, run.processor, folder, run.dist, save_model, run.cfg, run.log))
+SFT_SUMMARY_KEYS = SFTSteps.summary_keys  # the summary table's metrics (finish_left reads them too)

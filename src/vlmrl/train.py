@@ -17,6 +17,7 @@ import functools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,9 +27,7 @@ from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, sha
 from vlmrl.algo.distill import distill_advantages, distill_metrics
 from vlmrl.algo.turn_advantages import TURN_SCALES, token_advantages, turn_advantages, turn_index, turn_reward_matrix
 from vlmrl.config import Config
-from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
-from vlmrl.run.last_good import kept_last_good, save_due
 from vlmrl.models.logprobs import entropies_collected, group_rows
 from vlmrl.algo.losses import aggregate, entropy_quantile_mask, masked_mean, per_token_loss
 from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
@@ -39,9 +38,9 @@ from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.multiturn import logps_for_rows
 from vlmrl.rewards.functions import RewardLog, reward_stats
 from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
-from vlmrl.models.rollout import Completions, generate
-from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save, save_final
-from vlmrl.ending import Ending, finish, finish_left
+from vlmrl.models.rollout import Completions
+from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
+from vlmrl.ending import finish_left
 from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
 from vlmrl.run.datasets import encode_rows, load_datasets
 from vlmrl.checkpoints.fingerprints import image_fingerprints
@@ -50,20 +49,24 @@ from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
-from vlmrl.checkpoints.files import GracefulStop
 from vlmrl.data.rows import PromptSampler, image_cache_dir
-from vlmrl.engine.collectives import prompt_seed
+from vlmrl.engine.collectives import Shard, prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
 from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
 from vlmrl.models.loading import reference_disabled_adapter
 from vlmrl.models.processing import decode, select_rows
-from vlmrl.models.rollout import cat_completions, eos_token_ids, row_streams
+from vlmrl.models.rollout import cat_completions, eos_token_ids
 from vlmrl.run.datasets import epochs_as_steps
-from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record, sample_with_tools
+from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record
 from vlmrl.rollout.backends import make_backend
+from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tracking import RunLogger, tracker_options
+from vlmrl.skeleton import RunBase, run_steps
+
+if TYPE_CHECKING:
+    from vlmrl.rollout.base import RolloutBackend
 
 
 class NonFiniteStop(RuntimeError):
@@ -96,40 +99,22 @@ class Sizes:
         return cls(generation, scoring, saved.get("update", saved.get("train")))
 
 
-@dataclass
-class Run:
-    """What lives for the whole run; built once by `start_run`."""
+@dataclass(kw_only=True)
+class Run(RunBase):
+    """What lives for the whole GRPO run (besides `RunBase`'s); built once by `start_run`."""
 
-    cfg: Config
-    out: Path
-    dist: object  # distributed.Distributed: world, rank, engine, collectives (one process: all trivial)
-    shard: object  # distributed.Shard: this process's prompts and rows of every step
-    device: torch.device
-    model: torch.nn.Module
-    processor: object
-    reference: object  # _Reference or None (beta == 0)
-    data: object  # runtime.Datasets
-    reward_funcs: dict
-    reward_weights: dict
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    sampler: object  # data.PromptSampler
-    logger: object  # tracking.RunLogger
-    log: object  # the caller's log function (main process; others: a no-op)
-    opts: LogprobOptions
+    shard: Shard  # this process's prompts and rows of every step
+    reference: _Reference | None  # the frozen reference policy; None when algorithm.beta == 0
+    reward_weights: dict  # name -> weight of each reward in the total
     sizes: Sizes
-    state: dict  # step, best_metric, best_step
-    plan: object  # the planner's prediction, logged next to the measured peak
     pad_id: int
     per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
-    routing: object  # router.Routing of an MoE model (its load-balancing loss is logged, and added when configured), else None
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
-    saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
-    backend: object = None  # rollout.backend=vllm: the colocated engine (rollout/vllm_backend.py); None: generate() here
-    teacher: object = None  # _Reference of algorithm.teacher_path's frozen teacher (on-policy distillation), else None
+    backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
+    teacher: _Reference | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
 
 @dataclass
@@ -210,7 +195,7 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 
     Resumes from the newest valid checkpoint in output_dir unless training.resume says otherwise.
     SIGTERM / SIGINT finish the current step, write a checkpoint and return. `stop_after` simulates such
-    a preemption after that step (tests and benchmarks use it).
+    a preemption after that step (tests and benchmarks use it). Around the steps: the run skeleton (skeleton.py).
     """
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
@@ -221,52 +206,62 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
         run.logger.log_eval(0, final)
-    # SIGTERM / SIGINT set stop.requested; the step in progress finishes, then a checkpoint is written. In the ending
-    # the final save finishes and the evaluation stops between batches (ending.py). The logger is closed on the way
-    # out (trackers told whether the run failed).
-    with GracefulStop() as stop, run.logger:
-        for step in range(run.state["step"] + 1, cfg.training.max_steps + 1):
-            reset_peaks()
-            phases: dict[str, float] = {}
-            # A step that raises: the checkpoint of the step before (if it can be), one line naming step and phase.
-            with kept_last_good(
-                step,
-                run.sampler,
-                run.scheduler,
-                functools.partial(phase_of, phases, () if cfg.algorithm.dynamic_sampling else ("refill",)),
-                lambda s: checkpoint(run, s),
-                run.out,
-                run.dist.world_size,
-                run.logger.info,
-            ):
-                with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
-                    with phase("rollout", phases):
-                        samples = rollout(run, step)
-                    with phase("rewards", phases):
-                        rewards = reward_and_advantages(run, samples, step)
-                    if cfg.algorithm.dynamic_sampling:
-                        with phase("refill", phases):
-                            samples, rewards = dynamic_sample(run, step, samples, rewards)
-                    with phase("scoring", phases):
-                        scores = score(run, samples, rewards)
-                        distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
-                with phase("update", phases):
-                    stats = update(run, samples, rewards, scores)
-                final = {**final, **log_step(run, step, samples, rewards, stats, phases)}
-            run.state["step"] = step
-            last = step == cfg.training.max_steps
-            if not last:  # the last evaluation runs after the final model is safe on disk (finish_run)
-                final.update(maybe_evaluate(run, step))
-            maybe_signal("step")
-            preempted = run.dist.any(stop.requested or (stop_after is not None and step >= stop_after))  # all stop together
-            if save_due(cfg.training, step, last, preempted, run.saved_at, run.dist):
-                checkpoint(run, step)
-            stop_if_nonfinite(run, step)
-            if preempted and not last:
-                why = stop.signal_name or f"stop_after={stop_after}"
-                run.logger.info(f"stopped by {why} after step {step}; run the same command again to resume (training.resume=auto)")
-                break
-        return finish_run(run, final, stop)
+    return run_steps(GRPOSteps(run), stop_after, final)
+
+
+def grpo_step(run: Run, step: int, phases: dict) -> dict:
+    """One GRPO step, phase by phase (each timed into `phases`); returns the step's logged metrics."""
+    with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
+        with phase("rollout", phases):
+            samples = rollout(run, step)
+        with phase("rewards", phases):
+            rewards = reward_and_advantages(run, samples, step)
+        if run.cfg.algorithm.dynamic_sampling:
+            with phase("refill", phases):
+                samples, rewards = dynamic_sample(run, step, samples, rewards)
+        with phase("scoring", phases):
+            scores = score(run, samples, rewards)
+            distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
+    with phase("update", phases):
+        stats = update(run, samples, rewards, scores)
+    return log_step(run, step, samples, rewards, stats, phases)
+
+
+@dataclass
+class GRPOSteps:
+    """GRPO's steps for the run skeleton (skeleton.run_steps owns stops, last-good, checkpoints and the ending)."""
+
+    run: Run
+    kind: str = "train"
+    title: str = "GRPO"
+    summary_keys: tuple[str, ...] = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+
+    def total(self) -> int:
+        return self.run.cfg.training.max_steps
+
+    def begin(self) -> None:
+        pass
+
+    def before_step(self, step: int) -> None:
+        reset_peaks()
+
+    def step(self, step: int, phases: dict, final: dict) -> dict:
+        return {**final, **grpo_step(self.run, step, phases)}
+
+    def where(self, phases: dict) -> str:
+        return phase_of(phases, () if self.run.cfg.algorithm.dynamic_sampling else ("refill",))
+
+    def evaluate_between(self, step: int) -> dict:
+        return maybe_evaluate(self.run, step)
+
+    def checkpoint(self, step: int) -> None:
+        checkpoint(self.run, step)
+
+    def after_save(self, step: int) -> None:
+        stop_if_nonfinite(self.run, step)
+
+    def evaluate_final(self, stop) -> dict:
+        return maybe_evaluate(self.run, self.run.state["step"], stop)
 
 
 PHASES = ("rollout", "rewards", "refill", "scoring", "update")
@@ -288,7 +283,7 @@ def phase(name: str, into: dict):
 
 
 # ---------------------------------------------------------------- set-up and end
-def start_run(cfg: Config, log) -> Run:
+def start_run(cfg: Config, log) -> Run | EndingLeft:
     """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
 
     out = Path(cfg.training.output_dir)
@@ -339,9 +334,11 @@ def start_run(cfg: Config, log) -> Run:
     if resume_from is not None:
         restore_after_wrap(resume_from, optimizer, dist)
     allocate_optimizer_state(optimizer)  # an OOM for AdamW's moments happens now, not inside optimizer.step
-    backend = make_backend(cfg, model, processor, dist.world_size, log)  # rollout.backend: None = the in-process engine
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
+    opts = LogprobOptions.from_config(cfg, device)
+    per_prompt_seed = resolve_sampling_seed(cfg.rollout.sampling_seed, dist.world_size, state, log)  # world-size invariant on resume
+    backend = make_backend(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id, log)  # rollout.backend, chosen once
     logger = RunLogger(
         out,
         total_steps=t.max_steps,
@@ -352,7 +349,6 @@ def start_run(cfg: Config, log) -> Run:
         desc="GRPO",
         is_main_process=dist.is_main,
     )
-    r = cfg.rollout
     return Run(
         cfg=cfg,
         out=out,
@@ -370,12 +366,12 @@ def start_run(cfg: Config, log) -> Run:
         sampler=sampler,
         logger=logger,
         log=log,
-        opts=LogprobOptions.from_config(cfg, device),
+        opts=opts,
         sizes=Sizes.initial(cfg, state.pop("sizes", None)),
         state=state,
         plan=plan,
         pad_id=pad_id,
-        per_prompt_seed=resolve_sampling_seed(r.sampling_seed, dist.world_size, state, log),  # world-size invariant on resume
+        per_prompt_seed=per_prompt_seed,
         parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
@@ -384,23 +380,7 @@ def start_run(cfg: Config, log) -> Run:
     )
 
 
-def finish_run(run: Run, final: dict, stop) -> dict:
-    """After the last step: the final model first, then the last evaluation (whose failure is reported and loses
-    nothing), then the report (ending.finish). A run stopped early returns: its checkpoint resumes it."""
-    cfg = run.cfg
-    if run.state["step"] != cfg.training.max_steps:
-        return final
-
-    def save(folder: Path) -> None:
-        from vlmrl.models.loading import save_model
-
-        save_final(run.model, run.processor, folder, run.dist, save_model, cfg, run.log)
-
-    end = Ending(cfg, run.out, run.dist, run.logger, run.log, "train", "GRPO", SUMMARY_KEYS, run.state["step"])
-    return finish(end, final, stop, lambda stop: maybe_evaluate(run, run.state["step"], stop), save)
-
-
-SUMMARY_KEYS = ("reward", "loss", "kl", "completions/mean_length", "time/step", "mem/host_peak_rss", "mem/gpu_peak_reserved")
+SUMMARY_KEYS = GRPOSteps.summary_keys  # the summary table's metrics (finish_left reads them too)
 
 
 # ---------------------------------------------------------------- 1. rollout
@@ -443,51 +423,22 @@ def rollout(run: Run, step: int) -> Rollout:
 
 
 def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Completions:
-    """[P*G, T] completions of `prompts`, seeded so that a redo (after an OOM, or after a resume) samples the same."""
+    """[P*G, T] completions of `prompts` from the run's rollout backend (rollout/base.py), seeded so that a redo
+    (after an OOM, or after a resume) samples the same."""
 
     maybe_inject_oom("rollout", prompts_per_call)
-    cfg, dist, r = run.cfg, run.dist, run.cfg.rollout
-
-    def generate_for(batch: dict, per_call: int, **engine) -> Completions:
-        return dist.call(
-            generate,
-            run.processor.tokenizer,
-            batch,
-            num_generations=r.num_generations,
-            max_new_tokens=r.max_completion_length,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            prompts_per_call=per_call,
-            min_new_tokens=r.min_completion_length,
-            shared_prefix=run.opts.shared_prefix,
-            **engine,
-        )
-
-    if run.backend is not None:  # rollout.backend=vllm: weights pushed and probed, one seed per prompt, parity checked
-        seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-        rows = [run.data.train[i] for i in run.current_rows]
-        names = [f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)]
-        completions, run.backend.metrics = run.backend.sample(step, rows, prompts, seeds, names)
-        return completions
-    with run.opts.autocast(), dist.gathered_for_generation(cfg.memory.generation_gather):
-        if run.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous engine's seeds, one call
-            seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-            rows = [run.data.train[i] for i in run.current_rows]
-            return dist.call(sample_with_tools, run.processor, cfg, run.tools, rows, prompts, seeds)
-        if row_streams(r):  # one stream per row from (seed, step, global prompt position, generation): one call
-            seeds = [prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts]
-            engine = dict(engine=r.engine, decode_batch_size=r.decode_batch_size, decode_step=r.decode_step)
-            return generate_for(prompts, prompts_per_call, **engine, prompt_seeds=seeds)
-        if not run.per_prompt_seed:  # one stream per step and process (one process: rank 0, W 1)
-            torch.manual_seed((cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank)
-            return generate_for(prompts, prompts_per_call)
-        # rollout.sampling_seed=prompt: each prompt from its own stream, whichever process samples it.
-        pieces = []
-        for i, position in enumerate(run.shard.prompts):
-            torch.manual_seed(prompt_seed(cfg.training.seed, step, position))
-            pieces.append(generate_for(select_rows(prompts, [i]), 1))
-        return cat_completions(pieces, run.pad_id)
+    cfg, dist = run.cfg, run.dist
+    rows = [run.data.train[i] for i in run.current_rows]
+    request = SampleRequest(
+        step=step,
+        rows=rows,
+        names=[f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)],
+        prompts=prompts,
+        seeds=[prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts],
+        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank,
+        prompts_per_call=prompts_per_call,
+    )
+    return run.backend.sample(request)
 
 
 # ---------------------------------------------------------------- 2. rewards and advantages
@@ -967,7 +918,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         "nonfinite/skipped_steps": float(len(stats.skipped)),
         **({"router/aux_loss": _mean(stats.router_aux)} if run.routing is not None else {}),
         **stats.mismatch,
-        **(run.backend.metrics if run.backend is not None else {}),  # vllm/sync_seconds, vllm/probe_max_abs_logp_diff
+        **run.backend.metrics,  # vllm/sync_seconds, vllm/probe_max_abs_logp_diff
         "lr": run.scheduler.get_last_lr()[0],
         "completions/mean_length": rewards.lengths.float().mean().item(),
         "completions/truncated_frac": rewards.truncated.float().mean().item(),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 from vlmrl.config import ConfigError
+from vlmrl.rollout.base import RolloutBackend
+from vlmrl.rollout.inprocess import InProcessRollout
 
 
 def vllm_missing() -> str | None:
@@ -75,11 +77,11 @@ def refuse_vllm(cfg, world_size: int) -> None:
         raise ConfigError("rollout.backend=vllm runs in one training process (yet); launch one process or set rollout.backend=inprocess")
 
 
-def make_backend(cfg, model, processor, world_size: int, log=print):
-    """The run's rollout backend: None for rollout.backend=inprocess (models/rollout.generate), else the vLLM engine."""
+def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools: dict, pad_id: int, log=print) -> RolloutBackend:
+    """The run's rollout backend (rollout/base.py): vlmrl's in-process engines, or vLLM (colocated, or its servers)."""
     if cfg.rollout.backend != "vllm":
-        return None
-    refuse_vllm(cfg, world_size)
+        return InProcessRollout(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id)
+    refuse_vllm(cfg, dist.world_size)
     from vlmrl.rollout.vllm_backend import VLLMRollout
 
     return VLLMRollout(cfg, model, processor, log)

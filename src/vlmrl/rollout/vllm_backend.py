@@ -25,6 +25,7 @@ import torch
 from vlmrl.models.loading import resolve_model_path, unwrap
 from vlmrl.models.processing import encode_prompts
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
+from vlmrl.rollout.base import SampleRequest
 from vlmrl.rollout.parity import RolloutParityError, check_prompts, probe_mismatch
 from vlmrl.run.datasets import row_prompt_inputs
 
@@ -144,10 +145,11 @@ class VLLMRollout:
         """vLLM's inputs: each row's chat text (one placeholder per image, vLLM expands it) and its images."""
         return [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else {"prompt": t} for t, imgs in zip(texts, images)]
 
-    def sample(self, step: int, rows: list[dict], prompts: dict, seeds: list[int], row_names: list[str]) -> tuple[Completions, dict]:
-        """G completions of each row ([P*G, T] grouped by prompt) and vllm/* metrics; rows [P] with the trainer's
-        encoded `prompts` [P, L], seeds [P] (one sampling stream per prompt), row_names [P] for error lines."""
-        metrics = self.sync(step, rows)
+    def sample(self, request: SampleRequest) -> Completions:
+        """G completions of each row ([P*G, T] grouped by prompt); vllm/* metrics kept in self.metrics. The request's
+        rows [P] with the trainer's encoded prompts [P, L], seeds [P] (one sampling stream per prompt), names [P]."""
+        step, rows, prompts, seeds, row_names = request.step, request.rows, request.prompts, request.seeds, request.names
+        self.metrics = self.sync(step, rows)
         r = self.cfg.rollout
         texts, images, videos = row_prompt_inputs(self.processor, rows, self.cfg)
         if any(videos):
@@ -168,7 +170,7 @@ class VLLMRollout:
         ]
         outs = self.engine.generate(self.requests(texts, images), params)
         check_prompts([o["prompt_token_ids"] for o in outs], prompts, self.vision_ids, row_names)
-        return self.completions(outs), metrics
+        return self.completions(outs)
 
     def completions(self, outs: list[dict]) -> Completions:
         """The engine's outputs (P, G samples each) -> Completions [P*G, T], right-padded, with the sampled tokens'
