@@ -253,3 +253,39 @@ def test_workload_from_a_config_with_a_teacher_counts_its_parameters(tiny_qwen25
     cfg = load_config(None, [f"model.name_or_path={tiny_qwen25vl}", f"algorithm.teacher_path={tiny_qwen25vl}"])
     assert workload_from_config(cfg).teacher_params == spec_from_hf_config(str(tiny_qwen25vl)).total_params > 0
     assert workload_from_config(load_config(None, [f"model.name_or_path={tiny_qwen25vl}"])).teacher_params == 0
+
+
+# ---------------------------------------------------------------- offloading the teacher
+class _Moves(torch.nn.Module):
+    """A stand-in teacher that records where it is moved (a CPU-only machine cannot watch a real device move)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moves = []
+
+    def to(self, where):
+        self.moves.append(str(where))
+        return self
+
+
+@pytest.mark.parametrize("placement", ["cpu", "device"])
+def test_a_teacher_waits_on_the_host_with_ref_placement_cpu(monkeypatch, placement):
+    """memory.ref_placement=cpu: the teacher is put in host RAM when made, moved to the device only inside its scoring
+    context and back to the host after it; ref_placement=device: it is never moved."""
+    import vlmrl.models.teacher
+    from vlmrl.config import load_config
+    from vlmrl.train import make_teacher
+
+    stand_in = _Moves()
+    monkeypatch.setattr(vlmrl.models.teacher, "load_teacher", lambda *a: (stand_in, "its processor"))
+    cfg = load_config(None, ["algorithm.teacher_path=/teacher", f"memory.ref_placement={placement}"])
+    teacher = make_teacher(None, None, cfg, torch.device("cuda", 0))
+    assert teacher.processor == "its processor"
+    made = list(stand_in.moves)
+    with teacher as model:
+        assert model is stand_in
+        inside = list(stand_in.moves)
+    if placement == "cpu":
+        assert made == ["cpu"] and inside == ["cpu", "cuda:0"] and stand_in.moves == ["cpu", "cuda:0", "cpu"]
+    else:
+        assert stand_in.moves == []
