@@ -74,7 +74,6 @@ def done(run: Path) -> bool:
 
 def build_models(out: Path, a) -> dict[str, float]:
     """The teacher (demo SFT + GRPO), the fresh student's SFT warm start and the probe set; each kept when built."""
-    from vlmrl.data.tasks import make_count_task
     from vlmrl.fixtures.tiny import build_tiny_qwen25vl, mark_embedded
 
     times = {}
@@ -86,6 +85,8 @@ def build_models(out: Path, a) -> dict[str, float]:
     )
     if not done(out / "grpo"):
         times["teacher_grpo"] = timed(lambda: train(teacher_cfg))
+    if a.student_init_seed == 0:  # the teacher's own start: the embedded model's SFT
+        return times
     init = out / f"student_init_seed{a.student_init_seed}"
     if not (init / "config.json").exists():
         build_tiny_qwen25vl(init, seed=a.student_init_seed)
@@ -94,9 +95,16 @@ def build_models(out: Path, a) -> dict[str, float]:
     if not done(student_sft):
         cfg = load_config(None, [*COMMON, *SFT, f"model.name_or_path={init}", f"training.output_dir={student_sft}", "logging.progress_bar=false"])
         times["student_sft"] = timed(lambda: sft(cfg))
+    return times
+
+
+def probe_set(out: Path) -> Path:
+    """A separate draw of the demo's task (seed 1; the demo's splits are seed 0's) for choosing settings."""
+    from vlmrl.data.tasks import make_count_task
+
     if not (out / "probe" / "test.jsonl").exists():
         make_count_task(out / "probe", n_train=0, n_test=200, seed=PROBE_SEED, image_size=56, colours=("red",), distractors=False)
-    return times
+    return out / "probe" / "test.jsonl"
 
 
 def timed(fn) -> float:
@@ -122,13 +130,19 @@ def per_step(run: Path, key: str) -> dict[str, float]:
     return out
 
 
+def student_start(out: Path, init_seed: int) -> Path:
+    return out / "sft" / "final" if init_seed == 0 else out / f"student_sft_seed{init_seed}" / "final"
+
+
 def run_students(out: Path, a, eval_path: Path) -> dict:
     """{variant: {seed: {accuracy, reverse_kl, seconds}}}: each variant from the fresh student's SFT warm start."""
-    start = out / f"student_sft_seed{a.student_init_seed}" / "final"
+    start = student_start(out, a.student_init_seed)
     teacher = out / "grpo" / "final"
     runs: dict = {}
     for name, extra in variants(a.coefs).items():
         for seed in a.seeds:
+            if a.only and name.split()[0] not in a.only:
+                continue
             run = out / "students" / a.eval_set / f"seed{seed}" / name.replace(" ", "_")
             with_teacher = [f"algorithm.teacher_path={teacher}"] if extra else []
             cfg = load_config(
@@ -138,6 +152,8 @@ def run_students(out: Path, a, eval_path: Path) -> dict:
                 ),
             )
             seconds = run / "bench_seconds.json"
+            if a.no_train and not seconds.exists():
+                continue
             if not seconds.exists():
                 print(f"[distill] student {name}, seed {seed}: {a.steps} steps", flush=True)
                 seconds.write_text(json.dumps(timed(lambda cfg=cfg: train(cfg))))
@@ -157,7 +173,12 @@ def main() -> None:
     p.add_argument("--teacher-steps", type=int, default=150, help="GRPO steps of the teacher (after the demo's SFT)")
     p.add_argument("--coefs", default="1", help="algorithm.distill_coef values, comma-separated")
     p.add_argument("--seeds", default="1,2,3", help="training.seed of the students, comma-separated")
-    p.add_argument("--student-init-seed", type=int, default=1, help="seed of the fresh student's random weights (the teacher's: 0)")
+    p.add_argument("--student-init-seed", type=int, default=0, help="seed of a fresh student's random weights; 0: the teacher's own SFT start")
+    p.add_argument(
+        "--only", default="", help="only these variants (grpo,mixed,pure): run several processes side by side, then one without --only for all"
+    )
+    p.add_argument("--no-train", action="store_true", help="write the results of the finished runs, train nothing")
+    p.add_argument("--setup-only", action="store_true", help="build the teacher (and the fresh student's start), then stop")
     p.add_argument("--eval-set", choices=["probe", "test"], default="test")
     p.add_argument("--eval-steps", type=int, default=25)
     p.add_argument("--results", default=None, help="results file stem (default benchmarks/results/distill_cpu_<date>[_probe])")
@@ -169,10 +190,16 @@ def main() -> None:
         return
     a.coefs = [float(c) for c in a.coefs.split(",")]
     a.seeds = [int(s) for s in a.seeds.split(",")]
+    a.only = [v for v in a.only.split(",") if v]
     out = Path(a.out_dir)
     load_start = round(os.getloadavg()[0], 2)
     times = build_models(out, a)
-    eval_path = out / ("probe" if a.eval_set == "probe" else "sft/data/count") / "test.jsonl"
+    if a.setup_only:
+        return
+    eval_path = probe_set(out) if a.eval_set == "probe" else out / "sft" / "data" / "count" / "test.jsonl"
+    runs = run_students(out, a, eval_path)
+    if "grpo" not in runs or len(runs) < 2:  # nothing to compare yet: the results come from a later call
+        return
     teacher = {"on_test": eval_trajectory(out / "grpo")}
     if a.eval_set == "probe":  # the teacher's accuracy on the probe set: one evaluation of its final model
         teacher["on_eval_set"] = evaluate(out / "grpo" / "final", eval_path, out / "teacher_on_probe")
@@ -190,7 +217,7 @@ def main() -> None:
         "student_init_seed": a.student_init_seed,
         "seeds": a.seeds,
         "teacher": teacher,
-        "runs": run_students(out, a, eval_path),
+        "runs": runs,
         "setup_seconds": times,
     }
     result["load_average"][1] = round(os.getloadavg()[0], 2)
@@ -253,6 +280,14 @@ def kl_summary(seeds: dict) -> str:
     return ", ".join(f"seed {s} {first:.3f} -> {last:.3f}" for s, v in seeds.items() for first, last in [kl_pair(v["reverse_kl"])])
 
 
+def student_words(init_seed: int) -> str:
+    if init_seed == 0:
+        return (
+            "the teacher's own starting point (the embedded tiny Qwen2.5-VL after the demo's SFT, before any GRPO; same architecture and tokenizer)"
+        )
+    return f"a fresh tiny Qwen2.5-VL of the same architecture and tokenizer (random weights, seed {init_seed}) with the demo's SFT"
+
+
 def markdown(r: dict) -> str:
     teacher = r["teacher"]["on_test"]
     names = list(r["runs"])
@@ -277,8 +312,8 @@ def markdown(r: dict) -> str:
         f"Teacher: the demo (embedded tiny Qwen2.5-VL, seed 0; the demo's SFT; {r['teacher_steps']} GRPO steps), held-out "
         f"test accuracy by GRPO step: {', '.join(f'{s}: {100 * v:.1f}%' for s, v in sorted(teacher.items(), key=lambda x: int(x[0])))}; "
         f"on the evaluation set used below: {100 * t:.1f}%.\n"
-        f"Student: a fresh tiny Qwen2.5-VL of the same architecture and tokenizer (random weights, seed {r['student_init_seed']}) "
-        f"with the demo's SFT (format only), then {r['steps']} steps of the demo's GRPO settings per training seed: grpo = GRPO "
+        f"Student: {student_words(r['student_init_seed'])}, then {r['steps']} steps of the demo's GRPO settings per "
+        "training seed: grpo = GRPO "
         "alone; mixed c = GRPO + reverse KL to the teacher (distill_coef=c); pure c = the reverse KL alone "
         "(distill_with_rewards=false).\n\n"
         "Greedy accuracy on the evaluation set by step:\n\n"
