@@ -307,8 +307,8 @@ def markdown(r: dict) -> str:
     )
     return (
         f"# On-policy distillation on the demo task, CPU ({r['date']}, evaluated on the {r['eval_set']} set)\n\n"
-        f"`{r['command']}` on {r['cpus']} cores of an {r['cpu']} (load average {r['load_average'][0]} at the start, "
-        f"{r['load_average'][1]} at the end).\n\n"
+        f"`{r['command']}` on {r['cpus']} cores of an {r['cpu']} (load average {r['load_average'][0]} at the start of "
+        f"this call, {r['load_average'][1]} at its end; with --only or --no-train the runs were trained by earlier calls).\n\n"
         f"Teacher: the demo (embedded tiny Qwen2.5-VL, seed 0; the demo's SFT; {r['teacher_steps']} GRPO steps), held-out "
         f"test accuracy by GRPO step: {', '.join(f'{s}: {100 * v:.1f}%' for s, v in sorted(teacher.items(), key=lambda x: int(x[0])))}; "
         f"on the evaluation set used below: {100 * t:.1f}%.\n"
@@ -320,6 +320,9 @@ def markdown(r: dict) -> str:
         f"{head}\n{rows}\n\n"
         "| variant | final accuracy per seed | mean | mean gap to the teacher (points) |\n|---|---|---|---|\n"
         f"{summary}\n\n"
+        f"Wall seconds per run (each run's train(), several side by side): "
+        + "; ".join(f"{n} " + ", ".join(f"{r['runs'][n][sd]['seconds']:.0f}" for sd in seeds) for n in names)
+        + ".\n\n"
         f"Reading (computed from the JSON): {reading(r)}\n"
     )
 

@@ -105,3 +105,10 @@ def test_distill_reading_follows_the_numbers():
     one_more = copy.deepcopy(closer)
     one_more["runs"]["mixed 1"]["2"]["accuracy"]["50"] = 0.75
     assert "on 2 of 2 seeds (0 equal)" in d.reading(one_more)
+
+
+@pytest.mark.parametrize("stem", ["distill_cpu_2026-11-28", "distill_cpu_2026-11-28_probe"])
+def test_the_committed_distill_results_match_their_json(stem):
+    d = _bench("distill")
+    path = ROOT / "benchmarks" / "results" / f"{stem}.json"
+    assert path.with_suffix(".md").read_text() == d.markdown(json.loads(path.read_text()))
