@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""On-policy distillation on the demo task (issue 39 part 3): does a fresh tiny student distilled from a tiny teacher
-end closer to the teacher's held-out accuracy than GRPO alone at the same steps? On CPU.
+"""On-policy distillation on the demo task (issue 39 part 3): does a tiny student distilled from a tiny teacher end
+closer to the teacher's held-out accuracy than GRPO alone at the same steps? On CPU.
 
-    python benchmarks/distill.py --eval-set probe --seeds 0 --coefs 0.5,1,2     # choose settings (not the test split)
-    python benchmarks/distill.py --eval-set test --seeds 1,2,3 --coefs 1 --steps 75   # the measurement, fixed settings
+    python benchmarks/distill.py --eval-set probe --seeds 0 --coefs 1 --steps 100   # choose settings (not the test split)
+    python benchmarks/distill.py --eval-set test --seeds 1,2,3 --coefs 1 --steps 50  # the measurement, fixed settings
     python benchmarks/distill.py --render benchmarks/results/distill_cpu_<date>.json  # the .md again from its JSON
+
+The 2026-11-28 results ran each variant in its own process (--only grpo, --only mixed, --only pure side by side, then
+the same command with --no-train for the results), with OMP_NUM_THREADS=1: on the shared 2-core machine two torch
+threads per process made a GRPO step take 20-60 s instead of about 1-7 s.
 
 The demo task (vlmrl.demo: count the red shapes, tiny Qwen2.5-VL, an SFT warm start that teaches the answer format but
 not counting, accuracy at chance). The **teacher** is the demo: the embedded tiny model (seed 0), the demo's SFT, then
---teacher-steps of the demo's GRPO. The **student** is a fresh tiny model of the same architecture and tokenizer built
-with another seed (--student-init-seed) and given the same short SFT (format only); from it, per training seed, run
---steps steps of the demo's GRPO settings:
+--teacher-steps of the demo's GRPO. The **student** is by default the teacher's own start (the demo's SFT model, at
+chance: same architecture and tokenizer, before any GRPO); --student-init-seed N > 0 builds a fresh tiny model of the
+same architecture and tokenizer with seed N and gives it the same SFT (seed 1's SFT already reaches the teacher's 75%,
+so it is not a weaker student). From the student, per training seed, run --steps steps of the demo's GRPO settings:
 - **grpo**: GRPO alone;
 - **mixed c**: GRPO + on-policy distillation from the teacher (algorithm.teacher_path, distill_coef=c, the rewards'
   advantage kept);
