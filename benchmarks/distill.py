@@ -216,6 +216,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_average": [load_start, None],
         "command": "python benchmarks/distill.py " + " ".join(sys.argv[1:]),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
         "eval_set": a.eval_set,
         "steps": a.steps,
         "teacher_steps": a.teacher_steps,
@@ -285,6 +286,12 @@ def kl_summary(seeds: dict) -> str:
     return ", ".join(f"seed {s} {first:.3f} -> {last:.3f}" for s, v in seeds.items() for first, last in [kl_pair(v["reverse_kl"])])
 
 
+def threads(r: dict) -> str:
+    """'OMP_NUM_THREADS=1 ' when the call recorded it (results from before the field: nothing)."""
+    value = r.get("omp_num_threads")
+    return "" if value in (None, "unset") else f"OMP_NUM_THREADS={value} "
+
+
 def student_words(init_seed: int) -> str:
     if init_seed == 0:
         return (
@@ -312,7 +319,7 @@ def markdown(r: dict) -> str:
     )
     return (
         f"# On-policy distillation on the demo task, CPU ({r['date']}, evaluated on the {r['eval_set']} set)\n\n"
-        f"`{r['command']}` on {r['cpus']} cores of an {r['cpu']} (load average {r['load_average'][0]} at the start of "
+        f"`{threads(r)}{r['command']}` on {r['cpus']} cores of an {r['cpu']} (load average {r['load_average'][0]} at the start of "
         f"this call, {r['load_average'][1]} at its end; with --only or --no-train the runs were trained by earlier calls).\n\n"
         f"Teacher: the demo (embedded tiny Qwen2.5-VL, seed 0; the demo's SFT; {r['teacher_steps']} GRPO steps), held-out "
         f"test accuracy by GRPO step: {', '.join(f'{s}: {100 * v:.1f}%' for s, v in sorted(teacher.items(), key=lambda x: int(x[0])))}; "
