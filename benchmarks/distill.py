@@ -2,8 +2,8 @@
 """On-policy distillation on the demo task (issue 39 part 3): does a tiny student distilled from a tiny teacher end
 closer to the teacher's held-out accuracy than GRPO alone at the same steps? On CPU.
 
-    python benchmarks/distill.py --eval-set probe --seeds 0 --coefs 1 --steps 100   # choose settings (not the test split)
-    python benchmarks/distill.py --eval-set test --seeds 1,2,3 --coefs 1 --steps 50  # the measurement, fixed settings
+    python benchmarks/distill.py --eval-set probe --seeds 0 --coefs 1,3 --steps 100   # choose settings (not the test split)
+    python benchmarks/distill.py --eval-set test --seeds 1,2,3 --coefs 1,3 --steps 100  # the measurement, fixed settings
     python benchmarks/distill.py --render benchmarks/results/distill_cpu_<date>.json  # the .md again from its JSON
 
 The 2026-11-28 results ran each variant in its own process (--only grpo, --only mixed, --only pure side by side, then
@@ -174,8 +174,8 @@ def run_students(out: Path, a, eval_path: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--out-dir", default="outputs/distill_bench")
-    p.add_argument("--steps", type=int, default=75, help="GRPO steps of each student")
-    p.add_argument("--teacher-steps", type=int, default=150, help="GRPO steps of the teacher (after the demo's SFT)")
+    p.add_argument("--steps", type=int, default=100, help="GRPO steps of each student")
+    p.add_argument("--teacher-steps", type=int, default=200, help="GRPO steps of the teacher (after the demo's SFT)")
     p.add_argument("--coefs", default="1", help="algorithm.distill_coef values, comma-separated")
     p.add_argument("--seeds", default="1,2,3", help="training.seed of the students, comma-separated")
     p.add_argument("--student-init-seed", type=int, default=0, help="seed of a fresh student's random weights; 0: the teacher's own SFT start")
