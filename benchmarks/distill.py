@@ -330,6 +330,19 @@ def markdown(r: dict) -> str:
         "(distill_with_rewards=false).\n\n"
         "Greedy accuracy on the evaluation set by step:\n\n"
         f"{head}\n{rows}\n\n"
+        "Mean over the seeds by step:\n\n"
+        "| step | "
+        + " | ".join(names)
+        + " |\n|---|"
+        + "---|" * len(names)
+        + "\n"
+        + "\n".join(
+            f"| {st} | "
+            + " | ".join(f"{100 * statistics.mean(r['runs'][n][s]['accuracy'].get(st, float('nan')) for s in seeds):.1f}%" for n in names)
+            + " |"
+            for st in steps
+        )
+        + "\n\n"
         "| variant | final accuracy per seed | mean | mean gap to the teacher (points) |\n|---|---|---|---|\n"
         f"{summary}\n\n"
         f"Wall seconds per run (each run's train(), several side by side): "

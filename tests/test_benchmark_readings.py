@@ -107,7 +107,15 @@ def test_distill_reading_follows_the_numbers():
     assert "on 2 of 2 seeds (0 equal)" in d.reading(one_more)
 
 
-@pytest.mark.parametrize("stem", ["distill_cpu_2026-11-28", "distill_cpu_2026-11-28_probe"])
+@pytest.mark.parametrize(
+    "stem",
+    [
+        "distill_cpu_2026-11-28",
+        "distill_cpu_2026-11-28_probe",
+        "distill_cpu_2026-11-28_teacher150_resumed",
+        "distill_cpu_2026-11-28_teacher150_resumed_probe",
+    ],
+)
 def test_the_committed_distill_results_match_their_json(stem):
     d = _bench("distill")
     path = ROOT / "benchmarks" / "results" / f"{stem}.json"
