@@ -193,13 +193,7 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     log = log if dist.is_main else (lambda *_: None)
     pin_for_run([dist.pins_host_allocator], log)  # ZeRO-3's gathers (engine/host_alloc.py)
     W = dist.world_size
-    if s.batch_size % W:
-        raise DistributedError(f"sft.batch_size={s.batch_size} must be a multiple of the {W} processes (each takes an equal share of every step)")
-    if W > 1 and not dist.engine.can_redo_oom and s.projector_steps and (s.steps or s.epochs):
-        raise DistributedError(
-            f"vlmrl sft with both stages in one run is not supported under {dist.engine.name} (the engine wraps the trainable "
-            "parameters once); run stage 1 (sft.steps=0) and then stage 2 from its final/ (sft.projector_steps=0) as two commands"
-        )
+    refuse_sft_layout(s, dist)
     total = None if s.epochs is not None else s.projector_steps + s.steps
     resume_from = prepare_run(cfg, log, dist, total, "sft") if total is not None else None
     if isinstance(resume_from, EndingLeft):
@@ -229,13 +223,10 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     reward_funcs, _ = load_reward_funcs(cfg, local_judge_on(device))
     # the rows' image files, stored with each checkpoint: a resume refuses when one was replaced
     state = {"step": 0, "best_metric": None, "best_step": None, "images": image_fingerprints([*data.train, *data.eval], image_cache_dir())}
-    saved: dict = {}
-    if resume_from is not None and not is_weights_only(resume_from):
-        saved = read_trainer_state(resume_from)
+    saved = read_trainer_state(resume_from) if resume_from is not None and not is_weights_only(resume_from) else {}
+    if saved:
         state["step"] = int(saved["global_step"])
-    micro = min(s.micro_batch_size or s.batch_size // W, s.batch_size // W)
-    if (saved.get("sizes") or {}).get("update"):  # what OOM recovery settled on, unless configured smaller now
-        micro = min(micro, int(saved["sizes"]["update"]))
+    micro = micro_batch_of(s, W, saved)
     logger = RunLogger(
         out,
         total_steps=stages[-1].last if stages else 0,
@@ -269,6 +260,28 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
         resume_from=resume_from,
         saved_stage=saved.get("stage"),
     )
+
+
+def refuse_sft_layout(s, dist) -> None:
+    """DistributedError when sft.* cannot be split over the run's processes (`s`: the sft config section)."""
+    W = dist.world_size
+    if s.batch_size % W:
+        raise DistributedError(f"sft.batch_size={s.batch_size} must be a multiple of the {W} processes (each takes an equal share of every step)")
+    if W > 1 and not dist.engine.can_redo_oom and s.projector_steps and (s.steps or s.epochs):
+        raise DistributedError(
+            f"vlmrl sft with both stages in one run is not supported under {dist.engine.name} (the engine wraps the trainable "
+            "parameters once); run stage 1 (sft.steps=0) and then stage 2 from its final/ (sft.projector_steps=0) as two commands"
+        )
+
+
+def micro_batch_of(s, world_size: int, saved: dict) -> int:
+    """Rows per forward/backward on this process: sft.micro_batch_size (default: the whole share), or what OOM
+    recovery settled on in the checkpoint (`saved`: its trainer state) unless configured smaller now."""
+    share = s.batch_size // world_size
+    micro = min(s.micro_batch_size or share, share)
+    if (saved.get("sizes") or {}).get("update"):
+        micro = min(micro, int(saved["sizes"]["update"]))
+    return micro
 
 
 def enter_stage(run: SFTRun, stage: Stage) -> None:

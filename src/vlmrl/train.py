@@ -563,37 +563,58 @@ def picked_batch(run: Run, rounds: list[tuple[Rollout, Rewards, list]], picks: P
     """The Rollout and Rewards of the picked groups: each process takes its share from its own rows of the rounds
     (pick_groups keeps every share within its process), prompts encoded again, rewards and advantages of the whole
     picked batch recomputed from the rounds' gathered values."""
-    cfg, G, P = run.cfg, run.cfg.rollout.num_generations, run.cfg.prompts_per_step
+    G, P = run.cfg.rollout.num_generations, run.cfg.prompts_per_step
     where = [(r, run.shard.prompts.index(p)) for r, p in (picks.sources[k] for k in run.shard.prompts)]  # (round, local prompt)
     local_rows = [[i * G + g for g in range(G)] for _, i in where]
-    pieces = [take_rows(rounds[r][0].completions, rows) for (r, _), rows in zip(where, local_rows)]
+    picked = PickedRows(rounds, [r for r, _ in where], local_rows)
     rows = [rounds[r][0].rows[i] for r, i in where]
     run.current_rows = [rounds[r][2][i] for r, i in where]
     samples = Rollout(
         rows=rows,
-        prompts=encode_rows(run.processor, rows, cfg, run.device),
-        completions=cat_completions(pieces, run.pad_id),
-        texts=[rounds[r][0].texts[j] for (r, _), rs in zip(where, local_rows) for j in rs],
-        prompt_texts=[rounds[r][0].prompt_texts[j] for (r, _), rs in zip(where, local_rows) for j in rs],
+        prompts=encode_rows(run.processor, rows, run.cfg, run.device),
+        completions=cat_completions([take_rows(rounds[r][0].completions, rs) for r, rs in zip(picked.round_of, local_rows)], run.pad_id),
+        texts=picked.values(lambda rollout, _: rollout.texts),
+        prompt_texts=picked.values(lambda rollout, _: rollout.prompt_texts),
     )
     every = source_rows(picks, P, G)
     per_reward = {name: [v for _, r, _ in rounds for v in r.per_reward[name]] for name in rounds[0][1].per_reward}
-    reward_log = RewardLog(values={k: [v for _, r, _ in rounds for v in r.reward_log.values.get(k, [])] for k in rounds[0][1].reward_log.values})
-    n = len(samples.texts)
-    for key in rounds[0][1].reward_log.columns:  # per-completion columns, where every round logged one per local row
-        columns = [r.reward_log.columns.get(key) for _, r, _ in rounds]
-        if all(c is not None and len(c) == n for c in columns):
-            reward_log.columns[key] = [columns[r][j] for (r, _), rs in zip(where, local_rows) for j in rs]
+    gathered = [r for _, r, _ in rounds]
     rewards = rewards_of(
         run,
-        [rounds[r][1].local[j] for (r, _), rs in zip(where, local_rows) for j in rs],
-        torch.cat([r.rewards for _, r, _ in rounds])[every].tolist(),
+        picked.values(lambda _, r: r.local),
+        torch.cat([r.rewards for r in gathered])[every].tolist(),
         {name: [values[i] for i in every] for name, values in per_reward.items()},
-        torch.cat([r.lengths for _, r, _ in rounds])[every],
-        torch.cat([r.truncated for _, r, _ in rounds])[every],
-        reward_log,
+        torch.cat([r.lengths for r in gathered])[every],
+        torch.cat([r.truncated for r in gathered])[every],
+        picked_reward_log(picked, len(samples.texts)),
     )
     return samples, rewards
+
+
+@dataclass
+class PickedRows:
+    """Which local rows of which round each picked group takes (dynamic sampling): group k is rows local_rows[k] of
+    round round_of[k]."""
+
+    rounds: list  # [(Rollout, Rewards, dataset rows)] of every generation round, first the step's own
+    round_of: list[int]
+    local_rows: list[list[int]]
+
+    def values(self, column) -> list:
+        """[picked rows] of `column(rollout, rewards)`, a per-local-row list of each round."""
+        return [column(*self.rounds[r][:2])[j] for r, rows in zip(self.round_of, self.local_rows) for j in rows]
+
+
+def picked_reward_log(picked: PickedRows, n: int) -> RewardLog:
+    """The rounds' reward logs as one: every round's gathered values, and the per-completion columns of the picked
+    rows where every round logged one per local row (`n`: rows picked on this process)."""
+    logs = [r.reward_log for _, r, _ in picked.rounds]
+    reward_log = RewardLog(values={k: [v for log in logs for v in log.values.get(k, [])] for k in logs[0].values})
+    for key in logs[0].columns:
+        columns = [log.columns.get(key) for log in logs]
+        if all(c is not None and len(c) == n for c in columns):
+            reward_log.columns[key] = picked.values(lambda _, r, key=key: r.reward_log.columns[key])
+    return reward_log
 
 
 def take_rows(comp: Completions, rows: list[int]) -> Completions:

@@ -203,14 +203,10 @@ def _message_row(row: dict, key: str, layout: str, label: str) -> dict:
         turns = _turns(decoded_turns(row[key]), row.get("_source", "?"))
     except ValueError as e:
         return {**row, "_malformed": f"{key}: {e}"}
-    prompt = turns
-    if turns[-1]["role"] == "assistant" and layout != "trl":
-        prompt = turns[:-1]
-        answer = blocks_text(turns[-1]["content"])
-        if row.get("solution") is None:
-            out["solution"] = _vlmr1_solution(answer) if label == "vlm-r1" else answer
-    if out.get("solution") is None and row.get("answer") is not None and layout == "messages":
-        out["solution"] = row["answer"]  # MM-EUREKA's rows: the prompt in `message`, the answer beside it
+    prompt = turns[:-1] if turns[-1]["role"] == "assistant" and layout != "trl" else turns
+    solution = _message_solution(row, turns, prompt is not turns, layout, label)
+    if solution is not None:
+        out["solution"] = solution
     if not prompt or prompt[-1]["role"] != "user":
         return {**row, "_malformed": f"{key}: the prompt must end with a user turn"}
     if row.get("problem") is None:
@@ -223,6 +219,19 @@ def _message_row(row: dict, key: str, layout: str, label: str) -> dict:
         out["_conversation"] = [{"role": t["role"], "content": t["content"]} for t in turns]
     out["_conversational"] = True
     return out
+
+
+def _message_solution(row: dict, turns: list, answered: bool, layout: str, label: str):
+    """The row's solution: its own, else the answer turn (`answered`: the last turn is the assistant's, cut from the
+    prompt; VLM-R1 rewraps it), else MM-EUREKA's `answer` beside `message`; None when there is none."""
+    if row.get("solution") is not None:
+        return row["solution"]
+    if answered:
+        answer = blocks_text(turns[-1]["content"])
+        return _vlmr1_solution(answer) if label == "vlm-r1" else answer
+    if row.get("answer") is not None and layout == "messages":
+        return row["answer"]  # MM-EUREKA's rows: the prompt in `message`, the answer beside it
+    return None
 
 
 def _vlmr1_solution(answer: str) -> str:

@@ -41,6 +41,7 @@ import torch
 from vlmrl.families import model_types
 from vlmrl.models.loading import unwrap
 from vlmrl.models.prefix import (
+    sampling_warpers,
     SamplingWorkspace,
     _prefill,
     chosen_logps,
@@ -358,17 +359,8 @@ class RowSampler:
     warpers (temperature, top-k, top-p), then a draw from the row's own stream (or the argmax when greedy)."""
 
     def __init__(self, *, eos_ids, suppress_ids, do_sample, temperature, top_p, top_k, min_new_tokens, row_seeds, device):
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        self.warpers = LogitsProcessorList()
+        self.warpers = sampling_warpers(do_sample, temperature, top_k, top_p)
         self.temperature = temperature if do_sample else 1.0
-        if do_sample:
-            if temperature != 1.0:
-                self.warpers.append(TemperatureLogitsWarper(temperature))
-            if top_k:
-                self.warpers.append(TopKLogitsWarper(top_k))
-            if top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(top_p))
         self.do_sample, self.min_new_tokens, self.row_seeds = do_sample, min_new_tokens, row_seeds
         self.eos_host = torch.tensor(eos_ids)
         self.eos = self.eos_host.to(device)

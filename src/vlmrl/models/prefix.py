@@ -323,8 +323,6 @@ def sample_with_shared_prefix(
     The prompts are prefilled once ([U, P]: one vision pass per prompt), the cache is repeated G times,
     then all U*G rows decode one token per forward. row_seeds: [U*G] seeds of per-row sampling streams
     (`continuous.row_seed`; the continuous engine's streams); default one global stream (torch.rand)."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
     core = unwrap(model)
     G = num_generations if do_sample else 1
     prompt_mask = prompt_batch["attention_mask"]
@@ -338,15 +336,7 @@ def sample_with_shared_prefix(
     logits = out.logits[:, -1].to(torch.float32).repeat_interleave(G, dim=0)
     del out
 
-    # HF generate's order: token bans (suppress, min length) first, then temperature, top-k, top-p.
-    warpers = LogitsProcessorList()
-    if do_sample:
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
+    warpers = sampling_warpers(do_sample, temperature, top_k, top_p)
     device = logits.device
     eos = torch.tensor(eos_ids, device=device)
     suppress = torch.tensor(suppress_ids, dtype=torch.long, device=device)
@@ -358,13 +348,7 @@ def sample_with_shared_prefix(
     done_at = None
     logps: list[torch.Tensor] = []
     for t in range(max_new_tokens):
-        scores = logits
-        if suppress.numel() or t < min_new_tokens:
-            scores = workspace.banned(logits)
-        if suppress.numel():
-            scores.index_fill_(1, suppress, float("-inf"))
-        if t < min_new_tokens:
-            scores.index_fill_(1, eos, float("-inf"))
+        scores = banned_scores(logits, workspace, suppress, eos if t < min_new_tokens else None)
         if do_sample:
             scores = warpers(None, scores)
             chosen = sample_rows(scores, None if generators is None else draw_uniforms(generators, device), workspace)
@@ -388,13 +372,45 @@ def sample_with_shared_prefix(
             "cache_position": torch.tensor([P + t], device=device),
             "use_cache": True,
             "logits_to_keep": 1,
+            **_positions_arg(model, next_pos, t),
         }
-        positions = _continuation_positions(model, next_pos, t, 1)
-        if positions is not None:
-            step["position_ids"] = positions
         logits = core(**step).logits[:, -1].to(torch.float32)
     ids = torch.stack(tokens[:done_at], dim=1)
     return (ids, torch.stack(logps[:done_at], dim=1)) if return_logps else ids
+
+
+def sampling_warpers(do_sample: bool, temperature: float, top_k: int, top_p: float):
+    """HF generate's warpers in its order (after the token bans): temperature, top-k, top-p; none when greedy."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList()
+    if do_sample:
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def banned_scores(logits: torch.Tensor, workspace, suppress: torch.Tensor, eos: torch.Tensor | None) -> torch.Tensor:
+    """[N, V] logits with the suppressed ids (vision placeholders) and, before min_new_tokens (`eos` given), the EOS ids
+    at -inf, in the workspace's copy; `logits` itself when nothing is banned."""
+    if not suppress.numel() and eos is None:
+        return logits
+    scores = workspace.banned(logits)
+    if suppress.numel():
+        scores.index_fill_(1, suppress, float("-inf"))
+    if eos is not None:
+        scores.index_fill_(1, eos, float("-inf"))
+    return scores
+
+
+def _positions_arg(model, next_pos: torch.Tensor, t: int) -> dict:
+    """{"position_ids": ...} of decode step t where the family needs explicit positions (M-RoPE), else {}."""
+    positions = _continuation_positions(model, next_pos, t, 1)
+    return {} if positions is None else {"position_ids": positions}
 
 
 def chosen_logps(logits: torch.Tensor, chosen: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -448,19 +448,28 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
     out = {}
     for key, value in batch.items():
         if key in VISION_KEYS or key in VIDEO_KEYS:
-            chunks = _per_image_chunks(batch, key)
-            picked = [chunks[i] for i in (video_order if key in VIDEO_KEYS else image_order)]
-            if picked:
-                flat = (key == "pixel_values_videos" and "video_grid_thw" in batch) or (
-                    key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
-                )
-                out[key] = torch.cat(picked) if flat else torch.stack(picked)
+            picked = _picked_items(batch, key, video_order if key in VIDEO_KEYS else image_order)
+            if picked is not None:
+                out[key] = picked
         elif torch.is_tensor(value) and value.ndim and value.shape[0] == n_rows:
             out[key] = value.index_select(0, idx.to(value.device))
         else:
             out[key] = value
     out["images_per_row"] = per_row.index_select(0, idx.to(per_row.device))
     return out
+
+
+def _picked_items(batch: dict, key: str, order: list[int]) -> torch.Tensor | None:
+    """The per-image (per-video) tensor `key` of `batch` in `order`: concatenated where the processor flattens
+    patches (grid_thw / num_patches families), stacked otherwise; None when no item is picked."""
+    chunks = _per_image_chunks(batch, key)
+    picked = [chunks[i] for i in order]
+    if not picked:
+        return None
+    flat = (key == "pixel_values_videos" and "video_grid_thw" in batch) or (
+        key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
+    )
+    return torch.cat(picked) if flat else torch.stack(picked)
 
 
 def _item_order(per_row: torch.Tensor, rows: torch.Tensor) -> list[int]:

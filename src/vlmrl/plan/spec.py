@@ -177,30 +177,9 @@ def _multiturn_problems(w: Workload) -> list[str]:
 
 def check_workload(w: Workload) -> None:
     """PlanError listing every field of `w` outside its choices, each with the values it takes."""
-    problems = []
-    if w.sharding not in SHARDINGS:
-        problems.append(f"sharding={w.sharding!r}: use one of {', '.join(SHARDINGS)}")
-    if w.offload not in OFFLOADS:
-        problems.append(f"offload={w.offload!r}: use one of {', '.join(OFFLOADS)}")
-    if w.offload == "optimizer+params" and w.sharding not in ("zero3", "fsdp"):
-        problems.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
-    if w.offload != "none" and w.sharding in ("none", "ddp"):
-        problems.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
-    problems += _zero_problems(w)
-    if w.mode not in ("grpo", "sft"):
-        problems.append(f"mode={w.mode!r}: use grpo or sft")
-    if w.attn_implementation not in ATTENTIONS:
-        problems.append(f"attn_implementation={w.attn_implementation!r}: use one of {', '.join(ATTENTIONS)}")
-    if w.profile not in PROFILES:
-        problems.append(f"profile={w.profile!r}: use one of {', '.join(PROFILES)}")
-    if w.logits_positions not in LOGITS_POSITIONS:
-        problems.append(f"logits_positions={w.logits_positions!r}: use one of {', '.join(LOGITS_POSITIONS)}")
+    problems = _choice_problems(w) + _sharding_problems(w) + _zero_problems(w)
     if w.profile != "vlmrl" and w.mode == "sft":
         problems.append(f"profile={w.profile} plans another trainer's GRPO step: use mode grpo (SFT is planned for vlmrl sft only)")
-    if w.master_weights not in MASTER_WEIGHTS:
-        problems.append(f"master_weights={w.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
-    if w.dtype not in DTYPE_BYTES:
-        problems.append(f"dtype={w.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     if w.video_frames < 0 or w.video_max_pixels < 1:
         problems.append("video_frames must be >= 0 and video_max_pixels >= 1")
     problems += _multiturn_problems(w)
@@ -209,6 +188,35 @@ def check_workload(w: Workload) -> None:
         problems.append("micro_batch, grad_accum and world_size must be >= 1")
     if problems:
         raise PlanError("invalid planner input:\n  - " + "\n  - ".join(problems))
+
+
+def _choice_problems(w: Workload) -> list[str]:
+    """Fields of `w` outside their fixed choices, in the order check_workload has always listed them."""
+    choices = [
+        ("sharding", SHARDINGS),
+        ("offload", OFFLOADS),
+        ("mode", ("grpo", "sft")),
+        ("attn_implementation", ATTENTIONS),
+        ("profile", PROFILES),
+        ("logits_positions", LOGITS_POSITIONS),
+        ("master_weights", MASTER_WEIGHTS),
+        ("dtype", tuple(DTYPE_BYTES)),
+    ]
+    out = []
+    for name, allowed in choices:
+        value = getattr(w, name)
+        if value not in allowed:
+            out.append(f"{name}={value!r}: use grpo or sft" if name == "mode" else f"{name}={value!r}: use one of {', '.join(allowed)}")
+    return out
+
+
+def _sharding_problems(w: Workload) -> list[str]:
+    out = []
+    if w.offload == "optimizer+params" and w.sharding not in ("zero3", "fsdp"):
+        out.append("offload=optimizer+params needs sharding zero3 or fsdp (parameters are offloaded shard by shard)")
+    if w.offload != "none" and w.sharding in ("none", "ddp"):
+        out.append(f"offload={w.offload} needs a ZeRO/FSDP sharding stage (zero1/2/3, fsdp)")
+    return out
 
 
 def _vllm_problems(w: Workload) -> list[str]:

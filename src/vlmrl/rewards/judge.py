@@ -98,6 +98,15 @@ class JudgeCache:
         self.entries.move_to_end(key)
         return True, self.entries[key]
 
+    def found(self, keys: list[str]) -> dict[str, float | None]:
+        """The cached scores of `keys` (each looked up in order, as `get` does)."""
+        scores = {}
+        for key in keys:
+            hit, score = self.get(key)
+            if hit:
+                scores[key] = score
+        return scores
+
     def put(self, key: str, score: float | None) -> None:
         self.entries[key] = score
         self.entries.move_to_end(key)
@@ -214,34 +223,30 @@ class JudgeReward:
         solutions = [str(s) if s is not None else "" for s in (solution or [None] * n)]
         row_images = images or [[] for _ in range(n)]
         texts = [completion_text(c) for c in completions]
-        fingerprints = [[image_fingerprint(im) for im in (ims or [])] for ims in row_images]
-        keys = [cache_key(str(q), t, s, f) for q, t, s, f in zip(questions, texts, solutions, fingerprints)]
-        scores: dict[str, float | None] = {}
-        failures: dict[str, str] = {}
-        hits = 0
-        for key in keys:
-            found, score = self.cache.get(key)
-            if found:
-                scores[key], hits = score, hits + 1
-        todo, seen = [], set(scores)  # each distinct judgement asked once (a group often repeats a completion)
-        for i, key in enumerate(keys):
-            if key not in seen:
-                seen.add(key)
-                todo.append(i)
+        keys = [cache_key(str(q), t, s, [image_fingerprint(im) for im in ims or []]) for q, t, s, ims in zip(questions, texts, solutions, row_images)]
+        scores = self.cache.found(keys)
+        hits = sum(key in scores for key in keys)
+        todo = first_of_each(keys, set(scores))  # each distinct judgement asked once (a group often repeats a completion)
         requests = [
             JudgeRequest(self.load_images(list(row_images[i] or [])), fill_template(self.j.template, str(questions[i]), texts[i], solutions[i]))
             for i in todo
         ]
-        for i, reply in zip(todo, self.backend.replies(requests) if requests else []):
-            if reply.failure is not None:
-                failures[keys[i]] = reply.failure
-                continue
-            scores[keys[i]] = parse_score(reply.text, self.pattern, self.j.score_min, self.j.score_max)
-            self.cache.put(keys[i], scores[keys[i]])
-            if scores[keys[i]] is None:
-                j = self.j
-                failures[keys[i]] = f"unparseable judgement {_short(reply.text)} (pattern {j.score_pattern!r}, {j.score_min:g}..{j.score_max:g})"
+        failures = self._ask(requests, [keys[i] for i in todo], scores)
         return self._finish(keys, scores, failures, hits, log_metric)
+
+    def _ask(self, requests: list[JudgeRequest], keys: list[str], scores: dict) -> dict[str, str]:
+        """The judge's replies to `requests` (one per key) parsed into `scores` and cached; returns why each failed."""
+        failures: dict[str, str] = {}
+        for key, reply in zip(keys, self.backend.replies(requests) if requests else []):
+            if reply.failure is not None:
+                failures[key] = reply.failure
+                continue
+            scores[key] = parse_score(reply.text, self.pattern, self.j.score_min, self.j.score_max)
+            self.cache.put(key, scores[key])
+            if scores[key] is None:
+                j = self.j
+                failures[key] = f"unparseable judgement {_short(reply.text)} (pattern {j.score_pattern!r}, {j.score_min:g}..{j.score_max:g})"
+        return failures
 
     def _finish(self, keys: list[str], scores: dict, failures: dict, hits: int, log_metric) -> list[float]:
         values, fallbacks, timeouts = [], 0, 0
@@ -259,6 +264,16 @@ class JudgeReward:
             log_metric("judge/failed_requests", timeouts)
             log_metric("judge/cache_hits", hits)
         return values
+
+
+def first_of_each(keys: list[str], known: set[str]) -> list[int]:
+    """Positions of the first occurrence of each key not in `known`, in order."""
+    todo, seen = [], set(known)
+    for i, key in enumerate(keys):
+        if key not in seen:
+            seen.add(key)
+            todo.append(i)
+    return todo
 
 
 def _question(prompt: Any) -> str:

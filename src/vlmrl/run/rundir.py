@@ -337,22 +337,13 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
     resume = "never" if t.overwrite_output_dir and t.resume == "auto" else t.resume
     path = find_resume_checkpoint(out, resume, warn=log)  # refuses when every checkpoint is invalid
     done = None if t.overwrite_output_dir else read_complete(out)
-    if done is not None and done.get("kind") in ("train", "sft") and done["kind"] != kind:
-        raise ConfigError(other_kind_message(out, done, kind))
-    # A finished run continues only to train longer, from a checkpoint; anything else would silently train it again.
-    if done is not None and not (t.resume != "never" and path is not None and total > done["step"]):
-        raise RunAlreadyComplete(complete_message(out, done))
+    refuse_complete(t, out, done, path, total, kind)
     ending = None if t.overwrite_output_dir or done is not None else read_ending(out)
     if ending is not None and ending["step"] == total and ending.get("kind", kind) == kind and t.resume != "never":
         log(f"the training in {out} is done ({total} steps); its final evaluation and report are left")
         evaluated = ending.get("evaluated")
         return EndingLeft(total, evaluated=evaluated if isinstance(evaluated, dict) else None)
-    start = 0
-    if path is not None:
-        refuse_resume(cfg, path, log)
-        if not is_weights_only(path):
-            start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
-            log(f"resuming from {path} at step {start} of {total} (training.overwrite_output_dir=true starts over instead)")
+    start = resume_step(cfg, path, total, log)
     # Nothing refused: from here on the folder is this run's.
     log(describe(cfg))  # which defaults the fields left unset got (model.defaults), and why
     remove_entries(out, doomed, log)
@@ -364,6 +355,29 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
     save_config(cfg, out / "config.yaml")
     cut_logs(out, start, log)
     return path
+
+
+def refuse_complete(t, out: Path, done: dict | None, path: Path | None, total: int, kind: str) -> None:
+    """A completed run (`done`: its completion marker) of the other kind is refused; one of this kind continues only
+    to train longer, from a checkpoint: anything else would silently train it again (RunAlreadyComplete)."""
+    if done is None:
+        return
+    if done.get("kind") in ("train", "sft") and done["kind"] != kind:
+        raise ConfigError(other_kind_message(out, done, kind))
+    if not (t.resume != "never" and path is not None and total > done["step"]):
+        raise RunAlreadyComplete(complete_message(out, done))
+
+
+def resume_step(cfg, path: Path | None, total: int, log: Callable[[str], Any]) -> int:
+    """The step a run resumes after (0: a fresh start or a weights-only checkpoint); refuses an incompatible resume."""
+    if path is None:
+        return 0
+    refuse_resume(cfg, path, log)
+    if is_weights_only(path):
+        return 0
+    start = int(read_trainer_state(path).get("global_step", checkpoint_step(path)))
+    log(f"resuming from {path} at step {start} of {total} (training.overwrite_output_dir=true starts over instead)")
+    return start
 
 
 # ---------------------------------------------------------------- vlmrl check

@@ -1,0 +1,77 @@
+"""The shape figures issue 33 asks for, read from the source with ast (python scripts/structure_metrics.py [SRC]):
+largest files, longest functions, imports inside functions (all; and those of vlmrl's own modules, which are never
+optional dependencies), and private names imported across modules (`from vlmrl.x import _name` in another module).
+Cyclomatic complexity is radon's (`pip install radon; radon cc -s -n D src/vlmrl`), not computed here."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import sys
+
+
+def module_name(path: pathlib.Path, src: pathlib.Path) -> str:
+    parts = list(path.relative_to(src.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def functions(tree: ast.AST):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def inner_imports(tree: ast.AST) -> list[ast.AST]:
+    """Import statements inside a function body (at any depth)."""
+    found = []
+    for fn in functions(tree):
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and node not in found:
+                found.append(node)
+    return found
+
+
+def imported_modules(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        return [node.module or ""]
+    return [a.name for a in node.names]
+
+
+def measure(src: pathlib.Path) -> dict:
+    files = sorted(src.rglob("*.py"))
+    lines, longest, inner, inner_own, private = [], [], 0, 0, []
+    for path in files:
+        text = path.read_text()
+        tree = ast.parse(text)
+        rel = str(path.relative_to(src.parent))
+        lines.append((len(text.splitlines()), rel))
+        for fn in functions(tree):
+            longest.append((fn.end_lineno - fn.lineno + 1, f"{rel}:{fn.name}"))
+        nodes = inner_imports(tree)
+        inner += len(nodes)
+        inner_own += sum(1 for n in nodes if any(m.startswith("vlmrl") for m in imported_modules(n)))
+        me = module_name(path, src)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vlmrl") and node.module != me:
+                private += [f"{rel}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return {
+        "files": len(files),
+        "largest_files": sorted(lines, reverse=True)[:6],
+        "files_over_900_lines": [f for n, f in lines if n > 900],
+        "longest_functions": sorted(longest, reverse=True)[:6],
+        "functions_over_150_lines": [f for n, f in longest if n > 150],
+        "imports_inside_functions": inner,
+        "of_which_vlmrl_modules": inner_own,
+        "private_cross_module_imports": len(private),
+        "private_imports": private,
+    }
+
+
+def main() -> int:
+    src = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parents[1] / "src" / "vlmrl")
+    for key, value in measure(src).items():
+        print(f"{key}: {json.dumps(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
