@@ -22,6 +22,9 @@ from vlmrl.train import train
 # (`vlmrl tiny --family` name, config.model_type, the processor class vlmrl loads here)
 NEW_FAMILIES = [
     ("mistral3", "mistral3", "PixtralImageOnlyProcessor"),
+    ("glm4v", "glm4v", "GlmImageOnlyProcessor"),
+    ("glm4v-moe", "glm4v_moe", "GlmImageOnlyProcessor"),
+    ("glm4.6v", "glm46v", "GlmImageOnlyProcessor"),
 ]
 NAMES = [name for name, _, _ in NEW_FAMILIES]
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"
