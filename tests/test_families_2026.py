@@ -22,6 +22,7 @@ from vlmrl.train import train
 # (`vlmrl tiny --family` name, config.model_type, the processor class vlmrl loads here)
 NEW_FAMILIES = [
     ("mistral3", "mistral3", "PixtralImageOnlyProcessor"),
+    ("gemma4", "gemma4", "Gemma4ImageOnlyProcessor"),
     ("glm4v", "glm4v", "GlmImageOnlyProcessor"),
     ("glm4v-moe", "glm4v_moe", "GlmImageOnlyProcessor"),
     ("glm4.6v", "glm46v", "GlmImageOnlyProcessor"),
