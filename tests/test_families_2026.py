@@ -26,6 +26,7 @@ NEW_FAMILIES = [
     ("glm4v", "glm4v", "GlmImageOnlyProcessor"),
     ("glm4v-moe", "glm4v_moe", "GlmImageOnlyProcessor"),
     ("glm4.6v", "glm46v", "GlmImageOnlyProcessor"),
+    ("idefics3", "idefics3", "Idefics3Processor"),
 ]
 NAMES = [name for name, _, _ in NEW_FAMILIES]
 LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":text_length"

@@ -38,7 +38,14 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
-NESTED_IMAGE_PROCESSORS = ("Gemma3Processor", "Gemma4Processor", "Gemma4ImageOnlyProcessor", "OnevisionImageProcessor", "LlavaOnevisionProcessor")
+NESTED_IMAGE_PROCESSORS = (
+    "Gemma3Processor",
+    "Gemma4Processor",
+    "Gemma4ImageOnlyProcessor",
+    "Idefics3Processor",
+    "OnevisionImageProcessor",
+    "LlavaOnevisionProcessor",
+)
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row", "videos_per_row")
 
