@@ -134,3 +134,30 @@ def test_grpo_resume_and_reload(name, built, data, tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(resumed / "final")
     assert type(model).__name__ == type(AutoModelForImageTextToText.from_pretrained(path)).__name__
     assert model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape[1] >= 3
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["mistral3", "gemma4", "glm4v"])
+def test_select_rows_follows_each_rows_images(name, built):
+    """Rows with 2 and 1 images, gathered as [1, 0, 1] (how rollout repeats prompts): every tensor equals encoding
+    those rows directly, per-image keys (pixel_values, image_sizes, image_position_ids, image_grid_thw) included.
+    (Idefics3 batches images per row, [rows, images, ...]: only one image per row is supported; docs/families.md.)"""
+    from vlmrl.models.processing import select_rows
+
+    processor = load_processor(built(name))
+    texts = [build_row_prompt(processor, {"problem": "A <image> B <image>"}, 2), build_row_prompt(processor, {"problem": "C"}, 1)]
+    red, blue, green = (Image.new("RGB", (56, 56), c) for c in ("red", "blue", "green"))
+    images = [[red, blue], [green]]
+    picked = select_rows(encode_prompts(processor, texts, images), [1, 0, 1])
+    direct = encode_prompts(processor, [texts[1], texts[0], texts[1]], [images[1], images[0], images[1]])
+    assert picked.keys() == direct.keys()
+    for key, value in direct.items():
+        if torch.is_tensor(value):
+            assert torch.equal(picked[key], value), key
+
+
+@pytest.mark.integration
+def test_mistral3_standin_refuses_a_placeholder_image_mismatch(built):
+    processor = load_processor(built("mistral3"))
+    with pytest.raises(ValueError, match=r"2 \[IMG\] placeholders in the prompts but 1 images"):
+        processor(text=["[INST][IMG][IMG]two[/INST]"], images=[Image.new("RGB", (56, 56))], padding=True, return_tensors="pt")
