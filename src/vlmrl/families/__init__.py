@@ -9,7 +9,21 @@ from __future__ import annotations
 
 import logging
 
-from vlmrl.families import gemma3, idefics3, internvl, llava, llava_onevision, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl, smolvlm
+from vlmrl.families import (
+    gemma3,
+    gemma4,
+    glm4v,
+    idefics3,
+    internvl,
+    llava,
+    llava_onevision,
+    mistral3,
+    qwen2_5_vl,
+    qwen2_vl,
+    qwen3_5,
+    qwen3_vl,
+    smolvlm,
+)
 from vlmrl.families.base import GENERIC, NO_FAST_PATH, Family
 
 __all__ = ["FAMILIES", "GENERIC", "Family", "family_of", "grouped_labels", "log_fallback", "model_types"]
@@ -26,6 +40,9 @@ FAMILIES: tuple[Family, ...] = (
     smolvlm.FAMILY,
     idefics3.FAMILY,
     llava.FAMILY,
+    mistral3.FAMILY,
+    gemma4.FAMILY,
+    glm4v.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

@@ -1,5 +1,9 @@
-"""Idefics3: loads and trains on the naive path; no fast path yet (its image splitting is not equivalence-tested)."""
+"""Idefics3: SigLIP tower, pixel-shuffle connector, Llama decoder; its processor (PIL backend, no video) loads here
+as is. Naive path only: its image splitting (tiles of each image batched per row) has no grouped / shared-prefix
+equality test yet."""
 
 from vlmrl.families.base import Family
 
-FAMILY = Family(name="idefics3", model_types=("idefics3",), fallback_reason="Idefics3's image splitting is not equivalence-tested yet")
+FAMILY = Family(
+    name="idefics3", model_types=("idefics3",), tiny=("idefics3",), fallback_reason="Idefics3's image splitting is not equivalence-tested yet"
+)

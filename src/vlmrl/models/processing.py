@@ -34,11 +34,18 @@ from vlmrl.families import family_of, model_types
 
 QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids")
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
-NESTED_IMAGE_PROCESSORS = ("Gemma3Processor", "OnevisionImageProcessor", "LlavaOnevisionProcessor")
+NESTED_IMAGE_PROCESSORS = (
+    "Gemma3Processor",
+    "Gemma4Processor",
+    "Gemma4ImageOnlyProcessor",
+    "Idefics3Processor",
+    "OnevisionImageProcessor",
+    "LlavaOnevisionProcessor",
+)
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row", "videos_per_row")
 
