@@ -52,7 +52,8 @@ def measure(src: pathlib.Path) -> dict:
         me = module_name(path, src)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vlmrl") and node.module != me:
-                private += [f"{rel}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private += [f"{rel}: from {node.module} import {name}" for name in names]
     return {
         "files": len(files),
         "largest_files": sorted(lines, reverse=True)[:6],
