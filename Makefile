@@ -31,9 +31,9 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 
-# The default suite: lint, then every tier but `slow` (unit, integration, multiproc).
+# The default suite: lint, then every tier but `slow` (unit, integration, multiproc); the 30 slowest tests listed last.
 test: install lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 test-unit: install
 	$(PY) -m pytest -m unit -q
