@@ -491,7 +491,7 @@ def test_async_tools_are_awaited():
 
 
 def test_a_validated_vlmrl_row_opens_with_its_full_resolution_image(tmp_path):
-    from vlmrl.data.rows import target_size
+    from vlmrl.data.media import target_size
 
     path = tmp_path / "big.png"
     board().resize((400, 300), Image.Resampling.NEAREST).save(path)

@@ -49,7 +49,8 @@ from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
-from vlmrl.data.rows import PromptSampler, image_cache_dir
+from vlmrl.data.sampler import PromptSampler
+from vlmrl.data.embedded_images import image_cache_dir
 from vlmrl.engine.collectives import Shard, prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run

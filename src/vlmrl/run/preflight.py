@@ -14,7 +14,8 @@ from pathlib import Path
 
 from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
 from vlmrl.data.formats import prompt_messages_of
-from vlmrl.data.rows import DataError, sft_target
+from vlmrl.data.errors import DataError
+from vlmrl.data.sft_targets import sft_target
 from vlmrl.data.template_budget import TemplateBudgetError, probe, template_source
 from vlmrl.engine.device import env_world
 from vlmrl.engine.device import resolve_device
