@@ -349,7 +349,7 @@ def test_a_message_column_of_plain_text_stays_an_extra_column(tmp_path):
 def test_easyr1_reward_grades_against_the_answer_column_as_easyr1_does(tmp_path, capsys):
     from pathlib import Path
 
-    from vlmrl.rewards.functions import compute_rewards
+    from vlmrl.rewards.combine import compute_rewards
     from vlmrl.rewards.scoring import load_reward_funcs, reward_columns
     from vlmrl.run.datasets import load_datasets
 
@@ -414,7 +414,7 @@ def test_an_ms_swift_orm_whose_columns_are_missing_names_them(tmp_path, capsys):
 def test_problem_rows_with_a_system_prompt_are_trls_conversational_prompts(tmp_path, capsys):
     """TRL's examples/scripts/grpo_vlm.py turns `problem` into [system SYSTEM_PROMPT, user problem] (make_conversation),
     so its rewards read completion[0]["content"]; vlmrl's equivalent is data.system_prompt on the same rows."""
-    from vlmrl.rewards.functions import reward_inputs
+    from vlmrl.rewards.protocol import reward_inputs
 
     reward = tmp_path / "rewards.py"
     reward.write_text(

@@ -216,7 +216,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from vlmrl.data.errors import DataError
     from vlmrl.models.loading import ModelLoadError
     from vlmrl.engine.oom import OutOfMemoryGaveUp
-    from vlmrl.rewards.functions import RewardError
+    from vlmrl.rewards.guard import RewardError
     from vlmrl.run.tracking import TrackerError
     from vlmrl.rollout.parity import RolloutParityError
     from vlmrl.rollout.wire import RolloutServerError

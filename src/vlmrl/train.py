@@ -36,7 +36,8 @@ from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_o
 from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
 from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.multiturn import logps_for_rows
-from vlmrl.rewards.functions import RewardLog, reward_stats
+from vlmrl.rewards.protocol import RewardLog
+from vlmrl.rewards.combine import reward_stats
 from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
 from vlmrl.models.rollout import Completions
 from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
