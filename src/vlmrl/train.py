@@ -11,7 +11,6 @@ pure modules: advantages.py (ADVANTAGE_ESTIMATORS), losses.py (POLICY_LOSSES, AG
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import time
@@ -56,8 +55,7 @@ from vlmrl.engine.collectives import Shard, prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
-from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
-from vlmrl.models.loading import reference_disabled_adapter
+from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids
 from vlmrl.run.datasets import epochs_as_steps
@@ -66,6 +64,8 @@ from vlmrl.rollout.backends import make_backend
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
+from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
+
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
@@ -106,7 +106,7 @@ class Run(RunBase):
     """What lives for the whole GRPO run (besides `RunBase`'s); built once by `start_run`."""
 
     shard: Shard  # this process's prompts and rows of every step
-    reference: _Reference | None  # the frozen reference policy; None when algorithm.beta == 0
+    reference: FrozenPolicy | None  # the frozen reference policy; None when algorithm.beta == 0
     reward_weights: dict  # name -> weight of each reward in the total
     sizes: Sizes
     pad_id: int
@@ -116,7 +116,7 @@ class Run(RunBase):
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
-    teacher: _Reference | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
+    teacher: FrozenPolicy | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
 
 @dataclass
@@ -689,7 +689,7 @@ def logps_without_grad(
     """([P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
     frozen copy directly), and with `entropies` their [P*G, T] entropies from the same LM-head chunks).
     replay: the policy's own forward, which replays the rollout's expert choices when algorithm.routing_replay is on.
-    frozen: the _Reference holding `scoring_model` (default the reference; the teacher for distillation)."""
+    frozen: the FrozenPolicy holding `scoring_model` (default the reference; the teacher for distillation)."""
 
     comp = samples.completions
     frozen = run.reference if frozen is None else frozen
@@ -999,72 +999,6 @@ def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
             f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
             "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch"
         )
-
-
-class _Reference:
-    """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy.
-    A copy placed on the CPU (memory.ref_placement=cpu) is moved to the device only while it scores."""
-
-    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False, runner=None, processor=None):
-        self.model, self._copy, self._ctx = model, frozen_copy, None
-        self.processor = processor  # the teacher's own processor (distillation), else None
-        self.device, self.offload = device, offload
-        self.runner = runner  # the copy wrapped by the engine (ZeRO-3: partitioned): scoring calls go through it
-        if self._copy is not None and offload and runner is None:
-            self._copy.to("cpu")
-
-    def __enter__(self):
-        if self._copy is not None:
-            return self._copy.to(self.device) if self.offload and self.runner is None else self._copy
-
-        self._ctx = reference_disabled_adapter(self.model)
-        self._ctx.__enter__()
-        return self.model
-
-    def __exit__(self, *exc):
-        if self._copy is not None and self.offload and self.runner is None:
-            self._copy.to("cpu")
-
-            free_memory()
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-            self._ctx = None
-
-
-def make_reference(model, cfg: Config, device, fresh: bool = False, engine=None):
-    """None when beta == 0 (no reference is loaded at all). With LoRA the reference is the same model with
-    its adapter disabled. Otherwise a frozen copy of the initial policy: a deep copy at the start, or a
-    fresh load from model.name_or_path when resuming (the policy then holds trained weights), wrapped by the
-    engine when it shards references too (`engine.wrap_reference`: ZeRO-3 partitions it)."""
-    if cfg.algorithm.beta == 0:
-        return None
-    if cfg.model.use_lora:
-        return _Reference(model)
-    if fresh:
-        initial = load_policy(cfg, device)[0]
-        # Loaded weights can sit at unaligned addresses (safetensors), where CPU matmul kernels round differently
-        # than on a deep copy's fresh allocations; copied one tensor at a time, resume stays bit-exact.
-        for tensor in [*initial.parameters(), *initial.buffers()]:
-            tensor.data = tensor.data.clone()
-    else:
-        initial = copy.deepcopy(model)
-    initial = initial.eval().requires_grad_(False)
-    runner = engine.wrap_reference(initial) if engine is not None else None
-    return _Reference(model, initial, device, offload=cfg.memory.ref_placement == "cpu", runner=runner)
-
-
-def make_teacher(model, processor, cfg: Config, device, engine=None):
-    """None without algorithm.teacher_path; else the frozen teacher (models/teacher.load_teacher: refused unless it
-    has the policy's tokenizer) held like a reference copy: memory.ref_placement=cpu keeps it in host RAM between
-    scorings, and an engine that shards references (ZeRO-3) shards it too."""
-    from vlmrl.models.teacher import load_teacher
-
-    loaded = load_teacher(cfg, device, model, processor)
-    if loaded is None:
-        return None
-    teacher, teacher_processor = loaded
-    runner = engine.wrap_reference(teacher) if engine is not None else None
-    return _Reference(None, teacher, device, offload=cfg.memory.ref_placement == "cpu", runner=runner, processor=teacher_processor)
 
 
 def _mean(values: list[float]) -> float:
