@@ -3,9 +3,9 @@
     rollout -> rewards (+ advantages) -> [refill: algorithm.dynamic_sampling] -> score (old / reference log-probs) ->
     update (num_iterations x optimizer steps) -> log -> maybe evaluate -> maybe save
 
-Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`);
-what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The math is in
-pure modules: advantages.py (ADVANTAGE_ESTIMATORS), losses.py (POLICY_LOSSES, AGGREGATIONS), optim.py.
+Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`, in
+run/step_records.py); what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The
+math is in pure modules: advantages.py (ADVANTAGE_ESTIMATORS), losses.py (POLICY_LOSSES, AGGREGATIONS), optim.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.multiturn import logps_for_rows
 from vlmrl.rewards.protocol import RewardLog
 from vlmrl.rewards.combine import reward_stats
-from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
+from vlmrl.models.router import capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
 from vlmrl.models.rollout import Completions
 from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
 from vlmrl.ending import finish_left
@@ -54,7 +54,7 @@ from vlmrl.data.embedded_images import image_cache_dir
 from vlmrl.engine.collectives import Shard, prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run
-from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
+from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks, warn_if_near_capacity
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids
@@ -65,6 +65,7 @@ from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
 from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
+from vlmrl.run.step_records import MicroBatch, Rewards, Rollout, Scores, Sizes, UpdateStats
 
 
 if TYPE_CHECKING:
@@ -73,32 +74,6 @@ if TYPE_CHECKING:
 
 class NonFiniteStop(RuntimeError):
     """training.max_nonfinite_steps optimizer steps in a row were skipped as non-finite; a checkpoint holds the last good state."""
-
-
-# ---------------------------------------------------------------- what the phases pass along
-@dataclass
-class Sizes:
-    """Piece sizes that OOM recovery may shrink, each kept for the rest of the run and in checkpoints."""
-
-    generation: int | None  # prompts per generate call (None: all of the step's prompts)
-    scoring: int  # rows (or tokens, memory.max_tokens_per_micro_batch) per no-grad scoring micro-batch
-    update: int  # rows (or tokens) per forward/backward micro-batch of the update
-
-    @classmethod
-    def initial(cls, cfg: Config, saved: dict | None = None) -> "Sizes":
-        """The configured sizes; when resuming, the checkpoint's (shrunk by OOMs), except that a generation / scoring size
-        configured smaller on resume (both resume-harmless) wins, so a run stopped by an OOM can restart below it."""
-        update = cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size
-        configured = cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
-        if not saved:
-            return configured
-        # checkpoints before the scoring / update split stored one shared "train" size
-        generation, scoring = saved.get("generation"), saved.get("scoring", saved.get("train"))
-        if cfg.memory.generation_prompts_per_call is not None:
-            generation = min(generation or configured.generation, configured.generation)
-        if cfg.memory.scoring_micro_batch_size is not None:
-            scoring = min(scoring, configured.scoring)
-        return cls(generation, scoring, saved.get("update", saved.get("train")))
 
 
 @dataclass(kw_only=True)
@@ -117,77 +92,6 @@ class Run(RunBase):
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
     teacher: FrozenPolicy | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
-
-
-@dataclass
-class Rollout:
-    """One step's samples on this process: P prompts, G completions each, rows grouped by prompt."""
-
-    rows: list[dict]  # [P] dataset rows
-    prompts: dict  # encoded prompts: input_ids / attention_mask [P, L] (+ vision inputs)
-    completions: Completions  # ids, mask [P*G, T]; truncated [P*G]
-    texts: list[str]  # [P*G] decoded completions
-    prompt_texts: list[str]  # [P*G] the problem each row answers
-    routes: RecordedRoutes | None = None  # algorithm.routing_replay: the experts the rollout chose (MoE), else None
-
-    @property
-    def prompt_of_row(self) -> torch.Tensor:
-        """[P*G] which prompt each completion row continues."""
-        return torch.arange(len(self.rows)).repeat_interleave(len(self.texts) // max(1, len(self.rows)))
-
-
-@dataclass
-class Rewards:
-    """Rewards of the whole step (every process's rows, global order) and this process's advantages."""
-
-    local: list[float]  # [P*G] weighted reward of this process's rows
-    rewards: torch.Tensor  # [B*G] float32
-    per_reward: dict[str, list]  # name -> [B*G] values (None where the reward does not apply)
-    advantages: torch.Tensor  # [P*G] (or [P*G, T] per token), on the device
-    lengths: torch.Tensor  # [B*G] completion lengths
-    truncated: torch.Tensor  # [B*G] bool
-    nonfinite: str | None = None  # what was not finite (the step's update is skipped), or None
-    reward_log: RewardLog = field(default_factory=RewardLog)  # what rewards logged via TRL's log_extra / log_metric
-    dynamic: dict = field(default_factory=dict)  # algorithm.dynamic_sampling's metrics of the step (dynamic_sampling/*)
-    distill: dict = field(default_factory=dict)  # distill/* of this step (algorithm.teacher_path), else empty
-
-
-@dataclass
-class Scores:
-    """Log-probs the update compares against, scored once per rollout without gradients."""
-
-    loss_mask: torch.Tensor  # [P*G, T] completion tokens that count in the loss
-    old_logps: torch.Tensor | None  # [P*G, T] under the policy that sampled the rollout (only when cfg.scores_old_logps)
-    ref_logps: torch.Tensor | None  # [P*G, T] under the reference (only when beta > 0)
-    is_weights: torch.Tensor | None = None  # [P*G, T] algorithm.rollout_correction's weights (old vs the sampler's log-probs)
-    entropy_mask: torch.Tensor | None = None  # [P*G, T] algorithm.top_entropy_quantile's kept tokens (per optimizer step), or None
-    mismatch: dict = field(default_factory=dict)  # mismatch/* of the old log-probs against the sampler's (mismatch.py)
-
-
-@dataclass
-class MicroBatch:
-    """Rows of one forward: their unique prompts (each image encoded once) and completions trimmed to the longest."""
-
-    prompts: dict  # [U, L] the unique prompts of these rows
-    row_prompt: torch.Tensor  # [n] index into prompts
-    ids: torch.Tensor  # [n, t] completion ids
-    loss_mask: torch.Tensor  # [n, t] tokens that count in the loss
-    completion_mask: torch.Tensor  # [n, t] generated tokens (up to and including EOS): what the model attends to
-    tool_vision: list | None = None  # multi-turn rows: each row's tool images (vision tensors), else None
-
-
-@dataclass
-class UpdateStats:
-    """Per optimizer step (loss, grad_norm) or micro-batch (kl, clip_ratio) values of one step's update."""
-
-    loss: list[float] = field(default_factory=list)
-    kl: list[float] = field(default_factory=list)
-    clip_ratio: list[float] = field(default_factory=list)
-    grad_norm: list[float] = field(default_factory=list)
-    ratio_dev: list[float] = field(default_factory=list)  # max |ratio - 1| per iteration: 0 on-policy, > 0 when reused
-    mismatch: dict = field(default_factory=dict)  # mismatch/* (mismatch.py): the sampler's log-probs vs the trainer's
-    skipped: list[str] = field(default_factory=list)  # why each skipped optimizer step was skipped
-    router_aux: list[float] = field(default_factory=list)  # MoE load-balancing loss per micro-batch (before its coefficient)
 
 
 # ---------------------------------------------------------------- the loop
@@ -990,15 +894,6 @@ def checkpoint(run: Run, step: int) -> None:
     run.state["sizes"] = asdict(run.sizes)
     save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
     run.saved_at = time.monotonic()
-
-
-def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
-    peak, capacity = metrics.get("mem/gpu_peak_reserved"), metrics.get("mem/gpu_capacity")
-    if peak is not None and capacity and peak > fraction * capacity:
-        warn(
-            f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
-            "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch"
-        )
 
 
 def _mean(values: list[float]) -> float:
