@@ -12,7 +12,8 @@ import yaml
 import peer_files
 from vlmrl.cli import main
 from vlmrl.config import ConfigError, load_config
-from vlmrl.run.convert import convert, launch_command, parse_arguments, script_arguments
+from vlmrl.run.convert import convert
+from vlmrl.run.convert.source import launch_command, parse_arguments, script_arguments
 
 pytestmark = pytest.mark.unit
 PEERS = Path(__file__).parent / "peers"
