@@ -297,7 +297,7 @@ def run_vlmrl(spec: dict, out: Path) -> dict:
 
 def _vlmrl_prompt_tokens(spec: dict) -> int:
     """Tokens of one prompt (text + image placeholders) as vlmrl encodes it; every row has the same."""
-    from vlmrl.data.rows import load_images
+    from vlmrl.data.media import load_images
     from vlmrl.models.processing import build_prompt, encode_prompts, load_processor
 
     row = json.loads(Path(spec["data"]).read_text().splitlines()[0])

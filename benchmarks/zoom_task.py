@@ -65,7 +65,7 @@ def zoom_call(row: dict) -> ToolCall:
 
 
 def seen_size(image) -> tuple[int, int]:
-    from vlmrl.data.rows import target_size
+    from vlmrl.data.media import target_size
 
     return target_size(image.width, image.height, PIXELS, PIXELS)
 

@@ -19,8 +19,10 @@ def source_map() -> str:
     top = sorted(p for p in SRC.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     for path in top:
         lines.append(f"| `{path.relative_to(SRC.parent)}` | {_first_line(path)} |")
-    for package in sorted(p for p in SRC.iterdir() if (p / "__init__.py").exists()):
-        modules = ", ".join(f"`{m.stem}`" for m in sorted(package.glob("*.py")) if m.name != "__init__.py")
+    for package in sorted(p.parent for p in SRC.rglob("__init__.py") if p.parent != SRC):  # subpackages get a row too
+        names = [m.stem for m in package.glob("*.py") if m.name != "__init__.py"]
+        names += [f"{d.name}/" for d in package.iterdir() if (d / "__init__.py").exists()]  # a subpackage (run/convert/)
+        modules = ", ".join(f"`{n}`" for n in sorted(names))
         lines.append(f"| `{package.relative_to(SRC.parent)}/` ({modules}) | {_first_line(package / '__init__.py')} |")
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,8 @@ import yaml
 import peer_files
 from vlmrl.cli import main
 from vlmrl.config import ConfigError, load_config
-from vlmrl.run.convert import convert, launch_command, parse_arguments, script_arguments
+from vlmrl.run.convert import convert
+from vlmrl.run.convert.source import launch_command, parse_arguments, script_arguments
 
 pytestmark = pytest.mark.unit
 PEERS = Path(__file__).parent / "peers"
@@ -210,7 +211,7 @@ def test_ms_swift_dapo_arguments():
     )
     funcs = s["algorithm.reward_funcs"]
     assert funcs[0] == "accuracy" and s["algorithm.reward_weights"] == [1.0, 0.5]
-    from vlmrl.rewards.functions import load_reward
+    from vlmrl.rewards.loading import load_reward
 
     overlong = load_reward(funcs[1])  # ms-swift's formula: min(-(len - (L_max - L_cache)) / L_cache, 0)
     assert overlong(["p"] * 3, ["c"] * 3, completion_ids=[[1] * 48, [1] * 56, [1] * 64]) == [0.0, -0.5, -1.0]

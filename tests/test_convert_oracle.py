@@ -18,7 +18,8 @@ from trl import GRPOConfig  # noqa: E402
 
 from vlmrl.algo.losses import KL_ESTIMATORS  # noqa: E402
 from vlmrl.config import load_config  # noqa: E402
-from vlmrl.run.convert import parse_arguments, run_convert, script_arguments  # noqa: E402
+from vlmrl.run.convert.source import parse_arguments, script_arguments  # noqa: E402
+from vlmrl.run.convert import run_convert  # noqa: E402
 
 pytestmark = pytest.mark.unit
 CONFIGS = Path(__file__).parent / "peers" / "configs"

@@ -6,15 +6,12 @@ import os
 import pytest
 from PIL import Image
 
-from vlmrl.data.rows import (
-    DataError,
-    PromptSampler,
-    load_dataset_split,
-    load_images,
-    load_rows,
-    target_size,
-    validate_rows,
-)
+from vlmrl.data.errors import DataError
+from vlmrl.data.sampler import PromptSampler
+from vlmrl.data.rows import load_dataset_split
+from vlmrl.data.media import load_images, target_size
+from vlmrl.data.readers import load_rows
+from vlmrl.data.validation import validate_rows
 
 
 def _png(path, size=(8, 6), colour=(255, 0, 0), mode="RGB"):
@@ -297,7 +294,7 @@ def test_data_module_is_light():
     import sys
 
     code = (
-        "import sys, vlmrl.data.rows, vlmrl.rewards.functions, vlmrl.data.tasks; "
+        "import sys, vlmrl.data.rows, vlmrl.data.sampler, vlmrl.data.sft_targets, vlmrl.rewards.functions, vlmrl.data.tasks; "
         "print(sorted(m for m in ('torch', 'datasets', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ})

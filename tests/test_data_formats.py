@@ -5,7 +5,8 @@ import json
 import pytest
 
 import peer_files
-from vlmrl.data.rows import DataError, load_dataset_split
+from vlmrl.data.errors import DataError
+from vlmrl.data.rows import load_dataset_split
 from vlmrl.data.formats import prompt_messages_of
 
 pytestmark = pytest.mark.unit

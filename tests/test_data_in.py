@@ -83,7 +83,7 @@ def test_a_users_bad_rows_file_is_never_replaced(count_data, tmp_path, capsys):
 
 def test_the_data_loader_itself_never_replaces_a_users_bad_rows_file(count_data, tmp_path):
     from vlmrl.config import load_config
-    from vlmrl.data.rows import DataError
+    from vlmrl.data.errors import DataError
     from vlmrl.run.datasets import load_datasets
 
     data = with_bad_row(count_data, tmp_path / "data")
@@ -150,7 +150,8 @@ def test_an_image_list_mapped_with_data_columns_images(tmp_path):
 
 
 def test_an_image_that_is_neither_a_path_nor_a_list_is_still_a_bad_row(tmp_path):
-    from vlmrl.data.rows import DataError, load_dataset_split
+    from vlmrl.data.errors import DataError
+    from vlmrl.data.rows import load_dataset_split
 
     data = tmp_path / "d.jsonl"
     data.write_text(
@@ -348,7 +349,7 @@ def test_a_message_column_of_plain_text_stays_an_extra_column(tmp_path):
 def test_easyr1_reward_grades_against_the_answer_column_as_easyr1_does(tmp_path, capsys):
     from pathlib import Path
 
-    from vlmrl.rewards.functions import compute_rewards
+    from vlmrl.rewards.combine import compute_rewards
     from vlmrl.rewards.scoring import load_reward_funcs, reward_columns
     from vlmrl.run.datasets import load_datasets
 
@@ -378,7 +379,8 @@ def test_the_second_row_is_row_2_in_jsonl_json_and_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmrl.data.rows import DataError, load_dataset_split
+    from vlmrl.data.errors import DataError
+    from vlmrl.data.rows import load_dataset_split
 
     rows = [{"problem": "p", "solution": "1"}, {"problem": "p", "solution": ""}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -412,7 +414,7 @@ def test_an_ms_swift_orm_whose_columns_are_missing_names_them(tmp_path, capsys):
 def test_problem_rows_with_a_system_prompt_are_trls_conversational_prompts(tmp_path, capsys):
     """TRL's examples/scripts/grpo_vlm.py turns `problem` into [system SYSTEM_PROMPT, user problem] (make_conversation),
     so its rewards read completion[0]["content"]; vlmrl's equivalent is data.system_prompt on the same rows."""
-    from vlmrl.rewards.functions import reward_inputs
+    from vlmrl.rewards.protocol import reward_inputs
 
     reward = tmp_path / "rewards.py"
     reward.write_text(

@@ -8,7 +8,9 @@ import pytest
 from PIL import Image
 
 from vlmrl.config import ConfigError, load_config
-from vlmrl.data.rows import DEFAULT_MAX_IMAGE_PIXELS, DataError, ImageCache, load_dataset_split, load_images, shared_image_cache
+from vlmrl.data.media import DEFAULT_MAX_IMAGE_PIXELS, ImageCache, load_images, shared_image_cache
+from vlmrl.data.errors import DataError
+from vlmrl.data.rows import load_dataset_split
 from vlmrl.models.processing import ImageShapeCheck, encode_prompts, load_processor
 
 BOUNDS = (28 * 28, 448 * 448)

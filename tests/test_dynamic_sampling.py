@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from vlmrl.algo.dynamic_sampling import group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.config import ConfigError, load_config
 from vlmrl.data.tasks import make_count_task
-from vlmrl.rewards.functions import compute_rewards, overlong_penalty, soft_overlong_punishment
+from vlmrl.rewards.combine import compute_rewards
+from vlmrl.rewards.functions import overlong_penalty, soft_overlong_punishment
 from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.train import train
 

@@ -10,7 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from vlmrl.data.rows import DataError, load_dataset_split, load_rows, load_images
+from vlmrl.data.errors import DataError
+from vlmrl.data.rows import load_dataset_split
+from vlmrl.data.readers import load_rows
+from vlmrl.data.media import load_images
 
 
 def png_bytes(colour, size=(6, 5)):

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrl.data.rows import DataError, load_dataset_split, load_images
+from vlmrl.data.errors import DataError
+from vlmrl.data.rows import load_dataset_split
+from vlmrl.data.media import load_images
 
 
 def load_one(path):

@@ -148,7 +148,8 @@ def test_config_refusals(overrides, message):
 
 
 def test_the_name_judge_outside_the_config_is_explained():
-    from vlmrl.rewards.functions import RewardError, load_reward
+    from vlmrl.rewards.guard import RewardError
+    from vlmrl.rewards.loading import load_reward
 
     with pytest.raises(RewardError, match="built from the config"):
         load_reward("judge")

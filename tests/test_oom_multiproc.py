@@ -334,7 +334,7 @@ def test_a_resume_can_start_below_the_checkpoints_sizes():
     """After every process stopped on an OOM (FSDP2), the restart resumes from the last checkpoint: a generation /
     scoring size configured smaller then wins over the checkpoint's; otherwise the checkpoint's (shrunk) sizes stay."""
     from vlmrl.config import load_config
-    from vlmrl.train import Sizes
+    from vlmrl.run.step_records import Sizes
 
     saved = {"generation": None, "scoring": 4, "update": 2}
     assert Sizes.initial(load_config(None, []), saved) == Sizes(None, 4, 2)

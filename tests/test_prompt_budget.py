@@ -19,7 +19,7 @@ from PIL import Image
 
 from vlmrl import cli, sft, train
 from vlmrl.config import load_config
-from vlmrl.data.rows import DataError
+from vlmrl.data.errors import DataError
 from vlmrl.data.tasks import make_count_task
 from vlmrl.models import policy
 from vlmrl.run.datasets import configured_processor, encode_rows, load_datasets

@@ -6,7 +6,9 @@ import math
 import pytest
 
 from vlmrl.cli import main
-from vlmrl.rewards.functions import FLOAT32_MAX, RewardError, compute_rewards, load_reward
+from vlmrl.rewards.combine import FLOAT32_MAX, compute_rewards
+from vlmrl.rewards.guard import RewardError
+from vlmrl.rewards.loading import load_reward
 
 USER_REWARDS = """import json
 
@@ -107,7 +109,7 @@ def test_training_reports_the_step_row_and_line(tiny_qwen25vl, reward_file, tmp_
     assert line.endswith(f"(at {reward_file}:8 in picky)")
     # Inside the loop (no check before it) the step is named.
     from vlmrl.config import load_config
-    from vlmrl.rewards.functions import RewardError
+    from vlmrl.rewards.guard import RewardError
     from vlmrl.train import train
 
     with pytest.raises(RewardError) as raised:
@@ -140,7 +142,7 @@ def test_a_1e39_reward_stops_training_instead_of_poisoning_the_weights(tiny_qwen
     assert not (out / "final").exists()
     # Inside the loop (no check before it): refused at step 1, nothing trained on it.
     from vlmrl.config import load_config
-    from vlmrl.rewards.functions import RewardError
+    from vlmrl.rewards.guard import RewardError
     from vlmrl.train import train
 
     with pytest.raises(RewardError, match=r"returned 1e\+39 for sample 1 at step 1 \(row .*float32"):

@@ -7,7 +7,10 @@ import pathlib
 import pytest
 
 from vlmrl.config import load_config
-from vlmrl.rewards.functions import RewardError, RewardLog, compute_rewards, load_reward
+from vlmrl.rewards.guard import RewardError
+from vlmrl.rewards.protocol import RewardLog
+from vlmrl.rewards.combine import compute_rewards
+from vlmrl.rewards.loading import load_reward
 from vlmrl.rewards.scoring import load_reward_funcs
 
 HERE = pathlib.Path(__file__).parent

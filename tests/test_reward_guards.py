@@ -11,7 +11,9 @@ import pytest
 
 from vlmrl.checkpoints.files import GracefulStop
 from vlmrl.cli import main
-from vlmrl.rewards.functions import RewardError, RewardStopped, compute_rewards, load_reward
+from vlmrl.rewards.guard import RewardError, RewardStopped
+from vlmrl.rewards.combine import compute_rewards
+from vlmrl.rewards.loading import load_reward
 
 USER_REWARDS = """import sys
 import time
@@ -84,9 +86,9 @@ def test_reward_timeout_is_a_clear_error(rewards):
 
 
 def test_sigterm_during_a_hung_reward_stops_it_and_records_the_stop(rewards, monkeypatch):
-    import vlmrl.rewards.functions
+    import vlmrl.rewards.guard
 
-    monkeypatch.setattr(vlmrl.rewards.functions, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(vlmrl.rewards.guard, "STOP_GRACE_S", 0.5)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
     with GracefulStop() as stop:
         timer.start()
@@ -97,7 +99,7 @@ def test_sigterm_during_a_hung_reward_stops_it_and_records_the_stop(rewards, mon
         handler = signal.getsignal(signal.SIGTERM)
         # A second SIGTERM abandons the reward at once.
         timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGTERM)) for t in (0.2, 0.4)]
-        monkeypatch.setattr(vlmrl.rewards.functions, "STOP_GRACE_S", 60)
+        monkeypatch.setattr(vlmrl.rewards.guard, "STOP_GRACE_S", 60)
         for t in timers:
             t.start()
         t0 = time.perf_counter()

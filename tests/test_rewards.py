@@ -4,20 +4,10 @@ import math
 
 import pytest
 
-from vlmrl.rewards.functions import (
-    BUILTIN_REWARDS,
-    RewardError,
-    accuracy,
-    answer_format,
-    box_iou,
-    compute_rewards,
-    extract_answer,
-    format_reward,
-    iou,
-    load_reward,
-    parse_box,
-    reward_stats,
-)
+from vlmrl.rewards.functions import BUILTIN_REWARDS, accuracy, answer_format, box_iou, extract_answer, format_reward, iou, parse_box
+from vlmrl.rewards.guard import RewardError
+from vlmrl.rewards.combine import compute_rewards, reward_stats
+from vlmrl.rewards.loading import load_reward
 
 
 @pytest.mark.parametrize(

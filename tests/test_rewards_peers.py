@@ -6,7 +6,11 @@ from pathlib import Path
 import pytest
 
 from vlmrl.rewards.peers import describe_call, detect_kind
-from vlmrl.rewards.functions import RewardError, RewardLog, TrainerState, accuracy, compute_rewards, load_reward
+from vlmrl.rewards.guard import RewardError
+from vlmrl.rewards.protocol import RewardLog, TrainerState
+from vlmrl.rewards.functions import accuracy
+from vlmrl.rewards.combine import compute_rewards
+from vlmrl.rewards.loading import load_reward
 
 pytestmark = pytest.mark.unit
 PEERS = Path(__file__).parent / "peers"

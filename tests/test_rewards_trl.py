@@ -9,14 +9,11 @@ import pytest
 import torch
 
 from vlmrl.config import load_config
-from vlmrl.rewards.functions import (
-    RewardError,
-    TrainerState,
-    accuracy,
-    compute_rewards,
-    load_reward,
-    reward_inputs,
-)
+from vlmrl.rewards.guard import RewardError
+from vlmrl.rewards.protocol import TrainerState, reward_inputs
+from vlmrl.rewards.functions import accuracy
+from vlmrl.rewards.combine import compute_rewards
+from vlmrl.rewards.loading import load_reward
 from vlmrl.models.rollout import Completions
 from vlmrl.rewards.scoring import score_rollout
 

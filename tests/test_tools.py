@@ -414,7 +414,8 @@ def test_tool_environment_zoom_rollout_and_trajectory():
     assert t.images[0] is im and t.images[1].size == (8, 6)
     assert t.tool_calls == [ToolCall("zoom", {"bbox_2d": [10, 5, 14, 8], "factor": 2})]
     # TRL's conversational reward inputs: the built-in accuracy reward reads the final answer.
-    from vlmrl.rewards.functions import accuracy, completion_text
+    from vlmrl.rewards.args import completion_text
+    from vlmrl.rewards.functions import accuracy
 
     assert completion_text(t.completion) == "<answer>white</answer>"
     assert accuracy(**t.reward_inputs(), solution=["white"]) == [1.0]
@@ -491,7 +492,7 @@ def test_async_tools_are_awaited():
 
 
 def test_a_validated_vlmrl_row_opens_with_its_full_resolution_image(tmp_path):
-    from vlmrl.data.rows import target_size
+    from vlmrl.data.media import target_size
 
     path = tmp_path / "big.png"
     board().resize((400, 300), Image.Resampling.NEAREST).save(path)

@@ -18,7 +18,9 @@ REPETITION = "trl.rewards:get_repetition_penalty_reward(ngram_size=2, max_penalt
 
 
 def test_trl_rewards_read_vlmrl_conversational_inputs():
-    from vlmrl.rewards.functions import compute_rewards, load_reward, reward_inputs
+    from vlmrl.rewards.combine import compute_rewards
+    from vlmrl.rewards.loading import load_reward
+    from vlmrl.rewards.protocol import reward_inputs
 
     rows = [{"problem": "How many?", "solution": "3", "images": ["/a.png"]}]
     prompts, completions = reward_inputs(rows, ["<think>two and one</think><answer>3</answer>", "<answer>3</answer>"], 2, "conversational")
@@ -82,7 +84,8 @@ def test_trl_accuracy_reward_inside_vlmrl_train(tiny_qwen25vl, tmp_path):
 def test_trl_accuracy_reward_without_math_verify_fails_in_the_check(tiny_qwen25vl, tmp_path):
     """The check before training calls every reward on real rows: the missing package is one line before the model loads."""
     from vlmrl.run.preflight import check_rewards_on_rows
-    from vlmrl.rewards.functions import RewardError, load_reward
+    from vlmrl.rewards.guard import RewardError
+    from vlmrl.rewards.loading import load_reward
 
     cfg = load_config(None, ["algorithm.completion_format=conversational"])
     with pytest.raises(RewardError, match=r"'acc' raised on sample 0 .*ImportError: Please install the `math_verify` package"):

@@ -10,13 +10,15 @@ import torch
 from test_logprobs import LENGTHS, LOOSE_GRADS, assert_grads_close, completions, images, loss_and_grads, model_cfg
 from video_files import write_frames, write_mp4
 
-from vlmrl.data.rows import DataError, ImageCache, validate_rows
+from vlmrl.data.errors import DataError
+from vlmrl.data.media import ImageCache
+from vlmrl.data.validation import validate_rows
 from vlmrl.models.logprobs import completion_logps
 from vlmrl.models.loading import load_model, unwrap
 from vlmrl.models.prefix import completion_logps_prefix
 from vlmrl.models.processing import build_prompt, encode_prompts, load_processor, select_rows
 from vlmrl.models.rollout import generate
-from vlmrl.data.rows import load_video
+from vlmrl.data.media import load_video
 from vlmrl.data.video import qwen_video_patches, sample_indices, video_header
 
 

@@ -213,10 +213,10 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     a sampler whose prompts or weights are not the trainer's, a rollout server gone):
     they end the run with one message and exit code 2; anything else is a bug and keeps its traceback."""
     import vlmrl.checkpoints.files as checkpoint
-    from vlmrl.data.rows import DataError
+    from vlmrl.data.errors import DataError
     from vlmrl.models.loading import ModelLoadError
     from vlmrl.engine.oom import OutOfMemoryGaveUp
-    from vlmrl.rewards.functions import RewardError
+    from vlmrl.rewards.guard import RewardError
     from vlmrl.run.tracking import TrackerError
     from vlmrl.rollout.parity import RolloutParityError
     from vlmrl.rollout.wire import RolloutServerError

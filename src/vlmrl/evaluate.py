@@ -10,7 +10,7 @@ from vlmrl.config import Config
 from vlmrl.rollout.inprocess import InProcessRollout
 from vlmrl.run.datasets import encode_rows
 from vlmrl.rewards.scoring import score_rollout
-from vlmrl.data.rows import sft_target
+from vlmrl.data.sft_targets import sft_target
 from vlmrl.engine.oom import ALONE, maybe_inject_oom, retry_on_oom
 from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.processing import decode

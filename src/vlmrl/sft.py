@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from vlmrl.config import Config
-from vlmrl.data.rows import sft_target
+from vlmrl.data.sft_targets import sft_target
 from vlmrl.evaluate import evaluate_on
 from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
 from vlmrl.ending import finish_left
@@ -37,7 +37,9 @@ from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.checkpoints.files import is_sharded_checkpoint, is_weights_only, read_trainer_state
 from vlmrl.checkpoints.state import restore, restore_after_wrap
-from vlmrl.data.rows import DataError, PromptSampler, image_cache_dir
+from vlmrl.data.errors import DataError
+from vlmrl.data.sampler import PromptSampler
+from vlmrl.data.embedded_images import image_cache_dir
 from vlmrl.engine.distributed import Distributed, DistributedError
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer

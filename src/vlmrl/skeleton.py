@@ -27,7 +27,7 @@ from vlmrl.ending import Ending, finish
 from vlmrl.run.last_good import kept_last_good, save_due
 
 if TYPE_CHECKING:
-    from vlmrl.data.rows import PromptSampler
+    from vlmrl.data.sampler import PromptSampler
     from vlmrl.engine.distributed import Distributed
     from vlmrl.models.prefix import LogprobOptions
     from vlmrl.models.router import Routing

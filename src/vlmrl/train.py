@@ -3,15 +3,14 @@
     rollout -> rewards (+ advantages) -> [refill: algorithm.dynamic_sampling] -> score (old / reference log-probs) ->
     update (num_iterations x optimizer steps) -> log -> maybe evaluate -> maybe save
 
-Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`);
-what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The math is in
-pure modules: advantages.py (ADVANTAGE_ESTIMATORS), losses.py (POLICY_LOSSES, AGGREGATIONS), optim.py.
+Each phase is a module-level function over small dataclasses (`Rollout`, `Rewards`, `Scores`, `UpdateStats`, in
+run/step_records.py); what lives for the whole run (model, engine, data, optimizer, logger, sizes) is one `Run`. The
+math is in pure modules: advantages.py (ADVANTAGE_ESTIMATORS), losses.py (POLICY_LOSSES, AGGREGATIONS), optim.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import time
@@ -36,8 +35,9 @@ from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_o
 from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
 from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.multiturn import logps_for_rows
-from vlmrl.rewards.functions import RewardLog, reward_stats
-from vlmrl.models.router import RecordedRoutes, capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
+from vlmrl.rewards.protocol import RewardLog
+from vlmrl.rewards.combine import reward_stats
+from vlmrl.models.router import capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
 from vlmrl.models.rollout import Completions
 from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
 from vlmrl.ending import finish_left
@@ -49,13 +49,13 @@ from vlmrl.models.policy import load_policy
 from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
-from vlmrl.data.rows import PromptSampler, image_cache_dir
+from vlmrl.data.sampler import PromptSampler
+from vlmrl.data.embedded_images import image_cache_dir
 from vlmrl.engine.collectives import Shard, prompt_seed
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run
-from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks
-from vlmrl.engine.oom import free_memory, maybe_inject_oom, retry_on_oom
-from vlmrl.models.loading import reference_disabled_adapter
+from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks, warn_if_near_capacity
+from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.models.processing import decode, select_rows
 from vlmrl.models.rollout import cat_completions, eos_token_ids
 from vlmrl.run.datasets import epochs_as_steps
@@ -64,6 +64,9 @@ from vlmrl.rollout.backends import make_backend
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
+from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
+from vlmrl.run.step_records import MicroBatch, Rewards, Rollout, Scores, Sizes, UpdateStats
+
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
@@ -73,38 +76,12 @@ class NonFiniteStop(RuntimeError):
     """training.max_nonfinite_steps optimizer steps in a row were skipped as non-finite; a checkpoint holds the last good state."""
 
 
-# ---------------------------------------------------------------- what the phases pass along
-@dataclass
-class Sizes:
-    """Piece sizes that OOM recovery may shrink, each kept for the rest of the run and in checkpoints."""
-
-    generation: int | None  # prompts per generate call (None: all of the step's prompts)
-    scoring: int  # rows (or tokens, memory.max_tokens_per_micro_batch) per no-grad scoring micro-batch
-    update: int  # rows (or tokens) per forward/backward micro-batch of the update
-
-    @classmethod
-    def initial(cls, cfg: Config, saved: dict | None = None) -> "Sizes":
-        """The configured sizes; when resuming, the checkpoint's (shrunk by OOMs), except that a generation / scoring size
-        configured smaller on resume (both resume-harmless) wins, so a run stopped by an OOM can restart below it."""
-        update = cfg.memory.max_tokens_per_micro_batch or cfg.training.per_device_train_batch_size
-        configured = cls(cfg.memory.generation_prompts_per_call, cfg.memory.scoring_micro_batch_size or update, update)
-        if not saved:
-            return configured
-        # checkpoints before the scoring / update split stored one shared "train" size
-        generation, scoring = saved.get("generation"), saved.get("scoring", saved.get("train"))
-        if cfg.memory.generation_prompts_per_call is not None:
-            generation = min(generation or configured.generation, configured.generation)
-        if cfg.memory.scoring_micro_batch_size is not None:
-            scoring = min(scoring, configured.scoring)
-        return cls(generation, scoring, saved.get("update", saved.get("train")))
-
-
 @dataclass(kw_only=True)
 class Run(RunBase):
     """What lives for the whole GRPO run (besides `RunBase`'s); built once by `start_run`."""
 
     shard: Shard  # this process's prompts and rows of every step
-    reference: _Reference | None  # the frozen reference policy; None when algorithm.beta == 0
+    reference: FrozenPolicy | None  # the frozen reference policy; None when algorithm.beta == 0
     reward_weights: dict  # name -> weight of each reward in the total
     sizes: Sizes
     pad_id: int
@@ -114,78 +91,7 @@ class Run(RunBase):
     tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
-    teacher: _Reference | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
-
-
-@dataclass
-class Rollout:
-    """One step's samples on this process: P prompts, G completions each, rows grouped by prompt."""
-
-    rows: list[dict]  # [P] dataset rows
-    prompts: dict  # encoded prompts: input_ids / attention_mask [P, L] (+ vision inputs)
-    completions: Completions  # ids, mask [P*G, T]; truncated [P*G]
-    texts: list[str]  # [P*G] decoded completions
-    prompt_texts: list[str]  # [P*G] the problem each row answers
-    routes: RecordedRoutes | None = None  # algorithm.routing_replay: the experts the rollout chose (MoE), else None
-
-    @property
-    def prompt_of_row(self) -> torch.Tensor:
-        """[P*G] which prompt each completion row continues."""
-        return torch.arange(len(self.rows)).repeat_interleave(len(self.texts) // max(1, len(self.rows)))
-
-
-@dataclass
-class Rewards:
-    """Rewards of the whole step (every process's rows, global order) and this process's advantages."""
-
-    local: list[float]  # [P*G] weighted reward of this process's rows
-    rewards: torch.Tensor  # [B*G] float32
-    per_reward: dict[str, list]  # name -> [B*G] values (None where the reward does not apply)
-    advantages: torch.Tensor  # [P*G] (or [P*G, T] per token), on the device
-    lengths: torch.Tensor  # [B*G] completion lengths
-    truncated: torch.Tensor  # [B*G] bool
-    nonfinite: str | None = None  # what was not finite (the step's update is skipped), or None
-    reward_log: RewardLog = field(default_factory=RewardLog)  # what rewards logged via TRL's log_extra / log_metric
-    dynamic: dict = field(default_factory=dict)  # algorithm.dynamic_sampling's metrics of the step (dynamic_sampling/*)
-    distill: dict = field(default_factory=dict)  # distill/* of this step (algorithm.teacher_path), else empty
-
-
-@dataclass
-class Scores:
-    """Log-probs the update compares against, scored once per rollout without gradients."""
-
-    loss_mask: torch.Tensor  # [P*G, T] completion tokens that count in the loss
-    old_logps: torch.Tensor | None  # [P*G, T] under the policy that sampled the rollout (only when cfg.scores_old_logps)
-    ref_logps: torch.Tensor | None  # [P*G, T] under the reference (only when beta > 0)
-    is_weights: torch.Tensor | None = None  # [P*G, T] algorithm.rollout_correction's weights (old vs the sampler's log-probs)
-    entropy_mask: torch.Tensor | None = None  # [P*G, T] algorithm.top_entropy_quantile's kept tokens (per optimizer step), or None
-    mismatch: dict = field(default_factory=dict)  # mismatch/* of the old log-probs against the sampler's (mismatch.py)
-
-
-@dataclass
-class MicroBatch:
-    """Rows of one forward: their unique prompts (each image encoded once) and completions trimmed to the longest."""
-
-    prompts: dict  # [U, L] the unique prompts of these rows
-    row_prompt: torch.Tensor  # [n] index into prompts
-    ids: torch.Tensor  # [n, t] completion ids
-    loss_mask: torch.Tensor  # [n, t] tokens that count in the loss
-    completion_mask: torch.Tensor  # [n, t] generated tokens (up to and including EOS): what the model attends to
-    tool_vision: list | None = None  # multi-turn rows: each row's tool images (vision tensors), else None
-
-
-@dataclass
-class UpdateStats:
-    """Per optimizer step (loss, grad_norm) or micro-batch (kl, clip_ratio) values of one step's update."""
-
-    loss: list[float] = field(default_factory=list)
-    kl: list[float] = field(default_factory=list)
-    clip_ratio: list[float] = field(default_factory=list)
-    grad_norm: list[float] = field(default_factory=list)
-    ratio_dev: list[float] = field(default_factory=list)  # max |ratio - 1| per iteration: 0 on-policy, > 0 when reused
-    mismatch: dict = field(default_factory=dict)  # mismatch/* (mismatch.py): the sampler's log-probs vs the trainer's
-    skipped: list[str] = field(default_factory=list)  # why each skipped optimizer step was skipped
-    router_aux: list[float] = field(default_factory=list)  # MoE load-balancing loss per micro-batch (before its coefficient)
+    teacher: FrozenPolicy | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
 
 # ---------------------------------------------------------------- the loop
@@ -708,7 +614,7 @@ def logps_without_grad(
     """([P*G, T] per-token log-probs of the rollout under `scoring_model` (the policy through the engine, or a
     frozen copy directly), and with `entropies` their [P*G, T] entropies from the same LM-head chunks).
     replay: the policy's own forward, which replays the rollout's expert choices when algorithm.routing_replay is on.
-    frozen: the _Reference holding `scoring_model` (default the reference; the teacher for distillation)."""
+    frozen: the FrozenPolicy holding `scoring_model` (default the reference; the teacher for distillation)."""
 
     comp = samples.completions
     frozen = run.reference if frozen is None else frozen
@@ -1009,81 +915,6 @@ def checkpoint(run: Run, step: int) -> None:
     run.state["sizes"] = asdict(run.sizes)
     save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
     run.saved_at = time.monotonic()
-
-
-def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
-    peak, capacity = metrics.get("mem/gpu_peak_reserved"), metrics.get("mem/gpu_capacity")
-    if peak is not None and capacity and peak > fraction * capacity:
-        warn(
-            f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
-            "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch"
-        )
-
-
-class _Reference:
-    """Context manager yielding the reference policy: the adapter-disabled model (LoRA) or a frozen copy.
-    A copy placed on the CPU (memory.ref_placement=cpu) is moved to the device only while it scores."""
-
-    def __init__(self, model, frozen_copy=None, device=None, offload: bool = False, runner=None, processor=None):
-        self.model, self._copy, self._ctx = model, frozen_copy, None
-        self.processor = processor  # the teacher's own processor (distillation), else None
-        self.device, self.offload = device, offload
-        self.runner = runner  # the copy wrapped by the engine (ZeRO-3: partitioned): scoring calls go through it
-        if self._copy is not None and offload and runner is None:
-            self._copy.to("cpu")
-
-    def __enter__(self):
-        if self._copy is not None:
-            return self._copy.to(self.device) if self.offload and self.runner is None else self._copy
-
-        self._ctx = reference_disabled_adapter(self.model)
-        self._ctx.__enter__()
-        return self.model
-
-    def __exit__(self, *exc):
-        if self._copy is not None and self.offload and self.runner is None:
-            self._copy.to("cpu")
-
-            free_memory()
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-            self._ctx = None
-
-
-def make_reference(model, cfg: Config, device, fresh: bool = False, engine=None):
-    """None when beta == 0 (no reference is loaded at all). With LoRA the reference is the same model with
-    its adapter disabled. Otherwise a frozen copy of the initial policy: a deep copy at the start, or a
-    fresh load from model.name_or_path when resuming (the policy then holds trained weights), wrapped by the
-    engine when it shards references too (`engine.wrap_reference`: ZeRO-3 partitions it)."""
-    if cfg.algorithm.beta == 0:
-        return None
-    if cfg.model.use_lora:
-        return _Reference(model)
-    if fresh:
-        initial = load_policy(cfg, device)[0]
-        # Loaded weights can sit at unaligned addresses (safetensors), where CPU matmul kernels round differently
-        # than on a deep copy's fresh allocations; copied one tensor at a time, resume stays bit-exact.
-        for tensor in [*initial.parameters(), *initial.buffers()]:
-            tensor.data = tensor.data.clone()
-    else:
-        initial = copy.deepcopy(model)
-    initial = initial.eval().requires_grad_(False)
-    runner = engine.wrap_reference(initial) if engine is not None else None
-    return _Reference(model, initial, device, offload=cfg.memory.ref_placement == "cpu", runner=runner)
-
-
-def make_teacher(model, processor, cfg: Config, device, engine=None):
-    """None without algorithm.teacher_path; else the frozen teacher (models/teacher.load_teacher: refused unless it
-    has the policy's tokenizer) held like a reference copy: memory.ref_placement=cpu keeps it in host RAM between
-    scorings, and an engine that shards references (ZeRO-3) shards it too."""
-    from vlmrl.models.teacher import load_teacher
-
-    loaded = load_teacher(cfg, device, model, processor)
-    if loaded is None:
-        return None
-    teacher, teacher_processor = loaded
-    runner = engine.wrap_reference(teacher) if engine is not None else None
-    return _Reference(None, teacher, device, offload=cfg.memory.ref_placement == "cpu", runner=runner, processor=teacher_processor)
 
 
 def _mean(values: list[float]) -> float:

@@ -156,3 +156,12 @@ def phase_memory(name: str, into: dict | None = None) -> Iterator[dict[str, floa
 
 # The brief names a `PhaseMemory` helper; `phase_memory` is it, under both spellings.
 PhaseMemory = phase_memory
+
+
+def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
+    peak, capacity = metrics.get("mem/gpu_peak_reserved"), metrics.get("mem/gpu_capacity")
+    if peak is not None and capacity and peak > fraction * capacity:
+        warn(
+            f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
+            "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch"
+        )

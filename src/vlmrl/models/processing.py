@@ -27,7 +27,7 @@ from PIL import Image
 
 from vlmrl.models.loading import ModelLoadError
 from vlmrl.data.formats import prompt_messages_of
-from vlmrl.data.rows import target_size
+from vlmrl.data.media import target_size
 from vlmrl.data.template_budget import bounded, checked_size, remember_source, template_source
 from vlmrl.data.video import qwen_video_patches
 from vlmrl.families import family_of, model_types

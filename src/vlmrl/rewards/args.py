@@ -1,4 +1,4 @@
-"""The two facts about calling a reward that rewards/functions.py and rewards/peers.py share: the text of a completion in
+"""The two facts about calling a reward that the built-in rewards, rewards/combine.py and rewards/peers.py share: the text of a completion in
 either of TRL's forms, and which of TRL's extra arguments a function can take. Standard library only."""
 
 from __future__ import annotations

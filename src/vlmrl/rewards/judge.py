@@ -294,7 +294,7 @@ def build_judge(cfg: Config, local_judge: Callable[[Config], Any] | None = None)
     starts (ConfigError naming judge.model_path / judge.url): served, the server probed (ServedJudge); in-process,
     `local_judge(cfg)` (models.judge.local_judge_on: the folder checked now, loaded on first use), which the caller
     passes since it knows the device (and the models layer sits above this one)."""
-    from vlmrl.data.rows import load_images
+    from vlmrl.data.media import load_images
 
     d = cfg.data
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 from vlmrl.config import Config, ConfigError
 import functools
 
-from vlmrl.rewards.functions import (
-    FACTORY_SPEC_RE,
-    TrainerState,
-    compute_rewards,
-    describe_sample,
-    load_reward,
-    reward_inputs,
-    soft_overlong_punishment,
-)
+from vlmrl.rewards.loading import FACTORY_SPEC_RE, load_reward
+from vlmrl.rewards.protocol import TrainerState, reward_inputs
+from vlmrl.rewards.combine import compute_rewards
+from vlmrl.rewards.diagnostics import describe_sample
+from vlmrl.rewards.functions import soft_overlong_punishment
 from vlmrl.rewards.judge import JudgeReward, build_judge
 from vlmrl.rewards.peers import split_kind
 

@@ -13,18 +13,10 @@ from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
 from vlmrl.checkpoints.run_manifest import is_owned, record
 from vlmrl.config import replace, to_dict
-from vlmrl.data.rows import (
-    DataError,
-    MissingData,
-    bad_rows_records,
-    data_files,
-    load_dataset_split,
-    load_images,
-    load_video,
-    merge_reports,
-    roots_per_file,
-    shared_image_cache,
-)
+from vlmrl.data.errors import DataError, MissingData
+from vlmrl.data.validation import bad_rows_records, merge_reports
+from vlmrl.data.rows import data_files, load_dataset_split, roots_per_file
+from vlmrl.data.media import load_images, load_video, shared_image_cache
 from vlmrl.data.tasks import TASKS
 from vlmrl.data.video import VideoError
 from vlmrl.run.tool_rollout import tool_schemas

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from vlmrl.config import EMBEDDED_MODEL, Config, ConfigError
 from vlmrl.data.formats import prompt_messages_of
-from vlmrl.data.rows import DataError, sft_target
+from vlmrl.data.errors import DataError
+from vlmrl.data.sft_targets import sft_target
 from vlmrl.data.template_budget import TemplateBudgetError, probe, template_source
 from vlmrl.engine.device import env_world
 from vlmrl.engine.device import resolve_device
@@ -22,7 +23,9 @@ from vlmrl.models.judge import local_judge_on
 from vlmrl.models.loading import ModelLoadError, check_attention, require_complete_model_folder
 from vlmrl.models.processing import build_row_prompt, load_processor
 from vlmrl.models.weight_files import check_expected_weights, check_weight_files
-from vlmrl.rewards.functions import BUILTIN_REWARDS, TrainerState, compute_rewards, resolve_completion_format, reward_inputs
+from vlmrl.rewards.functions import BUILTIN_REWARDS
+from vlmrl.rewards.protocol import TrainerState, resolve_completion_format, reward_inputs
+from vlmrl.rewards.combine import compute_rewards
 from vlmrl.rewards.peers import describe_call
 from vlmrl.rewards.scoring import load_reward_funcs, name_rows, reward_columns, row_sources
 from vlmrl.rollout.backends import describe_backend

@@ -18,7 +18,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmrl.data.rows import DataError, Problem, ValidationReport, target_size
+from vlmrl.data.errors import DataError
+from vlmrl.data.validation import Problem, ValidationReport
+from vlmrl.data.media import target_size
 
 CHUNK_CHARS = 100_000  # texts longer than this are counted chunk by chunk, stopping past the budget
 

@@ -15,7 +15,7 @@ import functools
 import os
 
 from vlmrl.config import Config, ConfigError
-from vlmrl.data.rows import target_size
+from vlmrl.data.media import target_size
 from vlmrl.models.multiturn import TurnLimits, multiturn_supported, sample_multiturn
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.models.processing import ImageShapeCheck

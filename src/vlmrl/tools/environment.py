@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 from PIL import Image
 
-from vlmrl.data.rows import load_images
+from vlmrl.data.media import load_images
 from vlmrl.tools.execute import DEFAULT_TIMEOUT_S, ToolResult, run_tool
 from vlmrl.tools.image_checks import DEFAULT_MAX_PIXELS, check_tool_images
 from vlmrl.tools.parsing import ParsedTurn, parse_tool_calls
@@ -53,7 +53,7 @@ class ToolEnvironment:
     images in one rollout, the row's included: a call that would pass it ends the rollout (``image_budget``), and
     the turn's later calls are not run. ``max_calls_per_turn``: calls of one turn past it are not run (one error
     message says so). ``seen_size(image) -> (width, height)``: the size the model's processor shows an image at (e.g.
-    ``vlmrl.data.rows.target_size`` with the run's pixel bounds), so pixel boxes are scaled to the original, and a
+    ``vlmrl.data.media.target_size`` with the run's pixel bounds), so pixel boxes are scaled to the original, and a
     tool's image is shown to the model at that size (tools keep the original). Every image a tool returns is checked
     (``image_checks.check_tool_images``: at most ``max_image_pixels``, a shape ``shape_check`` accepts).
     """
@@ -119,7 +119,7 @@ class ToolEnvironment:
             return result
         seen = [self.seen_size(im) for im in result.images]
         self._context.seen_sizes.extend(seen)
-        # The model sees a tool's image as it sees a dataset image (data.rows.load_images: resized to the pixel bounds).
+        # The model sees a tool's image as it sees a dataset image (data.media.load_images: resized to the pixel bounds).
         shown = [im if im.size == size else im.resize(size, Image.Resampling.BICUBIC) for im, size in zip(result.images, seen)]
         return ToolResult(name=result.name, text=result.text, images=shown)
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 from PIL import Image
 
-from vlmrl.data.rows import target_size
+from vlmrl.data.media import target_size
 from vlmrl.tools.execute import ToolResult
 
 # transformers' smart_resize (Qwen-VL, GLM-4V) raises for a longer/shorter side ratio above this.

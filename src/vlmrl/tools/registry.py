@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Callable
 
-from vlmrl.rewards.functions import _import_file, _import_module
+from vlmrl.rewards.loading import import_file, import_module
 from vlmrl.tools.context import ToolContext
 from vlmrl.tools.image_tools import crop, rotate, zoom
 
@@ -109,9 +109,9 @@ def load_object(spec: str, what: str):
     if not name.isidentifier():
         raise ToolError(f"{what} {spec!r}: {name!r} is not a name in a module")
     if target.endswith(".py"):
-        module = _import_file(target, spec, what=what, error=ToolError)
+        module = import_file(target, spec, what=what, error=ToolError)
     else:
-        module = _import_module(target, spec, what=what, error=ToolError)
+        module = import_module(target, spec, what=what, error=ToolError)
     if not hasattr(module, name):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         close = difflib.get_close_matches(name, found, n=1, cutoff=0.6)

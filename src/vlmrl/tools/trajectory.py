@@ -4,7 +4,7 @@
 ``completion`` is everything after it: assistant messages (``content`` = the text outside tool calls,
 ``tool_calls`` = ``[{"type": "function", "function": {"name", "arguments"}}]``) and the ``role: tool`` messages
 that answered them (images as parts). A reward function called with ``prompts=[t.prompt]`` and
-``completions=[t.completion]`` sees what TRL would hand it; ``vlmrl.rewards.functions.completion_text`` of the
+``completions=[t.completion]`` sees what TRL would hand it; ``vlmrl.rewards.args.completion_text`` of the
 completion is the last message's text, i.e. the final answer when the model ended with one.
 """
 
