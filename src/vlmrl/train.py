@@ -65,7 +65,7 @@ from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
 from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
-from vlmrl.run.step_records import MicroBatch, Rewards, Rollout, Scores, Sizes, UpdateStats
+from vlmrl.run.step_records import MicroBatch, PickedRows, Rewards, Rollout, Scores, Sizes, UpdateStats, picked_reward_log
 
 
 if TYPE_CHECKING:
@@ -495,32 +495,6 @@ def picked_batch(run: Run, rounds: list[tuple[Rollout, Rewards, list]], picks: P
         picked_reward_log(picked, len(samples.texts)),
     )
     return samples, rewards
-
-
-@dataclass
-class PickedRows:
-    """Which local rows of which round each picked group takes (dynamic sampling): group k is rows local_rows[k] of
-    round round_of[k]."""
-
-    rounds: list  # [(Rollout, Rewards, dataset rows)] of every generation round, first the step's own
-    round_of: list[int]
-    local_rows: list[list[int]]
-
-    def values(self, column) -> list:
-        """[picked rows] of `column(rollout, rewards)`, a per-local-row list of each round."""
-        return [column(*self.rounds[r][:2])[j] for r, rows in zip(self.round_of, self.local_rows) for j in rows]
-
-
-def picked_reward_log(picked: PickedRows, n: int) -> RewardLog:
-    """The rounds' reward logs as one: every round's gathered values, and the per-completion columns of the picked
-    rows where every round logged one per local row (`n`: rows picked on this process)."""
-    logs = [r.reward_log for _, r, _ in picked.rounds]
-    reward_log = RewardLog(values={k: [v for log in logs for v in log.values.get(k, [])] for k in logs[0].values})
-    for key in logs[0].columns:
-        columns = [log.columns.get(key) for log in logs]
-        if all(c is not None and len(c) == n for c in columns):
-            reward_log.columns[key] = picked.values(lambda _, r, key=key: r.reward_log.columns[key])
-    return reward_log
 
 
 def take_rows(comp: Completions, rows: list[int]) -> Completions:

@@ -1,6 +1,6 @@
 """What the GRPO loop's phases pass along (train.py): the step's samples (`Rollout`), rewards and advantages (`Rewards`),
 the log-probs the update compares against (`Scores`), one forward's rows (`MicroBatch`), the update's values
-(`UpdateStats`), and the piece sizes OOM recovery may shrink (`Sizes`).
+(`UpdateStats`), the piece sizes OOM recovery may shrink (`Sizes`), and dynamic sampling's picked rows (`PickedRows`).
 """
 
 from __future__ import annotations
@@ -109,3 +109,29 @@ class UpdateStats:
     mismatch: dict = field(default_factory=dict)  # mismatch/* (mismatch.py): the sampler's log-probs vs the trainer's
     skipped: list[str] = field(default_factory=list)  # why each skipped optimizer step was skipped
     router_aux: list[float] = field(default_factory=list)  # MoE load-balancing loss per micro-batch (before its coefficient)
+
+
+@dataclass
+class PickedRows:
+    """Which local rows of which round each picked group takes (dynamic sampling): group k is rows local_rows[k] of
+    round round_of[k]."""
+
+    rounds: list  # [(Rollout, Rewards, dataset rows)] of every generation round, first the step's own
+    round_of: list[int]
+    local_rows: list[list[int]]
+
+    def values(self, column) -> list:
+        """[picked rows] of `column(rollout, rewards)`, a per-local-row list of each round."""
+        return [column(*self.rounds[r][:2])[j] for r, rows in zip(self.round_of, self.local_rows) for j in rows]
+
+
+def picked_reward_log(picked: PickedRows, n: int) -> RewardLog:
+    """The rounds' reward logs as one: every round's gathered values, and the per-completion columns of the picked
+    rows where every round logged one per local row (`n`: rows picked on this process)."""
+    logs = [r.reward_log for _, r, _ in picked.rounds]
+    reward_log = RewardLog(values={k: [v for log in logs for v in log.values.get(k, [])] for k in logs[0].values})
+    for key in logs[0].columns:
+        columns = [log.columns.get(key) for log in logs]
+        if all(c is not None and len(c) == n for c in columns):
+            reward_log.columns[key] = picked.values(lambda _, r, key=key: r.reward_log.columns[key])
+    return reward_log
