@@ -82,13 +82,14 @@ def cmd_greedy(args) -> None:
     """vLLM started on the SFT weights, the run's final weights pushed into it (the path every step takes), then vLLM
     greedy vs HF greedy on the first --rows held-out prompts."""
     import torch
-    from vllm import SamplingParams
 
-    from vlmrl.config import load_config
+    from vlmrl.config import load_config  # vlmrl first: it lets the registry's torchvision import beside CPU torch
     from vlmrl.models.policy import load_policy
     from vlmrl.models.rollout import generate
     from vlmrl.rollout.vllm_backend import VLLMRollout
     from vlmrl.run.datasets import encode_rows, load_datasets, row_prompt_inputs
+
+    from vllm import SamplingParams  # noqa: I001 - after vlmrl
 
     run = run_dir(args.out, args.backend, args.seed, args.label)
     cfg = load_config(None, grpo_overrides(args.out, "vllm", args.seed, args.steps))
@@ -100,14 +101,14 @@ def cmd_greedy(args) -> None:
     model.eval()
     rows = load_datasets(cfg, processor=processor).eval[: args.rows]
     backend = VLLMRollout(cfg, model, processor, log=lambda *_: None)
-    backend.sync(step=args.steps, rows=rows)  # push + probe
+    synced = backend.sync(step=args.steps, rows=rows)  # push + probe
     prompts = encode_rows(processor, rows, cfg, torch.device("cpu"))
     hf = generate(model, processor.tokenizer, prompts, num_generations=1, max_new_tokens=8, do_sample=False, shared_prefix=False)
     texts, images, _ = row_prompt_inputs(processor, rows, cfg)
     params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=backend.eos, allowed_token_ids=backend.allowed)
     outs = backend.llm.generate(backend.requests(texts, images), params, use_tqdm=False)
     equal = [list(o.outputs[0].token_ids) == hf.ids[i][hf.mask[i].bool()].tolist() for i, o in enumerate(outs)]
-    result = {"rows": len(equal), "equal": sum(equal), "probe_max_abs_logp_diff": backend.metrics.get("vllm/probe_max_abs_logp_diff")}
+    result = {"rows": len(equal), "equal": sum(equal), "probe_max_abs_logp_diff": synced.get("vllm/probe_max_abs_logp_diff")}
     (run / "greedy.json").write_text(json.dumps(result) + "\n")
     print(result)
 
