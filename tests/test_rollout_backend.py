@@ -124,3 +124,20 @@ def test_probe_within_tolerance_passes_and_past_it_fails():
     assert probe_mismatch(trainer + 5e-7, trainer, 1e-3) is None
     problem = probe_mismatch(trainer + torch.tensor([0.0, 0.3, 0.0]), trainer, 1e-3)
     assert "differ from the trainer's by up to 0.3" in problem and "not sampling with the trained weights" in problem
+
+
+def test_vllm_sample_streams_of_neighbouring_prompts_never_overlap():
+    """vLLM seeds sample i of an n-sample request with seed + i; the trainer's prompt seeds are consecutive
+    (prompt_seed: step * 100003 + position). Passed unchanged, prompt p's sample i and prompt p+1's sample i-1 drew
+    from one stream (a step of 8 prompts x G 8 sampled from 15 streams). Every seed vLLM derives must be distinct,
+    within int64."""
+    from vlmrl.engine.collectives import prompt_seed
+    from vlmrl.rollout.vllm_backend import sampling_params
+
+    cfg = load_config(None, ["rollout.num_generations=8"])
+    for step in (1, 2, 20):
+        params = sampling_params(cfg.rollout, [prompt_seed(0, step, p) for p in range(8)], eos=[2])
+        streams = [p["seed"] + i for p in params for i in range(p["n"])]
+        assert len(set(streams)) == 64 and max(streams) < 2**63
+    # the same prompt seed (a redo after an OOM, or a resume) still gives the same seed
+    assert sampling_params(cfg.rollout, [5], [2]) == sampling_params(cfg.rollout, [5], [2])

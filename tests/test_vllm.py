@@ -114,6 +114,19 @@ def test_per_prompt_seeds_give_the_same_samples_in_any_batch(engine):
     del prompts
 
 
+def test_neighbouring_prompts_do_not_share_sample_streams(engine):
+    """The same prompt twice in one rollout under consecutive prompt seeds (the trainer's: step * 100003 + position):
+    vLLM seeds sample i with seed + i, so with the prompt seeds passed unchanged the second copy's sample i was the
+    first copy's sample i+1, token for token (G-1 duplicated samples a group)."""
+    cfg, model, processor, rows, backend = engine
+    twice = [rows[0], rows[0]]
+    completions, _ = sample(backend, step=1, rows=twice, prompts=encoded(cfg, processor, twice), seeds=[5, 6], row_names=["row 0", "row 0 again"])
+    G = cfg.rollout.num_generations
+    texts = [completions.ids[i][completions.mask[i].bool()].tolist() for i in range(2 * G)]
+    shifted = [texts[G + i] == texts[i + 1] for i in range(G - 1)]
+    assert not any(shifted), f"prompt 2's samples repeat prompt 1's, shifted by one: {shifted}"
+
+
 def test_a_rollout_larger_than_one_prefill_batch(engine, monkeypatch):
     """More prompt tokens than vLLM schedules in one step (4 rows x G 160 x ~30 tokens > 4,096): with chunked prefill
     vLLM rewinds a seeded request's generator, which fails on CPU (`CPU Generator does not use offset`)."""

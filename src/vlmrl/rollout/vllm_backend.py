@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from vlmrl.models.loading import resolve_model_path, unwrap
+from vlmrl.models.prefix import row_seed
 from vlmrl.models.processing import encode_prompts
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.rollout.base import SampleRequest
@@ -33,6 +34,33 @@ from vlmrl.run.datasets import row_prompt_inputs
 # 9.5e-7); bfloat16 kernels differ more between the two engines.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 PROBE_ANSWER = "<answer>1</answer>"  # the probe's fixed completion (any text the tokenizer encodes)
+
+
+def group_seed(prompt_seed: int, n: int) -> int:
+    """The seed vLLM gets for one prompt's n samples. vLLM seeds sample i of an n-sample request with seed + i
+    (vllm/v1/engine/parallel_sampling.py), and the trainer's prompt seeds are consecutive (engine/collectives.
+    prompt_seed: step * 100003 + position): passed as they are, prompt p's sample i and prompt p+1's sample i-1 drew
+    from the same stream (8 prompts x G 8 = 64 samples from 15 streams). A splitmix64 of the prompt seed
+    (models/prefix.row_seed) puts the groups' n consecutive seeds far apart."""
+    return row_seed(prompt_seed, 0) % (2**63 - n)  # seed + n - 1 still fits in int64
+
+
+def sampling_params(r, seeds: list[int], eos: list[int]) -> list[dict]:
+    """One vLLM sampling-parameter dict (vllm_engine.SAMPLING_KEYS) per prompt seed [P], from the run's rollout config."""
+    return [
+        {
+            "n": r.num_generations,
+            "max_tokens": r.max_completion_length,
+            "min_tokens": r.min_completion_length,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k if r.top_k > 0 else -1,
+            "seed": group_seed(seed, r.num_generations),
+            "logprobs": 0,  # the sampled token's log-prob
+            "stop_token_ids": eos,
+        }
+        for seed in seeds
+    ]
 
 
 class VLLMRollout:
@@ -150,24 +178,10 @@ class VLLMRollout:
         rows [P] with the trainer's encoded prompts [P, L], seeds [P] (one sampling stream per prompt), names [P]."""
         step, rows, prompts, seeds, row_names = request.step, request.rows, request.prompts, request.seeds, request.names
         self.metrics = self.sync(step, rows)
-        r = self.cfg.rollout
         texts, images, videos = row_prompt_inputs(self.processor, rows, self.cfg)
         if any(videos):
             raise RolloutParityError(f"{row_names[[bool(v) for v in videos].index(True)]}: rollout.backend=vllm samples image rows only (yet)")
-        params = [
-            {
-                "n": r.num_generations,
-                "max_tokens": r.max_completion_length,
-                "min_tokens": r.min_completion_length,
-                "temperature": r.temperature,
-                "top_p": r.top_p,
-                "top_k": r.top_k if r.top_k > 0 else -1,
-                "seed": seed,
-                "logprobs": 0,  # the sampled token's log-prob
-                "stop_token_ids": self.eos,
-            }
-            for seed in seeds
-        ]
+        params = sampling_params(self.cfg.rollout, seeds, self.eos)
         outs = self.engine.generate(self.requests(texts, images), params)
         check_prompts([o["prompt_token_ids"] for o in outs], prompts, self.vision_ids, row_names)
         return self.completions(outs)
