@@ -25,41 +25,71 @@ def describe_batch(when: str | None, sources: list[str] | None) -> str:
 def format_hint(error: Exception, completion: Any, fn: RewardFn | None = None, given: dict | None = None) -> str:
     """A pointer to what most likely went wrong, only where the error says so: a completion of the other form
     (algorithm.completion_format), a function that is not called TRL's way (an EasyR1 compute_score, a factory), or a
-    column the reward reads from ``**kwargs`` that these rows do not have (VLM-R1's, which vlmrl adds to VLM-R1 rows)."""
-    text = str(error)
+    column the reward reads from ``**kwargs`` that these rows do not have (VLM-R1's, which vlmrl adds to VLM-R1 rows).
+    The first hint that applies, in this order (HINTS)."""
+    for hint in HINTS:
+        found = hint(error, str(error), completion, fn, given)
+        if found:
+            return found
+    return ""
+
+
+def _conversational_hint(error, text: str, completion, fn, given) -> str | None:
     if isinstance(completion, str) and isinstance(error, TypeError) and "indices must be integers" in text:
         return (
             "; a reward written for TRL's conversational completions (completion[0]['content'], as VLM-R1's) "
             "needs algorithm.completion_format=conversational"
         )
-    if isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", text):
-        easyr1 = "name it file.py:compute_score@easyr1 (EasyR1 calls compute_score(reward_inputs) with a list of dicts)"
-        factory = (
-            "if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), call it in the spec "
-            "with its arguments: module:factory(arg=value, ...)"
-        )
-        if getattr(_innermost(fn), "__name__", "") == "compute_score":  # EasyR1's name for its reward: its way first
-            return f"; an EasyR1 reward? {easyr1}; {factory}"
-        return f"; {factory}; an EasyR1 compute_score(reward_inputs) is named file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
+    return None
+
+
+def _calling_hint(error, text: str, completion, fn, given) -> str | None:
+    if not (isinstance(error, TypeError) and re.search(r"unexpected keyword argument '(prompts|completions)'", text)):
+        return None
+    easyr1 = "name it file.py:compute_score@easyr1 (EasyR1 calls compute_score(reward_inputs) with a list of dicts)"
+    factory = (
+        "if this function builds the reward (a factory such as TRL's get_soft_overlong_punishment), call it in the spec "
+        "with its arguments: module:factory(arg=value, ...)"
+    )
+    if getattr(_innermost(fn), "__name__", "") == "compute_score":  # EasyR1's name for its reward: its way first
+        return f"; an EasyR1 reward? {easyr1}; {factory}"
+    return f"; {factory}; an EasyR1 compute_score(reward_inputs) is named file.py:compute_score@easyr1, an ms-swift ORM class file.py:Name@swift"
+
+
+def _column_argument_hint(error, text: str, completion, fn, given) -> str | None:
+    """An ms-swift ORM's / TRL function's named data columns: say they are columns, and which the rows have."""
     missing_args = MISSING_ARGUMENTS_RE.search(text) if isinstance(error, TypeError) and given is not None else None
     absent = [a for a in re.findall(r"'(\w+)'", missing_args["names"]) if a not in given] if missing_args else []
-    if absent:  # an ms-swift ORM's / TRL function's named data columns: say they are columns, and which the rows have
-        have = ", ".join(k for k in given if k not in ("prompts", "completions", *REWARD_EXTRAS))
-        return (
-            f"; it takes the data column{'s' if len(absent) > 1 else ''} {', '.join(absent)} as argument{'s' if len(absent) > 1 else ''}, "
-            f"which these rows do not have (their columns: {have or 'none'}): add {'them' if len(absent) > 1 else 'it'} to the data file"
-        )
+    if not absent:
+        return None
+    have = ", ".join(k for k in given if k not in ("prompts", "completions", *REWARD_EXTRAS))
+    s = "s" if len(absent) > 1 else ""
+    return (
+        f"; it takes the data column{s} {', '.join(absent)} as argument{s}, "
+        f"which these rows do not have (their columns: {have or 'none'}): add {'them' if len(absent) > 1 else 'it'} to the data file"
+    )
+
+
+def _text_form_hint(error, text: str, completion, fn, given) -> str | None:
     if isinstance(completion, list) and ("'list' object has no attribute" in text or "not 'list'" in text or "got 'list'" in text):
         return "; a reward that expects plain string completions needs algorithm.completion_format=text"
-    if "'NoneType'" in text and given is not None:
-        missing = [c for c in _kwargs_read(fn) if c not in given]
-        if missing:
-            return (
-                f"; the reward reads {', '.join(missing)} from **kwargs, which these rows do not have (it gets: "
-                f"{', '.join(k for k in given if k not in ('prompts', 'completions'))}); vlmrl adds image_path, "
-                "accu_reward_method and image_grid_thw to VLM-R1 conversations rows only: add the column to the data"
-            )
-    return ""
+    return None
+
+
+def _kwargs_column_hint(error, text: str, completion, fn, given) -> str | None:
+    if "'NoneType'" not in text or given is None:
+        return None
+    missing = [c for c in _kwargs_read(fn) if c not in given]
+    if not missing:
+        return None
+    return (
+        f"; the reward reads {', '.join(missing)} from **kwargs, which these rows do not have (it gets: "
+        f"{', '.join(k for k in given if k not in ('prompts', 'completions'))}); vlmrl adds image_path, "
+        "accu_reward_method and image_grid_thw to VLM-R1 conversations rows only: add the column to the data"
+    )
+
+
+HINTS = (_conversational_hint, _calling_hint, _column_argument_hint, _text_form_hint, _kwargs_column_hint)
 
 
 # Python's "f() missing 2 required positional arguments: 'bbox' and 'image_size'".

@@ -49,14 +49,7 @@ def _easyr1_loss(source: dict[str, Any], out: Conversion) -> None:
     def setting(key: str, value: Any, name: str) -> None:
         (out.set if name in given else out.fill)(key, value)
 
-    loss = {"default": "ppo_clip", "gspo": "gspo", "gspo_token": "gspo", "sapo": "sapo"}.get(a["loss_type"])
-    if loss is None:
-        why = (
-            "its weight is clamped to [1 - clip_ratio_low, 1 + clip_ratio_high]; vlmrl's cispo has only the upper cap"
-            if a["loss_type"] == "cispo"
-            else "vlmrl has no such loss"
-        )
-        raise ConfigError(f"worker.actor.loss_type={a['loss_type']}: {why}; converting without it would train another algorithm")
+    loss = _easyr1_policy_loss(a["loss_type"])
     if loss != "ppo_clip":
         setting("algorithm.policy_loss", loss, "loss_type")
     if loss != "sapo":  # EasyR1's sapo gate has no clip range
@@ -74,6 +67,24 @@ def _easyr1_loss(source: dict[str, Any], out: Conversion) -> None:
             "worker.actor.loss_avg_mode",
             "seq: EasyR1 weights each micro-batch's sequence mean by its token share; token_mean written (the same at micro-batch 1)",
         )
+    _easyr1_kl(algorithm, out)
+
+
+def _easyr1_policy_loss(loss_type: str) -> str:
+    """vlmrl's algorithm.policy_loss for EasyR1's worker.actor.loss_type; ConfigError for one vlmrl cannot express."""
+    loss = {"default": "ppo_clip", "gspo": "gspo", "gspo_token": "gspo", "sapo": "sapo"}.get(loss_type)
+    if loss is None:
+        why = (
+            "its weight is clamped to [1 - clip_ratio_low, 1 + clip_ratio_high]; vlmrl's cispo has only the upper cap"
+            if loss_type == "cispo"
+            else "vlmrl has no such loss"
+        )
+        raise ConfigError(f"worker.actor.loss_type={loss_type}: {why}; converting without it would train another algorithm")
+    return loss
+
+
+def _easyr1_kl(algorithm: dict, out: Conversion) -> None:
+    """EasyR1's KL estimator (compute_kl) as algorithm.kl_estimator; a KL in the reward is refused (vlmrl's is a loss)."""
     (out.set if "kl_penalty" in algorithm else out.fill)(
         "algorithm.kl_estimator", EASYR1_KL.get(algorithm.get("kl_penalty", "low_var_kl"), "low_var_kl")
     )

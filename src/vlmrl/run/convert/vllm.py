@@ -25,9 +25,9 @@ VLLM_DEFAULTS = {"trl": {"vllm_mode": "server", "cap": 0.3}, "ms-swift": {"vllm_
 def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool) -> set[str]:
     """use_vllm true: rollout.backend=vllm colocated, with the source's cap (or its trainer's default), sleep level
     (TRL's vllm_enable_sleep_mode sleeps at level 2, ms-swift's sleep_level as given), tensor-parallel size and
-    max model length. Server mode is not converted (listed); with LoRA the fields are written but the backend stays
-    in-process (vlmrl's vLLM backend trains full weights only). Returns the keys handled; use_vllm false or unset:
-    none (they are listed as the source not using vLLM)."""
+    max model length; server mode (the peer's server) as rollout.vllm_mode=server at its host(s) and port(s). With
+    LoRA the fields are written but the backend stays in-process (vlmrl's vLLM backend trains full weights only).
+    Returns the keys handled; use_vllm false or unset: none (they are listed as the source not using vLLM)."""
     if source.get("use_vllm") is not True:
         sleep = {"sleep_level", "vllm_enable_sleep_mode"} & set(source)
         for key in sleep:
@@ -53,16 +53,21 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
     else:
         out.set("rollout.backend", "vllm")
         out.set("rollout.vllm_mode", mode)
+    write_vllm_fields(source, out, peer, defaults["cap"])
+    return handled
+
+
+def write_vllm_fields(source: dict[str, Any], out: Conversion, peer: str, default_cap: float) -> None:
+    """The engine fields of the same meaning (VLLM_KEYS), the cap (the peer's default when unset) and the sleep level."""
     for key, target in VLLM_KEYS.items():
         if source.get(key) is not None:
             out.set(target, source[key])
     if "vllm_gpu_memory_utilization" not in source:
-        out.fill("rollout.vllm_gpu_memory_utilization", defaults["cap"])
-        out.notes.append(f"{peer}'s vLLM cap for what the source leaves unset: rollout.vllm_gpu_memory_utilization={defaults['cap']}")
+        out.fill("rollout.vllm_gpu_memory_utilization", default_cap)
+        out.notes.append(f"{peer}'s vLLM cap for what the source leaves unset: rollout.vllm_gpu_memory_utilization={default_cap}")
     level = 2 if source.get("vllm_enable_sleep_mode") is True else source.get("sleep_level")
     if level:
         out.set("rollout.vllm_sleep_level", int(level))
-    return handled
 
 
 def convert_vllm_server(source: dict[str, Any], out: Conversion, defaulted: bool) -> set[str]:
