@@ -121,9 +121,9 @@ def test_planner_qwen3_vl_image_tokens_follow_the_processor(side):
     from PIL import Image
 
     from vlmrl.plan.planner import image_tokens, model_spec
-    from vlmrl.fixtures.tiny import _qwen_image_processor
+    from vlmrl.fixtures.tiny import qwen_image_processor
 
-    processor = _qwen_image_processor(min_pixels=32 * 32, max_pixels=side * side, patch_size=16)
+    processor = qwen_image_processor(min_pixels=32 * 32, max_pixels=side * side, patch_size=16)
     grid = processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")["image_grid_thw"][0]
     expected = int(grid.prod()) // 4
     for preset in ("qwen3-vl-4b", "qwen3-vl-8b"):

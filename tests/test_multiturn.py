@@ -26,7 +26,7 @@ from vlmrl.models.multiturn import (
     sequence_logps_prefix,
     turn_end,
 )
-from vlmrl.models.processing import _tokenizer_of, encode_prompts, load_processor, render_chat
+from vlmrl.models.processing import tokenizer_of, encode_prompts, load_processor, render_chat
 from vlmrl.models.rollout import eos_token_ids, vision_token_ids
 from vlmrl.tools.environment import ToolEnvironment
 from vlmrl.tools.registry import load_tools
@@ -72,7 +72,7 @@ def _scripts(processor, eos, turns: list[str]) -> list[list[int]]:
     """Token ids of each scripted turn (the template's content prefix first, e.g. LLaVA's space), turn end last."""
     end_id, _ = turn_end(processor, eos)
     prefix = content_prefix(processor)
-    tok = _tokenizer_of(processor)
+    tok = tokenizer_of(processor)
     return [tok(prefix + text, add_special_tokens=False).input_ids + [end_id] for text in turns]
 
 
@@ -191,7 +191,7 @@ def test_engine_tokens_equal_the_template_rendering(family):
     scripts = [_scripts(processor, eos, [ZOOM, CROP, ANSWER]), _scripts(processor, eos, [CROP, ANSWER])]
     batch, out = _engine(model, processor, eos, rows, scripts, G=2)
     _, glue = turn_end(processor, eos)
-    glue_ids = _tokenizer_of(processor)(glue, add_special_tokens=False).input_ids if glue else []
+    glue_ids = tokenizer_of(processor)(glue, add_special_tokens=False).input_ids if glue else []
     prompt = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
     for i in range(2):
         traj = out.trajectories[i]

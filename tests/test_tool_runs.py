@@ -73,12 +73,12 @@ def tool_run(tmp_path, monkeypatch, tiny, turns: list[str], overrides: list[str]
     from vlmrl.data.tasks import make_count_task
     from vlmrl.engine import host_alloc
     from vlmrl.models.multiturn import turn_end
-    from vlmrl.models.processing import _tokenizer_of, load_processor
+    from vlmrl.models.processing import tokenizer_of, load_processor
     from vlmrl.train import train
 
     processor = load_processor(tiny)
     end_id, _ = turn_end(processor, [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    scripts = [_tokenizer_of(processor)(t, add_special_tokens=False).input_ids + [end_id] for t in turns]
+    scripts = [tokenizer_of(processor)(t, add_special_tokens=False).input_ids + [end_id] for t in turns]
     real, seen = tool_rollout.sample_multiturn, []
 
     def scripted(*args, **kwargs):

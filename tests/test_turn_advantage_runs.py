@@ -53,12 +53,12 @@ def per_turn_run(tmp_path, monkeypatch, tiny, out, steps: int, extra=(), stop_af
     from vlmrl.engine import host_alloc
     from vlmrl.models import multiturn
     from vlmrl.models.multiturn import turn_end
-    from vlmrl.models.processing import _tokenizer_of, load_processor
+    from vlmrl.models.processing import tokenizer_of, load_processor
     from vlmrl.train import train
 
     processor = load_processor(tiny)
     end_id, _ = turn_end(processor, [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    scripts = [_tokenizer_of(processor)(call(b), add_special_tokens=False).input_ids + [end_id] for b in BOXES]
+    scripts = [tokenizer_of(processor)(call(b), add_special_tokens=False).input_ids + [end_id] for b in BOXES]
     real, seen = multiturn.sample_multiturn, []  # the engine's own (tool_rollout's may be an earlier call's wrapper)
 
     def scripted(*args, **kwargs):

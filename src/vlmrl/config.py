@@ -882,7 +882,7 @@ def _trl_value(name: str, value: Any, source: str) -> tuple[bool, Any]:
     raise ConfigError(f"{source}: {name}={value!r}: vlmrl evaluates / saves every {field_name} steps; use 'steps' (and set {field_name}) or 'no'")
 
 
-def _merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
+def merge_key(tree: dict, dotted: str, value: Any, source: str) -> None:
     if dotted in PEER_ALIASES:
         if PEER_ALIASES[dotted] is None:
             return
@@ -1024,10 +1024,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
         for key, value in _flatten_yaml(data, str(path)):
-            _merge_key(tree, key, value, str(path))
+            merge_key(tree, key, value, str(path))
     for text in overrides:
         key, value = parse_override(text)
-        _merge_key(tree, key, value, f"override {text!r}")
+        merge_key(tree, key, value, f"override {text!r}")
     from vlmrl.defaults import apply_model_defaults
 
     apply_preset(tree)  # algorithm.preset: TRL's defaults for the fields left unset
@@ -1486,7 +1486,7 @@ def replace(cfg: Config, **dotted: Any) -> Config:
     tree = to_dict(cfg)
     for key, value in dotted.items():
         section, name = key.split("__", 1)
-        _merge_key(tree, f"{section}.{name}", value, "replace()")
+        merge_key(tree, f"{section}.{name}", value, "replace()")
     return build_config(tree)
 
 

@@ -124,7 +124,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text_synced(path: Path, text: str) -> None:
     """Write text and fsync it before returning."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -409,8 +409,8 @@ def _write_contents(
         text = json.dumps(state, indent=2, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"trainer_state for {tmp.parent / f'checkpoint-{step}'} is not JSON serialisable: {e}") from e
-    _write_text(tmp / TRAINER_STATE, text)
-    _write_text(tmp / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
+    write_text_synced(tmp / TRAINER_STATE, text)
+    write_text_synced(tmp / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
 
 
 def _write_manifest(tmp: Path, step: int) -> None:
@@ -419,7 +419,7 @@ def _write_manifest(tmp: Path, step: int) -> None:
     for rel in _files_under(tmp):
         p = tmp / rel
         files[rel.as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-    _write_text(tmp / MANIFEST, json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": files}, indent=2))
+    write_text_synced(tmp / MANIFEST, json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": files}, indent=2))
     for dirpath, _dirs, _files in os.walk(tmp):
         _fsync_dir(Path(dirpath))
 

@@ -256,7 +256,7 @@ def normalize_rows(
     elif layout == "trl":
         first = next((r.get("prompt") for r in rows if "_malformed" not in r), None)
         label = "trl conversational" if isinstance(first, list) else "trl standard"
-    render = _template(template) if template else None
+    render = easyr1_prompt_template(template) if template else None
     out = [_normalize_row(r, layout, label, render) if "_malformed" not in r else r for r in rows]
     refuse_lost_images(out, name, label)
     return out, label
@@ -285,7 +285,7 @@ def _normalize_row(row: dict, layout: str, label: str, render) -> dict:
     return out
 
 
-def _template(text: str):
+def easyr1_prompt_template(text: str):
     """EasyR1's format_prompt: a jinja template rendered with ``content`` = the user's text (placeholders kept)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment

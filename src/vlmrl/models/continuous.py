@@ -43,7 +43,7 @@ from vlmrl.models.loading import unwrap
 from vlmrl.models.prefix import (
     sampling_warpers,
     SamplingWorkspace,
-    _prefill,
+    prefill_prompts,
     chosen_logps,
     draw_uniforms,
     mrope_positions,
@@ -236,7 +236,7 @@ class ContinuousDecoder:
         prompts, self.queue = self.queue[:k], self.queue[k:]
         chunk = select_rows(self.batch, prompts)
         position_ids, next_pos = prefix_positions(self.model, chunk)
-        out = _prefill(self.model, chunk, position_ids, lm_logits=True)
+        out = prefill_prompts(self.model, chunk, position_ids, lm_logits=True)
         return dict(
             cache=out.past_key_values,
             logits=out.logits[:, -1].to(torch.float32),

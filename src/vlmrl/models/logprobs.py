@@ -23,7 +23,7 @@ from vlmrl.config import LOGPROB_CHUNK_TOKENS
 from vlmrl.models.loading import unwrap
 from vlmrl.families import family_of, grouped_labels, log_fallback
 from vlmrl.models.loading import vision_tower
-from vlmrl.models.processing import _item_order, append_tokens, select_rows
+from vlmrl.models.processing import item_order, append_tokens, select_rows
 
 # Keys of an encoded prompt batch that are bookkeeping, not model inputs.
 NON_MODEL_KEYS = ("images_per_row", "videos_per_row", "image_num_patches")
@@ -282,7 +282,7 @@ def _image_features(out, n_images: int, sizes: list[int] | None) -> torch.Tensor
     return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats], dim=0)
 
 
-def _accepted(fn, kwargs: dict) -> dict:
+def accepted_kwargs(fn, kwargs: dict) -> dict:
     """The kwargs `fn` accepts (all of them when it takes **kwargs)."""
     import inspect
 
@@ -411,13 +411,13 @@ def _shared_image_features(inner, prompt_batch: dict, spec, n_images: int) -> tu
         merge = inner.visual.spatial_merge_size**2
         sizes = (grid.prod(-1) // merge).tolist()
         out = inner.get_image_features(
-            **_accepted(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], "image_grid_thw": grid, "return_dict": True})
+            **accepted_kwargs(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], "image_grid_thw": grid, "return_dict": True})
         )
     else:
         extra = {k: prompt_batch[k] for k in ("image_sizes",) if k in prompt_batch}
         sizes = None
         out = inner.get_image_features(
-            **_accepted(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], **extra, "return_dict": True})
+            **accepted_kwargs(inner.get_image_features, {"pixel_values": prompt_batch["pixel_values"], **extra, "return_dict": True})
         )
     feats = _image_features(out, n_images, sizes)
     if sizes is None:
@@ -443,7 +443,7 @@ def _mrope_position_ids(inner, grid: torch.Tensor, row_images: list[int], text: 
     mm_types = text.get("mm_token_type_ids")
     if mm_types is None:
         mm_types = image_mask.long()
-    rope_kwargs = _accepted(
+    rope_kwargs = accepted_kwargs(
         inner.get_rope_index,
         {
             "input_ids": text["input_ids"],
@@ -497,7 +497,7 @@ def _encoder_outputs_grouped_hidden(
     row_images = _row_images(row_prompt, per_prompt)
     tiles = prompt_batch.get("image_num_patches")  # InternVL: features are per tile; an image is its run of tiles
     if tiles is not None:
-        row_images = _item_order(tiles.reshape(-1), torch.tensor(row_images, dtype=torch.long))  # their tiles, image after image
+        row_images = item_order(tiles.reshape(-1), torch.tensor(row_images, dtype=torch.long))  # their tiles, image after image
     out.pooler_output = _gather_images(out.pooler_output, row_images)
     if getattr(out, "deepstack_features", None) is not None:
         out.deepstack_features = [_gather_images(layer, row_images) for layer in out.deepstack_features]

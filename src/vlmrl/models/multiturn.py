@@ -43,9 +43,9 @@ from vlmrl.algo.turn_advantages import numeric_reward
 from vlmrl.families import model_types
 from vlmrl.models.continuous import ContinuousDecoder, seeded_row_sampler
 from vlmrl.models.loading import unwrap
-from vlmrl.models.logprobs import _accepted, selective_logps
+from vlmrl.models.logprobs import accepted_kwargs, selective_logps
 from vlmrl.models.prefix import chosen_logps
-from vlmrl.models.processing import _per_image_chunks, _tokenizer_of, apply_template, encode_prompts, render_chat, select_rows
+from vlmrl.models.processing import per_image_chunks, tokenizer_of, apply_template, encode_prompts, render_chat, select_rows
 from vlmrl.tools.parsing import parse_tool_calls
 from vlmrl.tools.render import ToolTemplateError, chat_template_of, for_template, render_tool_turn, tool_role_mode
 from vlmrl.tools.trajectory import Trajectory, images_of
@@ -97,7 +97,7 @@ def turn_end(processor, eos_ids: list[int]) -> tuple[int, str]:
     """(the token id that ends an assistant turn in the chat template, the template's text after it before the next
     turn). The template's rendering of an assistant turn must continue with the text of one of the eos tokens right
     after the content: otherwise the model's own turn end cannot be part of the rendered conversation."""
-    tok = _tokenizer_of(processor)
+    tok = tokenizer_of(processor)
     after = _assistant_turn(processor)[1]
     for eos in eos_ids:
         eos_text = tok.convert_ids_to_tokens(eos)
@@ -187,7 +187,7 @@ class MultiTurnDecoder(ContinuousDecoder):
         self.processor, self.limits, self.force = processor, limits, force
         self.turn_end_id, self.glue = turn_end(processor, eos_ids)
         self.mode = tool_role_mode(chat_template_of(processor))
-        self.tokenizer = _tokenizer_of(processor)
+        self.tokenizer = tokenizer_of(processor)
         self.states = [_RowState(env) for env in envs]
         if len(envs) != self.out.shape[0]:
             raise ValueError(f"multi-turn rollout: {len(envs)} environments for {self.out.shape[0]} rows")
@@ -324,7 +324,7 @@ class MultiTurnDecoder(ContinuousDecoder):
             "image_grid_thw": suffix["image_grid_thw"].to(chunk.device) if "image_grid_thw" in suffix else None,
             "attention_mask": torch.ones_like(chunk),
         }
-        position_ids, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, kwargs))
+        position_ids, _ = inner.get_rope_index(**accepted_kwargs(inner.get_rope_index, kwargs))
         return position_ids
 
     # ------------------------------------------------------------ the loop
@@ -477,13 +477,13 @@ def with_tool_vision(prompt_batch: dict, row_prompt: torch.Tensor, tool_vision: 
     per_row = rows["images_per_row"].tolist()
     out = dict(rows)
     for key in keys:
-        prompt_chunks = _per_image_chunks(rows, key) if key in rows else []
+        prompt_chunks = per_image_chunks(rows, key) if key in rows else []
         pieces, at = [], 0
         for i, count in enumerate(per_row):
             pieces += prompt_chunks[at : at + count]
             at += count
             if tool_vision[i]:
-                pieces += _per_image_chunks(tool_vision[i], key)
+                pieces += per_image_chunks(tool_vision[i], key)
         flat = key == "pixel_values" and "image_grid_thw" in out  # Qwen-VL patches: one flat [patches, d] tensor
         out[key] = torch.cat(pieces) if flat else torch.stack(pieces)
     out["images_per_row"] = torch.tensor([c + (int(v["images_per_row"].sum()) if v else 0) for c, v in zip(per_row, tool_vision)])
@@ -531,7 +531,7 @@ def _merged_tool_vision(tool_vision: list[dict]) -> dict:
 
 def _row_grids(prompt_batch: dict, rows: torch.Tensor, tool_vision: list[dict]) -> torch.Tensor | None:
     """image_grid_thw of every image of each row in order (its prompt's, then its tool images'), or None."""
-    prompt = _per_image_chunks(prompt_batch, "image_grid_thw") if "image_grid_thw" in prompt_batch else []
+    prompt = per_image_chunks(prompt_batch, "image_grid_thw") if "image_grid_thw" in prompt_batch else []
     per_row = prompt_batch.get("images_per_row", torch.zeros(prompt_batch["input_ids"].shape[0], dtype=torch.long)).tolist()
     starts = [sum(per_row[:i]) for i in range(len(per_row))]
     grids = []
@@ -557,18 +557,18 @@ def sequence_logps_prefix(
     images (encoded once each). M-RoPE positions of the turns come from the model's get_rope_index over each row's whole
     sequence (a text-only computation), so they are the positions `sequence_logps` gives them."""
     from vlmrl.models.logprobs import MROPE_FAMILIES, grouped_family
-    from vlmrl.models.prefix import _cache_rows, _prefill, prefix_positions
+    from vlmrl.models.prefix import repeat_cache_rows, prefill_prompts, prefix_positions
 
     core = unwrap(model)
     rows = torch.as_tensor(row_prompt, dtype=torch.long).reshape(-1).to(prompt_batch["input_ids"].device)
     P, T = prompt_batch["input_ids"].shape[1], ids.shape[1]
     position_ids, _ = prefix_positions(model, prompt_batch)
-    out = _prefill(model, prompt_batch, position_ids, lm_logits=False)
+    out = prefill_prompts(model, prompt_batch, position_ids, lm_logits=False)
     first = out.last_hidden_state[:, -1].index_select(0, rows).unsqueeze(1)  # [N, 1, H] predicts each row's first token
     if T == 1:
         return selective_logps(first, core.get_output_embeddings(), ids, temperature, chunk_tokens)
     cache = out.past_key_values
-    _cache_rows(cache, rows=rows)
+    repeat_cache_rows(cache, rows=rows)
     turns, turn_mask = ids[:, : T - 1], attention_mask[:, : T - 1].to(prompt_batch["attention_mask"])  # the last token predicts nothing
     mask = torch.cat([prompt_batch["attention_mask"].index_select(0, rows), turn_mask], dim=1)
     image_token = getattr(core.config, "image_token_id", getattr(core.config, "image_token_index", None))
@@ -586,7 +586,7 @@ def sequence_logps_prefix(
         kwargs = {"input_ids": full, "mm_token_type_ids": (full == image_token).long(), "attention_mask": mask}
         grids = _row_grids(prompt_batch, rows, tool_vision)
         kwargs["image_grid_thw"] = grids.to(rows.device) if grids is not None else None
-        positions, _ = inner.get_rope_index(**_accepted(inner.get_rope_index, kwargs))
+        positions, _ = inner.get_rope_index(**accepted_kwargs(inner.get_rope_index, kwargs))
         step["position_ids"] = positions[..., P:]
         if "mm_token_type_ids" in prompt_batch:
             step["mm_token_type_ids"] = (turns == image_token).to(prompt_batch["mm_token_type_ids"].dtype)

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from vlmrl.config import LOGPROB_CHUNK_TOKENS
-from vlmrl.models.logprobs import MROPE_FAMILIES, PREFIX_VIDEO_FAMILIES, _accepted, grouped_family, model_inputs, selective_logps
+from vlmrl.models.logprobs import MROPE_FAMILIES, PREFIX_VIDEO_FAMILIES, accepted_kwargs, grouped_family, model_inputs, selective_logps
 from vlmrl.models.loading import unwrap
 from vlmrl.models.logprobs import completion_logps, completion_logps_grouped
 from vlmrl.models.processing import select_rows
@@ -129,7 +129,7 @@ def prefix_positions(model: torch.nn.Module, prompt_batch: dict) -> tuple[torch.
     if mm_types is None:
         mm_types = (input_ids == core.config.image_token_id).long() + 2 * (input_ids == getattr(core.config, "video_token_id", -1)).long()
     position_ids, _ = inner.get_rope_index(
-        **_accepted(
+        **accepted_kwargs(
             inner.get_rope_index,
             {
                 "input_ids": input_ids,
@@ -164,7 +164,7 @@ def _continuation_positions(model, next_pos: torch.Tensor, offset: int, length: 
     return mrope_positions(next_pos + offset, length)
 
 
-def _cache_rows(cache, rows: torch.Tensor | None = None, repeats: int | None = None) -> None:
+def repeat_cache_rows(cache, rows: torch.Tensor | None = None, repeats: int | None = None) -> None:
     """Gather (rows) or repeat_interleave (repeats) the batch dimension of a prefill cache, in place.
 
     KV layers have their own batch_select_indices / batch_repeat_interleave; linear-attention layers
@@ -198,7 +198,7 @@ def _assigning_update(layer):
     return update_recurrent_state
 
 
-def _prefill(model, prompt_batch: dict, position_ids, lm_logits: bool):
+def prefill_prompts(model, prompt_batch: dict, position_ids, lm_logits: bool):
     """One forward over the U prompts with a KV cache. Returns the HF output (logits of the last position
     when lm_logits, else last_hidden_state) whose past_key_values hold the prompts."""
     core = unwrap(model)
@@ -328,9 +328,9 @@ def sample_with_shared_prefix(
     prompt_mask = prompt_batch["attention_mask"]
     P = prompt_batch["input_ids"].shape[1]
     position_ids, next_pos = prefix_positions(model, prompt_batch)
-    out = _prefill(model, prompt_batch, position_ids, lm_logits=True)
+    out = prefill_prompts(model, prompt_batch, position_ids, lm_logits=True)
     cache = out.past_key_values
-    _cache_rows(cache, repeats=G)
+    repeat_cache_rows(cache, repeats=G)
     next_pos = next_pos.repeat_interleave(G)
     attention_mask = prompt_mask.repeat_interleave(G, dim=0)
     logits = out.logits[:, -1].to(torch.float32).repeat_interleave(G, dim=0)
@@ -442,11 +442,11 @@ def completion_logps_prefix(
     P = prompt_batch["input_ids"].shape[1]
     T = completion_ids.shape[1]
     position_ids, next_pos = prefix_positions(model, prompt_batch)
-    out = _prefill(model, prompt_batch, position_ids, lm_logits=False)
+    out = prefill_prompts(model, prompt_batch, position_ids, lm_logits=False)
     first = out.last_hidden_state[:, -1].index_select(0, rows).unsqueeze(1)  # [N, 1, H]
     if T > 1:
         cache = out.past_key_values
-        _cache_rows(cache, rows=rows)
+        repeat_cache_rows(cache, rows=rows)
         mask = torch.cat(
             [prompt_batch["attention_mask"].index_select(0, rows), completion_mask[:, : T - 1].to(prompt_batch["attention_mask"])], dim=1
         )

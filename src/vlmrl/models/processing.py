@@ -180,7 +180,7 @@ def _flatten_images(images) -> list:
 # ---------------------------------------------------------------- loading
 
 
-def _tokenizer_of(processor):
+def tokenizer_of(processor):
     return getattr(processor, "tokenizer", processor)
 
 
@@ -270,7 +270,7 @@ def load_processor(
                 f"{path}: could not load an image+text processor ({got}). The folder needs tokenizer files, "
                 "preprocessor_config.json and a processor class transformers knows."
             ) from error
-    tokenizer = _tokenizer_of(processor)
+    tokenizer = tokenizer_of(processor)
     # Generation appends to the right end of every row, so prompts must be left padded.
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -317,7 +317,7 @@ def build_row_prompt(
 def render_chat(processor, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     """The model's chat template applied to `messages` (vlmrl's content blocks), as text; `tools` (JSON schemas) is
     passed as the template's `tools` variable, as TRL and verl pass it (a template that does not read it ignores it)."""
-    template_owner = processor if getattr(processor, "chat_template", None) else _tokenizer_of(processor)
+    template_owner = processor if getattr(processor, "chat_template", None) else tokenizer_of(processor)
     if not getattr(template_owner, "chat_template", None):
         raise ValueError("the processor and its tokenizer have no chat template; add chat_template.jinja to the model folder")
     extra = {"tools": tools} if tools else {}
@@ -420,7 +420,7 @@ def vision_keys(batch: dict) -> list[str]:
     return [k for k in batch if k in VISION_KEYS or k in VIDEO_KEYS]
 
 
-def _per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
+def per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     """Split a vision tensor into one piece per image or video (Qwen-VL patches via image/video_grid_thw)."""
     value = batch[key]
     if key == "pixel_values" and "image_grid_thw" in batch:
@@ -448,9 +448,9 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
         if vision_keys(batch):
             raise KeyError("select_rows: batch has vision inputs but no images_per_row; build it with encode_prompts")
         per_row = torch.zeros(n_rows, dtype=torch.long)
-    image_order = _item_order(per_row, idx)
+    image_order = item_order(per_row, idx)
     videos_per_row = batch.get("videos_per_row")
-    video_order = _item_order(videos_per_row, idx) if videos_per_row is not None else []
+    video_order = item_order(videos_per_row, idx) if videos_per_row is not None else []
 
     out = {}
     for key, value in batch.items():
@@ -469,7 +469,7 @@ def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
 def _picked_items(batch: dict, key: str, order: list[int]) -> torch.Tensor | None:
     """The per-image (per-video) tensor `key` of `batch` in `order`: concatenated where the processor flattens
     patches (grid_thw / num_patches families), stacked otherwise; None when no item is picked."""
-    chunks = _per_image_chunks(batch, key)
+    chunks = per_image_chunks(batch, key)
     picked = [chunks[i] for i in order]
     if not picked:
         return None
@@ -479,7 +479,7 @@ def _picked_items(batch: dict, key: str, order: list[int]) -> torch.Tensor | Non
     return torch.cat(picked) if flat else torch.stack(picked)
 
 
-def _item_order(per_row: torch.Tensor, rows: torch.Tensor) -> list[int]:
+def item_order(per_row: torch.Tensor, rows: torch.Tensor) -> list[int]:
     """Indices of the images (or videos) of `rows`, in row order, given each row's count."""
     starts = torch.cumsum(per_row, 0) - per_row
     return [i for r in rows.tolist() for i in range(int(starts[r]), int(starts[r] + per_row[r]))]
@@ -489,7 +489,7 @@ def decode(processor, ids, skip_special_tokens: bool = True) -> list[str]:
     """Token ids [N, T] (tensor or lists) -> N strings, special tokens dropped."""
     if torch.is_tensor(ids):
         ids = ids.tolist()
-    return _tokenizer_of(processor).batch_decode(ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer_of(processor).batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def append_tokens(batch: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -23,7 +23,7 @@ float32 log-sum-exp per query head; no [T, T] matrix), registered under the name
 Scoring runs under model.eval() and the update under model.train(), as in train.py.
 Vision inputs: Qwen-VL images and videos as [t, h, w] patch grids per prompt (a video's naive path encodes each row's
 copy, as select_rows makes them), Qwen3.5's hybrid decoder with its Gated DeltaNet states gathered per row on the
-shared prefix (prefix._cache_rows), every tile of the tiled families (LLaVA-OneVision with its image sizes, InternVL).
+shared prefix (prefix.repeat_cache_rows), every tile of the tiled families (LLaVA-OneVision with its image sizes, InternVL).
 """
 
 from __future__ import annotations
@@ -379,7 +379,7 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
     shared-prefix path (prompt once per unique prompt, KV cache gathered to the rows; not under gradient
     checkpointing in training) or prompt + completion per row; chunked LM-head log-probs."""
     from vlmrl.models.logprobs import selective_logps
-    from vlmrl.models.prefix import _cache_rows
+    from vlmrl.models.prefix import repeat_cache_rows
 
     core, inner = inp.core, inp.inner
     N, C, U, P = inp.N, inp.C, inp.U, inp.P
@@ -399,7 +399,7 @@ def micro_batch_logps(model, inp: _Inputs, setup: TraceSetup, needs_grad: bool) 
         out = lm(inputs_embeds=emb, position_ids=_positions(inp, U, P), use_cache=True)
         first = out.last_hidden_state[:, -1].index_select(0, row_idx).unsqueeze(1)
         cache = out.past_key_values
-        _cache_rows(cache, rows=row_idx)  # vlmrl's own gather (KV layers, and Qwen3.5's conv / recurrent states)
+        repeat_cache_rows(cache, rows=row_idx)  # vlmrl's own gather (KV layers, and Qwen3.5's conv / recurrent states)
         rest_emb = embed(torch.empty(N, C - 1, dtype=torch.long, device="meta"))
         rest = lm(
             inputs_embeds=rest_emb,

@@ -16,7 +16,7 @@ from vlmrl.checkpoints.files import (
 )
 from vlmrl.checkpoints.run_manifest import foreign_names, forget, is_run_name, owned_names, record
 from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
-from vlmrl.config import ConfigError, _merge_key, build_config, parse_override
+from vlmrl.config import ConfigError, merge_key, build_config, parse_override
 
 CODE_LOADING_KEYS = ("trust_remote_code", "allow_hub_download")
 
@@ -38,7 +38,7 @@ def export_config(tree: dict, overrides: list[str] | tuple[str, ...] = (), log=p
     given: dict = {}
     for text in overrides:
         key, value = parse_override(text)
-        _merge_key(given, key, value, f"argument {text!r}")
+        merge_key(given, key, value, f"argument {text!r}")
     for section, values in given.items():
         tree.setdefault(section, {}).update(values)
     tree.setdefault("training", {})["device"] = "cpu"

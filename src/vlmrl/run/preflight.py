@@ -121,14 +121,14 @@ def probe_templates(cfg: Config):
     message, an image, a question, an answer) in a forked child under a time and memory budget
     (template_budget.probe): one that loops or bloats is refused in one line naming its file, before the data's
     rows are rendered in this process. Returns the processor it loaded (None: no folder to check)."""
-    from vlmrl.data.formats import _template
+    from vlmrl.data.formats import easyr1_prompt_template
     from vlmrl.models.processing import render_chat
 
     if cfg.data.prompt_template:
         template = data_layout_options(cfg)["prompt_template"]
         named = f"data.prompt_template={cfg.data.prompt_template}" if "{" not in cfg.data.prompt_template else "data.prompt_template"
         # Compiled in the child too: jinja folds constant expressions ('x' * 2000000000) when it compiles.
-        probe(lambda: _template(template)(content="What is in the image? <image>"), named)
+        probe(lambda: easyr1_prompt_template(template)(content="What is in the image? <image>"), named)
     processor = _template_processor(cfg)
     if processor is None:
         return None

@@ -70,9 +70,9 @@ def prompt_budget(cfg) -> tuple[int | None, str]:
 
 
 def _tokenizer(processor):
-    from vlmrl.models.processing import _tokenizer_of
+    from vlmrl.models.processing import tokenizer_of
 
-    return _tokenizer_of(processor)
+    return tokenizer_of(processor)
 
 
 def count_text_tokens(tokenizer, text: str, stop_above: int | None) -> tuple[int, bool]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from vlmrl.checkpoints.files import CheckpointError
 from vlmrl.config import ConfigError
 from vlmrl.checkpoints.files import (
-    _write_text,
+    write_text_synced,
     check_resume_compat,
     checkpoint_step,
     find_resume_checkpoint,
@@ -189,7 +189,7 @@ def read_complete(output_dir: str | Path) -> Optional[dict]:
 def write_complete(out: Path, step: int, kind: str) -> None:
     """The completion marker: the run (`kind` train or sft) did all its `step` steps."""
 
-    _write_text(out / COMPLETE_FILE, json.dumps({"step": step, "kind": kind, "finished": time.time(), "final": (out / "final").is_dir()}))
+    write_text_synced(out / COMPLETE_FILE, json.dumps({"step": step, "kind": kind, "finished": time.time(), "final": (out / "final").is_dir()}))
 
 
 def write_ending(out: Path, step: int, kind: str, evaluated: Optional[dict] = None) -> None:
@@ -198,7 +198,7 @@ def write_ending(out: Path, step: int, kind: str, evaluated: Optional[dict] = No
     metrics once it is done and logged (a rerun after a kill in the report does not evaluate, nor log it, twice)."""
 
     marker = {"step": step, "kind": kind, "final": (out / "final").is_dir()}
-    _write_text(out / ENDING_FILE, json.dumps({**marker, **({"evaluated": evaluated} if evaluated is not None else {})}))
+    write_text_synced(out / ENDING_FILE, json.dumps({**marker, **({"evaluated": evaluated} if evaluated is not None else {})}))
 
 
 def read_ending(output_dir: str | Path) -> Optional[dict]:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import yaml
 
 from vlmrl.config import ConfigError
-from vlmrl.config import _merge_key, build_config
+from vlmrl.config import merge_key, build_config
 from vlmrl.run.convert.common import Conversion, process_count
 from vlmrl.run.convert.easyr1 import from_easyr1
 from vlmrl.run.convert.ms_swift import from_ms_swift, swift_batch_defaults
@@ -137,7 +137,7 @@ def convert(peer: str, args: list[str], processes: int | None = None) -> Convers
         result.notes.append("rollout.backend=vllm runs in one training process in this version: launched on several, it is refused")
     tree: dict[str, dict[str, Any]] = {}
     for key, value in result.settings.items():
-        _merge_key(tree, key, value, f"converted {key}")
+        merge_key(tree, key, value, f"converted {key}")
     try:
         build_config(tree)  # every converted value must be a valid vlmrl value
     except ConfigError as e:
