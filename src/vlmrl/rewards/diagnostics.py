@@ -138,8 +138,8 @@ def raised_at(fn: RewardFn, error: BaseException) -> str:
     """' (at path/to/rewards.py:12 in my_reward)': the innermost line of the reward function's own file in the error's
     traceback (where the user looks, even when the error came from a library it called); else the innermost line
     outside vlmrl; '' when there is none."""
-    ours = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py")}  # vlmrl's call wrappers
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) not in ours]
+    ours = os.path.dirname(os.path.abspath(__file__))  # vlmrl's call wrappers and built-ins: the rewards package's modules
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) != ours]
     if not frames:
         return ""
     own_file = _source_file(fn)
