@@ -62,15 +62,15 @@ class Stage:
 
 
 STAGES = [
-    Stage("rollout", 160, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
-    Stage("update", 60, 60, "GRPO step and update time of qwen2.5-vl-3b (bf16, G 8, gradient checkpointing); update MFU"),
+    Stage("rollout", 150, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
+    Stage("update", 100, 60, "GRPO step and update time of qwen2.5-vl-3b (bf16, G 8, gradient checkpointing); update MFU"),
     Stage("oom", 45, 60, "real CUDA OOM (memory fraction capped) recovered by halving; the run finishes"),
     Stage("planner", 150, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
-    Stage("memory_engine", 80, 90, "benchmarks/memory_engine.py all off vs all on (GPU peak allocated, step time)"),
-    Stage("mismatch", 30, 60, "rollout-training mismatch (sampler vs scoring log-probs) in bf16: loop and continuous decode batches"),
+    Stage("memory_engine", 60, 90, "benchmarks/memory_engine.py all off vs all on (GPU peak allocated, step time)"),
+    Stage("mismatch", 45, 60, "rollout-training mismatch (sampler vs scoring log-probs) in bf16: loop and continuous decode batches"),
 ]
 RENDER_S = 15  # README blocks and docs/results.md at the end
-DEFAULT_BUDGET_S = 540
+DEFAULT_BUDGET_S = 560
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -281,7 +281,7 @@ def stage_oom(run: StageRun) -> None:
         "memory.logprob_chunk_tokens=0", "algorithm.reward_funcs=[accuracy]", "logging.report=false", "logging.tensorboard=false",
         "logging.progress_bar=false",
     ]  # fmt: skip
-    caps = [None] if run.smoke else [8.0, 4.0, 2.0]  # GiB; lowered until an OOM happens
+    caps = [None] if run.smoke else [2.0, 1.0, 0.5]  # GiB; lowered until an OOM happens (8 GiB held this run on an H200)
     for cap in caps:
         out = run.work / "runs" / f"oom-{cap}"
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -323,7 +323,11 @@ def planner_grid(run: StageRun) -> list[tuple[str, str, str, list[str]]]:
         )  # fmt: skip
     import memory_engine
 
-    video = memory_engine.write_video_rows(run.work / "videos", frames=8, side=224)
+    try:
+        video = memory_engine.write_video_rows(run.work / "videos", frames=8, side=224)
+    except ImportError as err:  # PyAV (the `video` extra) is not on every GPU image: the video row is left out, said so
+        run.note(f"planner: grpo-video-8-frames not run ({err})")
+        video = None
     sft = base + ["sft.projector_steps=0", "sft.steps=2", "sft.batch_size=8"]
     lora = ["model.use_lora=true", "model.lora_r=16", "model.lora_alpha=32"]
     video_rows = [f"data.train_path={video}", "data.eval_path=", "data.max_frames=8", f"data.video_max_pixels={224 * 224}"]
@@ -334,8 +338,7 @@ def planner_grid(run: StageRun) -> list[tuple[str, str, str, list[str]]]:
         ("grpo-full-eager", "train", preset, base + ["model.attn_implementation=eager"]),
         ("grpo-full-flash", "train", preset, base + ["model.attn_implementation=flash_attention_2"]),
         ("grpo-qwen3-vl-mid", "train", str(qwen3), base),
-        ("grpo-video-8-frames", "train", preset, [o for o in base if not o.startswith("data.task")] + video_rows),
-    ]
+    ] + ([("grpo-video-8-frames", "train", preset, [o for o in base if not o.startswith("data.task")] + video_rows)] if video else [])
 
 
 def stage_planner(run: StageRun) -> None:

@@ -58,7 +58,9 @@ def add_eos_bias(model, eos_ids: list[int], rate: float) -> float:
 
     core = unwrap(model)
     old = core.lm_head
-    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    head = torch.nn.Linear(
+        old.in_features, old.out_features, bias=True, device=old.weight.device, dtype=old.weight.dtype
+    )  # the model may already sit on the GPU
     head.weight = old.weight
     bias = math.log(old.out_features - 1) + math.log(rate / (1 - rate))
     with torch.no_grad():
