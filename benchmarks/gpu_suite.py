@@ -62,15 +62,15 @@ class Stage:
 
 
 STAGES = [
-    Stage("rollout", 150, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
+    Stage("rollout", 140, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
     Stage("update", 100, 60, "GRPO step and update time of qwen2.5-vl-3b (bf16, G 8, gradient checkpointing); update MFU"),
     Stage("oom", 45, 60, "real CUDA OOM (memory fraction capped) recovered by halving; the run finishes"),
-    Stage("planner", 150, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
-    Stage("memory_engine", 60, 90, "benchmarks/memory_engine.py all off vs all on (GPU peak allocated, step time)"),
-    Stage("mismatch", 45, 60, "rollout-training mismatch (sampler vs scoring log-probs) in bf16: loop and continuous decode batches"),
+    Stage("planner", 140, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
+    Stage("memory_engine", 50, 90, "benchmarks/memory_engine.py all off vs all on (GPU peak allocated, step time)"),
+    Stage("mismatch", 40, 60, "rollout-training mismatch (sampler vs scoring log-probs) in bf16: loop and continuous decode batches"),
 ]
 RENDER_S = 15  # README blocks and docs/results.md at the end
-DEFAULT_BUDGET_S = 560
+DEFAULT_BUDGET_S = 540
 
 
 # ---------------------------------------------------------------- shared helpers

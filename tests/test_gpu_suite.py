@@ -33,7 +33,7 @@ def _result(out: Path) -> dict:
 def test_dry_run_prints_every_stage_and_the_budget(capsys):
     assert SUITE.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "total budget 560 s" in text
+    assert "total budget 540 s" in text
     for stage in SUITE.STAGES:
         assert f"{stage.name:<14} {stage.budget_s:>8}" in text
     assert sum(s.budget_s for s in SUITE.STAGES) + SUITE.RENDER_S <= 9 * 60
