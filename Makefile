@@ -77,11 +77,11 @@ install-vllm: $(VLLM_VENV)/.installed
 # The vllm tier (tests marked vllm; the default `make test` skips them, naming why): log-prob agreement with the HF
 # forward, weight sync after training steps, per-sample prompt parity, a GRPO run with rollout.backend=vllm; and the
 # backend's config and parity unit tests. Named files: the rest of the suite needs .venv's packages (av, deepspeed).
-VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_runs.py tests/test_vllm_server.py tests/test_rollout_backend.py tests/test_rollout_server.py
+VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_runs.py tests/test_vllm_server.py tests/test_rollout_backend.py tests/test_rollout_server.py tests/test_vllm_gpu_suite.py
 test-vllm: install-vllm
 	$(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -q -rs
 
-# Every GPU figure in one call, on one GPU (~9 minutes; budgeted stages, a cut-off run keeps what it measured):
+# Every GPU figure in one call, on one GPU (~9.5 minutes; budgeted stages, a cut-off run keeps what it measured):
 # writes benchmarks/results/gpu_suite_<device>_<date>.json, then README blocks and docs/results.md.
 gpu-suite: install
 	$(PY) benchmarks/gpu_suite.py

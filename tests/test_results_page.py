@@ -60,4 +60,4 @@ def test_newest_real_run_fills_its_tables_and_the_rest_read_not_run(tmp_path):
 
 def test_without_any_suite_run_every_suite_table_reads_not_run(tmp_path):
     page = PAGE.render(tmp_path)
-    assert page.count("| not run |") == 6 and "No GPU suite run yet" in page
+    assert page.count("| not run |") == 7 and "No GPU suite run yet" in page
