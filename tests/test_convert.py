@@ -597,3 +597,17 @@ def test_easyr1_algorithms_vlmrl_lacks_are_refused(overrides, said, tmp_path, ca
     assert main(["convert", "--from", "easyr1", "-o", str(out), "config=examples/config.yaml", *overrides]) == 2
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_ms_swift_line_without_train_type_trains_lora_as_ms_swift_does(tmp_path):
+    """ms-swift's TunerArguments default train_type is lora: a `swift rlhf` line that names no --train_type (nor ms-swift
+    4's --tuner_type) trained a LoRA adapter (rank 8, alpha 32, dropout 0.05), so the converted run must too."""
+    script = tmp_path / "grpo.sh"
+    script.write_text("swift rlhf --rlhf_type grpo --model Qwen/Qwen2.5-VL-3B-Instruct --dataset rows.jsonl --reward_funcs accuracy\n")
+    result = convert("ms-swift", [str(script)])
+    s = result.settings
+    assert (s["model.use_lora"], s["model.lora_r"], s["model.lora_alpha"], s["model.lora_dropout"]) == (True, 8, 32, 0.05)
+    assert "model.use_lora=True" in " ".join(result.notes)  # said, as every other ms-swift default it fills
+    script.write_text(script.read_text().strip() + " --train_type full\n")
+    full = convert("ms-swift", [str(script)]).settings
+    assert full["model.use_lora"] is False and "model.lora_r" not in full

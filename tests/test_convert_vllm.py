@@ -130,7 +130,7 @@ def test_trl_default_mode_is_server_at_its_host_and_port(tmp_path):
 
 def test_ms_swift_server_lists_are_servers_in_data_parallel(tmp_path):
     """ms-swift's --vllm_server_host / --vllm_server_port take lists (one rollout server each)."""
-    args = ["--rlhf_type", "grpo", "--model", "m", "--use_vllm", "true", "--vllm_mode", "server"]
+    args = ["--rlhf_type", "grpo", "--model", "m", "--train_type", "full", "--use_vllm", "true", "--vllm_mode", "server"]
     args += ["--vllm_server_host", "10.0.0.1", "10.0.0.2", "--vllm_server_port", "8001", "8002", "--vllm_server_timeout", "60"]
     result = convert("ms-swift", args)
     assert result.settings["rollout.vllm_servers"] == ["10.0.0.1:8001", "10.0.0.2:8002"]

@@ -33,7 +33,7 @@ SWIFT_HANDLED |= {"dynamic_sample", "max_resample_times", "soft_max_length", "so
 # Its KL term is k3 clamped as verl's low_var_kl, never times the importance ratio.
 SWIFT_DEFAULTS = {"training.per_device_train_batch_size": 1, "rollout.num_generations": 8, "algorithm.beta": 0.04}
 SWIFT_DEFAULTS |= {"algorithm.kl_estimator": "low_var_kl"}
-SWIFT_LORA_DEFAULTS = {"model.lora_r": 8, "model.lora_alpha": 32, "model.lora_dropout": 0.05}
+SWIFT_LORA_DEFAULTS = {"model.use_lora": True, "model.lora_r": 8, "model.lora_alpha": 32, "model.lora_dropout": 0.05}
 
 
 def from_ms_swift(source: dict[str, Any]) -> Conversion:
@@ -42,9 +42,7 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     if "model" in source:
         out.set("model.name_or_path", source["model"])
     _swift_data(source, out)
-    for key in ("train_type", "tuner_type"):  # ms-swift 4 renamed train_type to tuner_type
-        if key in source:
-            out.set("model.use_lora", source[key] == "lora")
+    _swift_tuner(source, out)
     _swift_estimator(source)
     if "overlong_filter" in source:
         out.set("algorithm.mask_truncated_completions", bool(source["overlong_filter"]))
@@ -68,13 +66,23 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
     convert_trl_keys(source, out, handled | {"offload_optimizer"})
     vllm_gpu_notes(out)
     defaults = {**SWIFT_DEFAULTS, **(SWIFT_LORA_DEFAULTS if out.settings.get("model.use_lora") else {})}
-    filled = [f"{k}={v}" for k, v in defaults.items() if k not in out.settings]
+    filled = [f"{k}={v}" for k, v in defaults.items() if k not in out.settings or k in out.filled]
     for key, value in defaults.items():
         if key not in out.settings:
             out.fill(key, value)
     if filled:
         out.notes.append(f"ms-swift's defaults for what the source leaves unset: {', '.join(filled)}")
     return out
+
+
+def _swift_tuner(source: dict[str, Any], out: Conversion) -> None:
+    """--train_type (ms-swift 4: --tuner_type) lora or full; a line that names neither trains LoRA, ms-swift's
+    TunerArguments default, so it converts to LoRA too (with ms-swift's rank, alpha and dropout, filled below)."""
+    given = [source[key] for key in ("train_type", "tuner_type") if key in source]
+    if given:
+        out.set("model.use_lora", given[-1] == "lora")
+    else:
+        out.fill("model.use_lora", True)
 
 
 def _swift_estimator(source: dict[str, Any]) -> None:
