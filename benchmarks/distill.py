@@ -79,7 +79,7 @@ def done(run: Path) -> bool:
 
 def build_models(out: Path, a) -> dict[str, float]:
     """The teacher (demo SFT + GRPO), the fresh student's SFT warm start and the probe set; each kept when built."""
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl, mark_embedded
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl, mark_embedded
 
     times = {}
     if not done(out / "sft"):

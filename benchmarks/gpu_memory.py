@@ -5,7 +5,7 @@
     python benchmarks/gpu_memory.py --quick --out /tmp/gm                 # smoke test, embedded tiny model
     python benchmarks/gpu_memory.py --quick --allow-cpu --steps 2 --out /tmp/gm   # CPU smoke test
 
-The preset model folder (vlmrl.fixtures.presets.build_preset_model) is built once under --model-root
+The preset model folder (vlmrl.plan.presets.build_preset_model) is built once under --model-root
 (default /tmp) and reused. Each configuration of the grid then runs as its own
 `python -m vlmrl train ...` subprocess, so CUDA caching-allocator state and peaks never leak from one
 configuration into the next. From each run's metrics.jsonl the script keeps: the max over steps of
@@ -166,7 +166,7 @@ BUILD = r"""
 import json, sys, time
 from pathlib import Path
 t = time.perf_counter()
-from vlmrl.fixtures.presets import build_preset_model, count_parameters_meta
+from vlmrl.plan.presets import build_preset_model, count_parameters_meta
 name, out, device = sys.argv[1], sys.argv[2], sys.argv[3]
 build_preset_model(name, out, device=device)
 info = {"preset": name, "parameters": count_parameters_meta(name), "build_seconds": round(time.perf_counter() - t, 1)}
@@ -325,7 +325,7 @@ def table(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="qwen2.5-vl-3b", help="one of vlmrl.fixtures.presets.PRESETS (ignored with --quick)")
+    p.add_argument("--preset", default="qwen2.5-vl-3b", help="one of vlmrl.plan.presets.PRESETS (ignored with --quick)")
     p.add_argument("--out", default="benchmarks/results", help="folder for gpu_memory_<preset>.json and runs/")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per configuration (step 1 is dropped when >= 3)")
     p.add_argument("--quick", action="store_true", help="one tiny configuration on the embedded tiny model")

@@ -357,7 +357,7 @@ def _text_params_of(model: str) -> int:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     if model.startswith("embedded:"):
-        from vlmrl.fixtures.tiny import default_model_path
+        from vlmrl.tiny_models.tiny import default_model_path
 
         model = str(default_model_path())
     config = AutoConfig.from_pretrained(model)
@@ -412,7 +412,7 @@ def planner_grid(run: StageRun) -> list[tuple[str, str, str, list[str]]]:
     preset = str(preset_folder(run, "qwen2.5-vl-3b"))
     qwen3 = run.work / "qwen3-vl-mid"
     if not (qwen3 / "config.json").exists():
-        from vlmrl.fixtures.tiny_families import build_tiny_qwen3vl
+        from vlmrl.tiny_models.tiny_families import build_tiny_qwen3vl
 
         build_tiny_qwen3vl(
             qwen3, hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=2816, vision_depth=4, vision_hidden=256,

@@ -44,11 +44,11 @@ def main() -> int:
     a = ap.parse_args()
     dev = torch.device(a.device)
     if a.tiny:
-        from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+        from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
         path, dtype = build_tiny_qwen25vl(Path("/tmp/vlmrl-bench-tiny")), "float32"
     else:
-        from vlmrl.fixtures.presets import build_preset_model
+        from vlmrl.plan.presets import build_preset_model
 
         path = Path(f"/tmp/vlmrl-preset-{a.preset}")
         if not (path / "config.json").exists():

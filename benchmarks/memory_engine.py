@@ -61,8 +61,8 @@ FAMILIES = {
 
 
 def build_model(folder: Path, vocab: int, quick: bool, family: str = "qwen2.5-vl") -> Path:
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
-    from vlmrl.fixtures.tiny_families import build_tiny_llava_onevision, build_tiny_qwen3vl, build_tiny_qwen3vl_moe
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny_families import build_tiny_llava_onevision, build_tiny_qwen3vl, build_tiny_qwen3vl_moe
 
     builder = {
         "qwen2.5-vl": build_tiny_qwen25vl,

@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--bf16", action="store_true", help="also in bf16: autocast and bf16 weights (slow on CPU)")
     args = parser.parse_args()
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +118,7 @@ def main() -> None:
         f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items() if v is not False
     )
     cpu = platform.processor() or platform.machine()
-    meta = {"command": command, "torch": torch.__version__, "cpu": cpu, "model": "tiny Qwen2.5-VL (vlmrl.fixtures.tiny)"}
+    meta = {"command": command, "torch": torch.__version__, "cpu": cpu, "model": "tiny Qwen2.5-VL (vlmrl.tiny_models.tiny)"}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     lines = [
         f"# Rollout-training mismatch on CPU ({day})",

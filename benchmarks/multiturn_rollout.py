@@ -1,7 +1,7 @@
 """Multi-turn rollout: the continuous engine (pause, tool, resume from K/V) vs a naive loop of HF generate calls that
 re-renders and re-processes the whole conversation each turn. Same tokens (asserted), wall time of each.
 
-Tiny random Qwen2.5-VL (vlmrl.fixtures.tiny), N prompts, greedy; every row's first turn is a scripted zoom call (the
+Tiny random Qwen2.5-VL (vlmrl.tiny_models.tiny), N prompts, greedy; every row's first turn is a scripted zoom call (the
 engine's `force` hook, a LogitsProcessor in the naive loop: a random model never writes one), the second turn is the
 model's own tokens up to --turn-tokens. CPU, fp32.
 
@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 from vlmrl.models.loading import load_model
 from vlmrl.models.logprobs import model_inputs
 from vlmrl.models.multiturn import TurnLimits, content_prefix, sample_multiturn, turn_end
@@ -110,7 +110,7 @@ def main() -> None:
         naive_s = time.perf_counter() - t0
     same = all(out.ids[i, : int(out.attention_mask[i].sum())].tolist() == reference[i] for i in range(len(rows)))
     result = {
-        "model": "tiny random Qwen2.5-VL (vlmrl.fixtures.tiny)",
+        "model": "tiny random Qwen2.5-VL (vlmrl.tiny_models.tiny)",
         "prompts": args.prompts,
         "turn_tokens": args.turn_tokens,
         "tokens_per_row_mean": float(out.attention_mask.sum(dim=1).float().mean()),

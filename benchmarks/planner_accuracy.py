@@ -239,12 +239,12 @@ def tiny_qwen35_config(
 
 
 def tiny_tiled_config(model: str):
-    """The config of the tiny LLaVA-OneVision / InternVL build (vlmrl.fixtures.tiny_families), built once into a temporary folder."""
+    """The config of the tiny LLaVA-OneVision / InternVL build (vlmrl.tiny_models.tiny_families), built once into a temporary folder."""
     import tempfile
 
     from transformers import AutoConfig
 
-    from vlmrl.fixtures.tiny_families import build_tiny_internvl, build_tiny_llava_onevision
+    from vlmrl.tiny_models.tiny_families import build_tiny_internvl, build_tiny_llava_onevision
 
     if model not in _TILED:
         build = build_tiny_llava_onevision if model == "tiny-llava-onevision" else build_tiny_internvl
@@ -350,7 +350,7 @@ def hf_config_for(model: str):
         return tiny_qwen35_config(moe=model.endswith("moe"))
     if model == "mid-qwen35":  # 8 layers at the widths public Qwen3.5 configs of ~4B use (not a published model)
         return tiny_qwen35_config(layers=8, hidden=2560, inter=9216, heads=16, kv=4, head_dim=256, linear_heads=(16, 32), linear_dim=128)
-    from vlmrl.fixtures.presets import hf_config
+    from vlmrl.plan.presets import hf_config
 
     return hf_config(model)
 
@@ -546,7 +546,7 @@ def cpu_run(name: str, dims: dict, command: str, overrides: list[str], work: Pat
     import subprocess
 
     from vlmrl.data.tasks import make_count_task
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     model = model or work / f"model-{abs(hash(json.dumps(dims, sort_keys=True))) % 10**8}"
     if not (model / "config.json").exists():

@@ -268,7 +268,7 @@ def ds_run(name: str, command: str, zero: dict, overrides: list[str], work: Path
     from planner_accuracy import MID
 
     from vlmrl.data.tasks import make_count_task
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     model, data = work / "model-mid", work / "count"
     if not (model / "config.json").exists():
@@ -363,7 +363,7 @@ def _mid_model() -> Path:
 
     from planner_accuracy import MID
 
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     if not _MID_MODEL:
         folder = Path(tempfile.mkdtemp(prefix="dsplan-model-")) / "model-mid"

@@ -42,7 +42,7 @@ PROBLEMS = ["what is shown?", "describe the picture", "count the objects", "what
 
 
 def build_model(folder: Path, vocab: int) -> Path:
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     if not (folder / "config.json").exists():
         build_tiny_qwen25vl(folder, seed=0, min_pixels=56 * 56, max_pixels=56 * 56, vocab_size=vocab)

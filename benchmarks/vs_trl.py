@@ -6,7 +6,7 @@
     python benchmarks/vs_trl.py --configs a --steps 8 --warmup 2 --rounds 2
     python benchmarks/vs_trl.py --device cuda --dtype bfloat16 --rounds 2   # on a GPU (written, not yet run)
 
-For each configuration the parent process builds one tiny Qwen2.5-VL (`vlmrl.fixtures.tiny`), saves it with
+For each configuration the parent process builds one tiny Qwen2.5-VL (`vlmrl.tiny_models.tiny`), saves it with
 `save_pretrained`, writes a JSONL dataset of PNG images, then runs each side in its own subprocess,
 alternating vlmrl, TRL (x --rounds), under the same environment (same GLIBC_TUNABLES, same threads).
 Both load the model from that folder, the same rows, the same G, max_completion_length, completions
@@ -100,7 +100,7 @@ def prepare(name: str, spec: dict, work: Path) -> dict:
     from PIL import Image
 
     sys.path.insert(0, str(ROOT / "src"))
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     folder = work / f"config_{name}"
     model_dir, data_dir = folder / "model", folder / "data"

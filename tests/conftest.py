@@ -12,70 +12,70 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_qwen25vl(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     return build_tiny_qwen25vl(tmp_path_factory.mktemp("tiny-qwen25vl"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2vl(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_qwen2vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen2vl
 
     return build_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2vl"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_llava
+    from vlmrl.tiny_models.tiny import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3vl(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_qwen3vl
+    from vlmrl.tiny_models.tiny_families import build_tiny_qwen3vl
 
     return build_tiny_qwen3vl(tmp_path_factory.mktemp("tiny-qwen3vl"))
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_gemma3
+    from vlmrl.tiny_models.tiny_families import build_tiny_gemma3
 
     return build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3vl_moe(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_qwen3vl_moe
+    from vlmrl.tiny_models.tiny_families import build_tiny_qwen3vl_moe
 
     return build_tiny_qwen3vl_moe(tmp_path_factory.mktemp("tiny-qwen3vl-moe"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen35(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_qwen35
+    from vlmrl.tiny_models.tiny_families import build_tiny_qwen35
 
     return build_tiny_qwen35(tmp_path_factory.mktemp("tiny-qwen35"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen35_moe(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_qwen35_moe
+    from vlmrl.tiny_models.tiny_families import build_tiny_qwen35_moe
 
     return build_tiny_qwen35_moe(tmp_path_factory.mktemp("tiny-qwen35-moe"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llava_onevision(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_llava_onevision
+    from vlmrl.tiny_models.tiny_families import build_tiny_llava_onevision
 
     return build_tiny_llava_onevision(tmp_path_factory.mktemp("tiny-llava-onevision"))
 
 
 @pytest.fixture(scope="session")
 def tiny_internvl(tmp_path_factory):
-    from vlmrl.fixtures.tiny_families import build_tiny_internvl
+    from vlmrl.tiny_models.tiny_families import build_tiny_internvl
 
     return build_tiny_internvl(tmp_path_factory.mktemp("tiny-internvl"))
 

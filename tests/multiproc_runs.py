@@ -26,7 +26,7 @@ LENGTH_REWARD = str(pathlib.Path(__file__).parent / "rewards_for_tests.py") + ":
 def tiny_run_setup(tmp_path_factory, name: str, n_test: int = 0):
     """(folder, tiny Qwen2.5-VL folder, count task {train, test}) for a module's runs."""
     from vlmrl.data.tasks import make_count_task
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     root = tmp_path_factory.mktemp(name)
     model = build_tiny_qwen25vl(root / "model")

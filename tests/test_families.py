@@ -11,7 +11,7 @@ import pytest
 
 from vlmrl.cli import main
 from vlmrl.families import log_fallback
-from vlmrl.fixtures.tiny_families import BUILDERS
+from vlmrl.tiny_models.tiny_families import BUILDERS
 
 ROOT = Path(__file__).parents[1]
 MATRIX = json.loads((ROOT / "docs" / "families_matrix.json").read_text())
@@ -121,7 +121,7 @@ def test_planner_qwen3_vl_image_tokens_follow_the_processor(side):
     from PIL import Image
 
     from vlmrl.plan.planner import image_tokens, model_spec
-    from vlmrl.fixtures.tiny import qwen_image_processor
+    from vlmrl.tiny_models.tiny import qwen_image_processor
 
     processor = qwen_image_processor(min_pixels=32 * 32, max_pixels=side * side, patch_size=16)
     grid = processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")["image_grid_thw"][0]

@@ -15,7 +15,7 @@ from vlmrl.checkpoints.files import list_checkpoints
 from vlmrl.config import load_config
 from vlmrl.data.tasks import make_count_task
 from vlmrl.families import GENERIC, family_of
-from vlmrl.fixtures.tiny_families import BUILDERS
+from vlmrl.tiny_models.tiny_families import BUILDERS
 from vlmrl.models.processing import build_row_prompt, encode_prompts, load_processor
 from vlmrl.train import train
 

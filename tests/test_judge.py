@@ -433,7 +433,7 @@ def test_stop_and_resume_with_an_in_process_judge_is_bit_exact(tiny_qwen25vl, tm
     from safetensors.torch import load_file
     from test_resume import overrides
     from vlmrl.data.tasks import make_count_task
-    from vlmrl.fixtures.tiny_families import build_family
+    from vlmrl.tiny_models.tiny_families import build_family
     from vlmrl.train import train
 
     judge = build_family("qwen2.5-vl", tmp_path / "judge", seed=1)

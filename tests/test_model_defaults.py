@@ -127,7 +127,7 @@ def test_the_marker_survives_training(tiny_qwen25vl, tmp_path):
     """A model trained from the embedded one (SFT's final/) carries the marker, so GRPO from it gets the same defaults."""
     from vlmrl.models.loading import save_model
     from vlmrl.models.policy import load_policy
-    from vlmrl.fixtures.tiny import mark_embedded
+    from vlmrl.tiny_models.tiny import mark_embedded
 
     start = shutil.copytree(tiny_qwen25vl, tmp_path / "embedded")
     mark_embedded(start)

@@ -30,7 +30,7 @@ from vlmrl.models.processing import (
     select_rows,
     vision_keys,
 )
-from vlmrl.fixtures.tiny import build_tiny_qwen2vl, default_model_path, train_tokenizer
+from vlmrl.tiny_models.tiny import build_tiny_qwen2vl, default_model_path, train_tokenizer
 
 FAMILIES = ["tiny_qwen25vl", "tiny_qwen2vl", "tiny_llava", "tiny_qwen3vl", "tiny_gemma3"]
 # Image placeholder that the chat template writes once per image, per family (the processor expands it).

@@ -548,7 +548,7 @@ def test_cli_plan_config_with_overrides(tmp_path, capsys):
 def test_planner_presets_meta_counts_match_published():
     """Planner-only presets (typed from published config.json values): meta-device counts vs published totals."""
     from vlmrl.plan.planner import model_spec
-    from vlmrl.fixtures.presets import PLANNER_PRESETS
+    from vlmrl.plan.presets import PLANNER_PRESETS
 
     for name, d in PLANNER_PRESETS.items():
         n = model_spec(name).total_params

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.fixtures.presets import PRESETS, count_parameters_meta, preset_config, vision_out_size
-from vlmrl.fixtures.tiny import QWEN_SPECIAL_TOKENS, train_tokenizer
+from vlmrl.plan.presets import PRESETS, count_parameters_meta, preset_config, vision_out_size
+from vlmrl.tiny_models.tiny import QWEN_SPECIAL_TOKENS, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_build_preset_model_small_variant_loads(tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    import vlmrl.fixtures.presets as presets
+    import vlmrl.plan.presets as presets
     from vlmrl.models.processing import load_processor
 
     spec = dict(presets.PRESETS["qwen2.5-vl-3b"])

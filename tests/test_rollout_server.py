@@ -188,7 +188,7 @@ def test_check_names_the_server_and_whether_it_answers():
 def test_train_with_no_server_exits_2_in_one_line(tmp_path, capsys):
     """The whole command (the trainer needs no vLLM of its own in server mode): exit 2, the last line names host:port."""
     from vlmrl.cli import main
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     folder = build_tiny_qwen25vl(tmp_path / "model")
     port = free_port()

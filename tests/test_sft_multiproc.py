@@ -36,7 +36,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from vlmrl.fixtures.tiny import build_tiny_llava
+    from vlmrl.tiny_models.tiny import build_tiny_llava
 
     root = tmp_path_factory.mktemp("seed004")
     model = build_tiny_llava(root / "llava-phi", text_model="phi")

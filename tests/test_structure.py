@@ -18,7 +18,7 @@ LAYERS = (
     ("data",),  # rows, images, videos, built-in tasks
     ("rewards",),
     ("tools",),  # tool functions, tool-call parsing, environments, trajectories
-    ("fixtures",),  # offline tiny builders, presets, stand-in processors
+    ("processors", "tiny_models"),  # processor stand-ins (no torchvision); offline tiny builders
     ("families",),  # one Family per VLM family, the registry and the generic fallback
     ("models",),  # loading, processors, log-probs, prefix, rollout engines
     ("checkpoints",),

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from vlmrl.fixtures.tiny import QWEN_CHAT_TEMPLATE
+from vlmrl.tiny_models.tiny import QWEN_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.integration
 

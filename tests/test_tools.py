@@ -281,7 +281,7 @@ def test_unclosed_call_is_an_error_and_good_calls_survive_beside_bad_ones():
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
-    from vlmrl.fixtures.tiny import train_tokenizer
+    from vlmrl.tiny_models.tiny import train_tokenizer
 
     return train_tokenizer()
 
@@ -331,7 +331,7 @@ def test_render_tool_turn_on_a_template_with_a_tool_branch(qwen_tokenizer):
 
 
 def test_template_without_a_tool_role_falls_back_to_a_user_turn():
-    from vlmrl.fixtures.tiny import LLAVA_CHAT_TEMPLATE
+    from vlmrl.tiny_models.tiny import LLAVA_CHAT_TEMPLATE
 
     assert tool_role_mode(LLAVA_CHAT_TEMPLATE) == "user"
     im = board()

@@ -52,7 +52,7 @@ def vllm_config(folder, out, *extra):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(cfg, model, processor, data rows, VLLMRollout) on a `vlmrl tiny --family qwen2.5-vl` folder."""
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
     from vlmrl.models.policy import load_policy
     from vlmrl.rollout.vllm_backend import VLLMRollout
     from vlmrl.run.datasets import load_datasets

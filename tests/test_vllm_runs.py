@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_grpo_run_with_the_vllm_backend(tmp_path):
     """2 steps through the CLI with TRL's names; the mismatch and sync metrics are logged every step."""
     from vlmrl.cli import main
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     folder = build_tiny_qwen25vl(tmp_path / "model")
     args = [

@@ -32,7 +32,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(model folder, port, process, its log) of one `vlmrl rollout-server` for the module's runs."""
-    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+    from vlmrl.tiny_models.tiny import build_tiny_qwen25vl
 
     root = tmp_path_factory.mktemp("server")
     folder = build_tiny_qwen25vl(root / "model")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--output-dir", default="outputs/demo")
     d.add_argument("--quick", action="store_true", help="A few steps only (smoke test).")
     sub.add_parser("config", help="Print the config reference (markdown) generated from the field docs.")
-    from vlmrl.fixtures.tiny_families import add_tiny_arguments
+    from vlmrl.tiny_models.tiny_families import add_tiny_arguments
 
     add_tiny_arguments(sub)
     ex = sub.add_parser(
@@ -258,7 +258,7 @@ def _dispatch(ns) -> int:
         export_checkpoint(ns.checkpoint, ns.out, overrides=ns.overrides)
         return 0
     if ns.command == "tiny":
-        from vlmrl.fixtures.tiny_families import run_tiny
+        from vlmrl.tiny_models.tiny_families import run_tiny
 
         return run_tiny(ns)
     if ns.command == "demo":

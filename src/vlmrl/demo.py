@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from vlmrl.config import load_config
-from vlmrl.fixtures.tiny import default_model_path
+from vlmrl.tiny_models.tiny import default_model_path
 from vlmrl.sft import sft
 from vlmrl.train import train
 

@@ -20,7 +20,7 @@ class Family:
 
     name: str  # the family's name in docs and logs
     model_types: tuple[str, ...]  # config.model_type values it covers (all behave the same here)
-    tiny: tuple[str, ...] = ()  # its `vlmrl tiny --family` names (keys of fixtures.tiny_families.BUILDERS)
+    tiny: tuple[str, ...] = ()  # its `vlmrl tiny --family` names (keys of tiny_models.tiny_families.BUILDERS)
     fallback_reason: str = NO_FAST_PATH  # logged once when it takes the naive path
 
     # Vision features: how the grouped path (one vision encode per prompt) computes and places them.
@@ -55,7 +55,7 @@ class Family:
 
     def tiny_builder(self, name: str | None = None) -> Callable:
         """Its tiny offline builder (`name`: one of self.tiny, default the first)."""
-        from vlmrl.fixtures.tiny_families import BUILDERS
+        from vlmrl.tiny_models.tiny_families import BUILDERS
 
         return BUILDERS[name or self.tiny[0]]
 

@@ -12,5 +12,5 @@ FAMILY = Family(
     model_types=("gemma4",),
     tiny=("gemma4",),
     fallback_reason="Gemma 4's image mask and per-layer inputs have no grouped / shared-prefix equality test yet",
-    standin_processor="vlmrl.fixtures.standin_processors:load_gemma4_image_processor",
+    standin_processor="vlmrl.processors.standin:load_gemma4_image_processor",
 )

@@ -12,5 +12,5 @@ FAMILY = Family(
     model_types=("glm4v", "glm4v_moe", "glm46v"),
     tiny=("glm4v", "glm4v-moe", "glm4.6v"),
     fallback_reason="GLM-4.xV's M-RoPE positions per row have no grouped / shared-prefix equality test yet",
-    standin_processor="vlmrl.fixtures.standin_processors:load_glm_image_processor",
+    standin_processor="vlmrl.processors.standin:load_glm_image_processor",
 )

@@ -10,7 +10,7 @@ FAMILY = Family(
     grouped="internvl",
     encoder_outputs=True,
     continuous=True,
-    standin_processor="vlmrl.fixtures.standin_processors:load_internvl_image_processor",
+    standin_processor="vlmrl.processors.standin:load_internvl_image_processor",
     video=True,
     tiling="dynamic",
 )

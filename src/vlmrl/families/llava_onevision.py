@@ -11,7 +11,7 @@ FAMILY = Family(
     encoder_outputs=True,
     prefix_videos=True,
     continuous=True,
-    standin_processor="vlmrl.fixtures.standin_processors:load_onevision_image_processor",
+    standin_processor="vlmrl.processors.standin:load_onevision_image_processor",
     video=True,
     tiling="anyres",
 )

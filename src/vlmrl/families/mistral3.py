@@ -11,5 +11,5 @@ FAMILY = Family(
     model_types=("mistral3",),
     tiny=("mistral3",),
     fallback_reason="Mistral 3's Pixtral features (image_sizes, row-break tokens) have no grouped / shared-prefix equality test yet",
-    standin_processor="vlmrl.fixtures.standin_processors:load_pixtral_image_processor",
+    standin_processor="vlmrl.processors.standin:load_pixtral_image_processor",
 )

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vlmrl.config import EMBEDDED_MODEL
-from vlmrl.fixtures.tiny import default_model_path
+from vlmrl.tiny_models.tiny import default_model_path
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 NO_DOWNLOAD = "vlmrl never downloads models unless model.allow_hub_download=true"

@@ -350,7 +350,7 @@ def run(ns) -> int:
     from vlmrl.plan.planner import model_spec, plan, search, spec_for_config
 
     if ns.list_models:
-        from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS
+        from vlmrl.plan.presets import PLANNER_PRESETS, PRESETS
 
         print("\n".join(sorted(PRESETS) + sorted(PLANNER_PRESETS)))
         return 0
@@ -452,7 +452,7 @@ def _trace(spec, w, source: str) -> dict:
 
     from vlmrl.plan.trace import setup_for, trace_update
     from vlmrl.plan.planner import plan
-    from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS, hf_config
+    from vlmrl.plan.presets import PLANNER_PRESETS, PRESETS, hf_config
 
     if w.sharding not in ("none", "ddp") or w.offload != "none":
         raise PlanError("--trace traces one unsharded device; drop --sharding/--offload")

@@ -163,7 +163,7 @@ def judge_generate_bytes(spec: ModelSpec, batch: int, prompt_tokens: int, new_to
 def spec_for_config(cfg) -> ModelSpec:
     name = cfg.model.name_or_path
     if name.startswith("embedded:"):
-        from vlmrl.fixtures.tiny import default_model_path
+        from vlmrl.tiny_models.tiny import default_model_path
 
         path = default_model_path()
         if not (Path(path) / "config.json").is_file():

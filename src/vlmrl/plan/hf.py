@@ -245,7 +245,7 @@ def _moe_dims(text_config, core) -> dict:
 
 def model_spec(model: str) -> ModelSpec:
     """A bundled preset name, or a path to a model folder / config.json."""
-    from vlmrl.fixtures.presets import PLANNER_PRESETS, PRESETS
+    from vlmrl.plan.presets import PLANNER_PRESETS, PRESETS
 
     if model in PRESETS or model in PLANNER_PRESETS:
         return _preset_spec(model)
@@ -257,7 +257,7 @@ def model_spec(model: str) -> ModelSpec:
 
 @lru_cache(maxsize=32)
 def _preset_spec(name: str) -> ModelSpec:
-    from vlmrl.fixtures.presets import hf_config
+    from vlmrl.plan.presets import hf_config
 
     return spec_from_hf_config(hf_config(name), name)
 

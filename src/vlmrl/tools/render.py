@@ -6,7 +6,7 @@ or, when the tool returned images, a list of parts (``{"type": "image", "image":
 
 Templates and the tool role: only a template that handles ``role == "tool"`` itself (the Qwen2.5 / Qwen3 text
 templates turn it into a user turn of ``<tool_response>`` blocks) gets ``role: tool`` messages. A template that
-prints any role name as given (Qwen2.5-VL's, and the tiny copy in ``vlmrl.fixtures.tiny``) would write
+prints any role name as given (Qwen2.5-VL's, and the tiny copy in ``vlmrl.tiny_models.tiny``) would write
 ``<|im_start|>tool``, a role header the checkpoint never saw in training; one that knows only user / assistant
 (the LLaVA-1.5 style template) would print the result as an ASSISTANT turn, i.e. as the model's own words. For
 both, ``tool_role_mode`` says ``"user"``: a turn's results go in one user message, each wrapped in
