@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from vlmrl.families import (
+    ernie4_5_vl,
     gemma3,
     gemma4,
     glm4v,
@@ -43,6 +44,7 @@ FAMILIES: tuple[Family, ...] = (
     mistral3.FAMILY,
     gemma4.FAMILY,
     glm4v.FAMILY,
+    ernie4_5_vl.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

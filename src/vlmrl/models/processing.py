@@ -492,14 +492,19 @@ def decode(processor, ids, skip_special_tokens: bool = True) -> list[str]:
     return tokenizer_of(processor).batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+# Per-token modality ids [B, P] some processors return (zeros = text): Qwen-VL's M-RoPE types, Gemma 3's image-block
+# mask, ERNIE-4.5-VL's expert choice (vision experts for image tokens and their start/end markers).
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
+
+
 def append_tokens(batch: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     """Prompt batch + completion tokens [N, T]: extends input_ids, attention_mask and the per-token
-    modality ids (mm_token_type_ids / token_type_ids, zeros = text) that Qwen-VL's M-RoPE needs to
+    modality ids (TOKEN_TYPE_KEYS, zeros = text) that Qwen-VL's M-RoPE and ERNIE's experts need to
     have the same length as input_ids. Vision inputs are passed through unchanged."""
     out = dict(batch)
     out["input_ids"] = torch.cat([batch["input_ids"], ids.to(batch["input_ids"].device)], dim=1)
     out["attention_mask"] = torch.cat([batch["attention_mask"], mask.to(batch["attention_mask"])], dim=1)
-    for key in ("mm_token_type_ids", "token_type_ids"):
+    for key in TOKEN_TYPE_KEYS:
         if key in batch:
             out[key] = torch.cat([batch[key], torch.zeros_like(ids, dtype=batch[key].dtype, device=batch[key].device)], dim=1)
     return out

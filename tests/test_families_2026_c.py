@@ -1,0 +1,77 @@
+"""The third batch of 2026 families (issue 38; fixtures/tiny_2026_c.py): each builds offline, its processor feeds an
+image prompt into the model's own forward, the registry names it; slow tier: 2 GRPO steps with the memory engine on,
+exact resume and `final/` reloading in plain transformers (the checks of tests/test_families_2026.py, reused)."""
+
+import pytest
+import torch
+from PIL import Image
+
+import test_families_2026 as first_batch
+from vlmrl.models.processing import append_tokens, build_row_prompt, encode_prompts, load_processor
+
+# The checks of the first batch, called per family here; its fixtures bound here so that pytest finds them.
+built, data = first_batch.built, first_batch.data
+check_builds_and_feeds = first_batch.test_builds_and_its_processor_feeds_the_model
+check_grpo_resume_and_reload = first_batch.test_grpo_resume_and_reload
+
+# (`vlmrl tiny --family` name, config.model_type, the processor class vlmrl loads here)
+NEW_FAMILIES = [
+    ("ernie4.5-vl", "ernie4_5_vl_moe", "ErnieImageOnlyProcessor"),
+]
+NAMES = [name for name, _, _ in NEW_FAMILIES]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name,model_type,processor_class", NEW_FAMILIES)
+def test_builds_and_its_processor_feeds_the_model(name, model_type, processor_class, built):
+    check_builds_and_feeds(name, model_type, processor_class, built)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_grpo_resume_and_reload(name, built, data, tmp_path):
+    check_grpo_resume_and_reload(name, built, data, tmp_path)
+
+
+@pytest.mark.integration
+def test_ernie_completion_tokens_take_the_text_experts(built):
+    """ERNIE routes each token to text or vision experts by moe_mm_token_type_ids [B, P]: vlmrl's completion forward
+    extends it with zeros (completions are text), so prompt + completion scores equal the model's own forward over
+    the same tokens with the processor's ids for the whole sequence."""
+    from transformers import AutoModelForImageTextToText
+
+    path = built("ernie4.5-vl")
+    processor = load_processor(path)
+    text = build_row_prompt(processor, {"problem": "How many shapes?"}, 1)
+    batch = encode_prompts(processor, [text], [[Image.new("RGB", (56, 56), "red")]])
+    assert int(batch["moe_mm_token_type_ids"].sum()) == int(batch["mm_token_type_ids"].sum()) + 2  # start/end markers too
+    completion = torch.tensor([processor.tokenizer(" three shapes", add_special_tokens=False)["input_ids"]])
+    full = append_tokens(batch, completion, torch.ones_like(completion))
+    assert full["moe_mm_token_type_ids"].shape == full["input_ids"].shape
+    assert full["moe_mm_token_type_ids"][:, -completion.shape[1] :].eq(0).all()
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    whole = processor(text=[text + processor.tokenizer.decode(completion[0])], images=[Image.new("RGB", (56, 56), "red")], return_tensors="pt")
+    assert torch.equal(whole["input_ids"], full["input_ids"])
+    keys = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "moe_mm_token_type_ids")
+    with torch.no_grad():
+        ours = model(**{k: full[k] for k in keys}).logits
+        theirs = model(**{k: whole[k] for k in keys}).logits
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.integration
+def test_ernie_refuses_the_load_balancing_loss_and_routing_replay(built):
+    """ERNIE's text and vision routers each see only their own tokens: vlmrl's load-balancing loss (one router over
+    every token of a call) would raise mid-update, so it is refused up front with the fix; off, nothing is recorded."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.config import ConfigError
+    from vlmrl.models.router import find_routing, routing_for
+
+    model = AutoModelForImageTextToText.from_pretrained(built("ernie4.5-vl"))
+    assert find_routing(model) is not None  # it is an MoE model: its routers are found
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=0.01.*separate expert sets.*set algorithm.router_aux_loss_coef=0"):
+        routing_for(model, 0.01)
+    with pytest.raises(ConfigError, match="routing_replay=experts"):
+        routing_for(model, 0.0, "experts")
+    assert routing_for(model, 0.0) is None
