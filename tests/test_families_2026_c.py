@@ -13,10 +13,12 @@ from vlmrl.models.processing import append_tokens, build_row_prompt, encode_prom
 built, data = first_batch.built, first_batch.data
 check_builds_and_feeds = first_batch.test_builds_and_its_processor_feeds_the_model
 check_grpo_resume_and_reload = first_batch.test_grpo_resume_and_reload
+check_select_rows = first_batch.test_select_rows_follows_each_rows_images
 
 # (`vlmrl tiny --family` name, config.model_type, the processor class vlmrl loads here)
 NEW_FAMILIES = [
     ("ernie4.5-vl", "ernie4_5_vl_moe", "ErnieImageOnlyProcessor"),
+    ("minicpm-v4.6", "minicpmv4_6", "MiniCPMVImageOnlyProcessor"),
 ]
 NAMES = [name for name, _, _ in NEW_FAMILIES]
 
@@ -75,3 +77,35 @@ def test_ernie_refuses_the_load_balancing_loss_and_routing_replay(built):
     with pytest.raises(ConfigError, match="routing_replay=experts"):
         routing_for(model, 0.0, "experts")
     assert routing_for(model, 0.0) is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["ernie4.5-vl", "minicpm-v4.6"])
+def test_select_rows_follows_each_rows_images(name, built):
+    check_select_rows(name, built)
+
+
+@pytest.mark.integration
+def test_minicpmv_select_rows_cuts_packed_slices_per_image(built):
+    """MiniCPM-V packs every slice of every image along the last axis of pixel_values [1, 3, 14, columns]: a wide
+    image (a thumbnail and 3 slices) between two small ones (1 slice each), rows gathered as [1, 0, 1], equal the
+    rows encoded directly, and the model's logits on the gathered batch equal those on the direct one."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.processing import select_rows
+
+    processor = load_processor(built("minicpm-v4.6"))
+    texts = [build_row_prompt(processor, {"problem": "A <image> B <image>"}, 2), build_row_prompt(processor, {"problem": "C"}, 1)]
+    images = [[Image.new("RGB", (56, 56), "red"), Image.new("RGB", (300, 120), "blue")], [Image.new("RGB", (48, 40), "green")]]
+    batch = encode_prompts(processor, texts, images)
+    assert batch["image_num_patches"].tolist() == [1, 4, 1] and batch["pixel_values"].shape[0] == 1
+    picked = select_rows(batch, [1, 0, 1])
+    direct = encode_prompts(processor, [texts[1], texts[0], texts[1]], [images[1], images[0], images[1]])
+    assert picked.keys() == direct.keys()
+    for key, value in direct.items():
+        if torch.is_tensor(value):
+            assert torch.equal(picked[key], value), key
+    model = AutoModelForImageTextToText.from_pretrained(built("minicpm-v4.6")).eval()
+    keys = ("input_ids", "attention_mask", "pixel_values", "target_sizes")
+    with torch.no_grad():
+        assert torch.equal(model(**{k: picked[k] for k in keys}).logits, model(**{k: direct[k] for k in keys}).logits)

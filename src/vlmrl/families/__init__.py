@@ -18,6 +18,7 @@ from vlmrl.families import (
     internvl,
     llava,
     llava_onevision,
+    minicpmv,
     mistral3,
     qwen2_5_vl,
     qwen2_vl,
@@ -45,6 +46,7 @@ FAMILIES: tuple[Family, ...] = (
     gemma4.FAMILY,
     glm4v.FAMILY,
     ernie4_5_vl.FAMILY,
+    minicpmv.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

@@ -11,7 +11,9 @@ Encoded prompt batches are plain dicts of tensors:
   pixel_values                  Qwen-VL: [total_patches, D]; LLaVA: [n_images, 3, H, W]
   image_grid_thw                Qwen-VL only: [n_images, 3]
   images_per_row                [B], bookkeeping (not a model input)
-  image_num_patches             InternVL only: [n_images] tiles per image, bookkeeping (not a model input)
+  image_num_patches             InternVL: [n_images] tiles per image; MiniCPM-V: slices per image (bookkeeping)
+  target_sizes                  MiniCPM-V: [n_slices, 2] patch rows x columns of each slice, whose pixels are packed
+                                along the last axis of pixel_values [1, 3, patch, columns]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from vlmrl.families import family_of, model_types
 
 QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids", "target_sizes")
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
@@ -423,6 +425,8 @@ def vision_keys(batch: dict) -> list[str]:
 def per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     """Split a vision tensor into one piece per image or video (Qwen-VL patches via image/video_grid_thw)."""
     value = batch[key]
+    if key in ("pixel_values", "target_sizes") and "target_sizes" in batch:
+        return _packed_slices(batch, key)
     if key == "pixel_values" and "image_grid_thw" in batch:
         sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
         return list(torch.split(value, sizes, dim=0))
@@ -431,6 +435,19 @@ def per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     if key == "pixel_values" and "image_num_patches" in batch:  # InternVL: every image's tiles, concatenated
         return list(torch.split(value, batch["image_num_patches"].tolist(), dim=0))
     return list(value.unbind(0)) if value.shape[0] else []
+
+
+def _packed_slices(batch: dict, key: str) -> list[torch.Tensor]:
+    """MiniCPM-V's per-image pieces: each image's rows of target_sizes [slices, 2] (image_num_patches slices each),
+    and its columns of pixel_values [1, 3, patch, columns] (rows x columns x patch per slice, packed in order)."""
+    slices = batch["image_num_patches"].tolist()
+    sizes = batch["target_sizes"]
+    if key == "target_sizes":
+        return list(torch.split(sizes, slices, dim=0))
+    pixels = batch["pixel_values"]
+    columns = (sizes[:, 0] * sizes[:, 1] * pixels.shape[2]).tolist()
+    starts = [sum(slices[:i]) for i in range(len(slices))]
+    return list(torch.split(pixels, [sum(columns[a : a + n]) for a, n in zip(starts, slices)], dim=-1))
 
 
 def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
@@ -473,8 +490,12 @@ def _picked_items(batch: dict, key: str, order: list[int]) -> torch.Tensor | Non
     picked = [chunks[i] for i in order]
     if not picked:
         return None
-    flat = (key == "pixel_values_videos" and "video_grid_thw" in batch) or (
-        key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
+    if key == "pixel_values" and "target_sizes" in batch:  # MiniCPM-V: slices packed along the last axis
+        return torch.cat(picked, dim=-1)
+    flat = (
+        (key == "pixel_values_videos" and "video_grid_thw" in batch)
+        or (key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch))
+        or key == "target_sizes"
     )
     return torch.cat(picked) if flat else torch.stack(picked)
 
