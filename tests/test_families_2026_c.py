@@ -19,6 +19,7 @@ check_select_rows = first_batch.test_select_rows_follows_each_rows_images
 NEW_FAMILIES = [
     ("ernie4.5-vl", "ernie4_5_vl_moe", "ErnieImageOnlyProcessor"),
     ("minicpm-v4.6", "minicpmv4_6", "MiniCPMVImageOnlyProcessor"),
+    ("kimi-k2.5", "kimi_k25", "KimiImageOnlyProcessor"),
 ]
 NAMES = [name for name, _, _ in NEW_FAMILIES]
 
@@ -80,7 +81,7 @@ def test_ernie_refuses_the_load_balancing_loss_and_routing_replay(built):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["ernie4.5-vl", "minicpm-v4.6"])
+@pytest.mark.parametrize("name", ["ernie4.5-vl", "minicpm-v4.6", "kimi-k2.5"])
 def test_select_rows_follows_each_rows_images(name, built):
     check_select_rows(name, built)
 
@@ -109,3 +110,31 @@ def test_minicpmv_select_rows_cuts_packed_slices_per_image(built):
     keys = ("input_ids", "attention_mask", "pixel_values", "target_sizes")
     with torch.no_grad():
         assert torch.equal(model(**{k: picked[k] for k in keys}).logits, model(**{k: direct[k] for k in keys}).logits)
+
+
+@pytest.mark.unit
+def test_kimi_sizing_rule_on_hand_computed_sizes():
+    """Kimi-K2.5's resize-then-pad rule (PIL port of Kimi_K25ImageProcessor's): never enlarges, shrinks to the
+    per-side and total patch budgets, pads to a multiple of patch x merge (28 px)."""
+    from vlmrl.fixtures.standin_processors_c import kimi_navit_size
+
+    assert kimi_navit_size(56, 56, 14, 2, 16384, 8) == ((56, 56), (56, 56))
+    assert kimi_navit_size(50, 70, 14, 2, 16384, 8) == ((50, 70), (56, 84))  # padded, not resized
+    assert kimi_navit_size(100, 200, 14, 2, 16384, 8) == ((56, 112), (56, 112))  # 8 patches a side: scale 0.56
+    assert kimi_navit_size(56, 56, 14, 2, 4, 8) == ((28, 28), (28, 28))  # 4 patches in all: scale 0.5
+
+
+@pytest.mark.integration
+def test_kimi_patches_are_row_major_per_image(built):
+    """pixel_values [patches, 3, 14, 14] lists each image's patches row by row (the layout MoonViT's 2-D positions
+    assume): a 56 px image white only in its top-right quadrant has white patches 2, 3, 6, 7 of its 4x4 grid."""
+    import numpy as np
+
+    processor = load_processor(built("kimi-k2.5"))
+    pixels = np.zeros((56, 56, 3), dtype=np.uint8)
+    pixels[:28, 28:] = 255
+    out = processor.image_processor(images=[Image.fromarray(pixels)], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]] and out["pixel_values"].shape == (16, 3, 14, 14)
+    white = [i for i in range(16) if out["pixel_values"][i].mean() > 0]
+    assert white == [2, 3, 6, 7]
+    assert torch.allclose(out["pixel_values"][white], torch.ones(1)) and torch.allclose(out["pixel_values"][0], -torch.ones(1))

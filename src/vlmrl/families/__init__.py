@@ -16,6 +16,7 @@ from vlmrl.families import (
     glm4v,
     idefics3,
     internvl,
+    kimi_k25,
     llava,
     llava_onevision,
     minicpmv,
@@ -47,6 +48,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4v.FAMILY,
     ernie4_5_vl.FAMILY,
     minicpmv.FAMILY,
+    kimi_k25.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):
