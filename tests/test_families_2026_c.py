@@ -20,6 +20,7 @@ NEW_FAMILIES = [
     ("ernie4.5-vl", "ernie4_5_vl_moe", "ErnieImageOnlyProcessor"),
     ("minicpm-v4.6", "minicpmv4_6", "MiniCPMVImageOnlyProcessor"),
     ("kimi-k2.5", "kimi_k25", "KimiImageOnlyProcessor"),
+    ("molmo2", "molmo2", "Molmo2ImageOnlyProcessor"),
 ]
 NAMES = [name for name, _, _ in NEW_FAMILIES]
 
@@ -81,33 +82,42 @@ def test_ernie_refuses_the_load_balancing_loss_and_routing_replay(built):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["ernie4.5-vl", "minicpm-v4.6", "kimi-k2.5"])
+@pytest.mark.parametrize("name", ["ernie4.5-vl", "minicpm-v4.6", "kimi-k2.5", "molmo2"])
 def test_select_rows_follows_each_rows_images(name, built):
     check_select_rows(name, built)
 
 
+# (family, what the processor makes of [56 px, 300x120 px, 48x40 px] images, the model's vision inputs)
+UNEVEN = [
+    ("minicpm-v4.6", ("image_num_patches", [1, 4, 1]), ("pixel_values", "target_sizes")),  # slices, packed along the last axis
+    ("molmo2", ("image_num_crops", [2, 3, 2]), ("pixel_values", "image_token_pooling", "image_grids", "image_num_crops", "mm_token_type_ids")),
+]
+
+
 @pytest.mark.integration
-def test_minicpmv_select_rows_cuts_packed_slices_per_image(built):
-    """MiniCPM-V packs every slice of every image along the last axis of pixel_values [1, 3, 14, columns]: a wide
-    image (a thumbnail and 3 slices) between two small ones (1 slice each), rows gathered as [1, 0, 1], equal the
-    rows encoded directly, and the model's logits on the gathered batch equal those on the direct one."""
+@pytest.mark.parametrize("name,pieces,vision", UNEVEN)
+def test_select_rows_regathers_uneven_images_and_the_model_agrees(name, pieces, vision, built):
+    """MiniCPM-V packs every slice of every image along the last axis of pixel_values [1, 3, 14, columns]; Molmo2's
+    image_token_pooling indexes the batch's patches. A wide image (more slices / crops) between two small ones, rows
+    gathered as [1, 0, 1], equal the rows encoded directly, and the model's logits on both batches are equal."""
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.models.processing import select_rows
 
-    processor = load_processor(built("minicpm-v4.6"))
+    processor = load_processor(built(name))
     texts = [build_row_prompt(processor, {"problem": "A <image> B <image>"}, 2), build_row_prompt(processor, {"problem": "C"}, 1)]
     images = [[Image.new("RGB", (56, 56), "red"), Image.new("RGB", (300, 120), "blue")], [Image.new("RGB", (48, 40), "green")]]
     batch = encode_prompts(processor, texts, images)
-    assert batch["image_num_patches"].tolist() == [1, 4, 1] and batch["pixel_values"].shape[0] == 1
+    key, counts = pieces
+    assert batch[key].tolist() == counts
     picked = select_rows(batch, [1, 0, 1])
     direct = encode_prompts(processor, [texts[1], texts[0], texts[1]], [images[1], images[0], images[1]])
     assert picked.keys() == direct.keys()
-    for key, value in direct.items():
+    for k, value in direct.items():
         if torch.is_tensor(value):
-            assert torch.equal(picked[key], value), key
-    model = AutoModelForImageTextToText.from_pretrained(built("minicpm-v4.6")).eval()
-    keys = ("input_ids", "attention_mask", "pixel_values", "target_sizes")
+            assert torch.equal(picked[k], value), k
+    model = AutoModelForImageTextToText.from_pretrained(built(name)).eval()
+    keys = ("input_ids", "attention_mask", *vision)
     with torch.no_grad():
         assert torch.equal(model(**{k: picked[k] for k in keys}).logits, model(**{k: direct[k] for k in keys}).logits)
 

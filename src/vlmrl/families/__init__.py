@@ -21,6 +21,7 @@ from vlmrl.families import (
     llava_onevision,
     minicpmv,
     mistral3,
+    molmo2,
     qwen2_5_vl,
     qwen2_vl,
     qwen3_5,
@@ -49,6 +50,7 @@ FAMILIES: tuple[Family, ...] = (
     ernie4_5_vl.FAMILY,
     minicpmv.FAMILY,
     kimi_k25.FAMILY,
+    molmo2.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

@@ -14,6 +14,8 @@ Encoded prompt batches are plain dicts of tensors:
   image_num_patches             InternVL: [n_images] tiles per image; MiniCPM-V: slices per image (bookkeeping)
   target_sizes                  MiniCPM-V: [n_slices, 2] patch rows x columns of each slice, whose pixels are packed
                                 along the last axis of pixel_values [1, 3, patch, columns]
+  image_token_pooling           Molmo2: [n_image_tokens, pool] indices into the batch's patches (pixel_values
+                                [n_crops, patches, D], image_num_crops [n_images], image_grids [n_images, 4])
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from vlmrl.families import family_of, model_types
 
 QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids", "target_sizes")
+VISION_KEYS = (
+    *("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids", "target_sizes"),
+    *("image_token_pooling", "image_grids", "image_num_crops"),
+)
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
@@ -427,6 +432,8 @@ def per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     value = batch[key]
     if key in ("pixel_values", "target_sizes") and "target_sizes" in batch:
         return _packed_slices(batch, key)
+    if key in ("pixel_values", "image_token_pooling") and "image_token_pooling" in batch:
+        return _pooled_crops(batch, key)
     if key == "pixel_values" and "image_grid_thw" in batch:
         sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
         return list(torch.split(value, sizes, dim=0))
@@ -448,6 +455,29 @@ def _packed_slices(batch: dict, key: str) -> list[torch.Tensor]:
     columns = (sizes[:, 0] * sizes[:, 1] * pixels.shape[2]).tolist()
     starts = [sum(slices[:i]) for i in range(len(slices))]
     return list(torch.split(pixels, [sum(columns[a : a + n]) for a, n in zip(starts, slices)], dim=-1))
+
+
+def _pooled_crops(batch: dict, key: str) -> list[torch.Tensor]:
+    """Molmo2's per-image pieces: its crops of pixel_values (image_num_crops each), and its rows of
+    image_token_pooling (low-res rows x columns + high-res rows x columns, from image_grids) with the indices made
+    relative to its own first patch (-1, no patch, kept); `_rebased_pooling` makes them global again."""
+    crops = batch["image_num_crops"].tolist()
+    if key == "pixel_values":
+        return list(torch.split(batch["pixel_values"], crops, dim=0))
+    grids = batch["image_grids"]
+    rows = (grids[:, 0] * grids[:, 1] + grids[:, 2] * grids[:, 3]).tolist()
+    patches = batch["pixel_values"].shape[1]
+    starts = [sum(crops[:i]) * patches for i in range(len(crops))]
+    return [torch.where(c >= 0, c - start, c) for c, start in zip(torch.split(batch["image_token_pooling"], rows), starts)]
+
+
+def _rebased_pooling(batch: dict, picked: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    """Molmo2's image_token_pooling of the images `order` (pieces from `_pooled_crops`), offset by the patches of the
+    images before each one in the new order."""
+    patches = batch["pixel_values"].shape[1]
+    crops = batch["image_num_crops"][order].tolist()
+    starts = [sum(crops[:i]) * patches for i in range(len(crops))]
+    return torch.cat([torch.where(c >= 0, c + start, c) for c, start in zip(picked, starts)])
 
 
 def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
@@ -492,9 +522,11 @@ def _picked_items(batch: dict, key: str, order: list[int]) -> torch.Tensor | Non
         return None
     if key == "pixel_values" and "target_sizes" in batch:  # MiniCPM-V: slices packed along the last axis
         return torch.cat(picked, dim=-1)
+    if key == "image_token_pooling":  # Molmo2: indices into the picked images' patches
+        return _rebased_pooling(batch, picked, order)
     flat = (
         (key == "pixel_values_videos" and "video_grid_thw" in batch)
-        or (key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch))
+        or (key == "pixel_values" and any(k in batch for k in ("image_grid_thw", "image_num_patches", "image_num_crops")))
         or key == "target_sizes"
     )
     return torch.cat(picked) if flat else torch.stack(picked)
