@@ -148,3 +148,59 @@ def test_kimi_patches_are_row_major_per_image(built):
     white = [i for i in range(16) if out["pixel_values"][i].mean() > 0]
     assert white == [2, 3, 6, 7]
     assert torch.allclose(out["pixel_values"][white], torch.ones(1)) and torch.allclose(out["pixel_values"][0], -torch.ones(1))
+
+
+# (family, model.lora_target_parameters for its fused MoE experts, or None for a dense decoder)
+LORA_RUNS = [
+    ("ernie4.5-vl", "[text_moe.experts.gate_up_proj,text_moe.experts.down_proj,vision_moe.experts.gate_up_proj,vision_moe.experts.down_proj]"),
+    ("minicpm-v4.6", None),
+    ("kimi-k2.5", "[mlp.experts.gate_up_proj,mlp.experts.down_proj]"),
+    ("molmo2", None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,experts", LORA_RUNS, ids=[name for name, _ in LORA_RUNS])
+def test_lora_grpo_and_sft_end_to_end(name, experts, built, data, tmp_path):
+    """`vlmrl train` with LoRA (on the fused MoE experts too where the family has them; beta > 0, so the reference is
+    the adapter-disabled model) trains its adapters, and `final/` reloads in plain transformers; `vlmrl sft`
+    (projector stage then full) finishes and its `final/` reloads too."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.cli import main
+
+    path = built(name)
+    grpo = first_batch.overrides(path, data, tmp_path / "grpo")
+    grpo += ["model.use_lora=true", "algorithm.beta=0.05", "optim.learning_rate=1e-2"]
+    grpo += [f"model.lora_target_parameters={experts}"] if experts else []
+    assert main(["train", *grpo]) == 0
+    adapter = load_file(tmp_path / "grpo" / "final" / "adapter" / "adapter_model.safetensors")
+    # B starts at zero: every adapter was trained, but the last layer's vision experts (ERNIE), whose outputs (image
+    # positions) no later position reads.
+    last = f"layers.{AutoConfig.from_pretrained(path).get_text_config().num_hidden_layers - 1}."
+    trained = {k: v for k, v in adapter.items() if "lora_B" in k and not ("vision_moe" in k and last in k)}
+    assert trained and all(v.abs().sum() > 0 for v in trained.values()), [k for k, v in trained.items() if not v.abs().sum()]
+    assert not experts or any("experts" in k for k in trained)
+    assert "vision_moe" not in (experts or "") or any("vision_moe" in k for k in trained)
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "grpo" / "final")
+    common = [f"model.name_or_path={path}", f"data.train_path={data['train']}", "data.eval_path=", "data.min_pixels=3136", "data.max_pixels=3136"]
+    common += ["logging.progress_bar=false", "logging.tensorboard=false", "logging.report=false", f"training.output_dir={tmp_path / 'sft'}"]
+    assert main(["sft", *common, "sft.projector_steps=1", "sft.steps=1", "sft.batch_size=2"]) == 0
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "sft" / "final")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name,model_type,processor_class", NEW_FAMILIES)
+def test_matrix_states_each_familys_fallback_reason(name, model_type, processor_class):
+    """The families table's grouped-vision and shared-prefix cells of these families are the registry's reason."""
+    import json
+    import pathlib
+
+    from vlmrl.families import family_of
+
+    matrix = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "families_matrix.json").read_text())
+    cells = matrix["families"][name]["cells"]
+    family = family_of(model_type)
+    assert family.grouped is None
+    assert cells["grouped vision"] == cells["shared prefix"] == f"fallback: naive path: {family.fallback_reason}"
