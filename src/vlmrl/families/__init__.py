@@ -10,14 +10,18 @@ from __future__ import annotations
 import logging
 
 from vlmrl.families import (
+    ernie4_5_vl,
     gemma3,
     gemma4,
     glm4v,
     idefics3,
     internvl,
+    kimi_k25,
     llava,
     llava_onevision,
+    minicpmv,
     mistral3,
+    molmo2,
     qwen2_5_vl,
     qwen2_vl,
     qwen3_5,
@@ -43,6 +47,10 @@ FAMILIES: tuple[Family, ...] = (
     mistral3.FAMILY,
     gemma4.FAMILY,
     glm4v.FAMILY,
+    ernie4_5_vl.FAMILY,
+    minicpmv.FAMILY,
+    kimi_k25.FAMILY,
+    molmo2.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

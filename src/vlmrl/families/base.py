@@ -52,6 +52,9 @@ class Family:
     tiling: str | None = None  # "anyres" (LLaVA-OneVision) or "dynamic" (InternVL tiles)
     norms_per_layer: int | None = None  # decoder norms per layer when not the usual 2 (Gemma 3: 4)
     linear_attention: bool = False  # hybrid decoder with Gated DeltaNet layers (Qwen3.5)
+    # MoE routing: text and vision tokens go to separate expert sets (ERNIE-4.5-VL), each router seeing only its own
+    # tokens; vlmrl's load-balancing loss and routing replay assume one router per layer over every token.
+    modality_experts: bool = False
 
     def tiny_builder(self, name: str | None = None) -> Callable:
         """Its tiny offline builder (`name`: one of self.tiny, default the first)."""

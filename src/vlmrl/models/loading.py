@@ -238,8 +238,9 @@ def vision_tower(model: nn.Module) -> nn.Module:
 
 
 def projector(model: nn.Module) -> nn.Module:
-    """The vision-to-language projector: Qwen-VL's merger(s), LLaVA's multi_modal_projector."""
-    found = _first_attr(_holders(model), ("multi_modal_projector", "mm_projector", "connector"))
+    """The vision-to-language projector: Qwen-VL's merger(s), LLaVA's multi_modal_projector, ERNIE-4.5-VL's
+    resampler_model, MiniCPM-V's merger (next to its vision tower)."""
+    found = _first_attr(_holders(model), ("multi_modal_projector", "mm_projector", "connector", "resampler_model", "merger"))
     if found is not None:
         return found
     visual = _first_attr(_holders(model), ("visual",))

@@ -11,7 +11,11 @@ Encoded prompt batches are plain dicts of tensors:
   pixel_values                  Qwen-VL: [total_patches, D]; LLaVA: [n_images, 3, H, W]
   image_grid_thw                Qwen-VL only: [n_images, 3]
   images_per_row                [B], bookkeeping (not a model input)
-  image_num_patches             InternVL only: [n_images] tiles per image, bookkeeping (not a model input)
+  image_num_patches             InternVL: [n_images] tiles per image; MiniCPM-V: slices per image (bookkeeping)
+  target_sizes                  MiniCPM-V: [n_slices, 2] patch rows x columns of each slice, whose pixels are packed
+                                along the last axis of pixel_values [1, 3, patch, columns]
+  image_token_pooling           Molmo2: [n_image_tokens, pool] indices into the batch's patches (pixel_values
+                                [n_crops, patches, D], image_num_crops [n_images], image_grids [n_images, 4])
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from vlmrl.families import family_of, model_types
 
 QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids")
+VISION_KEYS = (
+    *("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids", "target_sizes"),
+    *("image_token_pooling", "image_grids", "image_num_crops"),
+)
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
@@ -423,6 +430,10 @@ def vision_keys(batch: dict) -> list[str]:
 def per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     """Split a vision tensor into one piece per image or video (Qwen-VL patches via image/video_grid_thw)."""
     value = batch[key]
+    if key in ("pixel_values", "target_sizes") and "target_sizes" in batch:
+        return _packed_slices(batch, key)
+    if key in ("pixel_values", "image_token_pooling") and "image_token_pooling" in batch:
+        return _pooled_crops(batch, key)
     if key == "pixel_values" and "image_grid_thw" in batch:
         sizes = batch["image_grid_thw"].prod(dim=-1).tolist()
         return list(torch.split(value, sizes, dim=0))
@@ -431,6 +442,42 @@ def per_image_chunks(batch: dict, key: str) -> list[torch.Tensor]:
     if key == "pixel_values" and "image_num_patches" in batch:  # InternVL: every image's tiles, concatenated
         return list(torch.split(value, batch["image_num_patches"].tolist(), dim=0))
     return list(value.unbind(0)) if value.shape[0] else []
+
+
+def _packed_slices(batch: dict, key: str) -> list[torch.Tensor]:
+    """MiniCPM-V's per-image pieces: each image's rows of target_sizes [slices, 2] (image_num_patches slices each),
+    and its columns of pixel_values [1, 3, patch, columns] (rows x columns x patch per slice, packed in order)."""
+    slices = batch["image_num_patches"].tolist()
+    sizes = batch["target_sizes"]
+    if key == "target_sizes":
+        return list(torch.split(sizes, slices, dim=0))
+    pixels = batch["pixel_values"]
+    columns = (sizes[:, 0] * sizes[:, 1] * pixels.shape[2]).tolist()
+    starts = [sum(slices[:i]) for i in range(len(slices))]
+    return list(torch.split(pixels, [sum(columns[a : a + n]) for a, n in zip(starts, slices)], dim=-1))
+
+
+def _pooled_crops(batch: dict, key: str) -> list[torch.Tensor]:
+    """Molmo2's per-image pieces: its crops of pixel_values (image_num_crops each), and its rows of
+    image_token_pooling (low-res rows x columns + high-res rows x columns, from image_grids) with the indices made
+    relative to its own first patch (-1, no patch, kept); `_rebased_pooling` makes them global again."""
+    crops = batch["image_num_crops"].tolist()
+    if key == "pixel_values":
+        return list(torch.split(batch["pixel_values"], crops, dim=0))
+    grids = batch["image_grids"]
+    rows = (grids[:, 0] * grids[:, 1] + grids[:, 2] * grids[:, 3]).tolist()
+    patches = batch["pixel_values"].shape[1]
+    starts = [sum(crops[:i]) * patches for i in range(len(crops))]
+    return [torch.where(c >= 0, c - start, c) for c, start in zip(torch.split(batch["image_token_pooling"], rows), starts)]
+
+
+def _rebased_pooling(batch: dict, picked: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    """Molmo2's image_token_pooling of the images `order` (pieces from `_pooled_crops`), offset by the patches of the
+    images before each one in the new order."""
+    patches = batch["pixel_values"].shape[1]
+    crops = batch["image_num_crops"][order].tolist()
+    starts = [sum(crops[:i]) * patches for i in range(len(crops))]
+    return torch.cat([torch.where(c >= 0, c + start, c) for c, start in zip(picked, starts)])
 
 
 def select_rows(batch: dict, rows: Sequence[int] | torch.Tensor) -> dict:
@@ -473,8 +520,14 @@ def _picked_items(batch: dict, key: str, order: list[int]) -> torch.Tensor | Non
     picked = [chunks[i] for i in order]
     if not picked:
         return None
-    flat = (key == "pixel_values_videos" and "video_grid_thw" in batch) or (
-        key == "pixel_values" and ("image_grid_thw" in batch or "image_num_patches" in batch)
+    if key == "pixel_values" and "target_sizes" in batch:  # MiniCPM-V: slices packed along the last axis
+        return torch.cat(picked, dim=-1)
+    if key == "image_token_pooling":  # Molmo2: indices into the picked images' patches
+        return _rebased_pooling(batch, picked, order)
+    flat = (
+        (key == "pixel_values_videos" and "video_grid_thw" in batch)
+        or (key == "pixel_values" and any(k in batch for k in ("image_grid_thw", "image_num_patches", "image_num_crops")))
+        or key == "target_sizes"
     )
     return torch.cat(picked) if flat else torch.stack(picked)
 
@@ -492,14 +545,19 @@ def decode(processor, ids, skip_special_tokens: bool = True) -> list[str]:
     return tokenizer_of(processor).batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+# Per-token modality ids [B, P] some processors return (zeros = text): Qwen-VL's M-RoPE types, Gemma 3's image-block
+# mask, ERNIE-4.5-VL's expert choice (vision experts for image tokens and their start/end markers).
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
+
+
 def append_tokens(batch: dict, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     """Prompt batch + completion tokens [N, T]: extends input_ids, attention_mask and the per-token
-    modality ids (mm_token_type_ids / token_type_ids, zeros = text) that Qwen-VL's M-RoPE needs to
+    modality ids (TOKEN_TYPE_KEYS, zeros = text) that Qwen-VL's M-RoPE and ERNIE's experts need to
     have the same length as input_ids. Vision inputs are passed through unchanged."""
     out = dict(batch)
     out["input_ids"] = torch.cat([batch["input_ids"], ids.to(batch["input_ids"].device)], dim=1)
     out["attention_mask"] = torch.cat([batch["attention_mask"], mask.to(batch["attention_mask"])], dim=1)
-    for key in ("mm_token_type_ids", "token_type_ids"):
+    for key in TOKEN_TYPE_KEYS:
         if key in batch:
             out[key] = torch.cat([batch[key], torch.zeros_like(ids, dtype=batch[key].dtype, device=batch[key].device)], dim=1)
     return out

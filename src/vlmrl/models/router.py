@@ -18,6 +18,7 @@ import torch
 from vlmrl.models.loading import unwrap
 from vlmrl.algo.losses import load_balancing_loss
 from vlmrl.config import ConfigError
+from vlmrl.families import family_of
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,18 @@ def find_routing(model: torch.nn.Module) -> Routing | None:
 
 
 def routing_for(model: torch.nn.Module, aux_loss_coef: float, replay: str = "off") -> Routing | None:
-    """The run's routing; a load-balancing coefficient or routing replay on a model without routers is a config error."""
+    """The run's routing; a load-balancing coefficient or routing replay on a model without routers (or with per-modality
+    expert sets, Family.modality_experts) is a config error. None: nothing to record."""
 
+    family = family_of(getattr(getattr(unwrap(model), "config", None), "model_type", None))
+    if family.modality_experts:
+        if aux_loss_coef > 0 or replay != "off":
+            raise ConfigError(
+                f"algorithm.router_aux_loss_coef={aux_loss_coef}, algorithm.routing_replay={replay}: {family.name} routes text and "
+                "vision tokens to separate expert sets, which vlmrl's load-balancing loss and routing replay do not model; set "
+                "algorithm.router_aux_loss_coef=0 and algorithm.routing_replay=off"
+            )
+        return None  # no router/aux_loss logged: a per-router subset of the tokens is not the loss vlmrl defines
     routing = find_routing(model)
     if routing is None and aux_loss_coef > 0:
         raise ConfigError(f"algorithm.router_aux_loss_coef={aux_loss_coef} but the model has no MoE router (a dense model); set it to 0")
