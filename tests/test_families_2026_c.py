@@ -204,3 +204,17 @@ def test_matrix_states_each_familys_fallback_reason(name, model_type, processor_
     family = family_of(model_type)
     assert family.grouped is None
     assert cells["grouped vision"] == cells["shared prefix"] == f"fallback: naive path: {family.fallback_reason}"
+
+
+@pytest.mark.integration
+def test_ernie_folder_names_a_video_processor_the_real_processor_can_build(built):
+    """With torchvision, AutoProcessor builds the real Ernie4_5_VLMoeProcessor from the folder; without a video entry
+    it built the video processor from the image settings and refused them (temporal patch 1), and its timestamp font
+    is a hub download (offline here): the saved entry names the real class with drawing off. (The comparison with
+    the real processor itself, ids equal, is scripts/check_standins.py on a machine with torchvision.)"""
+    import json
+
+    saved = json.loads((built("ernie4.5-vl") / "processor_config.json").read_text())
+    assert saved["processor_class"] == "Ernie4_5_VLMoeProcessor"
+    assert saved["video_processor"] == {"video_processor_type": "Ernie4_5_VLMoeVideoProcessor", "draw_on_frames": False}
+    assert saved["image_processor"]["image_processor_type"] == "Ernie4_5_VLMoeImageProcessor"

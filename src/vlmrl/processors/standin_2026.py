@@ -47,7 +47,15 @@ class ErnieImageOnlyProcessor(_ernie_processor_class()):
 
     def save_pretrained(self, save_directory, **kwargs):
         # The parent's save copies the video processor's font file first: there is none here.
-        return _save_as(self, "Ernie4_5_VLMoeProcessor", save_directory, via=ProcessorMixin, **kwargs)
+        out = _save_as(self, "Ernie4_5_VLMoeProcessor", save_directory, via=ProcessorMixin, **kwargs)
+        # With torchvision, AutoProcessor builds the real video processor from this entry (else from the image
+        # processor's settings, which it refuses: temporal patch 1). Timestamps drawn on frames need a font file the
+        # folder does not hold (offline), so that is off.
+        path = Path(save_directory) / "processor_config.json"
+        data = json.loads(path.read_text())
+        data["video_processor"] = {"video_processor_type": "Ernie4_5_VLMoeVideoProcessor", "draw_on_frames": False}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return out
 
 
 def load_ernie_image_processor(path: str, tokenizer, chat_template: str | None) -> ErnieImageOnlyProcessor:
