@@ -16,7 +16,7 @@ from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
 from vlmrl.families import FAMILIES, family_of
-from vlmrl.fixtures.tiny_families import BUILDERS
+from vlmrl.tiny_models.tiny_families import BUILDERS
 from vlmrl.models.processing import build_row_prompt
 
 

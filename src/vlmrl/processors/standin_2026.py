@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers.processing_utils import ProcessorMixin
 
-from vlmrl.processors.standin import _image_processor_settings, _save_as
+from vlmrl.processors.standin import image_processor_settings, save_as
 
 
 def _processor_config(folder: Path) -> dict:
@@ -47,7 +47,7 @@ class ErnieImageOnlyProcessor(_ernie_processor_class()):
 
     def save_pretrained(self, save_directory, **kwargs):
         # The parent's save copies the video processor's font file first: there is none here.
-        out = _save_as(self, "Ernie4_5_VLMoeProcessor", save_directory, via=ProcessorMixin, **kwargs)
+        out = save_as(self, "Ernie4_5_VLMoeProcessor", save_directory, via=ProcessorMixin, **kwargs)
         # With torchvision, AutoProcessor builds the real video processor from this entry (else from the image
         # processor's settings, which it refuses: temporal patch 1). Timestamps drawn on frames need a font file the
         # folder does not hold (offline), so that is off.
@@ -63,7 +63,7 @@ def load_ernie_image_processor(path: str, tokenizer, chat_template: str | None) 
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import Ernie4_5_VLMoeImageProcessorPil
 
     folder = Path(path)
-    image_processor = Ernie4_5_VLMoeImageProcessorPil(**_image_processor_settings(folder, _processor_config(folder)))
+    image_processor = Ernie4_5_VLMoeImageProcessorPil(**image_processor_settings(folder, _processor_config(folder)))
     return ErnieImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template)
 
 
@@ -116,7 +116,7 @@ class MiniCPMVImageOnlyProcessor(_minicpmv_processor_class()):
         return [name for name in super().unused_input_names if name != "num_patches_per_image"]
 
     def save_pretrained(self, save_directory, **kwargs):
-        return _save_as(self, "MiniCPMV4_6Processor", save_directory, **kwargs)
+        return save_as(self, "MiniCPMV4_6Processor", save_directory, **kwargs)
 
 
 def load_minicpmv_image_processor(path: str, tokenizer, chat_template: str | None) -> MiniCPMVImageOnlyProcessor:
@@ -124,7 +124,7 @@ def load_minicpmv_image_processor(path: str, tokenizer, chat_template: str | Non
     from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import MiniCPMV4_6ImageProcessorPil
 
     folder = Path(path)
-    image_processor = MiniCPMV4_6ImageProcessorPil(**_image_processor_settings(folder, _processor_config(folder)))
+    image_processor = MiniCPMV4_6ImageProcessorPil(**image_processor_settings(folder, _processor_config(folder)))
     return MiniCPMVImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template)
 
 
@@ -222,13 +222,13 @@ class KimiImageOnlyProcessor(_kimi_processor_class()):
         return super().__call__(images=images, text=text, **kwargs)
 
     def save_pretrained(self, save_directory, **kwargs):
-        return _save_as(self, "Kimi_K25Processor", save_directory, **kwargs)
+        return save_as(self, "Kimi_K25Processor", save_directory, **kwargs)
 
 
 def load_kimi_image_processor(path: str, tokenizer, chat_template: str | None) -> KimiImageOnlyProcessor:
     """The stand-in for a Kimi-K2.5 folder (settings read as for LLaVA-OneVision)."""
     folder = Path(path)
-    image_processor = KimiK25ImageProcessorPil(**_image_processor_settings(folder, _processor_config(folder)))
+    image_processor = KimiK25ImageProcessorPil(**image_processor_settings(folder, _processor_config(folder)))
     return KimiImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template)
 
 
@@ -307,14 +307,14 @@ class Molmo2ImageOnlyProcessor(_molmo2_processor_class()):
         return super().__call__(images=images, text=text, **kwargs)
 
     def save_pretrained(self, save_directory, **kwargs):
-        return _save_as(self, "Molmo2Processor", save_directory, **kwargs)
+        return save_as(self, "Molmo2Processor", save_directory, **kwargs)
 
 
 def load_molmo2_image_processor(path: str, tokenizer, chat_template: str | None) -> Molmo2ImageOnlyProcessor:
     """The stand-in for a Molmo2 folder (settings read as for LLaVA-OneVision)."""
     folder = Path(path)
     processor_cfg = _processor_config(folder)
-    image_processor = Molmo2ImageProcessorTorch(**_image_processor_settings(folder, processor_cfg))
+    image_processor = Molmo2ImageProcessorTorch(**image_processor_settings(folder, processor_cfg))
     keys = ("image_use_col_tokens", "use_single_crop_col_tokens", "use_single_crop_start_token")
     settings = {k: processor_cfg[k] for k in keys if k in processor_cfg}
     return Molmo2ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template, **settings)
