@@ -238,3 +238,30 @@ def test_sigkill_with_rollouts_in_flight_then_resume_trains_the_same_pairs(tiny_
     assert sorted(want) == [1, 2, 3, 4, 5] and all(len(v) == 8 for v in want.values())
     assert _trained_pairs(killed) == want
     assert _same_final_weights(straight, killed)
+
+
+@pytest.mark.multiproc
+def test_a_dead_producer_stops_the_run_in_one_line(tiny_qwen25vl, tmp_path, monkeypatch):
+    """The producer SIGKILLed during step 2 (its rollout of step 3 in flight): the run stops with one line naming it."""
+    import os
+    import signal
+
+    from vlmrl.rollout.pipeline import RolloutProducerError
+
+    data = make_count_task(tmp_path / "count", n_train=8, n_test=0, seed=0, image_size=56)
+    cfg = _config(tiny_qwen25vl, data, tmp_path / "run", "rollout.max_staleness=1", "training.max_steps=3")
+    take = loop.pipelined_rollout
+
+    def killing(run, step):
+        if step == 2:
+            os.kill(run.pipeline.process.pid, signal.SIGKILL)
+            run.pipeline.process.join()
+        return take(run, step)
+
+    monkeypatch.setattr(loop, "pipelined_rollout", killing)
+    lines = []
+    with pytest.raises(RolloutProducerError) as caught:
+        loop.train(cfg, lines.append)
+    message = str(caught.value)
+    assert "\n" not in message and "the rollout producer (pid" in message and "is gone (exit code -9" in message
+    assert "resumes from the newest checkpoint" in message

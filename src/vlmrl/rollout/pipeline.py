@@ -253,6 +253,8 @@ class RolloutPipeline:
         return message
 
     def _gone(self, what: str) -> str:
+        if not self.process.is_alive() and "exit code" not in what:
+            what = f"exit code {self.process.exitcode}, {what}"
         return (
             f"the rollout producer (pid {self.process.pid}) is gone ({what}); its error, if any, is above. "
             "Run the same command again: it resumes from the newest checkpoint"
