@@ -80,6 +80,8 @@ def run_grpo(k: int, out: Path, common: list[str]) -> dict:
         "rollout_seconds": round(sum(r["time/rollout"] for r in rows), 2),
         "update_seconds": round(sum(r["time/update"] for r in rows), 2),
         "producer_generate_seconds": round(sum(r.get("pipeline/generate_seconds", 0.0) for r in rows), 2),
+        "collect_wait_seconds": round(sum(r.get("pipeline/collect_seconds", 0.0) for r in rows), 2),
+        "push_seconds": round(sum(r.get("pipeline/push_seconds", 0.0) for r in rows), 2),
         "staleness_mean": round(sum(r.get("staleness/mean", 0.0) for r in rows) / len(rows), 3),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
         "final_reward": rows[-1]["reward"],
@@ -104,15 +106,17 @@ def markdown(result: dict) -> str:
         f"{result.get('completion_length') or 'the demo'}'s completion length) from one SFT model; "
         "k = rollout.max_staleness (0: synchronous, one process; k > 0: trainer + producer process).",
         "",
-        "| k | step s | steps/s | throughput vs k=0 | wall s | rollout wait s | update s | producer generate s "
-        "| staleness mean / max | final acc | load |",
+        "| k | step s | steps/s | throughput vs k=0 | wall s | rollout wait s | update s (of it: collect wait, push) "
+        "| producer generate s | staleness mean / max | final acc | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         acc = r["eval_accuracy"][max(r["eval_accuracy"], key=int)] if r["eval_accuracy"] else float("nan")
         lines.append(
             f"| {r['k']} | {r['step_seconds']:.0f} | {r['steps_per_second']:.3f} | {base['step_seconds'] / r['step_seconds']:.2f}x "
-            f"| {r['wall_seconds']:.0f} | {r['rollout_seconds']:.0f} | {r['update_seconds']:.0f} | {r['producer_generate_seconds']:.0f} "
+            f"| {r['wall_seconds']:.0f} | {r['rollout_seconds']:.0f} "
+            f"| {r['update_seconds']:.0f} ({r.get('collect_wait_seconds', 0):.0f}, {r.get('push_seconds', 0):.0f}) "
+            f"| {r['producer_generate_seconds']:.0f} "
             f"| {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {100 * acc:.1f}% | {r['load_before']} -> {r['load_after']} |"
         )
     lines += ["", "Held-out accuracy (greedy) per evaluated step:", "", "| step | " + " | ".join(f"k={r['k']}" for r in runs) + " |"]

@@ -116,6 +116,7 @@ def _record_run(cfg, monkeypatch, stop_after=None):
         scores = score(run, samples, rewards)
         step = max(seen)
         seen[step]["old"] = scores.old_logps.detach().cpu().clone()
+        seen[step]["is_weights"] = None if scores.is_weights is None else scores.is_weights.detach().cpu().clone()
         return scores
 
     def pushed(run, step):
@@ -265,3 +266,32 @@ def test_a_dead_producer_stops_the_run_in_one_line(tiny_qwen25vl, tmp_path, monk
     message = str(caught.value)
     assert "\n" not in message and "the rollout producer (pid" in message and "is gone (exit code -9" in message
     assert "resumes from the newest checkpoint" in message
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_rollout_correction_weighs_stale_rows_by_proximal_over_behaviour(tiny_qwen25vl, tmp_path, monkeypatch):
+    """k=1 with algorithm.rollout_correction=token_truncate: the old log-probs are the trained version's (scored), and
+    the loss weights are min(exp(old - behaviour), 3) with behaviour the sampling version's (decoupled PPO)."""
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.prefix import LogprobOptions
+
+    data = make_count_task(tmp_path / "count", n_train=8, n_test=0, seed=0, image_size=56)
+    cfg = _config(
+        tiny_qwen25vl, data, tmp_path / "run", "rollout.max_staleness=1", "algorithm.rollout_correction=token_truncate", "training.max_steps=3"
+    )
+    seen, versions = _record_run(cfg, monkeypatch)
+    policy = load_model(cfg.model).eval()
+    opts = LogprobOptions.from_config(cfg, torch.device("cpu"))
+    stale = [s for s, got in seen.items() if got["version"] < s - 1]
+    assert stale == [2, 3]
+    for step in stale:
+        got = seen[step]
+        samples, mask = got["samples"], got["samples"].completions.mask.bool()
+        policy.load_state_dict(versions[step - 1])  # the proximal policy: the weights this step trains from
+        proximal = _teacher_forced(policy, samples, opts)
+        torch.testing.assert_close(got["old"][mask], proximal[mask], rtol=0, atol=1e-4)
+        behaviour = samples.completions.sampling_logps.cpu()
+        want = torch.exp(proximal - behaviour).clamp(max=3.0)
+        torch.testing.assert_close(got["is_weights"][mask], want[mask], rtol=1e-3, atol=1e-4)
+        assert float((got["is_weights"][mask] - 1).abs().max()) > 1e-3  # stale: the weights are not 1

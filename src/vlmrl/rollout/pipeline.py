@@ -127,9 +127,12 @@ class RolloutPipeline:
 
     # ------------------------------------------------------------ requests
     def push(self, model: torch.nn.Module, version: int) -> float:
-        """The weights of `version` to the producer (after every reply outstanding is in); returns seconds."""
+        """The weights of `version` to the producer (after every reply outstanding is in: the wait is logged as
+        pipeline/collect_seconds); returns the seconds of the push itself."""
         start = time.perf_counter()
         self.collect()
+        self.metrics["pipeline/collect_seconds"] = time.perf_counter() - start
+        start = time.perf_counter()
         weights = trainable_weights(model)
         layout = weight_layout(weights)
         self._send({"op": "push", "version": version, "layout": layout})
