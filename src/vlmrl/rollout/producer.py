@@ -118,7 +118,10 @@ def producer_main(conn, cfg, port: int, per_prompt_seed: bool, pad_id: int, thre
     """The process's entry point (multiprocessing spawn): load, say ready, join the weight group, serve."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops this process
+    # Ctrl-C (and a SIGTERM to the process group) reaches this process too: the trainer finishes its step, writes its
+    # checkpoint and closes this process; a trainer that dies closes the pipe, which ends it (EOF).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         if threads > 0:
             torch.set_num_threads(threads)

@@ -53,6 +53,7 @@ def submit(run, step: int, indices: list[int]) -> None:
 def pipelined_rollout(run, step: int) -> Rollout:
     """Step `step`'s rollout from the pipeline (sampled by a version at most rollout.max_staleness behind)."""
     fill(run, step - 1)
+    run.model.eval()  # scoring sees the policy as the synchronous loop's does (after its rollout)
     entry, comp = run.pipeline.take(step)
     rows = [run.data.train[entry.indices[p]] for p in run.shard.prompts]
     run.current_rows = [entry.indices[p] for p in run.shard.prompts]
