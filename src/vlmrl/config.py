@@ -232,6 +232,10 @@ class RolloutConfig:
         "rollout.vllm_mode=server: seconds to wait for the server to answer at start and for each reply after (a dead or silent server then ends the run in one line; TRL: vllm_server_timeout).",
         resume_harmless=True,
     )
+    max_staleness: int = _f(
+        0,
+        "Rollouts of the next steps are sampled while this step updates, by at most this many policy versions behind (a producer process with its own copy of the policy; step s samples with the weights after step s-1-k); 0 = the synchronous loop (AReaL: max_head_offpolicyness; Tinker: sampling_steps_ahead).",
+    )
     vllm_servers: list[str] = _f(
         [],
         "rollout.vllm_mode=server: several rollout servers in data parallel, as host:port each (every rollout's prompts split among them in order, weights pushed to all); empty = the one at vllm_server_host:vllm_server_port.",
@@ -805,6 +809,7 @@ PEER_ALIASES: dict[str, str | None] = {
     "worker.actor.ulysses_size": "training.sequence_parallel_size",  # EasyR1
     "worker.actor.ulysses_sequence_parallel_size": "training.sequence_parallel_size",  # EasyR1 before ulysses_size
     "ulysses_sequence_parallel_size": "training.sequence_parallel_size",  # the flat name of both
+    "rollout.max_head_offpolicyness": "rollout.max_staleness",  # AReaL
 }
 # The peers' names for vLLM's settings that vlmrl's fields do not already carry (TRL's vllm_mode,
 # vllm_gpu_memory_utilization and vllm_tensor_parallel_size are the fields' own names): TRL, ms-swift, EasyR1.
@@ -1093,6 +1098,19 @@ def _judge_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _pipeline_refusals(cfg: Config) -> list[str]:
+    """What rollout.max_staleness > 0 does not run with yet (rollout/pipeline.py), as field=value."""
+    a, r = cfg.algorithm, cfg.rollout
+    checks = [
+        (r.backend != "inprocess", f"rollout.backend={r.backend}"),
+        (cfg.multiturn, "tools.tools / tools.environment"),
+        (a.dynamic_sampling, "algorithm.dynamic_sampling=true"),
+        (a.routing_replay != "off", f"algorithm.routing_replay={a.routing_replay}"),
+        (not cfg.memory.shared_prefix, "memory.shared_prefix=false (its decode path reports no behaviour log-probs)"),
+    ]
+    return [what for refused, what in checks if refused]
+
+
 def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
     """(holds, message) for rollout.* and the generation batch."""
     r, t = cfg.rollout, cfg.training
@@ -1124,6 +1142,11 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         (
             r.vllm_max_model_length is None or r.vllm_max_model_length >= 2,
             f"rollout.vllm_max_model_length={r.vllm_max_model_length} must be >= 2 (or null)",
+        ),
+        (r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness}: versions behind, 0 (synchronous) or more"),
+        (
+            r.max_staleness == 0 or not _pipeline_refusals(cfg),
+            f"rollout.max_staleness={r.max_staleness} (the rollout pipeline) does not run with {', '.join(_pipeline_refusals(cfg))} yet; set rollout.max_staleness=0 or unset those",
         ),
         (
             r.steps_per_generation is None or r.generation_batch_size is None,

@@ -51,7 +51,7 @@ from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.run.signals import warn_if_no_learning_signal
 from vlmrl.data.sampler import PromptSampler
 from vlmrl.data.embedded_images import image_cache_dir
-from vlmrl.engine.collectives import Shard, prompt_seed
+from vlmrl.engine.collectives import Shard
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks, warn_if_near_capacity
@@ -61,7 +61,8 @@ from vlmrl.models.rollout import cat_completions, eos_token_ids
 from vlmrl.run.datasets import epochs_as_steps
 from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record
 from vlmrl.rollout.backends import make_backend
-from vlmrl.rollout.base import SampleRequest
+from vlmrl.run.requests import sample_request
+from vlmrl.run.pipelined import after_update, behaviour_logps, pipelined_rollout, start_pipeline
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
 from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
@@ -70,6 +71,7 @@ from vlmrl.run.step_records import MicroBatch, PickedRows, Rewards, Rollout, Sco
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
+    from vlmrl.rollout.pipeline import RolloutPipeline
 
 
 class NonFiniteStop(RuntimeError):
@@ -92,6 +94,7 @@ class Run(RunBase):
     current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
     teacher: FrozenPolicy | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
+    pipeline: RolloutPipeline | None = None  # rollout.max_staleness > 0: the producer sampling ahead (rollout/pipeline.py)
 
 
 # ---------------------------------------------------------------- the loop
@@ -112,7 +115,11 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
         run.logger.log_eval(0, final)
-    return run_steps(GRPOSteps(run), stop_after, final)
+    try:
+        return run_steps(GRPOSteps(run), stop_after, final)
+    finally:
+        if run.pipeline is not None:
+            run.pipeline.close()
 
 
 def grpo_step(run: Run, step: int, phases: dict) -> dict:
@@ -130,6 +137,8 @@ def grpo_step(run: Run, step: int, phases: dict) -> dict:
             distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
     with phase("update", phases):
         stats = update(run, samples, rewards, scores)
+        if run.pipeline is not None:  # the new weights to the producer, the next step submitted
+            after_update(run, step)
     return log_step(run, step, samples, rewards, stats, phases)
 
 
@@ -245,6 +254,7 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
     opts = LogprobOptions.from_config(cfg, device)
     per_prompt_seed = resolve_sampling_seed(cfg.rollout.sampling_seed, dist.world_size, state, log)  # world-size invariant on resume
     backend = make_backend(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id, log)  # rollout.backend, chosen once
+    pipeline = start_pipeline(cfg, dist, model, per_prompt_seed, pad_id, state, log)  # rollout.max_staleness > 0
     logger = RunLogger(
         out,
         total_steps=t.max_steps,
@@ -283,6 +293,7 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
         tools=tools,
         backend=backend,
         teacher=teacher,
+        pipeline=pipeline,
     )
 
 
@@ -294,6 +305,8 @@ def rollout(run: Run, step: int) -> Rollout:
     """G completions for each of this process's prompts. Every process draws the whole step's prompts (same
     sampler state everywhere) and keeps its shard. OOM -> fewer prompts per generate call, the same samples."""
 
+    if run.pipeline is not None:  # rollout.max_staleness > 0: sampled ahead by the producer
+        return pipelined_rollout(run, step)
     cfg = run.cfg
     batch_indices = run.sampler.next_batch(cfg.prompts_per_step)
     rows = [run.data.train[batch_indices[p]] for p in run.shard.prompts]
@@ -333,17 +346,7 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
     (after an OOM, or after a resume) samples the same."""
 
     maybe_inject_oom("rollout", prompts_per_call)
-    cfg, dist = run.cfg, run.dist
-    rows = [run.data.train[i] for i in run.current_rows]
-    request = SampleRequest(
-        step=step,
-        rows=rows,
-        names=[f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)],
-        prompts=prompts,
-        seeds=[prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts],
-        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank,
-        prompts_per_call=prompts_per_call,
-    )
+    request = sample_request(run, step, run.current_rows, prompts, prompts_per_call)
     return run.backend.sample(request)
 
 
@@ -547,6 +550,8 @@ def score(run: Run, samples: Rollout, rewards: Rewards) -> Scores:
             "(HF generate: memory.shared_prefix=false, or a model without the shared-prefix path) does not report; "
             "set memory.shared_prefix=true or algorithm.rollout_correction=none"
         )
+    if run.pipeline is not None and a.rollout_correction == "none" and rewards.nonfinite is None:
+        scores.old_logps = behaviour_logps(samples, old, run.device)  # stale rows: the ratio against their sampler
     return scores
 
 
@@ -820,6 +825,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         **({"router/aux_loss": _mean(stats.router_aux)} if run.routing is not None else {}),
         **stats.mismatch,
         **run.backend.metrics,  # vllm/sync_seconds, vllm/probe_max_abs_logp_diff
+        **(run.pipeline.metrics if run.pipeline is not None else {}),  # staleness/*, pipeline/*
         "lr": run.scheduler.get_last_lr()[0],
         "completions/mean_length": rewards.lengths.float().mean().item(),
         "completions/truncated_frac": rewards.truncated.float().mean().item(),
@@ -887,6 +893,8 @@ def evaluate_run(run: Run, stop=None) -> dict:
 
 def checkpoint(run: Run, step: int) -> None:
     run.state["sizes"] = asdict(run.sizes)
+    if run.pipeline is not None:  # the rollouts of the steps after this one (rollout/pipeline.py)
+        run.state["rollout_queue"] = run.pipeline.saved(step)
     save(run.cfg, run.out, step, run.model, run.optimizer, run.scheduler, run.sampler, run.state, run.logger.info, run.dist)
     run.saved_at = time.monotonic()
 

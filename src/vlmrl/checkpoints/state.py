@@ -73,6 +73,8 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
         out["stage"] = ts["stage"]
     if isinstance(ts.get("per_prompt_seed"), bool):
         out["per_prompt_seed"] = ts["per_prompt_seed"]
+    if ts.get("rollout_queue"):
+        out["rollout_queue"] = ts["rollout_queue"]  # the rollout pipeline's queued steps (rollout/pipeline.py)
     return out
 
 
@@ -133,6 +135,7 @@ def save(
         "sizes": state.get("sizes"),
         **({"stage": state["stage"]} if state.get("stage") else {}),  # SFT: the stage whose optimizer this holds
         "per_prompt_seed": state.get("per_prompt_seed"),  # rollout.sampling_seed as resolved: kept on resume (resolve_sampling_seed)
+        **({"rollout_queue": state["rollout_queue"]} if state.get("rollout_queue") else {}),  # rollout.max_staleness > 0
     }
     many = dist is not None and dist.world_size > 1
     parts = CheckpointParts(save_weights=lambda p: save_trainable_weights(model, p), optimizer=optimizer)
