@@ -45,6 +45,8 @@ NESTED_IMAGE_PROCESSORS = (
     "Idefics3Processor",
     "OnevisionImageProcessor",
     "LlavaOnevisionProcessor",
+    "SmolVLMProcessor",
+    "SmolVLMImageOnlyProcessor",
 )
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row", "videos_per_row")
