@@ -15,6 +15,7 @@ from vlmrl.families import (
     glm4v,
     idefics3,
     internvl,
+    lfm2_vl,
     llava,
     llava_onevision,
     mistral3,
@@ -43,6 +44,7 @@ FAMILIES: tuple[Family, ...] = (
     mistral3.FAMILY,
     gemma4.FAMILY,
     glm4v.FAMILY,
+    lfm2_vl.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

@@ -34,7 +34,7 @@ from vlmrl.families import family_of, model_types
 
 QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids", "spatial_shapes")
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Processors that take images as one list per prompt row (they check each row's placeholder count).
@@ -47,6 +47,7 @@ NESTED_IMAGE_PROCESSORS = (
     "LlavaOnevisionProcessor",
     "SmolVLMProcessor",
     "SmolVLMImageOnlyProcessor",
+    "Lfm2VlProcessor",
 )
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row", "videos_per_row")
