@@ -16,6 +16,7 @@ from vlmrl.families import (
     idefics3,
     internvl,
     lfm2_vl,
+    llama4,
     llava,
     llava_onevision,
     mistral3,
@@ -45,6 +46,7 @@ FAMILIES: tuple[Family, ...] = (
     gemma4.FAMILY,
     glm4v.FAMILY,
     lfm2_vl.FAMILY,
+    llama4.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):
