@@ -15,9 +15,13 @@ NEW_FAMILIES = [
     ("smolvlm", "smolvlm", "SmolVLMImageOnlyProcessor"),
     ("lfm2-vl", "lfm2_vl", "Lfm2VlProcessor"),
     ("llama4", "llama4", "Llama4Processor"),
+    ("glm5-next", "glm5_next", "GlmImageOnlyProcessor"),
 ]
 # LoRA on the fused MoE expert weights too, where the family has them.
-LORA_EXPERTS = {"llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]}
+LORA_EXPERTS = {
+    "llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
+    "glm5-next": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
 NAMES = [name for name, _, _ in NEW_FAMILIES]
 
 

@@ -13,6 +13,7 @@ from vlmrl.families import (
     gemma3,
     gemma4,
     glm4v,
+    glm5_next,
     idefics3,
     internvl,
     lfm2_vl,
@@ -47,6 +48,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4v.FAMILY,
     lfm2_vl.FAMILY,
     llama4.FAMILY,
+    glm5_next.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):
