@@ -204,3 +204,25 @@ def test_encode_rows_gives_pixels_in_the_weights_dtype(built, data, tmp_path):  
     rows = [{**row, "images": [str(pathlib.Path(data["train"]).parent / row.pop("image"))]} for row in rows]  # as the reader gives them
     batch = encode_rows(load_processor(built("llama4")), rows, cfg, torch.device("cpu"))
     assert batch["pixel_values"].dtype == torch.float32 and batch["input_ids"].dtype == torch.long
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "name,processor_class,image_processor_class",
+    [
+        ("smolvlm", "SmolVLMProcessor", "SmolVLMImageProcessor"),
+        ("lfm2-vl", "Lfm2VlProcessor", "Lfm2VlImageProcessor"),
+        ("llama4", "Llama4Processor", "Llama4ImageProcessor"),
+        ("glm5-next", "Glm5NextProcessor", "Glm5NextImageProcessor"),
+    ],
+)
+def test_saved_folder_names_transformers_own_classes(name, processor_class, image_processor_class, built):  # noqa: F811 (fixtures imported above)
+    """A folder built (or trained) here names transformers' real processor and image-processor classes, not the
+    stand-ins: on a machine with torchvision, AutoProcessor loads the real ones from it."""
+    import json
+
+    folder = built(name)
+    saved = json.loads((folder / "processor_config.json").read_text())
+    assert saved["processor_class"] == processor_class
+    assert json.loads((folder / "preprocessor_config.json").read_text())["image_processor_type"] == image_processor_class
+    assert saved.get("image_processor", {}).get("image_processor_type", image_processor_class) == image_processor_class
