@@ -21,8 +21,11 @@ NEW_FAMILIES = [
 LORA_EXPERTS = {
     "llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
     "glm5-next": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    "glm4v-moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
 NAMES = [name for name, _, _ in NEW_FAMILIES]
+# The first batch (tests/test_families_2026.py) runs SFT and LoRA here too.
+FIRST_BATCH = ["mistral3", "gemma4", "glm4v", "glm4v-moe", "glm4.6v", "idefics3"]
 
 
 @pytest.mark.integration
@@ -38,7 +41,7 @@ def test_grpo_resume_and_reload(name, built, data, tmp_path):  # noqa: F811 (fix
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + FIRST_BATCH)
 def test_sft_and_lora_grpo(name, built, data, tmp_path):  # noqa: F811 (fixtures imported above)
     """`vlmrl sft` (projector warm-up, then full) and `vlmrl train` with LoRA (beta > 0: the reference is the adapter
     switched off) on image rows: both finish, move weights, and write a `final/` folder."""
