@@ -229,3 +229,17 @@ def test_saved_folder_names_transformers_own_classes(name, processor_class, imag
     assert saved["processor_class"] == processor_class
     assert json.loads((folder / "preprocessor_config.json").read_text())["image_processor_type"] == image_processor_class
     assert saved.get("image_processor", {}).get("image_processor_type", image_processor_class) == image_processor_class
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", NAMES + FIRST_BATCH)
+def test_projector_and_vision_tower_are_found(name, built):  # noqa: F811 (fixtures imported above)
+    """`vlmrl sft`'s projector stage trains the part `projector` finds (Gemma 4's is `embed_vision`): every family has
+    one, distinct from its vision tower, with parameters."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.loading import projector, vision_tower
+
+    model = AutoModelForImageTextToText.from_pretrained(built(name))
+    part, tower = projector(model), vision_tower(model)
+    assert part is not tower and sum(p.numel() for p in part.parameters()) > 0
