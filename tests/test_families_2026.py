@@ -63,6 +63,7 @@ def test_builds_and_its_processor_feeds_the_model(name, model_type, processor_cl
     batch = encode_prompts(processor, texts, images)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     inputs = {k: v for k, v in batch.items() if k not in ("images_per_row", "videos_per_row", "image_num_patches")}
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # as encode_rows does (Llama 4: bf16 pixels)
     with torch.no_grad():
         out = model(**inputs)
     assert out.logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(out.logits).all()

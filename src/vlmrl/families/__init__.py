@@ -14,9 +14,12 @@ from vlmrl.families import (
     gemma3,
     gemma4,
     glm4v,
+    glm5_next,
     idefics3,
     internvl,
     kimi_k25,
+    lfm2_vl,
+    llama4,
     llava,
     llava_onevision,
     minicpmv,
@@ -51,6 +54,9 @@ FAMILIES: tuple[Family, ...] = (
     minicpmv.FAMILY,
     kimi_k25.FAMILY,
     molmo2.FAMILY,
+    lfm2_vl.FAMILY,
+    llama4.FAMILY,
+    glm5_next.FAMILY,
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 if len(_BY_TYPE) != sum(len(f.model_types) for f in FAMILIES):

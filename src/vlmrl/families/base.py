@@ -35,6 +35,9 @@ class Family:
     continuous: bool = False  # rollout.engine=continuous reproduces its decode step
     multiturn: bool = False  # multi-turn tool rollouts (a plain KV cache)
     sequence_parallel: bool = False  # Ulysses sequence parallelism (engine/ulysses.py) is tested on it
+    # The naive rollout repeats each prompt row G times itself: HF generate's num_return_sequences does not repeat
+    # this family's image features (Llama 4 in transformers 5.23)
+    repeat_rows_for_generate: bool = False
 
     # Processor quirks.
     dynamic_resolution: bool = False  # Qwen-VL towers: patches per grid_thw; QwenImageProcessor when AutoProcessor fails

@@ -225,7 +225,8 @@ def _holders(model: nn.Module) -> list:
 def _unknown(model: nn.Module, part: str) -> ModelLoadError:
     return ModelLoadError(
         f"cannot find the {part} of {type(unwrap(model)).__name__}: vlmrl knows Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-        "LLaVA-style (vision_tower + multi_modal_projector) and Idefics3-style (vision_model + connector) models"
+        "LLaVA-style (vision_tower + multi_modal_projector), Idefics3-style (vision_model + connector) and Gemma 4 (vision_tower + "
+        "embed_vision) models"
     )
 
 
@@ -239,8 +240,8 @@ def vision_tower(model: nn.Module) -> nn.Module:
 
 def projector(model: nn.Module) -> nn.Module:
     """The vision-to-language projector: Qwen-VL's merger(s), LLaVA's multi_modal_projector, ERNIE-4.5-VL's
-    resampler_model, MiniCPM-V's merger (next to its vision tower)."""
-    found = _first_attr(_holders(model), ("multi_modal_projector", "mm_projector", "connector", "resampler_model", "merger"))
+    resampler_model, MiniCPM-V's merger (next to its vision tower), Gemma 4's embed_vision."""
+    found = _first_attr(_holders(model), ("multi_modal_projector", "mm_projector", "connector", "resampler_model", "merger", "embed_vision"))
     if found is not None:
         return found
     visual = _first_attr(_holders(model), ("visual",))

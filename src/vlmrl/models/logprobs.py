@@ -33,6 +33,16 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
 
 
+def decoder_hidden(core: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """[N, L, H] final (normed) hidden states for `inputs`, without the LM head over every position: the base model
+    (core.model) where the model has one; else (Llama 4: vision tower, projector and language_model side by side)
+    its own forward with the logits of the last position only, and its last hidden state."""
+    inner = getattr(core, "model", None)
+    if inner is not None:
+        return inner(**inputs, use_cache=False).last_hidden_state
+    return core(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+
+
 # `with entropies_collected() as out:` -> every selective_logps call inside appends its [N, T] entropies to out.
 _ENTROPY_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("vlmrl_entropy_sink", default=None)
 
@@ -225,7 +235,7 @@ def completion_logps(
     prompt_len = prompt_batch["input_ids"].shape[1]
     # append_tokens also extends per-token side inputs (Qwen-VL's mm_token_type_ids).
     inputs = model_inputs(append_tokens(prompt_batch, completion_ids, completion_mask))
-    hidden = core.model(**inputs, use_cache=False).last_hidden_state
+    hidden = decoder_hidden(core, inputs)
     # Position i predicts token i+1: the completion's T tokens are predicted by positions P-1 .. P+T-2.
     t = completion_ids.shape[1]
     predicting = hidden[:, prompt_len - 1 : prompt_len - 1 + t]

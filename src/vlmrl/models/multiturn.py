@@ -43,7 +43,7 @@ from vlmrl.algo.turn_advantages import numeric_reward
 from vlmrl.families import model_types
 from vlmrl.models.continuous import ContinuousDecoder, seeded_row_sampler
 from vlmrl.models.loading import unwrap
-from vlmrl.models.logprobs import accepted_kwargs, selective_logps
+from vlmrl.models.logprobs import accepted_kwargs, decoder_hidden, selective_logps
 from vlmrl.models.prefix import chosen_logps
 from vlmrl.models.processing import per_image_chunks, tokenizer_of, apply_template, encode_prompts, render_chat, select_rows
 from vlmrl.tools.parsing import parse_tool_calls
@@ -516,7 +516,7 @@ def sequence_logps(
     for key in ("mm_token_type_ids", "token_type_ids"):
         if key in batch:
             inputs[key] = (full == image_token).to(batch[key].dtype)
-    hidden = core.model(**inputs, use_cache=False).last_hidden_state
+    hidden = decoder_hidden(core, inputs)
     predicting = hidden[:, P - 1 : P - 1 + T]
     return selective_logps(predicting, core.get_output_embeddings(), ids.to(hidden.device), temperature, chunk_tokens)
 

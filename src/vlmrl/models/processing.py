@@ -40,7 +40,7 @@ QWEN_VL_MODEL_TYPES = model_types("dynamic_resolution")
 # Keys whose first dimension indexes images (or image patches), not batch rows.
 VISION_KEYS = (
     *("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_num_patches", "image_position_ids", "target_sizes"),
-    *("image_token_pooling", "image_grids", "image_num_crops"),
+    *("image_token_pooling", "image_grids", "image_num_crops", "spatial_shapes"),
 )
 # Keys whose first dimension indexes videos (or video patches); rows own them through videos_per_row.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -52,6 +52,9 @@ NESTED_IMAGE_PROCESSORS = (
     "Idefics3Processor",
     "OnevisionImageProcessor",
     "LlavaOnevisionProcessor",
+    "SmolVLMProcessor",
+    "SmolVLMImageOnlyProcessor",
+    "Lfm2VlProcessor",
 )
 # Keys that are bookkeeping for vlmrl, never passed to the model.
 BOOKKEEPING_KEYS = ("images_per_row", "videos_per_row")

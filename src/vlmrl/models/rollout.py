@@ -9,6 +9,7 @@ import torch
 from vlmrl.models.logprobs import model_inputs
 from vlmrl.models.continuous import engine_supported, sample_continuous
 from vlmrl.models.prefix import decoding_is_synced, prefix_supported, row_seed, sample_with_shared_prefix
+from vlmrl.families import family_of
 from vlmrl.models.processing import select_rows
 
 
@@ -170,11 +171,15 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
             row_seeds = [row_seed(prompt_seeds[p], g) for p in rows for g in range(fixed["num_generations"])]
         return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds, return_logps=True)
     do_sample = sampling["do_sample"]
+    samples = fixed["num_generations"] if do_sample else 1
+    if samples > 1 and family_of(getattr(model.config, "model_type", None)).repeat_rows_for_generate:
+        # Each prompt row repeated G times in place, as num_return_sequences orders them (its image features would not be).
+        chunk, samples = select_rows(chunk, [r for r in range(len(rows)) for _ in range(samples)]), 1
     chunk = model_inputs(chunk)
     out = model.generate(
         **chunk,
         do_sample=do_sample,
-        num_return_sequences=fixed["num_generations"] if do_sample else 1,
+        num_return_sequences=samples,
         max_new_tokens=fixed["max_new_tokens"],
         temperature=sampling["temperature"] if do_sample else None,
         top_p=sampling["top_p"] if do_sample else None,

@@ -1,5 +1,5 @@
 """Image-only stand-ins for the processors of the third batch of 2026 families (issue 38; `tiny_2026_c`), on the
-pattern of `standin_processors`: transformers' own processor class with the torchvision-only video processor left
+pattern of `standin`: transformers' own processor class with the torchvision-only video processor left
 out, saved under the real class name (with torchvision installed the same folder loads the real processor).
 
 Imported only when such a folder is loaded (it imports transformers' processor modules).

@@ -211,7 +211,11 @@ def encode_rows(processor, rows: list[dict], cfg: Config, device: torch.device) 
     if d.max_prompt_length is not None:
         refuse_long_prompts(rows, batch["attention_mask"].sum(dim=1).tolist(), d.max_prompt_length)
     note_image_grids(rows, batch)
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    # Pixel values in the weights' dtype: some processors compute in bfloat16 (Llama 4's) and some vision towers do
+    # not cast their input (Llama 4's patch embedding), so a float32 run would fail on bfloat16 pixels (or the reverse).
+    # (Pixels only: other float inputs, e.g. Qwen2.5-VL's seconds per temporal patch, keep their precision.)
+    dtype = getattr(torch, cfg.model.dtype)
+    return {k: (v.to(device, dtype) if k.startswith("pixel_values") else v.to(device)) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def row_prompt_inputs(processor, rows: list[dict], cfg: Config) -> tuple[list[str], list[list], list[list]]:

@@ -4,7 +4,7 @@ through `BUILDERS_C`.
 Same recipe as `tiny_2026.py`: the real transformers architecture at toy sizes (MoE experts included where the
 family has them), seeded random weights, the offline BPE tokenizer with the family's special tokens and a chat
 template in its format, the image processor on its PIL backend and an image-only stand-in processor
-(`standin_processors_c`) where transformers' processor needs torchvision. These families train on the naive path.
+(`vlmrl.processors.standin_2026`) where transformers' processor needs torchvision. These families train on the naive path.
 """
 
 from __future__ import annotations
