@@ -43,7 +43,6 @@ from vlmrl.engine.collectives import average_gradients
 from vlmrl.engine.deepspeed_config import check_config, describe, fill_config, precision
 from vlmrl.engine.optim import StepResult, allocate_optimizer_state, clip_and_step
 from vlmrl.models.loading import unwrap
-from vlmrl.models.prefix import synced_decoding
 
 ENGINES = ("single", "ddp", "fsdp2", "deepspeed")
 
@@ -253,15 +252,18 @@ class Engine:
         """Parameters gathered for the rollout where the engine shards them (a no-op otherwise). full: gathered once
         for the whole rollout (_gathered_whole: peak = the full model per process, fast); layers: each module's
         gathered by the engine's hooks for its forward (peak = one layer; an all-gather per layer per generated
-        token), the processes decoding in step (prefix.synced_decoding: the same number of forwards everywhere)."""
-        if not self._shards_parameters():
-            yield
-        elif mode == "layers":
-            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
-                yield
-        else:
+        token), the processes decoding in step (`decode_agreement`, passed to the decoder)."""
+        if self._shards_parameters() and mode != "layers":
             with self._gathered_whole():
                 yield
+        else:
+            yield
+
+    def decode_agreement(self, mode: str = "full") -> Callable[[bool], bool] | None:
+        """How the processes agree that some row, on some process, is unfinished, where every decode forward holds
+        collectives (sharded parameters gathered layer by layer: every process must run as many forwards); None:
+        each process decides alone. The rollout backend passes it to the decoder (models/rollout.generate)."""
+        return self.collectives.any if self._shards_parameters() and mode == "layers" else None
 
     def _shards_parameters(self) -> bool:
         """Whether each process holds only part of the parameters (FSDP2, ZeRO-3)."""
