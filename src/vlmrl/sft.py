@@ -135,9 +135,10 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     valid checkpoint unless training.resume says otherwise; SIGTERM / SIGINT finish the step, write a checkpoint and
     return. `stop_after` simulates such a stop after that step (tests). Around the steps: the run skeleton."""
 
-    run = start_sft(cfg, log)
-    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
-        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "sft", "SFT", SFT_SUMMARY_KEYS)
+    try:
+        run = start_sft(cfg, log)
+    except EndingLeft as left:  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if left.dist.is_main else (lambda *_: None), left, "sft", "SFT", SFT_SUMMARY_KEYS)
     return run_steps(SFTSteps(run), stop_after)
 
 
@@ -185,9 +186,19 @@ class SFTSteps:
         return evaluate_and_log(self.run, self.run.state["step"], stop) if self.run.data.eval else {}
 
 
-def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
+def prepare_sft(cfg: Config, log, dist: Distributed, total: int) -> Path | None:
+    """rundir.prepare_run for an SFT run of `total` steps; an EndingLeft it raises carries `dist`."""
+    try:
+        return prepare_run(cfg, log, dist, total, "sft")
+    except EndingLeft as left:
+        left.dist = dist
+        raise
+
+
+def start_sft(cfg: Config, log) -> SFTRun:
     """Engine, output folder (refusals first), model, data, planner, sampler, rewards and logger. The optimizer is
-    built per stage (`enter_stage`), where a resumed run's state is restored."""
+    built per stage (`enter_stage`), where a resumed run's state is restored. Raises rundir.EndingLeft (its `dist`
+    set) when training is done and only the ending is left."""
 
     t, s = cfg.training, cfg.sft
     out = Path(t.output_dir)
@@ -197,10 +208,7 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     W = dist.world_size
     refuse_sft_layout(s, dist)
     total = None if s.epochs is not None else s.projector_steps + s.steps
-    resume_from = prepare_run(cfg, log, dist, total, "sft") if total is not None else None
-    if isinstance(resume_from, EndingLeft):
-        resume_from.dist = dist
-        return resume_from
+    resume_from = prepare_sft(cfg, log, dist, total) if total is not None else None
     if W > 1:
         log(f"{dist.describe()}: {s.batch_size // W} of {s.batch_size} rows per step on each process")
     dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
@@ -215,10 +223,7 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
         log(line)
     stages = stages_of(cfg, len(data.train))
     if total is None:  # sft.epochs: the length is known once the data is
-        resume_from = prepare_run(cfg, log, dist, stages[-1].last, "sft")
-        if isinstance(resume_from, EndingLeft):
-            resume_from.dist = dist
-            return resume_from
+        resume_from = prepare_sft(cfg, log, dist, stages[-1].last)
     # logged; compared each step
     plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train), dist.world_size, dist.planner_sharding, dist.planner_deepspeed)
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)

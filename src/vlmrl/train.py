@@ -70,6 +70,7 @@ from vlmrl.run.step_records import MicroBatch, PickedRows, Rewards, Rollout, Sco
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
+    from vlmrl.tools.registry import Tool
 
 
 class NonFiniteStop(RuntimeError):
@@ -82,14 +83,14 @@ class Run(RunBase):
 
     shard: Shard  # this process's prompts and rows of every step
     reference: FrozenPolicy | None  # the frozen reference policy; None when algorithm.beta == 0
-    reward_weights: dict  # name -> weight of each reward in the total
+    reward_weights: dict[str, float]  # name -> weight of each reward in the total
     sizes: Sizes
     pad_id: int
     per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
-    tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
-    current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
+    tools: dict[str, Tool] = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
+    current_rows: list[int] = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
     teacher: FrozenPolicy | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
 
@@ -105,9 +106,10 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
-    run = start_run(cfg, log)
-    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
-        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)
+    try:
+        run = start_run(cfg, log)
+    except EndingLeft as left:  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if left.dist.is_main else (lambda *_: None), left, "train", "GRPO", SUMMARY_KEYS)
     final: dict = {}
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
@@ -189,8 +191,9 @@ def phase(name: str, into: dict):
 
 
 # ---------------------------------------------------------------- set-up and end
-def start_run(cfg: Config, log) -> Run | EndingLeft:
-    """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
+def start_run(cfg: Config, log) -> Run:
+    """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state. Raises
+    rundir.EndingLeft (its `dist` set) when training is done and only the ending is left."""
 
     out = Path(cfg.training.output_dir)
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
@@ -204,10 +207,11 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
-    resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
-    if isinstance(resume_from, EndingLeft):
-        resume_from.dist = dist
-        return resume_from
+    try:  # refusals first, then config.yaml and the logs cut back (rundir.py)
+        resume_from = prepare_run(cfg, log, dist)
+    except EndingLeft as left:
+        left.dist = dist
+        raise
     t = cfg.training
     shard = dist.shard(cfg.prompts_per_step, cfg.rollout.num_generations, t.per_device_train_batch_size * t.gradient_accumulation_steps)
     if dist.world_size > 1:

@@ -8,7 +8,7 @@ else one stream per step and process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -18,6 +18,13 @@ from vlmrl.models.rollout import Completions, cat_completions, generate, row_str
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tool_rollout import sample_with_tools
 
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
+
+    from vlmrl.engine.distributed import Distributed
+    from vlmrl.models.prefix import LogprobOptions
+    from vlmrl.tools.registry import Tool
+
 
 @dataclass
 class InProcessRollout:
@@ -26,15 +33,15 @@ class InProcessRollout:
     `decode_agreement`: how the processes decode in step (dist.decode_agreement; None: each decides alone)."""
 
     cfg: Config
-    dist: object
+    dist: Distributed | None  # None: evaluate's greedy decoding on the model as it is
     model: torch.nn.Module
-    processor: object
-    opts: object
+    processor: ProcessorMixin
+    opts: LogprobOptions
     per_prompt_seed: bool = False  # rollout.sampling_seed resolved for this run
-    tools: dict = field(default_factory=dict)  # multi-turn tool rollouts when not empty
+    tools: dict[str, Tool] = field(default_factory=dict)  # multi-turn tool rollouts when not empty
     pad_id: int = 0
     name: str = "inprocess"
-    metrics: dict = field(default_factory=dict)  # nothing measured here beyond the loop's own metrics
+    metrics: dict[str, float] = field(default_factory=dict)  # nothing measured here beyond the loop's own metrics
     decode_agreement: Callable[[bool], bool] | None = None
 
     def sample(self, request: SampleRequest) -> Completions:
