@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config
+from vlmrl.config import Config, DataConfig, SFTConfig
 from vlmrl.data.sft_targets import sft_target
 from vlmrl.evaluate import evaluate_on
 from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
@@ -58,11 +58,11 @@ def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, tor
     return target_tensors(tokenizer, rows, sft_target, device)
 
 
-def sft_row(processor, row: dict, cfg: Config) -> dict:
+def sft_row(processor, row: dict, d: DataConfig) -> dict:
     """A conversation row split into prompt turns and assistant targets (conversations.sft_view); others as they are."""
 
     try:
-        return sft_view(processor, row, min(len(row["images"]), cfg.data.limit_images), len(row.get("videos") or []), cfg.data.system_prompt)
+        return sft_view(processor, row, min(len(row["images"]), d.limit_images), len(row.get("videos") or []), d.system_prompt)
     except ConversationError as e:
         raise DataError(str(e)) from None
 
@@ -98,9 +98,8 @@ class Stage:
         return self.last - self.first + 1
 
 
-def stages_of(cfg: Config, num_rows: int) -> list[Stage]:
+def stages_of(s: SFTConfig, num_rows: int) -> list[Stage]:
     """The run's stages with at least one step; stage 2 lasts sft.steps, or ceil(sft.epochs x rows / batch_size)."""
-    s = cfg.sft
     language = s.steps if s.epochs is None else max(1, math.ceil(s.epochs * num_rows / s.batch_size))
     out, first = [], 1
     for name, steps, lr in (("projector", s.projector_steps, s.projector_learning_rate), ("language", language, s.learning_rate)):
@@ -221,7 +220,7 @@ def start_sft(cfg: Config, log) -> SFTRun:
         data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
-    stages = stages_of(cfg, len(data.train))
+    stages = stages_of(cfg.sft, len(data.train))
     if total is None:  # sft.epochs: the length is known once the data is
         resume_from = prepare_sft(cfg, log, dist, stages[-1].last)
     # logged; compared each step
@@ -298,10 +297,10 @@ def enter_stage(run: SFTRun, stage: Stage) -> None:
     cfg, dist = run.cfg, run.dist
     if not cfg.model.use_lora:
         set_stage_trainable(run.model, stage.name, cfg.sft.train_vision_tower)
-    optimizer, scheduler = make_optimizer(run.model, cfg, stage.steps, learning_rate=stage.lr)
+    optimizer, scheduler = make_optimizer(run.model, cfg.optim, stage.steps, learning_rate=stage.lr)
     path, same = run.resume_from, run.saved_stage == stage.name
     if path is not None:  # a checkpoint at the end of stage 1 holds stage 1's optimizer: stage 2 starts its own
-        restored = restore(path, cfg, run.model, optimizer if same else None, scheduler if same else None, run.sampler, run.log, dist)
+        restored = restore(path, cfg.training, run.model, optimizer if same else None, scheduler if same else None, run.sampler, run.log, dist)
         run.state.update(best_metric=restored["best_metric"], best_step=restored["best_step"])
     run.optimizer = dist.prepare(run.model, optimizer, run.micro, oom_recovery=cfg.memory.oom_recovery)
     run.scheduler = scheduler
@@ -329,7 +328,7 @@ def sft_step(run: SFTRun, step: int) -> dict:
     t0 = time.perf_counter()
     share = cfg.sft.batch_size // dist.world_size
     batch = run.sampler.next_batch(cfg.sft.batch_size)
-    rows = [sft_row(run.processor, run.data.train[i], cfg) for i in batch[dist.rank * share : (dist.rank + 1) * share]]
+    rows = [sft_row(run.processor, run.data.train[i], cfg.data) for i in batch[dist.rank * share : (dist.rank + 1) * share]]
     targets = target_batch(run.processor.tokenizer, rows, run.device)  # ids, attention, loss mask: [share, T]
     # The loss is a mean over the trained target tokens of the whole batch (every process's rows), whatever the micro-batches.
     tokens = int(targets[2].sum())

@@ -25,7 +25,7 @@ from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.algo.distill import distill_advantages, distill_metrics
 from vlmrl.algo.turn_advantages import TURN_SCALES, token_advantages, turn_advantages, turn_index, turn_reward_matrix
-from vlmrl.config import Config
+from vlmrl.config import AlgorithmConfig, Config
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
 from vlmrl.models.logprobs import entropies_collected, group_rows
 from vlmrl.algo.losses import aggregate, entropy_quantile_mask, masked_mean, per_token_loss
@@ -231,11 +231,11 @@ def start_run(cfg: Config, log) -> Run:
         what = f"from the data ({describe_data_shape(shape)}): "
         plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, what, dist.planner_deepspeed, **shape) or plan
     reward_funcs, reward_weights = load_reward_funcs(cfg, local_judge_on(device))
-    optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
+    optimizer, scheduler = make_optimizer(model, cfg.optim, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     state = {"step": 0, "best_metric": None, "best_step": None}
     if resume_from is not None:
-        state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
+        state = restore(resume_from, cfg.training, model, optimizer, scheduler, sampler, log, dist)
     state["images"] = image_fingerprints([*data.train, *data.eval], image_cache_dir())  # stored with each checkpoint
     # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged. With OOM recovery DDP syncs gradients after the processes agree.
     optimizer = dist.prepare(model, optimizer, t.per_device_train_batch_size, oom_recovery=cfg.memory.oom_recovery)
@@ -282,7 +282,7 @@ def start_run(cfg: Config, log) -> Run:
         plan=plan,
         pad_id=pad_id,
         per_prompt_seed=per_prompt_seed,
-        parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
+        parking=OptimizerParking(optimizer, parking_enabled(cfg.memory, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
         backend=backend,
@@ -853,7 +853,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
                     "advantage": rewards.advantages[i].mean().item(),
                     "solution": samples.rows[i // G].get("solution"),
                     **rollout_record(samples.completions, samples.prompts, i, G),
-                    **turn_record(cfg, samples.completions, rewards.advantages, i),
+                    **turn_record(cfg.algorithm, samples.completions, rewards.advantages, i),
                 }
                 for i in range(min(cfg.logging.log_completions, len(samples.texts)))
             ],
@@ -861,10 +861,10 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     return metrics
 
 
-def turn_record(cfg: Config, comp, advantages: torch.Tensor, i: int) -> dict:
+def turn_record(algorithm: AlgorithmConfig, comp, advantages: torch.Tensor, i: int) -> dict:
     """samples.jsonl's per-turn fields of row i under algorithm.turn_advantage=per_turn ({} otherwise): the reward the
     environment gave each turn and every token's advantage (0.0 off the loss mask), to check the estimator from outside."""
-    if cfg.algorithm.turn_advantage != "per_turn" or comp.trajectories is None:
+    if algorithm.turn_advantage != "per_turn" or comp.trajectories is None:
         return {}
     n = int(comp.lengths[i])
     return {"turn_rewards": list(comp.trajectories[i].turn_rewards), "token_advantages": advantages[i, :n].float().tolist()}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config, ConfigError
+from vlmrl.config import Config, ConfigError, DataConfig
 from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
 from vlmrl.checkpoints.run_manifest import is_owned, record
@@ -83,17 +83,17 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     reports = []
     processor = processor if processor is not None else configured_processor(cfg)
     checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
-    layout = data_layout_options(cfg)
+    layout = data_layout_options(cfg.data)
     train_rows: list[dict] = []
     prompts = None
     if need_train:
-        train_rows, rep = load_data_files(train_path, "data.train_path", cfg, checks, layout)
+        train_rows, rep = load_data_files(train_path, "data.train_path", cfg.data, checks, layout)
         shown = ", ".join(data_files(train_path))
         train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, shown)
         reports.append(f"train {shown}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_data_files(eval_path, "data.eval_path", cfg, checks, layout)
+        eval_rows, rep = load_data_files(eval_path, "data.eval_path", cfg.data, checks, layout)
         eval_rows, _ = apply_prompt_budget(processor, cfg, eval_rows, rep, eval_path)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
@@ -102,10 +102,9 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     return Datasets(train=train_rows, eval=eval_rows, reports=reports, prompts=prompts)
 
 
-def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) -> tuple[list[dict], object]:
+def load_data_files(value, field: str, d: DataConfig, checks: dict, layout: dict) -> tuple[list[dict], object]:
     """The validated rows of data.train_path / data.eval_path (one data file or a list of them, read in order, each with
     its own data.image_root folder when there are as many: rows.roots_per_file) and one report for them all."""
-    d = cfg.data
     files = data_files(value)
     rows: list[dict] = []
     reports = []
@@ -124,10 +123,9 @@ def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) 
     return rows, merge_reports(reports, files)
 
 
-def data_layout_options(cfg: Config) -> dict:
+def data_layout_options(d: DataConfig) -> dict:
     """How data files are read (formats.py): data.format, data.columns, data.prompt_template (a .jinja file's text, or
     the template itself). data.image_root is per data file (load_data_files)."""
-    d = cfg.data
     template = d.prompt_template
     if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
         path = Path(template).expanduser()

@@ -125,7 +125,7 @@ def probe_templates(cfg: Config):
     from vlmrl.models.processing import render_chat
 
     if cfg.data.prompt_template:
-        template = data_layout_options(cfg)["prompt_template"]
+        template = data_layout_options(cfg.data)["prompt_template"]
         named = f"data.prompt_template={cfg.data.prompt_template}" if "{" not in cfg.data.prompt_template else "data.prompt_template"
         # Compiled in the child too: jinja folds constant expressions ('x' * 2000000000) when it compiles.
         probe(lambda: easyr1_prompt_template(template)(content="What is in the image? <image>"), named)
