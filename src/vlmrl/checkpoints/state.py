@@ -30,6 +30,7 @@ from vlmrl.checkpoints.fingerprints import run_fingerprints
 from vlmrl.checkpoints.safe_load import dcp_load, dcp_read_all
 from vlmrl.config import to_dict
 from vlmrl.models.loading import unwrap
+import torch.distributed as tdist
 
 
 def restore(path: Path, t: TrainingConfig, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
@@ -244,7 +245,6 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
 def load_sharded_state(model: torch.nn.Module, folder, optimizer=None) -> None:
     """A torch.distributed.checkpoint folder (save_sharded_state) into `model` (and `optimizer`): sharded (FSDP2,
     any world size: the files are re-sharded on load), replicated (DDP) or plain (one process)."""
-    import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
     opt = raw_optimizer(optimizer) if optimizer is not None else None
