@@ -62,7 +62,7 @@ def adamw_paths() -> None:
     def run(kind: str):
         params = [torch.nn.Parameter(p.clone()) for p in start]
         if kind == "make_optimizer":
-            opt, _ = optim.make_optimizer(torch.nn.ParameterList(params), SimpleNamespace(optim=o), 10)
+            opt, _ = optim.make_optimizer(torch.nn.ParameterList(params), o, 10)
         else:
             opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True if kind == "fused" else None)
         for step in grads:

@@ -1,6 +1,8 @@
 """The shape figures issue 33 asks for, read from the source with ast (python scripts/structure_metrics.py [SRC]):
 largest files, longest functions, imports inside functions (all; and those of vlmrl's own modules, which are never
-optional dependencies), and private names imported across modules (`from vlmrl.x import _name` in another module).
+optional dependencies), private names imported across modules (`from vlmrl.x import _name` in another module), and
+how far the whole Config reaches from train(): the modules train.py reaches by imports (top-level or lazy) that
+have a function taking it (a parameter named `cfg` or annotated `Config`), and those functions.
 Cyclomatic complexity is radon's (`pip install radon; radon cc -s -n D src/vlmrl`), not computed here."""
 
 from __future__ import annotations
@@ -36,12 +38,41 @@ def imported_modules(node: ast.AST) -> list[str]:
     return [a.name for a in node.names]
 
 
+def own_imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """vlmrl modules a module imports, at the top or inside functions (`from vlmrl.x import y`: vlmrl.x.y if a module)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vlmrl"):
+            found |= {n for n in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if n in modules}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+    return found
+
+
+def takes_config(fn: ast.AST) -> bool:
+    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    return any(a.arg == "cfg" or (a.annotation is not None and ast.unparse(a.annotation) == "Config") for a in args)
+
+
+def config_reach(trees: dict[str, ast.AST], start: str = "vlmrl.train") -> tuple[list[str], int]:
+    """(modules reached from `start` by imports with a function taking the whole Config, how many such functions)."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in trees:
+            seen.add(name)
+            todo += own_imports(trees[name], set(trees))
+    counts = {name: sum(1 for fn in functions(trees[name]) if takes_config(fn)) for name in seen}
+    return sorted(name for name, n in counts.items() if n), sum(counts.values())
+
+
 def measure(src: pathlib.Path) -> dict:
     files = sorted(src.rglob("*.py"))
-    lines, longest, inner, inner_own, private = [], [], 0, 0, []
+    lines, longest, inner, inner_own, private, trees = [], [], 0, 0, [], {}
     for path in files:
         text = path.read_text()
         tree = ast.parse(text)
+        trees[module_name(path, src)] = tree
         rel = str(path.relative_to(src.parent))
         lines.append((len(text.splitlines()), rel))
         for fn in functions(tree):
@@ -54,6 +85,7 @@ def measure(src: pathlib.Path) -> dict:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vlmrl") and node.module != me:
                 names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 private += [f"{rel}: from {node.module} import {name}" for name in names]
+    reach = config_reach(trees)
     return {
         "files": len(files),
         "largest_files": sorted(lines, reverse=True)[:6],
@@ -64,6 +96,8 @@ def measure(src: pathlib.Path) -> dict:
         "of_which_vlmrl_modules": inner_own,
         "private_cross_module_imports": len(private),
         "private_imports": private,
+        "modules_taking_the_whole_config_from_train": len(reach[0]),
+        "functions_taking_the_whole_config_from_train": reach[1],
     }
 
 

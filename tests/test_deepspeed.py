@@ -701,13 +701,13 @@ def test_zero3_oom_on_one_process_stops_every_process_with_one_line(setup):
 
 # ---------------------------------------------------------------- ZeRO-3 / FSDP2 layers mode: processes decode in step
 def test_synced_decoding_runs_every_step_and_returns_the_same_tokens(setup):
-    """Inside prefix.synced_decoding the decode loop goes on while any process has unfinished rows (here: always, as
+    """With a decode_agreement (Engine.decode_agreement) the decode loop goes on while any process has unfinished rows (here: always, as
     if another process were still decoding), so every process runs the same number of forwards, each of which
     all-gathers under ZeRO-3 / FSDP2 layers mode; the steps after this process's rows finished are dropped."""
     from vlmrl.config import load_config
     from vlmrl.data.rows import load_dataset_split
     from vlmrl.models.loading import unwrap
-    from vlmrl.models.prefix import sample_with_shared_prefix, synced_decoding
+    from vlmrl.models.prefix import sample_with_shared_prefix
     from vlmrl.run.datasets import encode_rows
     from vlmrl.models.policy import load_policy
 
@@ -725,8 +725,8 @@ def test_synced_decoding_runs_every_step_and_returns_the_same_tokens(setup):
     try:
         alone = sample_with_shared_prefix(model, prompts, **kw)
         n_alone = len(calls)
-        with synced_decoding(lambda local: True):  # another process still decoding until the last step
-            synced = sample_with_shared_prefix(model, prompts, **kw)
+        # another process still decoding until the last step
+        synced = sample_with_shared_prefix(model, prompts, **kw, decode_agreement=lambda local: True)
     finally:
         hook.remove()
     assert alone.shape == (2, 1) and torch.equal(synced, alone)  # greedy: one row per prompt

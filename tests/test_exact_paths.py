@@ -55,11 +55,10 @@ GRPO = [
 ]
 
 
-def torch_adamw(model, cfg, num_steps, learning_rate=None):
+def torch_adamw(model, o, num_steps, learning_rate=None):
     """make_optimizer with torch's AdamW as it comes (on the CPU the per-parameter loop) and the same schedule."""
     from vlmrl.engine.optim import WarmupSchedule
 
-    o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     lr = o.learning_rate if learning_rate is None else learning_rate
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon, weight_decay=o.weight_decay)

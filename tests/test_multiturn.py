@@ -498,9 +498,8 @@ def test_families_without_a_plain_kv_cache_are_refused():
 
 def test_processes_decoding_in_step_are_refused():
     from vlmrl.config import ConfigError, load_config
-    from vlmrl.models.prefix import synced_decoding
     from vlmrl.run.tool_rollout import sample_with_tools
 
     cfg = load_config(None, ["tools.tools=[zoom]", "rollout.engine=continuous"])
-    with synced_decoding(lambda local: local), pytest.raises(ConfigError, match="memory.generation_gather=layers"):
-        sample_with_tools(None, None, cfg, {}, [], {}, [])
+    with pytest.raises(ConfigError, match="memory.generation_gather=layers"):
+        sample_with_tools(None, None, cfg, {}, [], {}, [], decode_agreement=lambda local: local)

@@ -129,7 +129,7 @@ def _optim_cfg(weight_decay=0.01):
         lr_scheduler_type="constant",
         warmup_ratio=0.0,
     )
-    return SimpleNamespace(optim=o)
+    return o
 
 
 def _fresh_grads(model, seed):

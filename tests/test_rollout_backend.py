@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 IMAGE = 7  # the image placeholder id of these hand-made prompts
 NO_VLLM = importlib.util.find_spec("vllm") is None
-ONE = SimpleNamespace(world_size=1)  # make_backend reads the process count of the run's Distributed
+ONE = SimpleNamespace(world_size=1, decode_agreement=lambda mode: None)  # what make_backend reads of the run's Distributed
 
 
 def test_backend_defaults_to_the_inprocess_engine():

@@ -1,7 +1,9 @@
 """The rollout seam (rollout/base.py): the loops, their skeleton and the evaluation reach a decoder only through a
 RolloutBackend. A module outside rollout/ that imported a decoder entry point (models/rollout.generate, the
 shared-prefix loop, the continuous engine, the multi-turn engine, tool rollouts) would sample around the backend the
-run chose (e.g. in-process while rollout.backend=vllm), so it fails here."""
+run chose (e.g. in-process while rollout.backend=vllm), so it fails here. At run time too: a GRPO step and its
+evaluation with every decoder (and HF generate) wrapped, each call must come from a rollout/ backend method (catches
+a decoder reached through importlib, an attribute or HF generate on the model, which no import shows)."""
 
 import ast
 import pathlib
@@ -74,3 +76,111 @@ def test_the_loop_and_the_evaluation_sample_through_the_backend():
     assert "run.backend.sample(request)" in ast.unparse(sample)
     evaluate = (SRC / "evaluate.py").read_text()
     assert "InProcessRollout(" in evaluate and "evaluator.greedy(" in evaluate
+
+
+# ---------------------------------------------------------------- at run time: every decoder call inside a backend
+ROLLOUT_DIR = str(SRC / "rollout")
+
+
+EVALUATE = str(SRC / "evaluate.py")
+
+
+def callers(frame) -> tuple[bool, bool]:
+    """(a frame of a rollout/ module, i.e. a RolloutBackend's method, is on the stack below `frame`; evaluate.py is)."""
+    files = []
+    while frame is not None:
+        files.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    return any(f.startswith(ROLLOUT_DIR) for f in files), EVALUATE in files
+
+
+@pytest.fixture
+def decoder_calls(monkeypatch):
+    """Every decoder entry point (DECODERS, wherever a module bound it by name, and HF's GenerationMixin.generate)
+    replaced by a wrapper that records (name, called inside a backend, called by the evaluation)."""
+    import sys
+
+    import vlmrl.evaluate  # noqa: F401 - the loops, the evaluation and what they import bind their names first
+    import vlmrl.sft  # noqa: F401
+    import vlmrl.train  # noqa: F401
+
+    from transformers.generation.utils import GenerationMixin
+
+    calls = []
+
+    def wrap(name, fn):
+        def recorded(*args, **kwargs):
+            calls.append((name, *callers(sys._getframe(1))))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    import importlib
+
+    originals = {getattr(importlib.import_module(m), n): f"{m}.{n}" for m, names in DECODERS.items() for n in names}
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("vlmrl")]:
+        for attr, value in list(vars(module).items()):
+            if callable(value) and value in originals:
+                monkeypatch.setattr(module, attr, wrap(originals[value], value))
+    monkeypatch.setattr(GenerationMixin, "generate", wrap("GenerationMixin.generate", GenerationMixin.generate))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def count_data(tmp_path_factory):
+    from vlmrl.data.tasks import make_count_task
+
+    return make_count_task(tmp_path_factory.mktemp("count"), n_train=8, n_test=2, seed=0, image_size=56)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "engine",
+    [
+        ["rollout.engine=loop"],  # the shared-prefix loop
+        ["rollout.engine=continuous"],
+        ["memory.shared_prefix=false"],  # HF generate
+    ],
+    ids=["loop", "continuous", "hf"],
+)
+def test_a_grpo_step_and_its_evaluation_decode_only_inside_the_backend(tiny_qwen25vl, count_data, tmp_path, decoder_calls, engine):
+    """One GRPO step and the evaluation at its end on the tiny Qwen2.5-VL: every decoder call (the loop's rollout and
+    the evaluation's greedy decoding) comes from a rollout/ backend method; a loop or an evaluation that called a
+    decoder directly (or HF generate on the model) would add a call made outside it."""
+    from vlmrl.config import load_config
+    from vlmrl.train import train
+
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_qwen25vl}",
+            f"data.train_path={count_data['train']}",
+            f"data.eval_path={count_data['test']}",
+            f"training.output_dir={tmp_path / 'out'}",
+            "training.max_steps=1",
+            "rollout.num_generations=2",
+            "training.per_device_train_batch_size=2",
+            "rollout.generation_batch_size=2",
+            "rollout.max_completion_length=4",
+            "training.save_final_model=false",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.report=false",
+            "data.min_pixels=3136",
+            "data.max_pixels=3136",
+            *engine,
+        ],
+    )
+    train(cfg, log=lambda *_: None)
+    assert {evaluation for _, _, evaluation in decoder_calls} == {False, True}  # the rollout and the evaluation decoded
+    outside = [name for name, inside, _ in decoder_calls if not inside]
+    assert outside == []
+
+
+def test_the_run_time_check_sees_a_decoder_called_outside_a_backend(decoder_calls):
+    """The guard's own check: a decoder called from here (not from rollout/) is recorded as outside."""
+    from vlmrl.models import prefix
+
+    with pytest.raises(Exception):  # noqa: B017 - no model: only the record before the call matters
+        prefix.sample_with_shared_prefix(None, {}, num_generations=1, max_new_tokens=1, eos_ids=[0], pad_id=0, suppress_ids=[])
+    assert decoder_calls == [("vlmrl.models.prefix.sample_with_shared_prefix", False, False)]

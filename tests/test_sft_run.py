@@ -182,9 +182,9 @@ def test_a_stop_during_the_final_evaluation_is_finished_by_the_next_run(tiny_qwe
 
 def test_epochs_set_the_length_of_stage_2():
     cfg = load_config(None, ["sft.projector_steps=2", "sft.batch_size=4", "sft.epochs=1.5"])
-    stages = stages_of(cfg, num_rows=10)  # ceil(1.5 x 10 / 4) = 4 steps
+    stages = stages_of(cfg.sft, num_rows=10)  # ceil(1.5 x 10 / 4) = 4 steps
     assert [(s.name, s.first, s.last) for s in stages] == [("projector", 1, 2), ("language", 3, 6)]
-    assert [(s.name, s.steps) for s in stages_of(load_config(None, ["sft.projector_steps=0", "sft.steps=3"]), 10)] == [("language", 3)]
+    assert [(s.name, s.steps) for s in stages_of(load_config(None, ["sft.projector_steps=0", "sft.steps=3"]).sft, 10)] == [("language", 3)]
 
 
 def test_sigterm_during_sft_checkpoints_and_says_so(tiny_qwen25vl, data, tmp_path, monkeypatch, capsys):

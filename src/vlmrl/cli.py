@@ -11,6 +11,8 @@ import traceback
 from pathlib import Path
 
 from vlmrl.config import ConfigError, load_config
+from vlmrl.config import reference_markdown
+from vlmrl.defaults import describe
 
 DEBUG_ENV = "VLMRL_DEBUG"
 CONFIG_HELP = (
@@ -248,8 +250,6 @@ def report_user_error(command: str, error: BaseException) -> int:
 
 def _dispatch(ns) -> int:
     if ns.command == "config":
-        from vlmrl.config import reference_markdown
-
         print(reference_markdown())
         return 0
     if ns.command == "export":
@@ -323,8 +323,6 @@ def run_eval(cfg) -> dict:
         raise ConfigError("data.eval_path is empty and no built-in task test split is configured; set data.eval_path")
     funcs, _ = load_reward_funcs(cfg, local_judge_on(device))
     from vlmrl.run.preflight import eval_data_name
-
-    from vlmrl.defaults import describe
 
     print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows; {describe(cfg)}", file=sys.stderr)
     metrics = evaluate(model, processor, data.eval, cfg, funcs, device)

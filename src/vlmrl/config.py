@@ -20,6 +20,13 @@ from typing import Any, Callable, Literal, Optional, Union
 import yaml
 
 from vlmrl.defaults import EMBEDDED_MODEL  # re-exported: the name other modules import from here
+from vlmrl.defaults import apply_model_defaults
+import re
+import string
+from vlmrl.defaults import config_header
+import importlib
+import glob
+import os
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -1033,7 +1040,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         key, value = parse_override(text)
         merge_key(tree, key, value, f"override {text!r}")
-    from vlmrl.defaults import apply_model_defaults
 
     apply_preset(tree)  # algorithm.preset: TRL's defaults for the fields left unset
     filled = apply_model_defaults(tree)  # model.defaults resolved once, here: unset fields of the embedded model
@@ -1056,8 +1062,6 @@ def validate(cfg: Config) -> None:
 def _judge_problems(cfg: Config) -> list[str]:
     """judge.*: one source for the reward `judge` (a folder or a URL), a pattern with a group, a template with known
     fields; a judge configured but not listed in algorithm.reward_funcs is refused rather than ignored."""
-    import re
-    import string
 
     j = cfg.judge
     if "judge" not in cfg.algorithm.reward_funcs:
@@ -1482,7 +1486,6 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def save_config(cfg: Config, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from vlmrl.defaults import config_header
 
     path.write_text(config_header(cfg) + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return path
@@ -1519,7 +1522,6 @@ def field_doc(f: dataclasses.Field) -> str:
     doc, choices = f.metadata["doc"], f.metadata.get("choices")
     if not choices:
         return doc
-    import importlib
 
     module, name = choices.split(":")
     table = getattr(importlib.import_module(f"{__package__}.{module}"), name)
@@ -1550,8 +1552,6 @@ def _anchored(value):
     """`value` made absolute against today's working directory when it names something there (a file, a folder, or a
     glob that matches; each of a list; a dataset folder with its split, `name::train` / `name@train`); anything else
     (a hub id, an inline template, a name refused later) is kept as written."""
-    import glob
-    import os
 
     if isinstance(value, list):
         return [_anchored(v) for v in value]
@@ -1578,7 +1578,6 @@ def anchor_paths(cfg: Config) -> Config:
     directory while the run goes on, and a relative path would then follow it (the run's output, checkpoints and lock
     written elsewhere, another data or reward file read). training.output_dir, training.resume (a checkpoint path)
     and data.image_root are always anchored; inputs when they name something that exists (_anchored)."""
-    import os
 
     t, d, m = cfg.training, cfg.data, cfg.model
     roots = d.image_root if isinstance(d.image_root, list) else [d.image_root]

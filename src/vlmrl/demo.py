@@ -17,6 +17,10 @@ from vlmrl.config import load_config
 from vlmrl.tiny_models.tiny import default_model_path
 from vlmrl.sft import sft
 from vlmrl.train import train
+import datetime
+import os
+import platform
+import torch
 
 # The demo's settings, as overrides of the default config.
 COMMON = [
@@ -125,11 +129,7 @@ def eval_trajectory(run_dir: Path) -> dict[str, float]:
 
 
 def machine() -> dict:
-    import datetime
-    import os
-    import platform
 
-    import torch
     import transformers
 
     return {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from vlmrl.config import Config
 from vlmrl.evaluate import EvaluationStopped
@@ -27,6 +27,9 @@ from vlmrl.rewards.scoring import load_reward_funcs
 from vlmrl.run.datasets import load_datasets
 from vlmrl.run.tracking import RunLogger, read_jsonl, tracker_options
 
+if TYPE_CHECKING:
+    from vlmrl.engine.distributed import Distributed
+
 
 @dataclass
 class Ending:
@@ -34,8 +37,8 @@ class Ending:
 
     cfg: Config
     out: Path
-    dist: object  # distributed.Distributed
-    logger: object  # tracking.RunLogger
+    dist: Distributed
+    logger: RunLogger
     log: Callable[[str], None]  # the main process's log (others: a no-op)
     kind: str  # "train" or "sft": the completion marker's kind
     title: str  # "GRPO" or "SFT": the report's and the summary table's title

@@ -33,8 +33,9 @@ def evaluate_on(
     whose request ends the evaluation between batches (EvaluationStopped on every process)."""
     if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
         asked = None if stop is None else (lambda: dist.any(stop.requested))  # every process leaves at the same batch
-        with dist.gathered_for_generation(cfg.memory.generation_gather):
-            return dist.call(evaluate, processor, rows, cfg, reward_funcs, device, log, dist.oom_peers, samples, asked)
+        mode = cfg.memory.generation_gather
+        with dist.gathered_for_generation(mode):
+            return dist.call(evaluate, processor, rows, cfg, reward_funcs, device, log, dist.oom_peers, samples, asked, dist.decode_agreement(mode))
     error, metrics = None, None
     if dist.is_main:  # alone: its OOM redo involves no other process
         try:
@@ -63,13 +64,15 @@ def evaluate(
     peers=None,
     samples: list | None = None,
     stop=None,
+    decode_agreement=None,
 ) -> dict[str, float]:
     """Greedy completions for `rows`; returns `eval/<reward>` means (e.g. eval/accuracy, eval/iou) and
     eval/reward (the unweighted mean of all rewards per sample, then over samples). Batches of
     training.eval_batch_size prompts, halved on out-of-memory (greedy decoding gives the same tokens). `peers`: the
     processes that evaluate together (oom.Peers; None: this one alone).
     `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`).
-    `stop`, when given, is asked before every batch; True ends the evaluation (EvaluationStopped)."""
+    `stop`, when given, is asked before every batch; True ends the evaluation (EvaluationStopped).
+    `decode_agreement`: how the processes that evaluate together decode in step (Engine.decode_agreement), or None."""
 
     was_training = model.training
     model.eval()
@@ -79,7 +82,7 @@ def evaluate(
     opts = LogprobOptions.from_config(cfg, device)
 
     # Through the rollout seam (rollout/base.py), on `model` as this function gets it (sharded: the engine's runner).
-    evaluator = InProcessRollout(cfg, None, model, processor, opts)
+    evaluator = InProcessRollout(cfg, None, model, processor, opts, decode_agreement=decode_agreement)
 
     def greedy(chunk: list[dict]):
         maybe_inject_oom("eval", len(chunk))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config
+from vlmrl.config import Config, DataConfig, SFTConfig
 from vlmrl.data.sft_targets import sft_target
 from vlmrl.evaluate import evaluate_on
 from vlmrl.plan.planner import measured_vs_predicted, predict_for_sft
@@ -58,11 +58,11 @@ def target_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, tor
     return target_tensors(tokenizer, rows, sft_target, device)
 
 
-def sft_row(processor, row: dict, cfg: Config) -> dict:
+def sft_row(processor, row: dict, d: DataConfig) -> dict:
     """A conversation row split into prompt turns and assistant targets (conversations.sft_view); others as they are."""
 
     try:
-        return sft_view(processor, row, min(len(row["images"]), cfg.data.limit_images), len(row.get("videos") or []), cfg.data.system_prompt)
+        return sft_view(processor, row, min(len(row["images"]), d.limit_images), len(row.get("videos") or []), d.system_prompt)
     except ConversationError as e:
         raise DataError(str(e)) from None
 
@@ -98,9 +98,8 @@ class Stage:
         return self.last - self.first + 1
 
 
-def stages_of(cfg: Config, num_rows: int) -> list[Stage]:
+def stages_of(s: SFTConfig, num_rows: int) -> list[Stage]:
     """The run's stages with at least one step; stage 2 lasts sft.steps, or ceil(sft.epochs x rows / batch_size)."""
-    s = cfg.sft
     language = s.steps if s.epochs is None else max(1, math.ceil(s.epochs * num_rows / s.batch_size))
     out, first = [], 1
     for name, steps, lr in (("projector", s.projector_steps, s.projector_learning_rate), ("language", language, s.learning_rate)):
@@ -135,9 +134,10 @@ def sft(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     valid checkpoint unless training.resume says otherwise; SIGTERM / SIGINT finish the step, write a checkpoint and
     return. `stop_after` simulates such a stop after that step (tests). Around the steps: the run skeleton."""
 
-    run = start_sft(cfg, log)
-    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
-        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "sft", "SFT", SFT_SUMMARY_KEYS)
+    try:
+        run = start_sft(cfg, log)
+    except EndingLeft as left:  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if left.dist.is_main else (lambda *_: None), left, "sft", "SFT", SFT_SUMMARY_KEYS)
     return run_steps(SFTSteps(run), stop_after)
 
 
@@ -185,9 +185,19 @@ class SFTSteps:
         return evaluate_and_log(self.run, self.run.state["step"], stop) if self.run.data.eval else {}
 
 
-def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
+def prepare_sft(cfg: Config, log, dist: Distributed, total: int) -> Path | None:
+    """rundir.prepare_run for an SFT run of `total` steps; an EndingLeft it raises carries `dist`."""
+    try:
+        return prepare_run(cfg, log, dist, total, "sft")
+    except EndingLeft as left:
+        left.dist = dist
+        raise
+
+
+def start_sft(cfg: Config, log) -> SFTRun:
     """Engine, output folder (refusals first), model, data, planner, sampler, rewards and logger. The optimizer is
-    built per stage (`enter_stage`), where a resumed run's state is restored."""
+    built per stage (`enter_stage`), where a resumed run's state is restored. Raises rundir.EndingLeft (its `dist`
+    set) when training is done and only the ending is left."""
 
     t, s = cfg.training, cfg.sft
     out = Path(t.output_dir)
@@ -197,10 +207,7 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
     W = dist.world_size
     refuse_sft_layout(s, dist)
     total = None if s.epochs is not None else s.projector_steps + s.steps
-    resume_from = prepare_run(cfg, log, dist, total, "sft") if total is not None else None
-    if isinstance(resume_from, EndingLeft):
-        resume_from.dist = dist
-        return resume_from
+    resume_from = prepare_sft(cfg, log, dist, total) if total is not None else None
     if W > 1:
         log(f"{dist.describe()}: {s.batch_size // W} of {s.batch_size} rows per step on each process")
     dist.check_supported(save_steps=t.save_steps, save_final_model=t.save_final_model)
@@ -213,12 +220,9 @@ def start_sft(cfg: Config, log) -> SFTRun | EndingLeft:
         data = load_datasets(cfg, processor=processor)
     for line in data.reports:
         log(line)
-    stages = stages_of(cfg, len(data.train))
+    stages = stages_of(cfg.sft, len(data.train))
     if total is None:  # sft.epochs: the length is known once the data is
-        resume_from = prepare_run(cfg, log, dist, stages[-1].last, "sft")
-        if isinstance(resume_from, EndingLeft):
-            resume_from.dist = dist
-            return resume_from
+        resume_from = prepare_sft(cfg, log, dist, stages[-1].last)
     # logged; compared each step
     plan = predict_for_sft(cfg, log, longest_target(processor.tokenizer, data.train), dist.world_size, dist.planner_sharding, dist.planner_deepspeed)
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
@@ -293,10 +297,10 @@ def enter_stage(run: SFTRun, stage: Stage) -> None:
     cfg, dist = run.cfg, run.dist
     if not cfg.model.use_lora:
         set_stage_trainable(run.model, stage.name, cfg.sft.train_vision_tower)
-    optimizer, scheduler = make_optimizer(run.model, cfg, stage.steps, learning_rate=stage.lr)
+    optimizer, scheduler = make_optimizer(run.model, cfg.optim, stage.steps, learning_rate=stage.lr)
     path, same = run.resume_from, run.saved_stage == stage.name
     if path is not None:  # a checkpoint at the end of stage 1 holds stage 1's optimizer: stage 2 starts its own
-        restored = restore(path, cfg, run.model, optimizer if same else None, scheduler if same else None, run.sampler, run.log, dist)
+        restored = restore(path, cfg.training, run.model, optimizer if same else None, scheduler if same else None, run.sampler, run.log, dist)
         run.state.update(best_metric=restored["best_metric"], best_step=restored["best_step"])
     run.optimizer = dist.prepare(run.model, optimizer, run.micro, oom_recovery=cfg.memory.oom_recovery)
     run.scheduler = scheduler
@@ -324,7 +328,7 @@ def sft_step(run: SFTRun, step: int) -> dict:
     t0 = time.perf_counter()
     share = cfg.sft.batch_size // dist.world_size
     batch = run.sampler.next_batch(cfg.sft.batch_size)
-    rows = [sft_row(run.processor, run.data.train[i], cfg) for i in batch[dist.rank * share : (dist.rank + 1) * share]]
+    rows = [sft_row(run.processor, run.data.train[i], cfg.data) for i in batch[dist.rank * share : (dist.rank + 1) * share]]
     targets = target_batch(run.processor.tokenizer, rows, run.device)  # ids, attention, loss mask: [share, T]
     # The loss is a mean over the trained target tokens of the whole batch (every process's rows), whatever the micro-batches.
     tokens = int(targets[2].sum())

@@ -15,7 +15,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ from vlmrl.ending import Ending, finish
 from vlmrl.run.last_good import kept_last_good, save_due
 
 if TYPE_CHECKING:
+    from transformers import ProcessorMixin
+
+    from vlmrl.rewards.protocol import RewardFn
     from vlmrl.data.sampler import PromptSampler
     from vlmrl.engine.distributed import Distributed
     from vlmrl.models.prefix import LogprobOptions
@@ -45,16 +48,16 @@ class RunBase:
     dist: Distributed  # world, rank, engine, collectives (one process: all trivial)
     device: torch.device
     model: torch.nn.Module
-    processor: object  # the model's transformers processor (any family's class)
+    processor: ProcessorMixin  # the model's transformers processor (any family's class)
     data: Datasets  # train and eval rows, reports
-    reward_funcs: dict  # name -> reward function (rewards/scoring.load_reward_funcs)
+    reward_funcs: dict[str, RewardFn]  # name -> reward function (rewards/scoring.load_reward_funcs)
     sampler: PromptSampler  # which rows each step draws; its state is checkpointed
     logger: RunLogger
     log: Callable[[str], None]  # the caller's log function (main process; others: a no-op)
     opts: LogprobOptions  # how log-probs are computed (memory features)
     plan: Plan | None  # the planner's prediction, logged next to the measured peak
     routing: Routing | None  # an MoE model's router.Routing (its load-balancing loss), else None
-    state: dict  # step, best_metric, best_step (and what each loop keeps in checkpoints)
+    state: dict[str, Any]  # step, best_metric, best_step (and what each loop keeps in checkpoints)
     optimizer: torch.optim.Optimizer | None = None  # SFT: the current stage's, set when the stage is entered
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     saved_at: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run started)

@@ -25,7 +25,7 @@ from vlmrl.algo.batching import pack_by_tokens, split_by_rows
 from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.algo.distill import distill_advantages, distill_metrics
 from vlmrl.algo.turn_advantages import TURN_SCALES, token_advantages, turn_advantages, turn_index, turn_reward_matrix
-from vlmrl.config import Config
+from vlmrl.config import AlgorithmConfig, Config
 from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
 from vlmrl.models.logprobs import entropies_collected, group_rows
 from vlmrl.algo.losses import aggregate, entropy_quantile_mask, masked_mean, per_token_loss
@@ -72,6 +72,7 @@ from vlmrl.run.step_records import MicroBatch, PickedRows, Rewards, Rollout, Sco
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
     from vlmrl.rollout.pipeline import RolloutPipeline
+    from vlmrl.tools.registry import Tool
 
 
 class NonFiniteStop(RuntimeError):
@@ -84,14 +85,14 @@ class Run(RunBase):
 
     shard: Shard  # this process's prompts and rows of every step
     reference: FrozenPolicy | None  # the frozen reference policy; None when algorithm.beta == 0
-    reward_weights: dict  # name -> weight of each reward in the total
+    reward_weights: dict[str, float]  # name -> weight of each reward in the total
     sizes: Sizes
     pad_id: int
     per_prompt_seed: bool  # rollout.sampling_seed resolved: one sampling stream per prompt
     parking: OptimizerParking  # memory.offload_optimizer_during_rollout (disabled: a no-op)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row as non-finite
-    tools: dict = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
-    current_rows: list = field(default_factory=list)  # dataset indices of this step's prompts on this process
+    tools: dict[str, Tool] = field(default_factory=dict)  # tools.tools loaded (multi-turn rollouts), empty for single-turn
+    current_rows: list[int] = field(default_factory=list)  # dataset indices of this step's prompts on this process
     backend: RolloutBackend  # rollout.backend: what samples the rollouts (rollout/base.py), chosen once at start
     teacher: FrozenPolicy | None = None  # algorithm.teacher_path's frozen teacher (on-policy distillation), else None
     pipeline: RolloutPipeline | None = None  # rollout.max_staleness > 0: the producer sampling ahead (rollout/pipeline.py)
@@ -108,9 +109,10 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
     """
 
     cfg = epochs_as_steps(cfg, log)  # training.num_train_epochs decides max_steps (from the rows' count)
-    run = start_run(cfg, log)
-    if isinstance(run, EndingLeft):  # training done, its ending stopped or killed: finish that, train nothing
-        return finish_left(cfg, log if run.dist.is_main else (lambda *_: None), run, "train", "GRPO", SUMMARY_KEYS)
+    try:
+        run = start_run(cfg, log)
+    except EndingLeft as left:  # training done, its ending stopped or killed: finish that, train nothing
+        return finish_left(cfg, log if left.dist.is_main else (lambda *_: None), left, "train", "GRPO", SUMMARY_KEYS)
     final: dict = {}
     if cfg.training.val_before_train and run.data.eval and run.state["step"] == 0:
         final.update(evaluate_run(run))
@@ -198,8 +200,9 @@ def phase(name: str, into: dict):
 
 
 # ---------------------------------------------------------------- set-up and end
-def start_run(cfg: Config, log) -> Run | EndingLeft:
-    """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state."""
+def start_run(cfg: Config, log) -> Run:
+    """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state. Raises
+    rundir.EndingLeft (its `dist` set) when training is done and only the ending is left."""
 
     out = Path(cfg.training.output_dir)
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
@@ -213,10 +216,11 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
     plan = predict_for_run(cfg, log, world_size=dist.world_size, sharding=dist.planner_sharding, deepspeed=dist.planner_deepspeed)
     device = dist.device(resolve_device(cfg.training.device))
     seed_everything(cfg.training.seed)
-    resume_from = prepare_run(cfg, log, dist)  # refusals first, then config.yaml and the logs cut back (rundir.py)
-    if isinstance(resume_from, EndingLeft):
-        resume_from.dist = dist
-        return resume_from
+    try:  # refusals first, then config.yaml and the logs cut back (rundir.py)
+        resume_from = prepare_run(cfg, log, dist)
+    except EndingLeft as left:
+        left.dist = dist
+        raise
     t = cfg.training
     shard = dist.shard(cfg.prompts_per_step, cfg.rollout.num_generations, t.per_device_train_batch_size * t.gradient_accumulation_steps)
     if dist.world_size > 1:
@@ -236,11 +240,11 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
         what = f"from the data ({describe_data_shape(shape)}): "
         plan = predict_for_run(cfg, log, dist.world_size, dist.planner_sharding, what, dist.planner_deepspeed, **shape) or plan
     reward_funcs, reward_weights = load_reward_funcs(cfg, local_judge_on(device))
-    optimizer, scheduler = make_optimizer(model, cfg, total_optimizer_steps(cfg))
+    optimizer, scheduler = make_optimizer(model, cfg.optim, total_optimizer_steps(cfg))
     sampler = PromptSampler(len(data.train), seed=t.seed, shuffle=cfg.data.shuffle)
     state = {"step": 0, "best_metric": None, "best_step": None}
     if resume_from is not None:
-        state = restore(resume_from, cfg, model, optimizer, scheduler, sampler, log, dist)
+        state = restore(resume_from, cfg.training, model, optimizer, scheduler, sampler, log, dist)
     state["images"] = image_fingerprints([*data.train, *data.eval], image_cache_dir())  # stored with each checkpoint
     # DDP / FSDP2 / DeepSpeed wrap; one process: unchanged. With OOM recovery DDP syncs gradients after the processes agree.
     optimizer = dist.prepare(model, optimizer, t.per_device_train_batch_size, oom_recovery=cfg.memory.oom_recovery)
@@ -288,7 +292,7 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
         plan=plan,
         pad_id=pad_id,
         per_prompt_seed=per_prompt_seed,
-        parking=OptimizerParking(optimizer, parking_enabled(cfg, dist, log)),
+        parking=OptimizerParking(optimizer, parking_enabled(cfg.memory, dist, log)),
         routing=routing_for(model, cfg.algorithm.router_aux_loss_coef, cfg.algorithm.routing_replay),
         tools=tools,
         backend=backend,
@@ -855,7 +859,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
                     "advantage": rewards.advantages[i].mean().item(),
                     "solution": samples.rows[i // G].get("solution"),
                     **rollout_record(samples.completions, samples.prompts, i, G),
-                    **turn_record(cfg, samples.completions, rewards.advantages, i),
+                    **turn_record(cfg.algorithm, samples.completions, rewards.advantages, i),
                 }
                 for i in range(min(cfg.logging.log_completions, len(samples.texts)))
             ],
@@ -863,10 +867,10 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
     return metrics
 
 
-def turn_record(cfg: Config, comp, advantages: torch.Tensor, i: int) -> dict:
+def turn_record(algorithm: AlgorithmConfig, comp, advantages: torch.Tensor, i: int) -> dict:
     """samples.jsonl's per-turn fields of row i under algorithm.turn_advantage=per_turn ({} otherwise): the reward the
     environment gave each turn and every token's advantage (0.0 off the loss mask), to check the estimator from outside."""
-    if cfg.algorithm.turn_advantage != "per_turn" or comp.trajectories is None:
+    if algorithm.turn_advantage != "per_turn" or comp.trajectories is None:
         return {}
     n = int(comp.lengths[i])
     return {"turn_rewards": list(comp.trajectories[i].turn_rewards), "token_advantages": advantages[i, :n].float().tolist()}

@@ -61,6 +61,7 @@ from vlmrl.config import config_hash
 from vlmrl.checkpoints.faults import maybe_signal
 from vlmrl.checkpoints.run_manifest import is_owned, record
 from vlmrl.config import resume_harmless
+from importlib import metadata
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -251,7 +252,6 @@ def save_folder_atomically(folder: str | Path, write: Callable[[Path], None]) ->
 # ---------------------------------------------------------------- state collection
 def _versions() -> dict[str, Optional[str]]:
     """Library versions for the record; metadata lookups only, so transformers is never imported."""
-    from importlib import metadata
 
     out: dict[str, Optional[str]] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "peft", "vlmrl"):

@@ -21,7 +21,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from vlmrl.config import DataConfig
 
 MANIFEST_FILE = ".vlmrl-run.json"
 LOCK_FILE = ".vlmrl-run.lock"
@@ -151,9 +154,9 @@ def reward_files(specs: Iterable[str]) -> list[str]:
     return files
 
 
-def data_inputs(cfg) -> dict[str, str]:
-    """{config key: path} of data.train_path: one key, or one per file of a list (data.train_path[i])."""
-    value = cfg.data.train_path
+def data_inputs(d: DataConfig) -> dict[str, str]:
+    """{config key: path} of data.train_path (`d`: cfg.data): one key, or one per file of a list (data.train_path[i])."""
+    value = d.train_path
     if isinstance(value, str):
         return {"data.train_path": value}
     return {f"data.train_path[{i}]": v for i, v in enumerate(value)}
@@ -161,7 +164,7 @@ def data_inputs(cfg) -> dict[str, str]:
 
 def run_inputs(cfg) -> dict[str, str]:
     """The run's inputs a run folder must not hold: {config key: path}."""
-    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg), "data.eval_path": cfg.data.eval_path}
+    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg.data), "data.eval_path": cfg.data.eval_path}
     for i, f in enumerate(reward_files(cfg.algorithm.reward_funcs)):
         items[f"algorithm.reward_funcs[{i}]"] = f
     return {k: v for k, v in items.items() if v}

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from vlmrl.config import Config
+from vlmrl.config import Config, TrainingConfig
 from vlmrl.checkpoints.files import (
     CheckpointError,
     CheckpointSaveError,
@@ -30,10 +30,11 @@ from vlmrl.checkpoints.fingerprints import run_fingerprints
 from vlmrl.checkpoints.safe_load import dcp_load, dcp_read_all
 from vlmrl.config import to_dict
 from vlmrl.models.loading import unwrap
+import torch.distributed as tdist
 
 
-def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
-    """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint; returns the loop state.
+def restore(path: Path, t: TrainingConfig, model, optimizer, scheduler, sampler, log, dist=None) -> dict:
+    """Load weights, optimizer, scheduler, sampler and RNG from a checkpoint (`t`: cfg.training); returns the loop state.
     Every process loads the same full state (output_dir on a file system they all see); each its own RNG."""
     from safetensors.torch import load_file
 
@@ -50,7 +51,7 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     if not sharded:
         load_trainable_weights(model, path / "model", load_file)
     if is_weights_only(path):
-        if not cfg.training.resume_weights_only:
+        if not t.resume_weights_only:
             raise CheckpointError(
                 f"{path} holds weights only (save_only_model); it cannot resume a run exactly. "
                 "Set training.resume_weights_only=true to start a NEW schedule from its weights."
@@ -64,7 +65,7 @@ def restore(path: Path, cfg: Config, model, optimizer, scheduler, sampler, log, 
     if dist is None or dist.world_size == 1:
         restore_rng(path, warn=log)
     else:
-        dist.restore_rng(path, saved_world, cfg.training.seed, log)
+        dist.restore_rng(path, saved_world, t.seed, log)
     log(f"resumed from {path} at step {ts['global_step']} (epoch {ts['epoch']}, {ts['samples_consumed']} prompts consumed)")
     out = {"step": ts["global_step"], "best_metric": ts.get("best_metric"), "best_step": ts.get("best_step")}
     if ts.get("sizes"):
@@ -247,7 +248,6 @@ def load_trainable_weights(model, folder: Path, load_file) -> None:
 def load_sharded_state(model: torch.nn.Module, folder, optimizer=None) -> None:
     """A torch.distributed.checkpoint folder (save_sharded_state) into `model` (and `optimizer`): sharded (FSDP2,
     any world size: the files are re-sharded on load), replicated (DDP) or plain (one process)."""
-    import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
     opt = raw_optimizer(optimizer) if optimizer is not None else None

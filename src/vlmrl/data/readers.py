@@ -14,6 +14,7 @@ import vlmrl.data.strict_json as strict_json
 from vlmrl.data.locate import SPLIT_SEP, hub_splits, is_saved_dataset, missing_path_message, split_path
 from vlmrl.data.embedded_images import image_cache_dir, spill_embedded_images
 from vlmrl.data.errors import DataError, MissingData
+import csv
 
 
 def load_rows(
@@ -99,8 +100,6 @@ def _imagefolder_rows(path: Path) -> list[dict]:
     """Rows of an imagefolder's metadata file, ``file_name`` (one image) or ``file_names`` (a list) turned into
     ``image`` / ``images`` paths relative to the metadata file's folder, as `datasets` reads them."""
     if path.suffix == ".csv":
-        import csv
-
         with open(path, newline="", encoding="utf-8") as f:
             rows = [_object_row(r, f"{path}:{i + 2}") for i, r in enumerate(csv.DictReader(f))]
     else:

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable
 
 from vlmrl.config import ConfigError
+import weakref
 
 RENDER_TIME_S = 10.0  # a real chat template renders in milliseconds
 RENDER_MEMORY_BYTES = 1 << 30  # address space a probe render may add
@@ -35,7 +36,6 @@ _SOURCES: dict[int, str] = {}  # id(processor) -> where its chat template came f
 
 def remember_source(processor: Any, where: str) -> None:
     """Record where `processor`'s chat template came from (models.processing.load_processor), for template_source."""
-    import weakref
 
     _SOURCES[id(processor)] = where
     try:

@@ -14,6 +14,8 @@ from PIL import Image
 
 from vlmrl.data.errors import DataError
 from vlmrl.data.media import DEFAULT_MAX_IMAGE_PIXELS, pixel_limit_problem, own_pixel_limit
+from urllib.parse import unquote, urlparse
+import filecmp
 
 
 MAX_LISTED_PROBLEMS = 20
@@ -410,14 +412,12 @@ def _file_uri_path(path: str) -> str:
     """``file:///abs/a.png`` (qwen-vl-utils' and MM-EUREKA's image references) -> ``/abs/a.png``; other text unchanged."""
     if path[:7].lower() != "file://":
         return path
-    from urllib.parse import unquote, urlparse
 
     return unquote(urlparse(path).path)
 
 
 def _same_content(a: Path, b: Path) -> bool:
     """Whether two paths hold the same file or byte-equal files (then either one is the row's image)."""
-    import filecmp
 
     try:
         return os.path.samefile(a, b) or (a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False))

@@ -16,6 +16,7 @@ import threading
 import time
 from datetime import timedelta
 from typing import NoReturn
+import atexit
 
 POLL_S = 0.5  # how often a watcher looks
 ACK_WAIT_S = 10.0  # how long the failing process waits for the others to have seen its message
@@ -56,7 +57,6 @@ def watch_for_abort(rank: int) -> threading.Thread:
     `abort_everyone`; it stops watching quietly when the store goes away (the run is ending), and at interpreter exit
     (atexit): a thread left inside the store's C++ client while Python shuts down aborts the process
     ("terminate called without an active exception", exit -6) after a run that finished."""
-    import atexit
 
     stop = threading.Event()
 

@@ -16,6 +16,9 @@ from vlmrl.config import ConfigError
 from vlmrl.algo.losses import step_normaliser
 from vlmrl.checkpoints.files import restore_rng, rng_file, rng_state
 from vlmrl.engine.device import seed_everything
+import dataclasses
+import torch.distributed as dist
+from pathlib import Path
 
 # Memory keys whose per-process values are also logged (`mem/<key>/rank<r>`); the plain key is the max.
 PER_RANK_MEMORY = ("mem/host_peak_rss", "mem/gpu_peak_allocated", "mem/gpu_peak_reserved")
@@ -109,7 +112,6 @@ def average_gradients(params: list[torch.Tensor], world_size: int, bucket_bytes:
     them (every gradient times 1/W, then summed across processes; buckets of ~25 MiB, DDP's default, so there are few
     collectives). A parameter without a gradient on some process counts as zeros there; one without a gradient on
     every process keeps none (DDP leaves globally unused parameters alone, and AdamW then skips them)."""
-    import torch.distributed as dist
 
     if not params:
         return
@@ -186,7 +188,6 @@ class Collectives:
         """Every rank's per-row lists in global row order; one process: the same objects."""
         if self.world_size == 1:
             return columns
-        import torch.distributed as dist
 
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, [list(c) for c in columns])
@@ -205,7 +206,6 @@ class Collectives:
         """Every process's 1-D `values` concatenated (rank order, on this process's device); one process: `values`."""
         if self.world_size == 1:
             return values
-        import torch.distributed as dist
 
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, values.detach().cpu())
@@ -221,7 +221,6 @@ class Collectives:
     def all_sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
             return list(values)
-        import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
         dist.all_reduce(t)
@@ -230,7 +229,6 @@ class Collectives:
     def step_normaliser(self, masks: list[torch.Tensor], max_completion_length: int, chunk_rows: int | None = None):
         """One optimizer step's loss normaliser over the rows of every process (losses.step_normaliser for one); the
         nominal micro-batches' token counts (bnpo) stay this process's own, their number is the global one."""
-        import dataclasses
 
         local = step_normaliser(masks, max_completion_length, chunk_rows)
         if self.world_size == 1:
@@ -241,7 +239,6 @@ class Collectives:
     def reduce_metrics(self, metrics: dict, sum_keys: tuple[str, ...] = (), max_keys: tuple[str, ...] = ()) -> dict:
         if self.world_size == 1:
             return metrics
-        import torch.distributed as dist
 
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, metrics)
@@ -251,7 +248,6 @@ class Collectives:
         """The main process's value of `obj` on every process."""
         if self.world_size == 1:
             return obj
-        import torch.distributed as dist
 
         box = [obj]
         dist.broadcast_object_list(box, src=0)
@@ -283,7 +279,6 @@ class Collectives:
             self.accelerator.wait_for_everyone()
 
     def _collective_device(self) -> torch.device:
-        import torch.distributed as dist
 
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -294,7 +289,6 @@ class Collectives:
         mine = rng_state()
         if self.world_size == 1:
             return {0: mine}
-        import torch.distributed as dist
 
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
@@ -303,7 +297,6 @@ class Collectives:
     def restore_rng(self, path, saved_world_size: int, seed: int, warn) -> None:
         """This rank's RNG streams from `rng_state_<rank>.pt`; a rank the checkpoint has no file for (more processes
         than when it was saved) is seeded from (seed, rank) instead, with a warning."""
-        from pathlib import Path
 
         if (Path(path) / rng_file(self.rank)).exists():
             restore_rng(path, rank=self.rank, warn=warn)

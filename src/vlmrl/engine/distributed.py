@@ -245,3 +245,6 @@ class Distributed(Collectives):
 
     def gathered_for_generation(self, mode: str = "full"):
         return self.engine.gathered_for_generation(mode)
+
+    def decode_agreement(self, mode: str = "full"):
+        return self.engine.decode_agreement(mode)

@@ -43,7 +43,11 @@ from vlmrl.engine.collectives import average_gradients
 from vlmrl.engine.deepspeed_config import check_config, describe, fill_config, precision
 from vlmrl.engine.optim import StepResult, allocate_optimizer_state, clip_and_step
 from vlmrl.models.loading import unwrap
-from vlmrl.models.prefix import synced_decoding
+import importlib.util
+import warnings
+import torch.distributed as tdist
+import shutil
+import dataclasses
 
 ENGINES = ("single", "ddp", "fsdp2", "deepspeed")
 
@@ -62,7 +66,6 @@ def deepspeed_asked() -> bool:
 
 def require_deepspeed() -> None:
     """DistributedError (exit 2, one line) when DeepSpeed is asked for but the package cannot be imported."""
-    import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
         raise DistributedError(
@@ -97,7 +100,6 @@ def engine_for(collectives: Collectives, accelerator=None) -> "Engine":
         return FSDP2Engine(collectives, accelerator, by_hand=True)
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         # accelerate enables FSDP only on accelerators (MULTI_GPU, ...), never for MULTI_CPU.
-        import warnings
 
         warnings.warn(
             f"the accelerate config asks for FSDP version 1 but accelerate set up {dt or 'no engine'} "
@@ -253,15 +255,18 @@ class Engine:
         """Parameters gathered for the rollout where the engine shards them (a no-op otherwise). full: gathered once
         for the whole rollout (_gathered_whole: peak = the full model per process, fast); layers: each module's
         gathered by the engine's hooks for its forward (peak = one layer; an all-gather per layer per generated
-        token), the processes decoding in step (prefix.synced_decoding: the same number of forwards everywhere)."""
-        if not self._shards_parameters():
-            yield
-        elif mode == "layers":
-            with synced_decoding(self.collectives.any):  # every process runs as many decode forwards (each all-gathers)
-                yield
-        else:
+        token), the processes decoding in step (`decode_agreement`, passed to the decoder)."""
+        if self._shards_parameters() and mode != "layers":
             with self._gathered_whole():
                 yield
+        else:
+            yield
+
+    def decode_agreement(self, mode: str = "full") -> Callable[[bool], bool] | None:
+        """How the processes agree that some row, on some process, is unfinished, where every decode forward holds
+        collectives (sharded parameters gathered layer by layer: every process must run as many forwards); None:
+        each process decides alone. The rollout backend passes it to the decoder (models/rollout.generate)."""
+        return self.collectives.any if self._shards_parameters() and mode == "layers" else None
 
     def _shards_parameters(self) -> bool:
         """Whether each process holds only part of the parameters (FSDP2, ZeRO-3)."""
@@ -393,9 +398,7 @@ class FSDP2Engine(Engine):
     def save_sharded_state(self, folder, optimizer) -> None:
         """Every process writes its shards of the model (and optimizer, when given) into `folder`
         (torch.distributed.checkpoint: one file per process plus metadata); returns when all are done."""
-        import shutil
 
-        import torch.distributed as tdist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -422,7 +425,6 @@ class FSDP2Engine(Engine):
         """SHARDED_STATE_DICT: every process writes its shards into a staging folder, which then moves into the
         checkpoint (a storage error: CheckpointSaveError on every process, as DCP raises on every process). Otherwise
         the full states gathered to the main process (every process takes part), in the single-process layout."""
-        import shutil
 
         if self.sharded_checkpoints:
             staging = out / f".tmp-sharded-{step}"
@@ -571,7 +573,6 @@ class DeepSpeedEngine(Engine):
         (Completions) travels as a tuple of its fields and is rebuilt here."""
         if self.runner is None or self.gathered:
             return fn(self.model, *args, **kwargs)
-        import dataclasses
 
         kind: dict = {}
 

@@ -19,8 +19,12 @@ Scalars (AdamW's `step`, a 0-d tensor, on the host unless capturable/fused) are 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vlmrl.config import MemoryConfig
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -96,9 +100,9 @@ class OptimizerParking:
             self.restore()
 
 
-def parking_enabled(cfg, dist, log) -> bool:
+def parking_enabled(memory: MemoryConfig, dist, log) -> bool:
     """memory.offload_optimizer_during_rollout, unless the engine keeps the states where parking cannot reach them."""
-    if not cfg.memory.offload_optimizer_during_rollout:
+    if not memory.offload_optimizer_during_rollout:
         return False
     if getattr(getattr(dist, "engine", None), "name", "") == "deepspeed":
         log(

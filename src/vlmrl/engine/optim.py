@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from vlmrl.config import Config, ConfigError
+from vlmrl.config import Config, ConfigError, OptimConfig
 
 
 class WarmupSchedule:
@@ -37,9 +37,8 @@ class WarmupSchedule:
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model, cfg: Config, num_steps: int, learning_rate: float | None = None):
-    """AdamW over the trainable parameters and its schedule over `num_steps` optimizer steps."""
-    o = cfg.optim
+def make_optimizer(model, o: OptimConfig, num_steps: int, learning_rate: float | None = None):
+    """AdamW over the trainable parameters and its schedule over `num_steps` optimizer steps (`o`: cfg.optim)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("no trainable parameters: check model.freeze_vision_tower / train_projector_only / use_lora")

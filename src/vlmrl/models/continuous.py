@@ -54,6 +54,7 @@ from vlmrl.models.prefix import (
 )
 from vlmrl.models.processing import select_rows
 from vlmrl.models.static_decode import StaticStep
+import logging
 
 # Model types whose decode step this engine reproduces exactly (equivalence-tested: tests/test_continuous.py); any
 # other model type uses the loop, with a logged reason.
@@ -63,7 +64,6 @@ _fallback_logged: set[str] = set()
 
 def engine_supported(model) -> bool:
     """True when rollout.engine=continuous can decode this model; otherwise log once why the loop is used."""
-    import logging
 
     model_type = getattr(unwrap(model).config, "model_type", None)
     if model_type in ENGINE_MODEL_TYPES:

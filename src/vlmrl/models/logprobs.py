@@ -24,6 +24,8 @@ from vlmrl.models.loading import unwrap
 from vlmrl.families import family_of, grouped_labels, log_fallback
 from vlmrl.models.loading import vision_tower
 from vlmrl.models.processing import item_order, append_tokens, select_rows
+from torch.nn.modules import module as nn_module
+import inspect
 
 # Keys of an encoded prompt batch that are bookkeeping, not model inputs.
 NON_MODEL_KEYS = ("images_per_row", "videos_per_row", "image_num_patches")
@@ -160,7 +162,6 @@ def fused_head_applies(hidden: torch.Tensor, lm_head: torch.nn.Module) -> bool:
     """The fused head reads the weight directly, so only for a plain bias-free nn.Linear whose forward nothing
     intercepts: no module hooks (FSDP2 / ZeRO-3 gather parameters in them), no LoRA wrapper, no sharded or
     DeepSpeed-partitioned weight, no autocast (which would change the matmul's dtype); CPU and CUDA only."""
-    from torch.nn.modules import module as nn_module
 
     weight = getattr(lm_head, "weight", None)
     if hidden.device.type not in ("cpu", "cuda"):  # the planner's meta-device trace models the checkpointed chunks
@@ -294,7 +295,6 @@ def _image_features(out, n_images: int, sizes: list[int] | None) -> torch.Tensor
 
 def accepted_kwargs(fn, kwargs: dict) -> dict:
     """The kwargs `fn` accepts (all of them when it takes **kwargs)."""
-    import inspect
 
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

@@ -49,6 +49,8 @@ from vlmrl.models.processing import per_image_chunks, tokenizer_of, apply_templa
 from vlmrl.tools.parsing import parse_tool_calls
 from vlmrl.tools.render import ToolTemplateError, chat_template_of, for_template, render_tool_turn, tool_role_mode
 from vlmrl.tools.trajectory import Trajectory, images_of
+from vlmrl.models.logprobs import model_inputs
+from vlmrl.models.prefix import repeat_cache_rows, prefill_prompts, prefix_positions
 
 MULTITURN_MODEL_TYPES = model_types("multiturn")
 _MARK = "\u00a7assistant-turn\u00a7"
@@ -503,7 +505,6 @@ def sequence_logps(
     """[N, T] log-probs of every token after the prompt (model and tool tokens; mask with the loss mask), the whole
     multi-turn sequence forwarded once with all its images. prompt_batch: the U unique prompts; row_prompt: [N];
     ids, attention_mask: [N, T] right padded (a rollout's ids / attention_mask); tool_vision: [N] per-row dicts."""
-    from vlmrl.models.logprobs import model_inputs
 
     core = unwrap(model)
     batch = with_tool_vision(prompt_batch, torch.as_tensor(row_prompt).reshape(-1), tool_vision)
@@ -557,7 +558,6 @@ def sequence_logps_prefix(
     images (encoded once each). M-RoPE positions of the turns come from the model's get_rope_index over each row's whole
     sequence (a text-only computation), so they are the positions `sequence_logps` gives them."""
     from vlmrl.models.logprobs import MROPE_FAMILIES, grouped_family
-    from vlmrl.models.prefix import repeat_cache_rows, prefill_prompts, prefix_positions
 
     core = unwrap(model)
     rows = torch.as_tensor(row_prompt, dtype=torch.long).reshape(-1).to(prompt_batch["input_ids"].device)

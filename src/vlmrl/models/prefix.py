@@ -32,7 +32,6 @@ completion tokens run per row: each completion attends to one shared copy of its
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import Callable
 
@@ -271,30 +270,11 @@ def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor | None = None, work
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 
 
-# Processes whose forwards hold collectives (ZeRO-3 / FSDP2 with memory.generation_gather=layers: every module forward
-# all-gathers its parameters) must run the same number of decode forwards: the engine sets how "some row, on some
-# process, is unfinished" is agreed (`synced_decoding`); one process decides alone otherwise.
-_AGREE: contextvars.ContextVar = contextvars.ContextVar("vlmrl_decode_agreement", default=None)
-
-
-@contextlib.contextmanager
-def synced_decoding(any_process: Callable[[bool], bool]):
-    """Within this context decoding goes on while `any_process(this process has unfinished rows)` is true."""
-    token = _AGREE.set(any_process)
-    try:
-        yield
-    finally:
-        _AGREE.reset(token)
-
-
-def keep_decoding(local_unfinished: bool) -> bool:
-    """Whether the decode loop takes another step: this process's rows, or every process's inside synced_decoding."""
-    agree = _AGREE.get()
-    return local_unfinished if agree is None else agree(local_unfinished)
-
-
-def decoding_is_synced() -> bool:
-    return _AGREE.get() is not None
+def keep_decoding(local_unfinished: bool, agreement: Callable[[bool], bool] | None) -> bool:
+    """Whether the decode loop takes another step: this process's rows (agreement None), or `agreement(local)` where
+    processes whose forwards hold collectives (ZeRO-3 / FSDP2 with memory.generation_gather=layers: every module
+    forward all-gathers its parameters) must run the same number of decode forwards (Engine.decode_agreement)."""
+    return local_unfinished if agreement is None else agreement(local_unfinished)
 
 
 @torch.no_grad()
@@ -314,6 +294,7 @@ def sample_with_shared_prefix(
     min_new_tokens: int = 0,
     row_seeds: list[int] | None = None,
     return_logps: bool = False,
+    decode_agreement: Callable[[bool], bool] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """G completions per prompt of `prompt_batch` ([U, P], left padded) -> ids [U*G, T], rows of prompt u
     at u*G .. u*G+G-1, padded with pad_id after EOS (the layout HF generate returns after the prompt).
@@ -322,7 +303,8 @@ def sample_with_shared_prefix(
 
     The prompts are prefilled once ([U, P]: one vision pass per prompt), the cache is repeated G times,
     then all U*G rows decode one token per forward. row_seeds: [U*G] seeds of per-row sampling streams
-    (`continuous.row_seed`; the continuous engine's streams); default one global stream (torch.rand)."""
+    (`continuous.row_seed`; the continuous engine's streams); default one global stream (torch.rand).
+    decode_agreement: None, or how the processes agree to take another step (`keep_decoding`)."""
     core = unwrap(model)
     G = num_generations if do_sample else 1
     prompt_mask = prompt_batch["attention_mask"]
@@ -362,7 +344,7 @@ def sample_with_shared_prefix(
         local = bool(unfinished.any())
         if not local and done_at is None:
             done_at = t + 1  # this process's rows are done; further steps (kept in step with other processes) are dropped
-        if not keep_decoding(local) or t == max_new_tokens - 1:
+        if not keep_decoding(local, decode_agreement) or t == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         step = {

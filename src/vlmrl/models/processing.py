@@ -619,7 +619,6 @@ class ImageShapeCheck:
                 )
         if ratio <= USUAL_MAX_RATIO and min(w, h) >= USUAL_MIN_SIDE:
             return None
-        from PIL import Image
 
         try:
             self.image_processor(images=[Image.new("RGB", (w, h))], return_tensors="pt")

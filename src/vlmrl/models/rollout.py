@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from vlmrl.models.logprobs import model_inputs
 from vlmrl.models.continuous import engine_supported, sample_continuous
-from vlmrl.models.prefix import decoding_is_synced, prefix_supported, row_seed, sample_with_shared_prefix
+from vlmrl.models.prefix import prefix_supported, row_seed, sample_with_shared_prefix
 from vlmrl.families import family_of
 from vlmrl.models.processing import select_rows
 
@@ -111,6 +112,7 @@ def generate(
     decode_batch_size: int = 0,
     prompt_seeds: list[int] | None = None,
     decode_step: str = "dynamic",
+    decode_agreement: Callable[[bool], bool] | None = None,
 ) -> Completions:
     """Sample `num_generations` completions for each prompt row of `prompt_batch` ([B, P]).
 
@@ -124,6 +126,9 @@ def generate(
     prompt_seeds: [B] seeds of per-row sampling streams (row g of prompt b: `continuous.row_seed`), so a row's
     tokens do not depend on the batch it is decoded in; the continuous engine draws them from the global
     stream when not given. Returns [B*G, T] completions grouped by prompt.
+    decode_agreement: None (each process decodes alone), or how the processes that decode in step agree to take
+    another step (distributed.Engine.decode_agreement: every forward holds collectives); HF generate gets
+    synced_gpus then, and the continuous engine is not used.
     """
 
     eos = eos_token_ids(model, tokenizer)
@@ -134,7 +139,7 @@ def generate(
     fixed = dict(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad, suppress_ids=vision_token_ids(model))
 
     # The continuous engine's decode steps depend on this process's rows only: not used when processes decode in step.
-    continuous = engine == "continuous" and not decoding_is_synced()
+    continuous = engine == "continuous" and decode_agreement is None
     if continuous and shared_prefix and prefix_supported(model, prompt_batch) and _engine_supported(model):
         if do_sample and prompt_seeds is None:
             prompt_seeds = torch.randint(0, 2**62, (n_prompts,)).tolist()
@@ -145,7 +150,9 @@ def generate(
         )
         return _finish(ids, eos, pad, logps)
     pieces = [
-        _generate_chunk(model, prompt_batch, range(start, min(start + step, n_prompts)), shared_prefix, prompt_seeds, fixed, sampling)
+        _generate_chunk(
+            model, prompt_batch, range(start, min(start + step, n_prompts)), shared_prefix, prompt_seeds, fixed, sampling, decode_agreement
+        )
         for start in range(0, n_prompts, step)
     ]
     logps = None if any(lp is None for _, lp in pieces) else cat_right_padded([lp for _, lp in pieces], 0.0)
@@ -159,7 +166,7 @@ def _finish(ids: torch.Tensor, eos: list[int], pad: int, logps: torch.Tensor | N
     return Completions(ids=ids.masked_fill(mask == 0, pad), mask=mask, truncated=truncated, sampling_logps=logps)
 
 
-def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool, prompt_seeds, fixed: dict, sampling: dict):
+def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool, prompt_seeds, fixed: dict, sampling: dict, agreement=None):
     """(completion ids [len(rows)*G, T], the sampler's log-probs [len(rows)*G, T] or None) of prompts `rows` by the
     loop (shared prefix) or by HF generate (no log-probs)."""
 
@@ -169,7 +176,7 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
         row_seeds = None
         if prompt_seeds is not None and sampling["do_sample"]:
             row_seeds = [row_seed(prompt_seeds[p], g) for p in rows for g in range(fixed["num_generations"])]
-        return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds, return_logps=True)
+        return sample_with_shared_prefix(model, chunk, **fixed, **sampling, row_seeds=row_seeds, return_logps=True, decode_agreement=agreement)
     do_sample = sampling["do_sample"]
     samples = fixed["num_generations"] if do_sample else 1
     if samples > 1 and family_of(getattr(model.config, "model_type", None)).repeat_rows_for_generate:
@@ -188,7 +195,7 @@ def _generate_chunk(model, prompt_batch: dict, rows: range, shared_prefix: bool,
         pad_token_id=fixed["pad_id"],
         suppress_tokens=fixed["suppress_ids"] or None,
         min_new_tokens=sampling["min_new_tokens"] or None,
-        synced_gpus=decoding_is_synced() or None,  # HF's own "decode until every process is done"
+        synced_gpus=agreement is not None or None,  # HF's own "decode until every process is done"
     )
     return out[:, chunk["input_ids"].shape[1] :], None
 

@@ -19,6 +19,7 @@ import struct
 from pathlib import Path
 
 from vlmrl.models.loading import ModelLoadError
+import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 DTYPE_BYTES = {
@@ -110,7 +111,6 @@ def check_weight_files(folder: str | Path) -> dict[str, tuple[str, tuple[int, ..
 def check_expected_weights(folder: str | Path, trust_remote_code: bool = False) -> None:
     """ModelLoadError when a tensor the model (built from config.json on the meta device) needs is in no weight file,
     or has another shape there; transformers' loading report decides, with its key renaming and tied weights."""
-    import torch
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 

@@ -17,6 +17,10 @@ from pathlib import Path
 
 from vlmrl.plan.profiles import PROFILES
 from vlmrl.plan.planner import ATTENTIONS, GPU_MEMORY_GIB, MASTER_WEIGHTS, OFFLOADS, SHARDINGS, GiB, PlanError, parse_memory
+from vlmrl.plan.planner import Workload, workload_from_config
+from vlmrl.plan.deepspeed import zero_config, zero_offload
+from vlmrl.plan.planner import sft_workload
+from vlmrl.plan.planner import model_spec, plan, search, spec_for_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,7 +174,6 @@ def _output_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(ns, spec):
-    from vlmrl.plan.planner import Workload, workload_from_config
 
     gpu = parse_memory(ns.gpu_memory) if ns.gpu_memory else None
     world = ns.gpus or 1
@@ -240,7 +243,6 @@ def _workload(ns, spec):
 def _with_deepspeed(w, path: str, sharding: str | None, offload: str | None, hidden: int):
     """w planned under the DeepSpeed JSON at `path` (Workload.zero; sharding zero<stage> unless --sharding says, the
     JSON's offload unless --offload says: a contradiction is refused by the planner's checks)."""
-    from vlmrl.plan.deepspeed import zero_config, zero_offload
 
     try:
         ds = json.loads(Path(path).read_text())
@@ -256,7 +258,6 @@ def _with_deepspeed(w, path: str, sharding: str | None, offload: str | None, hid
 
 def _sft_stages(ns, w) -> dict:
     """{stage: Workload} of `vlmrl sft`: with --config the stages it runs (sft.*), else --sft-stage (default 2)."""
-    from vlmrl.plan.planner import sft_workload
 
     if ns.config:
         from vlmrl.config import load_config
@@ -347,7 +348,6 @@ def _check_flags(ns) -> None:
 
 
 def run(ns) -> int:
-    from vlmrl.plan.planner import model_spec, plan, search, spec_for_config
 
     if ns.list_models:
         from vlmrl.plan.presets import PLANNER_PRESETS, PRESETS
@@ -393,7 +393,6 @@ def run(ns) -> int:
 def _vlmrl_alternative(spec, w) -> dict:
     """vlmrl's plan of the same work as a plain trainer's workload `w`, and (when that does not fit either) the
     fastest vlmrl configuration predicted to fit, G / pixels / effective batch kept."""
-    from vlmrl.plan.planner import plan, search
 
     v = dataclasses.replace(w, profile="vlmrl")  # the profile is applied inside plan(): w keeps vlmrl's own memory settings
     p = plan(spec, v)
@@ -451,7 +450,6 @@ def _trace(spec, w, source: str) -> dict:
     peak under the trace's semantics (no autocast; weights dtype)."""
 
     from vlmrl.plan.trace import setup_for, trace_update
-    from vlmrl.plan.planner import plan
     from vlmrl.plan.presets import PLANNER_PRESETS, PRESETS, hf_config
 
     if w.sharding not in ("none", "ddp") or w.offload != "none":

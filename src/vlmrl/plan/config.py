@@ -10,6 +10,7 @@ from pathlib import Path
 from vlmrl.plan.estimate import Plan, plan
 from vlmrl.plan.hf import model_spec, spec_from_hf_config
 from vlmrl.plan.spec import DTYPE_BYTES, GiB, ModelSpec, PlanError, Workload, sft_workload
+from vlmrl.plan.deepspeed import zero_config, zero_offload
 
 
 # What torch.cuda.get_device_properties().total_memory reports (the memory a run can have), by marketing name.
@@ -177,7 +178,6 @@ def zero_extra(spec: ModelSpec, deepspeed: dict | None, extra: dict) -> dict:
     offload it asks for."""
     if deepspeed is None:
         return extra
-    from vlmrl.plan.deepspeed import zero_config, zero_offload
 
     z = zero_config(deepspeed, spec.hidden)
     return {"offload": zero_offload(z)} | extra | {"zero": z}

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from vlmrl.families import family_of, model_types
+import warnings
 
 
 # Families whose vision bookkeeping (grids, window / interpolation indices) the trace precomputes. Qwen3-VL's DeepStack
@@ -441,7 +442,6 @@ class TraceResult:
 
 @contextmanager
 def _quiet():
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -15,6 +15,7 @@ from vlmrl.rewards.diagnostics import one_line
 from vlmrl.rewards.functions import BUILTIN_REWARDS, CONFIGURED_REWARDS
 from vlmrl.rewards.guard import RewardError
 from vlmrl.rewards.protocol import RewardFn
+import ast
 
 
 # ``target:factory(arg=value, ...)``: a function that returns the reward (TRL's get_soft_overlong_punishment).
@@ -101,7 +102,6 @@ def _load_object(spec: str) -> tuple[Any, Any]:
 def factory_arguments(spec: str, args: str) -> tuple[list, dict]:
     """(positional, keyword) arguments of ``factory(args)`` in a reward spec; only Python literals (numbers,
     strings, lists, dicts, True/False/None), so a config file cannot run code through a spec."""
-    import ast
 
     try:
         call = ast.parse(f"f({args})", mode="eval").body

@@ -80,7 +80,8 @@ def refuse_vllm(cfg, world_size: int) -> None:
 def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools: dict, pad_id: int, log=print) -> RolloutBackend:
     """The run's rollout backend (rollout/base.py): vlmrl's in-process engines, or vLLM (colocated, or its servers)."""
     if cfg.rollout.backend != "vllm":
-        return InProcessRollout(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id)
+        agreement = dist.decode_agreement(cfg.memory.generation_gather)  # processes decoding in step, or None
+        return InProcessRollout(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id, decode_agreement=agreement)
     refuse_vllm(cfg, dist.world_size)
     from vlmrl.rollout.vllm_backend import VLLMRollout
 

@@ -8,6 +8,7 @@ else one stream per step and process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,29 +18,40 @@ from vlmrl.models.rollout import Completions, cat_completions, generate, row_str
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.run.tool_rollout import sample_with_tools
 
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
+
+    from vlmrl.engine.distributed import Distributed
+    from vlmrl.models.prefix import LogprobOptions
+    from vlmrl.tools.registry import Tool
+
 
 @dataclass
 class InProcessRollout:
     """The in-process engines behind the rollout seam. `dist`: the run's distributed.Distributed (its engine runs
-    the decoder through the wrapped model and gathers sharded weights for generation); `opts`: LogprobOptions."""
+    the decoder through the wrapped model and gathers sharded weights for generation); `opts`: LogprobOptions;
+    `decode_agreement`: how the processes decode in step (dist.decode_agreement; None: each decides alone)."""
 
     cfg: Config
-    dist: object
+    dist: Distributed | None  # None: evaluate's greedy decoding on the model as it is
     model: torch.nn.Module
-    processor: object
-    opts: object
+    processor: ProcessorMixin
+    opts: LogprobOptions
     per_prompt_seed: bool = False  # rollout.sampling_seed resolved for this run
-    tools: dict = field(default_factory=dict)  # multi-turn tool rollouts when not empty
+    tools: dict[str, Tool] = field(default_factory=dict)  # multi-turn tool rollouts when not empty
     pad_id: int = 0
     name: str = "inprocess"
-    metrics: dict = field(default_factory=dict)  # nothing measured here beyond the loop's own metrics
+    metrics: dict[str, float] = field(default_factory=dict)  # nothing measured here beyond the loop's own metrics
+    decode_agreement: Callable[[bool], bool] | None = None
 
     def sample(self, request: SampleRequest) -> Completions:
         """[P*G, T] completions, seeded so that a redo (after an OOM, or after a resume) samples the same."""
         r, dist = self.cfg.rollout, self.dist
         with self.opts.autocast(), dist.gathered_for_generation(self.cfg.memory.generation_gather):
             if self.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous engine's seeds, one call
-                return dist.call(sample_with_tools, self.processor, self.cfg, self.tools, request.rows, request.prompts, request.seeds)
+                return dist.call(
+                    sample_with_tools, self.processor, self.cfg, self.tools, request.rows, request.prompts, request.seeds, self.decode_agreement
+                )
             if row_streams(r):  # one stream per row from (seed, step, global prompt position, generation): one call
                 engine = dict(engine=r.engine, decode_batch_size=r.decode_batch_size, decode_step=r.decode_step)
                 return self._generate(request.prompts, request.prompts_per_call, **engine, prompt_seeds=request.seeds)
@@ -67,6 +79,7 @@ class InProcessRollout:
             prompts_per_call=per_call,
             min_new_tokens=r.min_completion_length,
             shared_prefix=self.opts.shared_prefix,
+            decode_agreement=self.decode_agreement,
             **engine,
         )
 
@@ -85,4 +98,5 @@ class InProcessRollout:
                 engine=r.engine,
                 decode_batch_size=r.decode_batch_size,
                 decode_step=r.decode_step,
+                decode_agreement=self.decode_agreement,
             )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config, ConfigError
+from vlmrl.config import Config, ConfigError, DataConfig, TrainingConfig
 from vlmrl.engine.device import env_world
 from vlmrl.models.loading import resolve_model_path
 from vlmrl.checkpoints.run_manifest import is_owned, record
@@ -23,6 +23,8 @@ from vlmrl.run.tool_rollout import tool_schemas
 from vlmrl.models.processing import FIXED_FRAME_PROCESSORS, ImageShapeCheck, build_row_prompt, encode_prompts, load_processor, video_support
 from vlmrl.run.prompt_budget import PromptLengths, apply_prompt_budget
 from vlmrl.run.tracking import read_jsonl
+import json
+import math
 
 
 @dataclass
@@ -38,7 +40,6 @@ _VALIDATED: dict[str, Datasets] = {}
 
 
 def _datasets_key(cfg: Config, need_train: bool) -> str:
-    import json
 
     return json.dumps(
         [to_dict(cfg)["data"], cfg.training.output_dir, cfg.training.seed, cfg.training.eval_max_samples, need_train], sort_keys=True, default=str
@@ -83,29 +84,28 @@ def _load_datasets(cfg: Config, need_train: bool, processor=None) -> Datasets:
     reports = []
     processor = processor if processor is not None else configured_processor(cfg)
     checks = {"max_image_pixels": d.max_image_pixels, "shape_check": image_shape_check(cfg, processor)}
-    layout = data_layout_options(cfg)
+    layout = data_layout_options(cfg.data)
     train_rows: list[dict] = []
     prompts = None
     if need_train:
-        train_rows, rep = load_data_files(train_path, "data.train_path", cfg, checks, layout)
+        train_rows, rep = load_data_files(train_path, "data.train_path", cfg.data, checks, layout)
         shown = ", ".join(data_files(train_path))
         train_rows, prompts = apply_prompt_budget(processor, cfg, train_rows, rep, shown)
-        reports.append(f"train {shown}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg, 'train', rep)}")
+        reports.append(f"train {shown}: {rep.summary()}; {prompts.describe()}{record_bad_rows(cfg.training, 'train', rep)}")
     eval_rows: list[dict] = []
     if eval_path:
-        eval_rows, rep = load_data_files(eval_path, "data.eval_path", cfg, checks, layout)
+        eval_rows, rep = load_data_files(eval_path, "data.eval_path", cfg.data, checks, layout)
         eval_rows, _ = apply_prompt_budget(processor, cfg, eval_rows, rep, eval_path)
         if cfg.training.eval_max_samples:
             eval_rows = eval_rows[: cfg.training.eval_max_samples]
-        reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg, 'eval', rep)}")
+        reports.append(f"eval {eval_path}: {rep.summary()}{record_bad_rows(cfg.training, 'eval', rep)}")
     refuse_videos_without_support(train_rows, eval_rows, processor, cfg)
     return Datasets(train=train_rows, eval=eval_rows, reports=reports, prompts=prompts)
 
 
-def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) -> tuple[list[dict], object]:
+def load_data_files(value, field: str, d: DataConfig, checks: dict, layout: dict) -> tuple[list[dict], object]:
     """The validated rows of data.train_path / data.eval_path (one data file or a list of them, read in order, each with
     its own data.image_root folder when there are as many: rows.roots_per_file) and one report for them all."""
-    d = cfg.data
     files = data_files(value)
     rows: list[dict] = []
     reports = []
@@ -124,10 +124,9 @@ def load_data_files(value, field: str, cfg: Config, checks: dict, layout: dict) 
     return rows, merge_reports(reports, files)
 
 
-def data_layout_options(cfg: Config) -> dict:
+def data_layout_options(d: DataConfig) -> dict:
     """How data files are read (formats.py): data.format, data.columns, data.prompt_template (a .jinja file's text, or
     the template itself). data.image_root is per data file (load_data_files)."""
-    d = cfg.data
     template = d.prompt_template
     if template and template.endswith((".jinja", ".j2", ".txt")) and "{{" not in template:
         path = Path(template).expanduser()
@@ -167,7 +166,7 @@ def configured_processor(cfg: Config):
     )
 
 
-def record_bad_rows(cfg: Config, split: str, report) -> str:
+def record_bad_rows(t: TrainingConfig, split: str, report) -> str:
     """Every problem of the rows data.skip_bad_rows dropped, one JSON line each (``split``, ``source`` = file:line,
     ``field``, ``kind``, ``reason``), in output_dir/bad_rows.jsonl (rewritten per split each run, main process only).
     Returns the text that points the report line to that file ('' when nothing was dropped).
@@ -176,9 +175,8 @@ def record_bad_rows(cfg: Config, split: str, report) -> str:
     before the run claims the folder, and the run must then take it as its own. A bad_rows.jsonl vlmrl did not
     write is never replaced nor deleted: DataError when rows were dropped (their list has nowhere to go), else it is
     left as it is."""
-    import json
 
-    out = Path(cfg.training.output_dir)
+    out = Path(t.output_dir)
     path = out / "bad_rows.jsonl"
     if env_world()[1] == 0:
         if (path.exists() or path.is_symlink()) and not is_owned(path):
@@ -278,7 +276,6 @@ def train_row_count(cfg: Config) -> int:
 
 def epochs_as_steps(cfg: Config, log=print) -> Config:
     """training.num_train_epochs: the config with training.max_steps = ceil(epochs x rows / prompts per step)."""
-    import math
 
     epochs = cfg.training.num_train_epochs
     if epochs is None:

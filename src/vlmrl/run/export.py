@@ -17,6 +17,9 @@ from vlmrl.checkpoints.files import (
 from vlmrl.checkpoints.run_manifest import foreign_names, forget, is_run_name, owned_names, record
 from vlmrl.checkpoints.state import consolidated_model_state, load_trainable_weights
 from vlmrl.config import ConfigError, merge_key, build_config, parse_override
+import shutil
+from vlmrl.models.loading import resolve_model_path
+from pathlib import Path
 
 CODE_LOADING_KEYS = ("trust_remote_code", "allow_hub_download")
 
@@ -56,7 +59,6 @@ def export_folder_entries(out) -> list:
     """The entries of `out` an export replaces (an earlier export's, from its manifest); raises ConfigError in one
     line when `out` is a file, holds anything vlmrl did not write (a user's model folder: config.json,
     model.safetensors), or is a run folder (its checkpoints, final/). Read-only."""
-    from pathlib import Path
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -76,7 +78,6 @@ def export_folder_entries(out) -> list:
 
 def _clear_earlier_export(out, entries: list) -> None:
     """Remove an earlier export's entries (export_folder_entries), so `out` ends up holding this export only."""
-    import shutil
 
     for path in entries:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
@@ -86,9 +87,7 @@ def _clear_earlier_export(out, entries: list) -> None:
 def _check_base_weights(cfg) -> None:
     """The base model's weight files against its config (weight_files.py), before it loads: a damaged or incomplete
     folder is one line, not a traceback or a model with random tensors."""
-    from pathlib import Path
 
-    from vlmrl.models.loading import resolve_model_path
     from vlmrl.models.weight_files import check_expected_weights, check_weight_files
 
     folder = Path(resolve_model_path(cfg.model.name_or_path)).expanduser()
@@ -104,7 +103,6 @@ def export_checkpoint(checkpoint: str, out: str, log=print, overrides: list[str]
     FULL_STATE_DICT: gathered when written) or, with SHARDED_STATE_DICT, per-process shards consolidated here.
     Nothing read from the checkpoint can run code: weights through safetensors / code-free DCP reading, configs
     as JSON / safe YAML, and code-loading settings only from `overrides` (export_config)."""
-    from pathlib import Path
 
     from safetensors.torch import load_file
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 from vlmrl.checkpoints.files import rng_state, set_rng_state
+import time
 
 
 class StepFailed(RuntimeError):
@@ -96,6 +97,5 @@ def save_due(training, step: int, last: bool, preempted: bool, saved_at: float, 
         return True
     if not training.save_minutes or last:
         return False
-    import time
 
     return bool(dist.broadcast(time.monotonic() - saved_at >= 60 * training.save_minutes))

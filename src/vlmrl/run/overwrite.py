@@ -51,7 +51,7 @@ def entries_to_delete(output_dir: str | Path) -> list[Path]:
 
 def _inputs(cfg) -> dict[str, str]:
     """The run's own inputs that must survive the overwrite: {config key: path}."""
-    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg), "data.eval_path": cfg.data.eval_path}
+    items = {"model.name_or_path": cfg.model.name_or_path, **data_inputs(cfg.data), "data.eval_path": cfg.data.eval_path}
     if cfg.training.resume not in ("auto", "never"):
         items["training.resume"] = cfg.training.resume
     return {k: v for k, v in items.items() if v}

@@ -33,6 +33,9 @@ from vlmrl.run.datasets import configured_processor, data_layout_options, encode
 from vlmrl.run.tool_rollout import tool_schemas
 from vlmrl.run.rundir import check_output_dir
 from vlmrl.run.tracking import missing_tracker_packages, resolve_report_to
+from vlmrl.data.formats import easyr1_prompt_template
+from vlmrl.models.processing import render_chat
+import yaml
 
 REWARD_PROBE_ROWS = 2
 
@@ -121,11 +124,9 @@ def probe_templates(cfg: Config):
     message, an image, a question, an answer) in a forked child under a time and memory budget
     (template_budget.probe): one that loops or bloats is refused in one line naming its file, before the data's
     rows are rendered in this process. Returns the processor it loaded (None: no folder to check)."""
-    from vlmrl.data.formats import easyr1_prompt_template
-    from vlmrl.models.processing import render_chat
 
     if cfg.data.prompt_template:
-        template = data_layout_options(cfg)["prompt_template"]
+        template = data_layout_options(cfg.data)["prompt_template"]
         named = f"data.prompt_template={cfg.data.prompt_template}" if "{" not in cfg.data.prompt_template else "data.prompt_template"
         # Compiled in the child too: jinja folds constant expressions ('x' * 2000000000) when it compiles.
         probe(lambda: easyr1_prompt_template(template)(content="What is in the image? <image>"), named)
@@ -286,7 +287,6 @@ def check_eval_data(cfg: Config) -> None:
 
 def trained_on_builtin_task(model_folder: Path) -> bool:
     """Whether `model_folder` is the final model of a vlmrl run (output_dir/final) whose config used the built-in task."""
-    import yaml
 
     run_config = model_folder.parent / "config.yaml"
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from vlmrl.data.errors import DataError
 from vlmrl.data.validation import Problem, ValidationReport
 from vlmrl.data.media import target_size
+from PIL import Image
 
 CHUNK_CHARS = 100_000  # texts longer than this are counted chunk by chunk, stopping past the budget
 
@@ -113,8 +114,6 @@ class PromptCounter:
         minus the text's, its image tokens: those of the processor's image token id, the rest being markers the
         image brings along such as Gemma 3's start/end; without an image token id, all of them)."""
         if size not in self._image_tokens:
-            from PIL import Image
-
             from vlmrl.models.processing import encode_prompts
 
             if self._probe_text is None:
@@ -148,8 +147,6 @@ class PromptCounter:
     def image_size(self, path: str) -> tuple[int, int]:
         """The size `path` is resized to (data.min_pixels / max_pixels), as encode_rows resizes it."""
         if path not in self.sizes:
-            from PIL import Image
-
             from vlmrl.data.images import oriented_size
 
             with Image.open(path) as im:

@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 from vlmrl.run.tracking import read_jsonl
 from vlmrl.data.tasks import chance_levels
+import yaml
 
 # Eval keys that are bookkeeping, not quality: plotted elsewhere or not at all.
 _EVAL_SKIP = {"eval/num_samples", "eval/mean_length"}
@@ -106,7 +107,6 @@ GRPO_LOSS_CAPTION = "near 0 by design: advantages are zero-mean in each group"
 def run_settings(output_dir: str | Path) -> tuple[float | None, dict[str, float]]:
     """(algorithm.beta, {eval metric: chance level}) of the run in `output_dir`, from its saved config.yaml and the
     task.json beside its eval data (tasks.chance_levels); (None, {}) when there is no readable config."""
-    import yaml
 
     out = Path(output_dir)
     try:

@@ -28,7 +28,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from vlmrl.checkpoints.files import CheckpointError
 from vlmrl.config import ConfigError
@@ -50,6 +50,9 @@ from vlmrl.engine.device import env_world
 from vlmrl.run.datasets import epochs_as_steps
 from vlmrl.run.overwrite import OverwriteRefused, plan_overwrite, remove_entries
 from vlmrl.run.tracking import cut_logs
+
+if TYPE_CHECKING:
+    from vlmrl.engine.distributed import Distributed
 
 LOCK_FILE = ".vlmrl-run.lock"
 COMPLETE_FILE = "run_complete.json"
@@ -214,12 +217,14 @@ def clear_ending(out: Path) -> None:
     (out / ENDING_FILE).unlink(missing_ok=True)
 
 
-@dataclass
-class EndingLeft:
-    """prepare_run's answer when training is done and only the ending is left (finish it: ending.finish_left)."""
+@dataclass(eq=False)
+class EndingLeft(Exception):
+    """Raised by prepare_run (and so by train.start_run / sft.start_sft) when training is done and only the ending is
+    left: the caller finishes that (ending.finish_left) and trains nothing. Like RunAlreadyComplete, an outcome that
+    ends the start of a run, so that the start returns one type (the run)."""
 
     step: int
-    dist: Any = None  # the run's distributed.Distributed, set by the caller that built it
+    dist: Distributed | None = None  # the run's distributed.Distributed, set by the caller that built it
     evaluated: Optional[dict] = None  # the final evaluation's metrics when it was done before the stop
 
 
@@ -253,11 +258,9 @@ def check_output_dir(cfg) -> list[Path]:
     return doomed
 
 
-def prepare_run(
-    cfg, log: Callable[[str], Any] = print, dist=None, total_steps: Optional[int] = None, kind: str = "train"
-) -> Optional[Path] | EndingLeft:
-    """The checkpoint this run resumes from (None: from step 0; EndingLeft: training is done, only the ending is
-    left), decided by the main process and shared with all. `total_steps`: the run's steps (default
+def prepare_run(cfg, log: Callable[[str], Any] = print, dist=None, total_steps: Optional[int] = None, kind: str = "train") -> Optional[Path]:
+    """The checkpoint this run resumes from (None: from step 0), decided by the main process and shared with all;
+    raises EndingLeft on every process when training is done and only the ending is left. `total_steps`: the run's steps (default
     training.max_steps; SFT: its stages'), `kind`: train or sft.
 
     Everything that can refuse (all checkpoints invalid, config changed, weights-only checkpoint, finished run)
@@ -270,7 +273,9 @@ def prepare_run(
     if dist.is_main:
         try:
             path = _prepare(cfg, log, total, kind)
-            outcome = ("ending", (path.step, path.evaluated)) if isinstance(path, EndingLeft) else ("ok", None if path is None else str(path))
+            outcome = ("ok", None if path is None else str(path))
+        except EndingLeft as left:
+            outcome = ("ending", (left.step, left.evaluated))
         except (CheckpointError, RunAlreadyComplete, ConfigError) as e:
             answers = {RunAlreadyComplete: "complete", CheckpointError: "error", ConfigError: "config"}
             outcome = (next(k for cls, k in answers.items() if isinstance(e, cls)), str(e))
@@ -278,7 +283,7 @@ def prepare_run(
     if answer in ("complete", "error", "config"):
         raise {"complete": RunAlreadyComplete, "error": CheckpointError, "config": ConfigError}[answer](value)
     if answer == "ending":
-        return EndingLeft(*value)
+        raise EndingLeft(value[0], evaluated=value[1])  # (step, evaluated): dist is set by the caller
     return None if value is None else Path(value)
 
 
@@ -328,7 +333,7 @@ def refuse_resume(cfg, path: Path, log: Callable[[str], Any] = print) -> None:
         )
 
 
-def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[Path] | EndingLeft:
+def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[Path]:
 
     t = cfg.training
     out = Path(t.output_dir)
@@ -342,7 +347,7 @@ def _prepare(cfg, log: Callable[[str], Any], total: int, kind: str) -> Optional[
     if ending is not None and ending["step"] == total and ending.get("kind", kind) == kind and t.resume != "never":
         log(f"the training in {out} is done ({total} steps); its final evaluation and report are left")
         evaluated = ending.get("evaluated")
-        return EndingLeft(total, evaluated=evaluated if isinstance(evaluated, dict) else None)
+        raise EndingLeft(total, evaluated=evaluated if isinstance(evaluated, dict) else None)
     start = resume_step(cfg, path, total, log)
     # Nothing refused: from here on the folder is this run's.
     log(describe(cfg))  # which defaults the fields left unset got (model.defaults), and why

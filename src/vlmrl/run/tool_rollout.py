@@ -94,11 +94,12 @@ def make_environments(cfg: Config, rows: list[dict], G: int, shape_check=None) -
     return envs
 
 
-def sample_with_tools(model, processor, cfg: Config, tools: dict, rows: list[dict], prompts: dict, prompt_seeds: list[int]) -> Completions:
-    """G multi-turn rollouts per prompt (rollout.* sampling, tools.* budgets) as the loop's Completions."""
-    from vlmrl.models.prefix import decoding_is_synced
-
-    if decoding_is_synced():  # every process would have to run the same number of forwards, resumes included
+def sample_with_tools(
+    model, processor, cfg: Config, tools: dict, rows: list[dict], prompts: dict, prompt_seeds: list[int], decode_agreement=None
+) -> Completions:
+    """G multi-turn rollouts per prompt (rollout.* sampling, tools.* budgets) as the loop's Completions.
+    decode_agreement: must be None (each process decodes alone; see models/rollout.generate)."""
+    if decode_agreement is not None:  # every process would have to run the same number of forwards, resumes included
         raise ConfigError(
             "tools.tools: multi-turn rollouts need each process to decode on its own; with memory.generation_gather=layers "
             "(ZeRO-3 / FSDP2) the processes decode in step, which the multi-turn engine does not do: use memory.generation_gather=full"

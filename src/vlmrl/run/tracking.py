@@ -35,6 +35,8 @@ from typing import Any, Iterable
 from tqdm.auto import tqdm
 
 from vlmrl.config import TRACKERS, report_to_names
+import uuid
+import dataclasses
 
 
 def _jsonable(value: Any) -> Any:
@@ -185,8 +187,6 @@ class WandbTracker:
         id_file = output_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else ""
         if not run_id:
-            import uuid
-
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
         self.run = wandb.init(
@@ -270,7 +270,6 @@ EXTERNAL_TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 def tracker_options(cfg, run_name: str | None = None) -> dict:
     """RunLogger keyword arguments from a Config: ``tensorboard``, ``report_to`` (the other trackers), ``run_name``
     (default: output_dir's folder name) and ``run_config`` (the whole config, for the trackers' parameter tables)."""
-    import dataclasses
 
     trackers = resolve_report_to(cfg.logging.report_to)
     return {
