@@ -22,52 +22,49 @@ import torch
 
 from vlmrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_std
 from vlmrl.algo.batching import pack_by_tokens, split_by_rows
-from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.algo.distill import distill_advantages, distill_metrics
-from vlmrl.algo.turn_advantages import TURN_SCALES, token_advantages, turn_advantages, turn_index, turn_reward_matrix
-from vlmrl.config import AlgorithmConfig, Config
-from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
-from vlmrl.models.logprobs import entropies_collected, group_rows
+from vlmrl.algo.dynamic_sampling import Picks, group_keep_mask, pick_groups, shares_full, source_rows
 from vlmrl.algo.losses import aggregate, entropy_quantile_mask, masked_mean, per_token_loss
 from vlmrl.algo.mismatch import ROLLOUT_CORRECTIONS, log_ratios, mismatch_metrics
-from vlmrl.engine.offload import OptimizerParking, parking_enabled
-from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
-from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
-from vlmrl.models.prefix import LogprobOptions
-from vlmrl.models.multiturn import logps_for_rows
-from vlmrl.rewards.protocol import RewardLog
-from vlmrl.rewards.combine import reward_stats
-from vlmrl.models.router import capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
-from vlmrl.models.rollout import Completions
-from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
-from vlmrl.ending import finish_left
-from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
-from vlmrl.run.datasets import encode_rows, load_datasets
+from vlmrl.algo.turn_advantages import TURN_SCALES, token_advantages, turn_advantages, turn_index, turn_reward_matrix
 from vlmrl.checkpoints.fingerprints import image_fingerprints
-from vlmrl.models.judge import local_judge_on
-from vlmrl.models.policy import load_policy
-from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
-from vlmrl.engine.device import resolve_device, seed_everything
-from vlmrl.run.signals import warn_if_no_learning_signal
-from vlmrl.data.sampler import PromptSampler
+from vlmrl.checkpoints.state import resolve_sampling_seed, restore, restore_after_wrap, save
+from vlmrl.config import AlgorithmConfig, Config
 from vlmrl.data.embedded_images import image_cache_dir
+from vlmrl.data.sampler import PromptSampler
+from vlmrl.ending import finish_left
 from vlmrl.engine.collectives import Shard
+from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.engine.distributed import Distributed
+from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
 from vlmrl.engine.host_alloc import pin_for_run
 from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks, warn_if_near_capacity
+from vlmrl.engine.offload import OptimizerParking, parking_enabled
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
+from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
+from vlmrl.evaluate import EvaluationFailed, evaluate_on  # noqa: F401 - EvaluationFailed re-exported (tests, callers)
+from vlmrl.models.judge import local_judge_on
+from vlmrl.models.logprobs import entropies_collected, group_rows
+from vlmrl.models.multiturn import logps_for_rows
+from vlmrl.models.policy import load_policy
+from vlmrl.models.prefix import LogprobOptions
 from vlmrl.models.processing import decode, select_rows
-from vlmrl.models.rollout import cat_completions, eos_token_ids
-from vlmrl.run.datasets import epochs_as_steps
-from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record
+from vlmrl.models.rollout import Completions, cat_completions, eos_token_ids
+from vlmrl.models.router import capture_routing, micro_batch_aux_loss, record_routing, replay_routing, routing_for
+from vlmrl.plan.planner import apply_auto_fit, data_shape_of, describe_data_shape, predict_for_run, prediction_vs_measured
+from vlmrl.rewards.combine import reward_stats
+from vlmrl.rewards.protocol import RewardLog
+from vlmrl.rewards.scoring import load_reward_funcs, score_rollout
 from vlmrl.rollout.backends import make_backend
-from vlmrl.run.requests import sample_request
+from vlmrl.run.datasets import encode_rows, epochs_as_steps, load_datasets
 from vlmrl.run.pipelined import after_update, behaviour_logps, pipelined_rollout, start_pipeline
+from vlmrl.run.requests import sample_request
+from vlmrl.run.rundir import EndingLeft, guard_run_folder, prepare_run
+from vlmrl.run.signals import warn_if_no_learning_signal
+from vlmrl.run.step_records import MicroBatch, PickedRows, Rewards, Rollout, Scores, Sizes, UpdateStats, picked_reward_log
+from vlmrl.run.tool_rollout import load_run_tools, multiturn_metrics, rollout_record
 from vlmrl.run.tracking import RunLogger, tracker_options
 from vlmrl.skeleton import RunBase, run_steps
-from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
-from vlmrl.run.step_records import MicroBatch, PickedRows, Rewards, Rollout, Scores, Sizes, UpdateStats, picked_reward_log
-
 
 if TYPE_CHECKING:
     from vlmrl.rollout.base import RolloutBackend
@@ -485,7 +482,7 @@ def picked_batch(run: Run, rounds: list[tuple[Rollout, Rewards, list]], picks: P
     samples = Rollout(
         rows=rows,
         prompts=encode_rows(run.processor, rows, run.cfg, run.device),
-        completions=cat_completions([take_rows(rounds[r][0].completions, rs) for r, rs in zip(picked.round_of, local_rows)], run.pad_id),
+        completions=cat_completions([rounds[r][0].completions.take_rows(rs) for r, rs in zip(picked.round_of, local_rows)], run.pad_id),
         texts=picked.values(lambda rollout, _: rollout.texts),
         prompt_texts=picked.values(lambda rollout, _: rollout.prompt_texts),
     )
@@ -502,12 +499,6 @@ def picked_batch(run: Run, rounds: list[tuple[Rollout, Rewards, list]], picks: P
         picked_reward_log(picked, len(samples.texts)),
     )
     return samples, rewards
-
-
-def take_rows(comp: Completions, rows: list[int]) -> Completions:
-    """Rows of a single-turn rollout's completions."""
-    logps = comp.sampling_logps
-    return Completions(comp.ids[rows], comp.mask[rows], comp.truncated[rows], None if logps is None else logps[rows])
 
 
 # ---------------------------------------------------------------- 3. scoring

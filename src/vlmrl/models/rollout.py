@@ -36,6 +36,11 @@ class Completions:
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(dim=1)
 
+    def take_rows(self, rows: list[int]) -> Completions:
+        """Rows of a single-turn rollout's completions."""
+        logps = self.sampling_logps
+        return Completions(self.ids[rows], self.mask[rows], self.truncated[rows], None if logps is None else logps[rows])
+
 
 def completion_mask(ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, T] ids -> (mask [N, T] with 1 up to and including the first EOS, truncated [N] bool)."""
