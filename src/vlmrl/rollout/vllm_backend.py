@@ -63,6 +63,32 @@ def sampling_params(r, seeds: list[int], eos: list[int]) -> list[dict]:
     ]
 
 
+def greedy_params(r, rows: int, eos: list[int]) -> list[dict]:
+    """The evaluation's vLLM sampling parameters, one dict per row: one greedy completion (temperature 0: the argmax
+    over the allowed tokens, as the in-process engines' greedy decoding), up to rollout.max_completion_length."""
+    return [{"n": 1, "max_tokens": r.max_completion_length, "temperature": 0.0, "seed": 0, "logprobs": 0, "stop_token_ids": eos}] * rows
+
+
+@dataclasses.dataclass
+class VLLMGreedy:
+    """One evaluation's greedy decoder through vLLM (rollout/base.Evaluator): the trainer's weights are pushed and
+    probed at its first batch (the update since the last rollout changed them), once per evaluation."""
+
+    rollout: VLLMRollout
+    key: tuple  # the sync key of this evaluation (VLLMRollout.sync): one push for all its batches
+
+    def greedy(self, rows: list[dict], prompts: dict, names: list[str]) -> Completions:
+        """[P, T] one greedy completion per row; every prompt vLLM built checked against the trainer's [P, L]."""
+        v = self.rollout
+        v.sync(self.key, rows)
+        texts, images, videos = row_prompt_inputs(v.processor, rows, v.cfg)
+        if any(videos):
+            raise RolloutParityError(f"{names[[bool(x) for x in videos].index(True)]}: rollout.backend=vllm evaluates image rows only (yet)")
+        outs = v.engine.generate(v.requests(texts, images), greedy_params(v.cfg.rollout, len(rows), v.eos))
+        check_prompts([o["prompt_token_ids"] for o in outs], prompts, v.vision_ids, names)
+        return v.completions(outs)
+
+
 class VLLMRollout:
     """The vLLM engine of one run (one training process; colocated or a server), and the trainer model it mirrors."""
 
@@ -78,7 +104,8 @@ class VLLMRollout:
         image_id = getattr(processor, "image_token_id", None)
         self.vision_ids = {"image": image_id} if isinstance(image_id, int) else {}
         self.dtype = next(unwrap(model).parameters()).dtype
-        self.synced_step: int | None = None
+        self.synced_step: object = None  # the key of the last push: a step, or ("eval", n) for an evaluation
+        self.evaluations = 0
         self.metrics: dict = {}  # the last rollout's vllm/* metrics (logged with its step)
         self.probe: dict | None = None
         self.engine = self._build()
@@ -114,8 +141,9 @@ class VLLMRollout:
         with torch.no_grad():
             return self.engine.push(weights)
 
-    def sync(self, step: int, rows: list[dict]) -> dict:
-        """Push the weights once per step (before its rollout), then probe; returns vllm/* timings."""
+    def sync(self, step, rows: list[dict]) -> dict:
+        """Push the weights once per step (before its rollout; `step` the sync key, ("eval", n) for an evaluation),
+        then probe; returns vllm/* timings."""
         if self.synced_step == step:
             return {}
         seconds = self.push_weights()
@@ -167,6 +195,12 @@ class VLLMRollout:
         finally:
             self.model.train(was_training)
         return out[0].float().cpu()
+
+    def evaluator(self, model: torch.nn.Module, opts) -> VLLMGreedy:
+        """The greedy decoder of one evaluation (evaluate.evaluate): vLLM on the weights of the trained model, which is
+        `model` (one training process; vLLM refuses sharded ones); `opts` unused (vLLM's own kernels)."""
+        self.evaluations += 1
+        return VLLMGreedy(self, ("eval", self.evaluations))
 
     # ------------------------------------------------------------ sampling
     def requests(self, texts: list[str], images: list[list]) -> list[dict]:
