@@ -269,3 +269,52 @@ def test_evaluation_through_vllm_equals_the_in_process_greedy(engine, monkeypatc
     assert [s["completion"] for s in through_vllm] == [s["completion"] for s in in_process]
     assert any(s["completion"] for s in in_process) and ours["eval/mean_length"] > 0
     assert ours == theirs and ours["eval/num_samples"] == len(held_out) == 4
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["language-model", "vision-tower-too"])
+def test_lora_steps_then_vllm_greedy_equals_hf_greedy_of_the_merged_model(engine, monkeypatch, vision):
+    """model.use_lora: k LoRA optimizer steps, then the sync pushes base + LoRA delta under the base model's names
+    (weights.pushed_weights): the probe passes against the LoRA model, and vLLM's greedy completions equal HF greedy of
+    the merged model (peft's merge_and_unload on a copy), which the steps moved away from the base model's greedy."""
+    import copy
+
+    from vlmrl.models.policy import load_policy
+    from vlmrl.models.rollout import generate
+    from vlmrl.rollout.vllm_backend import greedy_params
+    from vlmrl.rollout.weights import pushed_weights
+    from vlmrl.run.datasets import row_prompt_inputs
+
+    cfg, _, processor, rows, backend = engine
+    lora_cfg = vllm_config(cfg.model.name_or_path, cfg.training.output_dir, "model.use_lora=true", "model.lora_r=8", f"model.lora_vision={vision}")
+    torch.manual_seed(0)
+    model, _ = load_policy(lora_cfg, torch.device("cpu"))
+    monkeypatch.setattr(backend, "model", model)
+    monkeypatch.setattr(backend, "cfg", lora_cfg)
+    monkeypatch.setattr(backend, "probe", None)
+    prompts = encoded(cfg, processor, rows)
+
+    def hf_greedy(m):
+        out = generate(m, processor.tokenizer, prompts, num_generations=1, max_new_tokens=8, do_sample=False, shared_prefix=False)
+        return [out.ids[i][out.mask[i].bool()].tolist() for i in range(len(rows))]
+
+    before = hf_greedy(model)
+    target = torch.tensor([processor.tokenizer("<answer>3</answer>", add_special_tokens=False)["input_ids"]] * len(rows))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    model.train()
+    for _ in range(3):  # k = 3 LoRA steps
+        loss = -trainer_logps_grad(lora_cfg, model, prompts, target).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    names = [name for name, _ in pushed_weights(model)]
+    assert not [n for n in names if "lora_" in n or "base_layer" in n] and len(names) == len(set(names))
+    metrics = backend.sync(step=200 + vision, rows=rows)  # the probe: vLLM's log-probs equal the LoRA model's
+    assert metrics["vllm/probe_max_abs_logp_diff"] < 1e-4
+    merged = copy.deepcopy(model).merge_and_unload()
+    expected = hf_greedy(merged)
+    assert expected != before, "the LoRA steps did not change the greedy completions: the test would not see a push without them"
+    texts, images, _ = row_prompt_inputs(processor, rows, cfg)
+    outs = backend.engine.generate(backend.requests(texts, images), greedy_params(lora_cfg.rollout, len(rows), backend.eos))
+    got = [o["samples"][0]["token_ids"] for o in outs]
+    assert [g[:8] for g in got] == expected

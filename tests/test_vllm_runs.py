@@ -21,9 +21,12 @@ GPU_SHARE = "0.3"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_grpo_run_with_the_vllm_backend(tmp_path):
-    """2 steps through the CLI with TRL's names; the mismatch and sync metrics are logged every step."""
-    from vlmrl.cli import main
+@pytest.mark.parametrize("lora", [[], ["use_peft=true", "model.lora_r=8"]], ids=["full", "lora"])
+def test_grpo_run_with_the_vllm_backend(tmp_path, lora):
+    """2 steps through the CLI with TRL's names, full weights or LoRA (pushed merged); the mismatch and sync metrics
+    are logged every step (the probe after each push passed), and the held-out evaluation after step 2 decodes
+    through vLLM. In a fresh process each: an engine's memory is not given back within a process, and a second
+    engine then finds its share taken."""
     from vlmrl.fixtures.tiny import build_tiny_qwen25vl
 
     folder = build_tiny_qwen25vl(tmp_path / "model")
@@ -42,12 +45,17 @@ def test_grpo_run_with_the_vllm_backend(tmp_path):
         "training.per_device_train_batch_size=8",
         "training.gradient_accumulation_steps=1",
         "training.max_steps=2",
-        "training.eval_steps=0",
+        "training.eval_steps=2",
         "logging.progress_bar=false",
+        *lora,
     ]
-    assert main(["train", *args]) == 0
+    done = subprocess.run([sys.executable, "-m", "vlmrl", "train", *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "evaluation: greedy decoding through vLLM" in done.stdout + done.stderr
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
+    evaluated = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert evaluated and all(e["eval/num_samples"] == 4 and "eval/accuracy" in e for e in evaluated), evaluated
     for m in lines:
         assert m["mismatch/max_abs_logp_diff"] < 1e-4 and m["vllm/probe_max_abs_logp_diff"] < 1e-4 and m["vllm/sync_seconds"] > 0
 

@@ -1112,8 +1112,13 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
             f"rollout.vllm_servers={list(r.vllm_servers)}: each entry is host:port, e.g. ['10.0.0.2:8000', '10.0.0.3:8000']",
         ),
         (
-            r.backend != "vllm" or not (cfg.model.use_lora or cfg.multiturn),
-            "rollout.backend=vllm samples single-turn rollouts of full-weight training only (yet): unset model.use_lora and tools.tools, or use rollout.backend=inprocess",
+            r.backend != "vllm" or not cfg.multiturn,
+            "rollout.backend=vllm samples single-turn rollouts only (yet): unset tools.tools, or use rollout.backend=inprocess",
+        ),
+        (
+            r.backend != "vllm" or not (cfg.model.use_lora and cfg.model.lora_target_parameters),
+            "rollout.backend=vllm pushes LoRA merged from adapted Linear layers only: unset model.lora_target_parameters, "
+            "or use rollout.backend=inprocess",
         ),
         (
             0.0 < r.vllm_gpu_memory_utilization <= 1.0,

@@ -28,6 +28,7 @@ from vlmrl.models.processing import encode_prompts
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.rollout.parity import RolloutParityError, check_prompts, probe_mismatch
+from vlmrl.rollout.weights import pushed_weights
 from vlmrl.run.datasets import row_prompt_inputs
 
 # Largest |vLLM - trainer| log-prob of the probe sequence after a push: float32 agrees to ~1e-6 on CPU (measured
@@ -80,7 +81,12 @@ class VLLMGreedy:
     def greedy(self, rows: list[dict], prompts: dict, names: list[str]) -> Completions:
         """[P, T] one greedy completion per row; every prompt vLLM built checked against the trainer's [P, L]."""
         v = self.rollout
-        v.sync(self.key, rows)
+        synced = v.sync(self.key, rows)
+        if synced:
+            v.log(
+                f"evaluation: greedy decoding through vLLM (weights pushed in {synced['vllm/sync_seconds']:.2f} s, "
+                f"probe max |diff| {synced['vllm/probe_max_abs_logp_diff']:.2g})"
+            )
         texts, images, videos = row_prompt_inputs(v.processor, rows, v.cfg)
         if any(videos):
             raise RolloutParityError(f"{names[[bool(x) for x in videos].index(True)]}: rollout.backend=vllm evaluates image rows only (yet)")
@@ -136,10 +142,10 @@ class VLLMRollout:
 
     # ------------------------------------------------------------ weights
     def push_weights(self) -> float:
-        """The trainer's weights into vLLM (module names; vLLM's own name mapper takes them); returns the seconds."""
-        weights = [(name, t.detach()) for name, t in unwrap(self.model).state_dict().items()]
+        """The trainer's weights into vLLM (the base model's names, LoRA merged: weights.pushed_weights; vLLM's own
+        name mapper takes them); returns the seconds."""
         with torch.no_grad():
-            return self.engine.push(weights)
+            return self.engine.push(pushed_weights(self.model))
 
     def sync(self, step, rows: list[dict]) -> dict:
         """Push the weights once per step (before its rollout; `step` the sync key, ("eval", n) for an evaluation),
