@@ -46,7 +46,7 @@ def test_trl_names_set_the_backend(overrides, backend, utilization):
         (["use_vllm=true", "vllm_mode=server", "rollout.vllm_server_timeout=0"], "rollout.vllm_server_timeout must be > 0"),
         (["use_vllm=maybe"], "use_vllm='maybe': expected true or false"),
         (["use_vllm=true", "vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization=1.5"),
-        (["use_vllm=true", "tools.tools=[crop]", "rollout.engine=continuous"], "rollout.backend=vllm samples single-turn rollouts only"),
+        (["use_vllm=true", "vllm_mode=server", "tools.tools=[crop]", "rollout.engine=continuous"], "rollout.vllm_mode=server with tools.tools"),
         (["use_vllm=true", "model.use_lora=true", "model.lora_target_parameters=[mlp.experts.down_proj]"], "unset model.lora_target_parameters"),
     ],
 )

@@ -318,3 +318,49 @@ def test_lora_steps_then_vllm_greedy_equals_hf_greedy_of_the_merged_model(engine
     outs = backend.engine.generate(backend.requests(texts, images), greedy_params(lora_cfg.rollout, len(rows), backend.eos))
     got = [o["samples"][0]["token_ids"] for o in outs]
     assert [g[:8] for g in got] == expected
+
+
+def test_tool_rollouts_through_vllm_equal_the_in_process_engine_under_greedy(engine, monkeypatch):
+    """tools.tools=[zoom] with rollout.backend=vllm: every row's first turn a scripted zoom call (a random model never
+    writes one; the same `force` hook as the in-process engine's tests), the tool turn with its image appended, then
+    the model's own greedy turn. vLLM (turn by turn, every turn's prompt checked against the trainer's sequence) and
+    the in-process continuous engine give the same trajectories, token for token: ids, the loss mask, the tool
+    images' tensors, the turn texts and end reasons; the sampler log-probs agree."""
+    import vlmrl.run.tool_rollout as tool_rollout
+    from vlmrl.models.multiturn import content_prefix, turn_end
+    from vlmrl.rollout.vllm_tools import ToolRollouts
+
+    cfg, model, processor, rows, backend = engine
+    call = '<tool_call>{"name": "zoom", "arguments": {"bbox_2d": [0, 0, 28, 28]}}</tool_call>'
+    end_id, _ = turn_end(processor, backend.eos)
+    script = processor.tokenizer(content_prefix(processor) + call, add_special_tokens=False)["input_ids"] + [end_id]
+    extra = ("tools.tools=[zoom]", "rollout.engine=continuous", "rollout.num_generations=2", f"tools.max_turn_tokens={len(script) + 6}")
+    tool_cfg = vllm_config(cfg.model.name_or_path, cfg.training.output_dir, *extra, "tools.max_total_tokens=400")
+    monkeypatch.setattr(backend, "cfg", tool_cfg)
+    monkeypatch.setattr(backend, "probe", None)  # the probe's prompt now describes the tools
+    backend.sync(step=300, rows=rows)
+
+    def force(row, turn, j):
+        return script[j] if turn == 0 and j < len(script) else None
+
+    real = tool_rollout.sample_multiturn
+    monkeypatch.setattr(tool_rollout, "sample_multiturn", lambda *a, **kw: real(*a, **kw | {"do_sample": False, "force": force}))
+    prompts = encoded(tool_cfg, processor, rows[:2])
+    seeds, names = [7, 8], ["row 0", "row 1"]
+    with torch.no_grad():
+        ours = tool_rollout.sample_with_tools(model, processor, tool_cfg, tool_rollout.load_run_tools(tool_cfg, model), rows[:2], prompts, seeds)
+    theirs = ToolRollouts(backend, rows[:2], prompts, seeds, names, greedy=True, force=force).run()
+    assert [t.num_turns for t in theirs.trajectories] == [2] * 4 and all(len(t.tool_calls) == 1 for t in theirs.trajectories)
+    assert [t.turn_texts for t in theirs.trajectories] == [t.turn_texts for t in ours.trajectories]
+    assert [t.end_reason for t in theirs.trajectories] == [t.end_reason for t in ours.trajectories]
+    assert torch.equal(theirs.mask, ours.mask) and torch.equal(theirs.loss_mask, ours.loss_mask)
+    assert torch.equal(theirs.ids[theirs.mask.bool()], ours.ids[ours.mask.bool()])
+    free = theirs.loss_mask.sum(dim=1) - len(script)  # the model's own greedy tokens after the tool turn
+    assert (free >= 1).all(), free
+    for a, b in zip(theirs.tool_vision, ours.tool_vision):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+    on = ours.loss_mask.bool()
+    assert float((theirs.sampling_logps - ours.sampling_logps).abs()[on].max()) < 1e-4
+    # the loop's own call (train.sample -> backend.sample), unscripted: the random model answers without a tool
+    sampled, _ = sample(backend, step=300, rows=rows[:2], prompts=prompts, seeds=seeds, row_names=names)
+    assert len(sampled.trajectories) == 4 and sampled.loss_mask is not None and sampled.ids.shape[0] == 4

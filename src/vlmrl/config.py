@@ -1112,8 +1112,9 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
             f"rollout.vllm_servers={list(r.vllm_servers)}: each entry is host:port, e.g. ['10.0.0.2:8000', '10.0.0.3:8000']",
         ),
         (
-            r.backend != "vllm" or not cfg.multiturn,
-            "rollout.backend=vllm samples single-turn rollouts only (yet): unset tools.tools, or use rollout.backend=inprocess",
+            r.backend != "vllm" or r.vllm_mode == "colocate" or not cfg.multiturn,
+            "rollout.vllm_mode=server with tools.tools / tools.environment: tool rollouts send vLLM token ids, which the rollout "
+            "server's protocol does not carry (yet); use rollout.vllm_mode=colocate, or rollout.backend=inprocess",
         ),
         (
             r.backend != "vllm" or not (cfg.model.use_lora and cfg.model.lora_target_parameters),

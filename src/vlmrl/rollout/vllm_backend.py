@@ -28,6 +28,7 @@ from vlmrl.models.processing import encode_prompts
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.rollout.parity import RolloutParityError, check_prompts, probe_mismatch
+from vlmrl.rollout.vllm_tools import ToolRollouts
 from vlmrl.rollout.weights import pushed_weights
 from vlmrl.run.datasets import row_prompt_inputs
 
@@ -221,6 +222,8 @@ class VLLMRollout:
         texts, images, videos = row_prompt_inputs(self.processor, rows, self.cfg)
         if any(videos):
             raise RolloutParityError(f"{row_names[[bool(v) for v in videos].index(True)]}: rollout.backend=vllm samples image rows only (yet)")
+        if self.cfg.multiturn:  # tools: turn by turn (vllm_tools.py), every turn's prompt checked there
+            return ToolRollouts(self, rows, prompts, seeds, row_names).run()
         params = sampling_params(self.cfg.rollout, seeds, self.eos)
         outs = self.engine.generate(self.requests(texts, images), params)
         check_prompts([o["prompt_token_ids"] for o in outs], prompts, self.vision_ids, row_names)
