@@ -145,3 +145,28 @@ def test_vlmrl_eval_through_vllm_equals_the_in_process_eval(tmp_path, capsys):
     assert "rollout: vLLM (colocated, in-process)" in capsys.readouterr().err
     ours, theirs = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("vllm", "inprocess"))
     assert ours == theirs and ours["eval/num_samples"] == 6 and ours["eval/mean_length"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ddp_two_processes_each_with_its_vllm_engine_match_one_process(tmp_path_factory):
+    """torchrun x2 (DDP over gloo), rollout.backend=vllm colocated: each process builds its own engine and pushes its
+    model to it before every rollout, and each engine's probe must pass (a process whose engine kept the old weights
+    stops the run). The per-prompt seeds make the 2-process run sample what one process samples: the same rewards
+    step by step (the weights then differ only by the order of the gradient sums), the same held-out evaluation
+    through the main process's engine."""
+    from multiproc_runs import grpo_args, run_launcher, step_metrics, tiny_run_setup, torchrun
+
+    setup = tiny_run_setup(tmp_path_factory, "vllm-ddp", n_test=4)
+    extra = ("rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.15", "training.eval_steps=3")
+    one, two = setup[0] / "one", setup[0] / "ddp"
+    run_launcher([sys.executable, "-m", "vlmrl", "train", *grpo_args(setup, one, *extra, held_out=True)], timeout=900)
+    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + grpo_args(setup, two, *extra, held_out=True), timeout=900)
+    assert "2 processes (ddp)" in log
+    a, b = step_metrics(two), step_metrics(one)
+    for s in (1, 2, 3):
+        assert a[s]["reward"] == b[s]["reward"], s
+        assert a[s]["vllm/probe_max_abs_logp_diff"] < 1e-4 and a[s]["mismatch/max_abs_logp_diff"] < 1e-4, s
+    evals = [[json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()] for out in (two, one)]
+    scores = [[{k: v for k, v in e.items() if k.startswith("eval/")} for e in run] for run in evals]
+    assert evals[0] and "eval/text_length" in scores[0][0] and scores[0] == scores[1]

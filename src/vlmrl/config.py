@@ -211,7 +211,7 @@ class RolloutConfig:
     )
     vllm_tensor_parallel_size: int = _f(
         1,
-        "rollout.backend=vllm on GPU: ranks one vLLM engine's weights and KV heads are split over (TRL / ms-swift: vllm_tensor_parallel_size, EasyR1: tensor_parallel_size); the planner counts it; only 1 runs (one training process, yet).",
+        "rollout.backend=vllm on GPU: ranks one vLLM engine's weights and KV heads are split over (TRL / ms-swift: vllm_tensor_parallel_size, EasyR1: tensor_parallel_size); the planner counts it; only 1 runs (each training process has one single-rank engine, yet).",
     )
     vllm_max_model_length: Optional[int] = _f(
         None,

@@ -97,7 +97,8 @@ class VLLMGreedy:
 
 
 class VLLMRollout:
-    """The vLLM engine of one run (one training process; colocated or a server), and the trainer model it mirrors."""
+    """The vLLM engine of one training process (colocated, one per DDP process; or a server), and the trainer model
+    it mirrors."""
 
     def __init__(self, cfg, model: torch.nn.Module, processor, log=print):
         self.cfg, self.model, self.processor, self.log = cfg, model, processor, log
@@ -205,7 +206,7 @@ class VLLMRollout:
 
     def evaluator(self, model: torch.nn.Module, opts) -> VLLMGreedy:
         """The greedy decoder of one evaluation (evaluate.evaluate): vLLM on the weights of the trained model, which is
-        `model` (one training process; vLLM refuses sharded ones); `opts` unused (vLLM's own kernels)."""
+        `model` (whole on every process: vLLM refuses sharded engines); `opts` unused (vLLM's own kernels)."""
         self.evaluations += 1
         return VLLMGreedy(self, ("eval", self.evaluations))
 
