@@ -28,7 +28,7 @@ from vlmrl.models.multiturn import turn_end
 from vlmrl.models.prefix import row_seed
 from vlmrl.models.processing import ImageShapeCheck, encode_prompts, tokenizer_of
 from vlmrl.models.rollout import Completions
-from vlmrl.rollout.parity import check_prompts
+from vlmrl.rollout.parity import RolloutParityError, prompt_mismatch
 from vlmrl.run.datasets import row_prompt_inputs
 from vlmrl.run.tool_rollout import make_environments
 from vlmrl.tools.parsing import parse_tool_calls
@@ -99,18 +99,19 @@ class ToolRollouts:
         while active:
             forced = [self._forced(i) for i in active]
             outs = self.v.engine.generate([self._request(i, f) for i, f in zip(active, forced)], [self._params(i, f) for i, f in zip(active, forced)])
-            sent = [
-                {"input_ids": torch.tensor([row.trainer_prompt + row.out]), "attention_mask": torch.ones(1, len(row.trainer_prompt + row.out))}
-                for row in (self.rows[i] for i in active)
-            ]
-            for k, o in enumerate(outs):
-                check_prompts(
-                    [o["prompt_token_ids"][: len(o["prompt_token_ids"]) - len(forced[k])]], sent[k], self.v.vision_ids, [self.rows[active[k]].name]
-                )
+            for i, f, o in zip(active, forced, outs):
+                self._check(self.rows[i], f, o)
             for i, f, o in zip(active, forced, outs):
                 self._take_turn(self.rows[i], f, o)
             active = [i for i in active if self.rows[i].end_reason is None]
         return self.result()
+
+    def _check(self, row: ToolRow, forced: list[int], out: dict) -> None:
+        """The prompt vLLM built for this turn (its scripted tokens left out) must be the trainer's sequence so far."""
+        built = out["prompt_token_ids"][: len(out["prompt_token_ids"]) - len(forced)]
+        problem = prompt_mismatch(built, row.trainer_prompt + row.out, self.v.vision_ids)
+        if problem is not None:
+            raise RolloutParityError(f"{row.name}: {problem}; the turn would be trained on another prompt than the one it was sampled from")
 
     def _forced(self, i: int) -> list[int]:
         """The scripted tokens of row i's current turn (none without a `force`), up to the turn's end."""
