@@ -121,7 +121,6 @@ def test_grpo_with_vllm_learns_the_demo_task(tmp_path):
     assert greedy["equal"] == greedy["rows"] == 16, f"vLLM greedy equals HF greedy on {greedy['equal']} of {greedy['rows']} held-out prompts"
 
 
-@pytest.mark.slow
 def test_vlmrl_eval_through_vllm_equals_the_in_process_eval(tmp_path, capsys):
     """`vlmrl eval rollout.backend=vllm` decodes through vLLM (its log line says so) and writes the eval.json the
     in-process engines write: the same greedy completions give the same accuracy, rewards and lengths."""
