@@ -92,24 +92,24 @@ def test_check_describes_the_vllm_backend():
     gpu_only = load_config(None, ["rollout.backend=vllm", "sleep_level=1", "vllm_tensor_parallel_size=2", "training.device=cpu"])
     said = describe_backend(gpu_only)
     assert "vllm_sleep_level=1, vllm_tensor_parallel_size=2 not applied on CPU" in said and "`vlmrl plan` counts them" in said
-    assert "vLLM colocated in each of the 2 training processes (DDP only)" in describe_backend(cfg, world_size=2)
+    assert "vLLM colocated in each of the 2 training processes (DDP or FSDP2)" in describe_backend(cfg, world_size=2)
 
 
-def test_several_processes_run_vllm_colocated_under_ddp_only(monkeypatch):
-    """Several training processes: each with its own colocated engine under DDP (every process holds the whole model
-    and pushes it); sharded engines (FSDP2, DeepSpeed) and a rollout server shared by several processes are refused
-    in one line naming what to change. Decided before any engine is built (vLLM itself is not needed here)."""
+def test_several_processes_run_vllm_colocated_under_ddp_or_fsdp2(monkeypatch):
+    """Several training processes: each with its own colocated engine under DDP or FSDP2 (every process pushes the
+    whole model); DeepSpeed and a rollout server shared by several processes are refused in one line naming what to
+    change. Decided before any engine is built (vLLM itself is not needed here)."""
     import vlmrl.rollout.backends as backends
 
     monkeypatch.setattr(backends, "vllm_missing", lambda: None)
     cfg = load_config(None, ["rollout.backend=vllm"])
-    backends.refuse_vllm(cfg, 2, "ddp")
+    for engine in ("ddp", "fsdp2"):
+        backends.refuse_vllm(cfg, 2, engine)
     backends.refuse_vllm(cfg, 1, "single")
-    for engine in ("fsdp2", "deepspeed"):
-        with pytest.raises(ConfigError, match=f"runs under DDP only .* the {engine} engine shards the weights"):
-            backends.refuse_vllm(cfg, 2, engine)
-        with pytest.raises(ConfigError, match="runs under DDP only"):
-            backends.make_backend(cfg, SimpleNamespace(world_size=2, engine=SimpleNamespace(name=engine)), None, None, None, False, {}, 0)
+    with pytest.raises(ConfigError, match="runs under DDP or FSDP2 .* the deepspeed engine's gather for the push is not wired"):
+        backends.refuse_vllm(cfg, 2, "deepspeed")
+    with pytest.raises(ConfigError, match="runs under DDP or FSDP2"):
+        backends.make_backend(cfg, SimpleNamespace(world_size=2, engine=SimpleNamespace(name="deepspeed")), None, None, None, False, {}, 0)
     server = load_config(None, ["rollout.backend=vllm", "rollout.vllm_mode=server"])
     with pytest.raises(ConfigError, match="rollout.vllm_mode=server with 2 training processes"):
         backends.refuse_vllm(server, 2, "ddp")

@@ -146,22 +146,36 @@ def test_vlmrl_eval_through_vllm_equals_the_in_process_eval(tmp_path, capsys):
     assert ours == theirs and ours["eval/num_samples"] == 6 and ours["eval/mean_length"] > 0
 
 
+VLLM_RUN = ("rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.15", "training.eval_steps=3")
+
+
+@pytest.fixture(scope="module")
+def one_process_vllm_run(tmp_path_factory):
+    """(setup, run folder) of the multi-process tests' reference: the same 3 GRPO steps on one process with vLLM."""
+    from multiproc_runs import grpo_args, run_launcher, tiny_run_setup
+
+    setup = tiny_run_setup(tmp_path_factory, "vllm-multiproc", n_test=4)
+    one = setup[0] / "one"
+    run_launcher([sys.executable, "-m", "vlmrl", "train", *grpo_args(setup, one, *VLLM_RUN, held_out=True)], timeout=900)
+    return setup, one
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_ddp_two_processes_each_with_its_vllm_engine_match_one_process(tmp_path_factory):
-    """torchrun x2 (DDP over gloo), rollout.backend=vllm colocated: each process builds its own engine and pushes its
-    model to it before every rollout, and each engine's probe must pass (a process whose engine kept the old weights
-    stops the run). The per-prompt seeds make the 2-process run sample what one process samples: the same rewards
-    step by step (the weights then differ only by the order of the gradient sums), the same held-out evaluation
-    through the main process's engine."""
-    from multiproc_runs import grpo_args, run_launcher, step_metrics, tiny_run_setup, torchrun
+@pytest.mark.parametrize("engine, env", [("ddp", {}), ("fsdp2", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})], ids=["ddp", "fsdp2"])
+def test_two_processes_each_with_its_vllm_engine_match_one_process(one_process_vllm_run, engine, env):
+    """torchrun x2 over gloo, rollout.backend=vllm colocated, DDP or FSDP2 (the env `accelerate launch --config_file
+    configs/accelerate/fsdp2.yaml` exports; shards all-gathered around each push): each process builds its own
+    engine and pushes the whole model to it before every rollout, and each engine's probe must pass (a process whose
+    engine kept the old weights stops the run). The per-prompt seeds make the 2-process run sample what one process
+    samples: the same rewards step by step (the weights then differ only by the order of the gradient sums), the same
+    held-out evaluation (DDP: the main process's engine; FSDP2: every process's)."""
+    from multiproc_runs import grpo_args, run_launcher, step_metrics, torchrun
 
-    setup = tiny_run_setup(tmp_path_factory, "vllm-ddp", n_test=4)
-    extra = ("rollout.backend=vllm", "rollout.vllm_gpu_memory_utilization=0.15", "training.eval_steps=3")
-    one, two = setup[0] / "one", setup[0] / "ddp"
-    run_launcher([sys.executable, "-m", "vlmrl", "train", *grpo_args(setup, one, *extra, held_out=True)], timeout=900)
-    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + grpo_args(setup, two, *extra, held_out=True), timeout=900)
-    assert "2 processes (ddp)" in log
+    setup, one = one_process_vllm_run
+    two = setup[0] / engine
+    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + grpo_args(setup, two, *VLLM_RUN, held_out=True), timeout=900, **env)
+    assert f"2 processes ({engine})" in log
     a, b = step_metrics(two), step_metrics(one)
     for s in (1, 2, 3):
         assert a[s]["reward"] == b[s]["reward"], s

@@ -32,7 +32,7 @@ def describe_backend(cfg, world_size: int = 1) -> str:
             f"rollout: vLLM in {where} (rollout.backend=vllm, vllm_mode=server; {states}); weights pushed over their own "
             "process group and probed before every rollout, every prompt checked against the trainer's"
         )
-    where = "the training process" if world_size == 1 else f"each of the {world_size} training processes (DDP only)"
+    where = "the training process" if world_size == 1 else f"each of the {world_size} training processes (DDP or FSDP2)"
     return (
         f"rollout: vLLM colocated in {where} (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
         f"vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}); weights pushed and probed before every rollout, "
@@ -71,7 +71,7 @@ def server_state(host: str, port: int, timeout: float, wait: float = 2.0) -> str
 
 def refuse_vllm(cfg, world_size: int, engine: str | None = None) -> None:
     """ConfigError when rollout.backend=vllm cannot run here (a server-mode trainer needs no vLLM of its own).
-    Several training processes: colocated under DDP only, each process pushing its whole model to its own engine
+    Several training processes: colocated under DDP or FSDP2, each process pushing the whole model to its own engine
     (`engine`: the run's training engine name, distributed.Distributed.engine.name; None: not known yet, `vlmrl check`)."""
     missing = vllm_missing() if cfg.rollout.vllm_mode == "colocate" else None
     if missing:
@@ -81,11 +81,11 @@ def refuse_vllm(cfg, world_size: int, engine: str | None = None) -> None:
             f"rollout.vllm_mode=server with {world_size} training processes: a rollout server holds one trainer's weights; "
             "launch one process, or use rollout.vllm_mode=colocate (one vLLM engine per process, DDP)"
         )
-    if world_size > 1 and engine not in (None, "ddp"):
+    if world_size > 1 and engine not in (None, "ddp", "fsdp2"):
         raise ConfigError(
-            f"rollout.backend=vllm with {world_size} processes runs under DDP only (every process pushes its whole model to "
-            f"its own engine); the {engine} engine shards the weights and their gather for the push is not wired yet: "
-            "launch without FSDP2 / DeepSpeed, or set rollout.backend=inprocess"
+            f"rollout.backend=vllm with {world_size} processes runs under DDP or FSDP2 (every process pushes the whole model "
+            f"to its own engine, FSDP2's shards gathered first); the {engine} engine's gather for the push is not wired yet: "
+            "launch with DDP or FSDP2, or set rollout.backend=inprocess"
         )
 
 
@@ -96,7 +96,8 @@ def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools
     refuse_vllm(cfg, dist.world_size, dist.engine.name if dist.world_size > 1 else None)
     from vlmrl.rollout.vllm_backend import VLLMRollout
 
-    return VLLMRollout(cfg, model, processor, log)
+    # sharded weights (FSDP2): gathered whole around each push and probe, on every process at once
+    return VLLMRollout(cfg, model, processor, log, gathered=lambda: dist.gathered_for_generation("full"), call=dist.call)
 
 
 def eval_backend(cfg, model, processor, log=print) -> RolloutBackend | None:

@@ -18,6 +18,7 @@ trainer's (vllm_engine.trainer_state_kept). vLLM is imported only where the engi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -65,6 +66,13 @@ def sampling_params(r, seeds: list[int], eos: list[int]) -> list[dict]:
     ]
 
 
+def answer_logps(model, batch: dict, ids: torch.Tensor, opts) -> torch.Tensor:
+    """[1, T] `model`'s log-probs of the answer ids [1, T] after `batch`'s one prompt (the probe's trainer side)."""
+    from vlmrl.models.multiturn import logps_for_rows
+
+    return logps_for_rows(model, batch, torch.zeros(1, dtype=torch.long, device=ids.device), ids, torch.ones_like(ids), opts)
+
+
 def greedy_params(r, rows: int, eos: list[int]) -> list[dict]:
     """The evaluation's vLLM sampling parameters, one dict per row: one greedy completion (temperature 0: the argmax
     over the allowed tokens, as the in-process engines' greedy decoding), up to rollout.max_completion_length."""
@@ -100,8 +108,13 @@ class VLLMRollout:
     """The vLLM engine of one training process (colocated, one per DDP process; or a server), and the trainer model
     it mirrors."""
 
-    def __init__(self, cfg, model: torch.nn.Module, processor, log=print):
+    def __init__(self, cfg, model: torch.nn.Module, processor, log=print, gathered=None, call=None):
+        """`gathered`: a context-manager factory inside which the model's parameters are whole (the training engine's
+        gathered_for_generation: FSDP2 shards all-gathered; None: they always are). `call(fn, *args)`: runs
+        fn(model, *args) through the training engine's root module (distributed.Distributed.call; None: directly)."""
         self.cfg, self.model, self.processor, self.log = cfg, model, processor, log
+        self.gathered = gathered or contextlib.nullcontext
+        self.call = call or (lambda fn, *args: fn(self.model, *args))
         tokenizer = processor.tokenizer
         self.eos = eos_token_ids(model, tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
@@ -154,10 +167,11 @@ class VLLMRollout:
         then probe; returns vllm/* timings."""
         if self.synced_step == step:
             return {}
-        seconds = self.push_weights()
         if self.probe is None:
             self.probe = self._probe_sequence(rows[0])
-        worst = self.check_probe()
+        with self.gathered():  # every process at once (each pushes to its own engine)
+            seconds = self.push_weights()
+            worst = self.check_probe()
         self.synced_step = step
         return {"vllm/sync_seconds": seconds, "vllm/probe_max_abs_logp_diff": worst}
 
@@ -188,7 +202,6 @@ class VLLMRollout:
     @torch.no_grad()
     def _trainer_logps(self, batch: dict, answer: list[int]) -> torch.Tensor:
         """[T] the trainer's log-probs of `answer` after `batch`'s one prompt (temperature 1, as vLLM's prompt log-probs)."""
-        from vlmrl.models.multiturn import logps_for_rows
         from vlmrl.models.prefix import LogprobOptions
 
         device = next(self.model.parameters()).device
@@ -199,14 +212,14 @@ class VLLMRollout:
         self.model.eval()
         try:
             with opts.autocast():
-                out = logps_for_rows(self.model, batch, torch.zeros(1, dtype=torch.long, device=device), ids, torch.ones_like(ids), opts)
+                out = self.call(answer_logps, batch, ids, opts)  # through the training engine's root (FSDP2: its hooks)
         finally:
             self.model.train(was_training)
         return out[0].float().cpu()
 
     def evaluator(self, model: torch.nn.Module, opts) -> VLLMGreedy:
         """The greedy decoder of one evaluation (evaluate.evaluate): vLLM on the weights of the trained model, which is
-        `model` (whole on every process: vLLM refuses sharded engines); `opts` unused (vLLM's own kernels)."""
+        `model` (FSDP2: gathered around the push); `opts` unused (vLLM's own kernels)."""
         self.evaluations += 1
         return VLLMGreedy(self, ("eval", self.evaluations))
 

@@ -23,15 +23,24 @@ def pushed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """[(name, tensor)] in the base model's names: LoRA merged out of place (module docstring)."""
     base = unwrap(model)
     if not has_lora(model):
-        return [(name, t.detach()) for name, t in base.state_dict().items()]
+        return [(name, whole(t)) for name, t in base.state_dict().items()]
     deltas = lora_deltas(base)
     out = []
     for key, t in base.state_dict().items():
         if ADAPTER_KEY.search(key):
             continue
-        merged = t + deltas[key].to(t.dtype) if key in deltas else t
+        t = whole(t)
+        merged = t + whole(deltas[key]).to(t.dtype) if key in deltas else t
         out.append((key.replace(".base_layer.", "."), merged.detach()))
     return out
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as one tensor: an FSDP2 shard (DTensor) all-gathered (every process calls this at once, in the
+    same order), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()
 
 
 def lora_deltas(base: torch.nn.Module) -> dict[str, torch.Tensor]:
