@@ -23,8 +23,8 @@ ENV = "an environment variable of the launch"
 
 # (peer, fixture, extra convert options) -> {unmapped key: a word its reason must hold}: exactly these keys are listed.
 EXAMPLES = {
-    # grpo_vlm.py trains LoRA (--use_peft): vlmrl's vLLM backend is full-weight only, so use_vllm is listed as such
-    ("trl", "trl_grpo_vlm.sh", ()): {"config_file": "accelerate launch line", "use_vllm": "LoRA"},
+    # grpo_vlm.py trains LoRA (--use_peft) with vLLM: converted (the vLLM backend pushes the merged weights)
+    ("trl", "trl_grpo_vlm.sh", ()): {"config_file": "accelerate launch line"},
     ("easyr1", "easyr1_config.yaml", ()): {
         "data.mini_rollout_batch_size": "generation_batch_size",
         "data.val_batch_size": "eval_batch_size",
@@ -80,7 +80,6 @@ EXAMPLES = {
         "system": "prompt.txt is not here",  # run from this repository; test_ms_swift_system_prompt_file_is_read_when_here
         "rlhf_type": "GRPO",
         "load_from_cache_file": "read directly",
-        "use_vllm": "LoRA",  # --train_type lora
         "dataloader_num_workers": "threads",
     },
     ("vlm-r1", "vlm_r1_run_grpo_rec.sh", ()): {

@@ -117,6 +117,22 @@ def test_trl_sleep_mode_is_level_2_and_keeps_nothing_in_host_ram(tmp_path):
     assert p.vllm["kv_one_sequence"] == 4096 * 2 * 36 * 2 * 128 * b  # max_model_len 4096 x Qwen2.5-VL-3B's k, v per token
 
 
+@pytest.mark.parametrize(
+    "peer, words",
+    [
+        ("trl", ["--model_name_or_path", "m", "--use_vllm", "--vllm_mode", "colocate", "--use_peft"]),
+        ("ms-swift", ["--rlhf_type", "grpo", "--model", "m", "--train_type", "lora", "--use_vllm", "true"]),
+    ],
+)
+def test_lora_with_vllm_converts_to_the_vllm_backend(tmp_path, peer, words):
+    """TRL's --use_peft / ms-swift's --train_type lora with vLLM: a LoRA run with rollout.backend=vllm that the config
+    accepts (the sync pushes the merged weights), use_vllm not listed as unconverted."""
+    result, path = _converted(tmp_path, peer, words)
+    cfg = load_config(str(path), [])
+    assert (cfg.rollout.backend, cfg.rollout.vllm_mode, cfg.model.use_lora) == ("vllm", "colocate", True)
+    assert not [k for k in result.unmapped if k.startswith(("use_vllm", "vllm_"))]
+
+
 def test_trl_default_mode_is_server_at_its_host_and_port(tmp_path):
     """TRL's GRPOConfig: vllm_mode defaults to server, its client connects to vllm_server_host at vllm_server_port
     (default 8000) and waits vllm_server_timeout (default 240 s): the converted run is the client of a

@@ -64,8 +64,9 @@ def test_the_backend_passes_the_engines_agreement_to_generate(monkeypatch, engin
     backend = backend_for(f"rollout.engine={engine}")
     assert backend.decode_agreement is agree
     assert backend.sample(request()) == "COMPLETIONS"
-    assert backend.greedy({}) == "COMPLETIONS"
-    assert seen == [agree, agree]
+    assert backend.greedy([{}], {}, ["row"]) == "COMPLETIONS"
+    assert backend.evaluator("MODEL", OPTS).greedy([{}], {}, ["row"]) == "COMPLETIONS"  # an evaluation's decoder too
+    assert seen == [agree, agree, agree]
 
 
 def test_the_backend_passes_the_agreement_to_tool_rollouts(monkeypatch):

@@ -46,12 +46,19 @@ def test_trl_names_set_the_backend(overrides, backend, utilization):
         (["use_vllm=true", "vllm_mode=server", "rollout.vllm_server_timeout=0"], "rollout.vllm_server_timeout must be > 0"),
         (["use_vllm=maybe"], "use_vllm='maybe': expected true or false"),
         (["use_vllm=true", "vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization=1.5"),
-        (["use_vllm=true", "model.use_lora=true"], "single-turn rollouts of full-weight training only"),
+        (["use_vllm=true", "vllm_mode=server", "tools.tools=[crop]", "rollout.engine=continuous"], "rollout.vllm_mode=server with tools.tools"),
+        (["use_vllm=true", "model.use_lora=true", "model.lora_target_parameters=[mlp.experts.down_proj]"], "unset model.lora_target_parameters"),
     ],
 )
 def test_what_the_vllm_backend_cannot_do_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, overrides)
+
+
+def test_lora_is_accepted_with_the_vllm_backend():
+    """LoRA trains with vLLM sampling: the sync pushes the merged weights (rollout/weights.py; tests/test_vllm.py)."""
+    cfg = load_config(None, ["use_vllm=true", "use_peft=true"])
+    assert (cfg.rollout.backend, cfg.model.use_lora) == ("vllm", True)
 
 
 def test_server_mode_is_accepted_with_its_address():
@@ -85,8 +92,27 @@ def test_check_describes_the_vllm_backend():
     gpu_only = load_config(None, ["rollout.backend=vllm", "sleep_level=1", "vllm_tensor_parallel_size=2", "training.device=cpu"])
     said = describe_backend(gpu_only)
     assert "vllm_sleep_level=1, vllm_tensor_parallel_size=2 not applied on CPU" in said and "`vlmrl plan` counts them" in said
-    with pytest.raises(ConfigError, match="one training process"):
-        describe_backend(cfg, world_size=2)
+    assert "vLLM colocated in each of the 2 training processes (DDP or FSDP2)" in describe_backend(cfg, world_size=2)
+
+
+def test_several_processes_run_vllm_colocated_under_ddp_or_fsdp2(monkeypatch):
+    """Several training processes: each with its own colocated engine under DDP or FSDP2 (every process pushes the
+    whole model); DeepSpeed and a rollout server shared by several processes are refused in one line naming what to
+    change. Decided before any engine is built (vLLM itself is not needed here)."""
+    import vlmrl.rollout.backends as backends
+
+    monkeypatch.setattr(backends, "vllm_missing", lambda: None)
+    cfg = load_config(None, ["rollout.backend=vllm"])
+    for engine in ("ddp", "fsdp2"):
+        backends.refuse_vllm(cfg, 2, engine)
+    backends.refuse_vllm(cfg, 1, "single")
+    with pytest.raises(ConfigError, match="runs under DDP or FSDP2 .* the deepspeed engine's gather for the push is not wired"):
+        backends.refuse_vllm(cfg, 2, "deepspeed")
+    with pytest.raises(ConfigError, match="runs under DDP or FSDP2"):
+        backends.make_backend(cfg, SimpleNamespace(world_size=2, engine=SimpleNamespace(name="deepspeed")), None, None, None, False, {}, 0)
+    server = load_config(None, ["rollout.backend=vllm", "rollout.vllm_mode=server"])
+    with pytest.raises(ConfigError, match="rollout.vllm_mode=server with 2 training processes"):
+        backends.refuse_vllm(server, 2, "ddp")
 
 
 def test_same_prompt_passes():
@@ -141,3 +167,35 @@ def test_vllm_sample_streams_of_neighbouring_prompts_never_overlap():
         assert len(set(streams)) == 64 and max(streams) < 2**63
     # the same prompt seed (a redo after an OOM, or a resume) still gives the same seed
     assert sampling_params(cfg.rollout, [5], [2]) == sampling_params(cfg.rollout, [5], [2])
+
+
+def test_pushed_lora_weights_are_the_merged_model_under_the_base_names():
+    """rollout/weights.pushed_weights of a peft LoRA model: exactly the base model's parameter names, each adapted
+    weight equal to peft's own merge (merge_and_unload on a copy), the live model left unmerged."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from vlmrl.rollout.weights import pushed_weights
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 4)
+            self.q_proj = torch.nn.Linear(4, 4)
+            self.out = torch.nn.Linear(4, 3, bias=False)
+
+    torch.manual_seed(0)
+    base_names = set(Tiny().state_dict())
+    model = get_peft_model(Tiny(), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "out"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero (no delta): give the adapters one
+                p.normal_()
+    pushed = dict(pushed_weights(model))
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(pushed) == base_names == set(merged)
+    for name, value in merged.items():
+        assert torch.allclose(pushed[name], value, atol=1e-6), name
+    assert not torch.allclose(pushed["q_proj.weight"], model.base_model.model.q_proj.base_layer.weight)  # the delta is in
+    assert not any(m.merged for m in model.modules() if hasattr(m, "merged"))

@@ -70,12 +70,15 @@ def test_the_check_sees_a_decoder_imported_by_the_loop(tmp_path, monkeypatch):
 
 
 def test_the_loop_and_the_evaluation_sample_through_the_backend():
-    """train.sample calls run.backend.sample; evaluate builds the in-process backend and calls its greedy."""
+    """train.sample calls run.backend.sample; evaluate decodes with the run's backend's evaluator (the in-process one
+    where none is given) and calls its greedy; the loop hands its backend to the evaluation."""
     train = ast.parse((SRC / "train.py").read_text())
     sample = next(n for n in train.body if isinstance(n, ast.FunctionDef) and n.name == "sample")
     assert "run.backend.sample(request)" in ast.unparse(sample)
     evaluate = (SRC / "evaluate.py").read_text()
-    assert "InProcessRollout(" in evaluate and "evaluator.greedy(" in evaluate
+    assert "InProcessRollout(" in evaluate and "backend.evaluator(model, opts)" in evaluate and "evaluator.greedy(" in evaluate
+    evaluate_run = next(n for n in train.body if isinstance(n, ast.FunctionDef) and n.name == "evaluate_run")
+    assert "backend=run.backend" in ast.unparse(evaluate_run)
 
 
 # ---------------------------------------------------------------- at run time: every decoder call inside a backend

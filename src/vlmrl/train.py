@@ -883,7 +883,10 @@ def maybe_evaluate(run: Run, step: int, stop=None) -> dict:
 
 def evaluate_run(run: Run, stop=None) -> dict:
     """Greedy evaluation of the held-out rows by every process of the run (the protocol: evaluate.evaluate_on)."""
-    return evaluate_on(run.dist, run.model, run.processor, run.data.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, stop=stop)
+    d = run.data
+    return evaluate_on(
+        run.dist, run.model, run.processor, d.eval, run.cfg, run.reward_funcs, run.device, run.logger.info, stop=stop, backend=run.backend
+    )
 
 
 def checkpoint(run: Run, step: int) -> None:

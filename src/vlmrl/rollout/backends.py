@@ -32,8 +32,9 @@ def describe_backend(cfg, world_size: int = 1) -> str:
             f"rollout: vLLM in {where} (rollout.backend=vllm, vllm_mode=server; {states}); weights pushed over their own "
             "process group and probed before every rollout, every prompt checked against the trainer's"
         )
+    where = "the training process" if world_size == 1 else f"each of the {world_size} training processes (DDP or FSDP2)"
     return (
-        f"rollout: vLLM colocated in the training process (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
+        f"rollout: vLLM colocated in {where} (rollout.backend=vllm, vllm_mode={r.vllm_mode}, "
         f"vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}); weights pushed and probed before every rollout, "
         "every prompt checked against the trainer's" + not_applied(cfg)
     )
@@ -68,13 +69,24 @@ def server_state(host: str, port: int, timeout: float, wait: float = 2.0) -> str
     return "a server answers there"
 
 
-def refuse_vllm(cfg, world_size: int) -> None:
-    """ConfigError when rollout.backend=vllm cannot run here (a server-mode trainer needs no vLLM of its own)."""
+def refuse_vllm(cfg, world_size: int, engine: str | None = None) -> None:
+    """ConfigError when rollout.backend=vllm cannot run here (a server-mode trainer needs no vLLM of its own).
+    Several training processes: colocated under DDP or FSDP2, each process pushing the whole model to its own engine
+    (`engine`: the run's training engine name, distributed.Distributed.engine.name; None: not known yet, `vlmrl check`)."""
     missing = vllm_missing() if cfg.rollout.vllm_mode == "colocate" else None
     if missing:
         raise ConfigError(f"rollout.backend=vllm: {missing}; or set rollout.backend=inprocess")
-    if world_size > 1:
-        raise ConfigError("rollout.backend=vllm runs in one training process (yet); launch one process or set rollout.backend=inprocess")
+    if world_size > 1 and cfg.rollout.vllm_mode == "server":
+        raise ConfigError(
+            f"rollout.vllm_mode=server with {world_size} training processes: a rollout server holds one trainer's weights; "
+            "launch one process, or use rollout.vllm_mode=colocate (one vLLM engine per process, DDP)"
+        )
+    if world_size > 1 and engine not in (None, "ddp", "fsdp2"):
+        raise ConfigError(
+            f"rollout.backend=vllm with {world_size} processes runs under DDP or FSDP2 (every process pushes the whole model "
+            f"to its own engine, FSDP2's shards gathered first); the {engine} engine's gather for the push is not wired yet: "
+            "launch with DDP or FSDP2, or set rollout.backend=inprocess"
+        )
 
 
 def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools: dict, pad_id: int, log=print) -> RolloutBackend:
@@ -82,7 +94,19 @@ def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools
     if cfg.rollout.backend != "vllm":
         agreement = dist.decode_agreement(cfg.memory.generation_gather)  # processes decoding in step, or None
         return InProcessRollout(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id, decode_agreement=agreement)
-    refuse_vllm(cfg, dist.world_size)
+    refuse_vllm(cfg, dist.world_size, dist.engine.name if dist.world_size > 1 else None)
+    from vlmrl.rollout.vllm_backend import VLLMRollout
+
+    # sharded weights (FSDP2): gathered whole around each push and probe, on every process at once
+    return VLLMRollout(cfg, model, processor, log, gathered=lambda: dist.gathered_for_generation("full"), call=dist.call)
+
+
+def eval_backend(cfg, model, processor, log=print) -> RolloutBackend | None:
+    """What `vlmrl eval` decodes with: None (the in-process engines), or vLLM built from cfg.model.name_or_path
+    (rollout.backend=vllm; its greedy decoding, rollout/vllm_backend.VLLMGreedy) with `model`'s weights pushed."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    refuse_vllm(cfg, 1)
     from vlmrl.rollout.vllm_backend import VLLMRollout
 
     return VLLMRollout(cfg, model, processor, log)

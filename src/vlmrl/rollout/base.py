@@ -5,8 +5,9 @@ A `RolloutBackend` is chosen once at the start of a run (rollout/backends.make_b
   - `sample(request)`: G completions of each prompt of one step ([P*G, T], grouped by prompt), from the per-prompt
     seeds (or the step's stream) in `request`; a backend that samples elsewhere returns the sampled tokens'
     log-probs (Completions.sampling_logps) and keeps what it measured in `metrics` (logged with the step);
-Greedy evaluation runs through the in-process backend on the evaluated model (`InProcessRollout.greedy`), whichever
-backend samples the rollouts (vLLM evaluation: not yet).
+  - `evaluator(model, opts)`: the greedy decoder of one evaluation (`evaluate.evaluate`), whose `greedy(rows, prompts,
+    names)` gives one greedy completion per prompt: the in-process engines on the evaluated model, or vLLM with the
+    trainer's weights pushed (and probed) once per evaluation, every prompt checked as in `sample`.
 Implementations: rollout/inprocess.py (vlmrl's engines: HF generate, the shared-prefix loop, the continuous engine
 with its static decode, multi-turn tool rollouts) and rollout/vllm_backend.py (vLLM colocated).
 """
@@ -41,3 +42,14 @@ class RolloutBackend(Protocol):
 
     def sample(self, request: SampleRequest) -> Completions:
         """[P*G, T] completions of `request.prompts`, grouped by prompt."""
+
+    def evaluator(self, model, opts) -> Evaluator:
+        """The greedy decoder of one evaluation of `model` (opts: its LogprobOptions)."""
+
+
+class Evaluator(Protocol):
+    """One evaluation's greedy decoder (RolloutBackend.evaluator)."""
+
+    def greedy(self, rows: list[dict], prompts: dict, names: list[str]) -> Completions:
+        """[P, T] one greedy completion per row: `rows` [P] the dataset rows, `prompts` their encoded batch [P, L],
+        `names` [P] how an error line names each row."""

@@ -83,8 +83,13 @@ class InProcessRollout:
             **engine,
         )
 
-    def greedy(self, prompts: dict) -> Completions:
-        """One greedy completion per prompt row of `prompts` (evaluation), on `model` as it is (not the wrapped one)."""
+    def evaluator(self, model: torch.nn.Module, opts) -> InProcessRollout:
+        """The greedy decoder of one evaluation: this engine on `model` as the evaluation gets it (one process: the
+        policy; sharded: the engine's runner), not the wrapped one."""
+        return InProcessRollout(self.cfg, None, model, self.processor, opts, decode_agreement=self.decode_agreement)
+
+    def greedy(self, rows: list[dict], prompts: dict, names: list[str]) -> Completions:
+        """One greedy completion per prompt row of `prompts` [P, L] (evaluation; `rows` and `names` [P]: unused here)."""
         r = self.cfg.rollout
         with self.opts.autocast():
             return generate(

@@ -18,6 +18,7 @@ trainer's (vllm_engine.trainer_state_kept). vLLM is imported only where the engi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -28,6 +29,8 @@ from vlmrl.models.processing import encode_prompts
 from vlmrl.models.rollout import Completions, eos_token_ids, vision_token_ids
 from vlmrl.rollout.base import SampleRequest
 from vlmrl.rollout.parity import RolloutParityError, check_prompts, probe_mismatch
+from vlmrl.rollout.vllm_tools import ToolRollouts
+from vlmrl.rollout.weights import pushed_weights
 from vlmrl.run.datasets import row_prompt_inputs
 
 # Largest |vLLM - trainer| log-prob of the probe sequence after a push: float32 agrees to ~1e-6 on CPU (measured
@@ -63,11 +66,55 @@ def sampling_params(r, seeds: list[int], eos: list[int]) -> list[dict]:
     ]
 
 
-class VLLMRollout:
-    """The vLLM engine of one run (one training process; colocated or a server), and the trainer model it mirrors."""
+def answer_logps(model, batch: dict, ids: torch.Tensor, opts) -> torch.Tensor:
+    """[1, T] `model`'s log-probs of the answer ids [1, T] after `batch`'s one prompt (the probe's trainer side)."""
+    from vlmrl.models.multiturn import logps_for_rows
 
-    def __init__(self, cfg, model: torch.nn.Module, processor, log=print):
+    return logps_for_rows(model, batch, torch.zeros(1, dtype=torch.long, device=ids.device), ids, torch.ones_like(ids), opts)
+
+
+def greedy_params(r, rows: int, eos: list[int]) -> list[dict]:
+    """The evaluation's vLLM sampling parameters, one dict per row: one greedy completion (temperature 0: the argmax
+    over the allowed tokens, as the in-process engines' greedy decoding), up to rollout.max_completion_length."""
+    return [{"n": 1, "max_tokens": r.max_completion_length, "temperature": 0.0, "seed": 0, "logprobs": 0, "stop_token_ids": eos}] * rows
+
+
+@dataclasses.dataclass
+class VLLMGreedy:
+    """One evaluation's greedy decoder through vLLM (rollout/base.Evaluator): the trainer's weights are pushed and
+    probed at its first batch (the update since the last rollout changed them), once per evaluation."""
+
+    rollout: VLLMRollout
+    key: tuple  # the sync key of this evaluation (VLLMRollout.sync): one push for all its batches
+
+    def greedy(self, rows: list[dict], prompts: dict, names: list[str]) -> Completions:
+        """[P, T] one greedy completion per row; every prompt vLLM built checked against the trainer's [P, L]."""
+        v = self.rollout
+        synced = v.sync(self.key, rows)
+        if synced:
+            v.log(
+                f"evaluation: greedy decoding through vLLM (weights pushed in {synced['vllm/sync_seconds']:.2f} s, "
+                f"probe max |diff| {synced['vllm/probe_max_abs_logp_diff']:.2g})"
+            )
+        texts, images, videos = row_prompt_inputs(v.processor, rows, v.cfg)
+        if any(videos):
+            raise RolloutParityError(f"{names[[bool(x) for x in videos].index(True)]}: rollout.backend=vllm evaluates image rows only (yet)")
+        outs = v.engine.generate(v.requests(texts, images), greedy_params(v.cfg.rollout, len(rows), v.eos))
+        check_prompts([o["prompt_token_ids"] for o in outs], prompts, v.vision_ids, names)
+        return v.completions(outs)
+
+
+class VLLMRollout:
+    """The vLLM engine of one training process (colocated, one per DDP process; or a server), and the trainer model
+    it mirrors."""
+
+    def __init__(self, cfg, model: torch.nn.Module, processor, log=print, gathered=None, call=None):
+        """`gathered`: a context-manager factory inside which the model's parameters are whole (the training engine's
+        gathered_for_generation: FSDP2 shards all-gathered; None: they always are). `call(fn, *args)`: runs
+        fn(model, *args) through the training engine's root module (distributed.Distributed.call; None: directly)."""
         self.cfg, self.model, self.processor, self.log = cfg, model, processor, log
+        self.gathered = gathered or contextlib.nullcontext
+        self.call = call or (lambda fn, *args: fn(self.model, *args))
         tokenizer = processor.tokenizer
         self.eos = eos_token_ids(model, tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
@@ -78,7 +125,8 @@ class VLLMRollout:
         image_id = getattr(processor, "image_token_id", None)
         self.vision_ids = {"image": image_id} if isinstance(image_id, int) else {}
         self.dtype = next(unwrap(model).parameters()).dtype
-        self.synced_step: int | None = None
+        self.synced_step: object = None  # the key of the last push: a step, or ("eval", n) for an evaluation
+        self.evaluations = 0
         self.metrics: dict = {}  # the last rollout's vllm/* metrics (logged with its step)
         self.probe: dict | None = None
         self.engine = self._build()
@@ -109,19 +157,21 @@ class VLLMRollout:
 
     # ------------------------------------------------------------ weights
     def push_weights(self) -> float:
-        """The trainer's weights into vLLM (module names; vLLM's own name mapper takes them); returns the seconds."""
-        weights = [(name, t.detach()) for name, t in unwrap(self.model).state_dict().items()]
+        """The trainer's weights into vLLM (the base model's names, LoRA merged: weights.pushed_weights; vLLM's own
+        name mapper takes them); returns the seconds."""
         with torch.no_grad():
-            return self.engine.push(weights)
+            return self.engine.push(pushed_weights(self.model))
 
-    def sync(self, step: int, rows: list[dict]) -> dict:
-        """Push the weights once per step (before its rollout), then probe; returns vllm/* timings."""
+    def sync(self, step, rows: list[dict]) -> dict:
+        """Push the weights once per step (before its rollout; `step` the sync key, ("eval", n) for an evaluation),
+        then probe; returns vllm/* timings."""
         if self.synced_step == step:
             return {}
-        seconds = self.push_weights()
         if self.probe is None:
             self.probe = self._probe_sequence(rows[0])
-        worst = self.check_probe()
+        with self.gathered():  # every process at once (each pushes to its own engine)
+            seconds = self.push_weights()
+            worst = self.check_probe()
         self.synced_step = step
         return {"vllm/sync_seconds": seconds, "vllm/probe_max_abs_logp_diff": worst}
 
@@ -152,7 +202,6 @@ class VLLMRollout:
     @torch.no_grad()
     def _trainer_logps(self, batch: dict, answer: list[int]) -> torch.Tensor:
         """[T] the trainer's log-probs of `answer` after `batch`'s one prompt (temperature 1, as vLLM's prompt log-probs)."""
-        from vlmrl.models.multiturn import logps_for_rows
         from vlmrl.models.prefix import LogprobOptions
 
         device = next(self.model.parameters()).device
@@ -163,10 +212,16 @@ class VLLMRollout:
         self.model.eval()
         try:
             with opts.autocast():
-                out = logps_for_rows(self.model, batch, torch.zeros(1, dtype=torch.long, device=device), ids, torch.ones_like(ids), opts)
+                out = self.call(answer_logps, batch, ids, opts)  # through the training engine's root (FSDP2: its hooks)
         finally:
             self.model.train(was_training)
         return out[0].float().cpu()
+
+    def evaluator(self, model: torch.nn.Module, opts) -> VLLMGreedy:
+        """The greedy decoder of one evaluation (evaluate.evaluate): vLLM on the weights of the trained model, which is
+        `model` (FSDP2: gathered around the push); `opts` unused (vLLM's own kernels)."""
+        self.evaluations += 1
+        return VLLMGreedy(self, ("eval", self.evaluations))
 
     # ------------------------------------------------------------ sampling
     def requests(self, texts: list[str], images: list[list]) -> list[dict]:
@@ -181,6 +236,8 @@ class VLLMRollout:
         texts, images, videos = row_prompt_inputs(self.processor, rows, self.cfg)
         if any(videos):
             raise RolloutParityError(f"{row_names[[bool(v) for v in videos].index(True)]}: rollout.backend=vllm samples image rows only (yet)")
+        if self.cfg.multiturn:  # tools: turn by turn (vllm_tools.py), every turn's prompt checked there
+            return ToolRollouts(self, rows, prompts, seeds, row_names).run()
         params = sampling_params(self.cfg.rollout, seeds, self.eos)
         outs = self.engine.generate(self.requests(texts, images), params)
         check_prompts([o["prompt_token_ids"] for o in outs], prompts, self.vision_ids, row_names)

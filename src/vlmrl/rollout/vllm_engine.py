@@ -2,8 +2,9 @@
 rollout server (`vlmrl rollout-server`, rollout.vllm_mode=server). It knows nothing of the trainer: it is built from a
 model folder and the run's engine options (`engine_options`, plain JSON values so a server gets the same), takes
 weights, and answers two requests in plain lists (the same in both modes):
-  - generate: vLLM's prompt inputs (chat text, images) and one sampling-parameter dict each ->
-    [{"prompt_token_ids": [...], "samples": [{"token_ids": [...], "logprobs": [...]}, ...]}, ...];
+  - generate: vLLM's prompt inputs (chat text or token ids, images) and one sampling-parameter dict each ->
+    [{"prompt_token_ids": [...], "samples": [{"token_ids": [...], "logprobs": [...]}, ...]}, ...] (with
+    "prompt_logprobs" where asked);
   - prompt_logprobs: the log-probs of a sequence's last n tokens (the probe after a push).
 vLLM is imported only here, only when it runs.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SAMPLING_KEYS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids")
+SAMPLING_KEYS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "stop_token_ids")
 
 
 @contextlib.contextmanager
@@ -119,6 +120,12 @@ class LocalEngine:
             {
                 "prompt_token_ids": list(o.prompt_token_ids),
                 "samples": [{"token_ids": list(c.token_ids), "logprobs": [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)]} for c in o.outputs],
+                # asked with prompt_logprobs=0 (a tool rollout's scripted tokens): each prompt token's, None for the first
+                **(
+                    {"prompt_logprobs": [None if e is None else e[t].logprob for e, t in zip(o.prompt_logprobs, o.prompt_token_ids)]}
+                    if o.prompt_logprobs
+                    else {}
+                ),
             }
             for o in outs
         ]

@@ -12,7 +12,6 @@ import yaml
 
 
 VLLM = "vLLM: the source does not turn vLLM on, so vlmrl generates in-process (rollout.backend=inprocess)"
-VLLM_LORA = "vLLM with LoRA: vlmrl's vLLM backend trains full weights only (yet), so the run generates in-process (the vLLM fields are written)"
 VLLM_GPU_ONLY = "vLLM on GPU only"
 ZERO = "ZeRO / FSDP: launch with accelerate and a config from configs/accelerate (docs/scaling_out.md)"
 LAUNCH = "processes and nodes: the launcher's (accelerate launch --num_processes / torchrun), not a config key"

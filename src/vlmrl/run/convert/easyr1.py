@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 
 from vlmrl.config import ConfigError
-from vlmrl.run.convert.common import Conversion, LAUNCH, TRACKER_NAME, VLLM_LORA, ZERO
+from vlmrl.run.convert.common import Conversion, LAUNCH, TRACKER_NAME, ZERO
 from vlmrl.run.convert.vllm import vllm_gpu_notes
 
 
@@ -253,15 +253,11 @@ EASYR1_VLLM_CAP = 0.6  # worker.rollout.gpu_memory_utilization in EasyR1's examp
 
 def _easyr1_vllm(source: dict, out: Conversion) -> None:
     """EasyR1 always rolls out with vLLM colocated on the actor's GPUs (its hybrid engine), asleep at level 1 while the
-    actor trains (FSDPVLLMShardingManager.offload_vllm): rollout.backend=vllm with sleep level 1 and its cap; with LoRA
-    the fields are written and the run generates in-process (vlmrl's vLLM backend trains full weights only)."""
+    actor trains (FSDPVLLMShardingManager.offload_vllm): rollout.backend=vllm with sleep level 1 and its cap (with
+    LoRA too: the sync pushes the merged weights)."""
     worker = source.get("worker") or {}
-    lora = ((worker.get("actor") or {}).get("model") or {}).get("lora") or {}
-    if lora.get("rank"):
-        out.skip("worker.rollout", VLLM_LORA)
-    else:
-        out.fill("rollout.backend", "vllm")
-        out.fill("rollout.vllm_mode", "colocate")
+    out.fill("rollout.backend", "vllm")
+    out.fill("rollout.vllm_mode", "colocate")
     out.fill("rollout.vllm_sleep_level", 1)
     cap = (worker.get("rollout") or {}).get("gpu_memory_utilization")
     (out.set if cap is not None else out.fill)("rollout.vllm_gpu_memory_utilization", cap if cap is not None else EASYR1_VLLM_CAP)

@@ -62,7 +62,7 @@ def from_ms_swift(source: dict[str, Any]) -> Conversion:
         out.set("memory.offload_optimizer_during_rollout", bool(source["offload_optimizer"]))
     levels = ("token", "sequence", "sequence_token")
     handled = SWIFT_HANDLED | convert_environment(source, out) | convert_trl_algorithm(source, out, levels)
-    handled |= convert_vllm(source, out, "ms-swift", lora=bool(out.settings.get("model.use_lora")))
+    handled |= convert_vllm(source, out, "ms-swift")
     convert_trl_keys(source, out, handled | {"offload_optimizer"})
     vllm_gpu_notes(out)
     defaults = {**SWIFT_DEFAULTS, **(SWIFT_LORA_DEFAULTS if out.settings.get("model.use_lora") else {})}

@@ -213,7 +213,7 @@ def from_trl(source: dict[str, Any]) -> Conversion:
     if funcs is not None:
         out.skip("reward_funcs", "TRL takes reward functions in Python; name yours in algorithm.reward_funcs as path/to/file.py:function")
     handled = convert_environment(source, out) | convert_trl_algorithm(source, out)
-    handled |= convert_vllm(source, out, "trl", lora=source.get("use_peft") is True)
+    handled |= convert_vllm(source, out, "trl")
     convert_trl_keys(source, out, {"reward_funcs", *handled})
     vllm_gpu_notes(out)
     filled = [f"{k}={v}" for k, v in TRL_DEFAULTS.items() if k not in out.settings]

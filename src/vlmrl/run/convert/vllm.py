@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 
-from vlmrl.run.convert.common import Conversion, VLLM, VLLM_GPU_ONLY, VLLM_LORA
+from vlmrl.run.convert.common import Conversion, VLLM, VLLM_GPU_ONLY
 
 
 # The peers' vLLM settings (TRL's GRPOConfig, ms-swift's rlhf arguments) -> vlmrl's rollout fields of the same meaning.
@@ -22,12 +22,12 @@ VLLM_KEYS = {
 VLLM_DEFAULTS = {"trl": {"vllm_mode": "server", "cap": 0.3}, "ms-swift": {"vllm_mode": "colocate", "cap": 0.9}}
 
 
-def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool) -> set[str]:
+def convert_vllm(source: dict[str, Any], out: Conversion, peer: str) -> set[str]:
     """use_vllm true: rollout.backend=vllm colocated, with the source's cap (or its trainer's default), sleep level
     (TRL's vllm_enable_sleep_mode sleeps at level 2, ms-swift's sleep_level as given), tensor-parallel size and
-    max model length; server mode (the peer's server) as rollout.vllm_mode=server at its host(s) and port(s). With
-    LoRA the fields are written but the backend stays in-process (vlmrl's vLLM backend trains full weights only).
-    Returns the keys handled; use_vllm false or unset: none (they are listed as the source not using vLLM)."""
+    max model length; server mode (the peer's server) as rollout.vllm_mode=server at its host(s) and port(s). LoRA
+    runs too (the sync pushes the merged weights, as TRL does). Returns the keys handled; use_vllm false or unset:
+    none (they are listed as the source not using vLLM)."""
     if source.get("use_vllm") is not True:
         sleep = {"sleep_level", "vllm_enable_sleep_mode"} & set(source)
         for key in sleep:
@@ -35,11 +35,6 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
         return sleep
     defaults = VLLM_DEFAULTS.get(peer, VLLM_DEFAULTS["trl"])
     mode = source.get("vllm_mode") or ("server" if source.get("vllm_server_host") else defaults["vllm_mode"])
-    if mode == "server" and lora:
-        keys = {"use_vllm", *(k for k in source if k.startswith("vllm_"))}
-        for key in sorted(keys):
-            out.skip(key, VLLM_LORA)
-        return keys
     handled = {"use_vllm", "vllm_mode", *VLLM_KEYS, "vllm_enable_sleep_mode", "sleep_level"}
     if mode == "server":
         handled |= convert_vllm_server(source, out, "vllm_mode" not in source)
@@ -48,11 +43,8 @@ def convert_vllm(source: dict[str, Any], out: Conversion, peer: str, lora: bool)
     for key in sorted(k for k in source if k.startswith("vllm_") and k not in handled):  # vllm_enable_lora, vllm_enforce_eager, ...
         out.skip(key, "a vLLM engine setting vlmrl does not expose (vlmrl's engine: docs/vllm.md)")
         handled.add(key)
-    if lora:
-        out.skip("use_vllm", VLLM_LORA)
-    else:
-        out.set("rollout.backend", "vllm")
-        out.set("rollout.vllm_mode", mode)
+    out.set("rollout.backend", "vllm")
+    out.set("rollout.vllm_mode", mode)
     write_vllm_fields(source, out, peer, defaults["cap"])
     return handled
 

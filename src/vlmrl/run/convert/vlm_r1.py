@@ -43,7 +43,7 @@ def from_vlm_r1(source: dict[str, Any]) -> Conversion:
             out.skip(key, why)
     handled = {"data_file_paths", "image_folders", "reward_funcs", "reward_method", "task_type", "is_reward_customized_from_vlm_module"}
     handled |= convert_environment(source, out) | convert_trl_algorithm(source, out)
-    handled |= convert_vllm(source, out, "trl", lora=source.get("use_peft") is True)
+    handled |= convert_vllm(source, out, "trl")
     convert_trl_keys(source, out, handled | {"val_split_ratio", "max_anyres_num", "arrow_cache_dir"})
     vllm_gpu_notes(out)
     return out
