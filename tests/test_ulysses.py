@@ -255,17 +255,19 @@ def test_sequence_parallel_size_below_one_is_refused():
 
 
 @pytest.mark.parametrize(
-    "sp,world,expected",
+    "sp,world,extra,expected",
     [
-        (3, 3, "training.sequence_parallel_size=3 must divide the attention heads (4); pick a divisor of 4"),
-        (2, 3, "training.sequence_parallel_size=2 must divide the number of processes (3); pick a divisor of 3"),
-        (4, 4, "training.sequence_parallel_size=4 must divide the key/value heads (2); pick a divisor of 2"),
-        (2, 2, "training.sequence_parallel_size=2: not yet"),
+        (3, 3, (), "training.sequence_parallel_size=3 must divide the attention heads (4); pick a divisor of 4"),
+        (2, 3, (), "training.sequence_parallel_size=2 must divide the number of processes (3); pick a divisor of 3"),
+        (4, 4, (), "training.sequence_parallel_size=4 must divide the key/value heads (2); pick a divisor of 2"),
+        (2, 4, (), "training.sequence_parallel_size=2 with 4 processes: sequence parallelism inside data parallelism is not done yet"),
+        (2, 2, ("model.use_lora=true",), "training.sequence_parallel_size=2: not yet with model.use_lora=true"),
+        (2, 2, ("rollout.engine=continuous",), "training.sequence_parallel_size=2: not yet with rollout.engine=continuous"),
     ],
 )
-def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path, capsys, monkeypatch, sp, world, expected):
+def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path, capsys, monkeypatch, sp, world, extra, expected):
     """The tiny Qwen2.5-VL has 4 attention heads and 2 key/value heads; the size is checked against the launch's
-    processes (WORLD_SIZE), then refused: the loop does not run Ulysses yet."""
+    processes (WORLD_SIZE), then the settings Ulysses does not run with yet are refused, each in one line."""
     from vlmrl import cli
     from vlmrl.data.tasks import make_count_task
 
@@ -273,7 +275,7 @@ def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "1")  # not the main process: no data read before the refusal
     args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data['train']}", f"training.output_dir={tmp_path / 'out'}"]
-    code = cli.main(["train", *args, f"training.sequence_parallel_size={sp}", "training.device=cpu"])
+    code = cli.main(["train", *args, *extra, f"training.sequence_parallel_size={sp}", "training.device=cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and expected in err and "Traceback" not in err and len(err.splitlines()) == 1, err
 
@@ -286,7 +288,10 @@ def test_sequence_parallel_refusal_names_the_family():
     text = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     assert sequence_parallel_refusal(1, 2, None) is None
     assert "not qwen3_vl; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen3_vl", text_config=text))
-    assert "not yet" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen2_5_vl", text_config=text), "sft")
+    qwen25 = SimpleNamespace(model_type="qwen2_5_vl", text_config=text)
+    assert "not yet in `vlmrl sft`" in sequence_parallel_refusal(2, 2, qwen25, "sft")
+    assert sequence_parallel_refusal(2, 2, qwen25) is None  # what `vlmrl train` runs: sp = the processes
+    assert "not the embedded model" in sequence_parallel_refusal(2, 2, None)
 
 
 def test_sequence_parallel_of_one_process_keeps_the_values_and_leaves_the_model_as_it_was(tiny_qwen25vl):

@@ -196,6 +196,7 @@ def start_run(cfg: Config, log) -> Run | EndingLeft:
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
     # collectives. One process: nothing changes (distributed.py).
     dist = Distributed.from_env(cpu=resolve_device(cfg.training.device).type == "cpu")
+    dist.use_sequence_parallel(cfg.training.sequence_parallel_size)  # Ulysses: the processes split each row (engine/ulysses.py)
     log = log if dist.is_main else (lambda *_: None)
     # multi-turn rollouts and ZeRO-3's gathers grew the host heap step after step (engine/host_alloc.py: gain and cost)
     pin_for_run(["multi-turn rollouts" if cfg.multiturn else None, dist.pins_host_allocator], log)
@@ -341,7 +342,7 @@ def sample(run: Run, step: int, prompts: dict, prompts_per_call: int) -> Complet
         names=[f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(run.current_rows, rows)],
         prompts=prompts,
         seeds=[prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts],
-        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank,
+        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.data_world + dist.rank // dist.sp,  # an SP group's processes alike
         prompts_per_call=prompts_per_call,
     )
     return run.backend.sample(request)
@@ -607,7 +608,7 @@ def logps_without_grad(
                 maybe_inject_oom("scoring", len(idx))
                 mb = micro_batch(run, samples, loss_mask, idx)
                 collecting = entropies_collected() if entropies else contextlib.nullcontext([])  # entropies cost a second pass over the head
-                with collecting as collected, replayed_routing(run, samples, idx, mb, replay):
+                with collecting as collected, replayed_routing(run, samples, idx, mb, replay), run.dist.sequence_split(scoring_model):
                     logps = call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision)
                 out[idx, : mb.ids.shape[1]] = logps.to(out.device)
                 if ent is not None:
@@ -740,7 +741,8 @@ def accumulate(
         maybe_inject_oom("update", len(idx))
         mb = micro_batch(run, samples, scores.loss_mask, idx)
         width = mb.ids.shape[1]
-        with dist.no_sync(last=k == len(micro) - 1):  # gradients synced once: in the last backward, or by sync_gradients
+        # Gradients synced once: in the last backward, or by sync_gradients. Ulysses spans backward (recomputed layers).
+        with dist.no_sync(last=k == len(micro) - 1), dist.sequence_split(run.model):
             # Routing replay spans backward too: checkpointed layers run their routers again there.
             with replayed_routing(run, samples, idx, mb):
                 with capture_routing(run.routing) as routed:  # MoE routers' logits (dense models: nothing recorded)
@@ -829,6 +831,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         **multiturn_metrics(samples.completions),  # multi-turn: completions/mean_length as the model's tokens only
         **phases,
         **memory_stats(),
+        **run.dist.sequence_metrics(),  # sequence_parallel/tokens(_per_process): the rows were split
     }
     # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
     maxed = tuple(k for k in metrics if k.startswith("ratio_dev/") or k in ("mismatch/max_ratio", "mismatch/max_abs_logp_diff"))
