@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for the language model (first slice: the Qwen2.5-VL decoder, no KV cache).
+"""Ulysses sequence parallelism for the language model (the Qwen2.5-VL, Qwen2-VL and Qwen3-VL decoders, no KV cache).
 
 SP ranks hold the same rows; each runs the decoder layers on a 1/sp share of the sequence. Around attention, an
 all-to-all turns the sequence-sharded q/k/v [B, T/sp, H, D] into head-sharded [B, T, H/sp, D] (every rank then sees
@@ -37,6 +37,16 @@ from vlmrl.families import model_types
 
 ATTENTION_NAME = "vlmrl_ulysses"
 SP_MODEL_FLAG = "vlmrl_sequence_parallel"  # set on the model while SP is active (the prefix/KV-cache path refuses it)
+
+
+# Model types of a covered family that Ulysses does not run: MoE routers see only a process's share of the tokens
+# (the router's auxiliary loss and routing replay would be a share's), not handled yet.
+NOT_COVERED = ("qwen3_vl_moe",)
+
+
+def covered_model_types() -> tuple[str, ...]:
+    """The model types Ulysses runs on: the families marked `sequence_parallel`, less NOT_COVERED."""
+    return tuple(t for t in model_types("sequence_parallel") if t not in NOT_COVERED)
 
 
 class SequenceParallelError(ValueError):
@@ -124,11 +134,11 @@ def sequence_parallel_refusal(sp: int, world_size: int, model_config, command: s
     field = f"training.sequence_parallel_size={sp}"
     if command != "train":
         return f"{field}: not yet in `vlmrl {command}` (only `vlmrl train` runs Ulysses); set training.sequence_parallel_size=1"
-    covered = ", ".join(model_types("sequence_parallel"))
+    covered = ", ".join(covered_model_types())
     if model_config is None:  # vlmrl's embedded model: nothing to read before it is built
         return f"{field}: Ulysses covers {covered} for now, not the embedded model; set it to 1"
     model_type = getattr(model_config, "model_type", None)
-    if model_type not in model_types("sequence_parallel"):
+    if model_type not in covered_model_types():
         return f"{field}: Ulysses covers {covered} for now, not {model_type}; set it to 1"
     text = getattr(model_config, "text_config", None) or model_config
     try:
@@ -284,7 +294,22 @@ def _pre_hook(module, args, kwargs):
     _SPLIT["tokens"] = max(_SPLIT["tokens"], state.padding.shape[1])
     _SPLIT["tokens_per_process"] = max(_SPLIT["tokens_per_process"], kwargs["inputs_embeds"].shape[1])
     kwargs["position_ids"] = local_share(pad_to_multiple(position_ids, state.sp, -1), state.rank, state.sp, position_ids.ndim - 1)
+    if kwargs.get("deepstack_visual_embeds") is not None:  # Qwen3-VL: features added to the image tokens' hidden states
+        kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = deepstack_share(
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"], state.rank, state.sp
+        )
     return args, kwargs
+
+
+def deepstack_share(visual_pos_masks: torch.Tensor, embeds: list[torch.Tensor], rank: int, sp: int):
+    """Qwen3-VL's DeepStack inputs cut to rank `rank`'s sequence share: visual_pos_masks [B, T] (bool, image tokens)
+    -> [B, T'/sp] (T' = T padded to a multiple of sp, padding not visual); each of `embeds` [N, hidden] (one row per
+    image token, in the mask's row-major order) -> [n, hidden], the rows of the image tokens in the share."""
+    full = pad_to_multiple(visual_pos_masks.bool(), sp, 1, False)
+    ordinal = (full.reshape(-1).long().cumsum(0) - 1).view_as(full)  # the embeds row of each image token
+    mine = local_share(full, rank, sp, 1)
+    rows = local_share(ordinal, rank, sp, 1)[mine]
+    return mine, [e[rows.to(e.device)] for e in embeds]
 
 
 def _post_hook(module, args, kwargs, output):
@@ -297,8 +322,8 @@ def _post_hook(module, args, kwargs, output):
 def _text_model(core):
     inner = getattr(core, "model", None)
     text = getattr(inner, "language_model", None)
-    if getattr(core.config, "model_type", None) not in model_types("sequence_parallel") or text is None:
-        covered, found = ", ".join(model_types("sequence_parallel")), getattr(core.config, "model_type", type(core).__name__)
+    if getattr(core.config, "model_type", None) not in covered_model_types() or text is None:
+        covered, found = ", ".join(covered_model_types()), getattr(core.config, "model_type", type(core).__name__)
         raise SequenceParallelError(f"sequence parallelism covers {covered} for now, not {found}")
     return text
 
