@@ -317,8 +317,9 @@ def test_sequence_parallel_refusal_names_the_family():
 
     text = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     assert sequence_parallel_refusal(1, 2, None) is None
-    assert "not llava; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="llava", text_config=text))
-    assert "not qwen3_vl_moe; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen3_vl_moe", text_config=text))
+    assert "(dense) for now, not llava; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="llava", text_config=text))
+    moe = SimpleNamespace(model_type="qwen3_vl_moe", text_config=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, num_experts=4))
+    assert "(dense) for now, not qwen3_vl_moe (experts); set it to 1" in sequence_parallel_refusal(2, 2, moe)
     qwen25 = SimpleNamespace(model_type="qwen2_5_vl", text_config=text)
     assert "not yet in `vlmrl sft`" in sequence_parallel_refusal(2, 2, qwen25, "sft")
     assert sequence_parallel_refusal(2, 2, qwen25) is None  # what `vlmrl train` runs: sp = the processes

@@ -39,14 +39,16 @@ ATTENTION_NAME = "vlmrl_ulysses"
 SP_MODEL_FLAG = "vlmrl_sequence_parallel"  # set on the model while SP is active (the prefix/KV-cache path refuses it)
 
 
-# Model types of a covered family that Ulysses does not run: MoE routers see only a process's share of the tokens
-# (the router's auxiliary loss and routing replay would be a share's), not handled yet.
-NOT_COVERED = ("qwen3_vl_moe",)
-
-
 def covered_model_types() -> tuple[str, ...]:
-    """The model types Ulysses runs on: the families marked `sequence_parallel`, less NOT_COVERED."""
-    return tuple(t for t in model_types("sequence_parallel") if t not in NOT_COVERED)
+    """The model types of the families marked `sequence_parallel` (a mixture-of-experts variant is refused apart)."""
+    return model_types("sequence_parallel")
+
+
+def mixture_of_experts(model_config) -> bool:
+    """Whether the (text) model routes tokens to experts: its routers would see only a process's share of the tokens
+    under SP (the router's auxiliary loss and routing replay would be a share's), not handled yet."""
+    text = getattr(model_config, "text_config", None) or model_config
+    return bool(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0))
 
 
 class SequenceParallelError(ValueError):
@@ -138,8 +140,8 @@ def sequence_parallel_refusal(sp: int, world_size: int, model_config, command: s
     if model_config is None:  # vlmrl's embedded model: nothing to read before it is built
         return f"{field}: Ulysses covers {covered} for now, not the embedded model; set it to 1"
     model_type = getattr(model_config, "model_type", None)
-    if model_type not in covered_model_types():
-        return f"{field}: Ulysses covers {covered} for now, not {model_type}; set it to 1"
+    if model_type not in covered_model_types() or mixture_of_experts(model_config):
+        return f"{field}: Ulysses covers {covered} (dense) for now, not {model_type}{' (experts)' * mixture_of_experts(model_config)}; set it to 1"
     text = getattr(model_config, "text_config", None) or model_config
     try:
         check_sp_size(sp, world_size, text.num_attention_heads, text.num_key_value_heads)
@@ -322,7 +324,7 @@ def _post_hook(module, args, kwargs, output):
 def _text_model(core):
     inner = getattr(core, "model", None)
     text = getattr(inner, "language_model", None)
-    if getattr(core.config, "model_type", None) not in covered_model_types() or text is None:
+    if getattr(core.config, "model_type", None) not in covered_model_types() or mixture_of_experts(core.config) or text is None:
         covered, found = ", ".join(covered_model_types()), getattr(core.config, "model_type", type(core).__name__)
         raise SequenceParallelError(f"sequence parallelism covers {covered} for now, not {found}")
     return text
