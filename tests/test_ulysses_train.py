@@ -60,6 +60,28 @@ def test_sp_processes_that_sampled_different_rows_stop_in_one_line(monkeypatch):
     assert total == [1.0] and lengths.tolist() == [2]
 
 
+@pytest.mark.parametrize(
+    "world,engine,expected",
+    [
+        (4, "ddp", "training.sequence_parallel_size=2 with 4 processes: set it to the number of processes or 1"),
+        (2, "fsdp2", "training.sequence_parallel_size=2: not yet with the fsdp2 engine"),
+        (2, "deepspeed", "training.sequence_parallel_size=2: not yet with the deepspeed engine"),
+    ],
+)
+def test_use_sequence_parallel_refuses_what_the_loop_does_not_run(world, engine, expected):
+    from types import SimpleNamespace
+
+    from vlmrl.engine.distributed import Distributed
+
+    d = Distributed(None)
+    d.world_size, d.engine = world, SimpleNamespace(name=engine)
+    with pytest.raises(DistributedError, match=expected):
+        d.use_sequence_parallel(2)
+    assert d.sp == 1
+    d.use_sequence_parallel(1)  # off: nothing asked of the engine or the processes
+    assert d.sequence_metrics() == {}
+
+
 # ---------------------------------------------------------------- two processes vs one
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -72,13 +94,23 @@ def _args(setup, out, *extra):
     return grpo_args(setup, out, *extra, steps=2)
 
 
-@pytest.mark.multiproc
-@pytest.mark.slow  # two launches of the tiny model (~40 s on 2 shared cores)
-def test_grpo_with_sp2_on_two_processes_equals_one_process(setup):
+@pytest.fixture(scope="module")
+def reference(setup):
     ref = setup[0] / "one"
     run_launcher([sys.executable, "-m", "vlmrl", "train", *_args(setup, ref)])
-    out = setup[0] / "sp2"
-    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out, "training.sequence_parallel_size=2"))
+    return ref
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # two launches of the tiny model (~60 s on 2 shared cores)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_grpo_with_sp2_on_two_processes_equals_one_process(setup, reference, checkpointing):
+    """checkpointing: the SP run recomputes each decoder layer in backward, which
+    runs the Ulysses attention again there: the split must span backward, not only the forward (model.gradient_checkpointing)."""
+    ref = reference
+    out = setup[0] / f"sp2_checkpointing_{checkpointing}"
+    extra = ("training.sequence_parallel_size=2", f"model.gradient_checkpointing={str(checkpointing).lower()}")
+    log = run_launcher(torchrun("--standalone", "--nproc_per_node", "2") + _args(setup, out, *extra))
     assert "2 processes (ddp)" in log and "4 of 4 prompts per step on each process" in log  # both hold every row
     a, b = step_metrics(out), step_metrics(ref)
     for s in (1, 2):
