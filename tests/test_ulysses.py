@@ -57,6 +57,23 @@ def test_padding_to_a_multiple_and_the_mask():
     ]
 
 
+def test_deepstack_share_hand_computed():
+    """Qwen3-VL's DeepStack rows follow the image tokens in row-major order: (0,1) (0,2) (1,0) (1,3) -> rows 0..3; with
+    sp 2 over T 4, rank 0 holds columns 0-1 (rows 0 and 2), rank 1 columns 2-3 (rows 1 and 3). T 3 is padded to 4
+    (the padding column is not an image token)."""
+    from vlmrl.engine.ulysses import deepstack_share
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    embeds = [torch.arange(4.0).view(4, 1), 10 + torch.arange(4.0).view(4, 1)]  # two DeepStack layers
+    m0, e0 = deepstack_share(mask, embeds, 0, 2)
+    m1, e1 = deepstack_share(mask, embeds, 1, 2)
+    assert m0.tolist() == [[False, True], [True, False]] and m1.tolist() == [[True, False], [False, True]]
+    assert [e.flatten().tolist() for e in e0] == [[0.0, 2.0], [10.0, 12.0]]
+    assert [e.flatten().tolist() for e in e1] == [[1.0, 3.0], [11.0, 13.0]]
+    m, e = deepstack_share(mask[:, :3], [embeds[0][:3]], 1, 2)  # T 3: rank 1 holds column 2 and the padding
+    assert m.tolist() == [[True, False], [False, False]] and e[0].flatten().tolist() == [1.0]
+
+
 def test_check_sp_size_names_the_field():
     check_sp_size(2, 4, 4, 2)
     with pytest.raises(SequenceParallelError, match=r"training.sequence_parallel_size=2 must divide the key/value heads \(1\)"):
@@ -124,15 +141,15 @@ def test_all_to_all_and_gather_on_two_gloo_processes():
         assert torch.equal(torch.from_numpy(gather_grad), 2 * local_share(index, rank, 2, 1))  # sp x the own share (reduce-scatter of equal grads)
 
 
-def _exactness_worker(rank: int, world: int, port: int, model_path: str, data_path: str, queue) -> None:
+def _exactness_worker(rank: int, world: int, port: int, model_path: str, data_path: str, pixels: int, queue) -> None:
     try:
-        _exactness_run(rank, world, port, model_path, data_path, queue)
+        _exactness_run(rank, world, port, model_path, data_path, pixels, queue)
     except BaseException as e:  # the test fails at once with the reason instead of waiting on the queue
         queue.put((rank, f"{type(e).__name__}: {e}"))
         raise
 
 
-def _exactness_run(rank: int, world: int, port: int, model_path: str, data_path: str, queue) -> None:
+def _exactness_run(rank: int, world: int, port: int, model_path: str, data_path: str, pixels: int, queue) -> None:
     import copy
 
     import torch.distributed as dist
@@ -149,7 +166,7 @@ def _exactness_run(rank: int, world: int, port: int, model_path: str, data_path:
     os.environ.update(worker_env(rank, world, port), HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = load_config(None, [f"model.name_or_path={model_path}", "data.min_pixels=3136", "data.max_pixels=3136", "training.device=cpu"])
+    cfg = load_config(None, [f"model.name_or_path={model_path}", f"data.min_pixels={pixels}", f"data.max_pixels={pixels}", "training.device=cpu"])
     model, processor = load_policy(cfg, torch.device("cpu"))
     rows, _ = load_dataset_split(data_path, limit_images=4, skip_bad_rows=False)
     prompts = encode_rows(processor, rows[:2], cfg, torch.device("cpu"))
@@ -202,20 +219,33 @@ def _exactness_run(rank: int, world: int, port: int, model_path: str, data_path:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from multiproc_runs import tiny_run_setup
+# (builder, pixels per image): Qwen3-VL's patches are 16 px and merged 2x2, so its images are 64 x 64.
+FAMILIES = {
+    "qwen2.5-vl": ("tiny.build_tiny_qwen25vl", 3136),
+    "qwen2-vl": ("tiny.build_tiny_qwen2vl", 3136),
+    "qwen3-vl": ("tiny_families.build_tiny_qwen3vl", 4096),
+}
 
-    _, model, data = tiny_run_setup(tmp_path_factory, "ulysses")
-    return model, data
+
+@pytest.fixture(scope="module")
+def count_task(tmp_path_factory):
+    from vlmrl.data.tasks import make_count_task
+
+    return make_count_task(tmp_path_factory.mktemp("ulysses_count"), n_train=16, n_test=0, seed=0, image_size=56)
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # ~20-30 s on 2 shared cores: two processes load the tiny model and score it 6 times
-def test_sp2_on_two_gloo_processes_scores_and_gradients_equal_one_process(tiny):
-    """The vision encoder runs whole on each rank (its sharding is a later slice); the decoder is split in two."""
-    model, data = tiny
-    results = _spawn(_exactness_worker, str(model), str(data["train"]), timeout=240)
+@pytest.mark.slow  # ~20-30 s per family on 2 shared cores: two processes load the tiny model and score it 6 times
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sp2_on_two_gloo_processes_scores_and_gradients_equal_one_process(family, count_task, tmp_path):
+    """The vision encoder runs whole on each rank (its sharding is a later slice); the decoder is split in two.
+    Qwen3-VL: its DeepStack features (added to the image tokens' hidden states in the first decoder layers) are cut
+    to each rank's share of the sequence too."""
+    import importlib
+
+    module, builder = FAMILIES[family][0].split(".")
+    model = getattr(importlib.import_module(f"vlmrl.tiny_models.{module}"), builder)(tmp_path / "model")
+    results = _spawn(_exactness_worker, str(model), str(count_task["train"]), FAMILIES[family][1], timeout=240)
     for rank in range(2):
         assert isinstance(results[rank][0], dict), results[rank][0]
         for key, (scored, logps, loss, grad) in results[rank][0].items():
@@ -255,17 +285,19 @@ def test_sequence_parallel_size_below_one_is_refused():
 
 
 @pytest.mark.parametrize(
-    "sp,world,expected",
+    "sp,world,extra,expected",
     [
-        (3, 3, "training.sequence_parallel_size=3 must divide the attention heads (4); pick a divisor of 4"),
-        (2, 3, "training.sequence_parallel_size=2 must divide the number of processes (3); pick a divisor of 3"),
-        (4, 4, "training.sequence_parallel_size=4 must divide the key/value heads (2); pick a divisor of 2"),
-        (2, 2, "training.sequence_parallel_size=2: not yet"),
+        (3, 3, (), "training.sequence_parallel_size=3 must divide the attention heads (4); pick a divisor of 4"),
+        (2, 3, (), "training.sequence_parallel_size=2 must divide the number of processes (3); pick a divisor of 3"),
+        (4, 4, (), "training.sequence_parallel_size=4 must divide the key/value heads (2); pick a divisor of 2"),
+        (2, 4, (), "training.sequence_parallel_size=2 with 4 processes: sequence parallelism inside data parallelism is not done yet"),
+        (2, 2, ("model.use_lora=true",), "training.sequence_parallel_size=2: not yet with model.use_lora=true"),
+        (2, 2, ("rollout.engine=continuous",), "training.sequence_parallel_size=2: not yet with rollout.engine=continuous"),
     ],
 )
-def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path, capsys, monkeypatch, sp, world, expected):
+def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path, capsys, monkeypatch, sp, world, extra, expected):
     """The tiny Qwen2.5-VL has 4 attention heads and 2 key/value heads; the size is checked against the launch's
-    processes (WORLD_SIZE), then refused: the loop does not run Ulysses yet."""
+    processes (WORLD_SIZE), then the settings Ulysses does not run with yet are refused, each in one line."""
     from vlmrl import cli
     from vlmrl.data.tasks import make_count_task
 
@@ -273,7 +305,7 @@ def test_cli_train_refuses_sequence_parallel_in_one_line(tiny_qwen25vl, tmp_path
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "1")  # not the main process: no data read before the refusal
     args = [f"model.name_or_path={tiny_qwen25vl}", f"data.train_path={data['train']}", f"training.output_dir={tmp_path / 'out'}"]
-    code = cli.main(["train", *args, f"training.sequence_parallel_size={sp}", "training.device=cpu"])
+    code = cli.main(["train", *args, *extra, f"training.sequence_parallel_size={sp}", "training.device=cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and expected in err and "Traceback" not in err and len(err.splitlines()) == 1, err
 
@@ -285,8 +317,13 @@ def test_sequence_parallel_refusal_names_the_family():
 
     text = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     assert sequence_parallel_refusal(1, 2, None) is None
-    assert "not qwen3_vl; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen3_vl", text_config=text))
-    assert "not yet" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="qwen2_5_vl", text_config=text), "sft")
+    assert "(dense) for now, not llava; set it to 1" in sequence_parallel_refusal(2, 2, SimpleNamespace(model_type="llava", text_config=text))
+    moe = SimpleNamespace(model_type="qwen3_vl_moe", text_config=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, num_experts=4))
+    assert "(dense) for now, not qwen3_vl_moe (experts); set it to 1" in sequence_parallel_refusal(2, 2, moe)
+    qwen25 = SimpleNamespace(model_type="qwen2_5_vl", text_config=text)
+    assert "not yet in `vlmrl sft`" in sequence_parallel_refusal(2, 2, qwen25, "sft")
+    assert sequence_parallel_refusal(2, 2, qwen25) is None  # what `vlmrl train` runs: sp = the processes
+    assert "not the embedded model" in sequence_parallel_refusal(2, 2, None)
 
 
 def test_sequence_parallel_of_one_process_keeps_the_values_and_leaves_the_model_as_it_was(tiny_qwen25vl):

@@ -459,7 +459,7 @@ class TrainingConfig:
     )
     sequence_parallel_size: int = _f(
         1,
-        "Ulysses sequence parallelism: processes that split one row's sequence (verl/EasyR1 ulysses_sequence_parallel_size, ms-swift sequence_parallel_size); only 1 runs in `vlmrl train`/`sft` yet (docs/scaling_out.md).",
+        "Ulysses sequence parallelism: processes that split one row's sequence (verl/EasyR1 ulysses_sequence_parallel_size, ms-swift sequence_parallel_size); `vlmrl train` runs it with the value = the number of processes (DDP; Qwen2.5-VL, Qwen2-VL, Qwen3-VL); 1 = off (docs/scaling_out.md).",
     )
 
 

@@ -38,7 +38,7 @@ from vlmrl.engine.device import resolve_device, seed_everything
 from vlmrl.engine.distributed import Distributed
 from vlmrl.engine.frozen import FrozenPolicy, make_reference, make_teacher
 from vlmrl.engine.host_alloc import pin_for_run
-from vlmrl.engine.memory import memory_stats, phase_memory, reset_peaks, warn_if_near_capacity
+from vlmrl.engine.memory import memory_stats, reset_peaks, timed_phase, warn_if_near_capacity
 from vlmrl.engine.offload import OptimizerParking, parking_enabled
 from vlmrl.engine.oom import maybe_inject_oom, retry_on_oom
 from vlmrl.engine.optim import allocate_optimizer_state, make_optimizer, total_optimizer_steps
@@ -124,17 +124,17 @@ def train(cfg: Config, log=print, stop_after: int | None = None) -> dict:
 def grpo_step(run: Run, step: int, phases: dict) -> dict:
     """One GRPO step, phase by phase (each timed into `phases`); returns the step's logged metrics."""
     with run.parking.parked_states():  # memory.offload_optimizer_during_rollout: moments wait in host memory
-        with phase("rollout", phases):
+        with timed_phase("rollout", phases):
             samples = rollout(run, step)
-        with phase("rewards", phases):
+        with timed_phase("rewards", phases):
             rewards = reward_and_advantages(run, samples, step)
         if run.cfg.algorithm.dynamic_sampling:
-            with phase("refill", phases):
+            with timed_phase("refill", phases):
                 samples, rewards = dynamic_sample(run, step, samples, rewards)
-        with phase("scoring", phases):
+        with timed_phase("scoring", phases):
             scores = score(run, samples, rewards)
             distill(run, samples, rewards, scores)  # algorithm.teacher_path: per-token advantages
-    with phase("update", phases):
+    with timed_phase("update", phases):
         stats = update(run, samples, rewards, scores)
         if run.pipeline is not None:  # the new weights to the producer, the next step submitted
             after_update(run, step)
@@ -186,16 +186,6 @@ def phase_of(phases: dict, skipped: tuple[str, ...] = ()) -> str:
     return next((f"phase {p}" for p in PHASES if f"time/{p}" not in phases and p not in skipped), "logging")
 
 
-@contextlib.contextmanager
-def phase(name: str, into: dict):
-    """Time and memory of one phase: time/<name> and mem/<name>/* in `into`."""
-
-    start = time.perf_counter()
-    with phase_memory(name, into):
-        yield
-    into[f"time/{name}"] = time.perf_counter() - start
-
-
 # ---------------------------------------------------------------- set-up and end
 def start_run(cfg: Config, log) -> Run:
     """Engine, planner, model, reference, data, rewards, optimizer and, when resuming, their saved state. Raises
@@ -205,6 +195,7 @@ def start_run(cfg: Config, log) -> Run:
     # Several processes (accelerate launch / torchrun): the process group, this rank's share of every step,
     # collectives. One process: nothing changes (distributed.py).
     dist = Distributed.from_env(cpu=resolve_device(cfg.training.device).type == "cpu")
+    dist.use_sequence_parallel(cfg.training.sequence_parallel_size)  # Ulysses: the processes split each row (engine/ulysses.py)
     log = log if dist.is_main else (lambda *_: None)
     # multi-turn rollouts and ZeRO-3's gathers grew the host heap step after step (engine/host_alloc.py: gain and cost)
     pin_for_run(["multi-turn rollouts" if cfg.multiturn else None, dist.pins_host_allocator], log)
@@ -607,7 +598,7 @@ def logps_without_grad(
                 maybe_inject_oom("scoring", len(idx))
                 mb = micro_batch(run, samples, loss_mask, idx)
                 collecting = entropies_collected() if entropies else contextlib.nullcontext([])  # entropies cost a second pass over the head
-                with collecting as collected, replayed_routing(run, samples, idx, mb, replay):
+                with collecting as collected, replayed_routing(run, samples, idx, mb, replay), run.dist.sequence_split(scoring_model):
                     logps = call(logps_for_rows, mb.prompts, mb.row_prompt, mb.ids, mb.completion_mask, run.opts, mb.tool_vision)
                 out[idx, : mb.ids.shape[1]] = logps.to(out.device)
                 if ent is not None:
@@ -740,7 +731,8 @@ def accumulate(
         maybe_inject_oom("update", len(idx))
         mb = micro_batch(run, samples, scores.loss_mask, idx)
         width = mb.ids.shape[1]
-        with dist.no_sync(last=k == len(micro) - 1):  # gradients synced once: in the last backward, or by sync_gradients
+        # Gradients synced once: in the last backward, or by sync_gradients. Ulysses spans backward (recomputed layers).
+        with dist.no_sync(last=k == len(micro) - 1), dist.sequence_split(run.model):
             # Routing replay spans backward too: checkpointed layers run their routers again there.
             with replayed_routing(run, samples, idx, mb):
                 with capture_routing(run.routing) as routed:  # MoE routers' logits (dense models: nothing recorded)
@@ -830,6 +822,7 @@ def log_step(run: Run, step: int, samples: Rollout, rewards: Rewards, stats: Upd
         **multiturn_metrics(samples.completions),  # multi-turn: completions/mean_length as the model's tokens only
         **phases,
         **memory_stats(),
+        **run.dist.sequence_metrics(),  # sequence_parallel/tokens(_per_process): the rows were split
     }
     # Several processes: loss summed (each holds its share), ratio deviation / memory / times max, rest mean.
     maxed = tuple(k for k in metrics if k.startswith("ratio_dev/") or k in ("mismatch/max_ratio", "mismatch/max_abs_logp_diff"))

@@ -156,7 +156,14 @@ class Shard:
 
 
 class Collectives:
-    """World size, rank and the collective operations of this run's processes (one process: all trivial)."""
+    """World size, rank and the collective operations of this run's processes (one process: all trivial).
+
+    Sequence parallelism (`sp` > 1, engine/ulysses.py): the sp processes of an SP group hold the SAME rows and split
+    each row's sequence. Only sp = world size runs yet, so there is one data-parallel rank (`data_world` 1): the
+    row-level operations below (shard, gather_rows, gather_rollout, all_values, local, all_sum, step_normaliser) are
+    those of one process, while the process-level ones (any, ranks_where, barrier, broadcast, RNG) span every process."""
+
+    sp: int = 1  # processes per sequence-parallel group (set by Distributed.use_sequence_parallel)
 
     def __init__(self, accelerator=None):
         self.accelerator = accelerator
@@ -171,6 +178,11 @@ class Collectives:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: processes holding different rows (world size / sp)."""
+        return self.world_size // self.sp
+
     def device(self, configured: torch.device) -> torch.device:
         """The configured device, made per-process: cuda -> cuda:<local rank>."""
         if self.world_size > 1 and configured.type == "cuda":
@@ -179,14 +191,14 @@ class Collectives:
 
     # -- sharding ----------------------------------------------------------------------------------------
     def shard(self, prompts_per_step: int, num_generations: int, rows_per_opt_step: int) -> Shard:
-        W = self.world_size
+        W, rank = self.data_world, self.rank // self.sp
         per_rank = [rows_of(shard_prompts(prompts_per_step, num_generations, rows_per_opt_step, W, r), num_generations) for r in range(W)]
-        prompts = shard_prompts(prompts_per_step, num_generations, rows_per_opt_step, W, self.rank)
-        return Shard(prompts=prompts, rows=per_rank[self.rank], rows_per_rank=per_rank, rows_per_opt_step=rows_per_opt_step // W)
+        prompts = shard_prompts(prompts_per_step, num_generations, rows_per_opt_step, W, rank)
+        return Shard(prompts=prompts, rows=per_rank[rank], rows_per_rank=per_rank, rows_per_opt_step=rows_per_opt_step // W)
 
     def gather_rows(self, shard: Shard, *columns: list) -> tuple[list, ...]:
-        """Every rank's per-row lists in global row order; one process: the same objects."""
-        if self.world_size == 1:
+        """Every rank's per-row lists in global row order; one process (or one SP group): the same objects."""
+        if self.data_world == 1:
             return columns
 
         gathered: list = [None] * self.world_size
@@ -195,8 +207,11 @@ class Collectives:
 
     def gather_rollout(self, shard: Shard, total: list, per_reward: dict, comp) -> tuple[list, dict, torch.Tensor, torch.Tensor]:
         """(rewards, per-reward values, completion lengths, truncated flags) of the whole step in global row order;
-        one process: the local objects unchanged."""
-        if self.world_size == 1:
+        one process: the local objects unchanged. Under sequence parallelism, first a check that every SP rank sampled
+        the same rows (DistributedError on every process otherwise)."""
+        if self.sp > 1:
+            self.check_same_rows(total, comp.ids)
+        if self.data_world == 1:
             return total, per_reward, comp.lengths, comp.truncated
         names = list(per_reward)
         cols = self.gather_rows(shard, total, comp.lengths.tolist(), comp.truncated.tolist(), *(per_reward[n] for n in names))
@@ -204,7 +219,7 @@ class Collectives:
 
     def all_values(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's 1-D `values` concatenated (rank order, on this process's device); one process: `values`."""
-        if self.world_size == 1:
+        if self.data_world == 1:
             return values
 
         gathered: list = [None] * self.world_size
@@ -213,15 +228,18 @@ class Collectives:
 
     def local(self, shard: Shard, global_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor in global row order; one process: the tensor itself."""
-        if self.world_size == 1:
+        if self.data_world == 1:
             return global_tensor
         return global_tensor[torch.tensor(shard.rows, device=global_tensor.device)]
 
     # -- reductions --------------------------------------------------------------------------------------
     def all_sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
+        """`values` summed over the data-parallel ranks (the rows' counts); one process or one SP group: unchanged."""
+        if self.data_world == 1:
             return list(values)
+        return self._sum_over_processes(values)
 
+    def _sum_over_processes(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
         dist.all_reduce(t)
         return t.tolist()
@@ -231,7 +249,7 @@ class Collectives:
         nominal micro-batches' token counts (bnpo) stay this process's own, their number is the global one."""
 
         local = step_normaliser(masks, max_completion_length, chunk_rows)
-        if self.world_size == 1:
+        if self.data_world == 1:
             return local
         seqs, toks, chunks = self.all_sum([local.num_sequences, sum(int(m.sum()) for m in masks), local.num_chunks])
         return dataclasses.replace(local, num_sequences=int(seqs), num_tokens=max(1, int(toks)), num_chunks=int(chunks))
@@ -242,7 +260,8 @@ class Collectives:
 
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, metrics)
-        return reduce_metric_dicts(gathered, sum_keys, max_keys)
+        # One SP group: every process holds the whole loss (the same rows), so nothing is summed.
+        return reduce_metric_dicts(gathered, sum_keys if self.data_world > 1 else (), max_keys)
 
     def broadcast(self, obj: Any) -> Any:
         """The main process's value of `obj` on every process."""
@@ -255,7 +274,7 @@ class Collectives:
 
     def any(self, flag: bool) -> bool:
         """True on every process when `flag` is true on at least one."""
-        return bool(flag) if self.world_size == 1 else self.all_sum([float(bool(flag))])[0] > 0
+        return bool(flag) if self.world_size == 1 else self._sum_over_processes([float(bool(flag))])[0] > 0
 
     def ranks_where(self, flag: bool) -> list[int]:
         """The ranks whose `flag` is true, the same list on every process (one all-reduce); one process: [0] or []."""
@@ -263,7 +282,24 @@ class Collectives:
             return [0] if flag else []
         mine = [0.0] * self.world_size
         mine[self.rank] = float(bool(flag))
-        return [r for r, v in enumerate(self.all_sum(mine)) if v > 0]
+        return [r for r, v in enumerate(self._sum_over_processes(mine)) if v > 0]
+
+    def check_same_rows(self, rewards: list, ids: torch.Tensor) -> None:
+        """DistributedError on every process when the processes' rollouts differ (their completion ids or rewards):
+        under sequence parallelism every SP rank must hold the same rows, sampled identically from the per-prompt
+        seeds; a sampler that is not deterministic across processes would otherwise train on a mix silently."""
+        import hashlib
+
+        import torch.distributed as dist
+
+        digest = hashlib.sha256(ids.detach().cpu().numpy().tobytes() + repr([float(r) for r in rewards]).encode()).hexdigest()
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, digest)
+        if len(set(gathered)) > 1:
+            raise DistributedError(
+                "training.sequence_parallel_size: the sequence-parallel processes sampled different completions this step "
+                "(they must hold the same rows); use rollout.sampling_seed=prompt and a deterministic sampler"
+            )
 
     @contextlib.contextmanager
     def main_first(self):

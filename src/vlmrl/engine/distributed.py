@@ -54,6 +54,7 @@ DeepSpeed on GPUs. docs/scaling_out.md has the commands and the limits.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -167,6 +168,44 @@ class Distributed(Collectives):
 
             unset_hf_deepspeed_config()
         return cls(accelerator)
+
+    # -- sequence parallelism (engine/ulysses.py) --------------------------------------------------------------
+    def use_sequence_parallel(self, sp: int) -> None:
+        """training.sequence_parallel_size: sp processes split each row's sequence in scoring and the update. Only
+        sp = the number of processes on the DDP engine runs yet (preflight refused the other settings); a process
+        group of its own carries the all-to-alls, apart from the engine's gradient all-reduces."""
+        if sp == 1:
+            return
+        field = f"training.sequence_parallel_size={sp}"
+        if sp != self.world_size:
+            raise DistributedError(
+                f"{field} with {self.world_size} processes: set it to the number of processes or 1 (SP inside data parallelism is not done yet)"
+            )
+        if self.engine.name != "ddp":
+            raise DistributedError(
+                f"{field}: not yet with the {self.engine.name} engine (Ulysses runs under DDP only); launch with DDP, or set it to 1"
+            )
+        import torch.distributed as dist
+
+        self.sp, self.sp_group = sp, dist.new_group(list(range(self.world_size)))
+
+    def sequence_split(self, model):
+        """Context in which `model`'s decoder runs Ulysses over the SP group (forward and backward alike: checkpointed
+        layers recompute attention in backward); a no-op without sequence parallelism."""
+        if self.sp == 1:
+            return contextlib.nullcontext()
+        from vlmrl.engine.ulysses import sequence_parallel
+
+        return sequence_parallel(model, self.sp_group)
+
+    def sequence_metrics(self) -> dict[str, int]:
+        """The step's longest split sequence and this process's share of it (engine/ulysses.take_split_metrics);
+        nothing without sequence parallelism."""
+        if self.sp == 1:
+            return {}
+        from vlmrl.engine.ulysses import take_split_metrics
+
+        return take_split_metrics()
 
     # -- the engine's part, forwarded ----------------------------------------------------------------------
     @property

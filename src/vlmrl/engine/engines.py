@@ -226,12 +226,13 @@ class Engine:
             average_gradients([p for p in self.runner.parameters() if p.requires_grad], self.collectives.world_size)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The loss scaled by W first, because every engine averages gradients over processes while the loss already
-        carries the global normaliser."""
+        """The loss scaled by the data-parallel ranks first, because every engine averages gradients over processes
+        while the loss already carries the global normaliser. (Under sequence parallelism the mean over an SP group's
+        processes of their gradients is that group's whole gradient: engine/ulysses.py.)"""
         if self.runner is None:
             loss.backward()
             return
-        self.accelerator.backward(loss * self.collectives.world_size)
+        self.accelerator.backward(loss * self.collectives.data_world)
 
     def clip_grad_norm(self, params: list, max_norm: float) -> float:
         """The global gradient norm over every process (DTensor gradients included), clipped to max_norm."""

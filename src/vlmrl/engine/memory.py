@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -165,3 +166,12 @@ def warn_if_near_capacity(metrics: dict, fraction: float, warn) -> None:
             f"WARNING: GPU peak {peak:.1f} GiB is above {fraction:.0%} of {capacity:.1f} GiB (memory.warn_fraction); "
             "an OOM is close: consider gradient checkpointing, bf16, or a smaller micro-batch"
         )
+
+
+@contextmanager
+def timed_phase(name: str, into: dict) -> Iterator[None]:
+    """Time and memory of one phase of a step: time/<name> and mem/<name>/* in `into`."""
+    start = time.perf_counter()
+    with phase_memory(name, into):
+        yield
+    into[f"time/{name}"] = time.perf_counter() - start

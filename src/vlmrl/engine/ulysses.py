@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for the language model (first slice: the Qwen2.5-VL decoder, no KV cache).
+"""Ulysses sequence parallelism for the language model (the Qwen2.5-VL, Qwen2-VL and Qwen3-VL decoders, no KV cache).
 
 SP ranks hold the same rows; each runs the decoder layers on a 1/sp share of the sequence. Around attention, an
 all-to-all turns the sequence-sharded q/k/v [B, T/sp, H, D] into head-sharded [B, T, H/sp, D] (every rank then sees
@@ -17,8 +17,10 @@ states), so the layers after it (final norm excluded, LM head) get the whole gra
 backward is sp x this rank's share of the incoming gradient (what a reduce-scatter-sum of the ranks' identical
 gradients gives, without the communication), so the layers before it get sp x their share too: on every parameter the
 MEAN of the SP ranks' gradients is the one-process gradient, which is what DDP / FSDP2 / ZeRO's averaging computes.
-(Wiring this into the update loop, with the loss normalisation over an SP group inside the data-parallel group, is
-not done yet.)
+
+In `vlmrl train` (engine/distributed.py: `use_sequence_parallel`, `sequence_split`): sp = the number of processes
+under DDP, one data-parallel rank (the rows counted once in the loss normaliser, the loss scaled by 1 before DDP
+averages); `sequence_parallel_refusal` names what is not run yet (SP inside data parallelism, FSDP2 / ZeRO, LoRA, ...).
 
 The vision encoder runs whole on every SP rank (its sharding is a later slice); only the decoder is split.
 """
@@ -35,6 +37,18 @@ from vlmrl.families import model_types
 
 ATTENTION_NAME = "vlmrl_ulysses"
 SP_MODEL_FLAG = "vlmrl_sequence_parallel"  # set on the model while SP is active (the prefix/KV-cache path refuses it)
+
+
+def covered_model_types() -> tuple[str, ...]:
+    """The model types of the families marked `sequence_parallel` (a mixture-of-experts variant is refused apart)."""
+    return model_types("sequence_parallel")
+
+
+def mixture_of_experts(model_config) -> bool:
+    """Whether the (text) model routes tokens to experts: its routers would see only a process's share of the tokens
+    under SP (the router's auxiliary loss and routing replay would be a share's), not handled yet."""
+    text = getattr(model_config, "text_config", None) or model_config
+    return bool(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0))
 
 
 class SequenceParallelError(ValueError):
@@ -111,31 +125,50 @@ def check_sp_size(sp: int, world_size: int, heads: int, kv_heads: int, field: st
             raise SequenceParallelError(f"{field}={sp} must divide {what} ({n}); pick a divisor of {n}")
 
 
-NOT_YET = (
-    "training.sequence_parallel_size={sp}: not yet: Ulysses runs in the scoring and update functions "
-    "(vlmrl.engine.ulysses.sequence_parallel, tested on 2 gloo processes), not in the `vlmrl {command}` loop; "
-    "set training.sequence_parallel_size=1"
-)
-
-
-def sequence_parallel_refusal(sp: int, world_size: int, model_config, command: str = "train") -> str | None:
-    """The one line refusing `vlmrl COMMAND` with sp > 1 (None for sp 1): a family, world size or head count that
-    does not fit first (naming the field and the fix), else that the loop does not run SP yet. model_config: the
-    model's transformers config (text_config read when present), None when not readable before loading."""
+def sequence_parallel_refusal(sp: int, world_size: int, model_config, command: str = "train", cfg=None) -> str | None:
+    """The one line refusing `vlmrl COMMAND` with sp > 1, or None when the run can go ahead (always None for sp 1).
+    What runs: `vlmrl train` with sp = the number of processes (one SP group, no data parallelism beside it) on a
+    covered family with divisible heads, full-weight training, the in-process loop sampler, single-turn rollouts.
+    model_config: the model's transformers config (text_config read when present), None when not readable before
+    loading (vlmrl's embedded model); cfg: the run's Config (its other settings checked), None to skip them."""
     if sp == 1:
         return None
+    field = f"training.sequence_parallel_size={sp}"
+    if command != "train":
+        return f"{field}: not yet in `vlmrl {command}` (only `vlmrl train` runs Ulysses); set training.sequence_parallel_size=1"
+    covered = ", ".join(covered_model_types())
     if model_config is None:  # vlmrl's embedded model: nothing to read before it is built
-        return NOT_YET.format(sp=sp, command=command)
+        return f"{field}: Ulysses covers {covered} for now, not the embedded model; set it to 1"
     model_type = getattr(model_config, "model_type", None)
-    if model_type not in model_types("sequence_parallel"):
-        covered = ", ".join(model_types("sequence_parallel"))
-        return f"training.sequence_parallel_size={sp}: Ulysses covers {covered} for now, not {model_type}; set it to 1"
+    if model_type not in covered_model_types() or mixture_of_experts(model_config):
+        return f"{field}: Ulysses covers {covered} (dense) for now, not {model_type}{' (experts)' * mixture_of_experts(model_config)}; set it to 1"
     text = getattr(model_config, "text_config", None) or model_config
     try:
         check_sp_size(sp, world_size, text.num_attention_heads, text.num_key_value_heads)
     except SequenceParallelError as e:
         return str(e)
-    return NOT_YET.format(sp=sp, command=command)
+    if sp != world_size:
+        return (
+            f"{field} with {world_size} processes: sequence parallelism inside data parallelism is not done yet; "
+            f"set it to the number of processes ({world_size}) or 1"
+        )
+    return None if cfg is None else _setting_refusal(field, cfg)
+
+
+def _setting_refusal(field: str, cfg) -> str | None:
+    """The first setting of `cfg` that Ulysses does not run with yet, as one line naming both fields; None when none."""
+    r = cfg.rollout
+    refusals = (
+        (cfg.model.use_lora, "model.use_lora=true (LoRA under Ulysses is not tested yet); train full weights"),
+        (r.backend != "inprocess", f"rollout.backend={r.backend} (each SP rank would ask its own sampler); use rollout.backend=inprocess"),
+        (r.engine != "loop", f"rollout.engine={r.engine} (not shown to sample identically on every SP rank yet); use rollout.engine=loop"),
+        (cfg.multiturn, "multi-turn rollouts (they score through another path); unset tools.tools and tools.environment"),
+        (cfg.algorithm.teacher_path is not None, "algorithm.teacher_path (the teacher is scored whole); unset it"),
+    )
+    for refused, why in refusals:
+        if refused:
+            return f"{field}: not yet with {why}, or set training.sequence_parallel_size=1"
+    return None
 
 
 # ---------------------------------------------------------------- the collectives, differentiable
@@ -211,6 +244,16 @@ class _State:
 
 
 _ACTIVE: list[_State] = []
+# The longest sequence (sp-padded) a decoder forward ran under SP since the last `take_split_metrics`, and this
+# process's share of it: the loop logs both, so a run shows that its rows were split.
+_SPLIT = {"tokens": 0, "tokens_per_process": 0}
+
+
+def take_split_metrics() -> dict[str, int]:
+    """{sequence_parallel/tokens, sequence_parallel/tokens_per_process} since the last call (then reset)."""
+    out = {f"sequence_parallel/{k}": v for k, v in _SPLIT.items()}
+    _SPLIT.update(tokens=0, tokens_per_process=0)
+    return out
 
 
 def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -250,8 +293,25 @@ def _pre_hook(module, args, kwargs):
         position_ids = torch.arange(t, device=embeds.device).view(1, 1, -1).expand(3, b, -1)
     kwargs = dict(kwargs, attention_mask=None)
     kwargs["inputs_embeds"] = local_share(pad_to_multiple(embeds, state.sp, 1), state.rank, state.sp, 1)
+    _SPLIT["tokens"] = max(_SPLIT["tokens"], state.padding.shape[1])
+    _SPLIT["tokens_per_process"] = max(_SPLIT["tokens_per_process"], kwargs["inputs_embeds"].shape[1])
     kwargs["position_ids"] = local_share(pad_to_multiple(position_ids, state.sp, -1), state.rank, state.sp, position_ids.ndim - 1)
+    if kwargs.get("deepstack_visual_embeds") is not None:  # Qwen3-VL: features added to the image tokens' hidden states
+        kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = deepstack_share(
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"], state.rank, state.sp
+        )
     return args, kwargs
+
+
+def deepstack_share(visual_pos_masks: torch.Tensor, embeds: list[torch.Tensor], rank: int, sp: int):
+    """Qwen3-VL's DeepStack inputs cut to rank `rank`'s sequence share: visual_pos_masks [B, T] (bool, image tokens)
+    -> [B, T'/sp] (T' = T padded to a multiple of sp, padding not visual); each of `embeds` [N, hidden] (one row per
+    image token, in the mask's row-major order) -> [n, hidden], the rows of the image tokens in the share."""
+    full = pad_to_multiple(visual_pos_masks.bool(), sp, 1, False)
+    ordinal = (full.reshape(-1).long().cumsum(0) - 1).view_as(full)  # the embeds row of each image token
+    mine = local_share(full, rank, sp, 1)
+    rows = local_share(ordinal, rank, sp, 1)[mine]
+    return mine, [e[rows.to(e.device)] for e in embeds]
 
 
 def _post_hook(module, args, kwargs, output):
@@ -264,8 +324,8 @@ def _post_hook(module, args, kwargs, output):
 def _text_model(core):
     inner = getattr(core, "model", None)
     text = getattr(inner, "language_model", None)
-    if getattr(core.config, "model_type", None) not in model_types("sequence_parallel") or text is None:
-        covered, found = ", ".join(model_types("sequence_parallel")), getattr(core.config, "model_type", type(core).__name__)
+    if getattr(core.config, "model_type", None) not in covered_model_types() or mixture_of_experts(core.config) or text is None:
+        covered, found = ", ".join(covered_model_types()), getattr(core.config, "model_type", type(core).__name__)
         raise SequenceParallelError(f"sequence parallelism covers {covered} for now, not {found}")
     return text
 

@@ -12,6 +12,7 @@ FAMILY = Family(
     prefix_videos=True,
     continuous=True,
     multiturn=True,
+    sequence_parallel=True,
     dynamic_resolution=True,
     video=True,
     plan_video=True,

@@ -14,6 +14,7 @@ FAMILY = Family(
     prefix_videos=True,
     continuous=True,
     multiturn=True,
+    sequence_parallel=True,
     dynamic_resolution=True,
     video=True,
     timestamped_video=True,

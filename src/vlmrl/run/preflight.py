@@ -84,8 +84,9 @@ def preflight(cfg: Config, command: str, log=print):
 
 
 def check_sequence_parallel(cfg: Config, command: str) -> None:
-    """ConfigError for training.sequence_parallel_size > 1: a size that does not divide the processes or the model's
-    heads, or (any size > 1) that the loops do not run Ulysses yet (engine/ulysses.py)."""
+    """ConfigError for a training.sequence_parallel_size > 1 the run cannot use: a size that does not divide the
+    processes or the model's heads, a family Ulysses does not cover, or a setting it does not run with yet
+    (engine/ulysses.sequence_parallel_refusal); nothing when `vlmrl train` can run it."""
     sp = cfg.training.sequence_parallel_size
     if sp == 1:
         return
@@ -95,7 +96,9 @@ def check_sequence_parallel(cfg: Config, command: str) -> None:
 
     name = cfg.model.name_or_path
     model_config = None if name == EMBEDDED_MODEL else AutoConfig.from_pretrained(name, local_files_only=not cfg.model.allow_hub_download)
-    raise ConfigError(sequence_parallel_refusal(sp, env_world()[0], model_config, "train" if command == "check" else command))
+    refusal = sequence_parallel_refusal(sp, env_world()[0], model_config, "train" if command == "check" else command, cfg)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def check_model_weights(cfg: Config) -> None:

@@ -18,6 +18,6 @@ def sample_request(run, step: int, row_indices: list[int], prompts: dict, prompt
         names=[f"step {step}, row {i} ({row.get('_source', 'built-in task')})" for i, row in zip(row_indices, rows)],
         prompts=prompts,
         seeds=[prompt_seed(cfg.training.seed, step, position) for position in run.shard.prompts],
-        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.world_size + dist.rank,
+        step_seed=(cfg.training.seed * 1_000_003 + step) * dist.data_world + dist.rank // dist.sp,  # an SP group's processes alike
         prompts_per_call=prompts_per_call,
     )
