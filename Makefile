@@ -11,7 +11,7 @@ CONSTRAINTS ?= constraints.txt
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-vllm demo demo-quick gpu-suite gpu-suite-plan lint test test-unit test-integration test-multiproc test-slow test-trackers test-trl-rewards test-vllm reference clean
+.PHONY: install install-vllm demo demo-quick gpu-suite gpu-suite-plan lint test test-unit test-integration test-multiproc test-slow test-families test-trackers test-trl-rewards test-vllm reference clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,12 @@ test-multiproc: install
 
 test-slow: install
 	$(PY) -m pytest -m slow
+
+# The 2026 families end to end (issue 38; slow tier, run by CI after make test): per family 2 GRPO steps with the
+# memory defaults, stop + resume bit-exact, final/ reloaded with AutoModelForImageTextToText, SFT and LoRA GRPO.
+FAMILY_TESTS ?= tests/test_families_2026.py tests/test_families_2026_b.py tests/test_families_2026_c.py
+test-families: install
+	$(PY) -m pytest -m slow $(FAMILY_TESTS) -q --durations=20
 
 # Against the real optional packages (installed into the venv; needs the network once): W&B offline and MLflow with a
 # local store (tests/test_trackers_real.py), and TRL's own reward functions inside `vlmrl train` (test_trl_rewards_real.py).
