@@ -1,4 +1,4 @@
-"""Continuous-batching rollout engine (rollout.engine=continuous) against HF generate and today's loop."""
+"""Continuous-batching rollout decoder (rollout.engine=continuous) against HF generate and today's loop."""
 
 import pytest
 import torch
@@ -200,7 +200,7 @@ def test_engine_logits_equal_a_full_forward(biased, name):
 
 
 def test_planner_rollout_term_follows_the_engine():
-    """The continuous engine holds decode_batch_size rows of KV cache (preallocated), the loop every row of the call."""
+    """The continuous decoder holds decode_batch_size rows of KV cache (preallocated), the loop every row of the call."""
     from dataclasses import replace
 
     from vlmrl.plan.planner import Workload, generation_rows, model_spec, plan

@@ -118,7 +118,7 @@ BATCH = {"input_ids": torch.tensor([[5]]), "attention_mask": torch.tensor([[1]])
 
 def test_the_decoders_follow_the_agreement_they_are_given(monkeypatch):
     """keep_decoding asks the agreement; generate hands it to the shared-prefix loop, to HF generate as synced_gpus,
-    and keeps the continuous engine out (its steps depend on this process's rows only)."""
+    and keeps the continuous decoder out (its steps depend on this process's rows only)."""
     assert keep_decoding(False, None) is False and keep_decoding(False, agree) is True
     calls = []
     monkeypatch.setattr(rollout_mod, "vision_token_ids", lambda model: [])

@@ -1,5 +1,5 @@
 """The 2026 families (issue 38): each builds offline, its processor round-trips an image prompt into the model's
-own forward, the registry names it; slow tier: 2 GRPO steps with the memory engine on (chunked log-probs, grouped
+own forward, the registry names it; slow tier: 2 GRPO steps with the memory savers on (chunked log-probs, grouped
 vision and shared prefix requested: these families take the naive path), exact resume, and `final/` reloads in
 plain transformers."""
 

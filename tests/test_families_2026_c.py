@@ -1,5 +1,5 @@
 """The third batch of 2026 families (issue 38; tiny_models/tiny_2026_c.py): each builds offline, its processor feeds an
-image prompt into the model's own forward, the registry names it; slow tier: 2 GRPO steps with the memory engine on,
+image prompt into the model's own forward, the registry names it; slow tier: 2 GRPO steps with the memory savers on,
 exact resume and `final/` reloading in plain transformers (the checks of tests/test_families_2026.py, reused)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools in the continuous engine (issue 28, parts 2 to 4): exactness against the chat
+"""Multi-turn rollouts with tools in the continuous decoder (issue 28, parts 2 to 4): exactness against the chat
 template and a naive HF-generate loop, the loss mask, the budgets.
 
 Random tiny models never write a valid tool call by themselves, so the tests script some turns: `force(row, turn, j)`

@@ -22,7 +22,7 @@ def test_backend_defaults_to_the_inprocess_engine():
     cfg = load_config(None, [])
     assert (cfg.rollout.backend, cfg.rollout.vllm_mode, cfg.rollout.vllm_gpu_memory_utilization) == ("inprocess", "colocate", 0.3)
     assert make_backend(cfg, ONE, None, None, None, False, {}, 0).name == "inprocess"
-    assert "in-process engine" in describe_backend(cfg)
+    assert "in-process decoder" in describe_backend(cfg)
 
 
 @pytest.mark.parametrize(

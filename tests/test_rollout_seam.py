@@ -1,6 +1,6 @@
 """The rollout seam (rollout/base.py): the loops, their skeleton and the evaluation reach a decoder only through a
 RolloutBackend. A module outside rollout/ that imported a decoder entry point (models/rollout.generate, the
-shared-prefix loop, the continuous engine, the multi-turn engine, tool rollouts) would sample around the backend the
+shared-prefix loop, the continuous decoder, the multi-turn engine, tool rollouts) would sample around the backend the
 run chose (e.g. in-process while rollout.backend=vllm), so it fails here. At run time too: a GRPO step and its
 evaluation with every decoder (and HF generate) wrapped, each call must come from a rollout/ backend method (catches
 a decoder reached through importlib, an attribute or HF generate on the model, which no import shows)."""

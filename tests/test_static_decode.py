@@ -1,4 +1,4 @@
-"""The continuous engine's static decode step (rollout.decode_step=static): fixed batch buckets over every cache
+"""The continuous decoder's static decode step (rollout.decode_step=static): fixed batch buckets over every cache
 column give the dynamic step's tokens; graph capture (cuda_graph) is CUDA-only and measured by benchmarks/gpu_suite.py."""
 
 import pytest
@@ -74,7 +74,7 @@ def test_cuda_graph_step_is_refused_off_cuda(biased):  # noqa: F811
 
 @pytest.mark.unit
 def test_decode_step_config_names_the_field_and_the_fix():
-    with pytest.raises(ConfigError, match="rollout.decode_step=static is a step of the continuous engine: set rollout.engine=continuous"):
+    with pytest.raises(ConfigError, match="rollout.decode_step=static is a step of the continuous decoder: set rollout.engine=continuous"):
         load_config(None, ["rollout.decode_step=static"])
     with pytest.raises(ConfigError, match="rollout.decode_step=cuda_graph needs a CUDA device"):
         load_config(None, ["rollout.engine=continuous", "rollout.decode_step=cuda_graph", "training.device=cpu"])

@@ -20,7 +20,7 @@ LAYERS = (
     ("tools",),  # tool functions, tool-call parsing, environments, trajectories
     ("processors", "tiny_models"),  # processor stand-ins (no torchvision); offline tiny builders
     ("families",),  # one Family per VLM family, the registry and the generic fallback
-    ("models",),  # loading, processors, log-probs, prefix, rollout engines
+    ("models",),  # loading, processors, log-probs, prefix, rollout decoders
     ("checkpoints",),
     ("engine",),  # processes, engines, OOM, memory readings
     ("plan",),

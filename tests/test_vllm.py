@@ -322,9 +322,9 @@ def test_lora_steps_then_vllm_greedy_equals_hf_greedy_of_the_merged_model(engine
 
 def test_tool_rollouts_through_vllm_equal_the_in_process_engine_under_greedy(engine, monkeypatch):
     """tools.tools=[zoom] with rollout.backend=vllm: every row's first turn a scripted zoom call (a random model never
-    writes one; the same `force` hook as the in-process engine's tests), the tool turn with its image appended, then
+    writes one; the same `force` hook as the in-process decoder's tests), the tool turn with its image appended, then
     the model's own greedy turn. vLLM (turn by turn, every turn's prompt checked against the trainer's sequence) and
-    the in-process continuous engine give the same trajectories, token for token: ids, the loss mask, the tool
+    the in-process continuous decoder give the same trajectories, token for token: ids, the loss mask, the tool
     images' tensors, the turn texts and end reasons; the sampler log-probs agree."""
     import vlmrl.run.tool_rollout as tool_rollout
     from vlmrl.models.multiturn import content_prefix, turn_end

@@ -123,7 +123,7 @@ def test_grpo_with_vllm_learns_the_demo_task(tmp_path):
 
 def test_vlmrl_eval_through_vllm_equals_the_in_process_eval(tmp_path, capsys):
     """`vlmrl eval rollout.backend=vllm` decodes through vLLM (its log line says so) and writes the eval.json the
-    in-process engines write: the same greedy completions give the same accuracy, rewards and lengths."""
+    in-process decoders write: the same greedy completions give the same accuracy, rewards and lengths."""
     from vlmrl.cli import main
     from vlmrl.data.tasks import make_count_task
     from vlmrl.tiny_models.tiny import build_tiny_qwen25vl

@@ -1176,7 +1176,7 @@ def _rollout_rules(cfg: Config) -> list[tuple[bool, str]]:
         (r.decode_batch_size >= 0, f"rollout.decode_batch_size={r.decode_batch_size} must be >= 0 (0 = all rows of a generate call)"),
         (
             r.decode_step == "dynamic" or r.engine == "continuous",
-            f"rollout.decode_step={r.decode_step} is a step of the continuous engine: set rollout.engine=continuous, or decode_step=dynamic",
+            f"rollout.decode_step={r.decode_step} is a step of the continuous decoder: set rollout.engine=continuous, or decode_step=dynamic",
         ),
         (
             r.decode_step != "cuda_graph" or t.device != "cpu",
@@ -1362,10 +1362,10 @@ def _tools_rules(cfg: Config) -> list[tuple[bool, str]]:
         (not t.environment or ":" in t.environment, f"tools.environment={t.environment!r}: give path/to/file.py:Class or module:Class"),
         (
             not on or r.engine == "continuous",
-            f"tools.tools is set (multi-turn rollouts), which run in the continuous engine: set rollout.engine=continuous (it is {r.engine})",
+            f"tools.tools is set (multi-turn rollouts), which run in the continuous decoder: set rollout.engine=continuous (it is {r.engine})",
         ),
         (not on or r.decode_step == "dynamic", f"tools.tools: multi-turn rollouts use rollout.decode_step=dynamic (it is {r.decode_step})"),
-        (not on or cfg.memory.shared_prefix, "tools.tools: multi-turn rollouts need memory.shared_prefix=true (the continuous engine)"),
+        (not on or cfg.memory.shared_prefix, "tools.tools: multi-turn rollouts need memory.shared_prefix=true (the continuous decoder)"),
         (
             # Multi-turn scoring (models.multiturn.sequence_logps*) does not collect the LM head's entropies.
             not on or cfg.algorithm.top_entropy_quantile == 1.0,

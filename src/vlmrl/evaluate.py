@@ -41,7 +41,7 @@ def evaluate_on(
     DDP), or every process through the engine when parameters are sharded (they all take part in the all-gathers).
     Every process gets the metrics; a failure on the main process raises on every process. `stop`: a GracefulStop
     whose request ends the evaluation between batches (EvaluationStopped on every process). `backend`: the run's
-    rollout backend, which decodes (None: the in-process engines)."""
+    rollout backend, which decodes (None: the in-process decoders)."""
     if dist.sharded:  # an OOM here stops every process (oom.Peers.can_redo is false): the others are in the all-gathers
         asked = None if stop is None else (lambda: dist.any(stop.requested))  # every process leaves at the same batch
         mode = cfg.memory.generation_gather
@@ -86,7 +86,7 @@ def evaluate(
     `samples`, when given, receives the first logging.log_completions rows' greedy answers (`eval_sample`).
     `stop`, when given, is asked before every batch; True ends the evaluation (EvaluationStopped).
     `backend`: the run's rollout backend (rollout/base.py), whose evaluator decodes (rollout.backend=vllm: vLLM with
-    the trainer's weights); None: the in-process engines, with `decode_agreement`: how the processes that evaluate
+    the trainer's weights); None: the in-process decoders, with `decode_agreement`: how the processes that evaluate
     together decode in step (Engine.decode_agreement), or None."""
 
     was_training = model.training

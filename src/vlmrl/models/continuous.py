@@ -1,4 +1,4 @@
-"""Continuous-batching rollout engine (rollout.engine=continuous): the decode batch stays full.
+"""Continuous-batching rollout decoder (rollout.engine=continuous): the decode batch stays full.
 
 `prefix.sample_with_shared_prefix` (rollout.engine=loop) decodes all U*G rows of a call together until the
 longest one ends: a row that stops after 20 tokens of 256 keeps paying its share of every forward, LM head

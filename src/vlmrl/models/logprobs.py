@@ -184,7 +184,7 @@ def selective_logps(
 ) -> torch.Tensor:
     """hidden [N, T, H] predicting targets [N, T] -> [N, T] log-probs, chunked over N*T tokens.
 
-    chunk_tokens <= 0 turns the memory engine off: one [N*T, V] logits block, kept for backward
+    chunk_tokens <= 0 turns the memory savers off: one [N*T, V] logits block, kept for backward
     (the naive path; benchmarks and equivalence tests compare against it). A plain linear head goes through
     `_FusedHeadLogps` (one reused buffer); any other head through checkpointed chunks."""
     n, t, h = hidden.shape

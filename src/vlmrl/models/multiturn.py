@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools in the continuous engine (issue 28, parts 2 and 3): token-exact by construction.
+"""Multi-turn rollouts with tools in the continuous decoder (issue 28, parts 2 and 3): token-exact by construction.
 
 A row decodes as in `continuous.ContinuousDecoder` until its turn ends with the template's turn-end token. If the
 turn holds a tool call, the row pauses: its K/V columns (prompt + every token so far) are copied out of its slot, and

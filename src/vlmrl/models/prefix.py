@@ -303,7 +303,7 @@ def sample_with_shared_prefix(
 
     The prompts are prefilled once ([U, P]: one vision pass per prompt), the cache is repeated G times,
     then all U*G rows decode one token per forward. row_seeds: [U*G] seeds of per-row sampling streams
-    (`continuous.row_seed`; the continuous engine's streams); default one global stream (torch.rand).
+    (`continuous.row_seed`; the continuous decoder's streams); default one global stream (torch.rand).
     decode_agreement: None, or how the processes agree to take another step (`keep_decoding`)."""
     core = unwrap(model)
     G = num_generations if do_sample else 1

@@ -129,11 +129,11 @@ def generate(
     also at most prompts_per_call x G) in flight, finished rows replaced by queued prompts' rows; decode_step (the
     engine's step: dynamic, static or cuda_graph, `static_decode`).
     prompt_seeds: [B] seeds of per-row sampling streams (row g of prompt b: `continuous.row_seed`), so a row's
-    tokens do not depend on the batch it is decoded in; the continuous engine draws them from the global
+    tokens do not depend on the batch it is decoded in; the continuous decoder draws them from the global
     stream when not given. Returns [B*G, T] completions grouped by prompt.
     decode_agreement: None (each process decodes alone), or how the processes that decode in step agree to take
     another step (distributed.Engine.decode_agreement: every forward holds collectives); HF generate gets
-    synced_gpus then, and the continuous engine is not used.
+    synced_gpus then, and the continuous decoder is not used.
     """
 
     eos = eos_token_ids(model, tokenizer)
@@ -143,7 +143,7 @@ def generate(
     sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_new_tokens=min_new_tokens)
     fixed = dict(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad, suppress_ids=vision_token_ids(model))
 
-    # The continuous engine's decode steps depend on this process's rows only: not used when processes decode in step.
+    # The continuous decoder's decode steps depend on this process's rows only: not used when processes decode in step.
     continuous = engine == "continuous" and decode_agreement is None
     if continuous and shared_prefix and prefix_supported(model, prompt_batch) and _engine_supported(model):
         if do_sample and prompt_seeds is None:

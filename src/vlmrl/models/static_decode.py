@@ -1,4 +1,4 @@
-"""Static-shape decode step of the continuous engine (rollout.decode_step=static / cuda_graph).
+"""Static-shape decode step of the continuous decoder (rollout.decode_step=static / cuda_graph).
 
 The dynamic step (`ContinuousDecoder.decode`) runs the n active rows over the columns seen so far: its shapes change
 every step, so each step launches every kernel anew (on a GPU, at 3B scale and small batches, decode is launch- and

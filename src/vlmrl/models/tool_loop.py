@@ -4,7 +4,7 @@ Each turn, every row still running is rendered with the chat template (tool turn
 render.for_template), encoded with all of its images so far, and extended by ``model.generate``; the new text goes to
 its environment (``tools.environment``: parse the calls, run them, the observation comes back as messages). Rows of a
 batch share one ``generate`` call per turn (left padded, as rollouts are). This re-tokenises every earlier turn, which
-the continuous engine does not: it is the reference the engine's greedy multi-turn rollout is compared with, and the
+the continuous decoder does not: it is the reference the engine's greedy multi-turn rollout is compared with, and the
 evaluation loop for tool tasks.
 """
 

@@ -118,7 +118,7 @@ def workload_from_config(cfg, world_size: int = 1, gpu_memory_bytes: int | None 
 
 def vllm_fields(cfg) -> dict:
     """Workload fields of a colocated vLLM (rollout.backend=vllm): its cap, sleep level, tensor-parallel size, the
-    images per prompt it is profiled for (data.limit_images) and its max_model_len. {} for the in-process engine."""
+    images per prompt it is profiled for (data.limit_images) and its max_model_len. {} for the in-process decoder."""
     r = cfg.rollout
     if getattr(r, "backend", "inprocess") != "vllm":
         return {}

@@ -465,7 +465,7 @@ def scoring_temporaries(spec: ModelSpec, w: Workload, mb: MicroBatch) -> float:
 
 def generation_rows(w: Workload) -> tuple[int, int]:
     """(rows whose KV cache the rollout holds at once, prompts prefilled together). The loop holds every row of a
-    generate call (prompts_per_call x G); the continuous engine (shared prefix) a preallocated cache of
+    generate call (prompts_per_call x G); the continuous decoder (shared prefix) a preallocated cache of
     decode_batch_size slots and prefills at most slots / G prompts at a time."""
     ppc = w.prompts_per_call or w.prompts_per_step
     rows = ppc * w.num_generations

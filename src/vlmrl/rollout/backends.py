@@ -20,7 +20,7 @@ def describe_backend(cfg, world_size: int = 1) -> str:
     """One line for `vlmrl check`: the sampler that will run and why; raises ConfigError where it cannot."""
     r = cfg.rollout
     if r.backend == "inprocess":
-        return f"rollout: vlmrl's in-process engine (rollout.backend=inprocess, the default; rollout.engine={r.engine})"
+        return f"rollout: vlmrl's in-process decoder (rollout.backend=inprocess, the default; rollout.engine={r.engine})"
     refuse_vllm(cfg, world_size)
     if r.vllm_mode == "server":
         from vlmrl.rollout.client import server_addresses
@@ -90,7 +90,7 @@ def refuse_vllm(cfg, world_size: int, engine: str | None = None) -> None:
 
 
 def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools: dict, pad_id: int, log=print) -> RolloutBackend:
-    """The run's rollout backend (rollout/base.py): vlmrl's in-process engines, or vLLM (colocated, or its servers)."""
+    """The run's rollout backend (rollout/base.py): vlmrl's in-process decoders, or vLLM (colocated, or its servers)."""
     if cfg.rollout.backend != "vllm":
         agreement = dist.decode_agreement(cfg.memory.generation_gather)  # processes decoding in step, or None
         return InProcessRollout(cfg, dist, model, processor, opts, per_prompt_seed, tools, pad_id, decode_agreement=agreement)
@@ -102,7 +102,7 @@ def make_backend(cfg, dist, model, processor, opts, per_prompt_seed: bool, tools
 
 
 def eval_backend(cfg, model, processor, log=print) -> RolloutBackend | None:
-    """What `vlmrl eval` decodes with: None (the in-process engines), or vLLM built from cfg.model.name_or_path
+    """What `vlmrl eval` decodes with: None (the in-process decoders), or vLLM built from cfg.model.name_or_path
     (rollout.backend=vllm; its greedy decoding, rollout/vllm_backend.VLLMGreedy) with `model`'s weights pushed."""
     if cfg.rollout.backend != "vllm":
         return None

@@ -6,9 +6,9 @@ A `RolloutBackend` is chosen once at the start of a run (rollout/backends.make_b
     seeds (or the step's stream) in `request`; a backend that samples elsewhere returns the sampled tokens'
     log-probs (Completions.sampling_logps) and keeps what it measured in `metrics` (logged with the step);
   - `evaluator(model, opts)`: the greedy decoder of one evaluation (`evaluate.evaluate`), whose `greedy(rows, prompts,
-    names)` gives one greedy completion per prompt: the in-process engines on the evaluated model, or vLLM with the
+    names)` gives one greedy completion per prompt: the in-process decoders on the evaluated model, or vLLM with the
     trainer's weights pushed (and probed) once per evaluation, every prompt checked as in `sample`.
-Implementations: rollout/inprocess.py (vlmrl's engines: HF generate, the shared-prefix loop, the continuous engine
+Implementations: rollout/inprocess.py (vlmrl's engines: HF generate, the shared-prefix loop, the continuous decoder
 with its static decode, multi-turn tool rollouts) and rollout/vllm_backend.py (vLLM colocated).
 """
 

@@ -1,7 +1,7 @@
 """rollout.backend=inprocess (the default): vlmrl's own engines sample in the training process, with the weights it
 trains. `rollout.engine` picks the decoder inside models/rollout.generate (HF generate, the shared-prefix loop, the
-continuous engine and its static decode); tools.tools switches to multi-turn tool rollouts (run/tool_rollout.py).
-Seeds: one stream per prompt where rows are sampled per prompt (continuous engine, tools, rollout.sampling_seed=prompt),
+continuous decoder and its static decode); tools.tools switches to multi-turn tool rollouts (run/tool_rollout.py).
+Seeds: one stream per prompt where rows are sampled per prompt (continuous decoder, tools, rollout.sampling_seed=prompt),
 else one stream per step and process.
 """
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class InProcessRollout:
-    """The in-process engines behind the rollout seam. `dist`: the run's distributed.Distributed (its engine runs
+    """The in-process decoders behind the rollout seam. `dist`: the run's distributed.Distributed (its engine runs
     the decoder through the wrapped model and gathers sharded weights for generation); `opts`: LogprobOptions;
     `decode_agreement`: how the processes decode in step (dist.decode_agreement; None: each decides alone)."""
 
@@ -48,7 +48,7 @@ class InProcessRollout:
         """[P*G, T] completions, seeded so that a redo (after an OOM, or after a resume) samples the same."""
         r, dist = self.cfg.rollout, self.dist
         with self.opts.autocast(), dist.gathered_for_generation(self.cfg.memory.generation_gather):
-            if self.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous engine's seeds, one call
+            if self.tools:  # multi-turn rollouts with tools (tool_rollout.py): the continuous decoder's seeds, one call
                 return dist.call(
                     sample_with_tools, self.processor, self.cfg, self.tools, request.rows, request.prompts, request.seeds, self.decode_agreement
                 )

@@ -75,7 +75,7 @@ def answer_logps(model, batch: dict, ids: torch.Tensor, opts) -> torch.Tensor:
 
 def greedy_params(r, rows: int, eos: list[int]) -> list[dict]:
     """The evaluation's vLLM sampling parameters, one dict per row: one greedy completion (temperature 0: the argmax
-    over the allowed tokens, as the in-process engines' greedy decoding), up to rollout.max_completion_length."""
+    over the allowed tokens, as the in-process decoders' greedy decoding), up to rollout.max_completion_length."""
     return [{"n": 1, "max_tokens": r.max_completion_length, "temperature": 0.0, "seed": 0, "logprobs": 0, "stop_token_ids": eos}] * rows
 
 

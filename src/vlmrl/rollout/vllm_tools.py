@@ -1,19 +1,19 @@
 """rollout.backend=vllm with tools (tools.tools / tools.environment): multi-turn rollouts sampled by vLLM one turn at a
-time, laid out token for token as the in-process engine lays them out (models/multiturn.py).
+time, laid out token for token as the in-process decoder lays them out (models/multiturn.py).
 
 Each row keeps two forms of its sequence: vLLM's (the prompt's chat text tokenised with one placeholder per image,
 then every turn's tokens, then each tool turn tokenised the same way, its images appended to the row's image list:
 vLLM expands the placeholders itself) and the trainer's (the processor's expanded prompt, then the same turns, each
-tool turn encoded by the processor with its images, as the in-process engine's suffix). Every turn's request is
+tool turn encoded by the processor with its images, as the in-process decoder's suffix). Every turn's request is
 checked: the prompt vLLM expanded must be the trainer's sequence so far, token for token (parity.check_prompts), so
 the turns are trained on what they were sampled from. The turn logic (a turn ends at the template's turn end; an
 answer ends the rollout; tool calls go to the row's environment and its result comes back as the template's tool
 turn; the budgets and end reasons: tools.max_turns, max_turn_tokens, max_total_tokens, the images, stop_token) is
-the in-process engine's, so under greedy decoding the two give the same trajectories (tests/test_vllm.py).
+the in-process decoder's, so under greedy decoding the two give the same trajectories (tests/test_vllm.py).
 
 Sampled turns: each turn is a vLLM request with its own seed, from the prompt's seed, the generation and the turn
-(the in-process engine draws a row's turns from one generator): reproducible, not the in-process engine's draws.
-Tool calls run one after another, between turns (the in-process engine runs them in a thread pool while other rows
+(the in-process decoder draws a row's turns from one generator): reproducible, not the in-process decoder's draws.
+Tool calls run one after another, between turns (the in-process decoder runs them in a thread pool while other rows
 decode).
 """
 
@@ -67,7 +67,7 @@ class ToolRow:
 
 class ToolRollouts:
     """G multi-turn rollouts per prompt through a VLLMRollout's engine (module docstring). `force(row, turn, j) -> id |
-    None`: tests only, as the in-process engine's (the script's tokens replace the model's choice of token j of a turn)."""
+    None`: tests only, as the in-process decoder's (the script's tokens replace the model's choice of token j of a turn)."""
 
     def __init__(self, vllm, rows: list[dict], prompts: dict, seeds: list[int], names: list[str], greedy: bool = False, force=None):
         self.v, self.cfg, self.greedy, self.force = vllm, vllm.cfg, greedy, force
@@ -150,7 +150,7 @@ class ToolRollouts:
         }
 
     def _take_turn(self, row: ToolRow, forced: list[int], out: dict) -> None:
-        """Append one turn's tokens to `row` and end it the in-process engine's way (models/multiturn._end_turn)."""
+        """Append one turn's tokens to `row` and end it the in-process decoder's way (models/multiturn._end_turn)."""
         sample = out["samples"][0]
         scripted_done = bool(forced) and (forced[-1] in self.v.eos or len(forced) >= self.turn_tokens or len(row.out) + len(forced) >= self.T)
         new = forced if scripted_done else forced + list(sample["token_ids"])
@@ -209,7 +209,7 @@ class ToolRollouts:
 
     # ------------------------------------------------------------ results
     def result(self) -> Completions:
-        """[N, T] the loop's Completions, as run/tool_rollout.sample_with_tools returns the in-process engine's."""
+        """[N, T] the loop's Completions, as run/tool_rollout.sample_with_tools returns the in-process decoder's."""
         width = max(1, max(len(row.out) for row in self.rows))
         N, pad = len(self.rows), self.v.pad
         ids = torch.full((N, width), pad, dtype=torch.long)

@@ -4,7 +4,7 @@ the engine's rollout as the loop's `Completions`, and the metrics it logs.
 The engine is `models.multiturn.sample_multiturn`; this module only connects it to the run: tools from
 `tools.tools` (a load error names the field), a `ToolEnvironment` per completion row (budgets from tools.*, the
 pixel boxes of Qwen-style models scaled from the size the model saw, data.min_pixels / data.max_pixels), seeds as
-the continuous engine's, and the rollout handed on with `mask` = every real token (scoring attends to the tool
+the continuous decoder's, and the rollout handed on with `mask` = every real token (scoring attends to the tool
 turns), `loss_mask` = the model's own tokens, the tool images and the trajectories (rewards get them in TRL's
 conversational shape).
 """

@@ -4,7 +4,7 @@ An environment is a small class: ``reset(row) -> observation`` starts a rollout 
 ``step(action_text) -> (observation, reward, done)`` takes the model's text for one turn. An observation is a
 list of chat messages to append to the conversation (``reset``: the prompt; ``step``: the tool turn), so the
 engine can render it with the chat template and append it as tokens. ``run_episode`` is the plain reference
-loop (a policy function in, a Trajectory out); the continuous engine's multi-turn rollout is ``models.multiturn``.
+loop (a policy function in, a Trajectory out); the continuous decoder's multi-turn rollout is ``models.multiturn``.
 """
 
 from __future__ import annotations

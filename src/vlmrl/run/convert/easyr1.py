@@ -131,7 +131,7 @@ def _easyr1_reason(dotted: str) -> str:
     if dotted == "worker.rollout.enforce_eager":
         return "vlmrl runs vLLM eagerly (no CUDA graphs)"
     if dotted.startswith("worker.rollout.val_override_config."):
-        return "evaluation samples greedily with the in-process engine (vlmrl eval, training.eval_steps)"
+        return "evaluation samples greedily with the in-process decoder (vlmrl eval, training.eval_steps)"
     if dotted.startswith("worker.rollout."):
         return "a setting of EasyR1's vLLM workers vlmrl does not expose"
     if ".fsdp." in dotted or ".offload." in dotted or dotted.endswith(("padding_free", "dynamic_batching", "ulysses_size")):
