@@ -120,7 +120,7 @@ def _fake_run(rank: int, sent: list, received=None):
 
     dist = SimpleNamespace(sharded=False, is_main=rank == 0, world_size=2, broadcast=lambda obj: sent.append(obj) or (obj if rank == 0 else received))
     data, logger = SimpleNamespace(eval=[{}]), SimpleNamespace(info=print)
-    return SimpleNamespace(dist=dist, model=None, processor=None, data=data, cfg=None, reward_funcs={}, device=None, logger=logger)
+    return SimpleNamespace(dist=dist, model=None, processor=None, data=data, cfg=None, reward_funcs={}, device=None, logger=logger, backend=None)
 
 
 def test_a_failed_evaluation_on_the_main_process_reaches_the_others(monkeypatch):
