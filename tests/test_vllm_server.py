@@ -188,6 +188,23 @@ def test_two_servers_in_data_parallel_sample_what_one_server_samples(server, tmp
         proc.wait()
 
 
+def test_lora_run_and_its_evaluation_through_the_server(server, tmp_path):
+    """model.use_lora in server mode: every push is the merged model (rollout/weights.py) over the weight group and the
+    server's probe passes at every step; the held-out evaluation after step 2 decodes through the server."""
+    folder, port, _, _ = server
+    out = tmp_path / "lora"
+    extra = ("model.use_lora=true", "model.lora_r=8", "optim.learning_rate=3e-2", "training.max_steps=2", "training.eval_steps=2")
+    log = run_launcher(train_cmd(folder, port, out, *extra), timeout=1200)
+    assert "evaluation: greedy decoding through vLLM" in log
+    metrics = step_metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for m in metrics.values():
+        assert m["vllm/probe_max_abs_logp_diff"] < 1e-4 and m["mismatch/max_abs_logp_diff"] < 1e-4 and m["vllm/sync_seconds"] > 0
+    evaluated = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert evaluated and evaluated[-1]["eval/num_samples"] == 4
+
+
+# SIGKILLs the module's server: keep it after every other test that uses `server`.
 def test_a_server_that_dies_mid_run_ends_the_run_in_one_line(server, tmp_path):
     """The server is SIGKILLed after the run's first checkpoint: the trainer's next request finds it gone and the
     run exits 2 with one line naming host:port (no hang, no traceback); its checkpoint stays for a resume."""
@@ -205,19 +222,3 @@ def test_a_server_that_dies_mid_run_ends_the_run_in_one_line(server, tmp_path):
     assert "Traceback" not in err
     assert (out / "checkpoint-1").exists()
     assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["global_step"] == 1
-
-
-def test_lora_run_and_its_evaluation_through_the_server(server, tmp_path):
-    """model.use_lora in server mode: every push is the merged model (rollout/weights.py) over the weight group and the
-    server's probe passes at every step; the held-out evaluation after step 2 decodes through the server."""
-    folder, port, _, _ = server
-    out = tmp_path / "lora"
-    extra = ("model.use_lora=true", "model.lora_r=8", "optim.learning_rate=3e-2", "training.max_steps=2", "training.eval_steps=2")
-    log = run_launcher(train_cmd(folder, port, out, *extra), timeout=1200)
-    assert "evaluation: greedy decoding through vLLM" in log
-    metrics = step_metrics(out)
-    assert sorted(metrics) == [1, 2]
-    for m in metrics.values():
-        assert m["vllm/probe_max_abs_logp_diff"] < 1e-4 and m["mismatch/max_abs_logp_diff"] < 1e-4 and m["vllm/sync_seconds"] > 0
-    evaluated = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    assert evaluated and evaluated[-1]["eval/num_samples"] == 4
